@@ -1,0 +1,32 @@
+"""Configuration of the broker daemon (one frozen object, validated on construction)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerConfig:
+    """
+    endpoint:            ZeroMQ endpoint the ROUTER socket binds (``tcp://127.0.0.1:5555``, ``ipc://…``).
+    heartbeat_interval_s: how often workers are expected to heartbeat; also the broker's tick.
+    liveness_s:          a worker silent for this long is dropped and its stages re-dispatched.
+    max_queue_per_role:  bound of each (model, role) queue; beyond it submissions are rejected.
+    max_attempts:        how many times one request may be (re)started after worker loss.
+    retry_after_s:       the Retry-After hint sent with overload/unavailable rejections.
+    """
+
+    endpoint: str = "tcp://127.0.0.1:5555"
+    heartbeat_interval_s: float = 1.0
+    liveness_s: float = 3.5
+    max_queue_per_role: int = 1024
+    max_attempts: int = 3
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if "://" not in self.endpoint:
+            raise ValueError(f"broker endpoint must look like tcp://host:port or ipc://path, got {self.endpoint!r}")
+        if self.heartbeat_interval_s <= 0 or self.liveness_s <= self.heartbeat_interval_s:
+            raise ValueError("liveness_s must exceed heartbeat_interval_s > 0")
+        if self.max_queue_per_role < 1 or self.max_attempts < 1:
+            raise ValueError("max_queue_per_role and max_attempts must be >= 1")

@@ -1,0 +1,336 @@
+"""The broker's state machine: membership, per-role queues, credit dispatch, failure handling.
+
+No sockets here: :class:`BrokerCore` takes decoded messages with the sender's identity and the
+current time, and returns the messages to send. The daemon (``daemon.py``) owns the ROUTER socket.
+
+Life of a request through the broker::
+
+    Submit ──admit──▶ QUEUED(stage i) ──credit available──▶ RUNNING(stage i, worker w)
+                          ▲                                      │ StageDone
+                          │ worker w died, stage idempotent      ├──▶ QUEUED(stage i+1) … ──▶ done
+                          └──────────────────────────────────────┤ StageFailed / deadline / no worker
+                                                                 └──▶ RequestFailed → gateway
+
+Admission rejects early: a full role queue or a role with no live worker fails the request at
+once (``overloaded``/``unavailable`` with a retry-after) instead of queueing without bound.
+Dispatch is by credit: a worker grants credits, the broker never sends more tasks than granted,
+and picks the least-loaded worker of the role. Workers that miss heartbeats for ``liveness``
+seconds are dropped; their idempotent stages (everything but decode) go back to the front of the
+queue, and a decode stream is reported ``resumable`` so the gateway can resume it elsewhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+
+from . import protocol as p
+from .config import BrokerConfig
+
+log = logging.getLogger("omnirelay.broker")
+
+IDEMPOTENT_STAGES = frozenset({"encode", "prefill", "generate"})
+# A failure of these kinds may succeed when the request starts over on other workers.
+RETRYABLE_ERRORS = frozenset({"transfer_failed", "worker_lost"})
+
+Outgoing = tuple[bytes, p.Message]
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+
+
+@dataclasses.dataclass
+class WorkerState:
+    worker_id: str
+    identity: bytes
+    role: str
+    model: str
+    capacity: int
+    pid: int
+    host: str
+    last_seen: float
+    credits: int = 0
+    running: int = 0
+    waiting: int = 0
+    free_kv_blocks: int = -1
+    stats: dict = dataclasses.field(default_factory=dict)
+    tasks: set[str] = dataclasses.field(default_factory=set)
+
+    def describe(self, now: float) -> dict:
+        return {"worker_id": self.worker_id, "role": self.role, "model": self.model, "pid": self.pid,
+                "host": self.host, "capacity": self.capacity, "credits": self.credits,
+                "assigned": len(self.tasks), "running": self.running, "waiting": self.waiting,
+                "free_kv_blocks": self.free_kv_blocks, "stats": dict(self.stats),
+                "last_seen_s": round(now - self.last_seen, 3)}
+
+
+@dataclasses.dataclass
+class RequestState:
+    spec: p.Submit
+    gateway: bytes
+    stage_index: int = 0
+    inputs: dict = dataclasses.field(default_factory=dict)
+    phase: Phase = Phase.QUEUED
+    worker_id: str | None = None
+    attempts: int = 0
+
+    @property
+    def stage(self) -> str:
+        return self.spec.stages[self.stage_index]
+
+
+class BrokerCore:
+    def __init__(self, config: BrokerConfig):
+        self.config = config
+        self.workers: dict[str, WorkerState] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.queues: dict[tuple[str, str], collections.deque[str]] = collections.defaultdict(collections.deque)
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------------ entry points
+
+    def on_message(self, identity: bytes, msg: p.Message, now: float) -> list[Outgoing]:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.counters["unexpected_messages"] += 1
+            return [(identity, p.ErrorReply("unexpected_message", f"{type(msg).__name__} is not for the broker"))]
+        return handler(self, identity, msg, now)
+
+    def tick(self, now: float) -> list[Outgoing]:
+        """Expire silent workers and fail requests past their deadline."""
+        out: list[Outgoing] = []
+        for worker in [w for w in self.workers.values() if now - w.last_seen > self.config.liveness_s]:
+            log.warning("worker %s (%s, pid %d) missed heartbeats; dropping it", worker.worker_id,
+                        worker.role, worker.pid)
+            self.counters["workers_expired"] += 1
+            out += self._drop_worker(worker, now)
+        for req in [r for r in self.requests.values() if now > r.spec.deadline]:
+            out += self._fail(req, "deadline_exceeded", f"deadline passed in stage {req.stage}")
+        return out
+
+    def status(self, now: float) -> p.StatusReply:
+        return p.StatusReply(query_id=0, workers=[w.describe(now) for w in self.workers.values()],
+                             queued={f"{m}/{r}": len(q) for (m, r), q in self.queues.items()})
+
+    # ------------------------------------------------------------------ workers
+
+    def _on_register(self, identity: bytes, msg: p.Register, now: float) -> list[Outgoing]:
+        old = self.workers.get(msg.worker_id)
+        out: list[Outgoing] = []
+        if old is not None:
+            # The same worker registering again has lost whatever it held (it restarted, or the
+            # broker did and it reconnected): treat its old tasks as lost.
+            out += self._drop_worker(old, now)
+        self.workers[msg.worker_id] = WorkerState(
+            worker_id=msg.worker_id, identity=identity, role=msg.role, model=msg.model,
+            capacity=max(0, msg.capacity), pid=msg.pid, host=msg.host, last_seen=now)
+        self.counters["registrations"] += 1
+        log.info("worker %s registered: role=%s model=%s capacity=%d", msg.worker_id, msg.role,
+                 msg.model, msg.capacity)
+        return out
+
+    def _known_worker(self, identity: bytes, worker_id: str, now: float) -> WorkerState | None:
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.identity != identity:
+            return None
+        worker.last_seen = now
+        return worker
+
+    def _on_credit(self, identity: bytes, msg: p.Credit, now: float) -> list[Outgoing]:
+        worker = self._known_worker(identity, msg.worker_id, now)
+        if worker is None:
+            return [(identity, p.Reregister("unknown worker"))]
+        worker.credits = max(0, min(worker.capacity, worker.credits + msg.credits))
+        return self._pump(worker.model, worker.role)
+
+    def _on_heartbeat(self, identity: bytes, msg: p.Heartbeat, now: float) -> list[Outgoing]:
+        worker = self._known_worker(identity, msg.worker_id, now)
+        if worker is None:
+            return [(identity, p.Reregister("unknown worker"))]
+        worker.running, worker.waiting = msg.running, msg.waiting
+        worker.free_kv_blocks, worker.stats = msg.free_kv_blocks, dict(msg.stats)
+        return []
+
+    def _on_unregister(self, identity: bytes, msg: p.Unregister, now: float) -> list[Outgoing]:
+        worker = self._known_worker(identity, msg.worker_id, now)
+        if worker is None:
+            return []
+        log.info("worker %s unregistered", worker.worker_id)
+        return self._drop_worker(worker, now)
+
+    def _drop_worker(self, worker: WorkerState, now: float) -> list[Outgoing]:
+        del self.workers[worker.worker_id]
+        out: list[Outgoing] = []
+        for request_id in sorted(worker.tasks):
+            req = self.requests.get(request_id)
+            if req is None or req.worker_id != worker.worker_id:
+                continue
+            req.phase, req.worker_id = Phase.QUEUED, None
+            if req.stage in IDEMPOTENT_STAGES and req.attempts + 1 < self.config.max_attempts:
+                req.attempts += 1
+                self.counters["stage_retries"] += 1
+                self.queues[(req.spec.model, req.stage)].appendleft(request_id)
+            else:
+                out += self._fail(req, "worker_lost", f"{worker.role} worker {worker.worker_id} died",
+                                  resumable=req.stage == "decode")
+        worker.tasks.clear()
+        if not self._has_live(worker.model, worker.role):
+            out += self._fail_queued_without_worker(worker.model, worker.role)
+        out += self._pump(worker.model, worker.role)
+        return out
+
+    def _has_live(self, model: str, role: str) -> bool:
+        return any(w.model == model and w.role == role for w in self.workers.values())
+
+    def _fail_queued_without_worker(self, model: str, role: str) -> list[Outgoing]:
+        out: list[Outgoing] = []
+        for request_id in list(self.queues.get((model, role), ())):
+            req = self.requests.get(request_id)
+            if req is not None:
+                out += self._fail(req, "unavailable", f"no live {role} worker for model {model}",
+                                  retry_after=self.config.retry_after_s)
+        return out
+
+    # ------------------------------------------------------------------ stages
+
+    def _on_stage_done(self, identity: bytes, msg: p.StageDone, now: float) -> list[Outgoing]:
+        worker = self._known_worker(identity, msg.worker_id, now)
+        if worker is None:
+            return [(identity, p.Reregister("unknown worker"))]
+        worker.tasks.discard(msg.request_id)
+        req = self.requests.get(msg.request_id)
+        if req is None or req.worker_id != worker.worker_id or req.stage != msg.stage:
+            self.counters["stale_stage_reports"] += 1
+            return []
+        self.counters[f"stage_done:{msg.stage}"] += 1
+        if msg.finished or req.stage_index + 1 >= len(req.spec.stages):
+            del self.requests[msg.request_id]
+            self.counters["requests_finished"] += 1
+            return []
+        req.stage_index += 1
+        req.inputs, req.phase, req.worker_id = dict(msg.outputs), Phase.QUEUED, None
+        self.queues[(req.spec.model, req.stage)].append(req.spec.request_id)
+        return self._pump(req.spec.model, req.stage)
+
+    def _on_stage_failed(self, identity: bytes, msg: p.StageFailed, now: float) -> list[Outgoing]:
+        worker = self._known_worker(identity, msg.worker_id, now)
+        if worker is None:
+            return [(identity, p.Reregister("unknown worker"))]
+        worker.tasks.discard(msg.request_id)
+        req = self.requests.get(msg.request_id)
+        if req is None or req.worker_id != worker.worker_id:
+            return []
+        if msg.error_type in RETRYABLE_ERRORS and req.attempts + 1 < self.config.max_attempts:
+            # Start over from the first stage: the inputs that failed to transfer are gone.
+            req.attempts += 1
+            req.stage_index, req.inputs, req.phase, req.worker_id = 0, {}, Phase.QUEUED, None
+            self.counters["request_restarts"] += 1
+            self.queues[(req.spec.model, req.stage)].append(req.spec.request_id)
+            return self._pump(req.spec.model, req.stage)
+        return self._fail(req, msg.error_type, msg.message)
+
+    # ------------------------------------------------------------------ gateways
+
+    def _on_gateway_hello(self, identity: bytes, msg: p.GatewayHello, now: float) -> list[Outgoing]:
+        return []
+
+    def _on_submit(self, identity: bytes, msg: p.Submit, now: float) -> list[Outgoing]:
+        def reject(error_type: str, message: str, retry_after: float = 0.0) -> list[Outgoing]:
+            self.counters[f"rejected:{error_type}"] += 1
+            return [(identity, p.RequestFailed(msg.request_id, msg.stages[0] if msg.stages else "",
+                                               error_type, message, retry_after=retry_after))]
+
+        if not msg.stages:
+            return reject("bad_request", "request has no stages")
+        if msg.request_id in self.requests:
+            return reject("bad_request", f"duplicate request_id {msg.request_id}")
+        for role in msg.stages:
+            if not self._has_live(msg.model, role):
+                return reject("unavailable", f"no live {role} worker for model {msg.model}",
+                              self.config.retry_after_s)
+        queue = self.queues[(msg.model, msg.stages[0])]
+        if len(queue) >= self.config.max_queue_per_role:
+            return reject("overloaded", f"{msg.stages[0]} queue is full", self.config.retry_after_s)
+        self.requests[msg.request_id] = RequestState(spec=msg, gateway=identity)
+        self.counters["requests_admitted"] += 1
+        queue.append(msg.request_id)
+        return self._pump(msg.model, msg.stages[0])
+
+    def _on_cancel(self, identity: bytes, msg: p.Cancel, now: float) -> list[Outgoing]:
+        req = self.requests.pop(msg.request_id, None)
+        if req is None:
+            return []
+        self.counters["cancellations"] += 1
+        return self._release(req)
+
+    def _on_status_query(self, identity: bytes, msg: p.StatusQuery, now: float) -> list[Outgoing]:
+        reply = self.status(now)
+        return [(identity, dataclasses.replace(reply, query_id=msg.query_id))]
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _pump(self, model: str, role: str) -> list[Outgoing]:
+        """Dispatch queued requests of (model, role) while some worker has credit."""
+        queue = self.queues.get((model, role))
+        out: list[Outgoing] = []
+        while queue:
+            candidates = [w for w in self.workers.values()
+                          if w.model == model and w.role == role and w.credits > 0]
+            if not candidates:
+                break
+            request_id = queue.popleft()
+            req = self.requests.get(request_id)
+            if req is None or req.phase is not Phase.QUEUED:
+                continue  # cancelled or failed while queued
+            worker = min(candidates, key=lambda w: (len(w.tasks), -w.credits))
+            worker.credits -= 1
+            worker.tasks.add(request_id)
+            req.phase, req.worker_id = Phase.RUNNING, worker.worker_id
+            spec = req.spec
+            out.append((worker.identity, p.Task(
+                request_id=request_id, stage=req.stage, model=model,
+                prompt_token_ids=spec.prompt_token_ids, sampling=spec.sampling, inputs=req.inputs,
+                reply_to=spec.reply_to, deadline=spec.deadline, attempt=req.attempts,
+                position_offset=spec.position_offset)))
+        return out
+
+    def _fail(self, req: RequestState, error_type: str, message: str, *, retry_after: float = 0.0,
+              resumable: bool = False) -> list[Outgoing]:
+        self.requests.pop(req.spec.request_id, None)
+        self.counters[f"failed:{error_type}"] += 1
+        out = self._release(req)
+        out.append((req.gateway, p.RequestFailed(req.spec.request_id, req.stage, error_type, message,
+                                                 retry_after=retry_after, resumable=resumable)))
+        return out
+
+    def _release(self, req: RequestState) -> list[Outgoing]:
+        """Take ``req`` out of its queue or off its worker (telling the worker to drop it)."""
+        queue = self.queues.get((req.spec.model, req.stage))
+        if req.phase is Phase.QUEUED and queue is not None:
+            try:
+                queue.remove(req.spec.request_id)
+            except ValueError:
+                pass
+            return []
+        worker = self.workers.get(req.worker_id or "")
+        if worker is None:
+            return []
+        worker.tasks.discard(req.spec.request_id)
+        return [(worker.identity, p.CancelTask(req.spec.request_id))]
+
+    _handlers = {
+        p.Register: _on_register,
+        p.Credit: _on_credit,
+        p.Heartbeat: _on_heartbeat,
+        p.Unregister: _on_unregister,
+        p.StageDone: _on_stage_done,
+        p.StageFailed: _on_stage_failed,
+        p.GatewayHello: _on_gateway_hello,
+        p.Submit: _on_submit,
+        p.Cancel: _on_cancel,
+        p.StatusQuery: _on_status_query,
+    }

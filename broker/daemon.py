@@ -1,0 +1,110 @@
+"""``omni-broker``: the process that owns the broker's ROUTER socket and feeds :class:`BrokerCore`.
+
+Loop: poll the socket (at most one tick interval) → decode each message, reject malformed ones with
+an :class:`~omnirelay.broker.protocol.ErrorReply` → hand it to the core → send what it returns →
+run the core's tick when due. No byte sequence from a peer can stop this loop: decoding errors are
+counted and answered, and the core only ever sees validated messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import zmq
+
+from omnirelay.lifecycle import Shutdown, setup_logging
+
+from . import protocol as p
+from .config import BrokerConfig
+from .core import BrokerCore
+
+log = logging.getLogger("omnirelay.broker")
+
+
+class BrokerDaemon:
+    def __init__(self, config: BrokerConfig, shutdown: Shutdown | None = None):
+        self.config = config
+        self.core = BrokerCore(config)
+        self.shutdown = shutdown or Shutdown()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a reconnecting worker takes its identity back
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.bind(config.endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        tick_ms = int(self.config.heartbeat_interval_s * 1000 / 2)
+        next_tick = time.time()
+        log.info("broker listening on %s", self.endpoint)
+        try:
+            while not self.shutdown.requested:
+                if poller.poll(tick_ms):
+                    self._drain_socket()
+                now = time.time()
+                if now >= next_tick:
+                    self._send(self.core.tick(now))
+                    next_tick = now + tick_ms / 1000
+        finally:
+            self._sock.close(0)
+            self._ctx.term()
+
+    def _drain_socket(self, budget: int = 4096) -> None:
+        for _ in range(budget):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.core.counters["malformed_messages"] += 1
+                continue
+            identity = frames[0]
+            try:
+                msg = p.decode(frames[1:])
+            except p.ProtocolError as exc:
+                self.core.counters["malformed_messages"] += 1
+                self._send([(identity, p.ErrorReply("malformed_message", str(exc)[:500]))])
+                continue
+            try:
+                out = self.core.on_message(identity, msg, time.time())
+            except Exception:  # a bug in one handler must not take the cluster's broker down
+                log.exception("broker failed handling %s", type(msg).__name__)
+                self.core.counters["handler_errors"] += 1
+                continue
+            self._send(out)
+
+    def _send(self, out) -> None:
+        for identity, msg in out:
+            try:
+                self._sock.send_multipart([identity, *p.encode(msg)], zmq.NOBLOCK)
+            except zmq.Again:
+                self.core.counters["dropped_sends"] += 1
+            except zmq.ZMQError as exc:
+                log.warning("send to %r failed: %s", identity[:32], exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-broker", description="omnirelay control-plane broker")
+    parser.add_argument("--endpoint", default=BrokerConfig.endpoint, help="ZeroMQ endpoint to bind")
+    parser.add_argument("--heartbeat-interval", type=float, default=BrokerConfig.heartbeat_interval_s)
+    parser.add_argument("--liveness", type=float, default=BrokerConfig.liveness_s)
+    parser.add_argument("--max-queue-per-role", type=int, default=BrokerConfig.max_queue_per_role)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    setup_logging("omni-broker", args.log_level)
+    config = BrokerConfig(endpoint=args.endpoint, heartbeat_interval_s=args.heartbeat_interval,
+                          liveness_s=args.liveness, max_queue_per_role=args.max_queue_per_role)
+    daemon = BrokerDaemon(config, Shutdown().install())
+    print(f"omni-broker ready on {daemon.endpoint}", flush=True)
+    daemon.run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

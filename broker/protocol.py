@@ -1,0 +1,325 @@
+"""The bus wire protocol: every message that crosses a ZeroMQ socket, typed, versioned, validated.
+
+Framing. A message is three ZeroMQ frames ``[version, msg_type, body]``:
+
+* ``version``  one byte, :data:`PROTOCOL_VERSION`;
+* ``msg_type`` the ASCII tag of the message class (``Register.TAG`` …);
+* ``body``     a msgpack map of the class's fields.
+
+A ROUTER socket prepends the peer identity frame; :func:`decode` is given the three frames after it.
+Decoding checks the version, looks the tag up in a closed registry and validates every field's type
+(unknown fields are rejected too, so a typo never travels silently). Anything malformed raises
+:class:`ProtocolError`; the receiver counts it, answers with :class:`ErrorReply` where the sender
+has an identity, and carries on serving. Nothing on this path unpickles: msgpack only, with
+``strict_map_key`` and bounded sizes.
+
+Who sends what:
+
+====================  ======================  ===================================================
+message               direction               meaning
+====================  ======================  ===================================================
+Register              worker → broker         I serve (model, role) with this capacity
+Credit                worker → broker         I can take ``credits`` more tasks (pull by credit)
+Heartbeat             worker → broker         alive; my load and counters
+StageDone             worker → broker         a stage finished; ``outputs`` are connector handles
+StageFailed           worker → broker         a stage failed with a structured error
+Unregister            worker → broker         I am leaving (drain finished)
+GatewayHello          gateway → broker        I own requests; also my liveness ping
+Submit                gateway → broker        a new request: stages, prompt, sampling, deadline
+Cancel                gateway → broker        drop a request everywhere (client went away, stop)
+StatusQuery           gateway → broker        who is alive?
+Task                  broker → worker         run one stage of one request
+CancelTask            broker → worker         forget a request, free its KV and keys
+Reregister            broker → worker/gw      I do not know you (broker restarted): register again
+RequestFailed         broker → gateway        structured error for one request
+StatusReply           broker → gateway        live workers per model and role, with their stats
+ErrorReply            any → sender            your message was malformed
+TokenDelta            worker → gateway        generated tokens at absolute positions (+ finish)
+====================  ======================  ===================================================
+
+Token deltas carry the absolute position of their first token, so a receiver can drop duplicates
+and detect gaps: a stage that is replayed elsewhere may resend positions the client already has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+_VERSION_FRAME = bytes([PROTOCOL_VERSION])
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A frame sequence that is not a valid message of this protocol version."""
+
+
+_REGISTRY: dict[bytes, type["Message"]] = {}
+
+
+class Message:
+    """Base of every bus message. Subclasses set ``TAG``, declare typed fields and are decorated
+    with :func:`_register`, which makes them frozen dataclasses and enters them in the registry."""
+
+    __slots__ = ()
+    TAG: ClassVar[bytes] = b""
+    _checks: ClassVar[tuple] = ()
+
+
+def _register(cls):
+    """Class decorator: make ``cls`` a frozen slotted dataclass and precompute its field checks."""
+    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    if not cls.TAG or cls.TAG in _REGISTRY:
+        raise TypeError(f"missing or duplicate message tag {cls.TAG!r}")
+    _REGISTRY[cls.TAG] = cls
+    hints = typing.get_type_hints(cls)
+    cls._checks = tuple((f.name, hints[f.name], f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+                        for f in dataclasses.fields(cls))
+    return cls
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Structural type check of a decoded msgpack value against a field annotation."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        key_t, val_t = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            _matches(k, key_t) and _matches(v, val_t) for k, v in value.items())
+    return isinstance(value, hint)
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Frames ``[version, tag, body]`` for ``msg``."""
+    body = {name: getattr(msg, name) for name, _, _ in msg._checks}
+    return [_VERSION_FRAME, msg.TAG, msgpack.packb(body, use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Validate and decode ``[version, tag, body]``; raise :class:`ProtocolError` on anything else."""
+    if len(frames) != 3:
+        raise ProtocolError(f"expected 3 frames, got {len(frames)}")
+    version, tag, body = frames
+    if version != _VERSION_FRAME:
+        raise ProtocolError(f"unsupported protocol version {bytes(version)[:4]!r}")
+    cls = _REGISTRY.get(bytes(tag))
+    if cls is None:
+        raise ProtocolError(f"unknown message type {bytes(tag)[:32]!r}")
+    if len(body) > MAX_BODY_BYTES:
+        raise ProtocolError("message body too large")
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"body is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError("body must be a map")
+    known = {name for name, _, _ in cls._checks}
+    unknown = set(fields) - known
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))[:5]}")
+    for name, hint, required in cls._checks:
+        if name not in fields:
+            if required:
+                raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
+            continue
+        if not _matches(fields[name], hint):
+            raise ProtocolError(f"{cls.__name__}.{name}: expected {hint}, got {type(fields[name]).__name__}")
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{cls.__name__}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# worker → broker
+
+
+@_register
+class Register(Message):
+    TAG = b"REG"
+    worker_id: str
+    role: str
+    model: str
+    capacity: int
+    pid: int = 0
+    host: str = ""
+
+
+@_register
+class Credit(Message):
+    TAG = b"CRD"
+    worker_id: str
+    credits: int
+
+
+@_register
+class Heartbeat(Message):
+    TAG = b"HB"
+    worker_id: str
+    running: int = 0
+    waiting: int = 0
+    free_kv_blocks: int = -1
+    stats: dict[str, int | float] = dataclasses.field(default_factory=dict)
+
+
+@_register
+class StageDone(Message):
+    """``outputs`` are the connector handles the next stage reads; ``finished`` ends the request."""
+
+    TAG = b"DONE"
+    worker_id: str
+    request_id: str
+    stage: str
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+
+
+@_register
+class StageFailed(Message):
+    TAG = b"FAIL"
+    worker_id: str
+    request_id: str
+    stage: str
+    error_type: str
+    message: str
+
+
+@_register
+class Unregister(Message):
+    TAG = b"UNREG"
+    worker_id: str
+
+
+# --------------------------------------------------------------------------------------------
+# gateway → broker
+
+
+@_register
+class GatewayHello(Message):
+    TAG = b"GWHI"
+    gateway_id: str
+
+
+@_register
+class Submit(Message):
+    """A new request. ``deadline`` is wall-clock seconds since the epoch; ``reply_to`` is the
+    endpoint where workers push :class:`TokenDelta` for it. ``position_offset`` is the absolute
+    position of the first token to generate (non-zero when a stream is resumed elsewhere)."""
+
+    TAG = b"SUB"
+    request_id: str
+    model: str
+    stages: list[str]
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    deadline: float
+    reply_to: str
+    position_offset: int = 0
+
+
+@_register
+class Cancel(Message):
+    TAG = b"CAN"
+    request_id: str
+    reason: str = "cancelled"
+
+
+@_register
+class StatusQuery(Message):
+    TAG = b"STQ"
+    query_id: int
+
+
+# --------------------------------------------------------------------------------------------
+# broker → worker / gateway
+
+
+@_register
+class Task(Message):
+    TAG = b"TASK"
+    request_id: str
+    stage: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    inputs: dict[str, Any]
+    reply_to: str
+    deadline: float
+    attempt: int = 0
+    position_offset: int = 0
+
+
+@_register
+class CancelTask(Message):
+    TAG = b"CTSK"
+    request_id: str
+
+
+@_register
+class Reregister(Message):
+    TAG = b"RREG"
+    reason: str = ""
+
+
+@_register
+class RequestFailed(Message):
+    """Structured failure of one request. ``retry_after`` > 0 marks an overload the client may
+    retry; ``resumable`` tells the gateway it may resubmit the rest of a stream elsewhere."""
+
+    TAG = b"RFAIL"
+    request_id: str
+    stage: str
+    error_type: str
+    message: str
+    retry_after: float = 0.0
+    resumable: bool = False
+
+
+@_register
+class StatusReply(Message):
+    TAG = b"STR"
+    query_id: int
+    workers: list[dict[str, Any]]
+    queued: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@_register
+class ErrorReply(Message):
+    TAG = b"ERR"
+    error_type: str
+    message: str
+
+
+# --------------------------------------------------------------------------------------------
+# worker → gateway
+
+
+@_register
+class TokenDelta(Message):
+    """Tokens ``token_ids`` at absolute positions ``start`` … of the generated sequence.
+    ``finish_reason`` is ``"stop"``/``"length"`` on the last delta, else empty."""
+
+    TAG = b"TOK"
+    request_id: str
+    start: int
+    token_ids: list[int]
+    finish_reason: str = ""
+    worker_id: str = ""

@@ -1,0 +1,164 @@
+"""Payload codec: one msgpack header plus raw tensor bytes, no pickle, zero-copy decode.
+
+Layout of an encoded payload::
+
+    [u64 little-endian header length][msgpack header][pad to 64][entry bytes, each 64-aligned]…
+
+The header is ``{"v": 1, "entries": [...]}`` with one entry per payload item:
+``{"n": name, "k": "t", "dt": dtype, "sh": shape, "o": offset, "nb": nbytes}`` for tensors,
+``{"n", "k": "b", "o", "nb"}`` for bytes and ``{"n", "k": "v", "val": value}`` for msgpack values.
+Offsets are absolute from the start of the buffer. Decoding validates every offset against the
+buffer and takes dtypes from a closed table, so a corrupt or hostile buffer raises
+:class:`CodecError` instead of reading out of bounds or instantiating anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any
+
+import msgpack
+import torch
+
+ALIGN = 64
+_LEN = struct.Struct("<Q")
+_MAX_HEADER = 16 * 1024 * 1024
+
+_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
+    torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2)}
+_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
+class CodecError(ValueError):
+    """The buffer is not a valid encoded payload."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodePlan:
+    """Where every item of a payload goes; ``size`` is the total number of bytes to allocate."""
+
+    header: bytes
+    size: int
+    writes: tuple[tuple[int, Any], ...]   # (offset, tensor or bytes)
+
+
+def plan(payload: dict[str, Any]) -> EncodePlan:
+    entries, pending = [], []
+    for name, value in payload.items():
+        if not isinstance(name, str):
+            raise CodecError(f"payload keys must be str, got {type(name).__name__}")
+        if isinstance(value, torch.Tensor):
+            if value.dtype not in _DTYPE_NAMES:
+                raise CodecError(f"{name}: unsupported dtype {value.dtype}")
+            tensor = value.detach()
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            tensor = tensor.contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            entries.append({"n": name, "k": "t", "dt": _DTYPE_NAMES[tensor.dtype],
+                            "sh": list(tensor.shape), "nb": nbytes})
+            pending.append(tensor)
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            data = memoryview(value).cast("B")
+            entries.append({"n": name, "k": "b", "nb": data.nbytes})
+            pending.append(data)
+        else:
+            entries.append({"n": name, "k": "v", "val": value})
+            pending.append(None)
+    # Offsets depend on the header length, and the header holds the offsets: fix the header size
+    # first with placeholder offsets of the widest msgpack int encoding, then fill them in.
+    for entry in entries:
+        if entry["k"] != "v":
+            entry["o"] = 2**63 - 1
+    try:
+        header_len = len(msgpack.packb({"v": 1, "entries": entries}, use_bin_type=True))
+    except (TypeError, ValueError) as exc:
+        raise CodecError(f"payload value is not msgpack-able: {exc}") from None
+    offset = _align(_LEN.size + header_len)
+    writes = []
+    for entry, data in zip(entries, pending):
+        if entry["k"] == "v":
+            continue
+        entry["o"] = offset
+        writes.append((offset, data))
+        offset = _align(offset + entry["nb"])
+    header = msgpack.packb({"v": 1, "entries": entries}, use_bin_type=True)  # real offsets: never longer
+    return EncodePlan(header=_LEN.pack(len(header)) + header, size=max(offset, _align(_LEN.size + header_len)),
+                      writes=tuple(writes))
+
+
+def write_into(buf: memoryview, encode_plan: EncodePlan) -> None:
+    """Write an encoded payload into ``buf`` (at least ``encode_plan.size`` bytes, writable)."""
+    buf[: len(encode_plan.header)] = encode_plan.header
+    for offset, data in encode_plan.writes:
+        if isinstance(data, torch.Tensor):
+            nbytes = data.numel() * data.element_size()
+            if nbytes == 0:
+                continue
+            dest = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+            dest.copy_(data.reshape(-1).view(torch.uint8))
+        else:
+            buf[offset: offset + data.nbytes] = data
+
+
+def encode(payload: dict[str, Any]) -> bytearray:
+    """Encode into a fresh ``bytearray`` (for backends that send bytes rather than map memory)."""
+    encode_plan = plan(payload)
+    out = bytearray(encode_plan.size)
+    write_into(memoryview(out), encode_plan)
+    return out
+
+
+def decode(buf) -> dict[str, Any]:
+    """Decode a payload. Tensors are zero-copy views into ``buf`` when it is writable
+    (copy-on-write mappings count), so they keep ``buf`` alive."""
+    view = memoryview(buf).cast("B")
+    if view.nbytes < _LEN.size:
+        raise CodecError("buffer shorter than the length prefix")
+    (header_len,) = _LEN.unpack_from(view, 0)
+    if header_len > _MAX_HEADER or _LEN.size + header_len > view.nbytes:
+        raise CodecError("header length out of bounds")
+    try:
+        header = msgpack.unpackb(view[_LEN.size: _LEN.size + header_len], raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise CodecError(f"header is not msgpack: {type(exc).__name__}") from None
+    if not isinstance(header, dict) or header.get("v") != 1 or not isinstance(header.get("entries"), list):
+        raise CodecError("unsupported header")
+    out: dict[str, Any] = {}
+    for entry in header["entries"]:
+        try:
+            name, kind = entry["n"], entry["k"]
+            if kind == "v":
+                out[name] = entry["val"]
+                continue
+            offset, nbytes = int(entry["o"]), int(entry["nb"])
+        except (KeyError, TypeError, ValueError):
+            raise CodecError("malformed header entry") from None
+        if offset < 0 or nbytes < 0 or offset + nbytes > view.nbytes:
+            raise CodecError(f"{name}: data out of bounds")
+        if kind == "b":
+            out[name] = bytes(view[offset: offset + nbytes])
+        elif kind == "t":
+            dtype = _DTYPES.get(entry.get("dt"))
+            shape = entry.get("sh")
+            if dtype is None or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+                raise CodecError(f"{name}: bad dtype or shape")
+            numel = 1
+            for s in shape:
+                numel *= s
+            if numel * dtype.itemsize != nbytes:
+                raise CodecError(f"{name}: shape does not match byte count")
+            if numel == 0:
+                out[name] = torch.empty(shape, dtype=dtype)
+            else:
+                out[name] = torch.frombuffer(view, dtype=dtype, count=numel, offset=offset).view(shape)
+        else:
+            raise CodecError(f"{name}: unknown entry kind")
+    return out

@@ -1,0 +1,38 @@
+"""Lazy registry of connector backends: name → ``"module:Class"``; a backend's imports run only
+when it is chosen, so a host without Redis or Mooncake libraries can still use shared memory."""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Connector
+
+_BACKENDS: dict[str, str] = {}
+
+
+def register_connector(name: str, target: str) -> None:
+    """Register ``target`` (``"package.module:ClassName"``) under ``name``; duplicates are errors."""
+    if name in _BACKENDS:
+        raise ValueError(f"connector {name!r} is already registered ({_BACKENDS[name]})")
+    if ":" not in target:
+        raise ValueError(f"connector target must be 'module:Class', got {target!r}")
+    _BACKENDS[name] = target
+
+
+def available_connectors() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def create_connector(name: str, config: dict | None = None) -> Connector:
+    try:
+        target = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown connector {name!r}; available: {', '.join(available_connectors())}") from None
+    module_name, class_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, Connector)):
+        raise TypeError(f"{target} is not a Connector")
+    return cls(config or {})
+
+
+register_connector("shared_memory", "omnirelay.connectors.shared_memory:SharedMemoryConnector")

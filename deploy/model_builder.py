@@ -1,0 +1,317 @@
+"""Build a tiny random-weight Qwen2 causal LM for tests, demos and CI (``omni-make-model``).
+
+Usage::
+
+    omni-make-model tiny-llm DIR [--seed N] [--force]
+
+The result is an ordinary Hugging Face model directory, loadable offline with
+``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``:
+
+* ``config.json`` / ``generation_config.json`` -- a 4-layer, 256-wide Qwen2 (GQA, 4 query / 2 KV
+  heads), float32, untied embeddings; generation stops on ``<|im_end|>`` or ``<|endoftext|>``.
+* ``model.safetensors`` -- random weights, a pure function of ``--seed``.
+* ``tokenizer.json`` / ``tokenizer_config.json`` -- a byte-level BPE trained here on the small
+  corpus below, with the ChatML special tokens and chat template that Qwen uses.
+
+Why it exists: the serving stack must be exercised end to end (tokenize, chat template, prefill,
+decode, stop tokens) on machines with no network and no real weights. The weights are random but
+scaled per module (see INIT_STD) so that greedy decoding walks through many different tokens with
+clear margins between logits; an exact-match check between our own forward pass and transformers'
+then actually tests something instead of comparing one repeated token or float32 coin-flip ties.
+
+Everything is built in a temporary sibling directory and renamed into place, so readers never see
+a half-written model, and concurrent builders of the shared cache can race safely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+
+MODEL_KIND = "tiny-llm"
+# Bump when the recipe changes so stale cached builds are not reused.
+RECIPE_VERSION = 1
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                  "tokenizer_config.json")
+# Same pre-tokenization split as Qwen2's tokenizer, so loading our files through Qwen2Tokenizer
+# (which rebuilds the pipeline from the vocab) or through the generic backend tokenizes alike.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Per-module init std, keyed by the parameter's module name. HF's uniform 0.02 leaves a 256-wide
+# random model's residual stream dominated by near-uniform attention averages, so greedy decoding
+# repeats one token. One large uniform std instead blows activations up layer after layer and
+# float32 rounding then differs by ~1e-3 between two correct implementations, enough to flip an
+# argmax. So: unit-scale token embeddings dominate the residual (the next token depends strongly on
+# the current one), sub-layers keep roughly unit variance with moderately peaked attention, and
+# only lm_head is wide, which spreads the logits without amplifying rounding inside the network.
+INIT_STD = {
+    "embed_tokens": 1.0,
+    "q_proj": 0.1,
+    "k_proj": 0.1,
+    "v_proj": 0.0625,
+    "o_proj": 0.0625,
+    "gate_proj": 0.0625,
+    "up_proj": 0.0625,
+    "down_proj": 0.044,
+    "lm_head": 0.25,
+}
+# Non-zero q/k/v biases so a re-implementation that drops Qwen2's attention biases is caught.
+BIAS_STD = 0.2
+
+CORPUS = """\
+The harbor town woke slowly. Fishing boats came back before dawn, and the market opened as soon as
+the first crates were carried up the stone steps. Children ran between the stalls while their
+parents argued about the price of bread, salt, rope and oil. By noon the square was quiet again.
+
+A good recipe is a small program. You gather the ingredients, measure them carefully, and follow
+each step in order: heat the pan, melt the butter, add two eggs, stir gently, and season with a
+little pepper. If something goes wrong, you taste, adjust, and try once more tomorrow.
+
+Computers store numbers as bits, and every character of text becomes a sequence of bytes. A model
+reads those bytes as tokens, predicts the next one, and repeats the process until it reaches a
+stop token. Servers batch many requests together so that the hardware stays busy and the answers
+arrive quickly, even when thousands of people are asking questions at the same time.
+
+What is the weather like today? It is sunny and warm, with a light wind from the west. Could you
+help me write a short letter to my friend? Of course! Tell me what you would like to say, and I
+will help you find the right words. Thank you very much; that is very kind of you.
+
+The river runs north through the valley, past old farms, green fields and a small wooden bridge.
+In spring the water rises, and in autumn the leaves turn red, orange and gold. Travelers often
+stop at the inn near the bridge, where they share stories, music and hot soup late into the night.
+
+Science begins with a question. Why does the moon change its shape? How do birds find their way
+south every year? Careful observation, honest measurement and clear reasoning turn curiosity into
+knowledge, and knowledge into tools that make life safer, healthier and more interesting for all.
+
+Our library opens at nine on weekdays and at ten on Saturday. Members may borrow up to twelve
+books, four films and two board games for three weeks. Please return damaged items to the front
+desk instead of the drop box, and ask a librarian if you need a quiet room for studying or meetings.
+
+She packed a map, a compass, a blanket, three apples and a thermos of coffee, then climbed toward
+the ridge. Clouds gathered over the peaks, thunder rumbled in the distance, and a cold rain began
+to fall. Sheltering beneath a rocky overhang, she watched lightning split the sky above the lake.
+
+Good software is tested often. Engineers write small functions, document their behavior, review
+each change with colleagues and measure performance before shipping. When a bug appears, they
+reproduce it, fix the cause rather than the symptom, and add a regression check so it never returns.
+"""
+
+
+def _build_tokenizer(out_dir: pathlib.Path):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1536,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        # All 256 byte symbols, so any unicode string encodes without an unknown token.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+        model_max_length=2048,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def _build_into(out_dir: pathlib.Path, seed: int) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = _build_tokenizer(out_dir)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = -(-len(tok) // 64) * 64
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        use_cache=True,
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    # fork_rng: building a model must not reseed the caller's global RNG.
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        # A private generator walking named_parameters() (a fixed order) makes the weights a pure
+        # function of the seed, independent of how much RNG transformers' own init consumed.
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in model.named_parameters():
+            module, kind = name.split(".")[-2:]
+            if module in INIT_STD and kind == "weight":
+                param.normal_(0.0, INIT_STD[module], generator=gen)
+            elif kind == "bias":
+                param.normal_(0.0, BIAS_STD, generator=gen)
+        # Rows past the tokenizer only pad the matrix to a multiple of 64; a zero lm_head row gives
+        # logit 0, far below the usual max (~3 std), so greedy never emits an undecodable id.
+        model.lm_head.weight[len(tok) :].zero_()
+        model.model.embed_tokens.weight[len(tok) :].zero_()
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    # transformers 5 writes "dtype" and nests rope_theta; older readers (and our own loaders) look
+    # for the flat 4.x keys, so write both spellings.
+    _patch_json(out_dir / "config.json", torch_dtype="float32", dtype="float32", rope_theta=10000.0)
+    # 5.x keeps the template in chat_template.jinja, names its own backend class and lists extra
+    # specials in a form 4.x rejects; 4.x reads the template from the config and only knows
+    # PreTrainedTokenizerFast. 5.x accepts all of the 4.x spellings.
+    _patch_json(
+        out_dir / "tokenizer_config.json",
+        drop=("extra_special_tokens",),
+        chat_template=CHAT_TEMPLATE,
+        tokenizer_class="PreTrainedTokenizerFast",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    # mkdtemp made the dir private and some writers leave 0600 files; a model dir is shared data.
+    os.chmod(out_dir, 0o755)
+    for f in out_dir.iterdir():
+        os.chmod(f, 0o644)
+
+
+def _patch_json(path: pathlib.Path, drop: tuple[str, ...] = (), **updates) -> None:
+    data = json.loads(path.read_text())
+    for key in drop:
+        data.pop(key, None)
+    data.update(updates)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    p = pathlib.Path(path)
+    return all((p / name).is_file() for name in REQUIRED_FILES)
+
+
+def _fresh_tmp(target: pathlib.Path) -> pathlib.Path:
+    # Same parent as the target so the final rename stays on one filesystem and is atomic.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def build_tiny_llm(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
+    """Write the tiny model to ``path`` and return it. An existing non-empty ``path`` raises
+    FileExistsError unless ``force``, in which case it is replaced in one rename step."""
+    target = pathlib.Path(path).expanduser().absolute()
+    occupied = target.exists() and (not target.is_dir() or any(target.iterdir()))
+    if occupied and not force:
+        what = "a complete model" if is_complete(target) else "non-empty"
+        raise FileExistsError(f"{target} already exists ({what}); use --force to replace it")
+    tmp = _fresh_tmp(target)
+    try:
+        _build_into(tmp, seed)
+        if occupied:
+            # Move the old one aside first: rename cannot replace a non-empty directory.
+            trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, trash / "old")
+            os.rename(tmp, target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, target)  # also succeeds onto an empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _cache_root() -> pathlib.Path:
+    if os.environ.get("OMNIRELAY_CACHE_DIR"):
+        return pathlib.Path(os.environ["OMNIRELAY_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return pathlib.Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "omnirelay"
+    return pathlib.Path.home() / ".cache" / "omnirelay"
+
+
+def default_model_dir() -> pathlib.Path:
+    """Return the cached default tiny model (seed 0), building it on first use."""
+    target = _cache_root() / f"{MODEL_KIND}-v{RECIPE_VERSION}-seed0"
+    if is_complete(target):
+        return target
+    tmp = _fresh_tmp(target)
+    try:
+        _build_into(tmp, 0)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process won the race and its copy is already in place; ours is redundant.
+            if not is_complete(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="omni-make-model", description="Write a tiny random-weight model directory."
+    )
+    parser.add_argument("kind", choices=[MODEL_KIND], help="which model to build")
+    parser.add_argument("dir", help="output directory (created atomically)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--force", action="store_true", help="replace an existing directory")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the one-shard "Writing model shards" bar is just noise
+    # Single-threaded init keeps the CLI polite on shared CI boxes; not done at import so library
+    # users keep their own threading settings.
+    torch.set_num_threads(1)
+    try:
+        out = build_tiny_llm(args.dir, seed=args.seed, force=args.force)
+    except FileExistsError as exc:
+        print(f"omni-make-model: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

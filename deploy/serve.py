@@ -1,0 +1,181 @@
+"""``omni-serve [MODEL_DIR]``: everything on one host — broker, gateway, prefill and decode workers.
+
+Start-up: broker first (on a private ipc:// endpoint), then the workers and the gateway; ready when
+the gateway's ``/health`` answers 200 (every role has a live worker), then it prints where it
+listens. A child that exits during start-up, or a start-up longer than ``--stage-init-timeout``,
+fails with a message naming that child.
+
+Supervision and shutdown: SIGINT/SIGTERM (or any child dying) stops all children in order —
+gateway, workers (SIGTERM lets them drain), broker — each escalated to SIGKILL after a grace
+period; then the shared-memory segments owned by the children are swept and the run directory is
+removed. Children also get SIGKILL from the kernel if this launcher itself dies (PR_SET_PDEATHSIG),
+so no process outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from omnirelay.connectors.shared_memory import sweep_orphans
+from omnirelay.lifecycle import Shutdown
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log_level: str):
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, "-m", *argv, "--log-level", log_level],
+                                     preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _read_ready_file(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            text = handle.read().strip()
+        return text or None
+    except FileNotFoundError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-serve", description="serve a model with every role on this host")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local model directory (default: the tiny built-in model, built once and cached)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8091)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-model-len", type=int, default=0)
+    parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-prefill", type=int, default=1)
+    parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--connector", default="shared_memory")
+    parser.add_argument("--stage-init-timeout", type=float, default=300.0)
+    parser.add_argument("--drain-timeout", type=float, default=5.0)
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+
+    if args.model is None:
+        from .model_builder import default_model_dir
+        model_dir = str(default_model_dir())
+        served_name = args.served_model_name or "tiny-llm"
+    else:
+        model_dir = args.model
+        served_name = args.served_model_name or args.model
+        if not os.path.isdir(model_dir):
+            parser.error(f"model directory {model_dir!r} does not exist")
+
+    shutdown = Shutdown().install()
+    run_dir = tempfile.mkdtemp(prefix="omnirelay-serve-")
+    broker = f"ipc://{run_dir}/broker.sock"
+    ready_file = os.path.join(run_dir, "gateway.url")
+    model_args = ["--model", model_dir, "--served-model-name", served_name]
+    children: list[Child] = []
+    exit_code = 0
+    try:
+        children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker], args.log_level))
+        for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+            for index in range(count):
+                children.append(Child(f"{role}-{index}", [
+                    "omnirelay.workers.daemon", "--role", role, *model_args, "--broker", broker,
+                    "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
+                    "--dtype", args.dtype, "--connector", args.connector,
+                    "--drain-timeout", str(args.drain_timeout)], args.log_level))
+        children.append(Child("gateway", [
+            "omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
+            "--port", str(args.port), "--max-model-len", str(args.max_model_len),
+            "--ready-file", ready_file], args.log_level))
+
+        url = _wait_ready(children, ready_file, args.stage_init_timeout, shutdown)
+        if url is None:
+            exit_code = 1 if not shutdown.requested else 0
+        else:
+            print(f"omni-serve ready: {url} (model {served_name!r}, {model_dir})", flush=True)
+            while not shutdown.requested:
+                dead = [c for c in children if not c.alive()]
+                if dead:
+                    print(f"omni-serve: {dead[0].name} exited with code {dead[0].proc.returncode}; "
+                          "stopping", file=sys.stderr, flush=True)
+                    exit_code = 1
+                    break
+                shutdown.event.wait(0.5)
+    finally:
+        _stop_all(children, args.drain_timeout)
+        sweep_orphans(owners={c.pid for c in children})
+        shutdown_path = run_dir
+        shutil.rmtree(shutdown_path, ignore_errors=True)
+    return exit_code
+
+
+def _wait_ready(children: list[Child], ready_file: str, timeout_s: float, shutdown: Shutdown) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    url = None
+    while time.monotonic() < deadline and not shutdown.requested:
+        dead = [c for c in children if not c.alive()]
+        if dead:
+            print(f"omni-serve: {dead[0].name} exited during start-up with code {dead[0].proc.returncode}",
+                  file=sys.stderr, flush=True)
+            return None
+        url = url or _read_ready_file(ready_file)
+        if url and _health(url):
+            return url
+        shutdown.event.wait(0.2)
+    if not shutdown.requested:
+        waiting = "the gateway" if url is None else "a worker to register (see /health)"
+        print(f"omni-serve: not ready after {timeout_s:.0f}s (waiting for {waiting})", file=sys.stderr, flush=True)
+    return None
+
+
+def _stop_all(children: list[Child], drain_s: float) -> None:
+    order = ([c for c in children if c.name == "gateway"]
+             + [c for c in children if c.name not in ("gateway", "broker")]
+             + [c for c in children if c.name == "broker"])
+    for child in order:
+        if child.alive():
+            child.proc.send_signal(signal.SIGTERM)
+    for child in order:
+        child.stop(drain_s + 5.0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""The aiohttp application: OpenAI-compatible routes over the bus.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as SSE ending
+``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only while every role
+each model needs has a live worker), ``GET /cluster`` (the broker's view: workers, load, counters).
+
+State hangs off the app under typed keys; the bus client lives in a cleanup context, so it is
+started only if the app starts and closed exactly once. Every error leaves as an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}, "request_id", "stage"}`` with its status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from omnirelay.errors import BadRequest, NotFound, OmniError, PayloadTooLarge, Unavailable
+
+from . import generation
+from .bus import BusClient
+from .config import GatewayConfig
+from .models import ModelRuntime
+from .schema import parse_chat, parse_completion
+
+log = logging.getLogger("omnirelay.gateway")
+
+CONFIG = web.AppKey("config", GatewayConfig)
+MODELS = web.AppKey("models", dict)
+BUS = web.AppKey("bus", BusClient)
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
+    app[CONFIG] = config
+    app[MODELS] = {m.name: ModelRuntime(m) for m in config.models}
+    app.cleanup_ctx.append(_bus_context)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/cluster", cluster)
+    return app
+
+
+async def _bus_context(app: web.Application):
+    config = app[CONFIG]
+    bus = BusClient(config.broker, config.reply_host)
+    await bus.start()
+    app[BUS] = bus
+    yield
+    await bus.close()
+
+
+class _MethodNotAllowed(OmniError):
+    error_type, status, openai_type = "method_not_allowed", 405, "invalid_request_error"
+
+
+def _error_response(error: OmniError) -> web.Response:
+    headers = {"Retry-After": str(max(1, int(round(error.retry_after))))} if error.status in (429, 503) else None
+    return web.json_response(error.to_body(), status=error.status, headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except OmniError as exc:
+        return _error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return _error_response(PayloadTooLarge(f"request body exceeds {request.app[CONFIG].max_body_bytes} bytes"))
+    except web.HTTPNotFound:
+        return _error_response(NotFound(f"no route {request.method} {request.path}"))
+    except web.HTTPMethodNotAllowed:
+        return _error_response(_MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return _error_response(OmniError("internal server error"))
+
+
+async def _json_body(request: web.Request):
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body exceeds {request.app[CONFIG].max_body_bytes} bytes") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def _model(request: web.Request, name: str) -> ModelRuntime:
+    model = request.app[MODELS].get(name)
+    if model is None:
+        raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
+    return model
+
+
+# ---------------------------------------------------------------------- generation routes
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    parsed = parse_chat(await _json_body(request))
+    gen = generation.prepare(_model(request, parsed.model), parsed, "chatcmpl")
+    return await _respond(request, gen, _ChatFormat())
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    parsed = parse_completion(await _json_body(request))
+    gen = generation.prepare(_model(request, parsed.model), parsed, "cmpl")
+    return await _respond(request, gen, _CompletionFormat())
+
+
+class _ChatFormat:
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def first_delta(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, text: str, finish: str | None) -> dict:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+
+    def full(self, text: str, finish: str) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+
+
+class _CompletionFormat:
+    object_full = object_chunk = "text_completion"
+
+    def first_delta(self) -> dict | None:
+        return None
+
+    def delta(self, text: str, finish: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def full(self, text: str, finish: str) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _usage(gen: generation.Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+
+async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    bus = request.app[BUS]
+    deadline = time.time() + config.request_timeout_s
+    created = generation.now()
+    base = {"id": gen.request_id, "created": created, "model": gen.model.name}
+    if not gen.request.stream:
+        texts, token_ids, finish = [], [], "stop"
+        async for chunk in generation.run(bus, gen, deadline):
+            texts.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            finish = chunk.finish_reason or finish
+        choice = fmt.full("".join(texts), finish)
+        if gen.request.return_token_ids:
+            choice["token_ids"] = token_ids
+            choice["prompt_token_ids"] = gen.prompt_token_ids
+        body = {**base, "object": fmt.object_full, "choices": [choice], "usage": _usage(gen)}
+        return web.json_response(body, headers={"X-Request-Id": gen.request_id})
+
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": gen.request_id})
+    include_usage = gen.request.include_usage
+    chunk_base = {**base, "object": fmt.object_chunk}
+
+    async def send(choices: list, usage: dict | None = None) -> None:
+        payload = {**chunk_base, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+    stream = generation.run(bus, gen, deadline)
+    try:
+        first = await anext(stream)   # errors before the first token still get a proper status
+    except StopAsyncIteration:
+        first = None
+    await response.prepare(request)
+    try:
+        if fmt.first_delta() is not None:
+            await send([fmt.first_delta()])
+        chunk = first
+        while chunk is not None:
+            if chunk.text or chunk.finish_reason:
+                choice = fmt.delta(chunk.text, chunk.finish_reason or None)
+                if gen.request.return_token_ids:
+                    choice["token_ids"] = chunk.token_ids
+                await send([choice])
+            chunk = await anext(stream, None)
+        if include_usage:
+            await send([], _usage(gen))
+    except OmniError as exc:
+        exc.request_id = exc.request_id or gen.request_id
+        await response.write(b"data: " + json.dumps(exc.to_body()).encode() + b"\n\n")
+    finally:
+        await stream.aclose()
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+# ---------------------------------------------------------------------- other routes
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [m.card() for m in request.app[MODELS].values()]})
+
+
+async def _live_roles(request: web.Request) -> dict[str, set[str]] | None:
+    status = await request.app[BUS].status(request.app[CONFIG].status_timeout_s)
+    if status is None:
+        return None
+    live: dict[str, set[str]] = {}
+    for worker in status.workers:
+        live.setdefault(worker["model"], set()).add(worker["role"])
+    return live
+
+
+async def health(request: web.Request) -> web.Response:
+    live = await _live_roles(request)
+    if live is None:
+        raise Unavailable("broker did not answer", retry_after=1)
+    missing = {name: sorted(set(m.stages) - live.get(name, set()))
+               for name, m in request.app[MODELS].items()}
+    missing = {k: v for k, v in missing.items() if v}
+    if missing:
+        raise Unavailable(f"no live worker for {missing}", retry_after=1)
+    return web.json_response({"status": "ok"})
+
+
+async def cluster(request: web.Request) -> web.Response:
+    status = await request.app[BUS].status(request.app[CONFIG].status_timeout_s)
+    if status is None:
+        raise Unavailable("broker did not answer", retry_after=1)
+    return web.json_response({"workers": status.workers, "queued": status.queued})

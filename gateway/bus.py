@@ -1,0 +1,197 @@
+"""The gateway's side of the bus: submit requests, receive token deltas and failures, ask status.
+
+Two sockets, one owner task:
+
+* a DEALER to the broker (submit, cancel, status queries; receives ``RequestFailed``,
+  ``StatusReply``, ``Reregister``);
+* a PULL bound on ``tcp://<reply_host>:*`` — the ``reply_to`` endpoint that travels with each
+  request — where workers push ``TokenDelta`` straight from prefill and decode.
+
+:class:`RequestStream` turns the deltas of one request into an ordered sequence of tokens: it keeps
+the next expected position, drops positions already delivered (a replayed stage may resend them)
+and holds early ones until the gap fills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+
+import zmq
+import zmq.asyncio
+
+from omnirelay.broker import protocol as p
+from omnirelay.errors import DeadlineExceeded, OmniError, error_from_type
+
+log = logging.getLogger("omnirelay.gateway")
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    tokens: list[int]
+    finish_reason: str = ""
+
+
+class RequestStream:
+    """Ordered tokens of one request. The handler iterates :meth:`events` until a finish or error."""
+
+    def __init__(self, request_id: str, deadline: float):
+        self.request_id = request_id
+        self.deadline = deadline
+        self.next_position = 0
+        self.finished = False
+        self._early: dict[int, tuple[int, str]] = {}
+        self._queue: asyncio.Queue[StreamEvent | OmniError] = asyncio.Queue()
+
+    def on_delta(self, delta: p.TokenDelta) -> None:
+        if self.finished:
+            return
+        for i, token in enumerate(delta.token_ids):
+            position = delta.start + i
+            last = i == len(delta.token_ids) - 1
+            if position >= self.next_position:
+                self._early[position] = (token, delta.finish_reason if last else "")
+        ready, reason = [], ""
+        while self.next_position in self._early and not reason:
+            token, reason = self._early.pop(self.next_position)
+            ready.append(token)
+            self.next_position += 1
+        if ready:
+            self._queue.put_nowait(StreamEvent(ready, reason))
+        if reason:
+            self.finished = True
+
+    def on_error(self, error: OmniError) -> None:
+        if not self.finished:
+            self.finished = True
+            self._queue.put_nowait(error)
+
+    async def events(self):
+        """Yield :class:`StreamEvent` until one has a finish reason; raise the request's error."""
+        while True:
+            remaining = self.deadline - time.time()
+            try:
+                event = await asyncio.wait_for(self._queue.get(), timeout=max(0.0, remaining))
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded("request deadline passed while waiting for tokens",
+                                       request_id=self.request_id) from None
+            if isinstance(event, OmniError):
+                raise event
+            yield event
+            if event.finish_reason:
+                return
+
+
+class BusClient:
+    def __init__(self, broker_endpoint: str, reply_host: str = "127.0.0.1"):
+        self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
+        self._ctx = zmq.asyncio.Context()
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._dealer.connect(broker_endpoint)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 1_000_000)
+        self._pull.bind(f"tcp://{reply_host}:*")
+        self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._streams: dict[str, RequestStream] = {}
+        self._status_waiters: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self.malformed = 0
+
+    # ------------------------------------------------------------------ lifecycle (owned by the app)
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read_broker(), name="bus-broker-reader"),
+                       asyncio.create_task(self._read_tokens(), name="bus-token-reader"),
+                       asyncio.create_task(self._hello_loop(), name="bus-hello")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for stream in list(self._streams.values()):
+            stream.on_error(OmniError("gateway is shutting down", request_id=stream.request_id))
+        self._dealer.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ requests
+
+    async def submit(self, submit: p.Submit) -> RequestStream:
+        stream = RequestStream(submit.request_id, submit.deadline)
+        stream.next_position = submit.position_offset
+        self._streams[submit.request_id] = stream
+        await self._dealer.send_multipart(p.encode(submit))
+        return stream
+
+    async def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self._streams.pop(request_id, None)
+        await self._dealer.send_multipart(p.encode(p.Cancel(request_id, reason)))
+
+    def forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def status(self, timeout: float) -> p.StatusReply | None:
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._status_waiters[query_id] = future
+        try:
+            await self._dealer.send_multipart(p.encode(p.StatusQuery(query_id)))
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._status_waiters.pop(query_id, None)
+
+    # ------------------------------------------------------------------ readers
+
+    async def _read_broker(self) -> None:
+        while True:
+            frames = await self._dealer.recv_multipart()
+            try:
+                msg = p.decode(frames)
+            except p.ProtocolError as exc:
+                self.malformed += 1
+                log.warning("malformed message from broker: %s", exc)
+                continue
+            if isinstance(msg, p.RequestFailed):
+                stream = self._streams.get(msg.request_id)
+                if stream is not None:
+                    stream.on_error(error_from_type(msg.error_type, msg.message, request_id=msg.request_id,
+                                                    stage=msg.stage, retry_after=msg.retry_after,
+                                                    resumable=msg.resumable))
+            elif isinstance(msg, p.StatusReply):
+                future = self._status_waiters.get(msg.query_id)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+            elif isinstance(msg, p.ErrorReply):
+                log.warning("broker rejected a message: %s: %s", msg.error_type, msg.message)
+
+    async def _read_tokens(self) -> None:
+        while True:
+            frames = await self._pull.recv_multipart()
+            try:
+                msg = p.decode(frames)
+            except p.ProtocolError as exc:
+                self.malformed += 1
+                log.warning("malformed token message: %s", exc)
+                continue
+            if isinstance(msg, p.TokenDelta):
+                stream = self._streams.get(msg.request_id)
+                if stream is not None:
+                    stream.on_delta(msg)
+
+    async def _hello_loop(self) -> None:
+        while True:
+            await self._dealer.send_multipart(p.encode(p.GatewayHello(self.gateway_id)))
+            await asyncio.sleep(1.0)

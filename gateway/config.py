@@ -1,0 +1,53 @@
+"""Configuration of the gateway (one frozen object, validated on construction)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """name: the id clients send in ``model``; path: the local model directory (tokenizer,
+    chat template, context length); stages: the roles a request passes, in order."""
+
+    name: str
+    path: str
+    stages: tuple[str, ...] = ("prefill", "decode")
+    max_model_len: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    """
+    host, port:          where the HTTP server listens (port 0: any free port).
+    broker:              ZeroMQ endpoint of the broker.
+    reply_host:          address workers use to reach this gateway's token socket.
+    models:              the models served.
+    request_timeout_s:   deadline of a request from arrival to its last token.
+    max_body_bytes:      largest accepted request body.
+    status_timeout_s:    how long /health waits for the broker's answer.
+    """
+
+    models: tuple[ServedModel, ...]
+    host: str = "127.0.0.1"
+    port: int = 8091
+    broker: str = "tcp://127.0.0.1:5555"
+    reply_host: str = "127.0.0.1"
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    status_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("the gateway needs at least one model")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate served model names: {names}")
+        for model in self.models:
+            if not os.path.isdir(model.path):
+                raise ValueError(f"model directory {model.path!r} does not exist")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.request_timeout_s <= 0 or self.max_body_bytes <= 0:
+            raise ValueError("request_timeout_s and max_body_bytes must be positive")

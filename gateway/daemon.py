@@ -1,0 +1,69 @@
+"""``omni-gateway``: the OpenAI-compatible HTTP server in front of the broker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+
+from aiohttp import web
+
+from omnirelay.lifecycle import setup_logging
+
+from .app import create_app
+from .config import GatewayConfig, ServedModel
+
+
+async def serve(config: GatewayConfig, ready_file: str | None = None) -> None:
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = runner.addresses[0][1]
+    url = f"http://{config.host}:{port}"
+    print(f"omni-gateway listening on {url}", flush=True)
+    if ready_file:
+        # Written atomically so a launcher polling the file never reads half a URL.
+        with open(ready_file + ".tmp", "w") as handle:
+            handle.write(url)
+        os.replace(ready_file + ".tmp", ready_file)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-gateway", description="omnirelay OpenAI-compatible gateway")
+    parser.add_argument("--model", required=True, help="local model directory")
+    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8091)
+    parser.add_argument("--broker", default="tcp://127.0.0.1:5555")
+    parser.add_argument("--reply-host", default="127.0.0.1", help="address workers use to reach this gateway")
+    parser.add_argument("--max-model-len", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    setup_logging("omni-gateway", args.log_level)
+    try:
+        config = GatewayConfig(
+            models=(ServedModel(name=args.served_model_name or args.model, path=os.path.abspath(args.model),
+                                max_model_len=args.max_model_len),),
+            host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host,
+            request_timeout_s=args.request_timeout)
+    except ValueError as exc:
+        parser.error(str(exc))
+    asyncio.run(serve(config, args.ready_file))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

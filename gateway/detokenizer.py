@@ -1,0 +1,52 @@
+"""Incremental detokenization with stop strings.
+
+Tokens arrive a few at a time; text must be emitted as soon as it is final. A byte-level BPE token
+may end in the middle of a UTF-8 character, so we decode a short window (from ``prefix_offset``) and
+emit only once the window's text grows without a trailing replacement character. Stop strings are
+matched on the text; while a stop string could still be forming at the end, that tail is held
+back so the stream never shows text the final answer does not contain.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""          # all final text so far (truncated at a stop string)
+        self._emitted = 0       # how much of ``text`` was handed out
+        self.stopped = False    # a stop string matched
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int], final: bool = False) -> None:
+        """Take new tokens; with ``final`` also flush an incomplete character at the end."""
+        if self.stopped:
+            return
+        self.token_ids.extend(token_ids)
+        prefix = self._decode(self.token_ids[self._prefix_offset: self._read_offset])
+        window = self._decode(self.token_ids[self._prefix_offset:])
+        if len(window) <= len(prefix) or (window.endswith("\ufffd") and not final):
+            return
+        searched_from = max(0, len(self.text) - self._hold)
+        self.text += window[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        hits = [at for stop in self._stop if (at := self.text.find(stop, searched_from)) >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def take(self, final: bool = False) -> str:
+        """Text not handed out yet; unless ``final``, keep back a possible stop-string prefix."""
+        end = len(self.text) if (final or self.stopped) else max(self._emitted, len(self.text) - self._hold)
+        if not self._stop:
+            end = len(self.text)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,142 @@
+"""One generation from the gateway's point of view: tokenize → submit → ordered tokens → text.
+
+Life of a request through the gateway::
+
+    validated GenerationRequest ──tokenize (chat template)──▶ length checks (400 if it cannot fit)
+        ──▶ Submit to the broker (stages of the model's pipeline, deadline, reply_to)
+        ──▶ TokenDelta stream, reordered and de-duplicated by RequestStream
+        ──▶ incremental detokenizer + stop strings ──▶ TextChunk events to the HTTP renderer
+        ──▶ finish: last chunk carries finish_reason; a stop string cancels the rest upstream
+
+A decode worker that dies mid-stream is reported ``resumable``: the gateway resubmits the prompt
+plus the tokens the client already has, at the next position, so the client's stream continues
+with no duplicated or missing token. Leaving early (client gone, error) always cancels upstream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from typing import AsyncIterator
+
+from omnirelay.broker import protocol as p
+from omnirelay.errors import BadRequest, OmniError
+
+from .bus import BusClient
+from .detokenizer import IncrementalDetokenizer
+from .models import ModelRuntime
+from .schema import GenerationRequest
+
+log = logging.getLogger("omnirelay.gateway")
+MAX_RESUMES = 2
+
+
+@dataclasses.dataclass
+class TextChunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str = ""
+
+
+@dataclasses.dataclass
+class Generation:
+    request_id: str
+    model: ModelRuntime
+    request: GenerationRequest
+    prompt_token_ids: list[int]
+    max_tokens: int
+    completion_tokens: int = 0
+    resumes: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Generation:
+    """Tokenize and check the request against the model's context (400 when it cannot fit)."""
+    if request.kind == "chat":
+        prompt_ids = model.encode_chat(request.messages)
+    elif request.prompt is not None:
+        prompt_ids = model.encode_text(request.prompt)
+    else:
+        prompt_ids = list(request.prompt_token_ids)
+        if max(prompt_ids) >= model.vocab_size:
+            raise BadRequest(f"token id {max(prompt_ids)} is outside the vocabulary ({model.vocab_size})",
+                             param="prompt")
+    if not prompt_ids:
+        raise BadRequest("the prompt is empty after tokenization", param="prompt")
+    room = model.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise BadRequest(f"prompt has {len(prompt_ids)} tokens; this model's context is "
+                         f"{model.max_model_len} tokens", param="messages" if request.kind == "chat" else "prompt")
+    max_tokens = request.max_tokens if request.max_tokens is not None else room
+    if max_tokens > room:
+        raise BadRequest(f"max_tokens={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the "
+                         f"context length {model.max_model_len}", param="max_tokens")
+    return Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=model, request=request,
+                      prompt_token_ids=prompt_ids, max_tokens=max_tokens)
+
+
+def _sampling(gen: Generation, generated: int) -> dict:
+    req = gen.request
+    seed = req.seed
+    if seed is None and req.temperature > 0:
+        # A seed chosen here keys every position's random draw, so a resumed stream samples the
+        # same way whichever worker continues it.
+        seed = random.getrandbits(63)
+    return {"max_tokens": gen.max_tokens - generated, "temperature": req.temperature, "top_p": req.top_p,
+            "top_k": req.top_k, "seed": seed, "ignore_eos": req.ignore_eos,
+            "stop_token_ids": list(req.stop_token_ids)}
+
+
+async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator[TextChunk]:
+    """Yield text chunks until the generation finishes; cancels upstream if the caller stops early."""
+    detok = IncrementalDetokenizer(gen.model.tokenizer, gen.request.stop)
+    generated: list[int] = []
+    sampling = _sampling(gen, 0)
+    done = False
+    try:
+        while True:
+            submit = p.Submit(request_id=gen.request_id if not gen.resumes else f"{gen.request_id}.r{gen.resumes}",
+                              model=gen.model.name, stages=list(gen.model.stages),
+                              prompt_token_ids=gen.prompt_token_ids + generated,
+                              sampling={**sampling, "max_tokens": gen.max_tokens - len(generated)},
+                              deadline=deadline, reply_to=bus.reply_to, position_offset=len(generated))
+            stream = await bus.submit(submit)
+            try:
+                async for event in stream.events():
+                    generated.extend(event.tokens)
+                    gen.completion_tokens = len(generated)
+                    detok.add(event.tokens, final=bool(event.finish_reason))
+                    if detok.stopped:
+                        done = True
+                        await bus.cancel(stream.request_id, "stop string")
+                        yield TextChunk(detok.take(final=True), event.tokens, "stop")
+                        return
+                    if event.finish_reason:
+                        done = True
+                        yield TextChunk(detok.take(final=True), event.tokens, event.finish_reason)
+                        return
+                    yield TextChunk(detok.take(), event.tokens)
+            except OmniError as exc:
+                bus.forget(stream.request_id)
+                if exc.resumable and gen.resumes < MAX_RESUMES:
+                    gen.resumes += 1
+                    log.warning("%s: %s; resuming at position %d", gen.request_id, exc, len(generated))
+                    continue
+                exc.request_id = gen.request_id
+                raise
+            finally:
+                bus.forget(stream.request_id)
+    finally:
+        if not done:
+            current = gen.request_id if not gen.resumes else f"{gen.request_id}.r{gen.resumes}"
+            await bus.cancel(current, "client left or request failed")
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,35 @@
+"""What the gateway knows about each served model: tokenizer, chat template, context length and
+the stages of its pipeline. Loaded once at start-up from the model directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from .config import ServedModel
+
+
+class ModelRuntime:
+    def __init__(self, served: ServedModel):
+        self.name = served.name
+        self.path = served.path
+        self.stages = tuple(served.stages)
+        self.tokenizer = AutoTokenizer.from_pretrained(served.path)
+        config = json.loads((Path(served.path) / "config.json").read_text())
+        self.vocab_size = int(config["vocab_size"])
+        model_max = int(config.get("max_position_embeddings", 2048))
+        self.max_model_len = min(served.max_model_len or model_max, model_max)
+        self.created = int(Path(served.path).stat().st_mtime)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode_text(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",
+                "root": self.path, "max_model_len": self.max_model_len}

@@ -1,0 +1,175 @@
+"""Validation of OpenAI request bodies into a typed :class:`GenerationRequest`.
+
+Every check raises :class:`~omnirelay.errors.BadRequest` naming the offending ``param``, so a bad
+request becomes a 400 with an OpenAI-style body before anything is submitted. Fields we do not
+implement yet are rejected when they would change the answer (``n`` > 1, ``logprobs``,
+``echo``) and ignored when they are only hints (``user``, ``metadata``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omnirelay.errors import BadRequest
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    model: str
+    kind: str                                # "chat" | "completion"
+    messages: list[dict] | None              # chat
+    prompt: str | None                       # completion, text prompt
+    prompt_token_ids: list[int] | None       # completion, token prompt
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"'{name}' must be a number", param=name)
+    if not lo <= value <= hi:
+        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer", param=name)
+    if lo is not None and value < lo:
+        raise BadRequest(f"'{name}' must be >= {lo}, got {value}", param=name)
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise BadRequest("'stop' must be a string or a list of strings", param="stop")
+    if len(value) > 16:
+        raise BadRequest("'stop' accepts at most 16 strings", param="stop")
+    return tuple(s for s in value if s)
+
+
+def _token_ids(value: Any, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise BadRequest(f"'{name}' must be a list of non-negative integers", param=name)
+    return tuple(value)
+
+
+def _content_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"messages[{index}].content: unsupported part {kind!r} (this model takes text)",
+                                 param=f"messages[{index}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise BadRequest(f"messages[{index}].content must be a string or a list of parts",
+                     param=f"messages[{index}].content")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}", param=f"messages[{i}].role")
+        out.append({"role": role, "content": _content_text(message.get("content"), i)})
+    return out
+
+
+def _common(body: dict) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    if _integer(body, "n", 1, 1) != 1:
+        raise BadRequest("only n=1 is supported", param="n")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise BadRequest("logprobs are not supported yet", param="logprobs")
+    max_tokens = _integer(body, "max_completion_tokens", None, 1)
+    max_tokens = _integer(body, "max_tokens", max_tokens, 1)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    stream = _boolean(body, "stream")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest("'seed' must be an integer", param="seed")
+    return dict(
+        model=model, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_integer(body, "top_k", 0, -1), seed=seed, stop=_stop(body),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
+        ignore_eos=_boolean(body, "ignore_eos"), stream=stream,
+        include_usage=bool(stream_options and _boolean(stream_options, "include_usage")),
+        return_token_ids=_boolean(body, "return_token_ids"))
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    common = _common(body)
+    return GenerationRequest(kind="chat", messages=_messages(body), prompt=None, prompt_token_ids=None, **common)
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    common = _common(body)
+    if body.get("echo"):
+        raise BadRequest("echo is not supported", param="echo")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]   # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("'prompt' must not be empty", param="prompt")
+        return GenerationRequest(kind="completion", messages=None, prompt=prompt, prompt_token_ids=None, **common)
+    if isinstance(prompt, list) and prompt:
+        return GenerationRequest(kind="completion", messages=None, prompt=None,
+                                 prompt_token_ids=list(_token_ids(prompt, "prompt")), **common)
+    raise BadRequest("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
+                     param="prompt")

@@ -1,0 +1,63 @@
+"""Configuration of one worker daemon (one frozen object, validated on construction)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+
+ROLES = ("encode", "prefill", "decode", "generate")
+ENGINE_ROLES = ("prefill", "decode")   # roles this build can run
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """
+    role:            which stage this worker serves.
+    model_path:      local HF directory of the model.
+    model_name:      the name the model is served under (what requests say in ``model``).
+    broker:          ZeroMQ endpoint of the broker.
+    worker_id:       unique id on the bus (default: role-host-pid-random).
+    capacity:        how many requests this worker holds at once (credits it grants).
+    max_model_len:   longest sequence (prompt + output); default the model's max positions.
+    kv_cache_bytes:  byte budget of the decode worker's KV block pool (CPU).
+    block_size:      tokens per KV block.
+    connector:       name of the connector backend for the KV handoff.
+    connector_options: the backend's options.
+    heartbeat_interval_s: how often to heartbeat the broker.
+    drain_timeout_s: on SIGTERM, how long in-flight requests may take before they are aborted.
+    dtype:           model dtype name (float32, bfloat16, float16).
+    """
+
+    role: str
+    model_path: str
+    model_name: str
+    broker: str = "tcp://127.0.0.1:5555"
+    worker_id: str = ""
+    capacity: int = 0
+    max_model_len: int = 0
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    block_size: int = 16
+    connector: str = "shared_memory"
+    connector_options: dict = dataclasses.field(default_factory=dict)
+    heartbeat_interval_s: float = 1.0
+    drain_timeout_s: float = 30.0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"role {self.role!r} has no engine in this build (available: {', '.join(ENGINE_ROLES)})")
+        if not os.path.isdir(self.model_path):
+            raise ValueError(f"model directory {self.model_path!r} does not exist")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.capacity < 0 or self.block_size < 1 or self.kv_cache_bytes < 1:
+            raise ValueError("capacity, block_size and kv_cache_bytes must be positive")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id",
+                               f"{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        if not self.capacity:
+            object.__setattr__(self, "capacity", 64 if self.role == "decode" else 8)

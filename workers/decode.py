@@ -1,0 +1,225 @@
+"""Decode engine: continuous batching over a paged KV cache.
+
+Life of a request through this engine::
+
+    add(DecodeTask) ──▶ waiting ──admit: blocks free and a batch slot──▶ load KV from the connector
+        into its blocks, delete the key ──▶ running ──step() × n: one token per running sequence──▶
+        finished (EOS / stop token / max_tokens / context full) → blocks released
+
+    running ──blocks ran out──▶ preempted: blocks released, back to the front of waiting; on
+        re-admission its KV is recomputed from prompt + tokens so far (never a failure)
+
+Every ``step()`` first admits waiting sequences, then makes room for the running ones (preempting
+the most recently admitted when the pool is short), then runs one batched forward for all running
+sequences; sequences of any length join and leave between steps without copying anyone's blocks.
+The engine holds no sockets: it returns token deltas and finished/failed requests to the runtime.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import torch
+
+from omnirelay.connectors import Connector
+from omnirelay.errors import OmniError
+
+from .kv_cache import PagedKVCache
+from .models.llama import LlamaModel
+from .sampling import SamplingParams, sample
+from .stopping import finish_reason_for
+
+
+@dataclasses.dataclass
+class DecodeTask:
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    params: SamplingParams
+    deadline: float
+    reply_to: str
+    kv_key: str
+    kv_handle: dict
+    position_offset: int = 0
+
+
+@dataclasses.dataclass
+class Sequence:
+    task: DecodeTask
+    generated: list[int]
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0            # tokens whose KV is in this sequence's blocks
+    needs_recompute: bool = False  # preempted: KV must be rebuilt from tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request_id
+
+    @property
+    def total_len(self) -> int:
+        return len(self.task.prompt_token_ids) + len(self.generated)
+
+
+@dataclasses.dataclass
+class TokenOut:
+    request_id: str
+    reply_to: str
+    position: int
+    token: int
+    finish_reason: str
+
+
+@dataclasses.dataclass
+class StepOutput:
+    tokens: list[TokenOut] = dataclasses.field(default_factory=list)
+    failed: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)  # id, reply_to, type, msg
+
+
+class DecodeEngine:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, connector: Connector, *,
+                 max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0):
+        self.model = model
+        self.cache = cache
+        self.connector = connector
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.transfer_timeout_s = transfer_timeout_s
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.stats = collections.Counter()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, task: DecodeTask) -> None:
+        self.waiting.append(Sequence(task=task, generated=[task.first_token]))
+
+    def cancel(self, request_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._drop_kv_key(seq)
+                return True
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._retire(seq)
+                return True
+        return False
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        self._expire(out)
+        self._admit(out)
+        self._make_room(out)
+        if self.running:
+            self._forward(out)
+        return out
+
+    def _expire(self, out: StepOutput) -> None:
+        now = time.time()
+        for seq in [s for s in [*self.waiting, *self.running] if now > s.task.deadline]:
+            self.cancel(seq.request_id)
+            out.failed.append((seq.request_id, seq.task.reply_to, "deadline_exceeded", "deadline passed in decode"))
+
+    def _admit(self, out: StepOutput) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # Room for the cached tokens plus the one this step writes.
+            cached = seq.total_len - 1
+            needed = self.cache.blocks_needed(cached + 1)
+            if needed > self.cache.num_blocks - 1:
+                self.waiting.popleft()
+                self._drop_kv_key(seq)
+                out.failed.append((seq.request_id, seq.task.reply_to, "out_of_memory",
+                                   f"sequence of {cached + 1} tokens exceeds the whole KV pool"))
+                continue
+            if needed > self.cache.allocator.free:
+                return
+            self.waiting.popleft()
+            try:
+                kv = self._load_kv(seq)
+            except OmniError as exc:
+                out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
+                continue
+            seq.blocks = self.cache.allocator.allocate(needed)
+            self.cache.write_sequence(seq.blocks, kv)
+            seq.num_cached = cached
+            self.running.append(seq)
+
+    def _load_kv(self, seq: Sequence) -> torch.Tensor:
+        if seq.needs_recompute:
+            tokens = seq.task.prompt_token_ids + seq.generated[:-1]
+            _, kv = self.model.prefill(tokens)
+            self.stats["recomputed_tokens"] += len(tokens)
+            seq.needs_recompute = False
+            return kv
+        payload = self.connector.get(seq.task.kv_key, seq.task.kv_handle, timeout=self.transfer_timeout_s)
+        self._drop_kv_key(seq)
+        kv = payload["kv"]
+        if kv.shape[2] != len(seq.task.prompt_token_ids):
+            raise OmniError(f"KV for {seq.request_id} covers {kv.shape[2]} tokens, "
+                            f"prompt has {len(seq.task.prompt_token_ids)}")
+        self.stats["kv_loads"] += 1
+        return kv
+
+    def _drop_kv_key(self, seq: Sequence) -> None:
+        if seq.task.kv_key:
+            self.connector.delete(seq.task.kv_key)
+            seq.task.kv_key = ""
+
+    def _make_room(self, out: StepOutput) -> None:
+        """Give every running sequence a slot for its next token, preempting the newest when short."""
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below while making room for an earlier one
+            if self.cache.blocks_needed(seq.num_cached + 1) <= len(seq.blocks):
+                continue
+            while self.cache.allocator.free == 0 and len(self.running) > 1:
+                self._preempt(self.running[-1] if self.running[-1] is not seq else self.running[-2])
+            if self.cache.allocator.free == 0:
+                self._preempt(seq)   # alone and still no room: wait for blocks to come back
+                continue
+            seq.blocks += self.cache.allocator.allocate(1)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.allocator.release(seq.blocks)
+        seq.blocks, seq.num_cached, seq.needs_recompute = [], 0, True
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def _retire(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.allocator.release(seq.blocks)
+        seq.blocks = []
+
+    def _forward(self, out: StepOutput) -> None:
+        batch = self.running
+        width = max(len(s.blocks) for s in batch)
+        tables = torch.full((len(batch), width), PagedKVCache.PAD_BLOCK, dtype=torch.long)
+        for row, seq in enumerate(batch):
+            tables[row, : len(seq.blocks)] = torch.tensor(seq.blocks)
+        input_ids = torch.tensor([s.generated[-1] for s in batch])
+        positions = torch.tensor([s.num_cached for s in batch])
+        logits = self.model.decode(input_ids, positions, self.cache, tables, positions + 1)
+        out_positions = [s.task.position_offset + len(s.generated) for s in batch]
+        tokens = sample(logits, [s.task.params for s in batch], out_positions)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(batch)
+        for seq, token, position in zip(list(batch), tokens, out_positions):
+            seq.num_cached += 1
+            seq.generated.append(token)
+            reason = finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
+                                       self.model.config.eos_token_ids, self.max_model_len)
+            out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason))
+            if reason:
+                self._retire(seq)

@@ -1,0 +1,102 @@
+"""Adapters between bus messages and the engines: ``Task`` in, ``TokenDelta``/``StageDone``/
+``StageFailed`` out. One adapter per role; the runtime treats them alike.
+
+Each outgoing message is addressed either to :data:`BROKER` or to a gateway's ``reply_to``
+endpoint, so the runtime knows which socket to use without looking inside.
+"""
+
+from __future__ import annotations
+
+from omnirelay.broker import protocol as p
+
+from .decode import DecodeEngine, DecodeTask
+from .prefill import PrefillEngine, PrefillTask
+from .sampling import SamplingParams
+
+BROKER = ""
+Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
+
+
+class RoleAdapter:
+    role = ""
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+
+    def _failed(self, request_id: str, stage: str, error_type: str, message: str) -> Outbound:
+        return BROKER, p.StageFailed(self.worker_id, request_id, stage, error_type, message)
+
+
+class PrefillRole(RoleAdapter):
+    role = "prefill"
+
+    def __init__(self, worker_id: str, engine: PrefillEngine):
+        super().__init__(worker_id)
+        self.engine = engine
+        self._reply_to: dict[str, str] = {}
+
+    def accept(self, task: p.Task) -> list[Outbound]:
+        try:
+            params = SamplingParams.from_wire(task.sampling)
+        except (TypeError, ValueError) as exc:
+            return [self._failed(task.request_id, task.stage, "bad_request", f"invalid sampling: {exc}")]
+        self._reply_to[task.request_id] = task.reply_to
+        self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
+                                    task.attempt, task.position_offset))
+        return []
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._reply_to.pop(request_id, None)
+
+    def step(self) -> list[Outbound]:
+        out: list[Outbound] = []
+        for result in self.engine.step():
+            reply_to = self._reply_to.pop(result.request_id, "")
+            if result.error_type:
+                out.append(self._failed(result.request_id, self.role, result.error_type, result.message))
+                continue
+            # The first token goes to the gateway at once (time to first token), before decode.
+            out.append((reply_to, p.TokenDelta(result.request_id, result.position, [result.first_token],
+                                               result.finish_reason, self.worker_id)))
+            out.append((BROKER, p.StageDone(self.worker_id, result.request_id, self.role, result.outputs,
+                                            finished=bool(result.finish_reason))))
+        return out
+
+
+class DecodeRole(RoleAdapter):
+    role = "decode"
+
+    def __init__(self, worker_id: str, engine: DecodeEngine):
+        super().__init__(worker_id)
+        self.engine = engine
+
+    def accept(self, task: p.Task) -> list[Outbound]:
+        inputs = task.inputs
+        try:
+            params = SamplingParams.from_wire(task.sampling)
+            decode_task = DecodeTask(
+                request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
+                first_token=int(inputs["first_token"]), params=params, deadline=task.deadline,
+                reply_to=task.reply_to, kv_key=str(inputs["kv_key"]), kv_handle=dict(inputs["kv_handle"]),
+                position_offset=task.position_offset)
+        except (KeyError, TypeError, ValueError) as exc:
+            return [self._failed(task.request_id, task.stage, "bad_request", f"invalid decode task: {exc!r}")]
+        self.engine.add(decode_task)
+        return []
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+
+    def step(self) -> list[Outbound]:
+        result = self.engine.step()
+        out: list[Outbound] = []
+        # One delta per request per step; a request's tokens in a step are consecutive.
+        for token in result.tokens:
+            out.append((token.reply_to, p.TokenDelta(token.request_id, token.position, [token.token],
+                                                     token.finish_reason, self.worker_id)))
+            if token.finish_reason:
+                out.append((BROKER, p.StageDone(self.worker_id, token.request_id, self.role, {}, finished=True)))
+        for request_id, _reply_to, error_type, message in result.failed:
+            out.append(self._failed(request_id, self.role, error_type, message))
+        return out

@@ -1,0 +1,176 @@
+"""The worker process's loop: the only place that touches sockets.
+
+Loop, as a table of contents::
+
+    while running:
+        poll the broker socket (no wait while the engine has work, else until the next heartbeat)
+        handle bus messages: Task → engine, CancelTask → engine, Reregister → register again
+        step the engine once and send what it produced (deltas to gateways, stage reports to broker)
+        top up credits: grant the broker as many tasks as the engine has room for
+        heartbeat when due
+
+Shutdown (SIGTERM/SIGINT only flip a flag): stop granting credits, keep stepping until the engine
+is empty or ``drain_timeout_s`` passes, report the rest as failed (``worker_lost``, resumable), then
+unregister and close the sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import zmq
+
+from omnirelay.broker import protocol as p
+from omnirelay.lifecycle import Shutdown, ShutdownState
+
+from .config import WorkerConfig
+from .roles import BROKER, Outbound, RoleAdapter
+
+log = logging.getLogger("omnirelay.worker")
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig, role: RoleAdapter, engine_stats, shutdown: Shutdown | None = None):
+        """``engine_stats()`` returns the counters and load figures that go into heartbeats."""
+        self.config = config
+        self.role = role
+        self.engine_stats = engine_stats
+        self.shutdown = shutdown or Shutdown()
+        self._ctx = zmq.Context()
+        self._broker = self._ctx.socket(zmq.DEALER)
+        self._broker.setsockopt(zmq.IDENTITY, config.worker_id.encode())
+        self._broker.setsockopt(zmq.LINGER, 1000)
+        self._broker.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._broker.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._broker.connect(config.broker)
+        self._gateways: dict[str, zmq.Socket] = {}
+        self._credits_outstanding = 0
+        self._tasks: set[str] = set()
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        self._register()
+        next_heartbeat = 0.0
+        drain_deadline = None
+        try:
+            while True:
+                if self.shutdown.requested and drain_deadline is None:
+                    self.shutdown.state = ShutdownState.STOPPING
+                    drain_deadline = time.monotonic() + self.config.drain_timeout_s
+                    log.info("draining %d in-flight requests (timeout %.0fs)", len(self._tasks),
+                             self.config.drain_timeout_s)
+                if drain_deadline is not None and (not self.role_has_work() or time.monotonic() > drain_deadline):
+                    break
+                now = time.monotonic()
+                wait_ms = 0 if self.role_has_work() else max(0, int((next_heartbeat - now) * 1000))
+                if self._broker.poll(min(wait_ms, 200), zmq.POLLIN):
+                    self._handle_broker_messages()
+                if self.role_has_work():
+                    self._send(self.role.step())
+                if drain_deadline is None:
+                    self._top_up_credits()
+                if time.monotonic() >= next_heartbeat:
+                    self._heartbeat()
+                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+        finally:
+            self._abort_remaining()
+            self._send_broker(p.Unregister(self.config.worker_id))
+            self.close()
+
+    def role_has_work(self) -> bool:
+        return self.role.engine.has_work
+
+    def _register(self) -> None:
+        self._credits_outstanding = 0
+        self._send_broker(p.Register(worker_id=self.config.worker_id, role=self.config.role,
+                                     model=self.config.model_name, capacity=self.config.capacity,
+                                     pid=os.getpid(), host=socket.gethostname()))
+
+    def _handle_broker_messages(self, budget: int = 256) -> None:
+        for _ in range(budget):
+            try:
+                frames = self._broker.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = p.decode(frames)
+            except p.ProtocolError as exc:
+                log.warning("dropping malformed message from broker: %s", exc)
+                continue
+            if isinstance(msg, p.Task):
+                self._credits_outstanding -= 1
+                if self.shutdown.requested:
+                    self._send([self.role._failed(msg.request_id, msg.stage, "worker_lost", "worker is draining")])
+                    continue
+                self._tasks.add(msg.request_id)
+                self._send(self.role.accept(msg))
+            elif isinstance(msg, p.CancelTask):
+                self._tasks.discard(msg.request_id)
+                self.role.cancel(msg.request_id)
+            elif isinstance(msg, p.Reregister):
+                log.info("broker asked to re-register (%s)", msg.reason)
+                self._register()
+            elif isinstance(msg, p.ErrorReply):
+                log.warning("broker rejected a message: %s: %s", msg.error_type, msg.message)
+
+    def _top_up_credits(self) -> None:
+        room = self.config.capacity - self.role.engine.num_requests - self._credits_outstanding
+        if room > 0:
+            self._credits_outstanding += room
+            self._send_broker(p.Credit(self.config.worker_id, room))
+
+    def _heartbeat(self) -> None:
+        stats = self.engine_stats()
+        self._send_broker(p.Heartbeat(worker_id=self.config.worker_id, running=stats.pop("running", 0),
+                                      waiting=stats.pop("waiting", 0),
+                                      free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats))
+
+    def _abort_remaining(self) -> None:
+        for request_id in sorted(self._tasks):
+            self.role.cancel(request_id)
+            self._send_broker(p.StageFailed(self.config.worker_id, request_id, self.role.role, "worker_lost",
+                                            "worker shut down before the request finished"))
+        self._tasks.clear()
+
+    # ------------------------------------------------------------------ sending
+
+    def _send(self, out: list[Outbound]) -> None:
+        for dest, msg in out:
+            if isinstance(msg, (p.StageDone, p.StageFailed)):
+                self._tasks.discard(msg.request_id)
+            if dest == BROKER:
+                self._send_broker(msg)
+            else:
+                self._send_gateway(dest, msg)
+
+    def _send_broker(self, msg: p.Message) -> None:
+        try:
+            self._broker.send_multipart(p.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("broker send queue full; dropped %s", type(msg).__name__)
+
+    def _send_gateway(self, endpoint: str, msg: p.Message) -> None:
+        if not endpoint:
+            return
+        sock = self._gateways.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.connect(endpoint)
+            self._gateways[endpoint] = sock
+        try:
+            sock.send_multipart(p.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("gateway %s is not reading; dropped a token delta", endpoint)
+
+    def close(self) -> None:
+        for sock in self._gateways.values():
+            sock.close()
+        self._gateways.clear()
+        self._broker.close()
+        self._ctx.term()
