@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"model directory {model_dir!r} does not exist")
 
     shutdown = Shutdown().install()
+    sweep_orphans()   # segments a previous, killed run left behind (their owners are dead)
     run_dir = tempfile.mkdtemp(prefix="omnirelay-serve-")
     broker = f"ipc://{run_dir}/broker.sock"
     ready_file = os.path.join(run_dir, "gateway.url")
@@ -142,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop_all(children, args.drain_timeout)
         sweep_orphans(owners={c.pid for c in children})
-        shutdown_path = run_dir
-        shutil.rmtree(shutdown_path, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
     return exit_code
 
 

@@ -106,10 +106,12 @@ class DecodeEngine:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
                 self._drop_kv_key(seq)
+                self.stats["cancelled"] += 1
                 return True
         for seq in self.running:
             if seq.request_id == request_id:
                 self._retire(seq)
+                self.stats["cancelled"] += 1
                 return True
         return False
 

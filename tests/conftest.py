@@ -1,0 +1,108 @@
+"""Shared fixtures: the tiny model (built once per session) and a real ``omni-serve`` process.
+
+Everything runs for real: the server is the console script as a user starts it, in its own
+process group, on a free port of 127.0.0.1; the fixture stops it by PID with SIGTERM and checks it
+left nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from omnirelay.deploy.model_builder import build_tiny_llm
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("models") / "tiny-llm"
+    build_tiny_llm(path, seed=0)
+    return str(path)
+
+
+def child_pids(pid: int) -> set[int]:
+    """All descendants of ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ServeProcess:
+    """A running ``omni-serve``; ``url`` is the gateway's base URL."""
+
+    def __init__(self, model: str | None, *extra: str, log_path: str, timeout: float = 180.0,
+                 env: dict | None = None):
+        # Output goes to a file, not a pipe: a pipe nobody drains would block the server once full.
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omnirelay.deploy.serve", *([model] if model else []), "--port", "0", *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.url = self._wait_ready(timeout)
+        self.children = child_pids(self.proc.pid)
+
+    def output(self) -> str:
+        with open(self.log_path) as handle:
+            return handle.read()
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            match = re.search(r"omni-serve ready: (http://\S+)", self.output())
+            if match:
+                return match.group(1)
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("omni-serve did not become ready:\n" + self.output()[-4000:])
+
+    def stop(self, timeout: float = 60.0, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait(10)
+        self._log.close()
+        return code
+
+
+def shm_segments_of(pids: set[int]) -> list[str]:
+    return [name for name in os.listdir("/dev/shm")
+            if name.startswith("omnirelay-") and name.split("-")[1].isdigit() and int(name.split("-")[1]) in pids]
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("serve") / "omni-serve.log")
+    serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--log-level", "WARNING", log_path=log_path)
+    yield serve
+    serve.stop()

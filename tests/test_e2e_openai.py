@@ -1,0 +1,224 @@
+"""End to end through the official ``openai`` client against a real ``omni-serve``:
+gateway → broker → prefill process → KV over shared memory → decode process → tokens to the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import openai
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+MODEL = "tiny-llm"
+PROMPTS = [
+    "Hello there, how are you today?",
+    "Write one sentence about the sea.",
+    "List three colours.",
+    "What is the capital of France?",
+    "Tell me a short story about a cat and a dog.",
+    "Why is the sky blue?",
+    "Count from one to five.",
+    "Describe a rainy morning in the city.",
+]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """transformers on the same directory: greedy token ids for a chat prompt."""
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+    def greedy(content: str, max_new_tokens: int) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, ids.shape[1]:].tolist()
+
+    return greedy
+
+
+def chat(client, content: str, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_chat_stream_equals_non_stream(client):
+    full = chat(client, PROMPTS[0], temperature=0, max_tokens=32)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(chat(client, PROMPTS[0], temperature=0, max_tokens=32, stream=True,
+                       stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == full.choices[0].message.content
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completion_endpoint(client):
+    full = client.completions.create(model=MODEL, prompt="The weather today is", max_tokens=12, temperature=0)
+    assert full.object == "text_completion"
+    assert full.usage.completion_tokens >= 1
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The weather today is", max_tokens=12, temperature=0, stream=True))
+    assert streamed == full.choices[0].text
+
+
+def test_greedy_equals_transformers(client, reference):
+    for content in PROMPTS[:4]:
+        response = chat(client, content, temperature=0, max_tokens=24, extra_body={"return_token_ids": True})
+        assert response.choices[0].model_extra["token_ids"] == reference(content, 24), content
+
+
+def test_greedy_equals_transformers_with_8_concurrent(server, reference):
+    async def one(aclient, content):
+        response = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=40,
+            extra_body={"return_token_ids": True, "ignore_eos": True})
+        return response.choices[0].model_extra["token_ids"]
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as aclient:
+            return await asyncio.gather(*(one(aclient, c) for c in PROMPTS))
+
+    results = asyncio.run(run_all())
+    for content, tokens in zip(PROMPTS, results):
+        assert len(tokens) == 40
+        expected = reference(content, 40)
+        # ignore_eos: transformers stops at EOS, we go on; compare up to its stop.
+        assert tokens[: len(expected)] == expected, content
+
+
+def _cluster(server) -> dict:
+    return requests.get(server.url + "/cluster", timeout=10).json()
+
+
+def _stats_by_role(server) -> dict[str, dict]:
+    return {w["role"]: w for w in _cluster(server)["workers"]}
+
+
+def test_kv_crosses_the_connector_between_processes(client, server):
+    before = _stats_by_role(server)
+    chat(client, PROMPTS[5], temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        after = _stats_by_role(server)
+        put = after["prefill"]["stats"].get("connector_bytes_put", 0) - before["prefill"]["stats"].get(
+            "connector_bytes_put", 0)
+        got = after["decode"]["stats"].get("connector_bytes_got", 0) - before["decode"]["stats"].get(
+            "connector_bytes_got", 0)
+        if put > 0 and got > 0:
+            break
+        time.sleep(0.3)
+    assert put > 0 and got == put
+    assert after["prefill"]["pid"] != after["decode"]["pid"]
+    assert {after["prefill"]["pid"], after["decode"]["pid"]} <= server.children
+
+
+def test_seeded_sampling_is_reproducible(client):
+    first = chat(client, PROMPTS[2], temperature=1.0, top_p=0.9, seed=1234, max_tokens=24,
+                 extra_body={"top_k": 50, "ignore_eos": True})
+    second = chat(client, PROMPTS[2], temperature=1.0, top_p=0.9, seed=1234, max_tokens=24,
+                  extra_body={"top_k": 50, "ignore_eos": True})
+    assert first.choices[0].message.content == second.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+        client, PROMPTS[2], temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, stream=True,
+        extra_body={"top_k": 50, "ignore_eos": True}))
+    assert streamed == first.choices[0].message.content
+
+
+def test_stop_string_truncates_and_stops(client):
+    full = chat(client, PROMPTS[4], temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip()
+    cut = chat(client, PROMPTS[4], temperature=0, max_tokens=40, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+        client, PROMPTS[4], temperature=0, max_tokens=40, stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == cut.choices[0].message.content
+
+
+def test_stop_token_and_max_tokens(client):
+    response = chat(client, PROMPTS[1], temperature=0, max_tokens=5, extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 5
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", b"[1, 2]", 400),
+    ("/v1/chat/completions", {"model": MODEL}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 10_000_000}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "temperature": "hot"}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400),
+    ("/v1/chat/completions", {"model": 7, "messages": [{"role": "user", "content": "hi"}]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1.5}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99_999_999]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 3000}, 400),
+    ("/v1/nothing-here", {"model": MODEL}, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD_REQUESTS)
+def test_bad_input_gets_openai_error(server, path, body, status):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = requests.post(server.url + path, data=data, headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_server_keeps_serving_after_bad_input(client, server):
+    for path, body, _ in BAD_REQUESTS[:6]:
+        requests.post(server.url + path, data=body if isinstance(body, bytes) else json.dumps(body), timeout=30)
+    assert chat(client, "still there?", temperature=0, max_tokens=4).choices[0].message.content is not None
+
+
+def test_client_disconnect_frees_decode_kv(server):
+    stats = _stats_by_role(server)["decode"]
+    total = stats["stats"]["kv_blocks_total"]
+    cancelled_before = stats["stats"].get("cancelled", 0)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[6]}], "max_tokens": 1500,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with requests.post(server.url + "/v1/chat/completions", json=body, stream=True, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        decode = _stats_by_role(server)["decode"]
+        if decode["running"] == 0 and decode["free_kv_blocks"] == total and decode["stats"].get("cancelled", 0):
+            break
+        time.sleep(0.3)
+    assert decode["running"] == 0 and decode["free_kv_blocks"] == total
+    assert decode["stats"]["cancelled"] == cancelled_before + 1   # stopped by the disconnect, not by finishing
