@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 
 from omnirelay.connectors.shared_memory import sweep_orphans
+from omnirelay.deploy.pipeline import PipelineError, load_pipeline
 from omnirelay.lifecycle import Shutdown
 
 _PR_SET_PDEATHSIG = 1
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
-    parser.add_argument("--connector", default="shared_memory")
+    parser.add_argument("--connector", default="shared_memory",
+                        help="KV connector backend when no --stage-configs-path is given")
+    parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (stages, connectors, edges)")
     parser.add_argument("--stage-init-timeout", type=float, default=300.0)
     parser.add_argument("--drain-timeout", type=float, default=5.0)
     parser.add_argument("--log-level", default="WARNING")
@@ -105,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(model_dir):
             parser.error(f"model directory {model_dir!r} does not exist")
 
+    try:
+        pipeline = load_pipeline(args.stage_configs_path) if args.stage_configs_path else None
+    except PipelineError as exc:
+        parser.error(str(exc))
+    pipeline_args = ["--stage-configs-path", os.path.abspath(args.stage_configs_path)] if pipeline else []
+    roles = pipeline.roles if pipeline else ("prefill", "decode")
     shutdown = Shutdown().install()
     sweep_orphans()   # segments a previous, killed run left behind (their owners are dead)
     run_dir = tempfile.mkdtemp(prefix="omnirelay-serve-")
@@ -115,17 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     exit_code = 0
     try:
         children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker], args.log_level))
-        for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
-            for index in range(count):
+        counts = {"prefill": args.num_prefill, "decode": args.num_decode}
+        for role in roles:
+            for index in range(counts.get(role, 1)):
                 children.append(Child(f"{role}-{index}", [
                     "omnirelay.workers.daemon", "--role", role, *model_args, "--broker", broker,
                     "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
-                    "--dtype", args.dtype, "--connector", args.connector,
+                    "--dtype", args.dtype, "--connector", args.connector, *pipeline_args,
                     "--drain-timeout", str(args.drain_timeout)], args.log_level))
         children.append(Child("gateway", [
             "omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
             "--port", str(args.port), "--max-model-len", str(args.max_model_len),
-            "--ready-file", ready_file], args.log_level))
+            "--ready-file", ready_file, *pipeline_args], args.log_level))
 
         url = _wait_ready(children, ready_file, args.stage_init_timeout, shutdown)
         if url is None:

@@ -9,6 +9,7 @@ import signal
 
 from aiohttp import web
 
+from omnirelay.deploy.pipeline import default_llm_pipeline, load_pipeline
 from omnirelay.lifecycle import setup_logging
 
 from .app import create_app
@@ -49,17 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-host", default="127.0.0.1", help="address workers use to reach this gateway")
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging("omni-gateway", args.log_level)
     try:
+        pipeline = load_pipeline(args.stage_configs_path) if args.stage_configs_path else default_llm_pipeline()
         config = GatewayConfig(
             models=(ServedModel(name=args.served_model_name or args.model, path=os.path.abspath(args.model),
-                                max_model_len=args.max_model_len),),
+                                stages=pipeline.roles, max_model_len=args.max_model_len),),
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host,
             request_timeout_s=args.request_timeout)
-    except ValueError as exc:
+    except ValueError as exc:   # PipelineError included
         parser.error(str(exc))
     asyncio.run(serve(config, args.ready_file))
     return 0

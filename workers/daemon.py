@@ -15,6 +15,7 @@ import os
 import torch
 
 from omnirelay.connectors import create_connector
+from omnirelay.deploy.pipeline import PipelineError, default_llm_pipeline, load_pipeline
 from omnirelay.lifecycle import Shutdown, setup_logging
 
 from .config import WorkerConfig
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--kv-cache-bytes", type=int, default=WorkerConfig.kv_cache_bytes)
     parser.add_argument("--block-size", type=int, default=WorkerConfig.block_size)
-    parser.add_argument("--connector", default="shared_memory")
+    parser.add_argument("--stage-configs-path", default=None,
+                        help="stage-pipeline YAML; its edge names this worker's connector")
+    parser.add_argument("--connector", default="shared_memory", help="connector backend without a pipeline file")
     parser.add_argument("--connector-options", default="{}", help="JSON map of backend options")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--drain-timeout", type=float, default=WorkerConfig.drain_timeout_s)
@@ -87,14 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     # Several workers share the host's cores; one thread each keeps them from starving each other.
     torch.set_num_threads(args.threads)
     try:
+        pipeline = (load_pipeline(args.stage_configs_path) if args.stage_configs_path
+                    else default_llm_pipeline(args.connector, json.loads(args.connector_options)))
+        connector = pipeline.connector_for(args.role)
+        stage = pipeline.stage_for_role(args.role)
         config = WorkerConfig(
             role=args.role, model_path=os.path.abspath(args.model),
             model_name=args.served_model_name or args.model, broker=args.broker, worker_id=args.worker_id,
-            capacity=args.capacity, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
-            block_size=args.block_size, connector=args.connector,
-            connector_options=json.loads(args.connector_options), heartbeat_interval_s=args.heartbeat_interval,
+            capacity=args.capacity or stage.max_batch_size, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
+            block_size=args.block_size, connector=connector.type,
+            connector_options=connector.options, heartbeat_interval_s=args.heartbeat_interval,
             drain_timeout_s=args.drain_timeout, dtype=args.dtype)
-    except (ValueError, json.JSONDecodeError) as exc:
+    except (ValueError, json.JSONDecodeError, PipelineError) as exc:
         parser.error(str(exc))
     shutdown = Shutdown().install()
     runtime = build_runtime(config, shutdown)

@@ -1,0 +1,645 @@
+"""Tests for the ``shared_memory`` connector and the connector registry.
+
+Every test works in a private directory ``/dev/shm/ortest-<uuid>/`` (never in /dev/shm itself, whose
+``omnirelay-*`` segments may belong to other processes) and must leave it empty.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import pathlib
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import msgpack
+import pytest
+import torch
+
+from omnirelay.connectors import available_connectors, create_connector, register_connector, registry
+from omnirelay.connectors.base import Connector
+from omnirelay.connectors.shared_memory import PREFIX, SharedMemoryConnector, sweep_orphans
+from omnirelay.errors import TransferFailed
+
+HERE = pathlib.Path(__file__).resolve().parent
+CHILD = HERE / "shm_child.py"
+
+_spec = importlib.util.spec_from_file_location("_omnirelay_shm_child", CHILD)
+shm_child = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(shm_child)
+
+
+# --------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True)
+def _no_segments_in_real_dev_shm():
+    """Nothing this process does may land in the real /dev/shm."""
+    pattern = f"/dev/shm/{PREFIX}{os.getpid()}-*"
+    before = set(glob.glob(pattern))
+    yield
+    assert set(glob.glob(pattern)) == before
+
+
+@pytest.fixture
+def shm_dir():
+    path = f"/dev/shm/ortest-{uuid.uuid4().hex}"
+    os.mkdir(path)
+    yield path
+    left = sorted(os.listdir(path))
+    shutil.rmtree(path, ignore_errors=True)
+    assert left == [], f"test left files in its shm dir: {left}"
+
+
+@pytest.fixture
+def conn(shm_dir):
+    c = SharedMemoryConnector({"shm_dir": shm_dir})
+    yield c
+    c.close()
+
+
+def files(shm_dir) -> list[str]:
+    return sorted(os.listdir(shm_dir))
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert shm_child.same_payload(got, want) == []
+
+
+def small_payload(i: int = 0) -> dict:
+    return {"t": torch.arange(10, dtype=torch.float32) + i, "b": b"raw%d" % i, "v": {"i": i}}
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def read_json_line(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout):
+            raise AssertionError(f"child said nothing within {timeout}s")
+        line = proc.stdout.readline()
+    finally:
+        sel.close()
+    if not line:
+        proc.wait(timeout=10)
+        raise AssertionError(f"child exited with {proc.returncode}: {proc.stderr.read()}")
+    return json.loads(line)
+
+
+# ---------------------------------------------------------------------------------- in-process use
+
+
+def test_put_get_delete(conn, shm_dir):
+    payload = shm_child.make_payload(3)
+    handle = conn.put("req-1/kv", payload)
+    assert isinstance(handle, dict)
+    msgpack.packb(handle)  # handles travel on the bus
+    assert len(handle["segment"]) < 100 and "/" not in handle["segment"]
+    assert files(shm_dir) == [handle["segment"]]
+    assert handle["segment"].startswith(f"{PREFIX}{os.getpid()}-")
+
+    assert_same(conn.get("req-1/kv", handle, timeout=1), payload)  # with handle
+    assert_same(conn.get("req-1/kv", timeout=1), payload)          # key only
+    conn.delete("req-1/kv")
+    assert files(shm_dir) == []
+    with pytest.raises(TransferFailed):
+        conn.get("req-1/kv", timeout=0.05)
+    with pytest.raises(TransferFailed):
+        conn.get("req-1/kv", handle, timeout=0.05)
+
+
+def test_key_only_get_from_another_connector_object(shm_dir):
+    producer = SharedMemoryConnector({"shm_dir": shm_dir})
+    consumer = create_connector("shared_memory", {"shm_dir": shm_dir})
+    try:
+        producer.put("k", small_payload(1))
+        assert_same(consumer.get("k", timeout=1), small_payload(1))
+        consumer.delete("k")
+        assert files(shm_dir) == []
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_many_keys_are_independent(conn, shm_dir):
+    handles = {f"key-{i}": conn.put(f"key-{i}", small_payload(i)) for i in range(20)}
+    assert len(files(shm_dir)) == 20
+    for i in reversed(range(20)):
+        assert_same(conn.get(f"key-{i}", handles[f"key-{i}"], timeout=1), small_payload(i))
+        conn.delete(f"key-{i}")
+    assert files(shm_dir) == []
+
+
+def test_put_again_replaces_value(conn, shm_dir):
+    conn.put("k", small_payload(1))
+    conn.put("k", small_payload(2))
+    assert len(files(shm_dir)) == 1
+    assert_same(conn.get("k", timeout=1), small_payload(2))
+    conn.delete("k")
+
+
+def test_put_copies_source(conn):
+    t = torch.arange(6.0)
+    conn.put("k", {"t": t})
+    t.fill_(-1)  # the caller may reuse its tensors as soon as put returns
+    assert torch.equal(conn.get("k", timeout=1)["t"], torch.arange(6.0))
+    conn.delete("k")
+
+
+def test_get_is_zero_copy_and_copy_on_write(conn):
+    payload = {"a": torch.arange(1000, dtype=torch.int64), "b": torch.ones(64, dtype=torch.float32)}
+    handle = conn.put("k", payload)
+    out = conn.get("k", handle, timeout=1)
+    # Both tensors are views into one mapping: their distance is exactly the offset difference.
+    from omnirelay.connectors import codec
+    with open(os.path.join(conn.shm_dir, handle["segment"]), "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    offsets = {e["n"]: e["o"] for e in msgpack.unpackb(raw[8: 8 + n])["entries"]}
+    assert out["b"].data_ptr() - out["a"].data_ptr() == offsets["b"] - offsets["a"]
+    assert out["a"].data_ptr() % codec.ALIGN == 0
+    # Writing into a got tensor is private to this consumer (MAP_PRIVATE): the segment is unchanged.
+    out["a"].fill_(-5)
+    assert torch.equal(conn.get("k", handle, timeout=1)["a"], torch.arange(1000, dtype=torch.int64))
+    conn.delete("k")
+
+
+def test_tensors_stay_valid_after_delete_and_replace(conn, shm_dir):
+    conn.put("k", {"t": torch.arange(4096, dtype=torch.float64)})
+    got = conn.get("k", timeout=1)["t"]
+    conn.delete("k")
+    assert files(shm_dir) == []
+    conn.put("k", {"t": torch.zeros(4096, dtype=torch.float64)})  # new inode under the same name
+    assert torch.equal(got, torch.arange(4096, dtype=torch.float64))
+    conn.delete("k")
+
+
+def test_get_before_put_times_out(conn):
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed):
+        conn.get("never", timeout=0.15)
+    elapsed = time.monotonic() - t0
+    assert 0.14 <= elapsed < 2.0
+    with pytest.raises(TransferFailed):
+        conn.get("never", {"segment": f"{PREFIX}{os.getpid()}-deadbeef"}, timeout=0)
+
+
+def test_handle_cannot_escape_shm_dir(conn, shm_dir):
+    """A handle names a segment, not a path: a crafted '../' handle must not read outside shm_dir."""
+    other = f"/dev/shm/ortest-{uuid.uuid4().hex}"
+    os.mkdir(other)
+    try:
+        outsider = SharedMemoryConnector({"shm_dir": other})
+        handle = outsider.put("k", small_payload(9))
+        assert files(other) == [handle["segment"]]
+        rel = {"segment": f"../{os.path.basename(other)}/{handle['segment']}"}
+        absolute = {"segment": os.path.join(other, handle["segment"])}
+        for bad in (rel, absolute, {"segment": "/etc/passwd"}, {"segment": 5}, {}):
+            with pytest.raises(TransferFailed):
+                conn.get("k", bad, timeout=0.02)
+        outsider.delete("k")
+        outsider.close()
+    finally:
+        shutil.rmtree(other)
+
+
+def test_waiting_consumer_receives_later_put(shm_dir):
+    producer = SharedMemoryConnector({"shm_dir": shm_dir})
+    consumer = SharedMemoryConnector({"shm_dir": shm_dir})
+    result = {}
+
+    def consume():
+        t0 = time.monotonic()
+        try:
+            result["payload"] = consumer.get("late", timeout=10)
+        except Exception as exc:  # noqa: BLE001
+            result["error"] = exc
+        result["waited"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(0.2)
+    assert "payload" not in result
+    producer.put("late", small_payload(7))
+    thread.join(timeout=10)
+    try:
+        assert not thread.is_alive()
+        assert "error" not in result, result.get("error")
+        assert_same(result["payload"], small_payload(7))
+        assert 0.19 <= result["waited"] < 2.0
+    finally:
+        consumer.delete("late")
+        producer.close()
+        consumer.close()
+
+
+def test_concurrent_threads(conn, shm_dir):
+    errors = []
+
+    def worker(w):
+        try:
+            for i in range(15):
+                key = f"w{w}-{i}"
+                h = conn.put(key, small_payload(i))
+                assert_same(conn.get(key, h, timeout=2), small_payload(i))
+                conn.put("shared", {"w": w})  # same key from every thread at once
+                conn.delete(key)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == []
+    assert conn.get("shared", timeout=1)["w"] in range(4)
+    conn.delete("shared")
+    assert files(shm_dir) == []
+
+
+def test_delete_missing_key_is_fine(conn):
+    conn.delete("never-existed")
+    conn.put("k", small_payload())
+    conn.delete("k")
+    conn.delete("k")
+
+
+def test_corrupt_segment_raises_transfer_failed(conn, shm_dir):
+    handle = conn.put("k", small_payload())
+    path = os.path.join(shm_dir, handle["segment"])
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 8)  # absurd header length
+    with pytest.raises(TransferFailed):
+        conn.get("k", handle, timeout=0.05)
+    with open(path, "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(TransferFailed):
+        conn.get("k", handle, timeout=0.05)
+    conn.delete("k")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG shared_memory.get: a zero-length segment makes mmap.mmap raise ValueError('cannot mmap an empty "
+    "file'), which escapes instead of TransferFailed"))
+def test_empty_segment_raises_transfer_failed(conn, shm_dir):
+    handle = conn.put("k", small_payload())
+    try:
+        os.truncate(os.path.join(shm_dir, handle["segment"]), 0)
+        with pytest.raises(TransferFailed):
+            conn.get("k", handle, timeout=0.05)
+    finally:
+        conn.delete("k")
+
+
+def test_close_twice_and_context_manager(shm_dir):
+    c = SharedMemoryConnector({"shm_dir": shm_dir})
+    c.close()
+    c.close()
+    assert c.health()["ok"] is False
+    with SharedMemoryConnector({"shm_dir": shm_dir}) as c2:
+        assert c2.health()["ok"] is True
+    assert c2.health()["ok"] is False
+    c2.close()
+
+
+def test_close_keeps_segments_awaiting_their_consumer(shm_dir):
+    producer = SharedMemoryConnector({"shm_dir": shm_dir})
+    producer.put("pending", small_payload())
+    producer.close()
+    consumer = SharedMemoryConnector({"shm_dir": shm_dir})
+    assert_same(consumer.get("pending", timeout=1), small_payload())
+    consumer.delete("pending")
+    consumer.close()
+
+
+def test_health_counters(conn):
+    h0 = conn.health()
+    assert h0["backend"] == "shared_memory" and h0["ok"] is True
+    assert h0.get("bytes_put", 0) == 0 and h0.get("bytes_got", 0) == 0
+    handle = conn.put("k", shm_child.make_payload(4))
+    h1 = conn.health()
+    assert h1["bytes_put"] == handle["size"] > 1_000_000
+    assert h1["puts"] == 1 and h1["segments_pending"] == 1
+    conn.get("k", handle, timeout=1)
+    conn.get("k", timeout=1)
+    h2 = conn.health()
+    assert h2["bytes_got"] == 2 * handle["size"] and h2["gets"] == 2
+    conn.delete("k")
+    h3 = conn.health()
+    assert h3["deletes"] == 1 and h3["segments_pending"] == 0
+    msgpack.packb(h3)
+    json.dumps(h3)
+
+
+def test_health_does_not_block_while_put_runs(conn):
+    big = {"t": torch.ones(8 << 20, dtype=torch.uint8)}
+    done = threading.Event()
+
+    def put_loop():
+        for i in range(5):
+            conn.put(f"big-{i}", big)
+        done.set()
+
+    thread = threading.Thread(target=put_loop)
+    thread.start()
+    worst = 0.0
+    while not done.is_set():
+        t0 = time.monotonic()
+        conn.health()
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.001)
+    thread.join()
+    assert worst < 0.05
+    for i in range(5):
+        conn.delete(f"big-{i}")
+
+
+# ------------------------------------------------------------------------------------------- TTL
+
+
+def test_ttl_reaps_unconsumed_segment_on_later_put(shm_dir):
+    c = SharedMemoryConnector({"shm_dir": shm_dir, "ttl_s": 0.2})
+    try:
+        c.put("stale", small_payload(1))
+        c.put("fresh-1", small_payload(2))
+        assert len(files(shm_dir)) == 2
+        time.sleep(0.3)
+        c.put("fresh-2", small_payload(3))  # reaping happens here
+        assert len(files(shm_dir)) == 1
+        assert c.health()["expired"] == 2
+        with pytest.raises(TransferFailed):
+            c.get("stale", timeout=0.02)
+        assert_same(c.get("fresh-2", timeout=1), small_payload(3))
+    finally:
+        for k in ("stale", "fresh-1", "fresh-2"):
+            c.delete(k)
+        c.close()
+
+
+def test_ttl_does_not_reap_young_segments(shm_dir):
+    c = SharedMemoryConnector({"shm_dir": shm_dir, "ttl_s": 30})
+    try:
+        for i in range(5):
+            c.put(f"k{i}", small_payload(i))
+        assert len(files(shm_dir)) == 5
+        assert c.health().get("expired", 0) == 0
+    finally:
+        for i in range(5):
+            c.delete(f"k{i}")
+        c.close()
+
+
+def test_ttl_after_consumer_in_other_connector_deleted(shm_dir):
+    producer = SharedMemoryConnector({"shm_dir": shm_dir, "ttl_s": 0.1})
+    consumer = SharedMemoryConnector({"shm_dir": shm_dir})
+    try:
+        producer.put("k", small_payload())
+        consumer.get("k", timeout=1)
+        consumer.delete("k")
+        time.sleep(0.15)
+        producer.put("k2", small_payload())  # reaping the already-deleted path must not fail
+        assert producer.health()["segments_pending"] == 1
+    finally:
+        producer.delete("k2")
+        producer.close()
+        consumer.close()
+
+
+def test_close_reaps_expired(shm_dir):
+    c = SharedMemoryConnector({"shm_dir": shm_dir, "ttl_s": 0.1})
+    c.put("k", small_payload())
+    time.sleep(0.15)
+    c.close()
+    assert files(shm_dir) == []
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG shared_memory.put: re-putting a key updates _owned[path] in place, but an OrderedDict keeps the "
+    "old position, so the oldest-first _reap_expired loop stops at the re-put (young) entry and never "
+    "reaps expired segments queued behind it; fix: self._owned.move_to_end(path) after the assignment"))
+def test_ttl_reaps_after_a_key_is_put_again(shm_dir):
+    c = SharedMemoryConnector({"shm_dir": shm_dir, "ttl_s": 0.4})
+    try:
+        c.put("a", small_payload(1))
+        c.put("b", small_payload(2))
+        time.sleep(0.25)
+        c.put("a", small_payload(3))  # "a" is young again; "b" keeps ageing
+        time.sleep(0.25)
+        c.put("c", small_payload(4))  # "b" is 0.5 s old > ttl: must be reaped here
+        with pytest.raises(TransferFailed):
+            c.get("b", timeout=0.02)
+    finally:
+        for k in ("a", "b", "c"):
+            c.delete(k)
+        c.close()
+
+
+# --------------------------------------------------------------------------------- other processes
+
+
+def test_cross_process_exchange(conn, shm_dir):
+    proc = spawn("exchange", shm_dir)
+    try:
+        hello = read_json_line(proc)
+        assert hello["handle"]["segment"].startswith(f"{PREFIX}{hello['pid']}-")
+        assert_same(conn.get("c2p", hello["handle"], timeout=10), shm_child.make_payload(1))
+        assert_same(conn.get("c2p", timeout=10), shm_child.make_payload(1))  # key only
+        conn.delete("c2p")
+        conn.put("p2c", shm_child.make_payload(2))
+        result = read_json_line(proc)
+        assert result == {"ok": True, "bad": []}
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        conn.delete("c2p")
+        conn.delete("p2c")
+    assert files(shm_dir) == []
+
+
+def test_kill_9_leaves_orphans_that_sweep_removes(conn, shm_dir):
+    proc = spawn("hold", shm_dir, "3")
+    extra = []
+    try:
+        hello = read_json_line(proc)
+        child_pid = hello["pid"]
+        child_segments = sorted(h["segment"] for h in hello["handles"])
+        mine = conn.put("live", small_payload())["segment"]
+        # A live foreign owner (pid 1 always exists) and names that are not ours to judge.
+        for name in (f"{PREFIX}1-{'ab' * 12}", f"{PREFIX}notapid-x", "unrelated-file"):
+            open(os.path.join(shm_dir, name), "w").close()
+            extra.append(name)
+        assert files(shm_dir) == sorted(child_segments + [mine] + extra)
+
+        os.kill(child_pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL  # reaped: no zombie that still "exists"
+        assert files(shm_dir) == sorted(child_segments + [mine] + extra)  # a crash leaves segments
+
+        # Data of a crashed producer is still readable until swept.
+        assert_same(conn.get("orphan-1", hello["handles"][1], timeout=1), shm_child.make_payload(11))
+
+        assert sweep_orphans(shm_dir) == 3
+        assert files(shm_dir) == sorted([mine] + extra)  # live owners' segments are kept
+        with pytest.raises(TransferFailed):
+            conn.get("orphan-0", timeout=0.02)
+        assert sweep_orphans(shm_dir) == 0  # idempotent
+
+        # Explicit owners: removed even though alive.
+        assert sweep_orphans(shm_dir, owners={os.getpid()}) == 1
+        assert files(shm_dir) == sorted(extra)
+        assert sweep_orphans(shm_dir, owners={1}) == 1
+        assert files(shm_dir) == sorted(["unrelated-file", f"{PREFIX}notapid-x"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        sweep_orphans(shm_dir, owners={proc.pid, os.getpid()})
+        for name in extra:
+            if os.path.exists(os.path.join(shm_dir, name)):
+                os.unlink(os.path.join(shm_dir, name))
+
+
+def test_sweep_ignores_other_directories(shm_dir):
+    other = f"/dev/shm/ortest-{uuid.uuid4().hex}"
+    os.mkdir(other)
+    try:
+        dead = os.path.join(other, f"{PREFIX}{_dead_pid()}-{'cd' * 12}")
+        open(dead, "w").close()
+        assert sweep_orphans(shm_dir) == 0
+        assert os.path.exists(dead)
+        assert sweep_orphans(other) == 1
+    finally:
+        shutil.rmtree(other)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG shared_memory._pid_alive: os.kill(pid, 0) raises OverflowError for a PID that does not fit a C "
+    "int (e.g. a stray 'omnirelay-99999999999999999999-x' file), which aborts the whole sweep; "
+    "catch OverflowError in _pid_alive/sweep_orphans and skip the name"))
+def test_sweep_survives_absurd_pid_in_name(shm_dir):
+    bogus = os.path.join(shm_dir, f"{PREFIX}99999999999999999999-x")
+    dead = os.path.join(shm_dir, f"{PREFIX}{_dead_pid()}-{'ef' * 12}")
+    for path in (bogus, dead):
+        open(path, "w").close()
+    try:
+        sweep_orphans(shm_dir)
+        assert not os.path.exists(dead)
+    finally:
+        for path in (bogus, dead):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _can_mount_private_tmpfs(tmp_path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {probe}"],
+                       capture_output=True, timeout=10)
+    return r.returncode == 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG shared_memory.put: ftruncate makes a sparse tmpfs file, so when /dev/shm is full the page faults "
+    "of write_into raise SIGBUS and kill the worker; fix: os.posix_fallocate(fd, 0, size) before mmap "
+    "(raises OSError ENOSPC, and the existing cleanup unlinks the temp file)"))
+def test_put_on_full_shm_raises_instead_of_sigbus(tmp_path):
+    if not _can_mount_private_tmpfs(tmp_path):
+        pytest.skip("needs unshare + permission to mount a tmpfs in a private mount namespace")
+    small = tmp_path / "small"
+    small.mkdir()
+    script = f'mount -t tmpfs -o size=256k tmpfs "$1" && exec "$2" "$3" enospc "$1"'
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", str(small), sys.executable, str(CHILD)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"child died with {r.returncode} (-7/135 = SIGBUS): {r.stderr[-500:]}"
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["outcome"].startswith("raised"), result
+    assert result["left"] == [], result
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+
+def test_shared_memory_is_registered():
+    assert "shared_memory" in available_connectors()
+
+
+def test_create_connector_shared_memory(shm_dir):
+    c = create_connector("shared_memory", {"shm_dir": shm_dir, "ttl_s": 5})
+    try:
+        assert isinstance(c, SharedMemoryConnector) and isinstance(c, Connector)
+        assert c.ttl_s == 5.0 and c.shm_dir == shm_dir
+    finally:
+        c.close()
+
+
+def test_unknown_connector_names_available_ones():
+    with pytest.raises(ValueError) as info:
+        create_connector("no_such_backend", {})
+    assert "no_such_backend" in str(info.value)
+    for name in available_connectors():
+        assert name in str(info.value)
+
+
+def test_unknown_option_rejected():
+    with pytest.raises(ValueError) as info:
+        create_connector("shared_memory", {"bogus": 1})
+    assert "bogus" in str(info.value)
+
+
+def test_shm_dir_must_exist(tmp_path):
+    with pytest.raises(ValueError):
+        create_connector("shared_memory", {"shm_dir": str(tmp_path / "missing")})
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations made by a test go to a copy of the table and vanish afterwards."""
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+
+
+def test_duplicate_registration_rejected(scratch_registry):
+    with pytest.raises(ValueError):
+        register_connector("shared_memory", "omnirelay.connectors.shared_memory:SharedMemoryConnector")
+    register_connector("test_dummy", "omnirelay.connectors.shared_memory:SharedMemoryConnector")
+    with pytest.raises(ValueError):
+        register_connector("test_dummy", "omnirelay.connectors.shared_memory:SharedMemoryConnector")
+    assert "test_dummy" in available_connectors()
+
+
+def test_bad_registration_target(scratch_registry):
+    with pytest.raises(ValueError):
+        register_connector("no_colon", "omnirelay.connectors.shared_memory.SharedMemoryConnector")
+    register_connector("not_a_connector", "omnirelay.errors:TransferFailed")
+    with pytest.raises(TypeError):
+        create_connector("not_a_connector", {})
+
+
+def test_registry_changes_do_not_leak():
+    assert "test_dummy" not in available_connectors()
+    assert "not_a_connector" not in available_connectors()
