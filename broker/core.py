@@ -22,6 +22,7 @@ queue, and a decode stream is reported ``resumable`` so the gateway can resume i
 from __future__ import annotations
 
 import collections
+import math
 import dataclasses
 import enum
 import logging
@@ -90,10 +91,13 @@ class BrokerCore:
         self.requests: dict[str, RequestState] = {}
         self.queues: dict[tuple[str, str], collections.deque[str]] = collections.defaultdict(collections.deque)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.gateways: dict[bytes, float] = {}   # identity → last hello, for gateways that say hello
 
     # ------------------------------------------------------------------ entry points
 
     def on_message(self, identity: bytes, msg: p.Message, now: float) -> list[Outgoing]:
+        if identity in self.gateways:
+            self.gateways[identity] = now
         handler = self._handlers.get(type(msg))
         if handler is None:
             self.counters["unexpected_messages"] += 1
@@ -110,6 +114,7 @@ class BrokerCore:
             out += self._drop_worker(worker, now)
         for req in [r for r in self.requests.values() if now > r.spec.deadline]:
             out += self._fail(req, "deadline_exceeded", f"deadline passed in stage {req.stage}")
+        out += self._expire_gateways(now)
         return out
 
     def status(self, now: float) -> p.StatusReply:
@@ -120,14 +125,14 @@ class BrokerCore:
 
     def _on_register(self, identity: bytes, msg: p.Register, now: float) -> list[Outgoing]:
         old = self.workers.get(msg.worker_id)
-        out: list[Outgoing] = []
-        if old is not None:
-            # The same worker registering again has lost whatever it held (it restarted, or the
-            # broker did and it reconnected): treat its old tasks as lost.
-            out += self._drop_worker(old, now)
         self.workers[msg.worker_id] = WorkerState(
             worker_id=msg.worker_id, identity=identity, role=msg.role, model=msg.model,
             capacity=max(0, msg.capacity), pid=msg.pid, host=msg.host, last_seen=now)
+        out: list[Outgoing] = []
+        if old is not None:
+            # The same worker registering again has lost whatever it held (it restarted, or the
+            # broker did and it reconnected): its old tasks are lost, but the role is still served.
+            out += self._drop_worker(old, now)
         self.counters["registrations"] += 1
         log.info("worker %s registered: role=%s model=%s capacity=%d", msg.worker_id, msg.role,
                  msg.model, msg.capacity)
@@ -163,7 +168,8 @@ class BrokerCore:
         return self._drop_worker(worker, now)
 
     def _drop_worker(self, worker: WorkerState, now: float) -> list[Outgoing]:
-        del self.workers[worker.worker_id]
+        if self.workers.get(worker.worker_id) is worker:
+            del self.workers[worker.worker_id]
         out: list[Outgoing] = []
         for request_id in sorted(worker.tasks):
             req = self.requests.get(request_id)
@@ -201,11 +207,14 @@ class BrokerCore:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
             return [(identity, p.Reregister("unknown worker"))]
-        worker.tasks.discard(msg.request_id)
         req = self.requests.get(msg.request_id)
-        if req is None or req.worker_id != worker.worker_id or req.stage != msg.stage:
+        if (req is None or req.worker_id != worker.worker_id or req.stage != msg.stage
+                or req.attempts != msg.attempt):
             self.counters["stale_stage_reports"] += 1
+            if req is None:
+                worker.tasks.discard(msg.request_id)
             return []
+        worker.tasks.discard(msg.request_id)
         self.counters[f"stage_done:{msg.stage}"] += 1
         if msg.finished or req.stage_index + 1 >= len(req.spec.stages):
             del self.requests[msg.request_id]
@@ -213,30 +222,51 @@ class BrokerCore:
             return []
         req.stage_index += 1
         req.inputs, req.phase, req.worker_id = dict(msg.outputs), Phase.QUEUED, None
-        self.queues[(req.spec.model, req.stage)].append(req.spec.request_id)
-        return self._pump(req.spec.model, req.stage)
+        return self._enqueue(req)
 
     def _on_stage_failed(self, identity: bytes, msg: p.StageFailed, now: float) -> list[Outgoing]:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
             return [(identity, p.Reregister("unknown worker"))]
-        worker.tasks.discard(msg.request_id)
         req = self.requests.get(msg.request_id)
-        if req is None or req.worker_id != worker.worker_id:
+        if req is None or req.worker_id != worker.worker_id or req.attempts != msg.attempt:
+            if req is None:
+                worker.tasks.discard(msg.request_id)
             return []
+        worker.tasks.discard(msg.request_id)
+        req.worker_id = None   # the worker already dropped it: no CancelTask back
         if msg.error_type in RETRYABLE_ERRORS and req.attempts + 1 < self.config.max_attempts:
             # Start over from the first stage: the inputs that failed to transfer are gone.
             req.attempts += 1
-            req.stage_index, req.inputs, req.phase, req.worker_id = 0, {}, Phase.QUEUED, None
+            req.stage_index, req.inputs, req.phase = 0, {}, Phase.QUEUED
             self.counters["request_restarts"] += 1
-            self.queues[(req.spec.model, req.stage)].append(req.spec.request_id)
-            return self._pump(req.spec.model, req.stage)
+            return self._enqueue(req)
         return self._fail(req, msg.error_type, msg.message)
+
+    def _enqueue(self, req: RequestState) -> list[Outgoing]:
+        """Queue ``req`` for its current stage, or fail it at once when no worker serves that role."""
+        if not self._has_live(req.spec.model, req.stage):
+            return self._fail(req, "unavailable", f"no live {req.stage} worker for model {req.spec.model}",
+                              retry_after=self.config.retry_after_s)
+        self.queues[(req.spec.model, req.stage)].append(req.spec.request_id)
+        return self._pump(req.spec.model, req.stage)
 
     # ------------------------------------------------------------------ gateways
 
     def _on_gateway_hello(self, identity: bytes, msg: p.GatewayHello, now: float) -> list[Outgoing]:
+        self.gateways[identity] = now
         return []
+
+    def _expire_gateways(self, now: float) -> list[Outgoing]:
+        """Requests of a gateway that stopped saying hello have nobody to stream to: drop them."""
+        out: list[Outgoing] = []
+        for identity in [g for g, seen in self.gateways.items() if now - seen > self.config.liveness_s]:
+            del self.gateways[identity]
+            self.counters["gateways_expired"] += 1
+            for req in [r for r in self.requests.values() if r.gateway == identity]:
+                del self.requests[req.spec.request_id]
+                out += self._release(req)
+        return out
 
     def _on_submit(self, identity: bytes, msg: p.Submit, now: float) -> list[Outgoing]:
         def reject(error_type: str, message: str, retry_after: float = 0.0) -> list[Outgoing]:
@@ -248,22 +278,27 @@ class BrokerCore:
             return reject("bad_request", "request has no stages")
         if msg.request_id in self.requests:
             return reject("bad_request", f"duplicate request_id {msg.request_id}")
+        if not math.isfinite(msg.deadline):
+            return reject("bad_request", "deadline must be a finite time")
         for role in msg.stages:
             if not self._has_live(msg.model, role):
                 return reject("unavailable", f"no live {role} worker for model {msg.model}",
                               self.config.retry_after_s)
+        for role in msg.stages:
+            # Every stage's queue counts: a slow later role must push back on admission too.
+            if len(self.queues.get((msg.model, role), ())) >= self.config.max_queue_per_role:
+                return reject("overloaded", f"{role} queue is full", self.config.retry_after_s)
         queue = self.queues[(msg.model, msg.stages[0])]
-        if len(queue) >= self.config.max_queue_per_role:
-            return reject("overloaded", f"{msg.stages[0]} queue is full", self.config.retry_after_s)
         self.requests[msg.request_id] = RequestState(spec=msg, gateway=identity)
         self.counters["requests_admitted"] += 1
         queue.append(msg.request_id)
         return self._pump(msg.model, msg.stages[0])
 
     def _on_cancel(self, identity: bytes, msg: p.Cancel, now: float) -> list[Outgoing]:
-        req = self.requests.pop(msg.request_id, None)
-        if req is None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.gateway != identity:   # only the gateway that owns a request may cancel it
             return []
+        del self.requests[msg.request_id]
         self.counters["cancellations"] += 1
         return self._release(req)
 

@@ -34,6 +34,8 @@ class BrokerDaemon:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Refuse oversized frames in libzmq, before they are buffered in memory.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_BODY_BYTES + 4096)
         self._sock.bind(config.endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 

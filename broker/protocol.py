@@ -190,6 +190,7 @@ class StageDone(Message):
     stage: str
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     finished: bool = False
+    attempt: int = 0            # echoes Task.attempt, so a late report of an earlier attempt is ignored
 
 
 @_register
@@ -200,6 +201,7 @@ class StageFailed(Message):
     stage: str
     error_type: str
     message: str
+    attempt: int = 0
 
 
 @_register

@@ -60,13 +60,14 @@ def plan(payload: dict[str, Any]) -> EncodePlan:
             tensor = value.detach()
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
-            tensor = tensor.contiguous()
+            tensor = tensor.resolve_conj().resolve_neg().contiguous()
             nbytes = tensor.numel() * tensor.element_size()
             entries.append({"n": name, "k": "t", "dt": _DTYPE_NAMES[tensor.dtype],
                             "sh": list(tensor.shape), "nb": nbytes})
             pending.append(tensor)
         elif isinstance(value, (bytes, bytearray, memoryview)):
-            data = memoryview(value).cast("B")
+            data = memoryview(value)
+            data = data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
             entries.append({"n": name, "k": "b", "nb": data.nbytes})
             pending.append(data)
         else:
@@ -79,7 +80,7 @@ def plan(payload: dict[str, Any]) -> EncodePlan:
             entry["o"] = 2**63 - 1
     try:
         header_len = len(msgpack.packb({"v": 1, "entries": entries}, use_bin_type=True))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError(f"payload value is not msgpack-able: {exc}") from None
     offset = _align(_LEN.size + header_len)
     writes = []
@@ -118,37 +119,47 @@ def encode(payload: dict[str, Any]) -> bytearray:
 
 def decode(buf) -> dict[str, Any]:
     """Decode a payload. Tensors are zero-copy views into ``buf`` when it is writable
-    (copy-on-write mappings count), so they keep ``buf`` alive."""
-    view = memoryview(buf).cast("B")
+    (copy-on-write mappings count), so they keep ``buf`` alive. A read-only ``buf`` (``bytes``) is
+    copied once, so no tensor ever aliases memory its owner considers immutable."""
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise CodecError("buffer must be contiguous")
+    view = view.cast("B")
+    if view.readonly:
+        view = memoryview(bytearray(view))
     if view.nbytes < _LEN.size:
         raise CodecError("buffer shorter than the length prefix")
     (header_len,) = _LEN.unpack_from(view, 0)
     if header_len > _MAX_HEADER or _LEN.size + header_len > view.nbytes:
         raise CodecError("header length out of bounds")
     try:
-        header = msgpack.unpackb(view[_LEN.size: _LEN.size + header_len], raw=False, strict_map_key=True)
+        header = msgpack.unpackb(view[_LEN.size: _LEN.size + header_len], raw=False, strict_map_key=False)
     except Exception as exc:
         raise CodecError(f"header is not msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict) or header.get("v") != 1 or not isinstance(header.get("entries"), list):
         raise CodecError("unsupported header")
     out: dict[str, Any] = {}
     for entry in header["entries"]:
-        try:
-            name, kind = entry["n"], entry["k"]
-            if kind == "v":
-                out[name] = entry["val"]
-                continue
-            offset, nbytes = int(entry["o"]), int(entry["nb"])
-        except (KeyError, TypeError, ValueError):
-            raise CodecError("malformed header entry") from None
+        if not isinstance(entry, dict) or type(entry.get("n")) is not str or entry.get("k") not in ("v", "b", "t"):
+            raise CodecError("malformed header entry")
+        name, kind = entry["n"], entry["k"]
+        if kind == "v":
+            if "val" not in entry:
+                raise CodecError(f"{name}: value entry without a value")
+            out[name] = entry["val"]
+            continue
+        offset, nbytes = entry.get("o"), entry.get("nb")
+        if type(offset) is not int or type(nbytes) is not int:
+            raise CodecError(f"{name}: offset and size must be integers")
         if offset < 0 or nbytes < 0 or offset + nbytes > view.nbytes:
             raise CodecError(f"{name}: data out of bounds")
         if kind == "b":
             out[name] = bytes(view[offset: offset + nbytes])
         elif kind == "t":
-            dtype = _DTYPES.get(entry.get("dt"))
+            dt = entry.get("dt")
+            dtype = _DTYPES.get(dt) if isinstance(dt, str) else None
             shape = entry.get("sh")
-            if dtype is None or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            if dtype is None or not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
                 raise CodecError(f"{name}: bad dtype or shape")
             numel = 1
             for s in shape:
@@ -159,6 +170,4 @@ def decode(buf) -> dict[str, Any]:
                 out[name] = torch.empty(shape, dtype=dtype)
             else:
                 out[name] = torch.frombuffer(view, dtype=dtype, count=numel, offset=offset).view(shape)
-        else:
-            raise CodecError(f"{name}: unknown entry kind")
     return out

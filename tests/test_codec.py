@@ -180,9 +180,6 @@ def test_put_copies_source_tensor():
     assert torch.equal(codec.decode(buf)["t"], torch.arange(10.0))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG codec.plan/write_into: conjugate / negative-bit views (x.conj(), x.conj().imag) are "
-    "'contiguous' but .view(torch.uint8) refuses them -> RuntimeError; resolve_conj()/resolve_neg() first"))
 @pytest.mark.parametrize("kind", ["conj", "conj_2d", "neg_bit"])
 def test_conj_and_neg_views_roundtrip(kind):
     x = torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j], dtype=torch.complex64)
@@ -208,9 +205,6 @@ def test_bytes_from_typed_memoryview_are_raw_bytes():
     assert roundtrip({"b": arr})["b"] == bytes(range(8))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG codec.plan: memoryview(value).cast('B') raises TypeError for a non-contiguous memoryview; "
-    "should copy (value.tobytes()) or raise CodecError"))
 def test_non_contiguous_memoryview_bytes():
     mv = memoryview(b"abcdefgh")[::2]
     assert roundtrip({"b": mv})["b"] == b"aceg"
@@ -253,18 +247,12 @@ def test_unsupported_dtype_raises_codec_error(dtype):
         codec.encode({"t": t})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG codec.plan: msgpack.packb raises OverflowError for ints outside [-2**63, 2**64) and plan only "
-    "catches (TypeError, ValueError), so OverflowError escapes instead of CodecError"))
 @pytest.mark.parametrize("value", [2**64, -(2**63) - 1, [2**70]], ids=repr)
 def test_out_of_range_int_raises_codec_error(value):
     with pytest.raises(CodecError):
         codec.encode({"v": value})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG codec: encode accepts maps with non-str keys (msgpack-able), but decode uses "
-    "strict_map_key=True and rejects its own output as 'header is not msgpack'"))
 def test_map_with_int_keys_roundtrips_or_is_rejected_at_encode():
     payload = {"v": {1: "one", 2: [3]}}
     try:
@@ -394,10 +382,6 @@ def test_decode_accepts_memoryview_and_bytes():
             assert torch.equal(out["t"], payload["t"]) and out["b"] == b"q"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG codec.decode: on a read-only buffer (bytes, e.g. from a network backend) torch.frombuffer warns "
-    "'buffer is not writable ... undefined behavior' and returns a writable tensor aliasing the immutable "
-    "object; the docstring promises zero-copy only for writable buffers, so read-only input should be copied"))
 def test_decode_of_readonly_bytes_does_not_alias_immutable_memory():
     src = bytes(codec.encode({"t": torch.zeros(4)}))
     snapshot = bytes(bytearray(src))
@@ -527,10 +511,6 @@ def test_crafted_valid_entry_decodes():
     assert torch.equal(out["t"], torch.full((2, 4), 0x11, dtype=torch.uint8))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG codec.decode: hostile header fields escape as TypeError/OverflowError, not CodecError: unhashable "
-    "name (out[name] = ... outside the try), unhashable dt (_DTYPES.get(list)), float('inf') offset "
-    "(int(inf) -> OverflowError not caught), bool shape dims (isinstance(True, int) passes, view() fails)"))
 @pytest.mark.parametrize("entry", [
     {"n": [1], "k": "b", "o": 0, "nb": 1},
     {"n": {"a": 1}, "k": "t", "dt": "uint8", "sh": [1], "o": 0, "nb": 1},
@@ -620,9 +600,6 @@ def _structured_fuzz(seed: int, iterations: int) -> dict[str, int]:
     return outcomes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG codec.decode: hostile header field types (list/map name or dtype, inf offset, bool dims) escape as "
-    "TypeError/OverflowError; same root cause as test_hostile_entry_fields_raise_codec_error"))
 def test_structured_header_fuzz_only_raises_codec_error():
     outcomes = _structured_fuzz(seed=99, iterations=500)
     assert set(outcomes) <= {"ok", "CodecError"}, outcomes

@@ -22,9 +22,18 @@ class RoleAdapter:
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
+        self._attempts: dict[str, int] = {}   # request → attempt of the task we hold, echoed in reports
 
-    def _failed(self, request_id: str, stage: str, error_type: str, message: str) -> Outbound:
-        return BROKER, p.StageFailed(self.worker_id, request_id, stage, error_type, message)
+    def failure(self, request_id: str, stage: str, error_type: str, message: str,
+                attempt: int | None = None) -> Outbound:
+        """A StageFailed report for the broker (``attempt`` defaults to the held task's)."""
+        held = self._attempts.pop(request_id, 0)
+        return BROKER, p.StageFailed(self.worker_id, request_id, stage, error_type, message,
+                                     attempt=held if attempt is None else attempt)
+
+    def _done(self, request_id: str, outputs: dict, finished: bool) -> Outbound:
+        return BROKER, p.StageDone(self.worker_id, request_id, self.role, outputs, finished=finished,
+                                   attempt=self._attempts.pop(request_id, 0))
 
 
 class PrefillRole(RoleAdapter):
@@ -39,8 +48,9 @@ class PrefillRole(RoleAdapter):
         try:
             params = SamplingParams.from_wire(task.sampling)
         except (TypeError, ValueError) as exc:
-            return [self._failed(task.request_id, task.stage, "bad_request", f"invalid sampling: {exc}")]
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid sampling: {exc}")]
         self._reply_to[task.request_id] = task.reply_to
+        self._attempts[task.request_id] = task.attempt
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset))
         return []
@@ -48,19 +58,19 @@ class PrefillRole(RoleAdapter):
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
         self._reply_to.pop(request_id, None)
+        self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
         out: list[Outbound] = []
         for result in self.engine.step():
             reply_to = self._reply_to.pop(result.request_id, "")
             if result.error_type:
-                out.append(self._failed(result.request_id, self.role, result.error_type, result.message))
+                out.append(self.failure(result.request_id, self.role, result.error_type, result.message))
                 continue
             # The first token goes to the gateway at once (time to first token), before decode.
             out.append((reply_to, p.TokenDelta(result.request_id, result.position, [result.first_token],
                                                result.finish_reason, self.worker_id)))
-            out.append((BROKER, p.StageDone(self.worker_id, result.request_id, self.role, result.outputs,
-                                            finished=bool(result.finish_reason))))
+            out.append(self._done(result.request_id, result.outputs, bool(result.finish_reason)))
         return out
 
 
@@ -81,12 +91,14 @@ class DecodeRole(RoleAdapter):
                 reply_to=task.reply_to, kv_key=str(inputs["kv_key"]), kv_handle=dict(inputs["kv_handle"]),
                 position_offset=task.position_offset)
         except (KeyError, TypeError, ValueError) as exc:
-            return [self._failed(task.request_id, task.stage, "bad_request", f"invalid decode task: {exc!r}")]
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid decode task: {exc!r}")]
+        self._attempts[task.request_id] = task.attempt
         self.engine.add(decode_task)
         return []
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
+        self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
         result = self.engine.step()
@@ -96,7 +108,7 @@ class DecodeRole(RoleAdapter):
             out.append((token.reply_to, p.TokenDelta(token.request_id, token.position, [token.token],
                                                      token.finish_reason, self.worker_id)))
             if token.finish_reason:
-                out.append((BROKER, p.StageDone(self.worker_id, token.request_id, self.role, {}, finished=True)))
+                out.append(self._done(token.request_id, {}, True))
         for request_id, _reply_to, error_type, message in result.failed:
-            out.append(self._failed(request_id, self.role, error_type, message))
+            out.append(self.failure(request_id, self.role, error_type, message))
         return out

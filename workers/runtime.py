@@ -104,7 +104,8 @@ class WorkerRuntime:
             if isinstance(msg, p.Task):
                 self._credits_outstanding -= 1
                 if self.shutdown.requested:
-                    self._send([self.role._failed(msg.request_id, msg.stage, "worker_lost", "worker is draining")])
+                    self._send([self.role.failure(msg.request_id, msg.stage, "worker_lost", "worker is draining",
+                                                  attempt=msg.attempt)])
                     continue
                 self._tasks.add(msg.request_id)
                 self._send(self.role.accept(msg))
@@ -131,9 +132,10 @@ class WorkerRuntime:
 
     def _abort_remaining(self) -> None:
         for request_id in sorted(self._tasks):
+            report = self.role.failure(request_id, self.role.role, "worker_lost",
+                                       "worker shut down before the request finished")
             self.role.cancel(request_id)
-            self._send_broker(p.StageFailed(self.config.worker_id, request_id, self.role.role, "worker_lost",
-                                            "worker shut down before the request finished"))
+            self._send([report])
         self._tasks.clear()
 
     # ------------------------------------------------------------------ sending
