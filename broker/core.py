@@ -330,7 +330,7 @@ class BrokerCore:
                 request_id=request_id, stage=req.stage, model=model,
                 prompt_token_ids=spec.prompt_token_ids, sampling=spec.sampling, inputs=req.inputs,
                 reply_to=spec.reply_to, deadline=spec.deadline, attempt=req.attempts,
-                position_offset=spec.position_offset)))
+                position_offset=spec.position_offset, reply_key=spec.reply_key)))
         return out
 
     def _fail(self, req: RequestState, error_type: str, message: str, *, retry_after: float = 0.0,

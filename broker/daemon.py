@@ -15,6 +15,8 @@ import time
 import zmq
 
 from omnirelay.lifecycle import Shutdown, setup_logging
+from omnirelay.security import (CurveKeys, SecurityError, add_curve_arguments, keys_from_args,
+                                require_curve_off_loopback, start_authenticator)
 
 from . import protocol as p
 from .config import BrokerConfig
@@ -24,12 +26,16 @@ log = logging.getLogger("omnirelay.broker")
 
 
 class BrokerDaemon:
-    def __init__(self, config: BrokerConfig, shutdown: Shutdown | None = None):
+    def __init__(self, config: BrokerConfig, shutdown: Shutdown | None = None, keys: CurveKeys | None = None):
+        require_curve_off_loopback(keys, config.endpoint)
         self.config = config
         self.core = BrokerCore(config)
         self.shutdown = shutdown or Shutdown()
         self._ctx = zmq.Context()
+        self._auth = start_authenticator(self._ctx, keys) if keys else None
         self._sock = self._ctx.socket(zmq.ROUTER)
+        if keys:
+            keys.make_server(self._sock)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a reconnecting worker takes its identity back
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -55,6 +61,8 @@ class BrokerDaemon:
                     next_tick = now + tick_ms / 1000
         finally:
             self._sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
 
     def _drain_socket(self, budget: int = 4096) -> None:
@@ -98,11 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--liveness", type=float, default=BrokerConfig.liveness_s)
     parser.add_argument("--max-queue-per-role", type=int, default=BrokerConfig.max_queue_per_role)
     parser.add_argument("--log-level", default="INFO")
+    add_curve_arguments(parser, server=True, client=False)
     args = parser.parse_args(argv)
     setup_logging("omni-broker", args.log_level)
-    config = BrokerConfig(endpoint=args.endpoint, heartbeat_interval_s=args.heartbeat_interval,
-                          liveness_s=args.liveness, max_queue_per_role=args.max_queue_per_role)
-    daemon = BrokerDaemon(config, Shutdown().install())
+    try:
+        config = BrokerConfig(endpoint=args.endpoint, heartbeat_interval_s=args.heartbeat_interval,
+                              liveness_s=args.liveness, max_queue_per_role=args.max_queue_per_role)
+        keys = keys_from_args(args)
+        if keys is not None and not keys.authorized_dir:
+            raise SecurityError("the broker needs --curve-authorized-keys with --curve-secret-key")
+        daemon = BrokerDaemon(config, Shutdown().install(), keys)
+    except ValueError as exc:   # SecurityError included
+        parser.error(str(exc))
     print(f"omni-broker ready on {daemon.endpoint}", flush=True)
     daemon.run()
     return 0

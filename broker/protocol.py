@@ -235,6 +235,7 @@ class Submit(Message):
     deadline: float
     reply_to: str
     position_offset: int = 0
+    reply_key: str = ""        # CURVE public key (z85) of the reply_to socket; empty on loopback
 
 
 @_register
@@ -267,6 +268,7 @@ class Task(Message):
     deadline: float
     attempt: int = 0
     position_offset: int = 0
+    reply_key: str = ""
 
 
 @_register

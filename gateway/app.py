@@ -18,6 +18,7 @@ import time
 from aiohttp import web
 
 from omnirelay.errors import BadRequest, NotFound, OmniError, PayloadTooLarge, Unavailable
+from omnirelay.security import CurveKeys
 
 from . import generation
 from .bus import BusClient
@@ -30,11 +31,14 @@ log = logging.getLogger("omnirelay.gateway")
 CONFIG = web.AppKey("config", GatewayConfig)
 MODELS = web.AppKey("models", dict)
 BUS = web.AppKey("bus", BusClient)
+KEYS = web.AppKey("keys", object)
 
 
-def create_app(config: GatewayConfig) -> web.Application:
+def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Application:
+    """``keys``: CURVE material for the bus (required when the broker or the token socket is off loopback)."""
     app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
+    app[KEYS] = keys
     app[MODELS] = {m.name: ModelRuntime(m) for m in config.models}
     app.cleanup_ctx.append(_bus_context)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -47,7 +51,7 @@ def create_app(config: GatewayConfig) -> web.Application:
 
 async def _bus_context(app: web.Application):
     config = app[CONFIG]
-    bus = BusClient(config.broker, config.reply_host)
+    bus = BusClient(config.broker, config.reply_host, app[KEYS])
     await bus.start()
     app[BUS] = bus
     yield

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from omnirelay.broker import protocol as p
 from omnirelay.errors import DeadlineExceeded, OmniError, error_from_type
+from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -87,16 +88,26 @@ class RequestStream:
 
 
 class BusClient:
-    def __init__(self, broker_endpoint: str, reply_host: str = "127.0.0.1"):
+    def __init__(self, broker_endpoint: str, reply_host: str = "127.0.0.1", keys: CurveKeys | None = None):
+        require_curve_off_loopback(keys, broker_endpoint, f"tcp://{reply_host}:0")
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self._ctx = zmq.asyncio.Context()
+        self._keys = keys
+        self._auth = None
         self._dealer = self._ctx.socket(zmq.DEALER)
+        if keys:
+            keys.make_client(self._dealer)
         self._dealer.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.setsockopt(zmq.RECONNECT_IVL, 100)
         self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._dealer.connect(broker_endpoint)
         self._pull = self._ctx.socket(zmq.PULL)
+        self.reply_key = ""
+        if keys and keys.authorized_dir:
+            # Workers push tokens here: the same CURVE rule as the broker, with our own key.
+            keys.make_server(self._pull)
+            self.reply_key = keys.public.decode("ascii")
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 1_000_000)
         self._pull.bind(f"tcp://{reply_host}:*")
@@ -110,6 +121,8 @@ class BusClient:
     # ------------------------------------------------------------------ lifecycle (owned by the app)
 
     async def start(self) -> None:
+        if self._keys and self._keys.authorized_dir:
+            self._auth = start_authenticator(self._ctx, self._keys)
         self._tasks = [asyncio.create_task(self._read_broker(), name="bus-broker-reader"),
                        asyncio.create_task(self._read_tokens(), name="bus-token-reader"),
                        asyncio.create_task(self._hello_loop(), name="bus-hello")]
@@ -123,6 +136,8 @@ class BusClient:
             stream.on_error(OmniError("gateway is shutting down", request_id=stream.request_id))
         self._dealer.close(0)
         self._pull.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     # ------------------------------------------------------------------ requests

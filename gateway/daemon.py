@@ -11,13 +11,14 @@ from aiohttp import web
 
 from omnirelay.deploy.pipeline import default_llm_pipeline, load_pipeline
 from omnirelay.lifecycle import setup_logging
+from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 
 from .app import create_app
 from .config import GatewayConfig, ServedModel
 
 
-async def serve(config: GatewayConfig, ready_file: str | None = None) -> None:
-    app = create_app(config)
+async def serve(config: GatewayConfig, ready_file: str | None = None, keys: CurveKeys | None = None) -> None:
+    app = create_app(config, keys)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
     parser.add_argument("--log-level", default="INFO")
+    add_curve_arguments(parser, server=True, client=True)
     args = parser.parse_args(argv)
     setup_logging("omni-gateway", args.log_level)
     try:
@@ -62,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
                                 stages=pipeline.roles, max_model_len=args.max_model_len),),
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host,
             request_timeout_s=args.request_timeout)
-    except ValueError as exc:   # PipelineError included
+        keys = keys_from_args(args)
+        require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
+    except ValueError as exc:   # PipelineError and SecurityError included
         parser.error(str(exc))
-    asyncio.run(serve(config, args.ready_file))
+    asyncio.run(serve(config, args.ready_file, keys))
     return 0
 
 

@@ -105,7 +105,8 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                               model=gen.model.name, stages=list(gen.model.stages),
                               prompt_token_ids=gen.prompt_token_ids + generated,
                               sampling={**sampling, "max_tokens": gen.max_tokens - len(generated)},
-                              deadline=deadline, reply_to=bus.reply_to, position_offset=len(generated))
+                              deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
+                              position_offset=len(generated))
             stream = await bus.submit(submit)
             try:
                 async for event in stream.events():

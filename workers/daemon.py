@@ -17,6 +17,7 @@ import torch
 from omnirelay.connectors import create_connector
 from omnirelay.deploy.pipeline import PipelineError, default_llm_pipeline, load_pipeline
 from omnirelay.lifecycle import Shutdown, setup_logging
+from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 
 from .config import WorkerConfig
 from .decode import DecodeEngine
@@ -29,7 +30,8 @@ from .runtime import WorkerRuntime
 log = logging.getLogger("omnirelay.worker")
 
 
-def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None) -> WorkerRuntime:
+def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
+                  keys: CurveKeys | None = None) -> WorkerRuntime:
     dtype = getattr(torch, config.dtype)
     model = LlamaModel(config.model_path, dtype=dtype)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
@@ -57,7 +59,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None) -> Wor
                     **engine.stats, **_connector_stats(connector)}
     log.info("%s worker %s ready: model %s (%s), max_model_len %d", config.role, config.worker_id,
              config.model_path, config.dtype, max_model_len)
-    return WorkerRuntime(config, role, stats, shutdown)
+    return WorkerRuntime(config, role, stats, shutdown, keys)
 
 
 def _connector_stats(connector) -> dict:
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--log-level", default="INFO")
+    add_curve_arguments(parser, server=False, client=True)
     args = parser.parse_args(argv)
     setup_logging(f"omni-worker-{args.role}", args.log_level)
     # Several workers share the host's cores; one thread each keeps them from starving each other.
@@ -101,10 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size, connector=connector.type,
             connector_options=connector.options, heartbeat_interval_s=args.heartbeat_interval,
             drain_timeout_s=args.drain_timeout, dtype=args.dtype)
-    except (ValueError, json.JSONDecodeError, PipelineError) as exc:
+        keys = keys_from_args(args)
+        require_curve_off_loopback(keys, config.broker)
+    except (ValueError, json.JSONDecodeError, PipelineError) as exc:   # SecurityError included
         parser.error(str(exc))
     shutdown = Shutdown().install()
-    runtime = build_runtime(config, shutdown)
+    runtime = build_runtime(config, shutdown, keys)
     print(f"omni-worker {config.role} ready: {config.worker_id}", flush=True)
     runtime.run()
     return 0

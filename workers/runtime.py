@@ -25,6 +25,7 @@ import zmq
 
 from omnirelay.broker import protocol as p
 from omnirelay.lifecycle import Shutdown, ShutdownState
+from omnirelay.security import CurveKeys, is_loopback, require_curve_off_loopback
 
 from .config import WorkerConfig
 from .roles import BROKER, Outbound, RoleAdapter
@@ -33,20 +34,26 @@ log = logging.getLogger("omnirelay.worker")
 
 
 class WorkerRuntime:
-    def __init__(self, config: WorkerConfig, role: RoleAdapter, engine_stats, shutdown: Shutdown | None = None):
+    def __init__(self, config: WorkerConfig, role: RoleAdapter, engine_stats, shutdown: Shutdown | None = None,
+                 keys: CurveKeys | None = None):
         """``engine_stats()`` returns the counters and load figures that go into heartbeats."""
+        require_curve_off_loopback(keys, config.broker)
         self.config = config
         self.role = role
         self.engine_stats = engine_stats
         self.shutdown = shutdown or Shutdown()
+        self._keys = keys
         self._ctx = zmq.Context()
         self._broker = self._ctx.socket(zmq.DEALER)
+        if keys:
+            keys.make_client(self._broker)
         self._broker.setsockopt(zmq.IDENTITY, config.worker_id.encode())
         self._broker.setsockopt(zmq.LINGER, 1000)
         self._broker.setsockopt(zmq.RECONNECT_IVL, 100)
         self._broker.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._broker.connect(config.broker)
         self._gateways: dict[str, zmq.Socket] = {}
+        self._gateway_keys: dict[str, str] = {}   # reply_to → its CURVE public key (z85)
         self._credits_outstanding = 0
         self._tasks: set[str] = set()
 
@@ -61,6 +68,7 @@ class WorkerRuntime:
                 if self.shutdown.requested and drain_deadline is None:
                     self.shutdown.state = ShutdownState.STOPPING
                     drain_deadline = time.monotonic() + self.config.drain_timeout_s
+                    self._revoke_credits()
                     log.info("draining %d in-flight requests (timeout %.0fs)", len(self._tasks),
                              self.config.drain_timeout_s)
                 if drain_deadline is not None and (not self.role_has_work() or time.monotonic() > drain_deadline):
@@ -108,6 +116,8 @@ class WorkerRuntime:
                                                   attempt=msg.attempt)])
                     continue
                 self._tasks.add(msg.request_id)
+                if msg.reply_key:
+                    self._gateway_keys[msg.reply_to] = msg.reply_key
                 self._send(self.role.accept(msg))
             elif isinstance(msg, p.CancelTask):
                 self._tasks.discard(msg.request_id)
@@ -123,6 +133,12 @@ class WorkerRuntime:
         if room > 0:
             self._credits_outstanding += room
             self._send_broker(p.Credit(self.config.worker_id, room))
+
+    def _revoke_credits(self) -> None:
+        """Draining: take back the credits the broker still holds, so it sends no more tasks."""
+        if self._credits_outstanding > 0:
+            self._send_broker(p.Credit(self.config.worker_id, -self._credits_outstanding))
+            self._credits_outstanding = 0
 
     def _heartbeat(self) -> None:
         stats = self.engine_stats()
@@ -161,6 +177,13 @@ class WorkerRuntime:
         sock = self._gateways.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
+            reply_key = self._gateway_keys.get(endpoint)
+            if reply_key and self._keys:
+                self._keys.make_client(sock, server_key=reply_key.encode())
+            elif not is_loopback(endpoint):
+                log.error("refusing to send tokens to %s without CURVE", endpoint)
+                sock.close(0)
+                return
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 100_000)
             sock.connect(endpoint)

@@ -1,0 +1,135 @@
+"""A cluster of real daemons for tests: broker, workers and gateway as separate processes.
+
+Unlike ``omni-serve``, each piece is started and killed by the test on its own, which is what
+fault tests need (kill -9 a worker, restart the broker on the same endpoint). Every process runs in
+its own session, logs to a file under the test's directory, and is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+
+def free_tcp_endpoint() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], log_dir: str):
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.alive():
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.pid, signal.SIGKILL)
+            code = self.proc.wait(10)
+        self._log.close()
+        return code
+
+    def output(self) -> str:
+        with open(self.log_path) as handle:
+            return handle.read()
+
+
+class Cluster:
+    def __init__(self, model: str, log_dir: str, broker: str | None = None, model_name: str = "tiny-llm",
+                 curve: dict | None = None):
+        """``curve``: {"dir": keygen dir} → every process uses CURVE with the keys written there."""
+        self.model = model
+        self.model_name = model_name
+        self.log_dir = log_dir
+        self.broker_endpoint = broker or free_tcp_endpoint()
+        self.curve = curve
+        self.procs: list[Proc] = []
+        self.url: str | None = None
+        self._counter = 0
+
+    def _curve_args(self, name: str, server: bool, client: bool) -> list[str]:
+        if not self.curve:
+            return []
+        root = self.curve["dir"]
+        args = ["--curve-secret-key", os.path.join(root, f"{name}.key_secret")]
+        if client:
+            args += ["--curve-server-key", os.path.join(root, "broker.key")]
+        if server:
+            args += ["--curve-authorized-keys", os.path.join(root, "authorized")]
+        return args
+
+    def _start(self, name: str, argv: list[str]) -> Proc:
+        self._counter += 1
+        proc = Proc(f"{self._counter:02d}-{name}", argv, self.log_dir)
+        self.procs.append(proc)
+        return proc
+
+    def start_broker(self, *extra: str) -> Proc:
+        return self._start("broker", ["omnirelay.broker.daemon", "--endpoint", self.broker_endpoint,
+                                      "--log-level", "INFO", *self._curve_args("broker", True, False), *extra])
+
+    def start_worker(self, role: str, *extra: str) -> Proc:
+        return self._start(role, ["omnirelay.workers.daemon", "--role", role, "--model", self.model,
+                                  "--served-model-name", self.model_name, "--broker", self.broker_endpoint,
+                                  "--log-level", "INFO", *self._curve_args("worker", False, True), *extra])
+
+    def start_gateway(self, *extra: str) -> Proc:
+        ready = os.path.join(self.log_dir, f"gateway-{self._counter + 1}.url")
+        proc = self._start("gateway", ["omnirelay.gateway.daemon", "--model", self.model, "--served-model-name",
+                                       self.model_name, "--broker", self.broker_endpoint, "--port", "0",
+                                       "--ready-file", ready, "--log-level", "INFO",
+                                       *self._curve_args("gateway", True, True), *extra])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.alive():
+            if os.path.exists(ready):
+                with open(ready) as handle:
+                    self.url = handle.read().strip()
+                return proc
+            time.sleep(0.1)
+        raise RuntimeError(f"gateway did not start:\n{proc.output()[-3000:]}")
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("cluster not healthy:\n" + "\n".join(p.output()[-1500:] for p in self.procs))
+
+    def workers(self) -> list[dict]:
+        return requests.get(self.url + "/cluster", timeout=10).json()["workers"]
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.alive():
+                proc.proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            proc.stop(timeout=30)

@@ -1,0 +1,94 @@
+"""CURVE on the bus: unauthorised peers are refused, authorised ones served, and an endpoint off
+loopback is refused outright without keys."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+import zmq
+
+from omnirelay.broker import protocol as p
+from omnirelay.security import is_loopback, keygen_main
+
+from cluster import Cluster, free_tcp_endpoint
+
+
+@pytest.fixture
+def keys(tmp_path):
+    root = tmp_path / "keys"
+    assert keygen_main([str(root), "broker", "gateway", "worker"]) == 0
+    # An outsider: a valid key pair that is not in the authorised directory.
+    outsider = tmp_path / "outsider"
+    assert keygen_main([str(outsider), "intruder"]) == 0
+    return {"dir": str(root), "outsider": str(outsider / "intruder.key_secret")}
+
+
+def _status_query(endpoint: str, secret_file: str | None, server_file: str | None, timeout_ms: int = 1500):
+    import zmq.auth
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if secret_file:
+            public, secret = zmq.auth.load_certificate(secret_file)
+            sock.curve_secretkey, sock.curve_publickey = secret, public
+            sock.curve_serverkey = zmq.auth.load_certificate(server_file)[0]
+        sock.connect(endpoint)
+        sock.send_multipart(p.encode(p.StatusQuery(7)))
+        if not sock.poll(timeout_ms):
+            return None
+        return p.decode(sock.recv_multipart())
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_loopback_detection():
+    assert is_loopback("tcp://127.0.0.1:5555") and is_loopback("tcp://localhost:1") and is_loopback("ipc:///x")
+    assert is_loopback("tcp://[::1]:5555")
+    assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
+    assert not is_loopback("tcp://10.0.0.5:5555") and not is_loopback("tcp://broker.internal:5555")
+
+
+def test_broker_off_loopback_without_keys_refuses_to_start():
+    result = subprocess.run([sys.executable, "-m", "omnirelay.broker.daemon", "--endpoint", "tcp://0.0.0.0:0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "CURVE keys are required" in result.stderr
+
+
+def test_only_authorised_keys_reach_the_broker(keys, tmp_path):
+    cluster = Cluster(model=".", log_dir=str(tmp_path), broker=free_tcp_endpoint(), curve=keys)
+    broker = cluster.start_broker()
+    try:
+        authorised = None
+        for _ in range(20):   # the broker may still be starting
+            authorised = _status_query(cluster.broker_endpoint, f"{keys['dir']}/worker.key_secret",
+                                       f"{keys['dir']}/broker.key", timeout_ms=500)
+            if authorised is not None:
+                break
+        assert isinstance(authorised, p.StatusReply) and authorised.query_id == 7
+        assert _status_query(cluster.broker_endpoint, keys["outsider"], f"{keys['dir']}/broker.key") is None
+        assert _status_query(cluster.broker_endpoint, None, None) is None   # plain text: refused
+        assert broker.alive()
+    finally:
+        cluster.stop()
+
+
+def test_chat_end_to_end_with_curve(keys, tiny_model, tmp_path):
+    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path), curve=keys)
+    try:
+        cluster.start_broker()
+        cluster.start_worker("prefill")
+        cluster.start_worker("decode")
+        cluster.start_gateway()
+        cluster.wait_healthy()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        response = client.chat.completions.create(model="tiny-llm", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert response.usage.completion_tokens == 6
+    finally:
+        cluster.stop()
