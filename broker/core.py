@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import math
+import uuid
 import dataclasses
 import enum
 import logging
@@ -92,6 +93,7 @@ class BrokerCore:
         self.queues: dict[tuple[str, str], collections.deque[str]] = collections.defaultdict(collections.deque)
         self.counters: collections.Counter[str] = collections.Counter()
         self.gateways: dict[bytes, float] = {}   # identity → last hello, for gateways that say hello
+        self.broker_id = uuid.uuid4().hex
 
     # ------------------------------------------------------------------ entry points
 
@@ -133,6 +135,9 @@ class BrokerCore:
             # The same worker registering again has lost whatever it held (it restarted, or the
             # broker did and it reconnected): its old tasks are lost, but the role is still served.
             out += self._drop_worker(old, now)
+        # Requests the worker still runs that this broker does not know (it restarted and their
+        # gateways resume them elsewhere): stop them, so no compute is spent on orphans.
+        out += [(identity, p.CancelTask(rid)) for rid in msg.held if rid not in self.requests]
         self.counters["registrations"] += 1
         log.info("worker %s registered: role=%s model=%s capacity=%d", msg.worker_id, msg.role,
                  msg.model, msg.capacity)
@@ -255,7 +260,7 @@ class BrokerCore:
 
     def _on_gateway_hello(self, identity: bytes, msg: p.GatewayHello, now: float) -> list[Outgoing]:
         self.gateways[identity] = now
-        return []
+        return [(identity, p.HelloAck(self.broker_id))]
 
     def _expire_gateways(self, now: float) -> list[Outgoing]:
         """Requests of a gateway that stopped saying hello have nobody to stream to: drop them."""

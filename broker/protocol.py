@@ -25,6 +25,7 @@ StageDone             worker → broker         a stage finished; ``outputs`` ar
 StageFailed           worker → broker         a stage failed with a structured error
 Unregister            worker → broker         I am leaving (drain finished)
 GatewayHello          gateway → broker        I own requests; also my liveness ping
+HelloAck              broker → gateway        the broker's instance id (changes on restart)
 Submit                gateway → broker        a new request: stages, prompt, sampling, deadline
 Cancel                gateway → broker        drop a request everywhere (client went away, stop)
 StatusQuery           gateway → broker        who is alive?
@@ -161,6 +162,7 @@ class Register(Message):
     capacity: int
     pid: int = 0
     host: str = ""
+    held: list[str] = dataclasses.field(default_factory=list)   # requests still held (re-registration)
 
 
 @_register
@@ -281,6 +283,15 @@ class CancelTask(Message):
 class Reregister(Message):
     TAG = b"RREG"
     reason: str = ""
+
+
+@_register
+class HelloAck(Message):
+    """Answer to GatewayHello. ``broker_id`` changes when the broker restarts, which tells the
+    gateway that requests it submitted before are gone from the broker and must be resumed."""
+
+    TAG = b"HACK"
+    broker_id: str
 
 
 @_register

@@ -5,7 +5,8 @@ the gateway's ``/health`` answers 200 (every role has a live worker), then it pr
 listens. A child that exits during start-up, or a start-up longer than ``--stage-init-timeout``,
 fails with a message naming that child.
 
-Supervision and shutdown: SIGINT/SIGTERM (or any child dying) stops all children in order —
+Supervision: a child that dies is restarted (at most 5 times a minute, then omni-serve gives up).
+Shutdown: SIGINT/SIGTERM stops all children in order —
 gateway, workers (SIGTERM lets them drain), broker — each escalated to SIGKILL after a grace
 period; then the shared-memory segments owned by the children are swept and the run directory is
 removed. Children also get SIGKILL from the kernel if this launcher itself dies (PR_SET_PDEATHSIG),
@@ -41,8 +42,21 @@ def _die_with_parent() -> None:
 class Child:
     def __init__(self, name: str, argv: list[str], log_level: str):
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", *argv, "--log-level", log_level],
-                                     preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        self.argv = [sys.executable, "-m", *argv, "--log-level", log_level]
+        self.restarts: list[float] = []   # monotonic times of recent restarts
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+
+    def restart(self, now: float, window_s: float, limit: int) -> bool:
+        """Start the process again unless it already restarted ``limit`` times in ``window_s``."""
+        self.restarts = [t for t in self.restarts if now - t < window_s]
+        if len(self.restarts) >= limit:
+            return False
+        self.restarts.append(now)
+        self.proc = self._spawn()
+        return True
 
     @property
     def pid(self) -> int:
@@ -142,19 +156,33 @@ def main(argv: list[str] | None = None) -> int:
             exit_code = 1 if not shutdown.requested else 0
         else:
             print(f"omni-serve ready: {url} (model {served_name!r}, {model_dir})", flush=True)
-            while not shutdown.requested:
-                dead = [c for c in children if not c.alive()]
-                if dead:
-                    print(f"omni-serve: {dead[0].name} exited with code {dead[0].proc.returncode}; "
-                          "stopping", file=sys.stderr, flush=True)
-                    exit_code = 1
-                    break
-                shutdown.event.wait(0.5)
+            exit_code = _supervise(children, shutdown)
     finally:
         _stop_all(children, args.drain_timeout)
-        sweep_orphans(owners={c.pid for c in children})
+        sweep_orphans()   # every child is gone now: this takes all of their segments
         shutil.rmtree(run_dir, ignore_errors=True)
     return exit_code
+
+
+RESTART_WINDOW_S, RESTART_LIMIT = 60.0, 5
+
+
+def _supervise(children: list[Child], shutdown: Shutdown) -> int:
+    """Restart a child that dies (the broker and gateway are stateless for the rest: workers
+    re-register and gateways resume their streams); give up if one keeps dying."""
+    while not shutdown.requested:
+        for child in children:
+            if child.alive():
+                continue
+            code = child.proc.returncode
+            if not child.restart(time.monotonic(), RESTART_WINDOW_S, RESTART_LIMIT):
+                print(f"omni-serve: {child.name} exited with code {code} {RESTART_LIMIT} times within "
+                      f"{RESTART_WINDOW_S:.0f}s; stopping", file=sys.stderr, flush=True)
+                return 1
+            print(f"omni-serve: {child.name} exited with code {code}; restarted as pid {child.pid}",
+                  file=sys.stderr, flush=True)
+        shutdown.event.wait(0.5)
+    return 0
 
 
 def _wait_ready(children: list[Child], ready_file: str, timeout_s: float, shutdown: Shutdown) -> str | None:

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import DeadlineExceeded, OmniError, error_from_type
+from omnirelay.errors import DeadlineExceeded, OmniError, WorkerLost, error_from_type
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
 
 log = logging.getLogger("omnirelay.gateway")
@@ -117,6 +117,8 @@ class BusClient:
         self._query_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.malformed = 0
+        self.broker_id = ""
+        self.broker_restarts = 0
 
     # ------------------------------------------------------------------ lifecycle (owned by the app)
 
@@ -185,6 +187,10 @@ class BusClient:
                     stream.on_error(error_from_type(msg.error_type, msg.message, request_id=msg.request_id,
                                                     stage=msg.stage, retry_after=msg.retry_after,
                                                     resumable=msg.resumable))
+            elif isinstance(msg, p.HelloAck):
+                if self.broker_id and msg.broker_id != self.broker_id:
+                    self._on_broker_restart()
+                self.broker_id = msg.broker_id
             elif isinstance(msg, p.StatusReply):
                 future = self._status_waiters.get(msg.query_id)
                 if future is not None and not future.done():
@@ -205,6 +211,14 @@ class BusClient:
                 stream = self._streams.get(msg.request_id)
                 if stream is not None:
                     stream.on_delta(msg)
+
+    def _on_broker_restart(self) -> None:
+        """The broker restarted and forgot every request: each open stream resumes from the
+        position it reached (the generation loop resubmits prompt + tokens so far)."""
+        log.warning("broker restarted; resuming %d open requests", len(self._streams))
+        self.broker_restarts += 1
+        for stream in list(self._streams.values()):
+            stream.on_error(WorkerLost("broker restarted", request_id=stream.request_id, resumable=True))
 
     async def _hello_loop(self) -> None:
         while True:

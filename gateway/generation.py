@@ -15,6 +15,7 @@ with no duplicated or missing token. Leaving early (client gone, error) always c
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import random
@@ -31,7 +32,8 @@ from .models import ModelRuntime
 from .schema import GenerationRequest
 
 log = logging.getLogger("omnirelay.gateway")
-MAX_RESUMES = 2
+MAX_RESUMES = 3
+ADMISSION_RETRY_S = 5.0   # how long a request waits for a role that has no live worker
 
 
 @dataclasses.dataclass
@@ -98,11 +100,16 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
     detok = IncrementalDetokenizer(gen.model.tokenizer, gen.request.stop)
     generated: list[int] = []
     sampling = _sampling(gen, 0)
+    submissions = 0
+    retry_unavailable_until = time.monotonic() + ADMISSION_RETRY_S
+    upstream_id = gen.request_id
     done = False
     try:
         while True:
-            submit = p.Submit(request_id=gen.request_id if not gen.resumes else f"{gen.request_id}.r{gen.resumes}",
-                              model=gen.model.name, stages=list(gen.model.stages),
+            # Each submission has its own id, so late tokens of an abandoned one are never mixed in.
+            upstream_id = gen.request_id if not submissions else f"{gen.request_id}.{submissions}"
+            submissions += 1
+            submit = p.Submit(request_id=upstream_id, model=gen.model.name, stages=list(gen.model.stages),
                               prompt_token_ids=gen.prompt_token_ids + generated,
                               sampling={**sampling, "max_tokens": gen.max_tokens - len(generated)},
                               deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
@@ -115,7 +122,7 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                     detok.add(event.tokens, final=bool(event.finish_reason))
                     if detok.stopped:
                         done = True
-                        await bus.cancel(stream.request_id, "stop string")
+                        await bus.cancel(upstream_id, "stop string")
                         yield TextChunk(detok.take(final=True), event.tokens, "stop")
                         return
                     if event.finish_reason:
@@ -124,19 +131,23 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                         return
                     yield TextChunk(detok.take(), event.tokens)
             except OmniError as exc:
-                bus.forget(stream.request_id)
                 if exc.resumable and gen.resumes < MAX_RESUMES:
                     gen.resumes += 1
                     log.warning("%s: %s; resuming at position %d", gen.request_id, exc, len(generated))
                     continue
+                pause = min(max(exc.retry_after, 0.2), 1.0)
+                if (exc.error_type == "unavailable" and time.monotonic() + pause < retry_unavailable_until
+                        and time.time() + pause < deadline):
+                    # A role briefly without workers (a restart in progress): wait for it to return.
+                    await asyncio.sleep(pause)
+                    continue
                 exc.request_id = gen.request_id
                 raise
             finally:
-                bus.forget(stream.request_id)
+                bus.forget(upstream_id)
     finally:
         if not done:
-            current = gen.request_id if not gen.resumes else f"{gen.request_id}.r{gen.resumes}"
-            await bus.cancel(current, "client left or request failed")
+            await bus.cancel(upstream_id, "client left or request failed")
 
 
 def now() -> int:

@@ -96,7 +96,7 @@ class WorkerRuntime:
         self._credits_outstanding = 0
         self._send_broker(p.Register(worker_id=self.config.worker_id, role=self.config.role,
                                      model=self.config.model_name, capacity=self.config.capacity,
-                                     pid=os.getpid(), host=socket.gethostname()))
+                                     pid=os.getpid(), host=socket.gethostname(), held=sorted(self._tasks)))
 
     def _handle_broker_messages(self, budget: int = 256) -> None:
         for _ in range(budget):
