@@ -19,7 +19,7 @@ from cluster import Cluster
 N_REQUESTS, CONCURRENCY, MAX_TOKENS = 64, 8, 24
 REQUEST_TIMEOUT_S = 60.0
 TOPICS = ["the sea", "a cat", "rain", "trains", "bread", "the moon", "music", "winter"]
-PROMPTS = [f"Request {i}: say something about {TOPICS[i % len(TOPICS)]}." for i in range(N_REQUESTS)]
+PROMPTS = [f"Request {i}: say something about {TOPICS[i % len(TOPICS)]}." for i in range(4 * N_REQUESTS)]
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,9 @@ async def _one(client, prompt: str) -> tuple[str, list[int] | str]:
         return ("error" if structured else "unstructured"), f"{exc.status_code} {body}"
 
 
-async def _load(url: str, fault=None, after: int = 16) -> list[tuple[str, list[int] | str]]:
-    """Run the load; call ``fault()`` once ``after`` requests have completed."""
-    results: list = [None] * N_REQUESTS
+async def _load(url: str, fault=None, after: int = 16, n: int = N_REQUESTS) -> list[tuple[str, list[int] | str]]:
+    """Run ``n`` requests; call ``fault()`` (in a thread) once ``after`` of them have completed."""
+    results: list = [None] * n
     done = 0
     fired = asyncio.Event()
     semaphore = asyncio.Semaphore(CONCURRENCY)
@@ -55,7 +55,7 @@ async def _load(url: str, fault=None, after: int = 16) -> list[tuple[str, list[i
                 fired.set()
                 await asyncio.to_thread(fault)
 
-        await asyncio.gather(*(worker(i) for i in range(N_REQUESTS)))
+        await asyncio.gather(*(worker(i) for i in range(n)))
     return results
 
 
@@ -89,7 +89,7 @@ def _assert_contract(name: str, counts: dict[str, int]) -> None:
     print(f"\n{name}: {counts}")
     assert counts["hung"] == 0 and counts["lost"] == 0 and counts["unstructured"] == 0, counts
     assert counts["wrong"] == 0, counts
-    assert counts["completed"] + counts["error"] == N_REQUESTS
+    assert counts["completed"] + counts["error"] == sum(counts.values())
 
 
 def _victim(cluster: Cluster, role: str):
@@ -138,3 +138,38 @@ def test_kill9_broker_and_restart_under_load(cluster):
     _assert_contract("kill -9 broker + restart", counts)
     assert gap.get("seconds", 99) < 5.0
     assert "broker restarted; resuming" in "".join(proc.output() for proc in cluster.procs)
+
+
+def test_sigterm_drains_a_worker_and_a_new_one_takes_work(cluster):
+    """SIGTERM → the worker stops taking work, finishes what it holds, unregisters, exits 0; a
+    worker that joins under load gets work; no request fails."""
+    n = 4 * N_REQUESTS   # long enough that the newcomer starts up while the load still runs
+    baseline = [tokens for _, tokens in asyncio.run(_load(cluster.url, n=n))]
+    leaving = _victim(cluster, "decode")
+    joined: dict = {}
+
+    def drain_one_and_add_one() -> None:
+        joined["proc"] = cluster.start_worker("decode", "--capacity", "16")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(w["pid"] == joined["proc"].pid for w in cluster.workers()):
+                break
+            time.sleep(0.2)
+        joined["registered_at"] = time.monotonic()
+        leaving.proc.send_signal(15)
+
+    results = asyncio.run(_load(cluster.url, fault=drain_one_and_add_one, after=4, n=n))
+    assert joined["registered_at"], "the new worker never registered"
+    counts = _classify(results, baseline)
+    _assert_contract("drain one decode, add one", counts)
+    assert sum(counts.values()) == n
+    assert counts["error"] == 0
+    assert leaving.proc.wait(30) == 0
+    assert "unregistered" in "".join(proc.output() for proc in cluster.procs)
+    # The newcomer registered and decoded part of the load.
+    newcomer = next(w for w in cluster.workers() if w["pid"] == joined["proc"].pid)
+    deadline = time.monotonic() + 5
+    while newcomer["stats"].get("decode_tokens", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        newcomer = next(w for w in cluster.workers() if w["pid"] == joined["proc"].pid)
+    assert newcomer["stats"].get("decode_tokens", 0) > 0
