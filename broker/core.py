@@ -121,7 +121,8 @@ class BrokerCore:
 
     def status(self, now: float) -> p.StatusReply:
         return p.StatusReply(query_id=0, workers=[w.describe(now) for w in self.workers.values()],
-                             queued={f"{m}/{r}": len(q) for (m, r), q in self.queues.items()})
+                             queued={f"{m}/{r}": len(q) for (m, r), q in self.queues.items()},
+                             counters=dict(self.counters))
 
     # ------------------------------------------------------------------ workers
 
@@ -350,12 +351,17 @@ class BrokerCore:
     def _release(self, req: RequestState) -> list[Outgoing]:
         """Take ``req`` out of its queue or off its worker (telling the worker to drop it)."""
         queue = self.queues.get((req.spec.model, req.stage))
-        if req.phase is Phase.QUEUED and queue is not None:
-            try:
+        if req.phase is Phase.QUEUED:
+            if queue is not None and req.spec.request_id in queue:
                 queue.remove(req.spec.request_id)
-            except ValueError:
-                pass
-            return []
+            if not req.inputs:
+                return []
+            # Data a finished stage left for this one: any worker of the consuming role can delete it.
+            consumers = [w for w in self.workers.values() if w.model == req.spec.model and w.role == req.stage]
+            if not consumers:
+                return []
+            consumer = min(consumers, key=lambda w: len(w.tasks))
+            return [(consumer.identity, p.CancelTask(req.spec.request_id, inputs=req.inputs))]
         worker = self.workers.get(req.worker_id or "")
         if worker is None:
             return []

@@ -275,8 +275,13 @@ class Task(Message):
 
 @_register
 class CancelTask(Message):
+    """Drop a request. ``inputs`` (connector handles a finished stage produced for this worker's
+    role) are sent when the request dies between stages: the receiver deletes those keys, so a
+    cancelled request's data does not wait for its TTL."""
+
     TAG = b"CTSK"
     request_id: str
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @_register
@@ -314,6 +319,7 @@ class StatusReply(Message):
     query_id: int
     workers: list[dict[str, Any]]
     queued: dict[str, int] = dataclasses.field(default_factory=dict)
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @_register

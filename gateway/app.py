@@ -243,4 +243,4 @@ async def cluster(request: web.Request) -> web.Response:
     status = await request.app[BUS].status(request.app[CONFIG].status_timeout_s)
     if status is None:
         raise Unavailable("broker did not answer", retry_after=1)
-    return web.json_response({"workers": status.workers, "queued": status.queued})
+    return web.json_response({"workers": status.workers, "queued": status.queued, "broker": status.counters})

@@ -526,3 +526,12 @@ def test_non_finite_deadline_is_rejected(core):
     pipeline(core)
     (fail,) = failures(submit(core, "r2", deadline=float("nan")))
     assert fail.error_type == "bad_request"
+
+
+def test_cancel_between_stages_tells_a_consumer_to_delete_the_handoff(core):
+    pipeline(core, pre_credits=1, dec_credits=0)
+    handles = {"kv_key": "kv/r1/0", "kv_handle": {"segment": "x"}, "first_token": 5}
+    done(core, b"pre", "r1", "prefill", outputs=handles)          # queued for decode, no credit yet
+    out = core.on_message(GW, p.Cancel("r1"), 0.0)
+    (cancel,) = of_type(out, p.CancelTask)
+    assert cancel[0] == b"dec" and cancel[1].inputs == handles

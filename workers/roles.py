@@ -19,6 +19,13 @@ Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
 
 class RoleAdapter:
     role = ""
+    connector = None   # the connector this role reads its inputs from, if any
+
+    def release_inputs(self, inputs: dict) -> None:
+        """Delete connector keys a previous stage produced for a request that died in between."""
+        key = inputs.get("kv_key")
+        if self.connector is not None and isinstance(key, str) and key:
+            self.connector.delete(key)
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
@@ -80,6 +87,7 @@ class DecodeRole(RoleAdapter):
     def __init__(self, worker_id: str, engine: DecodeEngine):
         super().__init__(worker_id)
         self.engine = engine
+        self.connector = engine.connector
 
     def accept(self, task: p.Task) -> list[Outbound]:
         inputs = task.inputs
