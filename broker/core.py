@@ -79,6 +79,7 @@ class RequestState:
     phase: Phase = Phase.QUEUED
     worker_id: str | None = None
     attempts: int = 0
+    dispatched_at: float = 0.0
 
     @property
     def stage(self) -> str:
@@ -94,10 +95,12 @@ class BrokerCore:
         self.counters: collections.Counter[str] = collections.Counter()
         self.gateways: dict[bytes, float] = {}   # identity → last hello, for gateways that say hello
         self.broker_id = uuid.uuid4().hex
+        self._now = 0.0   # time of the event being handled (stamps dispatches)
 
     # ------------------------------------------------------------------ entry points
 
     def on_message(self, identity: bytes, msg: p.Message, now: float) -> list[Outgoing]:
+        self._now = now
         if identity in self.gateways:
             self.gateways[identity] = now
         handler = self._handlers.get(type(msg))
@@ -108,6 +111,7 @@ class BrokerCore:
 
     def tick(self, now: float) -> list[Outgoing]:
         """Expire silent workers and fail requests past their deadline."""
+        self._now = now
         out: list[Outgoing] = []
         for worker in [w for w in self.workers.values() if now - w.last_seen > self.config.liveness_s]:
             log.warning("worker %s (%s, pid %d) missed heartbeats; dropping it", worker.worker_id,
@@ -222,6 +226,7 @@ class BrokerCore:
             return []
         worker.tasks.discard(msg.request_id)
         self.counters[f"stage_done:{msg.stage}"] += 1
+        self.counters[f"stage_seconds:{msg.stage}"] += int((now - req.dispatched_at) * 1e6)  # µs: counters are ints
         if msg.finished or req.stage_index + 1 >= len(req.spec.stages):
             del self.requests[msg.request_id]
             self.counters["requests_finished"] += 1
@@ -330,7 +335,7 @@ class BrokerCore:
             worker = min(candidates, key=lambda w: (len(w.tasks), -w.credits))
             worker.credits -= 1
             worker.tasks.add(request_id)
-            req.phase, req.worker_id = Phase.RUNNING, worker.worker_id
+            req.phase, req.worker_id, req.dispatched_at = Phase.RUNNING, worker.worker_id, self._now
             spec = req.spec
             out.append((worker.identity, p.Task(
                 request_id=request_id, stage=req.stage, model=model,

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (stages, connectors, edges)")
     parser.add_argument("--stage-init-timeout", type=float, default=300.0)
     parser.add_argument("--drain-timeout", type=float, default=5.0)
+    parser.add_argument("--api-key", default=None, help="bearer token the gateway requires on /v1 routes")
+    parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
 
@@ -149,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         children.append(Child("gateway", [
             "omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
             "--port", str(args.port), "--max-model-len", str(args.max_model_len),
-            "--ready-file", ready_file, *pipeline_args], args.log_level))
+            "--ready-file", ready_file, *pipeline_args,
+            *(["--api-key", args.api_key] if args.api_key else []),
+            *(["--disable-log-requests"] if args.disable_log_requests else [])], args.log_level))
 
         url = _wait_ready(children, ready_file, args.stage_init_timeout, shutdown)
         if url is None:

@@ -2,7 +2,11 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as SSE ending
 ``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only while every role
-each model needs has a live worker), ``GET /cluster`` (the broker's view: workers, load, counters).
+each model needs has a live worker), ``GET /cluster`` (the broker's view: workers, load, counters),
+``GET /metrics`` (Prometheus).
+
+With an API key configured, every ``/v1`` route needs ``Authorization: Bearer <key>`` (compared in
+constant time); the probes (/health, /metrics, /cluster) stay open unless ``protect_probes``.
 
 State hangs off the app under typed keys; the bus client lives in a cleanup context, so it is
 started only if the app starts and closed exactly once. Every error leaves as an OpenAI-style body
@@ -11,18 +15,20 @@ started only if the app starts and closed exactly once. Every error leaves as an
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
 
 from aiohttp import web
 
-from omnirelay.errors import BadRequest, NotFound, OmniError, PayloadTooLarge, Unavailable
+from omnirelay.errors import BadRequest, NotFound, OmniError, PayloadTooLarge, Unauthorized, Unavailable
 from omnirelay.security import CurveKeys
 
 from . import generation
 from .bus import BusClient
 from .config import GatewayConfig
+from .metrics import GatewayMetrics
 from .models import ModelRuntime
 from .schema import parse_chat, parse_completion
 
@@ -32,13 +38,16 @@ CONFIG = web.AppKey("config", GatewayConfig)
 MODELS = web.AppKey("models", dict)
 BUS = web.AppKey("bus", BusClient)
 KEYS = web.AppKey("keys", object)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+_PROBES = ("/health", "/metrics", "/cluster")
 
 
 def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Application:
     """``keys``: CURVE material for the bus (required when the broker or the token socket is off loopback)."""
-    app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[_errors, _authenticate], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[KEYS] = keys
+    app[METRICS] = GatewayMetrics()
     app[MODELS] = {m.name: ModelRuntime(m) for m in config.models}
     app.cleanup_ctx.append(_bus_context)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -46,6 +55,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -84,6 +94,17 @@ async def _errors(request: web.Request, handler):
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return _error_response(OmniError("internal server error"))
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler):
+    config = request.app[CONFIG]
+    if config.api_key and (request.path.startswith("/v1/") or (config.protect_probes and request.path in _PROBES)):
+        supplied = request.headers.get("Authorization", "")
+        expected = f"Bearer {config.api_key}"
+        if not hmac.compare_digest(supplied.encode(), expected.encode()):
+            raise Unauthorized("missing or invalid API key (Authorization: Bearer …)")
+    return await handler(request)
 
 
 async def _json_body(request: web.Request):
@@ -152,28 +173,51 @@ def _usage(gen: generation.Generation) -> dict:
 
 
 async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web.StreamResponse:
-    config = request.app[CONFIG]
-    bus = request.app[BUS]
-    deadline = time.time() + config.request_timeout_s
-    created = generation.now()
-    base = {"id": gen.request_id, "created": created, "model": gen.model.name}
-    if not gen.request.stream:
-        texts, token_ids, finish = [], [], "stop"
-        async for chunk in generation.run(bus, gen, deadline):
-            texts.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
-            finish = chunk.finish_reason or finish
-        choice = fmt.full("".join(texts), finish)
-        if gen.request.return_token_ids:
-            choice["token_ids"] = token_ids
-            choice["prompt_token_ids"] = gen.prompt_token_ids
-        body = {**base, "object": fmt.object_full, "choices": [choice], "usage": _usage(gen)}
-        return web.json_response(body, headers={"X-Request-Id": gen.request_id})
+    timer = request.app[METRICS].timer(gen.model.name)
+    outcome = "cancelled"
+    try:
+        if gen.request.stream:
+            response = await _respond_stream(request, gen, fmt, timer)
+        else:
+            response = await _respond_full(request, gen, fmt, timer)
+        outcome = "ok"
+        return response
+    except OmniError as exc:
+        outcome = exc.error_type
+        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        raise
+    finally:
+        timer.finish(gen.prompt_tokens, gen.completion_tokens, outcome, gen.resumes)
+        if not request.app[CONFIG].disable_log_requests:
+            log.info("request %s model=%s stages=%s prompt_tokens=%d completion_tokens=%d resumes=%d "
+                     "outcome=%s e2e=%.3fs", gen.request_id, gen.model.name, "+".join(gen.model.stages),
+                     gen.prompt_tokens, gen.completion_tokens, gen.resumes, outcome, timer.elapsed())
 
+
+async def _respond_full(request: web.Request, gen: generation.Generation, fmt, timer) -> web.Response:
+    deadline = time.time() + request.app[CONFIG].request_timeout_s
+    texts, token_ids, finish = [], [], "stop"
+    async for chunk in generation.run(request.app[BUS], gen, deadline):
+        timer.tokens(len(chunk.token_ids))
+        texts.append(chunk.text)
+        token_ids.extend(chunk.token_ids)
+        finish = chunk.finish_reason or finish
+    choice = fmt.full("".join(texts), finish)
+    if gen.request.return_token_ids:
+        choice["token_ids"] = token_ids
+        choice["prompt_token_ids"] = gen.prompt_token_ids
+    body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": fmt.object_full,
+            "choices": [choice], "usage": _usage(gen)}
+    return web.json_response(body, headers={"X-Request-Id": gen.request_id})
+
+
+async def _respond_stream(request: web.Request, gen: generation.Generation, fmt, timer) -> web.StreamResponse:
+    deadline = time.time() + request.app[CONFIG].request_timeout_s
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": gen.request_id})
     include_usage = gen.request.include_usage
-    chunk_base = {**base, "object": fmt.object_chunk}
+    chunk_base = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
+                  "object": fmt.object_chunk}
 
     async def send(choices: list, usage: dict | None = None) -> None:
         payload = {**chunk_base, "choices": choices}
@@ -181,7 +225,7 @@ async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web
             payload["usage"] = usage
         await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
-    stream = generation.run(bus, gen, deadline)
+    stream = generation.run(request.app[BUS], gen, deadline)
     try:
         first = await anext(stream)   # errors before the first token still get a proper status
     except StopAsyncIteration:
@@ -192,6 +236,7 @@ async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web
             await send([fmt.first_delta()])
         chunk = first
         while chunk is not None:
+            timer.tokens(len(chunk.token_ids))
             if chunk.text or chunk.finish_reason:
                 choice = fmt.delta(chunk.text, chunk.finish_reason or None)
                 if gen.request.return_token_ids:
@@ -201,7 +246,9 @@ async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web
         if include_usage:
             await send([], _usage(gen))
     except OmniError as exc:
+        # Headers are gone: the error travels as the last event, in the same body shape.
         exc.request_id = exc.request_id or gen.request_id
+        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
         await response.write(b"data: " + json.dumps(exc.to_body()).encode() + b"\n\n")
     finally:
         await stream.aclose()
@@ -237,6 +284,15 @@ async def health(request: web.Request) -> web.Response:
     if missing:
         raise Unavailable(f"no live worker for {missing}", retry_after=1)
     return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[METRICS]
+    status = await request.app[BUS].status(request.app[CONFIG].status_timeout_s)
+    if status is not None:   # without the broker, the gateway's own figures are still worth serving
+        registry.update_cluster(status)
+    return web.Response(body=registry.render(), content_type="text/plain", charset="utf-8",
+                        headers={"X-Broker-Reachable": "1" if status is not None else "0"})
 
 
 async def cluster(request: web.Request) -> web.Response:

@@ -27,6 +27,9 @@ class GatewayConfig:
     request_timeout_s:   deadline of a request from arrival to its last token.
     max_body_bytes:      largest accepted request body.
     status_timeout_s:    how long /health waits for the broker's answer.
+    api_key:             when set, /v1 routes need ``Authorization: Bearer <api_key>``.
+    protect_probes:      with an API key, /health, /metrics and /cluster need it too.
+    disable_log_requests: no per-request log line.
     """
 
     models: tuple[ServedModel, ...]
@@ -37,6 +40,9 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
     status_timeout_s: float = 2.0
+    api_key: str | None = None
+    protect_probes: bool = False
+    disable_log_requests: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-host", default="127.0.0.1", help="address workers use to reach this gateway")
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--api-key", default=os.environ.get("OMNIRELAY_API_KEY"),
+                        help="require this bearer token on /v1 routes (default: $OMNIRELAY_API_KEY)")
+    parser.add_argument("--protect-probes", action="store_true", help="with --api-key, also protect /health, "
+                        "/metrics and /cluster")
+    parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
     parser.add_argument("--log-level", default="INFO")
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             models=(ServedModel(name=args.served_model_name or args.model, path=os.path.abspath(args.model),
                                 stages=pipeline.roles, max_model_len=args.max_model_len),),
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host,
-            request_timeout_s=args.request_timeout)
+            request_timeout_s=args.request_timeout, api_key=args.api_key or None,
+            protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
     except ValueError as exc:   # PipelineError and SecurityError included

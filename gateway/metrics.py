@@ -1,0 +1,142 @@
+"""Prometheus metrics of the gateway and, at scrape time, of the cluster behind it.
+
+Names follow vLLM where vLLM has the metric, so existing dashboards work: ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``, ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+``vllm:kv_cache_usage_perc``. Ours carry the ``omnirelay_`` prefix: per-role queue depth, live
+workers, per-stage latency (from the broker), connector bytes and transfers (from the workers'
+heartbeats), rejections, retries, migrations (resumed streams) and cancellations.
+
+Request figures are observed by :class:`RequestTimer`, a hook the HTTP layer calls at arrival, at
+each chunk and at the end; nothing here runs inside a worker's decode loop. Cluster figures are
+refreshed from one broker status query per scrape.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from omnirelay.broker.protocol import StatusReply
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens", m,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", m, registry=r)
+        self.requests = Counter("omnirelay_requests", "Requests finished, by outcome", ["model_name", "outcome"],
+                                registry=r)
+        self.errors = Counter("omnirelay_request_errors", "Failed requests by error type and stage",
+                              ["error_type", "stage"], registry=r)
+        self.migrations = Counter("omnirelay_stream_migrations", "Streams resumed on another worker", registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in a decode batch", registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued in the broker or a worker", registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of decode KV blocks in use (0-1)", registry=r)
+        self.queue_depth = Gauge("omnirelay_queue_depth", "Broker queue depth", ["model", "role"], registry=r)
+        self.live_workers = Gauge("omnirelay_live_workers", "Registered workers", ["model", "role"], registry=r)
+        self.connector_bytes = Gauge("omnirelay_connector_bytes", "Bytes moved through connectors (cumulative)",
+                                     ["role", "direction"], registry=r)
+        self.connector_transfers = Gauge("omnirelay_connector_transfers", "Connector puts/gets (cumulative)",
+                                         ["role", "direction"], registry=r)
+        self.stage_seconds = Gauge("omnirelay_stage_latency_seconds_sum", "Total time stages ran, per stage",
+                                   ["stage"], registry=r)
+        self.stage_count = Gauge("omnirelay_stage_latency_seconds_count", "Stages completed, per stage",
+                                 ["stage"], registry=r)
+        self.broker_events = Gauge("omnirelay_broker_events", "Broker counters (rejections, retries, "
+                                   "cancellations, expirations, malformed messages)", ["event"], registry=r)
+
+    def timer(self, model: str) -> "RequestTimer":
+        return RequestTimer(self, model)
+
+    def update_cluster(self, status: StatusReply) -> None:
+        """Refresh the cluster gauges from one broker status reply."""
+        running = waiting = used = total = 0
+        for gauge in (self.live_workers, self.queue_depth, self.connector_bytes, self.connector_transfers,
+                      self.stage_seconds, self.stage_count, self.broker_events):
+            gauge.clear()
+        sums: dict[tuple, float] = {}
+        for worker in status.workers:
+            self.live_workers.labels(worker["model"], worker["role"]).inc()
+            stats = worker.get("stats", {})
+            waiting += worker.get("waiting", 0)
+            if worker["role"] == "decode":
+                running += worker.get("running", 0)
+                blocks = stats.get("kv_blocks_total", 0)
+                total += blocks
+                used += blocks - max(0, worker.get("free_kv_blocks", 0))
+            for direction, bytes_key, count_key in (("out", "connector_bytes_put", "connector_puts"),
+                                                    ("in", "connector_bytes_got", "connector_gets")):
+                sums[("bytes", worker["role"], direction)] = sums.get(("bytes", worker["role"], direction), 0) \
+                    + stats.get(bytes_key, 0)
+                sums[("count", worker["role"], direction)] = sums.get(("count", worker["role"], direction), 0) \
+                    + stats.get(count_key, 0)
+        for (kind, role, direction), value in sums.items():
+            (self.connector_bytes if kind == "bytes" else self.connector_transfers).labels(role, direction).set(value)
+        for key, depth in status.queued.items():
+            model, _, role = key.rpartition("/")
+            self.queue_depth.labels(model, role).set(depth)
+            waiting += depth
+        for name, value in status.counters.items():
+            if name.startswith("stage_seconds:"):
+                self.stage_seconds.labels(name.split(":", 1)[1]).set(value / 1e6)
+            elif name.startswith("stage_done:"):
+                self.stage_count.labels(name.split(":", 1)[1]).set(value)
+            else:
+                self.broker_events.labels(name).set(value)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(used / total if total else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one request: call :meth:`tokens` per arriving chunk and :meth:`finish` once."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str):
+        self._metrics = metrics
+        self._model = model
+        self._start = time.monotonic()
+        self._last: float | None = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        labels = self._metrics.ttft.labels(self._model)
+        if self._last is None:
+            labels.observe(now - self._start)
+            count -= 1
+        elif count > 0:
+            gap = (now - self._last) / count
+            itl = self._metrics.itl.labels(self._model)
+            for _ in range(count):
+                itl.observe(gap)
+        self._last = now
+
+    def finish(self, prompt_tokens: int, completion_tokens: int, outcome: str, resumes: int = 0) -> None:
+        m = self._metrics
+        m.e2e.labels(self._model).observe(time.monotonic() - self._start)
+        m.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        m.generation_tokens.labels(self._model).inc(completion_tokens)
+        m.requests.labels(self._model, outcome).inc()
+        if resumes:
+            m.migrations.inc(resumes)
