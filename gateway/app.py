@@ -29,6 +29,7 @@ from . import generation
 from .bus import BusClient
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
+from .openapi import build_openapi
 from .models import ModelRuntime
 from .schema import parse_chat, parse_completion
 
@@ -56,6 +57,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 
@@ -284,6 +286,11 @@ async def health(request: web.Request) -> web.Response:
     if missing:
         raise Unavailable(f"no live worker for {missing}", retry_after=1)
     return web.json_response({"status": "ok"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    max_len = min(m.max_model_len for m in request.app[MODELS].values())
+    return web.json_response(build_openapi(max_len, sorted(request.app[MODELS])))
 
 
 async def metrics(request: web.Request) -> web.Response:
