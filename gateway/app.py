@@ -3,7 +3,7 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as SSE ending
 ``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only while every role
 each model needs has a live worker), ``GET /cluster`` (the broker's view: workers, load, counters),
-``GET /metrics`` (Prometheus).
+``GET /metrics`` (Prometheus), ``GET /status`` (a live page) and ``GET /openapi.json``.
 
 With an API key configured, every ``/v1`` route needs ``Authorization: Bearer <key>`` (compared in
 constant time); the probes (/health, /metrics, /cluster) stay open unless ``protect_probes``.
@@ -30,6 +30,7 @@ from .bus import BusClient
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
 from .openapi import build_openapi
+from .status_page import STATUS_HTML, StatusHistory
 from .models import ModelRuntime
 from .schema import parse_chat, parse_completion
 
@@ -40,7 +41,8 @@ MODELS = web.AppKey("models", dict)
 BUS = web.AppKey("bus", BusClient)
 KEYS = web.AppKey("keys", object)
 METRICS = web.AppKey("metrics", GatewayMetrics)
-_PROBES = ("/health", "/metrics", "/cluster")
+HISTORY = web.AppKey("history", StatusHistory)
+_PROBES = ("/health", "/metrics", "/cluster", "/status", "/status.json")
 
 
 def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Application:
@@ -58,6 +60,8 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app.router.add_get("/cluster", cluster)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/status", status_page)
+    app.router.add_get("/status.json", status_json)
     return app
 
 
@@ -66,7 +70,11 @@ async def _bus_context(app: web.Application):
     bus = BusClient(config.broker, config.reply_host, app[KEYS])
     await bus.start()
     app[BUS] = bus
+    history = StatusHistory(bus, app[METRICS])
+    history.start()
+    app[HISTORY] = history
     yield
+    await history.stop()
     await bus.close()
 
 
@@ -286,6 +294,14 @@ async def health(request: web.Request) -> web.Response:
     if missing:
         raise Unavailable(f"no live worker for {missing}", retry_after=1)
     return web.json_response({"status": "ok"})
+
+
+async def status_page(request: web.Request) -> web.Response:
+    return web.Response(text=STATUS_HTML, content_type="text/html")
+
+
+async def status_json(request: web.Request) -> web.Response:
+    return web.json_response(request.app[HISTORY].snapshot())
 
 
 async def openapi(request: web.Request) -> web.Response:

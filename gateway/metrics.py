@@ -14,6 +14,7 @@ refreshed from one broker status query per scrape.
 
 from __future__ import annotations
 
+import collections
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -56,6 +57,8 @@ class GatewayMetrics:
                                    ["stage"], registry=r)
         self.stage_count = Gauge("omnirelay_stage_latency_seconds_count", "Stages completed, per stage",
                                  ["stage"], registry=r)
+        # Plain running totals for the status page's rates (the Prometheus objects keep theirs private).
+        self.totals: collections.Counter[str] = collections.Counter()
         self.broker_events = Gauge("omnirelay_broker_events", "Broker counters (rejections, retries, "
                                    "cancellations, expirations, malformed messages)", ["event"], registry=r)
 
@@ -124,6 +127,8 @@ class RequestTimer:
         labels = self._metrics.ttft.labels(self._model)
         if self._last is None:
             labels.observe(now - self._start)
+            self._metrics.totals["ttft_sum"] += now - self._start
+            self._metrics.totals["ttft_count"] += 1
             count -= 1
         elif count > 0:
             gap = (now - self._last) / count
@@ -138,5 +143,9 @@ class RequestTimer:
         m.prompt_tokens.labels(self._model).inc(prompt_tokens)
         m.generation_tokens.labels(self._model).inc(completion_tokens)
         m.requests.labels(self._model, outcome).inc()
+        m.totals["requests"] += 1
+        m.totals["generation_tokens"] += completion_tokens
+        if outcome not in ("ok", "cancelled"):
+            m.totals["errors"] += 1
         if resumes:
             m.migrations.inc(resumes)
