@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from omnirelay.lifecycle import Shutdown, setup_logging
+from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
 from omnirelay.security import (CurveKeys, SecurityError, add_curve_arguments, keys_from_args,
                                 require_curve_off_loopback, start_authenticator)
 
@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-interval", type=float, default=BrokerConfig.heartbeat_interval_s)
     parser.add_argument("--liveness", type=float, default=BrokerConfig.liveness_s)
     parser.add_argument("--max-queue-per-role", type=int, default=BrokerConfig.max_queue_per_role)
-    parser.add_argument("--log-level", default="INFO")
+    add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=False)
     args = parser.parse_args(argv)
-    setup_logging("omni-broker", args.log_level)
+    setup_logging("omni-broker", args.log_level, args.log_format)
     try:
         config = BrokerConfig(endpoint=args.endpoint, heartbeat_interval_s=args.heartbeat_interval,
                               liveness_s=args.liveness, max_queue_per_role=args.max_queue_per_role)

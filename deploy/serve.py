@@ -40,9 +40,9 @@ def _die_with_parent() -> None:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], log_level: str):
+    def __init__(self, name: str, argv: list[str], log_args: list[str]):
         self.name = name
-        self.argv = [sys.executable, "-m", *argv, "--log-level", log_level]
+        self.argv = [sys.executable, "-m", *argv, *log_args]
         self.restarts: list[float] = []   # monotonic times of recent restarts
         self.proc = self._spawn()
 
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None, help="bearer token the gateway requires on /v1 routes")
     parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text")
     args = parser.parse_args(argv)
 
     if args.model is None:
@@ -137,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     ready_file = os.path.join(run_dir, "gateway.url")
     model_args = ["--model", model_dir, "--served-model-name", served_name]
     children: list[Child] = []
+    log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
     exit_code = 0
     try:
-        children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker], args.log_level))
+        children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker], log_args))
         counts = {"prefill": args.num_prefill, "decode": args.num_decode}
         for role in roles:
             for index in range(counts.get(role, 1)):
@@ -147,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                     "omnirelay.workers.daemon", "--role", role, *model_args, "--broker", broker,
                     "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
                     "--dtype", args.dtype, "--connector", args.connector, *pipeline_args,
-                    "--drain-timeout", str(args.drain_timeout)], args.log_level))
+                    "--drain-timeout", str(args.drain_timeout)], log_args))
         children.append(Child("gateway", [
             "omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
             "--port", str(args.port), "--max-model-len", str(args.max_model_len),
             "--ready-file", ready_file, *pipeline_args,
             *(["--api-key", args.api_key] if args.api_key else []),
-            *(["--disable-log-requests"] if args.disable_log_requests else [])], args.log_level))
+            *(["--disable-log-requests"] if args.disable_log_requests else [])], log_args))
 
         url = _wait_ready(children, ready_file, args.stage_init_timeout, shutdown)
         if url is None:

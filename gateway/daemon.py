@@ -10,7 +10,7 @@ import signal
 from aiohttp import web
 
 from omnirelay.deploy.pipeline import default_llm_pipeline, load_pipeline
-from omnirelay.lifecycle import setup_logging
+from omnirelay.lifecycle import add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 
 from .app import create_app
@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
-    parser.add_argument("--log-level", default="INFO")
+    add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
     args = parser.parse_args(argv)
-    setup_logging("omni-gateway", args.log_level)
+    setup_logging("omni-gateway", args.log_level, args.log_format)
     try:
         pipeline = load_pipeline(args.stage_configs_path) if args.stage_configs_path else default_llm_pipeline()
         config = GatewayConfig(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import signal
 import sys
@@ -38,6 +39,31 @@ class Shutdown:
         return self
 
 
-def setup_logging(name: str, level: str = "INFO") -> None:
-    logging.basicConfig(stream=sys.stderr, level=getattr(logging, level.upper(), logging.INFO),
-                        format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s")
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers."""
+
+    def __init__(self, daemon: str):
+        super().__init__()
+        self._daemon = daemon
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 6), "level": record.levelname, "daemon": self._daemon,
+                 "pid": record.process, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(name: str, level: str = "INFO", log_format: str = "text") -> None:
+    """``log_format``: ``text`` (one readable line) or ``json`` (one JSON object per line)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter(name))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
+
+
+def add_logging_arguments(parser) -> None:
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text")

@@ -16,7 +16,7 @@ import torch
 
 from omnirelay.connectors import create_connector
 from omnirelay.deploy.pipeline import PipelineError, default_llm_pipeline, load_pipeline
-from omnirelay.lifecycle import Shutdown, setup_logging
+from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 
 from .config import WorkerConfig
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-timeout", type=float, default=WorkerConfig.drain_timeout_s)
     parser.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--log-level", default="INFO")
+    add_logging_arguments(parser)
     add_curve_arguments(parser, server=False, client=True)
     args = parser.parse_args(argv)
-    setup_logging(f"omni-worker-{args.role}", args.log_level)
+    setup_logging(f"omni-worker-{args.role}", args.log_level, args.log_format)
     # Several workers share the host's cores; one thread each keeps them from starving each other.
     torch.set_num_threads(args.threads)
     try:
