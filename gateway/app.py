@@ -15,6 +15,8 @@ started only if the app starts and closed exactly once. Every error leaves as an
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import hmac
 import json
 import logging
@@ -22,7 +24,7 @@ import time
 
 from aiohttp import web
 
-from omnirelay.errors import BadRequest, NotFound, OmniError, PayloadTooLarge, Unauthorized, Unavailable
+from omnirelay.errors import BadRequest, NotFound, OmniError, Overloaded, PayloadTooLarge, Unauthorized, Unavailable
 from omnirelay.security import CurveKeys
 
 from . import generation
@@ -42,6 +44,7 @@ BUS = web.AppKey("bus", BusClient)
 KEYS = web.AppKey("keys", object)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 HISTORY = web.AppKey("history", StatusHistory)
+STREAMS = web.AppKey("streams_per_client", collections.Counter)
 _PROBES = ("/health", "/metrics", "/cluster", "/status", "/status.json")
 
 
@@ -51,6 +54,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app[CONFIG] = config
     app[KEYS] = keys
     app[METRICS] = GatewayMetrics()
+    app[STREAMS] = collections.Counter()
     app[MODELS] = {m.name: ModelRuntime(m) for m in config.models}
     app.cleanup_ctx.append(_bus_context)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -99,7 +103,7 @@ async def _errors(request: web.Request, handler):
         return _error_response(NotFound(f"no route {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed:
         return _error_response(_MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
-    except web.HTTPException:
+    except (web.HTTPException, ConnectionResetError):   # the latter: the client is gone, nobody to answer
         raise
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
@@ -222,18 +226,41 @@ async def _respond_full(request: web.Request, gen: generation.Generation, fmt, t
 
 
 async def _respond_stream(request: web.Request, gen: generation.Generation, fmt, timer) -> web.StreamResponse:
-    deadline = time.time() + request.app[CONFIG].request_timeout_s
+    config = request.app[CONFIG]
+    streams = request.app[STREAMS]
+    client = request.remote or "?"
+    if streams[client] >= config.max_streams_per_client:
+        raise Overloaded(f"client {client} already holds {streams[client]} streams", retry_after=1)
+    streams[client] += 1
+    try:
+        return await _stream(request, gen, fmt, timer)
+    finally:
+        streams[client] -= 1
+        if not streams[client]:
+            del streams[client]
+
+
+async def _stream(request: web.Request, gen: generation.Generation, fmt, timer) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    deadline = time.time() + config.request_timeout_s
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": gen.request_id})
     include_usage = gen.request.include_usage
     chunk_base = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
                   "object": fmt.object_chunk}
 
+    async def write(data: bytes) -> None:
+        try:
+            await asyncio.wait_for(response.write(data), config.stream_write_timeout_s)
+        except asyncio.TimeoutError:
+            # The client stopped reading: give its worker slot and KV back rather than wait.
+            raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
+
     async def send(choices: list, usage: dict | None = None) -> None:
         payload = {**chunk_base, "choices": choices}
         if include_usage:
             payload["usage"] = usage
-        await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+        await write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
     stream = generation.run(request.app[BUS], gen, deadline)
     try:
@@ -259,10 +286,10 @@ async def _respond_stream(request: web.Request, gen: generation.Generation, fmt,
         # Headers are gone: the error travels as the last event, in the same body shape.
         exc.request_id = exc.request_id or gen.request_id
         request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        await response.write(b"data: " + json.dumps(exc.to_body()).encode() + b"\n\n")
+        await write(b"data: " + json.dumps(exc.to_body()).encode() + b"\n\n")
     finally:
         await stream.aclose()
-    await response.write(b"data: [DONE]\n\n")
+    await write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
 

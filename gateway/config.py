@@ -30,6 +30,9 @@ class GatewayConfig:
     api_key:             when set, /v1 routes need ``Authorization: Bearer <api_key>``.
     protect_probes:      with an API key, /health, /metrics and /cluster need it too.
     disable_log_requests: no per-request log line.
+    max_streams_per_client: concurrent streaming requests one client address may hold (429 beyond).
+    stream_write_timeout_s: a streaming client that reads nothing for this long is dropped, so a slow
+                         reader cannot hold a worker's KV cache.
     """
 
     models: tuple[ServedModel, ...]
@@ -43,6 +46,8 @@ class GatewayConfig:
     api_key: str | None = None
     protect_probes: bool = False
     disable_log_requests: bool = False
+    max_streams_per_client: int = 64
+    stream_write_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protect-probes", action="store_true", help="with --api-key, also protect /health, "
                         "/metrics and /cluster")
     parser.add_argument("--disable-log-requests", action="store_true")
+    parser.add_argument("--max-streams-per-client", type=int, default=GatewayConfig.max_streams_per_client)
+    parser.add_argument("--stream-write-timeout", type=float, default=GatewayConfig.stream_write_timeout_s)
+    parser.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes)
     parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
     add_logging_arguments(parser)
@@ -69,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                                 stages=pipeline.roles, max_model_len=args.max_model_len),),
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host,
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,
-            protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests)
+            protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
+            max_streams_per_client=args.max_streams_per_client, stream_write_timeout_s=args.stream_write_timeout,
+            max_body_bytes=args.max_body_bytes)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
     except ValueError as exc:   # PipelineError and SecurityError included

@@ -69,7 +69,7 @@ def _responses(ok: dict) -> dict:
     out = {"200": {"description": "completion (JSON, or an SSE stream when stream=true)",
                    "content": {"application/json": {"schema": ok},
                                "text/event-stream": {"schema": {"type": "string"}}}}}
-    for status in ("400", "401", "404", "413", "429", "500", "503", "504", "507"):
+    for status in ("400", "401", "404", "413", "422", "429", "500", "503", "504", "507"):
         out[status] = error
     return out
 

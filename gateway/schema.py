@@ -1,9 +1,10 @@
 """Validation of OpenAI request bodies into a typed :class:`GenerationRequest`.
 
-Every check raises :class:`~omnirelay.errors.BadRequest` naming the offending ``param``, so a bad
-request becomes a 400 with an OpenAI-style body before anything is submitted. Fields we do not
-implement yet are rejected when they would change the answer (``n`` > 1, ``logprobs``,
-``echo``) and ignored when they are only hints (``user``, ``metadata``).
+Every check raises :class:`~omnirelay.errors.BadRequest` (400) naming the offending ``param``, so a
+bad request gets an OpenAI-style body before anything is submitted. A well-formed request for
+something we do not do yet gets :class:`~omnirelay.errors.Unprocessable` (422) when it would change
+the answer (``n`` > 1, ``logprobs``, ``echo``, non-text content); hints (``user``, ``metadata``)
+are ignored.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from omnirelay.errors import BadRequest
+from omnirelay.errors import BadRequest, Unprocessable
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -97,7 +98,7 @@ def _content_text(content: Any, index: int) -> str:
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRequest(f"messages[{index}].content: unsupported part {kind!r} (this model takes text)",
+                raise Unprocessable(f"messages[{index}].content: unsupported part {kind!r} (this model takes text)",
                                  param=f"messages[{index}].content")
             parts.append(part["text"])
         return "".join(parts)
@@ -129,9 +130,9 @@ def _common(body: dict) -> dict:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
     if _integer(body, "n", 1, 1) != 1:
-        raise BadRequest("only n=1 is supported", param="n")
+        raise Unprocessable("only n=1 is supported", param="n")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise BadRequest("logprobs are not supported yet", param="logprobs")
+        raise Unprocessable("logprobs are not supported yet", param="logprobs")
     max_tokens = _integer(body, "max_completion_tokens", None, 1)
     max_tokens = _integer(body, "max_tokens", max_tokens, 1)
     stream_options = body.get("stream_options")
@@ -160,7 +161,7 @@ def parse_chat(body: Any) -> GenerationRequest:
 def parse_completion(body: Any) -> GenerationRequest:
     common = _common(body)
     if body.get("echo"):
-        raise BadRequest("echo is not supported", param="echo")
+        raise Unprocessable("echo is not supported", param="echo")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]   # a batch of one

@@ -57,6 +57,13 @@ class PayloadTooLarge(OmniError):
     error_type, status, openai_type = "payload_too_large", 413, "invalid_request_error"
 
 
+class Unprocessable(OmniError):
+    """A well-formed request asking for something this deployment does not do (n > 1, logprobs,
+    an image for a text-only model)."""
+
+    error_type, status, openai_type = "unprocessable", 422, "invalid_request_error"
+
+
 class Overloaded(OmniError):
     error_type, status, openai_type, recoverable = "overloaded", 429, "rate_limit_error", True
 
@@ -90,7 +97,7 @@ class Cancelled(OmniError):
 
 
 _BY_TYPE = {cls.error_type: cls for cls in (
-    BadRequest, Unauthorized, NotFound, PayloadTooLarge, Overloaded, Unavailable, WorkerLost,
+    BadRequest, Unauthorized, NotFound, PayloadTooLarge, Unprocessable, Overloaded, Unavailable, WorkerLost,
     TransferFailed, DeadlineExceeded, OutOfMemory, Cancelled, OmniError)}
 
 
