@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -94,11 +95,13 @@ def _read_ready_file(path: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-serve", description="serve a model with every role on this host")
-    parser.add_argument("model", nargs="?", default=None,
-                        help="local model directory (default: the tiny built-in model, built once and cached)")
+    parser.add_argument("models", nargs="*", metavar="MODEL",
+                        help="local model directories, each with its own workers behind one gateway "
+                             "(default: the tiny built-in model, built once and cached)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8091)
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--served-model-name", action="append", default=None,
+                        help="model id clients use, one per MODEL in order (default: the path as given)")
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
     parser.add_argument("--dtype", default="float32")
@@ -113,17 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)   # models may come before or after the options
 
-    if args.model is None:
+    names = args.served_model_name or []
+    if not args.models:
         from .model_builder import default_model_dir
-        model_dir = str(default_model_dir())
-        served_name = args.served_model_name or "tiny-llm"
+        models = [(str(default_model_dir()), names[0] if names else "tiny-llm")]
     else:
-        model_dir = args.model
-        served_name = args.served_model_name or args.model
-        if not os.path.isdir(model_dir):
-            parser.error(f"model directory {model_dir!r} does not exist")
+        if len(names) > len(args.models):
+            parser.error("more --served-model-name than models")
+        models = [(path, names[i] if i < len(names) else path) for i, path in enumerate(args.models)]
+        for path, _ in models:
+            if not os.path.isdir(path):
+                parser.error(f"model directory {path!r} does not exist")
 
     try:
         pipeline = load_pipeline(args.stage_configs_path) if args.stage_configs_path else None
@@ -136,20 +141,22 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = tempfile.mkdtemp(prefix="omnirelay-serve-")
     broker = f"ipc://{run_dir}/broker.sock"
     ready_file = os.path.join(run_dir, "gateway.url")
-    model_args = ["--model", model_dir, "--served-model-name", served_name]
     children: list[Child] = []
     log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
     exit_code = 0
     try:
         children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker], log_args))
         counts = {"prefill": args.num_prefill, "decode": args.num_decode}
-        for role in roles:
-            for index in range(counts.get(role, 1)):
-                children.append(Child(f"{role}-{index}", [
-                    "omnirelay.workers.daemon", "--role", role, *model_args, "--broker", broker,
-                    "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
-                    "--dtype", args.dtype, "--connector", args.connector, *pipeline_args,
-                    "--drain-timeout", str(args.drain_timeout)], log_args))
+        for model_number, (model_dir, served_name) in enumerate(models):
+            for role in roles:
+                for index in range(counts.get(role, 1)):
+                    children.append(Child(f"{role}-{model_number}.{index}", [
+                        "omnirelay.workers.daemon", "--role", role, "--model", model_dir,
+                        "--served-model-name", served_name, "--broker", broker,
+                        "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
+                        "--dtype", args.dtype, "--connector", args.connector, *pipeline_args,
+                        "--drain-timeout", str(args.drain_timeout)], log_args))
+        model_args = [arg for path, name in models for arg in ("--model", path, "--served-model-name", name)]
         children.append(Child("gateway", [
             "omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
             "--port", str(args.port), "--max-model-len", str(args.max_model_len),
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         if url is None:
             exit_code = 1 if not shutdown.requested else 0
         else:
-            print(f"omni-serve ready: {url} (model {served_name!r}, {model_dir})", flush=True)
+            served = ", ".join(f"{name!r} ({path})" for path, name in models)
+            print(f"omni-serve ready: {url} (models {served})", flush=True)
             exit_code = _supervise(children, shutdown)
     finally:
         _stop_all(children, args.drain_timeout)
@@ -205,9 +213,24 @@ def _wait_ready(children: list[Child], ready_file: str, timeout_s: float, shutdo
             return url
         shutdown.event.wait(0.2)
     if not shutdown.requested:
-        waiting = "the gateway" if url is None else "a worker to register (see /health)"
-        print(f"omni-serve: not ready after {timeout_s:.0f}s (waiting for {waiting})", file=sys.stderr, flush=True)
+        waiting = "the gateway to listen" if url is None else _health_message(url)
+        print(f"omni-serve: not ready after {timeout_s:.0f}s (--stage-init-timeout): {waiting}",
+              file=sys.stderr, flush=True)
     return None
+
+
+def _health_message(url: str) -> str:
+    """What /health says is missing (it names the model and the roles without a live worker)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.read().decode()[:500]
+    except urllib.error.HTTPError as exc:
+        try:
+            return json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return f"/health answered {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"/health unreachable: {exc}"
 
 
 def _stop_all(children: list[Child], drain_s: float) -> None:

@@ -41,10 +41,29 @@ async def serve(config: GatewayConfig, ready_file: str | None = None, keys: Curv
         await runner.cleanup()
 
 
+def _served_models(paths: list[str], names: list[str] | None, pipelines: list[str] | None,
+                   max_model_len: int) -> tuple[ServedModel, ...]:
+    names = names or []
+    pipelines = pipelines or []
+    if len(names) > len(paths):
+        raise ValueError("more --served-model-name than --model")
+    if len(pipelines) not in (0, 1, len(paths)):
+        raise ValueError("give one --stage-configs-path for all models or one per --model")
+    models = []
+    for i, path in enumerate(paths):
+        pipeline_file = pipelines[i] if len(pipelines) == len(paths) else (pipelines[0] if pipelines else None)
+        pipeline = load_pipeline(pipeline_file) if pipeline_file else default_llm_pipeline()
+        models.append(ServedModel(name=names[i] if i < len(names) else path, path=os.path.abspath(path),
+                                  stages=pipeline.roles, max_model_len=max_model_len))
+    return tuple(models)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-gateway", description="omnirelay OpenAI-compatible gateway")
-    parser.add_argument("--model", required=True, help="local model directory")
-    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
+    parser.add_argument("--model", required=True, action="append",
+                        help="local model directory; repeat to serve several models behind one gateway")
+    parser.add_argument("--served-model-name", action="append", default=None,
+                        help="model id clients use, one per --model in the same order (default: the --model path)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument("--broker", default="tcp://127.0.0.1:5555")
@@ -59,17 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-streams-per-client", type=int, default=GatewayConfig.max_streams_per_client)
     parser.add_argument("--stream-write-timeout", type=float, default=GatewayConfig.stream_write_timeout_s)
     parser.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes)
-    parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (default: prefill → decode)")
+    parser.add_argument("--stage-configs-path", action="append", default=None,
+                        help="stage-pipeline YAML, one per --model or one for all (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
     args = parser.parse_args(argv)
     setup_logging("omni-gateway", args.log_level, args.log_format)
     try:
-        pipeline = load_pipeline(args.stage_configs_path) if args.stage_configs_path else default_llm_pipeline()
         config = GatewayConfig(
-            models=(ServedModel(name=args.served_model_name or args.model, path=os.path.abspath(args.model),
-                                stages=pipeline.roles, max_model_len=args.max_model_len),),
+            models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len),
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host,
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
