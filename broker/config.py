@@ -14,6 +14,7 @@ class BrokerConfig:
     max_queue_per_role:  bound of each (model, role) queue; beyond it submissions are rejected.
     max_attempts:        how many times one request may be (re)started after worker loss.
     retry_after_s:       the Retry-After hint sent with overload/unavailable rejections.
+    max_workers:         bound of the registry (registrations beyond it are refused).
     """
 
     endpoint: str = "tcp://127.0.0.1:5555"
@@ -22,6 +23,7 @@ class BrokerConfig:
     max_queue_per_role: int = 1024
     max_attempts: int = 3
     retry_after_s: float = 1.0
+    max_workers: int = 10_000
 
     def __post_init__(self) -> None:
         if "://" not in self.endpoint:

@@ -33,6 +33,7 @@ from .config import BrokerConfig
 
 log = logging.getLogger("omnirelay.broker")
 
+MAX_STAGES = 8
 IDEMPOTENT_STAGES = frozenset({"encode", "prefill", "generate"})
 # A failure of these kinds may succeed when the request starts over on other workers.
 RETRYABLE_ERRORS = frozenset({"transfer_failed", "worker_lost"})
@@ -132,6 +133,9 @@ class BrokerCore:
 
     def _on_register(self, identity: bytes, msg: p.Register, now: float) -> list[Outgoing]:
         old = self.workers.get(msg.worker_id)
+        if old is None and len(self.workers) >= self.config.max_workers:
+            self.counters["rejected_registrations"] += 1
+            return [(identity, p.ErrorReply("overloaded", f"registry full ({self.config.max_workers} workers)"))]
         self.workers[msg.worker_id] = WorkerState(
             worker_id=msg.worker_id, identity=identity, role=msg.role, model=msg.model,
             capacity=max(0, msg.capacity), pid=msg.pid, host=msg.host, last_seen=now)
@@ -285,8 +289,8 @@ class BrokerCore:
             return [(identity, p.RequestFailed(msg.request_id, msg.stages[0] if msg.stages else "",
                                                error_type, message, retry_after=retry_after))]
 
-        if not msg.stages:
-            return reject("bad_request", "request has no stages")
+        if not msg.stages or len(msg.stages) > MAX_STAGES:
+            return reject("bad_request", f"a request passes 1 to {MAX_STAGES} stages")
         if msg.request_id in self.requests:
             return reject("bad_request", f"duplicate request_id {msg.request_id}")
         if not math.isfinite(msg.deadline):

@@ -57,7 +57,11 @@ class BrokerDaemon:
                     self._drain_socket()
                 now = time.time()
                 if now >= next_tick:
-                    self._send(self.core.tick(now))
+                    try:
+                        self._send(self.core.tick(now))
+                    except Exception:   # same rule as handlers: log, count, keep serving
+                        log.exception("broker tick failed")
+                        self.core.counters["handler_errors"] += 1
                     next_tick = now + tick_ms / 1000
         finally:
             self._sock.close(0)
@@ -97,6 +101,9 @@ class BrokerDaemon:
                 self.core.counters["dropped_sends"] += 1
             except zmq.ZMQError as exc:
                 log.warning("send to %r failed: %s", identity[:32], exc)
+            except Exception:   # an unencodable message must not end the loop for everyone else
+                log.exception("could not encode %s", type(msg).__name__)
+                self.core.counters["send_errors"] += 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,7 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 _VERSION_FRAME = bytes([PROTOCOL_VERSION])
-MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_BODY_BYTES = 8 * 1024 * 1024   # a 1M-token prompt fits; bulk data goes through connectors
 
 
 class ProtocolError(ValueError):
@@ -70,6 +70,8 @@ class Message:
     __slots__ = ()
     TAG: ClassVar[bytes] = b""
     _checks: ClassVar[tuple] = ()
+    _names: ClassVar[frozenset] = frozenset()
+    _validators: ClassVar[tuple] = ()
 
 
 def _register(cls):
@@ -82,35 +84,41 @@ def _register(cls):
     cls._checks = tuple((f.name, hints[f.name], f.default is dataclasses.MISSING
                          and f.default_factory is dataclasses.MISSING)
                         for f in dataclasses.fields(cls))
+    cls._validators = tuple((name, _compile(hint), required) for name, hint, required in cls._checks)
+    cls._names = frozenset(name for name, _, _ in cls._checks)
     return cls
 
 
-def _matches(value: Any, hint: Any) -> bool:
-    """Structural type check of a decoded msgpack value against a field annotation."""
+def _compile(hint: Any):
+    """A fast structural checker for one field annotation, built once per message class: decoding
+    is the broker's hot path, so no ``typing`` introspection happens per message."""
     if hint is Any:
-        return True
+        return lambda value: True
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
+        options = tuple(_compile(h) for h in typing.get_args(hint))
+        return lambda value: any(check(value) for check in options)
     if hint is type(None):
-        return value is None
+        return lambda value: value is None
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda value: type(value) is float or type(value) is int
+    if hint in (int, str, bool, bytes):
+        return lambda value: type(value) is hint   # exact: True is not an int here
     if origin is list:
         (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
+        if item in (int, str):
+            return lambda value: type(value) is list and all(type(v) is item for v in value)
+        check_item = _compile(item)
+        return lambda value: type(value) is list and all(check_item(v) for v in value)
     if origin is dict:
-        key_t, val_t = typing.get_args(hint)
-        return isinstance(value, dict) and all(
-            _matches(k, key_t) and _matches(v, val_t) for k, v in value.items())
-    return isinstance(value, hint)
+        check_key, check_value = (_compile(h) for h in typing.get_args(hint))
+        return lambda value: type(value) is dict and all(check_key(k) and check_value(v) for k, v in value.items())
+    return lambda value: isinstance(value, hint)
 
 
 def encode(msg: Message) -> list[bytes]:
     """Frames ``[version, tag, body]`` for ``msg``."""
-    body = {name: getattr(msg, name) for name, _, _ in msg._checks}
+    body = {name: getattr(msg, name) for name in msg._names}
     return [_VERSION_FRAME, msg.TAG, msgpack.packb(body, use_bin_type=True)]
 
 
@@ -132,16 +140,15 @@ def decode(frames: list[bytes]) -> Message:
         raise ProtocolError(f"body is not valid msgpack: {type(exc).__name__}") from None
     if not isinstance(fields, dict):
         raise ProtocolError("body must be a map")
-    known = {name for name, _, _ in cls._checks}
-    unknown = set(fields) - known
+    unknown = fields.keys() - cls._names
     if unknown:
         raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))[:5]}")
-    for name, hint, required in cls._checks:
+    for (name, check, required), (_, hint, _) in zip(cls._validators, cls._checks):
         if name not in fields:
             if required:
                 raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
             continue
-        if not _matches(fields[name], hint):
+        if not check(fields[name]):
             raise ProtocolError(f"{cls.__name__}.{name}: expected {hint}, got {type(fields[name]).__name__}")
     try:
         return cls(**fields)
