@@ -125,8 +125,10 @@ class BusClient:
     async def start(self) -> None:
         if self._keys and self._keys.authorized_dir:
             self._auth = start_authenticator(self._ctx, self._keys)
-        self._tasks = [asyncio.create_task(self._read_broker(), name="bus-broker-reader"),
-                       asyncio.create_task(self._read_tokens(), name="bus-token-reader"),
+        self._tasks = [asyncio.create_task(self._read(self._dealer, "broker", self._on_broker_message),
+                                           name="bus-broker-reader"),
+                       asyncio.create_task(self._read(self._pull, "a worker", self._on_worker_message),
+                                           name="bus-token-reader"),
                        asyncio.create_task(self._hello_loop(), name="bus-hello")]
 
     async def close(self) -> None:
@@ -172,45 +174,41 @@ class BusClient:
 
     # ------------------------------------------------------------------ readers
 
-    async def _read_broker(self) -> None:
+    async def _read(self, sock: zmq.asyncio.Socket, source: str, handle) -> None:
+        """Decode every message arriving on ``sock`` and hand it to ``handle``; drop malformed ones."""
         while True:
-            frames = await self._dealer.recv_multipart()
+            frames = await sock.recv_multipart()
             try:
                 msg = p.decode(frames)
             except p.ProtocolError as exc:
                 self.malformed += 1
-                log.warning("malformed message from broker: %s", exc)
+                log.warning("malformed message from %s: %s", source, exc)
                 continue
-            if isinstance(msg, p.RequestFailed):
-                stream = self._streams.get(msg.request_id)
-                if stream is not None:
-                    stream.on_error(error_from_type(msg.error_type, msg.message, request_id=msg.request_id,
-                                                    stage=msg.stage, retry_after=msg.retry_after,
-                                                    resumable=msg.resumable))
-            elif isinstance(msg, p.HelloAck):
-                if self.broker_id and msg.broker_id != self.broker_id:
-                    self._on_broker_restart()
-                self.broker_id = msg.broker_id
-            elif isinstance(msg, p.StatusReply):
-                future = self._status_waiters.get(msg.query_id)
-                if future is not None and not future.done():
-                    future.set_result(msg)
-            elif isinstance(msg, p.ErrorReply):
-                log.warning("broker rejected a message: %s: %s", msg.error_type, msg.message)
+            handle(msg)
 
-    async def _read_tokens(self) -> None:
-        while True:
-            frames = await self._pull.recv_multipart()
-            try:
-                msg = p.decode(frames)
-            except p.ProtocolError as exc:
-                self.malformed += 1
-                log.warning("malformed token message: %s", exc)
-                continue
-            if isinstance(msg, p.TokenDelta):
-                stream = self._streams.get(msg.request_id)
-                if stream is not None:
-                    stream.on_delta(msg)
+    def _on_broker_message(self, msg: p.Message) -> None:
+        if isinstance(msg, p.RequestFailed):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.on_error(error_from_type(msg.error_type, msg.message, request_id=msg.request_id,
+                                                stage=msg.stage, retry_after=msg.retry_after,
+                                                resumable=msg.resumable))
+        elif isinstance(msg, p.HelloAck):
+            if self.broker_id and msg.broker_id != self.broker_id:
+                self._on_broker_restart()
+            self.broker_id = msg.broker_id
+        elif isinstance(msg, p.StatusReply):
+            future = self._status_waiters.get(msg.query_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
+        elif isinstance(msg, p.ErrorReply):
+            log.warning("broker rejected a message: %s: %s", msg.error_type, msg.message)
+
+    def _on_worker_message(self, msg: p.Message) -> None:
+        if isinstance(msg, p.TokenDelta):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.on_delta(msg)
 
     def _on_broker_restart(self) -> None:
         """The broker restarted and forgot every request: each open stream resumes from the
