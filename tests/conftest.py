@@ -106,3 +106,28 @@ def server(tiny_model, tmp_path_factory):
     serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--log-level", "WARNING", log_path=log_path)
     yield serve
     serve.stop()
+
+
+def _leaks() -> list[str]:
+    """Processes this test session started and left running, and shared-memory segments whose owner
+    is gone (a clean shutdown removes them; only a crash may leave them, and we crash on purpose
+    only in tests that sweep afterwards)."""
+    leaks = [f"process {pid} ({open(f'/proc/{pid}/cmdline').read().replace(chr(0), ' ')[:120]})"
+             for pid in sorted(child_pids(os.getpid())) if pid_alive(pid)]
+    for name in os.listdir("/dev/shm"):
+        parts = name.split("-")
+        if name.startswith("omnirelay-") and len(parts) > 2 and parts[1].isdigit() and not pid_alive(int(parts[1])):
+            leaks.append(f"/dev/shm/{name}")
+    return leaks
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After the whole suite: no process, no segment left behind."""
+    deadline = time.monotonic() + 10
+    leaks = _leaks()
+    while leaks and time.monotonic() < deadline:
+        time.sleep(0.5)
+        leaks = _leaks()
+    if leaks:
+        print("\nLEAKED after the test session:\n  " + "\n  ".join(leaks))
+        session.exitstatus = 1

@@ -59,7 +59,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
                     **engine.stats, **_connector_stats(connector)}
     log.info("%s worker %s ready: model %s (%s), max_model_len %d", config.role, config.worker_id,
              config.model_path, config.dtype, max_model_len)
-    return WorkerRuntime(config, role, stats, shutdown, keys)
+    return WorkerRuntime(config, role, stats, shutdown, keys, owned=(connector,))
 
 
 def _connector_stats(connector) -> dict:

@@ -35,14 +35,16 @@ log = logging.getLogger("omnirelay.worker")
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, role: RoleAdapter, engine_stats, shutdown: Shutdown | None = None,
-                 keys: CurveKeys | None = None):
-        """``engine_stats()`` returns the counters and load figures that go into heartbeats."""
+                 keys: CurveKeys | None = None, owned: tuple = ()):
+        """``engine_stats()`` returns the counters and load figures that go into heartbeats;
+        ``owned`` are resources (connectors) the runtime closes when it stops."""
         require_curve_off_loopback(keys, config.broker)
         self.config = config
         self.role = role
         self.engine_stats = engine_stats
         self.shutdown = shutdown or Shutdown()
         self._keys = keys
+        self._owned = owned
         self._ctx = zmq.Context()
         self._broker = self._ctx.socket(zmq.DEALER)
         if keys:
@@ -196,6 +198,11 @@ class WorkerRuntime:
             log.warning("gateway %s is not reading; dropped a token delta", endpoint)
 
     def close(self) -> None:
+        for resource in self._owned:
+            try:
+                resource.close()
+            except Exception:   # closing one resource must not keep the others open
+                log.exception("closing %s failed", type(resource).__name__)
         for sock in self._gateways.values():
             sock.close()
         self._gateways.clear()
