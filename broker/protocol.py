@@ -36,6 +36,7 @@ RequestFailed         broker → gateway        structured error for one request
 StatusReply           broker → gateway        live workers per model and role, with their stats
 ErrorReply            any → sender            your message was malformed
 TokenDelta            worker → gateway        generated tokens at absolute positions (+ finish)
+MediaResult           worker → gateway        one finished media item (a PNG image …), base64
 ====================  ======================  ===================================================
 
 Token deltas carry the absolute position of their first token, so a receiver can drop duplicates
@@ -350,4 +351,23 @@ class TokenDelta(Message):
     start: int
     token_ids: list[int]
     finish_reason: str = ""
+    worker_id: str = ""
+
+
+@_register
+class MediaResult(Message):
+    """One finished media item of a request (an image today; audio and video later), pushed by a
+    generate worker straight to the gateway's ``reply_to``. ``data`` is the encoded file (``mime``,
+    e.g. ``image/png``) in base64: the HTTP answer carries base64 (``b64_json``), so the worker
+    encodes once and the gateway copies the string through. ``index`` is the item's place among the
+    request's outputs (image ``k`` of ``n``): a receiver keeps the first copy of each index, since a
+    stage retried elsewhere resends them. ``finish`` marks the last item the stage sends for the
+    request. One message stays under :data:`MAX_BODY_BYTES`; larger media belongs in a connector."""
+
+    TAG = b"MEDIA"
+    request_id: str
+    index: int
+    mime: str
+    data: str
+    finish: bool = False
     worker_id: str = ""

@@ -3,6 +3,7 @@
 Usage::
 
     omni-make-model tiny-llm DIR [--seed N] [--force]
+    omni-make-model tiny-sd DIR [--seed N] [--force]     # diffusers text-to-image (diffusion_builder.py)
 
 The result is an ordinary Hugging Face model directory, loadable offline with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``:
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="omni-make-model", description="Write a tiny random-weight model directory."
     )
-    parser.add_argument("kind", choices=[MODEL_KIND], help="which model to build")
+    parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd"],
+                        help="which model to build (tiny-sd: a diffusers text-to-image pipeline)")
     parser.add_argument("dir", help="output directory (created atomically)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="replace an existing directory")
@@ -305,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     # users keep their own threading settings.
     torch.set_num_threads(1)
     try:
-        out = build_tiny_llm(args.dir, seed=args.seed, force=args.force)
+        if args.kind == "tiny-sd":
+            from .diffusion_builder import build_tiny_text_to_image
+            out = build_tiny_text_to_image(args.dir, seed=args.seed, force=args.force)
+        else:
+            out = build_tiny_llm(args.dir, seed=args.seed, force=args.force)
     except FileExistsError as exc:
         print(f"omni-make-model: error: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,8 @@ import time
 
 from aiohttp import web
 
-from omnirelay.errors import BadRequest, NotFound, OmniError, Overloaded, PayloadTooLarge, Unauthorized, Unavailable
+from omnirelay.errors import (BadRequest, NotFound, OmniError, Overloaded, PayloadTooLarge, Unauthorized, Unavailable,
+                              Unprocessable)
 from omnirelay.security import CurveKeys
 
 from . import generation
@@ -50,16 +51,18 @@ _PROBES = ("/health", "/metrics", "/cluster", "/status", "/status.json")
 
 def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Application:
     """``keys``: CURVE material for the bus (required when the broker or the token socket is off loopback)."""
+    from .images import ImageModel, add_image_routes, is_image_pipeline   # images imports this module's keys
     app = web.Application(middlewares=[_errors, _authenticate], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[KEYS] = keys
     app[METRICS] = GatewayMetrics()
     app[STREAMS] = collections.Counter()
-    app[MODELS] = {m.name: ModelRuntime(m) for m in config.models}
+    app[MODELS] = {m.name: ImageModel(m) if is_image_pipeline(m.path) else ModelRuntime(m) for m in config.models}
     app.cleanup_ctx.append(_bus_context)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    add_image_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)
     app.router.add_get("/metrics", metrics)
@@ -136,6 +139,8 @@ def _model(request: web.Request, name: str) -> ModelRuntime:
     model = request.app[MODELS].get(name)
     if model is None:
         raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
+    if not isinstance(model, ModelRuntime):
+        raise Unprocessable(f"model {name!r} generates images; use POST /v1/images/generations", param="model")
     return model
 
 
@@ -332,7 +337,8 @@ async def status_json(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    max_len = min(m.max_model_len for m in request.app[MODELS].values())
+    max_len = min((m.max_model_len for m in request.app[MODELS].values() if isinstance(m, ModelRuntime)),
+                  default=2048)
     return web.json_response(build_openapi(max_len, sorted(request.app[MODELS])))
 
 

@@ -66,6 +66,9 @@ class RequestStream:
         if reason:
             self.finished = True
 
+    def on_media(self, media: p.MediaResult) -> None:
+        """Token streams take no media: a stray MediaResult is ignored (``images.MediaStream`` collects it)."""
+
     def on_error(self, error: OmniError) -> None:
         if not self.finished:
             self.finished = True
@@ -146,9 +149,11 @@ class BusClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def submit(self, submit: p.Submit) -> RequestStream:
-        stream = RequestStream(submit.request_id, submit.deadline)
-        stream.next_position = submit.position_offset
+    async def submit(self, submit: p.Submit, stream: RequestStream | None = None) -> RequestStream:
+        """``stream``: where this request's worker messages go (default: a token stream)."""
+        if stream is None:
+            stream = RequestStream(submit.request_id, submit.deadline)
+            stream.next_position = submit.position_offset
         self._streams[submit.request_id] = stream
         await self._dealer.send_multipart(p.encode(submit))
         return stream
@@ -209,6 +214,10 @@ class BusClient:
             stream = self._streams.get(msg.request_id)
             if stream is not None:
                 stream.on_delta(msg)
+        elif isinstance(msg, p.MediaResult):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.on_media(msg)
 
     def _on_broker_restart(self) -> None:
         """The broker restarted and forgot every request: each open stream resumes from the

@@ -8,14 +8,14 @@ import socket
 import uuid
 
 ROLES = ("encode", "prefill", "decode", "generate")
-ENGINE_ROLES = ("prefill", "decode")   # roles this build can run
+ENGINE_ROLES = ("prefill", "decode", "generate")   # roles this build can run
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     """
     role:            which stage this worker serves.
-    model_path:      local HF directory of the model.
+    model_path:      local HF directory of the model (generate: a diffusers pipeline directory).
     model_name:      the name the model is served under (what requests say in ``model``).
     broker:          ZeroMQ endpoint of the broker.
     worker_id:       unique id on the bus (default: role-host-pid-random).

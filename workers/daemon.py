@@ -1,4 +1,4 @@
-"""``omni-worker --role prefill|decode --model DIR --broker ENDPOINT``: one worker daemon.
+"""``omni-worker --role prefill|decode|generate --model DIR --broker ENDPOINT``: one worker daemon.
 
 Builds the worker's parts in order — config, model, connector, engine, role adapter, runtime — and
 runs the runtime until SIGTERM/SIGINT, then drains. Ranks of a GPU group beyond rank 0 never talk
@@ -15,12 +15,14 @@ import os
 import torch
 
 from omnirelay.connectors import create_connector
-from omnirelay.deploy.pipeline import PipelineError, default_llm_pipeline, load_pipeline
+from omnirelay.deploy.pipeline import (ConnectorSpec, PipelineError, default_llm_pipeline, load_pipeline,
+                                       parse_pipeline)
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 
 from .config import WorkerConfig
 from .decode import DecodeEngine
+from .generate_role import build_generate_role
 from .kv_cache import PagedKVCache
 from .models.llama import LlamaModel
 from .prefill import PrefillEngine
@@ -32,6 +34,9 @@ log = logging.getLogger("omnirelay.worker")
 
 def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
                   keys: CurveKeys | None = None) -> WorkerRuntime:
+    if config.role == "generate":   # a diffusers pipeline directory: no KV cache, no connector yet
+        role, stats = build_generate_role(config)
+        return WorkerRuntime(config, role, stats, shutdown, keys)
     dtype = getattr(torch, config.dtype)
     model = LlamaModel(config.model_path, dtype=dtype)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
@@ -93,10 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     # Several workers share the host's cores; one thread each keeps them from starving each other.
     torch.set_num_threads(args.threads)
     try:
-        pipeline = (load_pipeline(args.stage_configs_path) if args.stage_configs_path
-                    else default_llm_pipeline(args.connector, json.loads(args.connector_options)))
-        connector = pipeline.connector_for(args.role)
+        if args.stage_configs_path:
+            pipeline = load_pipeline(args.stage_configs_path)
+        elif args.role == "generate":   # text to image: one stage, nothing flows in
+            pipeline = parse_pipeline({"stages": [{"name": "generate", "role": "generate"}]})
+        else:
+            pipeline = default_llm_pipeline(args.connector, json.loads(args.connector_options))
         stage = pipeline.stage_for_role(args.role)
+        if args.role == "generate" and not any(stage.name in (e.source, e.target) for e in pipeline.edges):
+            connector = ConnectorSpec("none", args.connector, json.loads(args.connector_options))
+        else:
+            connector = pipeline.connector_for(args.role)
         config = WorkerConfig(
             role=args.role, model_path=os.path.abspath(args.model),
             model_name=args.served_model_name or args.model, broker=args.broker, worker_id=args.worker_id,

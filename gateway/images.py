@@ -1,0 +1,251 @@
+"""``POST /v1/images/generations``: text to images through a generate worker.
+
+Life of a request through the gateway::
+
+    JSON body ──parse_image_request──▶ ImageRequest (400 malformed, 422 asks for what we do not do)
+        ──resolve the model──▶ 404 unknown, 422 not an image model
+        ──seed chosen here when absent (a retried stage then redraws the same images)
+        ──▶ Submit(stages of the model's pipeline, sampling = ImageParams, deadline, reply_to)
+        ──▶ MediaStream: one MediaResult per image, kept by index (duplicates from a retried
+            stage dropped), until all n are in — or RequestFailed, or the deadline (504)
+        ──▶ {"created", "data": [{"b64_json": …}, …], "output_format": "png"}
+
+The worker sends each image as base64 PNG, so the gateway copies strings through without decoding.
+Accepted fields: ``prompt`` (required), ``model`` (optional when exactly one image model is served),
+``n`` (1–10), ``size`` ("WxH", multiples of 8, each side ≤ 1024; "auto" or absent: the model's
+native size), ``response_format`` (only "b64_json"; "url" is 422), ``output_format`` (only "png"),
+and the diffusion extensions ``seed``, ``num_inference_steps``, ``guidance_scale``,
+``negative_prompt`` (with the ``openai`` client: ``extra_body``). ``quality``, ``style``,
+``moderation`` and ``user`` are hints and ignored; ``stream`` is 422.
+
+A diffusers directory is served as an :class:`ImageModel`: no tokenizer or context length at the
+gateway, stages from its pipeline file (``deploy/pipelines/text_to_image.yaml``: one ``generate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import random
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from omnirelay.broker import protocol as p
+from omnirelay.errors import BadRequest, NotFound, OmniError, Unprocessable, WorkerLost
+from omnirelay.image_params import MAX_SEED, ImageParams
+
+from .app import BUS, CONFIG, METRICS, MODELS, _json_body
+from .bus import BusClient, RequestStream, StreamEvent
+from .config import ServedModel
+
+log = logging.getLogger("omnirelay.gateway")
+
+MAX_RESUBMITS = 3
+ADMISSION_RETRY_S = 5.0      # how long a request waits for a generate role that has no live worker
+_SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+
+
+def is_image_pipeline(path: str) -> bool:
+    """A diffusers pipeline directory (as opposed to a transformers model)."""
+    return (Path(path) / "model_index.json").is_file()
+
+
+class ImageModel:
+    """What the gateway knows about a served diffusers pipeline: its name, stages and card."""
+
+    def __init__(self, served: ServedModel):
+        if "generate" not in served.stages:
+            raise ValueError(f"model {served.name!r} ({served.path}) is a diffusers pipeline, but its stages "
+                             f"{list(served.stages)} have no 'generate'; serve it with a pipeline file such as "
+                             f"deploy/pipelines/text_to_image.yaml")
+        self.name = served.name
+        self.path = served.path
+        self.stages = tuple(served.stages)
+        index = json.loads((Path(served.path) / "model_index.json").read_text())
+        self.pipeline_class = str(index.get("_class_name", ""))
+        self.created = int(Path(served.path).stat().st_mtime)
+
+    def card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",
+                "root": self.path, "pipeline": self.pipeline_class}
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRequest:
+    model: str | None
+    params: ImageParams
+
+
+def parse_image_request(body: Any) -> ImageRequest:
+    """Validate an OpenAI images.generate body; raises BadRequest (400) or Unprocessable (422)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    response_format = body.get("response_format")
+    if response_format not in (None, "b64_json"):
+        if response_format == "url":
+            raise Unprocessable("response_format 'url' is not supported (images are not stored); use 'b64_json'",
+                                param="response_format")
+        raise BadRequest("'response_format' must be 'b64_json'", param="response_format")
+    output_format = body.get("output_format")
+    if output_format not in (None, "png"):
+        if output_format in ("jpeg", "webp"):
+            raise Unprocessable(f"output_format {output_format!r} is not supported; use 'png'", param="output_format")
+        raise BadRequest("'output_format' must be 'png'", param="output_format")
+    if body.get("stream") not in (None, False):
+        raise Unprocessable("streaming image generation is not supported", param="stream")
+    if body.get("partial_images") not in (None, 0):
+        raise Unprocessable("partial images are not supported", param="partial_images")
+    width, height = _size(body.get("size"))
+    fields = {"prompt": body.get("prompt"), "width": width, "height": height}
+    if body.get("prompt") is None:
+        raise BadRequest("'prompt' is required", param="prompt")
+    for name in ("n", "negative_prompt", "num_inference_steps", "guidance_scale", "seed"):
+        if body.get(name) is not None:
+            fields[name] = body[name]
+    return ImageRequest(model=model, params=ImageParams(**fields))
+
+
+def _size(value: Any) -> tuple[int, int]:
+    if value is None or value == "auto":
+        return 0, 0
+    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise BadRequest(f"'size' must look like '512x512' (width x height) or 'auto', got {value!r}", param="size")
+    width, height = int(match.group(1)), int(match.group(2))
+    if not width or not height:
+        raise BadRequest("'size' must have a positive width and height", param="size")
+    return width, height
+
+
+class MediaStream(RequestStream):
+    """The media of one image request: collects ``count`` items by index into ``received`` (shared
+    by the resubmissions of one client request) and finishes when all are in."""
+
+    def __init__(self, request_id: str, deadline: float, count: int, received: dict[int, str]):
+        super().__init__(request_id, deadline)
+        self.count = count
+        self.received = received
+
+    def on_delta(self, delta: p.TokenDelta) -> None:
+        """Image requests produce no tokens; a stray delta is ignored."""
+
+    def on_media(self, media: p.MediaResult) -> None:
+        if self.finished or not 0 <= media.index < self.count:
+            return
+        if media.mime != "image/png":
+            self.on_error(OmniError(f"worker sent {media.mime!r}, expected image/png", request_id=self.request_id,
+                                    stage="generate"))
+            return
+        self.received.setdefault(media.index, media.data)
+        if len(self.received) == self.count:
+            self.finished = True
+            self._queue.put_nowait(StreamEvent([], "stop"))
+        elif media.finish:
+            missing = sorted(set(range(self.count)) - set(self.received))
+            self.on_error(WorkerLost(f"the generate stage finished without images {missing}",
+                                     request_id=self.request_id, stage="generate", resumable=True))
+
+    async def wait(self) -> None:
+        """Return once every image is in; raise the request's error or DeadlineExceeded."""
+        async for _ in self.events():
+            pass
+
+
+async def generate(bus: BusClient, model: ImageModel, params: ImageParams, deadline: float,
+                   request_id: str) -> list[str]:
+    """The base64 PNGs of ``params.n`` images, in order. Resubmits after a lost worker or broker
+    (same seed, so the same images); waits briefly for a generate role that has no live worker;
+    cancels upstream when the caller goes away or fails."""
+    received: dict[int, str] = {}
+    resubmits = 0
+    retry_unavailable_until = time.monotonic() + ADMISSION_RETRY_S
+    upstream_id, done = request_id, False
+    try:
+        while True:
+            upstream_id = request_id if not resubmits else f"{request_id}.{resubmits}"
+            stream = MediaStream(upstream_id, deadline, params.n, received)
+            submit = p.Submit(request_id=upstream_id, model=model.name, stages=list(model.stages),
+                              prompt_token_ids=[], sampling=params.to_wire(), deadline=deadline,
+                              reply_to=bus.reply_to, reply_key=bus.reply_key)
+            await bus.submit(submit, stream)
+            try:
+                await stream.wait()
+                done = True
+                return [received[i] for i in range(params.n)]
+            except OmniError as exc:
+                if exc.resumable and resubmits < MAX_RESUBMITS:
+                    resubmits += 1
+                    log.warning("%s: %s; resubmitting (%d of %d images in)", request_id, exc, len(received),
+                                params.n)
+                    continue
+                pause = min(max(exc.retry_after, 0.2), 1.0)
+                if (exc.error_type == "unavailable" and time.monotonic() + pause < retry_unavailable_until
+                        and time.time() + pause < deadline):
+                    resubmits += 1
+                    await asyncio.sleep(pause)
+                    continue
+                exc.request_id = request_id
+                raise
+            finally:
+                bus.forget(upstream_id)
+    finally:
+        if not done:
+            await bus.cancel(upstream_id, "client left or request failed")
+
+
+def _image_model(models: dict, name: str | None) -> ImageModel:
+    if name is None:
+        image_models = [m for m in models.values() if isinstance(m, ImageModel)]
+        if len(image_models) != 1:
+            raise BadRequest("'model' is required (this gateway serves "
+                             f"{len(image_models)} image models)", param="model")
+        return image_models[0]
+    model = models.get(name)
+    if model is None:
+        raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
+    if not isinstance(model, ImageModel):
+        raise Unprocessable(f"model {name!r} does not generate images", param="model")
+    return model
+
+
+async def image_generations(request: web.Request) -> web.Response:
+    parsed = parse_image_request(await _json_body(request))
+    model = _image_model(request.app[MODELS], parsed.model)
+    params = parsed.params
+    if params.seed is None:
+        params = dataclasses.replace(params, seed=random.randrange(MAX_SEED - params.n))
+    request_id = f"img-{uuid.uuid4().hex}"
+    config = request.app[CONFIG]
+    metrics = request.app[METRICS]
+    timer = metrics.timer(model.name)
+    outcome = "cancelled"
+    try:
+        images = await generate(request.app[BUS], model, params, time.time() + config.request_timeout_s,
+                                request_id)
+        outcome = "ok"
+    except OmniError as exc:
+        outcome = exc.error_type
+        metrics.errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        raise
+    finally:
+        timer.finish(0, 0, outcome)
+        if not config.disable_log_requests:
+            log.info("request %s model=%s stages=%s images=%d size=%dx%d steps=%d seed=%d outcome=%s e2e=%.3fs",
+                     request_id, model.name, "+".join(model.stages), params.n, params.width, params.height,
+                     params.num_inference_steps, params.seed, outcome, timer.elapsed())
+    body = {"created": int(time.time()), "data": [{"b64_json": data} for data in images], "output_format": "png"}
+    return web.json_response(body, headers={"X-Request-Id": request_id})
+
+
+def add_image_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/images/generations", image_generations)
