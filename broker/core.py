@@ -227,6 +227,10 @@ class BrokerCore:
             self.counters["stale_stage_reports"] += 1
             if req is None:
                 worker.tasks.discard(msg.request_id)
+                if msg.outputs:
+                    # The request died while this stage ran (cancel, deadline): nobody will read
+                    # what it just wrote, so have its producer delete it now rather than at TTL.
+                    return [(identity, p.CancelTask(msg.request_id, inputs=dict(msg.outputs)))]
             return []
         worker.tasks.discard(msg.request_id)
         self.counters[f"stage_done:{msg.stage}"] += 1

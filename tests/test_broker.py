@@ -535,3 +535,11 @@ def test_cancel_between_stages_tells_a_consumer_to_delete_the_handoff(core):
     out = core.on_message(GW, p.Cancel("r1"), 0.0)
     (cancel,) = of_type(out, p.CancelTask)
     assert cancel[0] == b"dec" and cancel[1].inputs == handles
+
+
+def test_stage_done_for_a_dead_request_asks_its_producer_to_delete_the_output(core):
+    pipeline(core, pre_credits=1)
+    core.on_message(GW, p.Cancel("r1"), 0.0)                       # cancelled while prefill runs
+    outputs = {"kv_key": "kv/r1/0", "kv_handle": {}, "first_token": 3}
+    out = done(core, b"pre", "r1", "prefill", outputs=outputs)
+    assert [(ident, msg.inputs) for ident, msg in of_type(out, p.CancelTask)] == [(b"pre", outputs)]

@@ -49,6 +49,7 @@ class PrefillRole(RoleAdapter):
     def __init__(self, worker_id: str, engine: PrefillEngine):
         super().__init__(worker_id)
         self.engine = engine
+        self.connector = engine.connector   # to delete its own output when the request died meanwhile
         self._reply_to: dict[str, str] = {}
 
     def accept(self, task: p.Task) -> list[Outbound]:
