@@ -4,7 +4,8 @@ A connector is the data plane between two stages. The broker never sees the data
 ``handle`` maps that :meth:`Connector.put` returns, which travel in the bus messages
 (``StageDone.outputs`` → ``Task.inputs``). Backends: ``shared_memory`` (one host), and — chosen by
 name in the stage YAML, imported only when chosen — ``redis``, ``mooncake_transfer_engine``,
-``mooncake_store``.
+``mooncake_store``. :mod:`omnirelay.connectors.chunked` streams a sequence of payloads (layer by
+layer, chunk by chunk) over any of them with these same five methods.
 
 Payload
     A flat ``dict[str, value]`` where a value is a ``torch.Tensor`` (any dtype, any shape, empty and
@@ -23,24 +24,32 @@ Who calls what
 Blocking
     ``put`` blocks until the payload is readable by a consumer (written and published) and returns
     its handle; it never waits for a consumer. ``get`` blocks until the key is readable or
-    ``timeout`` seconds pass (:class:`~omnirelay.errors.TransferFailed`); key-only retrieval (no
-    handle) works for every backend, the handle only makes it faster. ``delete`` does not block on
-    remote peers longer than one round trip.
+    ``timeout`` seconds pass (:class:`~omnirelay.errors.TransferFailed`, whose message names the
+    key and, for a network backend, what failed); key-only retrieval (no handle) works for every
+    backend, the handle only makes it faster, and a stale handle (the key was put again) falls back
+    to looking the key up. ``delete`` does not block on remote peers longer than one round trip.
+    Every method is safe to call from several threads.
 
 Buffers and ownership
     ``put`` copies the payload out; the caller may reuse its tensors as soon as it returns. Tensors
-    returned by ``get`` may be zero-copy views into a backend buffer (shared memory): they stay valid
-    for as long as the caller holds a reference, even after ``delete``, but the caller must treat
-    them as read-only scratch and copy what it keeps into its own storage (the KV cache).
+    returned by ``get`` may be zero-copy views into backend memory (a shared memory segment, or a
+    block of the connector's receive pool): they stay valid for as long as the caller holds a
+    reference, even after ``delete`` or a new ``put`` of the key, because that memory is recycled
+    only once they are gone. Writes into them stay private to the caller. Since they pin backend
+    memory, the caller copies what it keeps (into its KV cache) and drops them.
 
 When a key dies
     1. The consumer deletes it after a successful ``get`` (consumer-acknowledged delete) — the normal
        path.
     2. Otherwise a TTL (``ttl_s`` option, default 300 s) bounds how long data whose consumer never
-       came (a cancelled request, a dead worker) outlives its put.
-    3. A backend that keeps data in the producer's memory (shared memory) also reclaims what a
-       crashed producer left behind: every segment name carries its owner's PID, and
-       :func:`~omnirelay.connectors.shared_memory.sweep_orphans` removes segments of dead owners.
+       came (a cancelled request, a dead worker) outlives its put: Redis expires every key itself;
+       the other backends' producers expire their own payloads on their next ``put`` and on
+       ``close``.
+    3. When the producer goes: shared memory segments outlive a crashed producer until the next
+       connector starts in that directory or ``omni-serve`` sweeps (every name carries its owner's
+       PID, :func:`~omnirelay.connectors.shared_memory.sweep_orphans`); the Mooncake backends keep
+       payloads in the producer's memory or store segment, so those die with its connector or
+       process, and a later ``get`` fails with ``TransferFailed``.
 """
 
 from __future__ import annotations

@@ -36,3 +36,7 @@ def create_connector(name: str, config: dict | None = None) -> Connector:
 
 
 register_connector("shared_memory", "omnirelay.connectors.shared_memory:SharedMemoryConnector")
+register_connector("redis", "omnirelay.connectors.redis:RedisConnector")
+register_connector("mooncake_transfer_engine", "omnirelay.connectors.mooncake_transfer_engine:MooncakeTEConnector")
+register_connector("mooncake_store", "omnirelay.connectors.mooncake_store:MooncakeStoreConnector")
+register_connector("fault_injection", "omnirelay.connectors.fault_injection:FaultInjectionConnector")

@@ -2,6 +2,10 @@
 
 Every test works in a private directory ``/dev/shm/ortest-<uuid>/`` (never in /dev/shm itself, whose
 ``omnirelay-*`` segments may belong to other processes) and must leave it empty.
+
+Layout (see the module): one key entry (a symlink ``omnirelay-<pid>-<key hash>``) per published key,
+pooled segments ``omnirelay-<pid>-c<n>-s<m>`` that a producer reuses, and its owner file
+``omnirelay-<pid>-c<n>-owner`` while its connector is open.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import selectors
 import shutil
 import signal
@@ -70,6 +75,15 @@ def files(shm_dir) -> list[str]:
     return sorted(os.listdir(shm_dir))
 
 
+def keys_in(shm_dir) -> list[str]:
+    """Key entries: one per published key."""
+    return sorted(n for n in os.listdir(shm_dir) if os.path.islink(os.path.join(shm_dir, n)))
+
+
+def segments_in(shm_dir) -> list[str]:
+    return sorted(n for n in os.listdir(shm_dir) if re.fullmatch(rf"{PREFIX}\d+-c\d+-s\d+", n))
+
+
 def assert_same(got: dict, want: dict) -> None:
     assert shm_child.same_payload(got, want) == []
 
@@ -107,13 +121,13 @@ def test_put_get_delete(conn, shm_dir):
     assert isinstance(handle, dict)
     msgpack.packb(handle)  # handles travel on the bus
     assert len(handle["segment"]) < 100 and "/" not in handle["segment"]
-    assert files(shm_dir) == [handle["segment"]]
+    assert segments_in(shm_dir) == [handle["segment"]] and len(keys_in(shm_dir)) == 1
     assert handle["segment"].startswith(f"{PREFIX}{os.getpid()}-")
 
     assert_same(conn.get("req-1/kv", handle, timeout=1), payload)  # with handle
     assert_same(conn.get("req-1/kv", timeout=1), payload)          # key only
     conn.delete("req-1/kv")
-    assert files(shm_dir) == []
+    assert keys_in(shm_dir) == []                                  # the segment stays, for reuse
     with pytest.raises(TransferFailed):
         conn.get("req-1/kv", timeout=0.05)
     with pytest.raises(TransferFailed):
@@ -127,26 +141,32 @@ def test_key_only_get_from_another_connector_object(shm_dir):
         producer.put("k", small_payload(1))
         assert_same(consumer.get("k", timeout=1), small_payload(1))
         consumer.delete("k")
-        assert files(shm_dir) == []
+        assert keys_in(shm_dir) == []
     finally:
         producer.close()
         consumer.close()
+    assert files(shm_dir) == []   # close removed the free segment and the owner file
 
 
 def test_many_keys_are_independent(conn, shm_dir):
     handles = {f"key-{i}": conn.put(f"key-{i}", small_payload(i)) for i in range(20)}
-    assert len(files(shm_dir)) == 20
+    assert len(keys_in(shm_dir)) == 20 and len(segments_in(shm_dir)) == 20
     for i in reversed(range(20)):
         assert_same(conn.get(f"key-{i}", handles[f"key-{i}"], timeout=1), small_payload(i))
         conn.delete(f"key-{i}")
-    assert files(shm_dir) == []
+    assert keys_in(shm_dir) == []
+    conn.put("again", small_payload(0))   # reuses a free segment
+    assert len(segments_in(shm_dir)) == 20
+    conn.delete("again")
 
 
 def test_put_again_replaces_value(conn, shm_dir):
-    conn.put("k", small_payload(1))
-    conn.put("k", small_payload(2))
-    assert len(files(shm_dir)) == 1
+    first = conn.put("k", small_payload(1))
+    second = conn.put("k", small_payload(2))
+    assert len(keys_in(shm_dir)) == 1
     assert_same(conn.get("k", timeout=1), small_payload(2))
+    assert_same(conn.get("k", first, timeout=1), small_payload(2))   # a stale handle finds the key anew
+    assert conn.health()["segments_free"] == 1 and second["segment"] != first["segment"]
     conn.delete("k")
 
 
@@ -178,12 +198,17 @@ def test_get_is_zero_copy_and_copy_on_write(conn):
 
 def test_tensors_stay_valid_after_delete_and_replace(conn, shm_dir):
     conn.put("k", {"t": torch.arange(4096, dtype=torch.float64)})
-    got = conn.get("k", timeout=1)["t"]
+    got = conn.get("k", timeout=1)["t"]   # a lease on the segment while `got` lives
     conn.delete("k")
-    assert files(shm_dir) == []
-    conn.put("k", {"t": torch.zeros(4096, dtype=torch.float64)})  # new inode under the same name
+    assert keys_in(shm_dir) == []
+    conn.put("k", {"t": torch.zeros(4096, dtype=torch.float64)})  # must not reuse the leased segment
     assert torch.equal(got, torch.arange(4096, dtype=torch.float64))
+    assert len(segments_in(shm_dir)) == 2
+    del got
     conn.delete("k")
+    conn.put("k2", {"t": torch.ones(4096, dtype=torch.float64)})  # lease gone: a segment is reused
+    assert len(segments_in(shm_dir)) == 2
+    conn.delete("k2")
 
 
 def test_get_before_put_times_out(conn):
@@ -203,7 +228,7 @@ def test_handle_cannot_escape_shm_dir(conn, shm_dir):
     try:
         outsider = SharedMemoryConnector({"shm_dir": other})
         handle = outsider.put("k", small_payload(9))
-        assert files(other) == [handle["segment"]]
+        assert handle["segment"] in files(other)
         rel = {"segment": f"../{os.path.basename(other)}/{handle['segment']}"}
         absolute = {"segment": os.path.join(other, handle["segment"])}
         for bad in (rel, absolute, {"segment": "/etc/passwd"}, {"segment": 5}, {}):
@@ -267,7 +292,7 @@ def test_concurrent_threads(conn, shm_dir):
     assert errors == []
     assert conn.get("shared", timeout=1)["w"] in range(4)
     conn.delete("shared")
-    assert files(shm_dir) == []
+    assert keys_in(shm_dir) == []
 
 
 def test_delete_missing_key_is_fine(conn):
@@ -291,9 +316,6 @@ def test_corrupt_segment_raises_transfer_failed(conn, shm_dir):
     conn.delete("k")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG shared_memory.get: a zero-length segment makes mmap.mmap raise ValueError('cannot mmap an empty "
-    "file'), which escapes instead of TransferFailed"))
 def test_empty_segment_raises_transfer_failed(conn, shm_dir):
     handle = conn.put("k", small_payload())
     try:
@@ -379,10 +401,11 @@ def test_ttl_reaps_unconsumed_segment_on_later_put(shm_dir):
     try:
         c.put("stale", small_payload(1))
         c.put("fresh-1", small_payload(2))
-        assert len(files(shm_dir)) == 2
+        assert len(keys_in(shm_dir)) == 2
         time.sleep(0.3)
         c.put("fresh-2", small_payload(3))  # reaping happens here
-        assert len(files(shm_dir)) == 1
+        assert len(keys_in(shm_dir)) == 1
+        assert len(segments_in(shm_dir)) == 2   # fresh-2 reused a reaped segment
         assert c.health()["expired"] == 2
         with pytest.raises(TransferFailed):
             c.get("stale", timeout=0.02)
@@ -398,7 +421,7 @@ def test_ttl_does_not_reap_young_segments(shm_dir):
     try:
         for i in range(5):
             c.put(f"k{i}", small_payload(i))
-        assert len(files(shm_dir)) == 5
+        assert len(keys_in(shm_dir)) == 5
         assert c.health().get("expired", 0) == 0
     finally:
         for i in range(5):
@@ -430,10 +453,6 @@ def test_close_reaps_expired(shm_dir):
     assert files(shm_dir) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG shared_memory.put: re-putting a key updates _owned[path] in place, but an OrderedDict keeps the "
-    "old position, so the oldest-first _reap_expired loop stops at the re-put (young) entry and never "
-    "reaps expired segments queued behind it; fix: self._owned.move_to_end(path) after the assignment"))
 def test_ttl_reaps_after_a_key_is_put_again(shm_dir):
     c = SharedMemoryConnector({"shm_dir": shm_dir, "ttl_s": 0.4})
     try:
@@ -474,7 +493,8 @@ def test_cross_process_exchange(conn, shm_dir):
         proc.stderr.close()
         conn.delete("c2p")
         conn.delete("p2c")
-    assert files(shm_dir) == []
+    assert keys_in(shm_dir) == []
+    assert [n for n in files(shm_dir) if n.startswith(f"{PREFIX}{hello['pid']}-")] == []   # child cleaned up
 
 
 def test_kill_9_leaves_orphans_that_sweep_removes(conn, shm_dir):
@@ -484,28 +504,32 @@ def test_kill_9_leaves_orphans_that_sweep_removes(conn, shm_dir):
         hello = read_json_line(proc)
         child_pid = hello["pid"]
         child_segments = sorted(h["segment"] for h in hello["handles"])
-        mine = conn.put("live", small_payload())["segment"]
+        conn.put("live", small_payload())
+        mine = [n for n in files(shm_dir) if n.startswith(f"{PREFIX}{os.getpid()}-")]
+        assert len(mine) == 3   # entry, segment, owner file
         # A live foreign owner (pid 1 always exists) and names that are not ours to judge.
         for name in (f"{PREFIX}1-{'ab' * 12}", f"{PREFIX}notapid-x", "unrelated-file"):
             open(os.path.join(shm_dir, name), "w").close()
             extra.append(name)
-        assert files(shm_dir) == sorted(child_segments + [mine] + extra)
+        childs = [n for n in files(shm_dir) if n.startswith(f"{PREFIX}{child_pid}-")]
+        assert len(childs) == 7 and set(child_segments) <= set(childs)   # 3 entries, 3 segments, owner file
+        assert files(shm_dir) == sorted(childs + mine + extra)
 
         os.kill(child_pid, signal.SIGKILL)
         assert proc.wait(timeout=10) == -signal.SIGKILL  # reaped: no zombie that still "exists"
-        assert files(shm_dir) == sorted(child_segments + [mine] + extra)  # a crash leaves segments
+        assert files(shm_dir) == sorted(childs + mine + extra)  # a crash leaves segments
 
         # Data of a crashed producer is still readable until swept.
         assert_same(conn.get("orphan-1", hello["handles"][1], timeout=1), shm_child.make_payload(11))
 
-        assert sweep_orphans(shm_dir) == 3
-        assert files(shm_dir) == sorted([mine] + extra)  # live owners' segments are kept
+        assert sweep_orphans(shm_dir) == 7
+        assert files(shm_dir) == sorted(mine + extra)  # live owners' files are kept
         with pytest.raises(TransferFailed):
             conn.get("orphan-0", timeout=0.02)
         assert sweep_orphans(shm_dir) == 0  # idempotent
 
         # Explicit owners: removed even though alive.
-        assert sweep_orphans(shm_dir, owners={os.getpid()}) == 1
+        assert sweep_orphans(shm_dir, owners={os.getpid()}) == 3
         assert files(shm_dir) == sorted(extra)
         assert sweep_orphans(shm_dir, owners={1}) == 1
         assert files(shm_dir) == sorted(["unrelated-file", f"{PREFIX}notapid-x"])
@@ -540,10 +564,6 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG shared_memory._pid_alive: os.kill(pid, 0) raises OverflowError for a PID that does not fit a C "
-    "int (e.g. a stray 'omnirelay-99999999999999999999-x' file), which aborts the whole sweep; "
-    "catch OverflowError in _pid_alive/sweep_orphans and skip the name"))
 def test_sweep_survives_absurd_pid_in_name(shm_dir):
     bogus = os.path.join(shm_dir, f"{PREFIX}99999999999999999999-x")
     dead = os.path.join(shm_dir, f"{PREFIX}{_dead_pid()}-{'ef' * 12}")
@@ -568,10 +588,6 @@ def _can_mount_private_tmpfs(tmp_path) -> bool:
     return r.returncode == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG shared_memory.put: ftruncate makes a sparse tmpfs file, so when /dev/shm is full the page faults "
-    "of write_into raise SIGBUS and kill the worker; fix: os.posix_fallocate(fd, 0, size) before mmap "
-    "(raises OSError ENOSPC, and the existing cleanup unlinks the temp file)"))
 def test_put_on_full_shm_raises_instead_of_sigbus(tmp_path):
     if not _can_mount_private_tmpfs(tmp_path):
         pytest.skip("needs unshare + permission to mount a tmpfs in a private mount namespace")
@@ -583,7 +599,8 @@ def test_put_on_full_shm_raises_instead_of_sigbus(tmp_path):
     assert r.returncode == 0, f"child died with {r.returncode} (-7/135 = SIGBUS): {r.stderr[-500:]}"
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["outcome"].startswith("raised"), result
-    assert result["left"] == [], result
+    # Nothing half-written is left; the owner file marks the still-open connector.
+    assert [n for n in result["left"] if not n.endswith("-owner")] == [], result
 
 
 # ------------------------------------------------------------------------------------------ registry

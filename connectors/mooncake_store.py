@@ -1,0 +1,214 @@
+"""``mooncake_store`` connector: payloads in a Mooncake distributed store (``mooncake_master`` plus
+the memory segments its clients contribute).
+
+Each connector is one store client: it mounts a ``segment_mb`` slice of its own memory into the
+store and registers one :class:`BufferPool` for zero-copy ``put_from`` / ``get_into``.
+
+* ``put``: encode into a pool block, ``upsert_from(key, block)`` (replaces an older value of the
+  key), preferring this client's own segment (``prefer_local``) so the write is a local copy and
+  the consumer pulls the bytes over the transfer engine. Handle: ``{"size": bytes}``.
+* ``get``: ``get_size`` (skipped when the handle gives the size) until the key exists or the
+  timeout passes, then ``get_into`` a pool block; tensors are views into that block, which is
+  recycled when they die. Key-only retrieval is native: the master knows every key.
+* ``delete``: ``remove(key, force=True)`` (force: a reader's lease must not keep a consumed key).
+* TTL: the master has no per-key expiry, so the producer removes keys it put that are older than
+  ``ttl_s`` (checked on every put and on close). Under memory pressure the master also evicts.
+
+A client's segment leaves the store with it: payloads placed there are lost when the producer's
+connector closes or its process dies (the master notices after its ``client_ttl``), and a ``get``
+then fails with ``TransferFailed``.
+
+Options: ``master`` (required, ``host:port`` of ``mooncake_master``), ``local_hostname``
+(127.0.0.1), ``metadata_server`` (``P2PHANDSHAKE``), ``protocol`` (``tcp``), ``device_name`` (""),
+``segment_mb`` (512), ``local_buffer_mb`` (16: Mooncake's own staging buffer, unused by this
+connector's zero-copy paths), ``pool_mb`` (256), ``ttl_s`` (300), ``prefer_local`` (true).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from omnirelay.errors import TransferFailed
+
+from . import codec
+from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Payload
+from .buffers import Block, BufferPool, Region
+
+try:
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+except ImportError as exc:  # pragma: no cover - depends on the optional extra
+    raise ImportError("the mooncake_store connector needs the 'mooncake' extra: "
+                      "pip install 'omnirelay[mooncake]' (and Debian libibverbs1)") from exc
+
+OBJECT_NOT_FOUND = -704   # Mooncake's error code for a key the master does not know
+
+
+class MooncakeStoreConnector(Connector):
+    name = "mooncake_store"
+
+    def __init__(self, config: dict | None = None):
+        config = dict(config or {})
+        master = config.pop("master", None)
+        if not isinstance(master, str) or ":" not in master:
+            raise ValueError("mooncake_store connector: option 'master' (host:port of mooncake_master) is required")
+        self.master = master
+        local_hostname = str(config.pop("local_hostname", "127.0.0.1"))
+        metadata_server = str(config.pop("metadata_server", "P2PHANDSHAKE"))
+        protocol = str(config.pop("protocol", "tcp"))
+        device_name = str(config.pop("device_name", ""))
+        segment_bytes = int(float(config.pop("segment_mb", 512)) * (1 << 20))
+        local_buffer_bytes = int(float(config.pop("local_buffer_mb", 16)) * (1 << 20))
+        pool_bytes = int(float(config.pop("pool_mb", 256)) * (1 << 20))
+        self.ttl_s = float(config.pop("ttl_s", DEFAULT_TTL_S))
+        prefer_local = bool(config.pop("prefer_local", True))
+        if config:
+            raise ValueError(f"mooncake_store connector: unknown options {sorted(config)}")
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(local_hostname, metadata_server, segment_bytes, local_buffer_bytes, protocol,
+                               device_name, master)
+        if rc != 0:
+            raise TransferFailed(f"mooncake_store: setup against master {master} failed (rc={rc})")
+        self._pool = BufferPool(pool_bytes)
+        if self._store.register_buffer(self._pool.address, self._pool.capacity) != 0:
+            self._store.close()
+            raise TransferFailed("mooncake_store: cannot register the buffer pool")
+        self._replicate = ReplicateConfig()
+        if prefer_local:
+            self._replicate.preferred_segment = self._store.get_hostname()
+        self._lock = threading.Lock()
+        self._put_at: collections.OrderedDict[str, float] = collections.OrderedDict()  # keys we put, oldest first
+        self._stats = collections.Counter()
+        self._last_error: str | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------ producer
+
+    def put(self, key: str, payload: Payload) -> Handle:
+        if self._closed:
+            raise TransferFailed("mooncake_store connector is closed")
+        self._expire(time.monotonic())
+        encode_plan = codec.plan(payload)
+        size = encode_plan.size
+        block = self._allocate(size)
+        try:
+            view = block.view(size)
+            try:
+                codec.write_into(view, encode_plan)
+            finally:
+                view.release()
+            rc = self._store.upsert_from(key, block.address, size, self._replicate)
+        finally:
+            block.release()
+        if rc != 0:
+            raise self._failed(f"put of {key!r} ({size} bytes) failed with Mooncake error {rc}")
+        with self._lock:
+            self._put_at.pop(key, None)
+            self._put_at[key] = time.monotonic()
+            self._stats["puts"] += 1
+            self._stats["bytes_put"] += size
+        self._last_error = None
+        return {"size": size}
+
+    def _expire(self, now: float) -> None:
+        expired = []
+        with self._lock:
+            while self._put_at:
+                key, put_at = next(iter(self._put_at.items()))
+                if now - put_at < self.ttl_s:
+                    break
+                self._put_at.popitem(last=False)
+                expired.append(key)
+        for key in expired:
+            if self._store.remove(key, True) == 0:
+                self._stats["expired"] += 1
+
+    # ------------------------------------------------------------------------------ consumer
+
+    def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
+        if self._closed:
+            raise TransferFailed("mooncake_store connector is closed")
+        deadline = time.monotonic() + timeout
+        size = handle.get("size") if isinstance(handle, dict) else None
+        size = size if isinstance(size, int) and size > 0 else None
+        delay, last_rc = 0.0005, OBJECT_NOT_FOUND
+        while True:
+            if size is None:
+                rc = self._store.get_size(key)
+                size, last_rc = (rc, OBJECT_NOT_FOUND) if rc > 0 else (None, rc)
+            if size is not None:
+                payload = self._read(key, size)
+                if isinstance(payload, dict):
+                    return payload
+                size, last_rc = None, payload   # gone or resized since: ask the master again
+            if time.monotonic() >= deadline:
+                why = "" if last_rc == OBJECT_NOT_FOUND else f" (last Mooncake error {last_rc})"
+                raise self._failed(f"key {key!r} not available within {timeout:.1f}s{why}")
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.05)
+
+    def _allocate(self, size: int) -> Block | Region:
+        """A pool block, or a one-off registered buffer when the pool is full."""
+        block = self._pool.allocate(size)
+        if block is not None:
+            return block
+        try:
+            return Region(size, self._store.register_buffer, self._store.unregister_buffer)
+        except MemoryError as exc:
+            raise TransferFailed(f"mooncake_store: {exc}") from None
+
+    def _read(self, key: str, size: int) -> Payload | int:
+        """The payload, or Mooncake's (negative) return code."""
+        block = self._allocate(size)
+        got = self._store.get_into(key, block.address, size)
+        if got != size:
+            block.release()
+            return got if got < 0 else OBJECT_NOT_FOUND
+        if isinstance(block, Block):
+            array = self._pool.lease(block, nbytes=size)
+        else:
+            block.release()   # unregistered; the memory lives as long as the tensors
+            array = block.array[:size]
+        try:
+            payload = codec.decode(array)
+        except codec.CodecError as exc:
+            raise TransferFailed(f"mooncake_store: payload of key {key!r} is corrupt: {exc}") from None
+        with self._lock:
+            self._stats["gets"] += 1
+            self._stats["bytes_got"] += size
+        self._last_error = None
+        return payload
+
+    def delete(self, key: str) -> None:
+        rc = self._store.remove(key, True)
+        with self._lock:
+            self._put_at.pop(key, None)
+            if rc == 0:
+                self._stats["deletes"] += 1
+        if rc not in (0, OBJECT_NOT_FOUND):
+            raise self._failed(f"delete of {key!r} failed with Mooncake error {rc}")
+
+    def _failed(self, message: str) -> TransferFailed:
+        self._last_error = f"mooncake_store (master {self.master}): {message}"
+        return TransferFailed(self._last_error)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Remove expired keys, leave the store (this client's segment, and what it held, go
+        with it). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._expire(time.monotonic())
+        self._store.unregister_buffer(self._pool.address)
+        self._store.close()
+
+    def health(self) -> dict:
+        with self._lock:
+            stats = {k: int(v) for k, v in self._stats.items()}
+            pending = len(self._put_at)
+        return {"backend": self.name, "ok": not self._closed and self._last_error is None, "master": self.master,
+                "last_error": self._last_error, "keys_put_pending": pending, **self._pool.stats(), **stats}
