@@ -6,8 +6,12 @@ A pipeline file (YAML) looks like::
     stages:
       - name: prefill               # unique; requests pass stages in this order
         role: prefill               # encode | prefill | decode | generate
-        runtime: {max_batch_size: 8}
-        engine_args: {}             # passed to the role's engine (dtype, tensor_parallel_size, …)
+        runtime:
+          max_batch_size: 8
+          devices: "0,1"            # optional: the GPU group of each worker of this stage
+        engine_args:                # passed to the role's engine (dtype, …)
+          tensor_parallel_size: 2   # devices, when given, must number tensor × pipeline parallel size
+          pipeline_parallel_size: 1
       - name: decode
         role: decode
         runtime: {max_batch_size: 64}
@@ -25,17 +29,24 @@ role's engine default otherwise.
 
 :func:`load_pipeline` validates everything and raises :class:`PipelineError` whose message names the
 offending entry (``stages[1].role: …``).
+
+vLLM-Omni's legacy format (a top-level ``stage_args`` list, ``runtime.connectors`` and
+``runtime.edges``) is accepted too: :mod:`omnirelay.deploy.legacy_stages` translates it into this
+schema first, and its errors name the legacy entry (``stage_args[2].engine_input_source: …``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 ROLES = ("encode", "prefill", "decode", "generate")
+
+log = logging.getLogger("omnirelay.pipeline")
 
 
 class PipelineError(ValueError):
@@ -44,10 +55,27 @@ class PipelineError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
+    """``devices``: the device ids of one worker's GPU group (empty: the launcher decides);
+    when given there are exactly ``group_size`` of them."""
+
     name: str
     role: str
     max_batch_size: int
     engine_args: dict[str, Any]
+    devices: tuple[str, ...] = ()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine_args.get("tensor_parallel_size", 1))
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return int(self.engine_args.get("pipeline_parallel_size", 1))
+
+    @property
+    def group_size(self) -> int:
+        """Processes (and GPUs, on GPU hosts) one worker of this stage needs."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +140,17 @@ def load_pipeline(path: str | Path) -> Pipeline:
         raise PipelineError(f"{path}: {exc}") from None
 
 
+def parse_pipeline(raw: Any) -> Pipeline:
+    """Validate a parsed pipeline document, in this schema or in vLLM-Omni's legacy one."""
+    if isinstance(raw, dict) and "stage_args" in raw:
+        from .legacy_stages import translate_legacy
+        translated, notes = translate_legacy(raw)
+        for note in notes:
+            log.info("legacy stage config: %s", note)
+        return _parse_native(translated)
+    return _parse_native(raw)
+
+
 def _mapping(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
         raise PipelineError(f"{where}: expected a mapping, got {type(value).__name__}")
@@ -124,7 +163,32 @@ def _only(entry: dict, allowed: set[str], where: str) -> None:
         raise PipelineError(f"{where}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
 
 
-def parse_pipeline(raw: Any) -> Pipeline:
+def _positive_int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PipelineError(f"{where}: must be a positive integer, got {value!r}")
+    return value
+
+
+def _devices(value: Any, where: str) -> tuple[str, ...]:
+    """``"0,1"``, ``[0, 1]`` or ``0`` → ``("0", "1")``; ids must be unique non-negative integers."""
+    if isinstance(value, bool):
+        raise PipelineError(f"{where}: expected device ids like \"0,1\", got {value!r}")
+    if isinstance(value, int):
+        items = [str(value)]
+    elif isinstance(value, str):
+        items = [item.strip() for item in value.split(",") if item.strip()]
+    elif isinstance(value, list):
+        items = [str(item).strip() for item in value]
+    else:
+        raise PipelineError(f"{where}: expected device ids like \"0,1\", got {type(value).__name__}")
+    if not items or not all(item.isdigit() for item in items):
+        raise PipelineError(f"{where}: expected device ids like \"0,1\", got {value!r}")
+    if len(set(items)) != len(items):
+        raise PipelineError(f"{where}: device ids repeat in {value!r}")
+    return tuple(items)
+
+
+def _parse_native(raw: Any) -> Pipeline:
     raw = _mapping(raw, "pipeline")
     _only(raw, {"model", "stages", "connectors", "edges"}, "pipeline")
     stages_raw = raw.get("stages")
@@ -144,12 +208,23 @@ def parse_pipeline(raw: Any) -> Pipeline:
         if any(s.name == name for s in stages):
             raise PipelineError(f"{where}.name: duplicate stage name {name!r}")
         runtime = _mapping(entry.get("runtime", {}), f"{where}.runtime")
-        _only(runtime, {"max_batch_size"}, f"{where}.runtime")
+        _only(runtime, {"max_batch_size", "devices"}, f"{where}.runtime")
         batch = runtime.get("max_batch_size", 1 if role == "generate" else 0)
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
             raise PipelineError(f"{where}.runtime.max_batch_size: must be a non-negative integer")
         engine_args = _mapping(entry.get("engine_args", {}), f"{where}.engine_args")
-        stages.append(Stage(name=name, role=role, max_batch_size=batch, engine_args=dict(engine_args)))
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if key in engine_args:
+                _positive_int(engine_args[key], f"{where}.engine_args.{key}")
+        stage = Stage(name=name, role=role, max_batch_size=batch, engine_args=dict(engine_args),
+                      devices=_devices(runtime["devices"], f"{where}.runtime.devices") if "devices" in runtime
+                      else ())
+        if stage.devices and len(stage.devices) != stage.group_size:
+            raise PipelineError(
+                f"{where}.runtime.devices: {len(stage.devices)} device(s) {','.join(stage.devices)} but "
+                f"tensor_parallel_size {stage.tensor_parallel_size} × pipeline_parallel_size "
+                f"{stage.pipeline_parallel_size} = {stage.group_size}")
+        stages.append(stage)
 
     connectors: dict[str, ConnectorSpec] = {}
     for name, entry in _mapping(raw.get("connectors", {}), "connectors").items():

@@ -11,6 +11,16 @@ gateway, workers (SIGTERM lets them drain), broker — each escalated to SIGKILL
 period; then the shared-memory segments owned by the children are swept and the run directory is
 removed. Children also get SIGKILL from the kernel if this launcher itself dies (PR_SET_PDEATHSIG),
 so no process outlives it.
+
+Parallelism flags: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--devices`` (one
+worker's GPU group) and ``--gpu-memory-utilization`` are checked before anything starts
+(:func:`check_parallel`): devices must number TP × PP, TP must divide the model's attention and KV
+heads, PP must not exceed its layers, a stage of the pipeline file that sets a size must agree with
+the flag. They reach ``omni-worker`` once it runs GPU groups (:data:`WORKER_RUNS_GROUPS`); until
+then any size but 1 is refused with a message saying so.
+
+``--ray-address ADDR`` places the same daemons on a Ray cluster instead of this host (see
+:mod:`omnirelay.deploy.ray_launcher`).
 """
 
 from __future__ import annotations
@@ -29,8 +39,12 @@ import urllib.error
 import urllib.request
 
 from omnirelay.connectors.shared_memory import sweep_orphans
-from omnirelay.deploy.pipeline import PipelineError, load_pipeline
+from omnirelay.deploy.pipeline import Pipeline, PipelineError, load_pipeline
 from omnirelay.lifecycle import Shutdown
+
+# Whether omni-worker accepts --tensor-parallel-size/--pipeline-parallel-size/--devices/
+# --gpu-memory-utilization. Flip to True once `omni-worker --help` lists them.
+WORKER_RUNS_GROUPS = False
 
 _PR_SET_PDEATHSIG = 1
 
@@ -105,8 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--num-prefill", type=int, default=1)
-    parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers per model")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode workers per model")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="ranks per worker that split heads and MLP columns (default 1, or the stage's)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=None,
+                        help="ranks per worker that split the layers (default 1, or the stage's)")
+    parser.add_argument("--devices", default=None, help="device ids of one worker's GPU group, e.g. 0,1")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--connector", default="shared_memory",
                         help="KV connector backend when no --stage-configs-path is given")
     parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (stages, connectors, edges)")
@@ -116,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
+    ray = parser.add_argument_group("Ray placement (pip install 'omnirelay[ray]')")
+    ray.add_argument("--ray-address", default=None,
+                     help="place the daemons on this existing Ray cluster (host:port of its head) "
+                          "instead of this host")
+    ray.add_argument("--ray-worker-cpus", type=float, default=1.0, help="CPUs each worker actor reserves")
+    ray.add_argument("--curve-keys", default=None,
+                     help="omni-keygen directory with broker, gateway and worker keys; required when the "
+                          "Ray head is not on loopback")
     args = parser.parse_intermixed_args(argv)   # models may come before or after the options
 
     names = args.served_model_name or []
@@ -136,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     pipeline_args = ["--stage-configs-path", os.path.abspath(args.stage_configs_path)] if pipeline else []
     roles = pipeline.roles if pipeline else ("prefill", "decode")
+    try:
+        groups = check_parallel(args, [path for path, _ in models], pipeline, roles)
+    except LaunchError as exc:
+        parser.error(str(exc))
+    if min(args.num_prefill, args.num_decode) < 1:
+        parser.error("--num-prefill and --num-decode must be at least 1")
+    if args.ray_address:
+        from .ray_launcher import serve_on_ray
+        return serve_on_ray(args, models, roles, groups, pipeline_args)
     shutdown = Shutdown().install()
     sweep_orphans()   # segments a previous, killed run left behind (their owners are dead)
     run_dir = tempfile.mkdtemp(prefix="omnirelay-serve-")
@@ -146,23 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     exit_code = 0
     try:
         children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker], log_args))
-        counts = {"prefill": args.num_prefill, "decode": args.num_decode}
-        for model_number, (model_dir, served_name) in enumerate(models):
-            for role in roles:
-                for index in range(counts.get(role, 1)):
-                    children.append(Child(f"{role}-{model_number}.{index}", [
-                        "omnirelay.workers.daemon", "--role", role, "--model", model_dir,
-                        "--served-model-name", served_name, "--broker", broker,
-                        "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
-                        "--dtype", args.dtype, "--connector", args.connector, *pipeline_args,
-                        "--drain-timeout", str(args.drain_timeout)], log_args))
-        model_args = [arg for path, name in models for arg in ("--model", path, "--served-model-name", name)]
-        children.append(Child("gateway", [
-            "omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
-            "--port", str(args.port), "--max-model-len", str(args.max_model_len),
-            "--ready-file", ready_file, *pipeline_args,
-            *(["--api-key", args.api_key] if args.api_key else []),
-            *(["--disable-log-requests"] if args.disable_log_requests else [])], log_args))
+        for name, _role, worker_argv in worker_commands(args, models, roles, groups, broker, pipeline_args):
+            children.append(Child(name, worker_argv, log_args))
+        children.append(Child("gateway", gateway_command(args, models, broker, pipeline_args, ready_file),
+                              log_args))
 
         url = _wait_ready(children, ready_file, args.stage_init_timeout, shutdown)
         if url is None:
@@ -176,6 +200,116 @@ def main(argv: list[str] | None = None) -> int:
         sweep_orphans()   # every child is gone now: this takes all of their segments
         shutil.rmtree(run_dir, ignore_errors=True)
     return exit_code
+
+
+class LaunchError(ValueError):
+    """Launcher settings that contradict each other or the model; the message names the flag."""
+
+
+def _device_ids(text: str) -> list[str]:
+    ids = [item.strip() for item in text.split(",") if item.strip()]
+    if not ids or not all(item.isdigit() for item in ids) or len(set(ids)) != len(ids):
+        raise LaunchError(f"--devices {text!r}: expected distinct device ids like 0,1")
+    return ids
+
+
+def _model_shape(model_dir: str) -> dict | None:
+    """Heads and layers from an HF config.json; None for a directory without one (diffusers)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    heads = config.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return None
+    return {"heads": heads, "kv_heads": config.get("num_key_value_heads") or heads,
+            "layers": config.get("num_hidden_layers") or 0}
+
+
+def check_parallel(args: argparse.Namespace, model_dirs: list[str], pipeline: Pipeline | None,
+                   roles: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Validate the parallelism settings; returns role → (tensor, pipeline) parallel size.
+    Raises :class:`LaunchError` naming the offending flag or stage."""
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise LaunchError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                        ("--pipeline-parallel-size", args.pipeline_parallel_size)):
+        if value is not None and value < 1:
+            raise LaunchError(f"{flag} {value}: must be at least 1")
+    groups: dict[str, tuple[int, int]] = {}
+    for role in roles:
+        sizes = []
+        for flag, key, value in (("--tensor-parallel-size", "tensor_parallel_size", args.tensor_parallel_size),
+                                 ("--pipeline-parallel-size", "pipeline_parallel_size", args.pipeline_parallel_size)):
+            stage_value = pipeline.stage_for_role(role).engine_args.get(key) if pipeline else None
+            if stage_value is not None and value is not None and stage_value != value:
+                raise LaunchError(f"{flag} {value} contradicts stage {pipeline.stage_for_role(role).name!r} "
+                                  f"of --stage-configs-path, which sets {key}: {stage_value}")
+            sizes.append(value or stage_value or 1)
+        tp, pp = sizes
+        groups[role] = (tp, pp)
+        if args.devices is not None:
+            devices = _device_ids(args.devices)
+            if len(devices) != tp * pp:
+                raise LaunchError(f"--devices {args.devices} names {len(devices)} device(s) but the {role} worker's "
+                                  f"group is --tensor-parallel-size {tp} × --pipeline-parallel-size {pp} = {tp * pp}")
+        for model_dir in model_dirs:
+            shape = _model_shape(model_dir)
+            if shape is None:
+                continue
+            if shape["heads"] % tp or shape["kv_heads"] % tp:
+                raise LaunchError(f"--tensor-parallel-size {tp} does not divide the {shape['heads']} attention heads "
+                                  f"and {shape['kv_heads']} KV heads of {model_dir} (its config.json)")
+            if shape["layers"] and pp > shape["layers"]:
+                raise LaunchError(f"--pipeline-parallel-size {pp} exceeds the {shape['layers']} layers of {model_dir}")
+    if not WORKER_RUNS_GROUPS:
+        too_big = {role: size for role, size in groups.items() if size != (1, 1)}
+        if too_big:
+            role, (tp, pp) = next(iter(too_big.items()))
+            raise LaunchError(f"the {role} worker would need tensor_parallel_size {tp} × pipeline_parallel_size {pp}, "
+                              "but omni-worker in this build runs single-process workers: tensor and pipeline "
+                              "parallelism are not wired into it yet; use 1")
+        if args.devices is not None:
+            raise LaunchError("--devices: omni-worker in this build does not take a device list yet; "
+                              "leave it out (Ray sets CUDA_VISIBLE_DEVICES under --ray-address)")
+    return groups
+
+
+def worker_commands(args: argparse.Namespace, models: list[tuple[str, str]], roles: tuple[str, ...],
+                    groups: dict[str, tuple[int, int]], broker: str,
+                    pipeline_args: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(name, role, ``python -m`` argv) of every worker, ``num-prefill``/``num-decode`` per model."""
+    counts = {"prefill": args.num_prefill, "decode": args.num_decode}
+    commands = []
+    for model_number, (model_dir, served_name) in enumerate(models):
+        for role in roles:
+            tp, pp = groups[role]
+            parallel = []
+            if WORKER_RUNS_GROUPS:
+                parallel = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+                            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                            *(["--devices", args.devices] if args.devices and not args.ray_address else [])]
+            for index in range(counts.get(role, 1)):
+                commands.append((f"{role}-{model_number}.{index}", role, [
+                    "omnirelay.workers.daemon", "--role", role, "--model", model_dir,
+                    "--served-model-name", served_name, "--broker", broker,
+                    "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
+                    "--dtype", args.dtype, "--connector", args.connector, *pipeline_args, *parallel,
+                    "--drain-timeout", str(args.drain_timeout)]))
+    return commands
+
+
+def gateway_command(args: argparse.Namespace, models: list[tuple[str, str]], broker: str,
+                    pipeline_args: list[str], ready_file: str, reply_host: str | None = None) -> list[str]:
+    model_args = [arg for path, name in models for arg in ("--model", path, "--served-model-name", name)]
+    return ["omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
+            "--port", str(args.port), "--max-model-len", str(args.max_model_len),
+            "--ready-file", ready_file, *pipeline_args,
+            *(["--reply-host", reply_host] if reply_host else []),
+            *(["--api-key", args.api_key] if args.api_key else []),
+            *(["--disable-log-requests"] if args.disable_log_requests else [])]
 
 
 RESTART_WINDOW_S, RESTART_LIMIT = 60.0, 5

@@ -24,12 +24,16 @@ def free_tcp_endpoint() -> str:
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], log_dir: str):
+    """``python -m ARGV`` as its own session, output to ``LOG_DIR/NAME.log``. ``prefix`` goes before
+    the interpreter (``["ip", "netns", "exec", NS]`` runs it in a network namespace: ``ip`` execs
+    the command, so ``pid`` is still the daemon's)."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: str, prefix: list[str] | None = None):
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self._log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", *argv], stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     @property
     def pid(self) -> int:
