@@ -74,7 +74,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
 
 async def _bus_context(app: web.Application):
     config = app[CONFIG]
-    bus = BusClient(config.broker, config.reply_host, app[KEYS])
+    bus = BusClient(config.broker, config.reply_host, app[KEYS], reply_port=config.reply_port)
     await bus.start()
     app[BUS] = bus
     history = StatusHistory(bus, app[METRICS])

@@ -91,7 +91,9 @@ class RequestStream:
 
 
 class BusClient:
-    def __init__(self, broker_endpoint: str, reply_host: str = "127.0.0.1", keys: CurveKeys | None = None):
+    def __init__(self, broker_endpoint: str, reply_host: str = "127.0.0.1", keys: CurveKeys | None = None,
+                 reply_port: int = 0):
+        """``reply_port``: the token socket's port (0: any free one; fix it to open a firewall for it)."""
         require_curve_off_loopback(keys, broker_endpoint, f"tcp://{reply_host}:0")
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self._ctx = zmq.asyncio.Context()
@@ -113,7 +115,7 @@ class BusClient:
             self.reply_key = keys.public.decode("ascii")
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 1_000_000)
-        self._pull.bind(f"tcp://{reply_host}:*")
+        self._pull.bind(f"tcp://{reply_host}:{reply_port or '*'}")
         self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._streams: dict[str, RequestStream] = {}
         self._status_waiters: dict[int, asyncio.Future] = {}

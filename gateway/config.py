@@ -23,6 +23,7 @@ class GatewayConfig:
     host, port:          where the HTTP server listens (port 0: any free port).
     broker:              ZeroMQ endpoint of the broker.
     reply_host:          address workers use to reach this gateway's token socket.
+    reply_port:          that socket's port (0: any free port).
     models:              the models served.
     request_timeout_s:   deadline of a request from arrival to its last token.
     max_body_bytes:      largest accepted request body.
@@ -40,6 +41,7 @@ class GatewayConfig:
     port: int = 8091
     broker: str = "tcp://127.0.0.1:5555"
     reply_host: str = "127.0.0.1"
+    reply_port: int = 0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
     status_timeout_s: float = 2.0
@@ -58,7 +60,7 @@ class GatewayConfig:
         for model in self.models:
             if not os.path.isdir(model.path):
                 raise ValueError(f"model directory {model.path!r} does not exist")
-        if not 0 <= self.port < 65536:
+        if not 0 <= self.port < 65536 or not 0 <= self.reply_port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         if self.request_timeout_s <= 0 or self.max_body_bytes <= 0:
             raise ValueError("request_timeout_s and max_body_bytes must be positive")

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument("--broker", default="tcp://127.0.0.1:5555")
     parser.add_argument("--reply-host", default="127.0.0.1", help="address workers use to reach this gateway")
+    parser.add_argument("--reply-port", type=int, default=0, help="port of the token socket (default: any free)")
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--api-key", default=os.environ.get("OMNIRELAY_API_KEY"),
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = GatewayConfig(
             models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len),
-            host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host,
+            host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
             max_streams_per_client=args.max_streams_per_client, stream_write_timeout_s=args.stream_write_timeout,
