@@ -1,7 +1,8 @@
 """The error contract and the limits: every status the gateway promises, produced for real.
 
 One small cluster: a broker with short queues, a decode worker with a KV pool of a few blocks (to
-provoke 507), a normal gateway and one with a very short request deadline (504).
+provoke 507) and a gateway with tight limits. The 504 of a passed deadline is provoked
+deterministically, with a connector slowed past it, in ``test_fault_injection.py``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,8 @@ def limited(tiny_model, tmp_path_factory):
         cluster.start_worker("prefill", "--capacity", "2")
         # 10 blocks of 16 tokens (one kept back as padding): at most 144 tokens per sequence.
         cluster.start_worker("decode", "--capacity", "4", "--kv-cache-bytes", str(10 * KV_BLOCK_BYTES))
-        cluster.start_gateway("--request-timeout", "0.3")
-        fast_deadline_url = cluster.url
         cluster.start_gateway("--max-streams-per-client", "2", "--max-body-bytes", str(64 * 1024))
         cluster.wait_healthy()
-        cluster.fast_deadline_url = fast_deadline_url
         yield cluster
     finally:
         cluster.stop()
@@ -67,12 +65,6 @@ def test_413_body_too_large(limited):
 def test_422_for_what_we_do_not_do(limited):
     _assert_error(_post(limited.url, _chat("hi", n=2)), 422, "unprocessable")
     _assert_error(_post(limited.url, _chat("hi", logprobs=True)), 422, "unprocessable")
-
-
-def test_504_when_the_deadline_passes(limited):
-    body = _assert_error(_post(limited.fast_deadline_url, _chat("Tell me everything.", max_tokens=120,
-                                                                ignore_eos=True)), 504, "deadline_exceeded")
-    assert body["request_id"]
 
 
 def test_507_when_decode_runs_out_of_kv_and_the_worker_keeps_serving(limited):
