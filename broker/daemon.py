@@ -24,6 +24,12 @@ from .core import BrokerCore
 
 log = logging.getLogger("omnirelay.broker")
 
+# The hot path calls libzmq through pyzmq's compiled socket with plain integer flags: the Python
+# convenience layer (keyword handling, IntFlag arithmetic per frame) cost as much as the routing.
+_send_frame = zmq.backend.Socket.send
+_recv_frame = zmq.backend.Socket.recv
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+
 
 class BrokerDaemon:
     def __init__(self, config: BrokerConfig, shutdown: Shutdown | None = None, keys: CurveKeys | None = None):
@@ -70,11 +76,17 @@ class BrokerDaemon:
             self._ctx.term()
 
     def _drain_socket(self, budget: int = 4096) -> None:
+        sock = self._sock
         for _ in range(budget):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frame = _recv_frame(sock, _NOBLOCK, False)
             except zmq.Again:
                 return
+            # Frame.more avoids a getsockopt (and its option-enum conversion) per frame.
+            frames = [frame.bytes]
+            while frame.more:
+                frame = _recv_frame(sock, 0, False)
+                frames.append(frame.bytes)
             if len(frames) < 2:
                 self.core.counters["malformed_messages"] += 1
                 continue
@@ -94,9 +106,15 @@ class BrokerDaemon:
             self._send(out)
 
     def _send(self, out) -> None:
+        sock = self._sock
         for identity, msg in out:
             try:
-                self._sock.send_multipart([identity, *p.encode(msg)], zmq.NOBLOCK)
+                version, tag, body = p.encode(msg)
+                # ROUTER queues whole messages: once the first frame is accepted the rest are too.
+                _send_frame(sock, identity, _NOBLOCK | _SNDMORE)
+                _send_frame(sock, version, _SNDMORE)
+                _send_frame(sock, tag, _SNDMORE)
+                _send_frame(sock, body, 0)
             except zmq.Again:
                 self.core.counters["dropped_sends"] += 1
             except zmq.ZMQError as exc:
