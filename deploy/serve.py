@@ -41,6 +41,7 @@ import urllib.request
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.pipeline import Pipeline, PipelineError, load_pipeline
 from omnirelay.lifecycle import Shutdown
+from omnirelay.security import is_loopback
 
 # Whether omni-worker accepts --tensor-parallel-size/--pipeline-parallel-size/--devices/
 # --gpu-memory-utilization. Flip to True once `omni-worker --help` lists them.
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (stages, connectors, edges)")
     parser.add_argument("--stage-init-timeout", type=float, default=300.0)
     parser.add_argument("--drain-timeout", type=float, default=5.0)
+    parser.add_argument("--broker", default=None,
+                        help="endpoint the broker binds, so workers on other hosts can join (default: a "
+                             "private ipc:// socket); off loopback it needs --curve-keys")
     parser.add_argument("--api-key", default=None, help="bearer token the gateway requires on /v1 routes")
     parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.add_argument("--ray-worker-cpus", type=float, default=1.0, help="CPUs each worker actor reserves")
     ray.add_argument("--curve-keys", default=None,
                      help="omni-keygen directory with broker, gateway and worker keys; required when the "
-                          "Ray head is not on loopback")
+                          "Ray head or --broker is not on loopback")
     args = parser.parse_intermixed_args(argv)   # models may come before or after the options
 
     names = args.served_model_name or []
@@ -170,23 +174,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if min(args.num_prefill, args.num_decode) < 1:
         parser.error("--num-prefill and --num-decode must be at least 1")
+    if args.broker and not is_loopback(args.broker) and not args.curve_keys:
+        parser.error(f"--broker {args.broker} is not loopback: give --curve-keys (see omni-keygen)")
     if args.ray_address:
         from .ray_launcher import serve_on_ray
         return serve_on_ray(args, models, roles, groups, pipeline_args)
     shutdown = Shutdown().install()
     sweep_orphans()   # segments a previous, killed run left behind (their owners are dead)
     run_dir = tempfile.mkdtemp(prefix="omnirelay-serve-")
-    broker = f"ipc://{run_dir}/broker.sock"
+    broker = args.broker or f"ipc://{run_dir}/broker.sock"
     ready_file = os.path.join(run_dir, "gateway.url")
     children: list[Child] = []
     log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
+    curve = _local_curve_args(args.curve_keys)
     exit_code = 0
     try:
-        children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker], log_args))
-        for name, _role, worker_argv in worker_commands(args, models, roles, groups, broker, pipeline_args):
-            children.append(Child(name, worker_argv, log_args))
-        children.append(Child("gateway", gateway_command(args, models, broker, pipeline_args, ready_file),
+        children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker, *curve["broker"]],
                               log_args))
+        for name, _role, worker_argv in worker_commands(args, models, roles, groups, broker, pipeline_args):
+            children.append(Child(name, [*worker_argv, *curve["worker"]], log_args))
+        children.append(Child("gateway", [*gateway_command(args, models, broker, pipeline_args, ready_file),
+                                          *curve["gateway"]], log_args))
 
         url = _wait_ready(children, ready_file, args.stage_init_timeout, shutdown)
         if url is None:
@@ -200,6 +208,19 @@ def main(argv: list[str] | None = None) -> int:
         sweep_orphans()   # every child is gone now: this takes all of their segments
         shutil.rmtree(run_dir, ignore_errors=True)
     return exit_code
+
+
+def _local_curve_args(keys_dir: str | None) -> dict[str, list[str]]:
+    """CURVE flags per daemon from an ``omni-keygen DIR broker gateway worker`` directory."""
+    if not keys_dir:
+        return {"broker": [], "worker": [], "gateway": []}
+    key = lambda name: os.path.join(os.path.abspath(keys_dir), name)  # noqa: E731
+    return {
+        "broker": ["--curve-secret-key", key("broker.key_secret"), "--curve-authorized-keys", key("authorized")],
+        "worker": ["--curve-secret-key", key("worker.key_secret"), "--curve-server-key", key("broker.key")],
+        "gateway": ["--curve-secret-key", key("gateway.key_secret"), "--curve-server-key", key("broker.key"),
+                    "--curve-authorized-keys", key("authorized")],
+    }
 
 
 class LaunchError(ValueError):

@@ -92,3 +92,41 @@ def test_chat_end_to_end_with_curve(keys, tiny_model, tmp_path):
         assert response.usage.completion_tokens == 6
     finally:
         cluster.stop()
+
+
+def test_omni_serve_broker_on_tcp_with_curve_admits_an_outside_worker(keys, tiny_model, tmp_path):
+    """omni-serve --broker binds a TCP endpoint with CURVE; a worker started elsewhere (another
+    process with the worker key) joins the same cluster."""
+    import os
+    import time
+
+    import requests
+
+    from cluster import Proc
+    from conftest import ServeProcess
+
+    endpoint = free_tcp_endpoint()
+    serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--broker", endpoint,
+                         "--curve-keys", keys["dir"], log_path=str(tmp_path / "serve.log"))
+    outsider = None
+    try:
+        outsider = Proc("outside-decode", [
+            "omnirelay.workers.daemon", "--role", "decode", "--model", tiny_model, "--served-model-name",
+            "tiny-llm", "--broker", endpoint, "--curve-secret-key", os.path.join(keys["dir"], "worker.key_secret"),
+            "--curve-server-key", os.path.join(keys["dir"], "broker.key")], str(tmp_path))
+        deadline = time.monotonic() + 60
+        pids: set = set()
+        while time.monotonic() < deadline and outsider.pid not in pids:
+            pids = {w["pid"] for w in requests.get(serve.url + "/cluster", timeout=10).json()["workers"]}
+            time.sleep(0.3)
+        assert outsider.pid in pids
+    finally:
+        if outsider is not None:
+            outsider.stop()
+        serve.stop()
+
+
+def test_omni_serve_refuses_an_open_broker_without_keys(tiny_model):
+    result = subprocess.run([sys.executable, "-m", "omnirelay.deploy.serve", tiny_model, "--broker",
+                             "tcp://0.0.0.0:0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "--curve-keys" in result.stderr
