@@ -28,6 +28,11 @@ class WorkerConfig:
     heartbeat_interval_s: how often to heartbeat the broker.
     drain_timeout_s: on SIGTERM, how long in-flight requests may take before they are aborted.
     dtype:           model dtype name (float32, bfloat16, float16).
+    tensor_parallel_size: ranks that split heads and MLP columns (rank 0 is this process).
+    pipeline_parallel_size: ranks that split the layers into ranges.
+    max_num_batched_tokens: prefill tokens per engine step (longer prompts are chunked).
+    prefix_caching:  prefill reuses KV blocks of earlier prompts with the same prefix.
+    threads:         torch intra-op threads of each rank.
     """
 
     role: str
@@ -44,6 +49,11 @@ class WorkerConfig:
     heartbeat_interval_s: float = 1.0
     drain_timeout_s: float = 30.0
     dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_num_batched_tokens: int = 256
+    prefix_caching: bool = True
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -56,6 +66,8 @@ class WorkerConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.capacity < 0 or self.block_size < 1 or self.kv_cache_bytes < 1:
             raise ValueError("capacity, block_size and kv_cache_bytes must be positive")
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.max_num_batched_tokens, self.threads) < 1:
+            raise ValueError("parallel sizes, max_num_batched_tokens and threads must be >= 1")
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")

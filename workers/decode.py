@@ -9,10 +9,14 @@ Life of a request through this engine::
     running ──blocks ran out──▶ preempted: blocks released, back to the front of waiting; on
         re-admission its KV is recomputed from prompt + tokens so far (never a failure)
 
-Every ``step()`` first admits waiting sequences, then makes room for the running ones (preempting
-the most recently admitted when the pool is short), then runs one batched forward for all running
+Every ``step()`` first admits waiting sequences, rebuilds the KV of re-admitted preempted ones in
+one packed forward straight into their new blocks, makes room for the running ones (preempting the
+most recently admitted when the pool is short), then runs one batched forward for all running
 sequences; sequences of any length join and leave between steps without copying anyone's blocks.
-The engine holds no sockets: it returns token deltas and finished/failed requests to the runtime.
+The block allocator lives here; the model and its pool sit behind a
+:class:`~omnirelay.workers.model_runner.ModelRunner` (this process, or a TP/PP group whose pools
+hold head/layer shards of the same block ids). The engine holds no sockets: it returns token
+deltas and finished/failed requests to the runtime.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import torch
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
 
-from .kv_cache import PagedKVCache
+from .forward_batch import ForwardBatch
+from .kv_cache import BlockAllocator, PagedKVCache
+from .model_runner import LocalRunner, ModelRunner
 from .models.llama import LlamaModel
 from .sampling import SamplingParams, sample
 from .stopping import finish_reason_for
@@ -78,10 +84,19 @@ class StepOutput:
 
 
 class DecodeEngine:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, connector: Connector, *,
+    """``model`` and ``cache``: a :class:`LlamaModel` and its local pool, or a :class:`ModelRunner`
+    (e.g. rank 0 of a tensor-parallel group, whose ranks hold the pools) and ``cache=None``."""
+
+    def __init__(self, model: LlamaModel | ModelRunner, cache: PagedKVCache | None, connector: Connector, *,
                  max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0):
-        self.model = model
-        self.cache = cache
+        if isinstance(model, LlamaModel):
+            self.runner: ModelRunner = LocalRunner(model, cache)
+            self.allocator = cache.allocator
+        else:
+            self.runner = model
+            self.allocator = BlockAllocator(model.num_blocks)
+        self.block_size = self.runner.block_size
+        self.eos_token_ids = self.runner.config.eos_token_ids
         self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -117,10 +132,14 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ one step
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     def step(self) -> StepOutput:
         out = StepOutput()
         self._expire(out)
         self._admit(out)
+        self._recompute()
         self._make_room(out)
         if self.running:
             self._forward(out)
@@ -137,33 +156,41 @@ class DecodeEngine:
             seq = self.waiting[0]
             # Room for the cached tokens plus the one this step writes.
             cached = seq.total_len - 1
-            needed = self.cache.blocks_needed(cached + 1)
-            if needed > self.cache.num_blocks - 1:
+            needed = self.blocks_needed(cached + 1)
+            if needed > self.runner.num_blocks - 1:
                 self.waiting.popleft()
                 self._drop_kv_key(seq)
                 out.failed.append((seq.request_id, seq.task.reply_to, "out_of_memory",
                                    f"sequence of {cached + 1} tokens exceeds the whole KV pool"))
                 continue
-            if needed > self.cache.allocator.free:
+            if needed > self.allocator.free:
                 return
             self.waiting.popleft()
-            try:
-                kv = self._load_kv(seq)
-            except OmniError as exc:
-                out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
-                continue
-            seq.blocks = self.cache.allocator.allocate(needed)
-            self.cache.write_sequence(seq.blocks, kv)
-            seq.num_cached = cached
+            if not seq.needs_recompute:
+                try:
+                    kv = self._load_kv(seq)
+                except OmniError as exc:
+                    out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
+                    continue
+            seq.blocks = self.allocator.allocate(needed)
+            if not seq.needs_recompute:
+                self.runner.write_kv(seq.blocks, kv)
+                seq.num_cached = cached
             self.running.append(seq)
 
-    def _load_kv(self, seq: Sequence) -> torch.Tensor:
-        if seq.needs_recompute:
-            tokens = seq.task.prompt_token_ids + seq.generated[:-1]
-            _, kv = self.model.prefill(tokens)
+    def _recompute(self) -> None:
+        """Rebuild the KV of re-admitted preempted sequences, all in one packed forward, straight
+        into their blocks."""
+        todo = [s for s in self.running if s.needs_recompute]
+        if not todo:
+            return
+        chunks = [(s.task.prompt_token_ids + s.generated[:-1], 0, s.blocks) for s in todo]
+        self.runner.forward(ForwardBatch.build(chunks, self.block_size))
+        for seq, (tokens, _, _) in zip(todo, chunks):
+            seq.num_cached, seq.needs_recompute = len(tokens), False
             self.stats["recomputed_tokens"] += len(tokens)
-            seq.needs_recompute = False
-            return kv
+
+    def _load_kv(self, seq: Sequence) -> torch.Tensor:
         payload = self.connector.get(seq.task.kv_key, seq.task.kv_handle, timeout=self.transfer_timeout_s)
         self._drop_kv_key(seq)
         kv = payload["kv"]
@@ -183,36 +210,35 @@ class DecodeEngine:
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted below while making room for an earlier one
-            if self.cache.blocks_needed(seq.num_cached + 1) <= len(seq.blocks):
+            if self.blocks_needed(seq.num_cached + 1) <= len(seq.blocks):
                 continue
-            while self.cache.allocator.free == 0 and len(self.running) > 1:
+            while self.allocator.free == 0 and len(self.running) > 1:
                 self._preempt(self.running[-1] if self.running[-1] is not seq else self.running[-2])
-            if self.cache.allocator.free == 0:
+            if self.allocator.free == 0:
                 self._preempt(seq)   # alone and still no room: wait for blocks to come back
                 continue
-            seq.blocks += self.cache.allocator.allocate(1)
+            seq.blocks += self.allocator.allocate(1)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.cache.allocator.release(seq.blocks)
+        self.allocator.release(seq.blocks)
         seq.blocks, seq.num_cached, seq.needs_recompute = [], 0, True
         self.waiting.appendleft(seq)
         self.stats["preemptions"] += 1
 
     def _retire(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.cache.allocator.release(seq.blocks)
+        self.allocator.release(seq.blocks)
         seq.blocks = []
 
     def _forward(self, out: StepOutput) -> None:
         batch = self.running
         width = max(len(s.blocks) for s in batch)
-        tables = torch.full((len(batch), width), PagedKVCache.PAD_BLOCK, dtype=torch.long)
-        for row, seq in enumerate(batch):
-            tables[row, : len(seq.blocks)] = torch.tensor(seq.blocks)
-        input_ids = torch.tensor([s.generated[-1] for s in batch])
-        positions = torch.tensor([s.num_cached for s in batch])
-        logits = self.model.decode(input_ids, positions, self.cache, tables, positions + 1)
+        pad = [PagedKVCache.PAD_BLOCK] * width
+        tables = torch.tensor([s.blocks + pad[len(s.blocks):] for s in batch], dtype=torch.long)
+        input_ids = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
+        positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
+        logits = self.runner.forward(ForwardBatch.decode(input_ids, positions, tables, self.block_size))
         out_positions = [s.task.position_offset + len(s.generated) for s in batch]
         tokens = sample(logits, [s.task.params for s in batch], out_positions)
         self.stats["decode_steps"] += 1
@@ -221,7 +247,7 @@ class DecodeEngine:
             seq.num_cached += 1
             seq.generated.append(token)
             reason = finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
-                                       self.model.config.eos_token_ids, self.max_model_len)
+                                       self.eos_token_ids, self.max_model_len)
             out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason))
             if reason:
                 self._retire(seq)

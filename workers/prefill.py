@@ -1,13 +1,24 @@
-"""Prefill engine: prompt → first token + KV cache handed to decode through the connector.
+"""Prefill engine: prompts → first token + KV cache handed to decode through the connector.
 
 Life of a request through this engine::
 
-    add(PrefillTask) ──▶ waiting (FIFO) ──step()──▶ forward over the prompt ──▶ sample first token
-        ──▶ put KV to the connector under ``kv/<request_id>/<attempt>`` ──▶ PrefillResult(handles)
+    add(PrefillTask) ──▶ waiting (FIFO)
+        ──admit: blocks for the whole prompt; the longest cached prefix is reused, not recomputed──▶
+    running ──step() × k: its next chunk joins one packed forward with the other running prompts,
+        within ``max_batched_tokens`` per step (a long prompt takes several steps: chunked prefill)──▶
+    last chunk done: sample the first token ──▶ read its KV out of the pool (all heads) and ``put``
+        it under ``kv/<request_id>/<attempt>`` ──▶ PrefillResult(handles); blocks released, the full
+        ones stay cached under their content hash for the next prompt that shares the prefix
 
 A request whose first token already ends it (EOS, a stop token, ``max_tokens == 1``) finishes here:
-no KV is handed off and the decode stage is skipped. ``cancel`` drops a waiting request. The engine
-holds no sockets; the worker runtime feeds it tasks and sends its results.
+no KV is handed off and the decode stage is skipped. ``cancel`` drops a waiting or running request
+and frees its blocks. A request waits (never fails) while the pool is short; only a prompt larger
+than the whole pool fails (``out_of_memory``). The engine holds no sockets; the worker runtime feeds
+it tasks and sends its results.
+
+Prefix hits are visible to routing: :meth:`PrefillEngine.prefix_hit_tokens` says how many tokens of a
+prompt this worker would reuse now, and :meth:`PrefillEngine.prefix_events` hands out the block
+hashes cached and evicted since the last call (what a heartbeat would carry to the broker).
 """
 
 from __future__ import annotations
@@ -19,9 +30,15 @@ import time
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
 
+from .block_hash import block_hashes
+from .forward_batch import ForwardBatch
+from .model_runner import ModelRunner, local_runner
 from .models.llama import LlamaModel
+from .prefix_cache import PrefixCachingAllocator
 from .sampling import SamplingParams, sample
 from .stopping import finish_reason_for
+
+DEFAULT_KV_BYTES = 256 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -45,22 +62,42 @@ class PrefillResult:
     message: str = ""
 
 
+@dataclasses.dataclass
+class _Running:
+    task: PrefillTask
+    blocks: list[int]
+    hashes: list[bytes]
+    computed: int     # prompt tokens whose KV is in the blocks (cached prefix + chunks done)
+    named: int        # leading blocks already registered under their hash
+
+
 class PrefillEngine:
-    def __init__(self, model: LlamaModel, connector: Connector, *, max_batch: int = 4, max_model_len: int):
-        self.model = model
+    """``model``: a :class:`LlamaModel` (a local pool of ``kv_cache_bytes`` is made for it) or a
+    :class:`ModelRunner` (e.g. rank 0 of a tensor-parallel group)."""
+
+    def __init__(self, model: LlamaModel | ModelRunner, connector: Connector, *, max_model_len: int,
+                 max_batch: int = 16, max_batched_tokens: int = 256, kv_cache_bytes: int = DEFAULT_KV_BYTES,
+                 block_size: int = 16, prefix_caching: bool = True):
+        self.runner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
+                       if isinstance(model, LlamaModel) else model)
         self.connector = connector
         self.max_batch = max_batch
+        self.max_batched_tokens = max_batched_tokens
         self.max_model_len = max_model_len
+        self.prefix_caching = prefix_caching
+        self.block_size = self.runner.block_size
+        self.allocator = PrefixCachingAllocator(self.runner.num_blocks)
         self.waiting: collections.deque[PrefillTask] = collections.deque()
+        self.running: list[_Running] = []
         self.stats = collections.Counter()
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.running)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self.running)
 
     def add(self, task: PrefillTask) -> None:
         self.waiting.append(task)
@@ -70,35 +107,126 @@ class PrefillEngine:
             if task.request_id == request_id:
                 self.waiting.remove(task)
                 return True
+        for seq in self.running:
+            if seq.task.request_id == request_id:
+                self._retire(seq)
+                return True
         return False
 
+    def prefix_hit_tokens(self, token_ids: list[int]) -> int:
+        """Prompt tokens whose KV this worker holds now (what routing would maximise)."""
+        if not self.prefix_caching:
+            return 0
+        usable = block_hashes(token_ids, self.block_size)[: (len(token_ids) - 1) // self.block_size]
+        return len(self.allocator.match(usable)) * self.block_size
+
+    def prefix_events(self) -> tuple[list[bytes], list[bytes]]:
+        return self.allocator.drain_events()
+
+    # ------------------------------------------------------------------ one step
+
     def step(self) -> list[PrefillResult]:
-        results = []
-        for _ in range(min(self.max_batch, len(self.waiting))):
-            results.append(self._run(self.waiting.popleft()))
+        results: list[PrefillResult] = []
+        self._expire(results)
+        self._admit(results)
+        if self.running:
+            self._forward(results)
         return results
 
-    def _run(self, task: PrefillTask) -> PrefillResult:
-        if time.time() > task.deadline:
-            return PrefillResult(task.request_id, error_type="deadline_exceeded", message="deadline passed before prefill")
-        if not task.prompt_token_ids or len(task.prompt_token_ids) >= self.max_model_len:
-            return PrefillResult(task.request_id, error_type="bad_request",
-                                 message=f"prompt of {len(task.prompt_token_ids)} tokens does not fit "
-                                         f"max_model_len {self.max_model_len}")
-        logits, kv = self.model.prefill(task.prompt_token_ids)
-        self.stats["prefill_tokens"] += len(task.prompt_token_ids)
-        position = task.position_offset
-        (token,) = sample(logits[None], [task.params], [position])
-        reason = finish_reason_for(token, 1, len(task.prompt_token_ids) + 1, task.params,
-                                   self.model.config.eos_token_ids, self.max_model_len)
-        result = PrefillResult(task.request_id, first_token=token, position=position, finish_reason=reason)
-        if reason:
-            return result
-        key = f"kv/{task.request_id}/{task.attempt}"
+    def _expire(self, results: list[PrefillResult]) -> None:
+        now = time.time()
+        for seq in [s for s in self.running if now > s.task.deadline]:
+            self._retire(seq)
+            results.append(PrefillResult(seq.task.request_id, error_type="deadline_exceeded",
+                                         message="deadline passed during prefill"))
+
+    def _admit(self, results: list[PrefillResult]) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            task = self.waiting[0]
+            n = len(task.prompt_token_ids)
+            if time.time() > task.deadline:
+                self.waiting.popleft()
+                results.append(PrefillResult(task.request_id, error_type="deadline_exceeded",
+                                             message="deadline passed before prefill"))
+                continue
+            if not n or n >= self.max_model_len:
+                self.waiting.popleft()
+                results.append(PrefillResult(task.request_id, error_type="bad_request",
+                                             message=f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"))
+                continue
+            total = -(-n // self.block_size)
+            if total > self.runner.num_blocks - 1:
+                self.waiting.popleft()
+                results.append(PrefillResult(task.request_id, error_type="out_of_memory",
+                                             message=f"prompt of {n} tokens exceeds the prefill KV pool"))
+                continue
+            hashes = block_hashes(task.prompt_token_ids, self.block_size) if self.prefix_caching else []
+            # The last prompt token is always computed: its logits give the first output token.
+            hits = self.allocator.match(hashes[: (n - 1) // self.block_size])
+            self.allocator.acquire(hits)
+            if total - len(hits) > self.allocator.free:
+                self.allocator.release(hits)
+                return   # wait for running prompts to finish and give their blocks back
+            self.waiting.popleft()
+            blocks = hits + self.allocator.allocate(total - len(hits))
+            cached = len(hits) * self.block_size
+            self.running.append(_Running(task, blocks, hashes, computed=cached, named=len(hits)))
+            self.stats["prefix_cached_tokens"] += cached
+            self.stats["prefix_hit_requests"] += bool(hits)
+
+    def _forward(self, results: list[PrefillResult]) -> None:
+        chunks: list[tuple[_Running, int]] = []
+        budget = self.max_batched_tokens
+        for seq in self.running:
+            if budget <= 0:
+                break
+            n = min(len(seq.task.prompt_token_ids) - seq.computed, budget)
+            chunks.append((seq, n))
+            budget -= n
+        batch = ForwardBatch.build(
+            [(seq.task.prompt_token_ids[seq.computed: seq.computed + n], seq.computed, seq.blocks) for seq, n in chunks],
+            self.block_size)
+        logits = self.runner.forward(batch)
+        self.stats["prefill_steps"] += 1
+        done_rows, done = [], []
+        for row, (seq, n) in enumerate(chunks):
+            seq.computed += n
+            self.stats["prefill_tokens"] += n
+            self._name_full_blocks(seq)
+            if seq.computed == len(seq.task.prompt_token_ids):
+                done_rows.append(row)
+                done.append(seq)
+        if not done:
+            return
+        tokens = sample(logits[done_rows], [s.task.params for s in done], [s.task.position_offset for s in done])
+        for seq, token in zip(done, tokens):
+            results.append(self._finish(seq, token))
+
+    def _name_full_blocks(self, seq: _Running) -> None:
+        full = min(seq.computed // self.block_size, len(seq.hashes))
+        for index in range(seq.named, full):
+            self.allocator.register(seq.blocks[index], seq.hashes[index])
+        seq.named = max(seq.named, full)
+
+    def _finish(self, seq: _Running, token: int) -> PrefillResult:
+        task = seq.task
+        n = len(task.prompt_token_ids)
+        reason = finish_reason_for(token, 1, n + 1, task.params, self.runner.config.eos_token_ids, self.max_model_len)
+        result = PrefillResult(task.request_id, first_token=token, position=task.position_offset, finish_reason=reason)
         try:
-            handle = self.connector.put(key, {"kv": kv, "num_tokens": len(task.prompt_token_ids)})
-        except OmniError as exc:
-            return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
-        self.stats["kv_handoffs"] += 1
-        result.outputs = {"kv_key": key, "kv_handle": handle, "first_token": token}
-        return result
+            if not reason:
+                key = f"kv/{task.request_id}/{task.attempt}"
+                kv = self.runner.read_kv(seq.blocks, n)
+                try:
+                    handle = self.connector.put(key, {"kv": kv, "num_tokens": n})
+                except OmniError as exc:
+                    return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
+                self.stats["kv_handoffs"] += 1
+                result.outputs = {"kv_key": key, "kv_handle": handle, "first_token": token}
+            return result
+        finally:
+            self._retire(seq)
+
+    def _retire(self, seq: _Running) -> None:
+        self.running.remove(seq)
+        self.allocator.release(seq.blocks)

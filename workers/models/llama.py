@@ -1,17 +1,28 @@
 """A compact Llama/Qwen2 causal LM that reads the Hugging Face directory directly.
 
-Why our own: the decode engine keeps KV in a paged block pool and batches sequences of different
-lengths in one step; transformers' modules assume one contiguous cache per batch. The math follows
-transformers' Llama/Qwen2 (RMSNorm, rotary embedding with ``rotate_half``, grouped-query attention
-through ``scaled_dot_product_attention``, SwiGLU MLP) so greedy output matches ``generate()`` on
-the same directory; the tests check that token for token.
+Why our own: the engines keep KV in a paged block pool and batch sequences of different lengths
+(and prompt chunks next to decode tokens) in one pass; transformers' modules assume one contiguous
+cache per batch. The math follows transformers' Llama/Qwen2 (RMSNorm, rotary embedding with
+``rotate_half``, grouped-query attention through ``scaled_dot_product_attention``, SwiGLU MLP) so
+greedy output matches ``generate()`` on the same directory; the tests check that token for token.
 
-Two entry points, both without autograd:
+Life of a forward pass (:meth:`LlamaModel.forward`, one per engine step): the engine packs the
+step into a :class:`~omnirelay.workers.forward_batch.ForwardBatch` → embed (first pipeline stage)
+→ per layer: RMSNorm, one fused QKV matmul, rotary on q and k together, K/V written into their
+cache slots, attention (decode: one gather of the batch's blocks, GQA without repeating K/V;
+prefill: per sequence, causal over its own keys, or over prefix + new keys from the pool when part
+of the prompt was cached or computed by an earlier chunk), o_proj (+ all-reduce under TP), fused
+gate/up matmul, down (+ all-reduce) → final norm and logits of each sequence's last new token
+(last pipeline stage; other stages return the hidden states for the next one).
 
-* :meth:`LlamaModel.prefill` — one sequence, contiguous; returns the last position's logits and the
-  whole KV as one tensor ``[layers, 2, seq, kv_heads, head_dim]`` (the connector payload).
-* :meth:`LlamaModel.decode` — one new token for each of B sequences whose past KV lives in a
-  :class:`~omnirelay.workers.kv_cache.PagedKVCache`.
+Sharding (:class:`Shard`): under tensor parallelism a rank holds its slice of the query and KV
+heads and of the MLP's intermediate columns, and its KV cache holds only its KV heads; o_proj and
+down_proj are row-parallel and their partial outputs are summed with ``comm.all_reduce``. Under
+pipeline parallelism a rank holds a contiguous range of layers. Embedding and lm_head are
+replicated (they are small next to the layers for the models we serve on CPU).
+
+:meth:`LlamaModel.prefill` is the cache-free convenience path (one sequence → logits and the whole
+KV as ``[layers, 2, seq, kv_heads, head_dim]``) kept for callers that want contiguous KV.
 """
 
 from __future__ import annotations
@@ -20,10 +31,14 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+
+from .. import native_attention
+from ..forward_batch import ForwardBatch
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -81,7 +96,30 @@ def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
     return tuple(ids) if isinstance(ids, list) else (int(ids),)
 
 
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """The part of the model one rank holds. ``last_layer`` is exclusive; None means the end."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    first_layer: int = 0
+    last_layer: int | None = None
+
+    def layer_range(self, num_layers: int) -> range:
+        return range(self.first_layer, num_layers if self.last_layer is None else self.last_layer)
+
+
+class Collective(Protocol):
+    """Sums a tensor in place across the tensor-parallel ranks (gloo on CPU, NCCL on GPU)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        # One fused kernel; bitwise equal to the float32 formula below on the CPU build.
+        return F.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -93,138 +131,236 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _Linear:
+    """``x @ weight.T + bias``. With ``packed``, the weight is reordered once into oneDNN's blocked
+    layout: on CPU that runs 1.3-1.6x faster than ``F.linear`` at decode batch sizes (M=16) and
+    ~1.25x at prefill sizes (M=256), for any M; float32 results differ only by summation order."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
+        self.bias = bias
+        self.packed = packed
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _can_pack(dtype: torch.dtype) -> bool:
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:   # internal ops (the ones inductor's CPU freezing uses): probe before trusting them
+        probe = _Linear(torch.ones(2, 2), None, True)
+        return torch.equal(probe(torch.ones(1, 2)), torch.full((1, 2), 2.0))
+    except (RuntimeError, AttributeError):
+        return False
+
+
 @dataclasses.dataclass
 class _Layer:
     input_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    q_bias: torch.Tensor | None
-    k_bias: torch.Tensor | None
-    v_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: _Linear          # [q; k; v] rows of this rank's heads (+ biases), one matmul instead of three
+    o: _Linear            # this rank's input columns (row-parallel); a bias only on rank 0, so the
+    #                       all-reduce counts it once
     post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate_up: _Linear      # [gate; up] rows of this rank's intermediate slice
+    down: _Linear         # this rank's input columns (row-parallel)
+
+
+class _Weights:
+    """Reads tensors (or one rank's slice of them) from the directory's safetensors files."""
+
+    def __init__(self, path: Path, dtype: torch.dtype):
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors weights found")
+        self.dtype = dtype
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, dim: int | None = None, rank: int = 0, parts: int = 1) -> torch.Tensor:
+        if dim is None or parts == 1:
+            return self._where[name].get_tensor(name).to(self.dtype).contiguous()
+        sl = self._where[name].get_slice(name)
+        size = sl.get_shape()[dim] // parts
+        index = [slice(None)] * len(sl.get_shape())
+        index[dim] = slice(rank * size, (rank + 1) * size)
+        return sl[tuple(index)].to(self.dtype).contiguous()
 
 
 class LlamaModel:
-    def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
+                 shard: Shard = Shard(), comm: Collective | None = None, attention: str = "auto",
+                 kernels: str = "auto"):
+        """``attention``: ``"auto"`` reads decode KV in place with the native kernel where it
+        builds (float32), else ``"torch"`` (gather + SDPA). ``kernels``: ``"auto"`` packs the linear
+        weights for oneDNN where available (float32), ``"torch"`` keeps ``F.linear``."""
+        if attention not in ("auto", "torch") or kernels not in ("auto", "torch"):
+            raise ValueError(f"attention and kernels must be 'auto' or 'torch', got {attention!r}, {kernels!r}")
+        self._packed = kernels == "auto" and _can_pack(dtype)
         self.path = Path(path)
-        self.config = LlamaConfig.from_dir(self.path)
+        self.config = cfg = LlamaConfig.from_dir(self.path)
         self.dtype = dtype
-        weights = _load_safetensors(self.path, dtype)
-        cfg = self.config
-
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
-            if name not in weights and not required:
-                return None
-            return weights.pop(name)
-
-        self.embed = take("model.embed_tokens.weight")
-        self.layers = []
-        for i in range(cfg.num_layers):
-            pre = f"model.layers.{i}."
-            bias = cfg.attention_bias
-            self.layers.append(_Layer(
-                input_norm=take(pre + "input_layernorm.weight"),
-                q=take(pre + "self_attn.q_proj.weight"), k=take(pre + "self_attn.k_proj.weight"),
-                v=take(pre + "self_attn.v_proj.weight"),
-                q_bias=take(pre + "self_attn.q_proj.bias", bias), k_bias=take(pre + "self_attn.k_proj.bias", bias),
-                v_bias=take(pre + "self_attn.v_proj.bias", bias),
-                o=take(pre + "self_attn.o_proj.weight"), post_norm=take(pre + "post_attention_layernorm.weight"),
-                gate=take(pre + "mlp.gate_proj.weight"), up=take(pre + "mlp.up_proj.weight"),
-                down=take(pre + "mlp.down_proj.weight")))
-        self.norm = take("model.norm.weight")
-        lm_head = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if (cfg.tie_word_embeddings or lm_head is None) else lm_head
+        self.shard = shard
+        self.comm = comm
+        tp, rank = shard.tp_size, shard.tp_rank
+        if cfg.num_heads % tp or cfg.num_kv_heads % tp or cfg.intermediate_size % tp:
+            raise ValueError(f"tensor parallel size {tp} must divide the heads ({cfg.num_heads}), KV heads "
+                             f"({cfg.num_kv_heads}) and intermediate size ({cfg.intermediate_size})")
+        if tp > 1 and comm is None:
+            raise ValueError("tensor parallelism needs a collective for the all-reduce")
+        self.layer_ids = shard.layer_range(cfg.num_layers)
+        if not 0 <= self.layer_ids.start < self.layer_ids.stop <= cfg.num_layers:
+            raise ValueError(f"layer range {self.layer_ids} outside the model's {cfg.num_layers} layers")
+        self.num_heads = cfg.num_heads // tp          # on this rank
+        self.num_kv_heads = cfg.num_kv_heads // tp    # on this rank: what its KV cache holds
+        self.first_stage = self.layer_ids.start == 0
+        self.last_stage = self.layer_ids.stop == cfg.num_layers
+        w = _Weights(self.path, dtype)
+        self.embed = w.get("model.embed_tokens.weight") if self.first_stage else None
+        self.layers = [self._load_layer(w, i, rank, tp) for i in self.layer_ids]
+        self.norm = self.lm_head = None
+        if self.last_stage:
+            self.norm = w.get("model.norm.weight")
+            untied = w.has("lm_head.weight") and not cfg.tie_word_embeddings
+            if untied:
+                head = w.get("lm_head.weight")
+            else:   # tied: one tensor for both ends where this rank holds both
+                head = self.embed if self.embed is not None else w.get("model.embed_tokens.weight")
+            self.lm_head = _Linear(head, None, self._packed)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-        self._inv_freq = inv
-
-    # ------------------------------------------------------------------ helpers
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        # One table for every position: a step indexes it instead of recomputing cos/sin. Same
+        # float32 products as transformers' rotary embedding, so the values are identical.
+        freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self._native = native_attention.load() if attention == "auto" and dtype == torch.float32 else None
+        self._scale = cfg.head_dim ** -0.5
+
+    def _load_layer(self, w: _Weights, i: int, rank: int, tp: int) -> _Layer:
+        pre = f"model.layers.{i}."
+        att = pre + "self_attn."
+        names = [att + "q_proj", att + "k_proj", att + "v_proj"]
+        qkv = torch.cat([w.get(n + ".weight", 0, rank, tp) for n in names])
+        bias = None
+        if w.has(att + "q_proj.bias"):
+            bias = torch.cat([w.get(n + ".bias", 0, rank, tp) for n in names])
+        o_bias = w.get(att + "o_proj.bias") if w.has(att + "o_proj.bias") and rank == 0 else None
+        mlp = pre + "mlp."
+        gate_up = torch.cat([w.get(mlp + "gate_proj.weight", 0, rank, tp), w.get(mlp + "up_proj.weight", 0, rank, tp)])
+        packed = self._packed
+        return _Layer(
+            input_norm=w.get(pre + "input_layernorm.weight"), qkv=_Linear(qkv, bias, packed),
+            o=_Linear(w.get(att + "o_proj.weight", 1, rank, tp), o_bias, packed),
+            post_norm=w.get(pre + "post_attention_layernorm.weight"),
+            gate_up=_Linear(gate_up, None, packed), down=_Linear(w.get(mlp + "down_proj.weight", 1, rank, tp), None, packed))
+
+    # ------------------------------------------------------------------ one layer
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h: [T, hidden] → q [T, H, D], k/v [T, Hkv, D] with rotary applied to q and k."""
+        """h [T, hidden] → q [T, H, D], k and v [T, Hkv, D], rotary applied to q and k at once."""
         cfg = self.config
-        x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-        q = F.linear(x, layer.q, layer.q_bias).view(-1, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, layer.k, layer.k_bias).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, layer.v, layer.v_bias).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        c, s = cos[:, None, :], sin[:, None, :]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
-        return q, k, v
+        t, d = h.shape[0], cfg.head_dim
+        qkv = layer.qkv(_rms_norm(h, layer.input_norm, cfg.rms_norm_eps))
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : heads * d].view(t, heads, d)
+        qk = qk * cos + _rotate_half(qk) * sin
+        v = qkv[:, heads * d:].view(t, self.num_kv_heads, d)
+        return qk[:, : self.num_heads], qk[:, self.num_heads:], v
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm is not None and self.shard.tp_size > 1:
+            self.comm.all_reduce(x)
+        return x
 
     def _finish_layer(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        h = h + F.linear(attn, layer.o)
-        x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-        return h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+        h = h + self._reduce(layer.o(attn))
+        x = _rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return h + self._reduce(layer.down(F.silu(gate) * up))
+
+    def _decode_attention(self, q, index, cache, batch: ForwardBatch) -> torch.Tensor:
+        """q [B, H, D] against each sequence's cached keys (including the one just written)."""
+        if self._native is not None:
+            return self._native(q, cache.keys[index], cache.values[index], batch.block_tables,
+                                batch.context_lens, self._scale)
+        flat_tables, mask = batch.decode_plan()
+        b = q.shape[0]
+        keys, values = cache.gather(index, flat_tables, b)                # [B, span, Hkv, D]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask, enable_gqa=True)
+        return out.reshape(b, -1)
+
+    def _prefill_attention(self, q, k, v, index, cache, batch: ForwardBatch) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.num_heads * self.config.head_dim, dtype=q.dtype)
+        for start, end, blocks, mask in batch.prefill_plan():
+            qs = q[start:end].transpose(0, 1)[None]
+            if blocks is None:
+                ks, vs = k[start:end], v[start:end]
+                causal = True
+            else:   # prefix from the pool: keys of earlier chunks or of a prefix-cache hit
+                ctx = mask.shape[1]
+                ks, vs = cache.gather(index, blocks, 1)
+                ks, vs = ks[0, :ctx], vs[0, :ctx]
+                causal = False
+            att = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                                 attn_mask=mask, is_causal=causal, enable_gqa=True)
+            out[start:end] = att[0].transpose(0, 1).reshape(end - start, -1)
+        return out
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(_rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
 
     # ------------------------------------------------------------------ entry points
 
     @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step. ``cache`` holds this rank's layers and KV heads; the new tokens' K/V go to
+        ``batch.slots``. Returns logits ``[B, vocab]`` of each sequence's last new token on the last
+        pipeline stage, else the hidden states ``[T, hidden]`` for the next stage (``hidden`` is
+        the previous stage's output; the first stage embeds ``batch.input_ids``)."""
+        cos = self._cos.index_select(0, batch.positions)[:, None, :]
+        sin = self._sin.index_select(0, batch.positions)[:, None, :]
+        h = self.embed.index_select(0, batch.input_ids) if self.first_stage else hidden
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, h, cos, sin)
+            cache.write(index, batch.slots, k, v)
+            if batch.is_decode:
+                attn = self._decode_attention(q, index, cache, batch)
+            else:
+                attn = self._prefill_attention(q, k, v, index, cache, batch)
+            h = self._finish_layer(layer, h, attn)
+        if not self.last_stage:
+            return h
+        return self._logits(h.index_select(0, batch.last_index))
+
+    @torch.inference_mode()
     def prefill(self, token_ids: list[int], start_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one sequence from scratch. Returns (logits of the last position ``[vocab]``,
-        kv ``[layers, 2, seq, kv_heads, head_dim]``)."""
+        """One sequence without a paged cache (single-rank models only). Returns (logits of the
+        last position ``[vocab]``, kv ``[layers, 2, seq, kv_heads, head_dim]``)."""
         cfg = self.config
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        positions = torch.arange(start_position, start_position + len(token_ids))
-        cos, sin = self._rope(positions)
-        h = self.embed[ids]
-        kv = torch.empty(cfg.num_layers, 2, len(token_ids), cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype)
-        groups = cfg.num_heads // cfg.num_kv_heads
+        if not (self.first_stage and self.last_stage and self.shard.tp_size == 1):
+            raise ValueError("the cache-free prefill runs on an unsharded model only")
+        n = len(token_ids)
+        positions = torch.arange(start_position, start_position + n)
+        cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+        h = self.embed[torch.tensor(token_ids, dtype=torch.long)]
+        kv = torch.empty(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, cos, sin)
             kv[i, 0], kv[i, 1] = k, v
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None].repeat_interleave(groups, 1),
-                v.transpose(0, 1)[None].repeat_interleave(groups, 1), is_causal=True)
-            h = self._finish_layer(layer, h, attn[0].transpose(0, 1).reshape(len(token_ids), -1))
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+            h = self._finish_layer(layer, h, attn[0].transpose(0, 1).reshape(n, -1))
         return self._logits(h[-1:])[0], kv
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, block_tables: torch.Tensor,
-               context_lens: torch.Tensor) -> torch.Tensor:
-        """One step for B sequences. ``input_ids``/``positions``: [B]; ``block_tables``: [B, max_blocks]
-        (padded with any valid block id); ``context_lens``: [B] tokens in cache *including* the new
-        one, whose KV this call writes at ``positions``. Returns logits [B, vocab]."""
-        cfg = self.config
-        batch = input_ids.shape[0]
-        cos, sin = self._rope(positions)
-        h = self.embed[input_ids]
-        slots = cache.slots_for(block_tables, positions)
-        span = block_tables.shape[1] * cache.block_size
-        valid = torch.arange(span)[None, :] < context_lens[:, None]        # [B, span]
-        mask = valid[:, None, None, :]                                     # [B, 1, 1, span]
-        groups = cfg.num_heads // cfg.num_kv_heads
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, h, cos, sin)
-            cache.write(i, slots, k, v)
-            keys, values = cache.gather(i, block_tables)                   # [B, span, Hkv, D]
-            keys = keys.permute(0, 2, 1, 3).repeat_interleave(groups, 1)
-            values = values.permute(0, 2, 1, 3).repeat_interleave(groups, 1)
-            attn = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask)
-            h = self._finish_layer(layer, h, attn.reshape(batch, -1))
-        return self._logits(h)
-
-
-def _load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights found")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                weights[name] = handle.get_tensor(name).to(dtype)
-    return weights
+               context_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """One new token for each of B sequences at ``positions`` (their KV is written there);
+        ``block_tables`` [B, W] padded with block 0. Returns logits [B, vocab]."""
+        return self.forward(ForwardBatch.decode(input_ids, positions, block_tables, cache.block_size), cache)

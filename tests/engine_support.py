@@ -1,0 +1,96 @@
+"""Helpers shared by the engine tests: prompts, the transformers reference, engine drivers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from omnirelay.connectors import create_connector
+from omnirelay.workers.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.kv_cache import PagedKVCache
+from omnirelay.workers.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.sampling import SamplingParams
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+SYSTEM = ("You are a careful assistant. Answer in short sentences, cite nothing, and never "
+          "repeat the question back to the user. Keep every answer under fifty words.")
+QUESTIONS = ["Hi!", "What is the capital of France?", "Write one sentence about the sea and the sky.",
+             "Count from one to five.", "Tell me a short story about a cat, a dog and a very old tree.",
+             "Why?"]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    memo: dict[tuple, list[int]] = {}
+
+    def greedy(ids: list[int]) -> list[int]:
+        if tuple(ids) not in memo:
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False)
+            memo[tuple(ids)] = out[0, len(ids):].tolist()
+        return memo[tuple(ids)]
+
+    return greedy
+
+
+@pytest.fixture
+def connector(tmp_path):
+    conn = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
+    yield conn
+    conn.close()
+
+
+def chat_ids(tok, question: str, system: str | None = None) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def run_prefill(engine: PrefillEngine, prompts: list[list[int]], first: int = 0, max_steps: int = 200) -> dict:
+    for i, ids in enumerate(prompts, first):
+        engine.add(PrefillTask(f"r{i}", ids, GREEDY, time.time() + 60))
+    results = {}
+    for _ in range(max_steps):
+        for result in engine.step():
+            assert not result.error_type, result.message
+            results[result.request_id] = result
+        if not engine.has_work:
+            return results
+    raise AssertionError("prefill did not finish")
+
+
+def run_decode(engine: DecodeEngine, prompts: list[list[int]], prefilled: dict, max_steps: int = 2000) -> dict:
+    outputs = {}
+    for i, ids in enumerate(prompts):
+        result = prefilled[f"r{i}"]
+        outputs[f"r{i}"] = [result.first_token]
+        engine.add(DecodeTask(f"r{i}", ids, result.first_token, GREEDY, time.time() + 60, "",
+                              result.outputs["kv_key"], result.outputs["kv_handle"]))
+    for _ in range(max_steps):
+        out = engine.step()
+        assert not out.failed, out.failed
+        for token in out.tokens:
+            outputs[token.request_id].append(token.token)
+        if not engine.has_work:
+            return outputs
+    raise AssertionError("decode did not finish")
+
+
+def decode_engine(model, connector, num_blocks: int, block_size: int = 16, max_num_seqs: int = 16) -> DecodeEngine:
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size, num_blocks=num_blocks)
+    return DecodeEngine(model, cache, connector, max_num_seqs=max_num_seqs, max_model_len=2048,
+                        transfer_timeout_s=5)
+
+

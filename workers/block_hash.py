@@ -1,0 +1,25 @@
+"""Content names of KV blocks, shared by the prefill engine and whoever routes to it.
+
+Plain Python (hashlib, struct; no torch) so the broker or gateway can import it cheaply. A full
+block's name is ``blake2b(parent name || its token ids as little-endian int64)``, 16 bytes, so a
+name stands for the block's tokens *and* everything before them; a partial last block has none.
+Equal names on two workers mean equal KV (same model and block size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+HASH_BYTES = 16
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chain hashes of the full blocks of ``token_ids``, first block first."""
+    out: list[bytes] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start:start + block_size]
+        parent = hashlib.blake2b(parent + struct.pack(f"<{block_size}q", *block), digest_size=HASH_BYTES).digest()
+        out.append(parent)
+    return out

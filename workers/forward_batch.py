@@ -1,0 +1,113 @@
+"""What one forward pass computes, as a handful of integer tensors.
+
+The engines describe a step as a list of sequence chunks: for each sequence, the new tokens to run
+(one for a decode step, a whole prompt or a chunk of it for prefill), the position of the first one
+(= tokens of this sequence already in the KV cache: an earlier chunk or a prefix-cache hit) and
+the sequence's block table. :meth:`ForwardBatch.build` packs that into flat tensors once per step;
+everything per layer (slots to write, gather indices, masks) is derived once here, never inside the
+layer loop. Being tensors only, a batch can be broadcast as-is from rank 0 to the other ranks of a
+tensor/pipeline-parallel group (:mod:`omnirelay.workers.parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    """``T`` new tokens of ``B`` sequences, packed sequence after sequence.
+
+    input_ids, positions, slots: [T]; ``slots`` is the flat KV slot (block * block_size + offset)
+        each new token's K/V is written to.
+    query_lens:   [B] new tokens per sequence (their sum is T).
+    context_lens: [B] tokens in the cache for each sequence *after* this step (prefix + new).
+    block_tables: [B, W] block ids of each sequence, padded with block 0 (never written by anyone).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+
+    def __post_init__(self) -> None:
+        self.num_seqs = int(self.query_lens.shape[0])
+        self.num_tokens = int(self.input_ids.shape[0])
+        self.is_decode = self.num_tokens == self.num_seqs
+        self.last_index = torch.cumsum(self.query_lens, 0) - 1
+        self._plan: dict = {}
+
+    @classmethod
+    def build(cls, chunks: list[tuple[list[int], int, list[int]]], block_size: int) -> "ForwardBatch":
+        """``chunks``: per sequence ``(new_token_ids, start_position, block_ids)``; the blocks must
+        cover ``start_position + len(new_token_ids)`` tokens."""
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens = [], []
+        width = max(len(blocks) for _, _, blocks in chunks)
+        tables = torch.zeros((len(chunks), width), dtype=torch.long)
+        for row, (tokens, start, blocks) in enumerate(chunks):
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            query_lens.append(len(tokens))
+            context_lens.append(start + len(tokens))
+            tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(chunks)), query_lens_t)
+        slots = tables[rows, positions_t // block_size] * block_size + positions_t % block_size
+        return cls(torch.tensor(ids, dtype=torch.long), positions_t, slots, query_lens_t,
+                   torch.tensor(context_lens, dtype=torch.long), tables, block_size)
+
+    @classmethod
+    def decode(cls, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+               block_size: int) -> "ForwardBatch":
+        """One new token per sequence, at ``positions`` (vectorised: no per-sequence Python)."""
+        rows = torch.arange(block_tables.shape[0])
+        slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
+        ones = torch.ones_like(positions)
+        return cls(input_ids, positions, slots, ones, positions + 1, block_tables, block_size)
+
+    # ------------------------------------------------------------------ derived, once per step
+
+    def decode_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat block ids to gather [B * W], boolean mask of real keys [B, 1, 1, W * block_size])."""
+        if "decode" not in self._plan:
+            span = self.block_tables.shape[1] * self.block_size
+            valid = torch.arange(span)[None, :] < self.context_lens[:, None]
+            self._plan["decode"] = (self.block_tables.reshape(-1), valid[:, None, None, :])
+        return self._plan["decode"]
+
+    def prefill_plan(self) -> list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]:
+        """Per sequence ``(start, end, blocks, mask)`` in the packed tokens; ``blocks``/``mask`` are
+        None when the sequence has no cached prefix (attend to its own new keys, causally), else
+        the blocks holding its whole context and the bottom-right causal mask [n, context]."""
+        if "prefill" not in self._plan:
+            plan = []
+            start = 0
+            for n, ctx, table in zip(self.query_lens.tolist(), self.context_lens.tolist(), self.block_tables):
+                if ctx == n:
+                    plan.append((start, start + n, None, None))
+                else:
+                    nblocks = -(-ctx // self.block_size)
+                    # Query i (absolute position ctx - n + i) sees keys 0 .. ctx - n + i.
+                    mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+                    plan.append((start, start + n, table[:nblocks].clone(), mask))
+                start += n
+            self._plan["prefill"] = plan
+        return self._plan["prefill"]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The fields that travel to the other ranks, in a fixed order (see :meth:`from_tensors`)."""
+        return [self.input_ids, self.positions, self.slots, self.query_lens, self.context_lens,
+                self.block_tables.reshape(-1)]
+
+    @classmethod
+    def from_tensors(cls, parts: list[torch.Tensor], width: int, block_size: int) -> "ForwardBatch":
+        ids, positions, slots, query_lens, context_lens, tables = parts
+        return cls(ids, positions, slots, query_lens, context_lens, tables.view(-1, width), block_size)
