@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from ..load_progress import LoadProgress
+
 from .. import native_attention
 from ..forward_batch import ForwardBatch
 
@@ -178,11 +180,13 @@ class _Weights:
         self.dtype = dtype
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {name: h for h in self._handles for name in h.keys()}
+        self.progress = LoadProgress(f"loading {path.name}", len(self._where))
 
     def has(self, name: str) -> bool:
         return name in self._where
 
     def get(self, name: str, dim: int | None = None, rank: int = 0, parts: int = 1) -> torch.Tensor:
+        self.progress.advance()
         if dim is None or parts == 1:
             return self._where[name].get_tensor(name).to(self.dtype).contiguous()
         sl = self._where[name].get_slice(name)
