@@ -19,7 +19,7 @@ from cluster import Cluster
 N_REQUESTS, CONCURRENCY, MAX_TOKENS = 64, 8, 24
 REQUEST_TIMEOUT_S = 60.0
 TOPICS = ["the sea", "a cat", "rain", "trains", "bread", "the moon", "music", "winter"]
-PROMPTS = [f"Request {i}: say something about {TOPICS[i % len(TOPICS)]}." for i in range(4 * N_REQUESTS)]
+PROMPTS = [f"Request {i}: say something about {TOPICS[i % len(TOPICS)]}." for i in range(8 * N_REQUESTS)]
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ def test_kill9_broker_and_restart_under_load(cluster):
 def test_sigterm_drains_a_worker_and_a_new_one_takes_work(cluster):
     """SIGTERM → the worker stops taking work, finishes what it holds, unregisters, exits 0; a
     worker that joins under load gets work; no request fails."""
-    n = 4 * N_REQUESTS   # long enough that the newcomer starts up while the load still runs
+    n = 8 * N_REQUESTS   # long enough that the newcomer starts up while the load still runs
     baseline = [tokens for _, tokens in asyncio.run(_load(cluster.url, n=n))]
     leaving = _victim(cluster, "decode")
     joined: dict = {}
