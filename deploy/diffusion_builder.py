@@ -32,7 +32,6 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
 
 MODEL_KIND = "tiny-sd"
 RECIPE_VERSION = 1
@@ -173,25 +172,7 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def build_tiny_text_to_image(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
-    """Write the tiny pipeline to ``path`` and return it. An existing non-empty ``path`` raises
-    FileExistsError unless ``force``, in which case it is replaced in one rename step."""
-    target = pathlib.Path(path).expanduser().absolute()
-    occupied = target.exists() and (not target.is_dir() or any(target.iterdir()))
-    if occupied and not force:
-        what = "a complete pipeline" if is_complete(target) else "non-empty"
-        raise FileExistsError(f"{target} already exists ({what}); use --force to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        _build_into(tmp, seed)
-        if occupied:
-            trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, trash / "old")
-            os.rename(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
+    from .model_builder import build_atomically
+    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
+                            what="pipeline")

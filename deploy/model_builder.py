@@ -236,17 +236,18 @@ def _fresh_tmp(target: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
 
 
-def build_tiny_llm(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
-    """Write the tiny model to ``path`` and return it. An existing non-empty ``path`` raises
+def build_atomically(path: str | os.PathLike, write, *, force: bool, complete, what: str) -> pathlib.Path:
+    """Run ``write(tmp_dir)`` into a temporary directory beside ``path`` and rename it into place, so
+    a crash never leaves a half-written model. An existing non-empty ``path`` raises
     FileExistsError unless ``force``, in which case it is replaced in one rename step."""
     target = pathlib.Path(path).expanduser().absolute()
     occupied = target.exists() and (not target.is_dir() or any(target.iterdir()))
     if occupied and not force:
-        what = "a complete model" if is_complete(target) else "non-empty"
-        raise FileExistsError(f"{target} already exists ({what}); use --force to replace it")
+        state = f"a complete {what}" if complete(target) else "non-empty"
+        raise FileExistsError(f"{target} already exists ({state}); use --force to replace it")
     tmp = _fresh_tmp(target)
     try:
-        _build_into(tmp, seed)
+        write(tmp)
         if occupied:
             # Move the old one aside first: rename cannot replace a non-empty directory.
             trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -259,6 +260,12 @@ def build_tiny_llm(path: str | os.PathLike, seed: int = 0, *, force: bool = Fals
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def build_tiny_llm(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
+    """Write the tiny model to ``path`` and return it (see :func:`build_atomically`)."""
+    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
+                            what="model")
 
 
 def _cache_root() -> pathlib.Path:
