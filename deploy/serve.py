@@ -45,7 +45,10 @@ from omnirelay.security import is_loopback
 
 # Whether omni-worker accepts --tensor-parallel-size/--pipeline-parallel-size/--devices/
 # --gpu-memory-utilization. Flip to True once `omni-worker --help` lists them.
-WORKER_RUNS_GROUPS = False
+WORKER_RUNS_GROUPS = True
+# The engines of this build run their ranks on the CPU (gloo); device lists and GPU memory shares wait
+# for the CUDA path, so omni-serve refuses --devices rather than pretend to honour it.
+WORKER_TAKES_DEVICES = False
 
 _PR_SET_PDEATHSIG = 1
 
@@ -292,6 +295,7 @@ def check_parallel(args: argparse.Namespace, model_dirs: list[str], pipeline: Pi
             raise LaunchError(f"the {role} worker would need tensor_parallel_size {tp} × pipeline_parallel_size {pp}, "
                               "but omni-worker in this build runs single-process workers: tensor and pipeline "
                               "parallelism are not wired into it yet; use 1")
+    if not WORKER_TAKES_DEVICES:
         if args.devices is not None:
             raise LaunchError("--devices: omni-worker in this build does not take a device list yet; "
                               "leave it out (Ray sets CUDA_VISIBLE_DEVICES under --ray-address)")
@@ -309,9 +313,10 @@ def worker_commands(args: argparse.Namespace, models: list[tuple[str, str]], rol
             tp, pp = groups[role]
             parallel = []
             if WORKER_RUNS_GROUPS:
-                parallel = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
-                            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                            *(["--devices", args.devices] if args.devices and not args.ray_address else [])]
+                parallel = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+            if WORKER_TAKES_DEVICES:
+                parallel += ["--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                             *(["--devices", args.devices] if args.devices and not args.ray_address else [])]
             for index in range(counts.get(role, 1)):
                 commands.append((f"{role}-{model_number}.{index}", role, [
                     "omnirelay.workers.daemon", "--role", role, "--model", model_dir,

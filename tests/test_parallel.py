@@ -104,3 +104,35 @@ def test_layer_ranges_and_config_validation(tiny_model):
     with pytest.raises(ValueError, match="must divide"):
         from omnirelay.workers.models.llama import Shard
         LlamaModel(tiny_model, shard=Shard(tp_rank=0, tp_size=3), comm=object())
+
+
+def test_omni_serve_with_tensor_parallel_prefill_and_decode(tiny_model, tmp_path):
+    """Through the whole daemon path: workers of two ranks each, greedy output unchanged."""
+    import openai
+
+    from conftest import ServeProcess
+
+    serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--tensor-parallel-size", "2",
+                         log_path=str(tmp_path / "serve.log"))
+    try:
+        assert len(serve.children) >= 6   # broker, gateway, 2 workers and one extra rank each
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        prompt = [{"role": "user", "content": "What is the capital of France?"}]
+        parallel = client.chat.completions.create(model="tiny-llm", messages=prompt, max_tokens=16, temperature=0,
+                                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+        tokens = parallel.choices[0].model_extra["token_ids"]
+        assert len(tokens) == 16
+        reference = _hf_greedy(tiny_model, prompt, 16)
+        assert tokens[: len(reference)] == reference
+    finally:
+        serve.stop()
+
+
+def _hf_greedy(path: str, messages: list[dict], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()

@@ -23,8 +23,9 @@ from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, r
 from .config import WorkerConfig
 from .decode import DecodeEngine
 from .generate_role import build_generate_role
-from .kv_cache import PagedKVCache
+from .model_runner import ModelRunner, local_runner
 from .models.llama import LlamaModel
+from .parallel import GroupConfig, GroupRunner
 from .prefill import PrefillEngine
 from .roles import DecodeRole, PrefillRole
 from .runtime import WorkerRuntime
@@ -37,34 +38,47 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
     if config.role == "generate":   # a diffusers pipeline directory: no KV cache, no connector yet
         role, stats = build_generate_role(config)
         return WorkerRuntime(config, role, stats, shutdown, keys)
-    dtype = getattr(torch, config.dtype)
-    model = LlamaModel(config.model_path, dtype=dtype)
-    max_model_len = config.max_model_len or model.config.max_position_embeddings
-    if max_model_len > model.config.max_position_embeddings:
+    runner = _model_runner(config)
+    model_cfg = runner.config
+    max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+    if max_model_len > model_cfg.max_position_embeddings:
+        runner.close()
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings {model.config.max_position_embeddings}")
+                         f"max_position_embeddings {model_cfg.max_position_embeddings}")
     connector = create_connector(config.connector, config.connector_options)
     if config.role == "prefill":
-        engine = PrefillEngine(model, connector, max_model_len=max_model_len)
+        engine = PrefillEngine(runner, connector, max_model_len=max_model_len,
+                               max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching)
         role = PrefillRole(config.worker_id, engine)
 
         def stats() -> dict:
-            return {"running": 0, "waiting": engine.num_requests, **engine.stats,
+            return {"running": len(engine.running), "waiting": len(engine.waiting),
+                    "free_kv_blocks": engine.allocator.free, "kv_blocks_total": runner.num_blocks - 1,
+                    "prefix_cached_blocks": engine.allocator.num_cached, **engine.stats,
                     **_connector_stats(connector)}
     else:
-        cfg = model.config
-        cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=config.block_size,
-                             budget_bytes=config.kv_cache_bytes, dtype=dtype)
-        engine = DecodeEngine(model, cache, connector, max_num_seqs=config.capacity, max_model_len=max_model_len)
+        engine = DecodeEngine(runner, None, connector, max_num_seqs=config.capacity, max_model_len=max_model_len)
         role = DecodeRole(config.worker_id, engine)
 
         def stats() -> dict:
             return {"running": len(engine.running), "waiting": len(engine.waiting),
-                    "free_kv_blocks": cache.allocator.free, "kv_blocks_total": cache.num_blocks - 1,
+                    "free_kv_blocks": engine.allocator.free, "kv_blocks_total": runner.num_blocks - 1,
                     **engine.stats, **_connector_stats(connector)}
     log.info("%s worker %s ready: model %s (%s), max_model_len %d", config.role, config.worker_id,
              config.model_path, config.dtype, max_model_len)
-    return WorkerRuntime(config, role, stats, shutdown, keys, owned=(connector,))
+    # The runner is owned too: closing it stops ranks 1..N-1 of a parallel group.
+    return WorkerRuntime(config, role, stats, shutdown, keys, owned=(connector, runner))
+
+
+def _model_runner(config: WorkerConfig) -> ModelRunner:
+    """This process's model and KV pool, or rank 0 of a TP × PP group whose other ranks it starts."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype))
+        return local_runner(model, block_size=config.block_size, budget_bytes=config.kv_cache_bytes)
+    group = GroupConfig(config.model_path, tp_size=config.tensor_parallel_size,
+                        pp_size=config.pipeline_parallel_size, dtype=config.dtype, block_size=config.block_size,
+                        threads=config.threads)
+    return GroupRunner(group, budget_bytes=config.kv_cache_bytes)
 
 
 def _connector_stats(connector) -> dict:
@@ -90,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--drain-timeout", type=float, default=WorkerConfig.drain_timeout_s)
     parser.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per rank)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks splitting heads and MLP")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="ranks splitting the layers")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=WorkerConfig.max_num_batched_tokens,
+                        help="prefill tokens per step; longer prompts are chunked")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="prefill recomputes every prompt")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=False, client=True)
     args = parser.parse_args(argv)
@@ -115,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             capacity=args.capacity or stage.max_batch_size, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
             block_size=args.block_size, connector=connector.type,
             connector_options=connector.options, heartbeat_interval_s=args.heartbeat_interval,
-            drain_timeout_s=args.drain_timeout, dtype=args.dtype)
+            drain_timeout_s=args.drain_timeout, dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching,
+            threads=args.threads)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker)
     except (ValueError, json.JSONDecodeError, PipelineError) as exc:   # SecurityError included
