@@ -53,6 +53,9 @@ class GatewayMetrics:
                                      ["role", "direction"], registry=r)
         self.connector_transfers = Gauge("omnirelay_connector_transfers", "Connector puts/gets (cumulative)",
                                          ["role", "direction"], registry=r)
+        self.transfer_seconds = Gauge("omnirelay_connector_transfer_seconds_sum",
+                                      "Time spent in connector puts (out) and gets (in), cumulative",
+                                      ["role", "direction"], registry=r)
         self.stage_seconds = Gauge("omnirelay_stage_latency_seconds_sum", "Total time stages ran, per stage",
                                    ["stage"], registry=r)
         self.stage_count = Gauge("omnirelay_stage_latency_seconds_count", "Stages completed, per stage",
@@ -69,6 +72,7 @@ class GatewayMetrics:
         """Refresh the cluster gauges from one broker status reply."""
         running = waiting = used = total = 0
         for gauge in (self.live_workers, self.queue_depth, self.connector_bytes, self.connector_transfers,
+                      self.transfer_seconds,
                       self.stage_seconds, self.stage_count, self.broker_events):
             gauge.clear()
         sums: dict[tuple, float] = {}
@@ -81,14 +85,18 @@ class GatewayMetrics:
                 blocks = stats.get("kv_blocks_total", 0)
                 total += blocks
                 used += blocks - max(0, worker.get("free_kv_blocks", 0))
+            for direction, key in (("out", "connector_put_us_total"), ("in", "connector_get_us_total")):
+                sums[("seconds", worker["role"], direction)] = sums.get(("seconds", worker["role"], direction), 0) \
+                    + stats.get(key, 0) / 1e6
             for direction, bytes_key, count_key in (("out", "connector_bytes_put", "connector_puts"),
                                                     ("in", "connector_bytes_got", "connector_gets")):
                 sums[("bytes", worker["role"], direction)] = sums.get(("bytes", worker["role"], direction), 0) \
                     + stats.get(bytes_key, 0)
                 sums[("count", worker["role"], direction)] = sums.get(("count", worker["role"], direction), 0) \
                     + stats.get(count_key, 0)
+        gauges = {"bytes": self.connector_bytes, "count": self.connector_transfers, "seconds": self.transfer_seconds}
         for (kind, role, direction), value in sums.items():
-            (self.connector_bytes if kind == "bytes" else self.connector_transfers).labels(role, direction).set(value)
+            gauges[kind].labels(role, direction).set(value)
         for key, depth in status.queued.items():
             model, _, role = key.rpartition("/")
             self.queue_depth.labels(model, role).set(depth)

@@ -37,6 +37,8 @@ def test_metrics_after_traffic(server):
     assert _sample(text, "omnirelay_live_workers", 'role="prefill"') == 1
     assert _sample(text, "omnirelay_live_workers", 'role="decode"') == 1
     assert _sample(text, "omnirelay_stage_latency_seconds_count", 'stage="prefill"') >= 2
+    assert _sample(text, "omnirelay_connector_transfer_seconds_sum", 'role="prefill"') > 0
+    assert _sample(text, "omnirelay_connector_transfer_seconds_sum", 'role="decode"') > 0
     assert _sample(text, "omnirelay_broker_events", 'event="requests_admitted"') >= 2
 
 

@@ -15,6 +15,7 @@ import os
 import torch
 
 from omnirelay.connectors import create_connector
+from omnirelay.connectors.timing import TimedConnector
 from omnirelay.deploy.pipeline import (ConnectorSpec, PipelineError, default_llm_pipeline, load_pipeline,
                                        parse_pipeline)
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
@@ -45,7 +46,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         runner.close()
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {model_cfg.max_position_embeddings}")
-    connector = create_connector(config.connector, config.connector_options)
+    connector = TimedConnector(create_connector(config.connector, config.connector_options))
     if config.role == "prefill":
         engine = PrefillEngine(runner, connector, max_model_len=max_model_len,
                                max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching)

@@ -1,0 +1,47 @@
+"""Transfer timing as a wrapper, not inside any backend: every ``put`` and ``get`` is timed and the
+totals join the wrapped backend's :meth:`health` (``put_us_total``/``get_us_total``, microseconds),
+which workers report in their heartbeats and the gateway exports as connector transfer latency."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .base import DEFAULT_GET_TIMEOUT_S, Connector, Handle, Payload
+
+
+class TimedConnector(Connector):
+    def __init__(self, inner: Connector):
+        self.inner = inner
+        self.name = inner.name
+        self._lock = threading.Lock()
+        self._us = {"put": 0, "get": 0}
+
+    def _add(self, op: str, started: float) -> None:
+        with self._lock:
+            self._us[op] += int((time.perf_counter() - started) * 1e6)
+
+    def put(self, key: str, payload: Payload) -> Handle:
+        started = time.perf_counter()
+        try:
+            return self.inner.put(key, payload)
+        finally:
+            self._add("put", started)
+
+    def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
+        started = time.perf_counter()
+        try:
+            return self.inner.get(key, handle, timeout)
+        finally:
+            self._add("get", started)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def health(self) -> dict:
+        with self._lock:
+            timing = {"put_us_total": self._us["put"], "get_us_total": self._us["get"]}
+        return {**self.inner.health(), **timing}
