@@ -131,3 +131,30 @@ def pytest_sessionfinish(session, exitstatus):
     if leaks:
         print("\nLEAKED after the test session:\n  " + "\n  ".join(leaks))
         session.exitstatus = 1
+
+
+_HF_MODELS: dict[str, tuple] = {}
+
+
+def hf_chat_greedy(path: str, messages: list[dict] | str, max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate()`` on a chat prompt: the reference every parity test compares
+    against (model and tokenizer loaded once per directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path not in _HF_MODELS:
+        torch.set_num_threads(1)
+        _HF_MODELS[path] = (AutoTokenizer.from_pretrained(path),
+                            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    tokenizer, model = _HF_MODELS[path]
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """``reference(content, n)``: transformers' greedy tokens for a one-message chat on the tiny model."""
+    return lambda content, max_new_tokens: hf_chat_greedy(tiny_model, content, max_new_tokens)

@@ -14,30 +14,13 @@ import uuid
 import openai
 import pytest
 import requests
-import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ServeProcess
 from connector_servers import MooncakeMaster, RedisServer
 
 PROMPTS = ["What is the capital of France?", "Tell me a short story about a cat and a dog."]
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-
-    def greedy(content: str, max_new_tokens: int) -> list[int]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
-
-    return greedy
 
 
 @pytest.fixture(params=["redis", "mooncake_transfer_engine", "mooncake_store"])

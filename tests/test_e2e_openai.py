@@ -11,8 +11,6 @@ import time
 import openai
 import pytest
 import requests
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 MODEL = "tiny-llm"
 PROMPTS = [
@@ -30,23 +28,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    """transformers on the same directory: greedy token ids for a chat prompt."""
-    torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-
-    def greedy(content: str, max_new_tokens: int) -> list[int]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, ids.shape[1]:].tolist()
-
-    return greedy
 
 
 def chat(client, content: str, **kwargs):

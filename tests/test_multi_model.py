@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omnirelay.deploy.model_builder import build_tiny_llm
 
-from conftest import ServeProcess
+from conftest import ServeProcess, hf_chat_greedy
 
 pytestmark = pytest.mark.slow
-
-
-def _reference(path: str, content: str, n: int) -> list[int]:
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
 
 
 def test_two_models_one_gateway(tiny_model, tmp_path):
@@ -38,7 +27,7 @@ def test_two_models_one_gateway(tiny_model, tmp_path):
                                                       max_tokens=12, temperature=0,
                                                       extra_body={"return_token_ids": True})
             answers[name] = response.choices[0].model_extra["token_ids"]
-            assert answers[name] == _reference(path, prompt, 12), name
+            assert answers[name] == hf_chat_greedy(path, prompt, 12), name
         assert answers["alpha"] != answers["beta"]
     finally:
         serve.stop()

@@ -110,7 +110,7 @@ def test_omni_serve_with_tensor_parallel_prefill_and_decode(tiny_model, tmp_path
     """Through the whole daemon path: workers of two ranks each, greedy output unchanged."""
     import openai
 
-    from conftest import ServeProcess
+    from conftest import ServeProcess, hf_chat_greedy
 
     serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--tensor-parallel-size", "2",
                          log_path=str(tmp_path / "serve.log"))
@@ -122,17 +122,7 @@ def test_omni_serve_with_tensor_parallel_prefill_and_decode(tiny_model, tmp_path
                                                   extra_body={"return_token_ids": True, "ignore_eos": True})
         tokens = parallel.choices[0].model_extra["token_ids"]
         assert len(tokens) == 16
-        reference = _hf_greedy(tiny_model, prompt, 16)
+        reference = hf_chat_greedy(tiny_model, prompt, 16)
         assert tokens[: len(reference)] == reference
     finally:
         serve.stop()
-
-
-def _hf_greedy(path: str, messages: list[dict], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
