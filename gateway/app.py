@@ -89,6 +89,12 @@ class _MethodNotAllowed(OmniError):
     error_type, status, openai_type = "method_not_allowed", 405, "invalid_request_error"
 
 
+class _RequestTimeout(OmniError):
+    """The body did not arrive within ``read_timeout_s``: the client is gone or too slow to serve."""
+
+    error_type, status, openai_type = "request_timeout", 408, "invalid_request_error"
+
+
 def _error_response(error: OmniError) -> web.Response:
     headers = {"Retry-After": str(max(1, int(round(error.retry_after))))} if error.status in (429, 503) else None
     return web.json_response(error.to_body(), status=error.status, headers=headers)
@@ -98,6 +104,8 @@ def _error_response(error: OmniError) -> web.Response:
 async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
+    except _RequestTimeout as exc:
+        return await _answer_and_close(request, exc)
     except OmniError as exc:
         return _error_response(exc)
     except web.HTTPRequestEntityTooLarge:
@@ -113,6 +121,17 @@ async def _errors(request: web.Request, handler):
         return _error_response(OmniError("internal server error"))
 
 
+async def _answer_and_close(request: web.Request, error: OmniError) -> web.StreamResponse:
+    """Send ``error`` and close the connection at once. Without the close, aiohttp would go on
+    reading (and discarding) the rest of a body the client still dribbles, for its lingering time."""
+    response = _error_response(error)
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()   # the answer is already in the socket; close() flushes it first
+    return response
+
+
 @web.middleware
 async def _authenticate(request: web.Request, handler):
     config = request.app[CONFIG]
@@ -125,10 +144,15 @@ async def _authenticate(request: web.Request, handler):
 
 
 async def _json_body(request: web.Request):
+    config = request.app[CONFIG]
     try:
-        raw = await request.read()
+        # One deadline for the whole body: a client sending it byte by byte cannot reset it.
+        async with asyncio.timeout(config.read_timeout_s):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body exceeds {request.app[CONFIG].max_body_bytes} bytes") from None
+        raise PayloadTooLarge(f"request body exceeds {config.max_body_bytes} bytes") from None
+    except TimeoutError:
+        raise _RequestTimeout(f"request body not received within {config.read_timeout_s:g}s") from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -34,6 +34,15 @@ class GatewayConfig:
     max_streams_per_client: concurrent streaming requests one client address may hold (429 beyond).
     stream_write_timeout_s: a streaming client that reads nothing for this long is dropped, so a slow
                          reader cannot hold a worker's KV cache.
+    header_timeout_s:    a connection that has not sent a complete request head this long after it
+                         opened (or after its previous response) is closed: a client dribbling header
+                         bytes (slowloris) holds a socket, never a handler. The same clock closes idle
+                         keep-alive connections, so behind a proxy keep it above the proxy's upstream
+                         keep-alive (nginx: 60 s).
+    read_timeout_s:      the whole request body must arrive within this long after the head; a client
+                         that sends it byte by byte, or never, gets a 408 and its connection closed.
+                         Nothing is submitted before the body is complete, so such a client never holds a
+                         worker's KV cache or a stream slot.
     """
 
     models: tuple[ServedModel, ...]
@@ -50,6 +59,8 @@ class GatewayConfig:
     disable_log_requests: bool = False
     max_streams_per_client: int = 64
     stream_write_timeout_s: float = 30.0
+    header_timeout_s: float = 75.0
+    read_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -64,3 +75,5 @@ class GatewayConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.request_timeout_s <= 0 or self.max_body_bytes <= 0:
             raise ValueError("request_timeout_s and max_body_bytes must be positive")
+        if self.header_timeout_s <= 0 or self.read_timeout_s <= 0 or self.stream_write_timeout_s <= 0:
+            raise ValueError("header_timeout_s, read_timeout_s and stream_write_timeout_s must be positive")

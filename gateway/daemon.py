@@ -19,7 +19,9 @@ from .config import GatewayConfig, ServedModel
 
 async def serve(config: GatewayConfig, ready_file: str | None = None, keys: CurveKeys | None = None) -> None:
     app = create_app(config, keys)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # aiohttp closes a connection that has no complete request head when its keep-alive clock runs
+    # out; that clock starts when the connection opens, so it is the header timeout too.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -79,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-streams-per-client", type=int, default=GatewayConfig.max_streams_per_client)
     parser.add_argument("--stream-write-timeout", type=float, default=GatewayConfig.stream_write_timeout_s)
     parser.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes)
+    parser.add_argument("--header-timeout", type=float, default=GatewayConfig.header_timeout_s,
+                        help="seconds a connection may take to send a complete request head (and may stay idle "
+                             "between requests) before it is closed")
+    parser.add_argument("--read-timeout", type=float, default=GatewayConfig.read_timeout_s,
+                        help="seconds a request body may take to arrive after its head (408 beyond)")
     parser.add_argument("--stage-configs-path", action="append", default=None,
                         help="stage-pipeline YAML, one per --model or one for all (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
             max_streams_per_client=args.max_streams_per_client, stream_write_timeout_s=args.stream_write_timeout,
-            max_body_bytes=args.max_body_bytes)
+            max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
     except ValueError as exc:   # PipelineError and SecurityError included
