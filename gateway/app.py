@@ -27,6 +27,7 @@ from aiohttp import web
 from omnirelay.errors import (BadRequest, NotFound, OmniError, Overloaded, PayloadTooLarge, Unauthorized, Unavailable,
                               Unprocessable)
 from omnirelay.security import CurveKeys
+from omnirelay.video_params import is_video_pipeline
 
 from . import generation
 from .bus import BusClient
@@ -52,17 +53,20 @@ _PROBES = ("/health", "/metrics", "/cluster", "/status", "/status.json")
 def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Application:
     """``keys``: CURVE material for the bus (required when the broker or the token socket is off loopback)."""
     from .images import ImageModel, add_image_routes, is_image_pipeline   # images imports this module's keys
+    from .videos import VideoModel, add_video_routes
     app = web.Application(middlewares=[_errors, _authenticate], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[KEYS] = keys
     app[METRICS] = GatewayMetrics()
     app[STREAMS] = collections.Counter()
-    app[MODELS] = {m.name: ImageModel(m) if is_image_pipeline(m.path) else ModelRuntime(m) for m in config.models}
+    app[MODELS] = {m.name: VideoModel(m) if is_video_pipeline(m.path) else ImageModel(m) if is_image_pipeline(m.path)
+                   else ModelRuntime(m) for m in config.models}
     app.cleanup_ctx.append(_bus_context)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     add_image_routes(app)
+    add_video_routes(app)   # after the bus's cleanup context: its jobs are cancelled while the bus is open
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)
     app.router.add_get("/metrics", metrics)

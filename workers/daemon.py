@@ -20,10 +20,12 @@ from omnirelay.deploy.pipeline import (ConnectorSpec, PipelineError, default_llm
                                        parse_pipeline)
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
+from omnirelay.video_params import is_video_pipeline
 
 from .config import WorkerConfig
 from .decode import DecodeEngine
 from .generate_role import build_generate_role
+from .generate_video_role import build_generate_video_role
 from .model_runner import ModelRunner, local_runner
 from .models.llama import LlamaModel
 from .parallel import GroupConfig, GroupRunner
@@ -37,7 +39,8 @@ log = logging.getLogger("omnirelay.worker")
 def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
                   keys: CurveKeys | None = None) -> WorkerRuntime:
     if config.role == "generate":   # a diffusers pipeline directory: no KV cache, no connector yet
-        role, stats = build_generate_role(config)
+        role, stats = (build_generate_video_role(config) if is_video_pipeline(config.model_path)
+                       else build_generate_role(config))
         return WorkerRuntime(config, role, stats, shutdown, keys)
     runner = _model_runner(config)
     model_cfg = runner.config

@@ -1,0 +1,152 @@
+"""What a video request asks for, and how its result travels: shared by the gateway and the generate worker.
+
+Life of a video request on the wire::
+
+    gateway: POST /v1/videos ──▶ VideoParams (all defaults resolved: size, frames, fps, steps, seed)
+        ──Submit.sampling = VideoParams.to_wire()──▶ broker ──Task──▶ generate worker
+    worker ──MediaResult(mime=PROGRESS_MIME, index=-1, data="<percent>")──▶ gateway   (after each step)
+    worker ──MediaResult(mime=video/mp4, index=k, data=<base64 chunk k>)… finish on the last chunk──▶ gateway
+    worker ──StageDone──▶ broker
+
+The finished video travels as base64 split into chunks of at most :data:`MAX_CHUNK_CHARS`
+characters (a multiple of 4, so each chunk decodes on its own): one bus message is capped at
+``MAX_BODY_BYTES`` (8 MiB) and a video easily exceeds it. Chunk ``k`` has ``index = k``; the last
+has ``finish``; the receiver keeps the first copy of each index (a retried stage resends the same
+bytes: the seed is fixed) and has the whole file when chunks ``0..last`` are in.
+
+Progress rides on the same message type with :data:`PROGRESS_MIME` and ``index = -1`` (never a
+chunk index), because the bus has no progress message; it is advisory (dropped or reordered
+updates only make the percentage lag) and the receiver keeps the maximum.
+
+Both sides run the same checks (:meth:`VideoParams.from_wire` refuses malformed maps with
+:class:`BadRequest`), so a request the gateway let through is not rejected for its shape by the
+worker; the model may still refuse a size its VAE cannot produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from omnirelay.errors import BadRequest
+
+MAX_PROMPT_CHARS = 4000
+MAX_SIDE = 1792              # pixels: OpenAI's largest video size is 1792x1024
+SIZE_MULTIPLE = 8            # one latent per 8×8 pixels (Stable Diffusion's VAE)
+MAX_FRAMES = 240
+MAX_FPS = 60
+MAX_SECONDS = 60
+MAX_STEPS = 150
+MAX_GUIDANCE = 50.0
+MAX_SEED = 2**63 - 1
+DEFAULT_FPS = 8
+
+PROGRESS_MIME = "application/vnd.omnirelay.progress"
+PROGRESS_INDEX = -1
+# Room for the other fields and msgpack framing inside one bus message; a multiple of 4 so that
+# every chunk is valid base64 on its own.
+MAX_CHUNK_CHARS = (8 * 1024 * 1024 - 64 * 1024) // 4 * 4
+MAX_VIDEO_BYTES = 512 * 1024 * 1024   # an encoded video larger than this fails with payload_too_large
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoParams:
+    """prompt / negative_prompt: the text and what to steer away from; width, height: pixels,
+    multiples of 8; num_frames: frames to generate; fps: frames per second of the encoded file
+    (``num_frames / fps`` is the clip's length); num_inference_steps: denoising steps;
+    guidance_scale: classifier-free guidance weight (≤ 1 turns it off); seed: the latents' seed
+    (same seed and parameters, same video bytes)."""
+
+    prompt: str
+    width: int
+    height: int
+    num_frames: int
+    seed: int
+    fps: int = DEFAULT_FPS
+    negative_prompt: str = ""
+    num_inference_steps: int = 50
+    guidance_scale: float = 9.0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt", "negative_prompt"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise BadRequest(f"'{name}' must be a string", param=name)
+            if len(value) > MAX_PROMPT_CHARS:
+                raise BadRequest(f"'{name}' is longer than {MAX_PROMPT_CHARS} characters", param=name)
+        if not self.prompt.strip():
+            raise BadRequest("'prompt' must not be empty", param="prompt")
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            check_int(value, name, SIZE_MULTIPLE, MAX_SIDE, param="size")
+            if value % SIZE_MULTIPLE:
+                raise BadRequest(f"'{name}' must be a multiple of {SIZE_MULTIPLE}, got {value}", param="size")
+        check_int(self.num_frames, "num_frames", 1, MAX_FRAMES)
+        check_int(self.fps, "fps", 1, MAX_FPS)
+        check_int(self.num_inference_steps, "num_inference_steps", 1, MAX_STEPS)
+        check_int(self.seed, "seed", 0, MAX_SEED)
+        if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)) \
+                or not math.isfinite(self.guidance_scale) or not 0 <= self.guidance_scale <= MAX_GUIDANCE:
+            raise BadRequest(f"'guidance_scale' must be a number between 0 and {MAX_GUIDANCE}",
+                             param="guidance_scale")
+        object.__setattr__(self, "guidance_scale", float(self.guidance_scale))
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "VideoParams":
+        """Rebuild from a ``sampling`` map; anything malformed raises :class:`BadRequest`."""
+        if not isinstance(raw, dict):
+            raise BadRequest("video parameters must be a map")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - fields
+        if unknown:
+            raise BadRequest(f"unknown video parameters {sorted(map(str, unknown))[:5]}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in raw]
+        if missing:
+            raise BadRequest(f"video parameters lack {missing}", param=missing[0])
+        return cls(**raw)
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_int(value: Any, name: str, lo: int, hi: int, param: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer", param=param or name)
+    if not lo <= value <= hi:
+        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=param or name)
+
+
+def is_video_pipeline(path: str | os.PathLike) -> bool:
+    """A diffusers directory whose pipeline class makes video (the rule ``deploy/served_models``
+    uses too: the class name says "Video")."""
+    try:
+        with open(os.path.join(path, "model_index.json")) as handle:
+            index = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    name = str(index.get("_class_name", "")) if isinstance(index, dict) else ""
+    return "video" in name.lower()
+
+
+def native_size(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(width, height) a UNet-based pipeline makes by default, from its config files: the
+    denoiser's sample size times the VAE's downsampling; None when the files do not say."""
+    try:
+        with open(os.path.join(path, "unet", "config.json")) as handle:
+            sample = json.load(handle).get("sample_size")
+        with open(os.path.join(path, "vae", "config.json")) as handle:
+            levels = len(json.load(handle).get("block_out_channels") or ())
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not levels:
+        return None
+    scale = 2 ** (levels - 1)
+    if isinstance(sample, int):
+        return sample * scale, sample * scale
+    if isinstance(sample, list) and len(sample) == 2 and all(isinstance(s, int) for s in sample):
+        return sample[1] * scale, sample[0] * scale
+    return None
