@@ -109,11 +109,15 @@ def server(tiny_model, tmp_path_factory):
 
 
 def _leaks() -> list[str]:
-    """Processes this test session started and left running, and shared-memory segments whose owner
+    """Processes this test session started and left running, shared-memory segments whose owner
     is gone (a clean shutdown removes them; only a crash may leave them, and we crash on purpose
-    only in tests that sweep afterwards)."""
+    only in tests that sweep afterwards), and keys left in a test's redis-server when it stopped
+    (recorded by ``connector_servers.RedisServer``, imported only if some test used it)."""
     leaks = [f"process {pid} ({open(f'/proc/{pid}/cmdline').read().replace(chr(0), ' ')[:120]})"
              for pid in sorted(child_pids(os.getpid())) if pid_alive(pid)]
+    servers = sys.modules.get("connector_servers")
+    for label, keys in (servers.LEFTOVER_REDIS_KEYS.items() if servers else ()):
+        leaks.append(f"{label}: {len(keys)} key(s) left: {', '.join(keys[:5])}{' …' if len(keys) > 5 else ''}")
     for name in os.listdir("/dev/shm"):
         parts = name.split("-")
         if name.startswith("omnirelay-") and len(parts) > 2 and parts[1].isdigit() and not pid_alive(int(parts[1])):
@@ -122,7 +126,7 @@ def _leaks() -> list[str]:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """After the whole suite: no process, no segment left behind."""
+    """After the whole suite: no process, no segment, no Redis key left behind."""
     deadline = time.monotonic() + 10
     leaks = _leaks()
     while leaks and time.monotonic() < deadline:

@@ -2,6 +2,11 @@
 ``mooncake_master``, each started on a free port of 127.0.0.1, waited on until it answers, and
 stopped by the PID we started — never by name.
 
+Every ``redis-server`` started here is checked for keys at its teardown (its last stop): whatever
+is left there is recorded in :data:`LEFTOVER_REDIS_KEYS`, which the session's leak check in
+``conftest.py`` reports. A key that carries a TTL still counts: a connector must delete what it
+put, not leave it to expire (a test of TTL expiry waits until the keys are gone before it stops).
+
 Also the long-lived **peer** process (``tests/connector_peer.py``) that plays the other side of a
 transfer, driven by JSON lines over its stdin/stdout.
 """
@@ -22,6 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEER = HERE / "connector_peer.py"
 QUIET_MOONCAKE = {"GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR"}
+# "redis-server :PORT (stopped by TEST)" → the keys it still held when it was stopped for the last time.
+LEFTOVER_REDIS_KEYS: dict[str, list[str]] = {}
 
 
 def free_port() -> int:
@@ -99,9 +106,9 @@ class RedisServer(ManagedProcess):
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def client(self):
+    def client(self, db: int = 0):
         import redis
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, socket_timeout=5)
 
     def start(self, timeout: float = 20.0) -> None:
         def ready() -> bool:
@@ -109,7 +116,30 @@ class RedisServer(ManagedProcess):
                 return bool(self.client().ping())
             except Exception:  # noqa: BLE001 - not up yet
                 return False
+        # Started again: the last stop was an outage the test made on purpose, not its teardown;
+        # without persistence the server comes back empty and what it held was lost by design.
+        for label in [label for label in LEFTOVER_REDIS_KEYS if label.startswith(f"redis-server :{self.port} ")]:
+            del LEFTOVER_REDIS_KEYS[label]
         super().start(ready, timeout)
+
+    def keys(self) -> list[str]:
+        """Every key in every database (a test server holds nothing but the tests' payloads)."""
+        found = []
+        for db in self.client().info("keyspace"):   # {"db0": {"keys": …}, …}: only databases that hold keys
+            found += [f"{db}:{key.decode(errors='replace')}"
+                      for key in self.client(int(db[2:])).scan_iter(count=1000)]
+        return sorted(found)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.running:
+            try:
+                left = self.keys()
+            except Exception as exc:  # noqa: BLE001 - a server that cannot answer cannot be checked
+                left = [f"(could not list keys: {type(exc).__name__}: {exc})"]
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+            if left:
+                LEFTOVER_REDIS_KEYS[f"redis-server :{self.port} (stopped by {test})"] = left
+        super().stop(sig, timeout)
 
 
 def mooncake_master_binary() -> str | None:
