@@ -350,7 +350,7 @@ def _curve_argv(server: bool, client: bool, secret: str) -> list[str]:
     return argv
 
 
-def build_specs(args, models, roles, groups, pipeline_args, broker: str, has_gpus: bool) -> list[DaemonSpec]:
+def build_specs(args, plans, broker: str, has_gpus: bool) -> list[DaemonSpec]:
     """The daemons of one ``omni-serve --ray-address`` run: broker, workers, gateway."""
     from omnirelay.security import is_loopback
     from .serve import gateway_command, worker_commands
@@ -360,7 +360,7 @@ def build_specs(args, models, roles, groups, pipeline_args, broker: str, has_gpu
             f"the Ray head is at {broker}, off loopback: the bus needs CURVE keys, give --curve-keys DIR "
             "(made by omni-keygen DIR broker gateway worker)")
     log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
-    paths = tuple(path for path, _ in models) + tuple(p for p in pipeline_args if p.startswith("/"))
+    paths = tuple(plan.path for plan in plans) + tuple(plan.pipeline_file for plan in plans if plan.pipeline_file)
 
     def keyed(secret: str, server: bool, client: bool) -> tuple[list[str], tuple]:
         if not curve:
@@ -371,12 +371,12 @@ def build_specs(args, models, roles, groups, pipeline_args, broker: str, has_gpu
     specs = [DaemonSpec("broker", ("omnirelay.broker.daemon", "--endpoint", broker, *argv, *log_args),
                         on_head=True, files=files)]
     argv, files = keyed("worker", server=False, client=True)
-    for name, role, command in worker_commands(args, models, roles, groups, broker, pipeline_args):
-        tp, pp = groups[role]
-        specs.append(DaemonSpec(name, (*command, *argv, *log_args), num_gpus=tp * pp if has_gpus else 0,
+    for command in worker_commands(args, plans, broker):
+        specs.append(DaemonSpec(command.name, (*command.argv, *argv, *log_args),
+                                num_gpus=command.group_size if has_gpus else 0,
                                 num_cpus=args.ray_worker_cpus, files=files, required_paths=paths))
     argv, files = keyed("gateway", server=True, client=True)
-    gateway = gateway_command(args, models, broker, pipeline_args, "{dir}/gateway.url", reply_host="{node_ip}")
+    gateway = gateway_command(args, plans, broker, "{dir}/gateway.url", reply_host="{node_ip}")
     specs.append(DaemonSpec("gateway", (*gateway, *argv, *log_args), on_head=True, files=files,
                             required_paths=paths))
     return specs
@@ -393,7 +393,7 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"nothing answers at {address} ({exc})") from None
 
 
-def serve_on_ray(args, models, roles, groups, pipeline_args) -> int:
+def serve_on_ray(args, plans) -> int:
     """``omni-serve --ray-address``: check, place, wait for health, supervise, stop. Exit code."""
     from omnirelay.lifecycle import Shutdown
     try:
@@ -410,7 +410,7 @@ def serve_on_ray(args, models, roles, groups, pipeline_args) -> int:
     shutdown = Shutdown().install()   # after ray.init, whose own SIGTERM handler would end the driver at once
     code = 1
     try:
-        specs = build_specs(args, models, roles, groups, pipeline_args, launcher.broker_endpoint(),
+        specs = build_specs(args, plans, launcher.broker_endpoint(),
                             launcher.has_gpus)
         launcher.start(specs)
         url = launcher.wait_ready(args.stage_init_timeout, shutdown)
@@ -420,7 +420,7 @@ def serve_on_ray(args, models, roles, groups, pipeline_args) -> int:
             placement = {name: {"node_ip": info["node_ip"], "node_id": info.get("node_id", ""), "pid": info["pid"]}
                          for name, info in launcher.placement().items()}
             print(f"omni-serve placement: {json.dumps(placement, sort_keys=True)}", flush=True)
-            served = ", ".join(f"{name!r} ({path})" for path, name in models)
+            served = ", ".join(f"{plan.name!r} ({plan.path})" for plan in plans)
             print(f"omni-serve ready: {url} (models {served}; on Ray at {args.ray_address})", flush=True)
             code = launcher.supervise(shutdown)
     except RayLaunchError as exc:

@@ -1,4 +1,7 @@
-"""``omni-serve [MODEL_DIR]``: everything on one host — broker, gateway, prefill and decode workers.
+"""``omni-serve [MODEL_DIR …]``: everything on one host — broker, gateway and the workers of every
+stage of each model's pipeline (:mod:`omnirelay.deploy.served_models` picks it from the directory:
+prefill → decode for a causal LM, one generate stage for a diffusers pipeline, encode → prefill →
+decode → generate for Qwen2.5-Omni; ``--stage-configs-path`` overrides), ``--num-<role>`` of each.
 
 Start-up: broker first (on a private ipc:// endpoint), then the workers and the gateway; ready when
 the gateway's ``/health`` answers 200 (every role has a live worker), then it prints where it
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -37,9 +41,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from typing import NamedTuple
 
 from omnirelay.connectors.shared_memory import sweep_orphans
-from omnirelay.deploy.pipeline import Pipeline, PipelineError, load_pipeline
+from omnirelay.deploy.pipeline import PipelineError
+from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
 from omnirelay.lifecycle import Shutdown
 from omnirelay.security import is_loopback
 
@@ -51,6 +57,8 @@ WORKER_RUNS_GROUPS = True
 WORKER_TAKES_DEVICES = False
 
 _PR_SET_PDEATHSIG = 1
+# The gateway only reads a pipeline's roles: any prefill → decode file stands for a causal LM's.
+LLM_PIPELINE = str(BUNDLED / "llm.yaml")
 
 
 def _die_with_parent() -> None:
@@ -125,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers per model")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers per model")
+    parser.add_argument("--num-encode", type=int, default=1, help="encode workers per model that has an encode stage")
+    parser.add_argument("--num-generate", type=int, default=1,
+                        help="generate workers per model that has a generate stage")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="ranks per worker that split heads and MLP columns (default 1, or the stage's)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=None,
@@ -133,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--connector", default="shared_memory",
                         help="KV connector backend when no --stage-configs-path is given")
-    parser.add_argument("--stage-configs-path", default=None, help="stage-pipeline YAML (stages, connectors, edges)")
+    parser.add_argument("--stage-configs-path", action="append", default=None,
+                        help="stage-pipeline YAML (stages, connectors, edges): one for every model or one per "
+                             "model in order (default: the bundled pipeline of each model's kind)")
     parser.add_argument("--stage-init-timeout", type=float, default=300.0)
     parser.add_argument("--drain-timeout", type=float, default=5.0)
     parser.add_argument("--broker", default=None,
@@ -166,22 +179,17 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"model directory {path!r} does not exist")
 
     try:
-        pipeline = load_pipeline(args.stage_configs_path) if args.stage_configs_path else None
-    except PipelineError as exc:
+        plans = plan_models(models, args.stage_configs_path, args.connector)
+        plans = [dataclasses.replace(plan, groups=check_parallel(args, plan)) for plan in plans]
+    except (PipelineError, LaunchError) as exc:
         parser.error(str(exc))
-    pipeline_args = ["--stage-configs-path", os.path.abspath(args.stage_configs_path)] if pipeline else []
-    roles = pipeline.roles if pipeline else ("prefill", "decode")
-    try:
-        groups = check_parallel(args, [path for path, _ in models], pipeline, roles)
-    except LaunchError as exc:
-        parser.error(str(exc))
-    if min(args.num_prefill, args.num_decode) < 1:
-        parser.error("--num-prefill and --num-decode must be at least 1")
+    if min(args.num_prefill, args.num_decode, args.num_encode, args.num_generate) < 1:
+        parser.error("--num-prefill, --num-decode, --num-encode and --num-generate must be at least 1")
     if args.broker and not is_loopback(args.broker) and not args.curve_keys:
         parser.error(f"--broker {args.broker} is not loopback: give --curve-keys (see omni-keygen)")
     if args.ray_address:
         from .ray_launcher import serve_on_ray
-        return serve_on_ray(args, models, roles, groups, pipeline_args)
+        return serve_on_ray(args, plans)
     shutdown = Shutdown().install()
     sweep_orphans()   # segments a previous, killed run left behind (their owners are dead)
     run_dir = tempfile.mkdtemp(prefix="omnirelay-serve-")
@@ -194,16 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker, *curve["broker"]],
                               log_args))
-        for name, _role, worker_argv in worker_commands(args, models, roles, groups, broker, pipeline_args):
-            children.append(Child(name, [*worker_argv, *curve["worker"]], log_args))
-        children.append(Child("gateway", [*gateway_command(args, models, broker, pipeline_args, ready_file),
+        for command in worker_commands(args, plans, broker):
+            children.append(Child(command.name, [*command.argv, *curve["worker"]], log_args))
+        children.append(Child("gateway", [*gateway_command(args, plans, broker, ready_file),
                                           *curve["gateway"]], log_args))
 
         url = _wait_ready(children, ready_file, args.stage_init_timeout, shutdown)
         if url is None:
             exit_code = 1 if not shutdown.requested else 0
         else:
-            served = ", ".join(f"{name!r} ({path})" for path, name in models)
+            served = ", ".join(f"{plan.name!r} ({plan.path})" for plan in plans)
             print(f"omni-serve ready: {url} (models {served})", flush=True)
             exit_code = _supervise(children, shutdown)
     finally:
@@ -252,25 +260,27 @@ def _model_shape(model_dir: str) -> dict | None:
             "layers": config.get("num_hidden_layers") or 0}
 
 
-def check_parallel(args: argparse.Namespace, model_dirs: list[str], pipeline: Pipeline | None,
-                   roles: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """Validate the parallelism settings; returns role → (tensor, pipeline) parallel size.
-    Raises :class:`LaunchError` naming the offending flag or stage."""
+def check_parallel(args: argparse.Namespace, plan: ModelPlan) -> dict[str, tuple[int, int]]:
+    """Validate the parallelism settings for one model; returns role → (tensor, pipeline) parallel
+    size. Raises :class:`LaunchError` naming the offending flag or stage."""
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise LaunchError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
     for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
                         ("--pipeline-parallel-size", args.pipeline_parallel_size)):
         if value is not None and value < 1:
             raise LaunchError(f"{flag} {value}: must be at least 1")
+    shape = _model_shape(plan.path)
     groups: dict[str, tuple[int, int]] = {}
-    for role in roles:
+    for role in plan.roles:
+        stage = plan.pipeline.stage_for_role(role)
         sizes = []
         for flag, key, value in (("--tensor-parallel-size", "tensor_parallel_size", args.tensor_parallel_size),
                                  ("--pipeline-parallel-size", "pipeline_parallel_size", args.pipeline_parallel_size)):
-            stage_value = pipeline.stage_for_role(role).engine_args.get(key) if pipeline else None
+            stage_value = stage.engine_args.get(key) if plan.pipeline_file else None
             if stage_value is not None and value is not None and stage_value != value:
-                raise LaunchError(f"{flag} {value} contradicts stage {pipeline.stage_for_role(role).name!r} "
-                                  f"of --stage-configs-path, which sets {key}: {stage_value}")
+                raise LaunchError(f"{flag} {value} contradicts stage {stage.name!r} of --stage-configs-path "
+                                  f"{plan.pipeline_file}, "
+                                  f"which sets {key}: {stage_value}")
             sizes.append(value or stage_value or 1)
         tp, pp = sizes
         groups[role] = (tp, pp)
@@ -279,15 +289,13 @@ def check_parallel(args: argparse.Namespace, model_dirs: list[str], pipeline: Pi
             if len(devices) != tp * pp:
                 raise LaunchError(f"--devices {args.devices} names {len(devices)} device(s) but the {role} worker's "
                                   f"group is --tensor-parallel-size {tp} × --pipeline-parallel-size {pp} = {tp * pp}")
-        for model_dir in model_dirs:
-            shape = _model_shape(model_dir)
-            if shape is None:
-                continue
-            if shape["heads"] % tp or shape["kv_heads"] % tp:
-                raise LaunchError(f"--tensor-parallel-size {tp} does not divide the {shape['heads']} attention heads "
-                                  f"and {shape['kv_heads']} KV heads of {model_dir} (its config.json)")
-            if shape["layers"] and pp > shape["layers"]:
-                raise LaunchError(f"--pipeline-parallel-size {pp} exceeds the {shape['layers']} layers of {model_dir}")
+        if shape is None or role not in ("prefill", "decode"):
+            continue
+        if shape["heads"] % tp or shape["kv_heads"] % tp:
+            raise LaunchError(f"--tensor-parallel-size {tp} does not divide the {shape['heads']} attention heads "
+                              f"and {shape['kv_heads']} KV heads of {plan.path} (its config.json)")
+        if shape["layers"] and pp > shape["layers"]:
+            raise LaunchError(f"--pipeline-parallel-size {pp} exceeds the {shape['layers']} layers of {plan.path}")
     if not WORKER_RUNS_GROUPS:
         too_big = {role: size for role, size in groups.items() if size != (1, 1)}
         if too_big:
@@ -302,15 +310,21 @@ def check_parallel(args: argparse.Namespace, model_dirs: list[str], pipeline: Pi
     return groups
 
 
-def worker_commands(args: argparse.Namespace, models: list[tuple[str, str]], roles: tuple[str, ...],
-                    groups: dict[str, tuple[int, int]], broker: str,
-                    pipeline_args: list[str]) -> list[tuple[str, str, list[str]]]:
-    """(name, role, ``python -m`` argv) of every worker, ``num-prefill``/``num-decode`` per model."""
-    counts = {"prefill": args.num_prefill, "decode": args.num_decode}
+class WorkerCommand(NamedTuple):
+    name: str          # e.g. "decode-0.1": role, model number, index
+    role: str
+    argv: list[str]    # after ``python -m``
+    group_size: int    # ranks (devices) of its group: tensor × pipeline parallel size
+
+
+def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: str) -> list[WorkerCommand]:
+    """Every worker to start: ``--num-<role>`` workers per role of each model."""
+    counts = {"prefill": args.num_prefill, "decode": args.num_decode,
+              "encode": args.num_encode, "generate": args.num_generate}
     commands = []
-    for model_number, (model_dir, served_name) in enumerate(models):
-        for role in roles:
-            tp, pp = groups[role]
+    for model_number, plan in enumerate(plans):
+        for role in plan.roles:
+            tp, pp = plan.groups.get(role, (1, 1))
             parallel = []
             if WORKER_RUNS_GROUPS:
                 parallel = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
@@ -318,18 +332,22 @@ def worker_commands(args: argparse.Namespace, models: list[tuple[str, str]], rol
                 parallel += ["--gpu-memory-utilization", str(args.gpu_memory_utilization),
                              *(["--devices", args.devices] if args.devices and not args.ray_address else [])]
             for index in range(counts.get(role, 1)):
-                commands.append((f"{role}-{model_number}.{index}", role, [
-                    "omnirelay.workers.daemon", "--role", role, "--model", model_dir,
-                    "--served-model-name", served_name, "--broker", broker,
+                commands.append(WorkerCommand(f"{role}-{model_number}.{index}", role, [
+                    "omnirelay.workers.daemon", "--role", role, "--model", plan.path,
+                    "--served-model-name", plan.name, "--broker", broker,
                     "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
-                    "--dtype", args.dtype, "--connector", args.connector, *pipeline_args, *parallel,
-                    "--drain-timeout", str(args.drain_timeout)]))
+                    "--dtype", args.dtype, "--connector", args.connector, *plan.pipeline_args(), *parallel,
+                    "--drain-timeout", str(args.drain_timeout)], tp * pp))
     return commands
 
 
-def gateway_command(args: argparse.Namespace, models: list[tuple[str, str]], broker: str,
-                    pipeline_args: list[str], ready_file: str, reply_host: str | None = None) -> list[str]:
-    model_args = [arg for path, name in models for arg in ("--model", path, "--served-model-name", name)]
+def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: str,
+                    ready_file: str, reply_host: str | None = None) -> list[str]:
+    model_args = [arg for plan in plans for arg in ("--model", plan.path, "--served-model-name", plan.name)]
+    # One pipeline file per model, in --model order; a causal LM without one gets the default.
+    pipeline_files = [plan.pipeline_file for plan in plans]
+    pipeline_args = ([] if not any(pipeline_files) else
+                     [arg for plan in plans for arg in ("--stage-configs-path", plan.pipeline_file or LLM_PIPELINE)])
     return ["omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
             "--port", str(args.port), "--max-model-len", str(args.max_model_len),
             "--ready-file", ready_file, *pipeline_args,

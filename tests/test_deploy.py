@@ -339,7 +339,7 @@ def test_omni_serve_runs_a_legacy_stage_config(tiny_model, tmp_path):
     (["--devices", "0,x"], "--devices '0,x': expected distinct device ids like 0,1"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: must be in (0, 1]"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0: must be at least 1"),
-    (["--num-decode", "0"], "--num-prefill and --num-decode must be at least 1"),
+    (["--num-decode", "0"], "--num-prefill, --num-decode, --num-encode and --num-generate must be at least 1"),
     # Consistent, but this build's workers run their ranks on the CPU: a device list is refused, saying so.
     (["--tensor-parallel-size", "2", "--devices", "0,1"], "does not take a device list yet"),
 ])
@@ -358,7 +358,7 @@ def test_omni_serve_refuses_a_flag_that_contradicts_the_stage_config(tiny_model,
         "connectors": {"kv": {"type": "shared_memory"}}, "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
     with pytest.raises(SystemExit):
         serve_main([tiny_model, "--stage-configs-path", str(path), "--tensor-parallel-size", "1"])
-    assert ("--tensor-parallel-size 1 contradicts stage 'prefill' of --stage-configs-path, which sets "
+    assert (f"--tensor-parallel-size 1 contradicts stage 'prefill' of --stage-configs-path {path}, which sets "
             "tensor_parallel_size: 2") in capsys.readouterr().err
 
 

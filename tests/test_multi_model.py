@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import openai
 import pytest
 
@@ -31,3 +33,38 @@ def test_two_models_one_gateway(tiny_model, tmp_path):
         assert answers["alpha"] != answers["beta"]
     finally:
         serve.stop()
+
+
+def test_models_of_different_kinds_get_their_own_pipelines(tiny_model, tmp_path):
+    """No --stage-configs-path: a causal LM gets prefill → decode, a diffusers directory one generate
+    stage, both behind one gateway; each answers on its own endpoint and refuses the other's."""
+    from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
+    images = str(build_tiny_text_to_image(tmp_path / "sd", seed=3))
+    serve = ServeProcess(tiny_model, images, "--served-model-name", "text", "--served-model-name", "pictures",
+                         log_path=str(tmp_path / "serve.log"))
+    try:
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert sorted(m.id for m in client.models.list().data) == ["pictures", "text"]
+        chat = client.chat.completions.create(model="text", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+        assert chat.choices[0].model_extra["token_ids"] == hf_chat_greedy(tiny_model, "Hi", 6)
+        picture = client.images.generate(model="pictures", prompt="a red square", size="64x64",
+                                         extra_body={"num_inference_steps": 2, "seed": 1})
+        assert base64.b64decode(picture.data[0].b64_json).startswith(b"\x89PNG")
+        with pytest.raises(openai.UnprocessableEntityError):
+            client.chat.completions.create(model="pictures", messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        serve.stop()
+
+
+def test_model_kinds_and_bundled_pipelines(tiny_model, tmp_path):
+    from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
+    from omnirelay.deploy.pipeline import PipelineError
+    from omnirelay.deploy.served_models import model_kind, plan_models
+    images = str(build_tiny_text_to_image(tmp_path / "sd", seed=3))
+    assert model_kind(tiny_model) == "llm" and model_kind(images) == "text-to-image"
+    llm, sd = plan_models([(tiny_model, "a"), (images, "b")], None)
+    assert llm.pipeline_file is None and llm.roles == ("prefill", "decode")
+    assert sd.pipeline_file.endswith("text_to_image.yaml") and sd.roles == ("generate",)
+    with pytest.raises(PipelineError, match="2 --stage-configs-path for 3 models"):
+        plan_models([(tiny_model, "a"), (images, "b"), (tiny_model, "c")], [sd.pipeline_file, sd.pipeline_file])

@@ -227,7 +227,8 @@ def test_placement_needs_a_head():
 
 def _serve_args(**overrides):
     import argparse
-    values = dict(curve_keys=None, log_level="INFO", log_format="text", num_prefill=1, num_decode=2, max_model_len=0,
+    values = dict(curve_keys=None, log_level="INFO", log_format="text", num_prefill=1, num_decode=2, num_encode=1, num_generate=1,
+                  max_model_len=0,
                   kv_cache_bytes=1 << 20, dtype="float32", connector="shared_memory", drain_timeout=5.0,
                   ray_worker_cpus=1.0, ray_address="10.0.0.1:6379", devices=None, gpu_memory_utilization=0.9,
                   host="0.0.0.0", port=8091, api_key=None, disable_log_requests=False)
@@ -238,12 +239,15 @@ def _serve_args(**overrides):
 def test_off_loopback_head_needs_curve_keys_and_ships_them(tmp_path):
     from omnirelay.deploy.ray_launcher import RayLaunchError, build_specs
     from omnirelay.security import keygen_main
-    models, roles, groups = [("/srv/m", "m")], ("prefill", "decode"), {"prefill": (1, 1), "decode": (2, 1)}
+    from omnirelay.deploy.pipeline import default_llm_pipeline
+    from omnirelay.deploy.served_models import ModelPlan
+    plans = [ModelPlan(path="/srv/m", name="m", kind="llm", pipeline=default_llm_pipeline(), pipeline_file=None,
+                       groups={"prefill": (1, 1), "decode": (2, 1)})]
     with pytest.raises(RayLaunchError, match="off loopback: the bus needs CURVE keys, give --curve-keys DIR"):
-        build_specs(_serve_args(), models, roles, groups, [], "tcp://10.0.0.1:5555", has_gpus=True)
+        build_specs(_serve_args(), plans, "tcp://10.0.0.1:5555", has_gpus=True)
     keys = tmp_path / "keys"
     assert keygen_main([str(keys), "broker", "gateway", "worker"]) == 0
-    specs = {s.name: s for s in build_specs(_serve_args(curve_keys=str(keys)), models, roles, groups, [],
+    specs = {s.name: s for s in build_specs(_serve_args(curve_keys=str(keys)), plans,
                                             "tcp://10.0.0.1:5555", has_gpus=True)}
     assert set(specs) == {"broker", "prefill-0.0", "decode-0.0", "decode-0.1", "gateway"}
     assert specs["broker"].on_head and specs["gateway"].on_head and not specs["decode-0.1"].on_head
@@ -256,6 +260,6 @@ def test_off_loopback_head_needs_curve_keys_and_ships_them(tmp_path):
     assert "{dir}/keys/worker.key_secret" in specs["decode-0.0"].argv
     assert specs["gateway"].argv[specs["gateway"].argv.index("--reply-host") + 1] == "{node_ip}"
     # On a CPU cluster the workers ask for no GPU.
-    cpu = build_specs(_serve_args(curve_keys=str(keys)), models, roles, groups, [], "tcp://10.0.0.1:5555",
+    cpu = build_specs(_serve_args(curve_keys=str(keys)), plans, "tcp://10.0.0.1:5555",
                       has_gpus=False)
     assert all(s.num_gpus == 0 for s in cpu)
