@@ -98,11 +98,16 @@ def build_generate_role(config: WorkerConfig) -> tuple[GenerateImageRole, Callab
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = GenerateImageEngine.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
                                                  device=device, max_batch_size=config.capacity)
-    log.info("generate worker: %s (%s, runner %s) on %s, batch up to %d, native size %dx%d", config.model_path,
-             type(engine.pipe).__name__, type(engine.runner).__name__, device, config.capacity,
-             engine.default_width, engine.default_height)
+    # The dtype the denoiser really holds (what --dtype asked for, unless the pipeline pins it):
+    # logged and heartbeated, so a deployment can see that its --dtype took effect.
+    denoiser = engine.pipe.components.get("unet") or engine.pipe.components.get("transformer")
+    weights = next(denoiser.parameters())
+    log.info("generate worker: %s (%s, runner %s) on %s, denoiser weights %s, batch up to %d, native size %dx%d",
+             config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights.dtype,
+             config.capacity, engine.default_width, engine.default_height)
+    weight_bits = weights.element_size() * 8
 
     def stats() -> dict:
-        return {**engine.load(), **engine.stats}
+        return {**engine.load(), **engine.stats, "denoiser_weight_bits": weight_bits}
 
     return GenerateImageRole(config.worker_id, engine), stats
