@@ -205,6 +205,26 @@ def _init_weights(model, seed: int, real_vocab: int, special_ids: set[int]) -> N
     # not stop at once on <|endoftext|> or emit media placeholders; <|im_end|> can still end a reply.
     thinker.lm_head.weight[sorted(special_ids)] = 0.0   # (advanced indexing: assign, not .zero_())
     thinker.model.language_model.embed_tokens.weight[real_vocab:].zero_()
+    _init_speech(model, gen)
+
+
+def _init_speech(model, gen) -> None:
+    """Make the random talker + token2wav speak something a test can hear. (1) The talker's codec
+    vocabulary (8448) is larger than token2wav's code embedding (``num_embeds`` 8193, as in the real
+    checkpoint, whose trained talker never emits the rest): zero the rows above it, so their logit is
+    exactly 0 and top-k 40 of 8192 random logits never reaches them (the codec EOS ids are among them:
+    the talker speaks until ``max_new_tokens``). (2) BigVGAN at HF's 0.02 init outputs ~1e-7, silence
+    in 16-bit PCM; PyTorch's own conv init keeps the scale (RMS ~0.1, unclipped)."""
+    import torch
+
+    codes = model.config.token2wav_config.dit_config.num_embeds
+    model.talker.codec_head.weight[codes:].zero_()
+    for module in model.token2wav.code2wav_bigvgan_model.modules():
+        if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
+            bound = 1.0 / (module.weight.shape[1] * module.weight.shape[2]) ** 0.5   # reset_parameters()' bound
+            module.weight.uniform_(-bound, bound, generator=gen)
+            if module.bias is not None:
+                module.bias.uniform_(-bound, bound, generator=gen)
 
 
 def _write_speakers(out: pathlib.Path, ids: dict, seed: int) -> None:

@@ -1,0 +1,290 @@
+"""Speech engine of the generate role: thinker hidden states → talker codec tokens → token2wav waveform.
+
+Life of a request through this engine::
+
+    add(SpeechTask: prompt ids + hidden states, reply ids + hidden states, SpeechParams)
+        ──▶ waiting (FIFO) ──step(): the oldest live request──▶
+    talker: its prompt is built exactly as transformers' ``Qwen2_5OmniForConditionalGeneration.generate``
+        builds it, then sampled with the same settings (top-k 40, top-p 0.8, temperature 0.9,
+        repetition penalty 1.05, codec BOS suppressed, EOS = codec pad/end) up to ``max_codes``
+    ──▶ token2wav: DiT (10 Runge-Kutta steps from Gaussian noise, speaker ``cond`` + ``ref_mel``)
+        + BigVGAN ──▶ SpeechOutput(float waveform at :data:`SAMPLE_RATE`) to the role adapter
+
+What the talker reads, for a prompt of ``n`` tokens and a thinker reply ``t0 … t(m-1)``:
+
+* ``prompt_hidden`` [n, H]: the thinker's last-layer (final-norm) states of the prompt;
+* the prompt's input embeddings: not shipped — at text positions they are rows of the thinker's
+  embedding table, which this engine loads (one matrix), and at media positions transformers
+  zeroes them before the talker, so the token ids say everything;
+* ``reply_hidden`` [m-1, H]: the states of ``t0 … t(m-2)`` (the tokens fed back into the thinker;
+  the last token is never fed, as in transformers). Decode computes them; for ``/v1/audio/speech``
+  the text is teacher-forced into the prompt and prefill computes them.
+
+Determinism: each request runs under its own seeded random stream (``torch.random.fork_rng`` +
+``manual_seed(seed)``), consumed in transformers' order — talker sampling, then token2wav's noise —
+so a request's audio depends on its seed and inputs only, never on what else the worker runs, and
+equals ``torch.manual_seed(seed); model.generate(...)`` of transformers with a greedy thinker.
+
+Batching: requests are not merged into one talker forward. transformers draws a batch's samples
+from one random stream (so a request's audio would depend on its neighbours) and decodes token2wav
+one sample at a time for the same reason; per-request determinism wins over the batching gain.
+A step runs one request; cancellation and deadlines are checked between requests.
+
+The engine holds no sockets; the role adapter (``speech_role.py``) encodes and sends the audio.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from omnirelay.errors import BadRequest
+from omnirelay.speech_params import SpeechParams
+
+log = logging.getLogger("omnirelay.worker.speech")
+
+SAMPLE_RATE = 24000                                   # Qwen2.5-Omni's token2wav output rate
+TALKER_SAMPLING = {"do_sample": True, "top_k": 40, "top_p": 0.8, "temperature": 0.9,
+                   "repetition_penalty": 1.05}        # transformers' generate() defaults for the talker
+
+
+def is_omni_model(path: str) -> bool:
+    """A Qwen2.5-Omni directory (thinker + talker + token2wav)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == "qwen2_5_omni"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+@dataclasses.dataclass
+class SpeechTask:
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt_hidden: torch.Tensor        # [n, H]
+    reply_token_ids: list[int]         # t0 … t(m-1), m >= 2
+    reply_hidden: torch.Tensor         # [m-1, H]
+    params: SpeechParams
+    deadline: float
+
+
+@dataclasses.dataclass
+class SpeechOutput:
+    request_id: str
+    waveform: torch.Tensor             # float32 [samples], in [-1, 1]
+    num_codes: int
+
+
+@dataclasses.dataclass
+class SpeechFailure:
+    request_id: str
+    error_type: str
+    message: str
+
+
+@dataclasses.dataclass
+class SpeechStep:
+    outputs: list[SpeechOutput] = dataclasses.field(default_factory=list)
+    failed: list[SpeechFailure] = dataclasses.field(default_factory=list)
+
+
+def _load_prefixed(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors of the checkpoint whose names start with one of ``prefixes`` (safetensors only)."""
+    from safetensors import safe_open
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(prefixes):
+                    out[key] = f.get_tensor(key)
+    return out
+
+
+class GenerateSpeechEngine:
+    def __init__(self, talker, token2wav, thinker_embed: torch.Tensor, speakers: dict, config, *,
+                 device: str = "cpu", max_batch_size: int = 4):
+        self.talker = talker
+        self.token2wav = token2wav
+        self.thinker_embed = thinker_embed
+        self.speakers = speakers
+        self.config = config
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        thinker = config.thinker_config
+        self.media_token_ids = (thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index)
+        self.waiting: collections.deque[SpeechTask] = collections.deque()
+        self.stats = collections.Counter()
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        max_batch_size: int = 4) -> "GenerateSpeechEngine":
+        from transformers import Qwen2_5OmniConfig
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniTalkerForConditionalGeneration, Qwen2_5OmniToken2WavModel)
+        root = Path(path)
+        config = Qwen2_5OmniConfig.from_pretrained(root)
+        weights = _load_prefixed(root, ("talker.", "token2wav.", "thinker.model.embed_tokens."))
+        talker = Qwen2_5OmniTalkerForConditionalGeneration._from_config(config.talker_config)
+        _load_module(talker, weights, "talker.")
+        # token2wav always runs in float32, as transformers forces it (its ODE solver needs the range).
+        token2wav = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config)
+        _load_module(token2wav, weights, "token2wav.")
+        embed = weights["thinker.model.embed_tokens.weight"]
+        talker = talker.to(device=device, dtype=dtype).eval()
+        token2wav = token2wav.to(device=device).float().eval()
+        speakers = load_speakers(root)
+        return cls(talker, token2wav, embed.to(device=device, dtype=dtype), speakers, config, device=device,
+                   max_batch_size=max_batch_size)
+
+    # ------------------------------------------------------------------ queue
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.speakers)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def load(self) -> dict:
+        return {"running": 0, "waiting": len(self.waiting)}
+
+    def add(self, task: SpeechTask) -> None:
+        """Validate and queue ``task``; raises :class:`BadRequest` for what this model cannot speak."""
+        if task.params.voice not in self.speakers:
+            raise BadRequest(f"voice {task.params.voice!r} is not one of this model's speakers: "
+                             f"{', '.join(self.voices)}", param="voice")
+        m = len(task.reply_token_ids)
+        hidden = self.thinker_embed.shape[1]
+        if m < 2:
+            raise BadRequest("the reply to speak has fewer than 2 tokens")
+        if tuple(task.reply_hidden.shape) != (m - 1, hidden):
+            raise BadRequest(f"reply hidden states are {tuple(task.reply_hidden.shape)}, expected {(m - 1, hidden)}")
+        if tuple(task.prompt_hidden.shape) != (len(task.prompt_token_ids), hidden):
+            raise BadRequest(f"prompt hidden states are {tuple(task.prompt_hidden.shape)}, "
+                             f"expected {(len(task.prompt_token_ids), hidden)}")
+        self.waiting.append(task)
+
+    def cancel(self, request_id: str) -> bool:
+        for task in self.waiting:
+            if task.request_id == request_id:
+                self.waiting.remove(task)
+                return True
+        return False
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> SpeechStep:
+        out = SpeechStep()
+        now = time.time()
+        for task in [t for t in self.waiting if now > t.deadline]:
+            self.waiting.remove(task)
+            out.failed.append(SpeechFailure(task.request_id, "deadline_exceeded", "deadline passed before speech"))
+        if not self.waiting:
+            return out
+        task = self.waiting.popleft()
+        try:
+            waveform, codes = self.synthesize(task)
+        except torch.cuda.OutOfMemoryError as exc:
+            out.failed.append(SpeechFailure(task.request_id, "out_of_memory", str(exc)))
+            return out
+        self.stats["speech_requests"] += 1
+        self.stats["talker_codes"] += codes
+        self.stats["audio_samples"] += int(waveform.numel())
+        out.outputs.append(SpeechOutput(task.request_id, waveform, codes))
+        return out
+
+    @torch.inference_mode()
+    def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
+        """The waveform of one request (float32, 1-D) and the number of codec tokens spoken."""
+        talker_inputs = self._talker_inputs(task)
+        speaker = self.speakers[task.params.voice]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(task.params.seed)
+            talker = self.talker
+            result = talker.generate(
+                **talker_inputs, suppress_tokens=[talker.codec_bos_token], max_new_tokens=task.params.max_codes,
+                eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
+                use_audio_in_video=False, **TALKER_SAMPLING)
+            codes = result[:, talker_inputs["input_ids"].shape[1]:]
+            eos = (codes == talker.codec_pad_token) | (codes == talker.codec_eos_token)
+            length = int(eos[0].nonzero()[0, 0]) if bool(eos.any()) else codes.shape[1]
+            if length == 0:
+                return torch.zeros(0), 0
+            cond = speaker["cond"].to(self.device).float().expand(1, -1)
+            ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
+            wav = self.token2wav(codes[:, :length], conditioning=cond, reference_mel=ref_mel)
+        wav = wav.reshape(-1).float().cpu()
+        if task.params.speed != 1.0:
+            wav = _change_speed(wav, task.params.speed)
+        return wav, length
+
+    def _talker_inputs(self, task: SpeechTask) -> dict:
+        """The talker's inputs for one request, built as transformers' ``generate`` builds them."""
+        dev, talker = self.device, self.talker
+        dtype = self.thinker_embed.dtype
+        ids = torch.tensor([task.prompt_token_ids], dtype=torch.long, device=dev)
+        reply = torch.tensor(task.reply_token_ids, dtype=torch.long, device=dev)
+        embed = self.thinker_embed
+        prompt_embeds = embed[ids[0]]
+        media = torch.isin(ids[0], torch.tensor(self.media_token_ids, device=dev))
+        prompt_embeds = prompt_embeds.masked_fill(media[:, None], 0.0)
+        prompt_hidden = task.prompt_hidden.to(device=dev, dtype=dtype)
+        reply_part = task.reply_hidden.to(device=dev, dtype=dtype) + embed[reply[:-1]]   # [m-1, H]
+        bos_token = int(self.speakers[task.params.voice]["bos_token"])
+        inputs_embeds = torch.cat([prompt_hidden + prompt_embeds, embed[bos_token][None], reply_part[:1]])
+        # What the talker reads after its prompt, one row per codec token: the rest of the reply,
+        # then the text EOS embedding, then text pads (the last one repeats once exhausted).
+        rest = torch.cat([reply_part[1:], embed[talker.text_eos_token][None], embed[talker.text_pad_token][None]])
+        n = ids.shape[1]
+        codec_prompt = torch.tensor([[talker.codec_mask_token] * n + [talker.codec_pad_token, talker.codec_bos_token]],
+                                    dtype=torch.long, device=dev)
+        text_ids = torch.cat([ids, torch.tensor([[bos_token, task.reply_token_ids[0]]], device=dev)], dim=1)
+        return {"input_ids": codec_prompt, "input_text_ids": text_ids, "inputs_embeds": inputs_embeds[None],
+                "thinker_reply_part": rest[None], "attention_mask": None}
+
+
+def load_speakers(root: Path) -> dict[str, dict]:
+    """name → {"cond", "ref_mel", "bos_token"} (transformers' ``speaker_map``): from
+    ``spk_dict.safetensors`` + ``spk_dict.json`` (what ``omni-make-model`` writes: no pickle), else the
+    real checkpoint's ``spk_dict.pt`` — a file of the model directory, not received bytes, read with
+    ``weights_only`` (tensors and plain containers only)."""
+    if (root / "spk_dict.safetensors").is_file():
+        from omnirelay.deploy.omni_builder import load_speakers as load_safetensors_speakers
+        return load_safetensors_speakers(root)
+    if (root / "spk_dict.pt").is_file():
+        return torch.load(root / "spk_dict.pt", weights_only=True, map_location="cpu")
+    raise FileNotFoundError(f"{root} has no speaker table (spk_dict.safetensors or spk_dict.pt)")
+
+
+def _load_module(module: torch.nn.Module, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    # Non-persistent buffers (rotary frequencies) are rebuilt by the constructor, never saved.
+    missing = [k for k in missing if not k.endswith(("inv_freq", "original_inv_freq"))]
+    if missing or unexpected:
+        raise ValueError(f"{prefix[:-1]} weights do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def _change_speed(wav: torch.Tensor, speed: float) -> torch.Tensor:
+    """Play ``speed`` times faster by resampling (linear interpolation; the pitch moves with it)."""
+    target = max(1, int(round(wav.numel() / speed)))
+    return torch.nn.functional.interpolate(wav[None, None], size=target, mode="linear",
+                                           align_corners=False)[0, 0]

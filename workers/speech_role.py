@@ -1,0 +1,199 @@
+"""The generate role for speech (Qwen2.5-Omni), between the bus and :class:`GenerateSpeechEngine`.
+
+Life of a request through this adapter::
+
+    Task (sampling["audio"] = SpeechParams; inputs = connector handles of the thinker's hidden states)
+        ──accept: read the prompt states (prefill's) and the reply states (decode's) from the
+          connector, delete those keys, queue a SpeechTask──▶ engine
+        ──step: the waveform ──encode (wav | pcm | flac)──▶ byte chunks of ≤ CHUNK_BYTES──▶
+    one MediaResult per chunk to the gateway's ``reply_to`` (index = chunk number, ``finish`` on the
+    last one), then StageDone(finished=True) to the broker — after the last chunk, so the broker
+    never forgets a request whose audio is still on its way; or one StageFailed (``bad_request``
+    for an unknown voice or malformed inputs, ``deadline_exceeded``, ``transfer_failed`` …).
+
+What the stages before leave in ``Task.inputs`` (names shared with prefill and decode):
+
+* ``speech_prompt_key``/``speech_prompt_handle``: prefill's ``{"hidden": [n, H]}``, the last-layer
+  states of every prompt token;
+* ``speech_reply_key``/``speech_reply_handle`` (chat only): decode's ``{"hidden": [m-1, H],
+  "token_ids": [m]}``, the reply tokens and the states of all but the last one.
+
+For ``/v1/audio/speech`` (``SpeechParams.reply_start >= 0``) there is no decode stage: the text was
+teacher-forced into the prompt from ``reply_start`` on, so the reply and its states are the prompt's tail.
+
+Chunks: a bus message has a size limit (:data:`~omnirelay.broker.protocol.MAX_BODY_BYTES`), so audio
+of any length travels as several MediaResults; concatenating the chunks' bytes in index order gives
+the encoded file (a WAV/FLAC file, or raw PCM).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import wave
+from typing import Callable
+
+import torch
+
+from omnirelay.broker import protocol as p
+from omnirelay.connectors import Connector
+from omnirelay.errors import BadRequest, OmniError
+from omnirelay.speech_params import SpeechParams
+
+from .config import WorkerConfig
+from .generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
+from .roles import Outbound, RoleAdapter
+
+log = logging.getLogger("omnirelay.worker.speech")
+
+CHUNK_BYTES = 192 * 1024      # raw bytes per MediaResult (256 KiB of base64): well under one bus message
+MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+INPUT_KEYS = ("speech_prompt_key", "speech_reply_key")
+
+
+def flac_available() -> bool:
+    """FLAC needs the optional ``soundfile`` package (libsndfile); WAV and PCM need nothing."""
+    try:
+        import soundfile  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def encode_audio(waveform: torch.Tensor, fmt: str, sample_rate: int = SAMPLE_RATE) -> bytes:
+    """``waveform`` (float, [-1, 1]) as a mono 16-bit file: ``wav`` (RIFF), ``pcm`` (raw LE) or ``flac``."""
+    pcm16 = (waveform.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy().astype("<i2")
+    if fmt == "pcm":
+        return pcm16.tobytes()
+    buf = io.BytesIO()
+    if fmt == "wav":
+        with wave.open(buf, "wb") as out:
+            out.setnchannels(1)
+            out.setsampwidth(2)
+            out.setframerate(sample_rate)
+            out.writeframes(pcm16.tobytes())
+        return buf.getvalue()
+    if fmt == "flac":
+        import soundfile
+        soundfile.write(buf, pcm16, sample_rate, format="FLAC", subtype="PCM_16")
+        return buf.getvalue()
+    raise BadRequest(f"unknown audio format {fmt!r}", param="response_format")
+
+
+class GenerateSpeechRole(RoleAdapter):
+    role = "generate"
+
+    def __init__(self, worker_id: str, engine: GenerateSpeechEngine, connector: Connector,
+                 transfer_timeout_s: float = 30.0):
+        super().__init__(worker_id)
+        self.engine = engine
+        self.connector = connector
+        self.transfer_timeout_s = transfer_timeout_s
+        self._reply_to: dict[str, str] = {}
+        self._formats: dict[str, str] = {}
+
+    def release_inputs(self, inputs: dict) -> None:
+        for name in INPUT_KEYS:
+            key = inputs.get(name)
+            if isinstance(key, str) and key:
+                self.connector.delete(key)
+
+    def accept(self, task: p.Task) -> list[Outbound]:
+        if task.request_id in self._reply_to:
+            self.cancel(task.request_id)   # the broker re-dispatched a request we still hold: the new attempt wins
+        try:
+            params = SpeechParams.from_wire(task.sampling.get("audio"))
+            if params.format == "flac" and not flac_available():
+                raise BadRequest("flac needs the soundfile package on the generate worker; use wav or pcm",
+                                 param="response_format")
+            speech = self._read_inputs(task, params)
+            self.engine.add(speech)
+        except BadRequest as exc:
+            self.release_inputs(task.inputs)
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid speech request: {exc.message}",
+                                 attempt=task.attempt)]
+        except OmniError as exc:   # the connector could not deliver the hidden states
+            self.release_inputs(task.inputs)
+            return [self.failure(task.request_id, task.stage, exc.error_type, str(exc), attempt=task.attempt)]
+        except (KeyError, TypeError, ValueError) as exc:
+            self.release_inputs(task.inputs)
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid speech task: {exc!r}",
+                                 attempt=task.attempt)]
+        self._reply_to[task.request_id] = task.reply_to
+        self._formats[task.request_id] = params.format
+        self._attempts[task.request_id] = task.attempt
+        return []
+
+    def _read_inputs(self, task: p.Task, params: SpeechParams) -> SpeechTask:
+        inputs = task.inputs
+        prompt = self._get(inputs, "speech_prompt")
+        hidden = _tensor(prompt, "hidden")
+        ids = list(task.prompt_token_ids)
+        if hidden.shape[0] != len(ids):
+            raise BadRequest(f"prefill sent states of {hidden.shape[0]} tokens for a prompt of {len(ids)}")
+        if params.reply_start >= 0:   # /v1/audio/speech: the reply is the prompt's teacher-forced tail
+            start = params.reply_start
+            if not 0 < start <= len(ids) - 2:
+                raise BadRequest(f"reply_start {start} leaves fewer than 2 reply tokens in a prompt of {len(ids)}")
+            return SpeechTask(task.request_id, ids[:start], hidden[:start], ids[start:], hidden[start:-1], params,
+                              task.deadline)
+        reply = self._get(inputs, "speech_reply")
+        reply_ids = [int(t) for t in reply["token_ids"]]
+        return SpeechTask(task.request_id, ids, hidden, reply_ids, _tensor(reply, "hidden"), params, task.deadline)
+
+    def _get(self, inputs: dict, name: str) -> dict:
+        key = inputs[f"{name}_key"]
+        if not isinstance(key, str) or not key:
+            raise BadRequest(f"no {name} states in the task inputs")
+        payload = self.connector.get(key, inputs.get(f"{name}_handle"), timeout=self.transfer_timeout_s)
+        self.connector.delete(key)
+        return payload
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._reply_to.pop(request_id, None)
+        self._formats.pop(request_id, None)
+        self._attempts.pop(request_id, None)
+
+    def step(self) -> list[Outbound]:
+        result = self.engine.step()
+        out: list[Outbound] = []
+        for speech in result.outputs:
+            reply_to = self._reply_to.pop(speech.request_id, None)
+            fmt = self._formats.pop(speech.request_id, "wav")
+            if reply_to is None:
+                continue   # cancelled while it ran
+            data = encode_audio(speech.waveform, fmt)
+            chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+            for index, chunk in enumerate(chunks):
+                out.append((reply_to, p.MediaResult(speech.request_id, index, MIMES[fmt],
+                                                    base64.b64encode(chunk).decode("ascii"),
+                                                    finish=index == len(chunks) - 1, worker_id=self.worker_id)))
+            out.append(self._done(speech.request_id, {}, True))
+        for failure in result.failed:
+            self._reply_to.pop(failure.request_id, None)
+            self._formats.pop(failure.request_id, None)
+            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
+        return out
+
+
+def _tensor(payload: dict, name: str) -> torch.Tensor:
+    value = payload[name]
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        raise BadRequest(f"'{name}' must be a 2-D tensor")
+    return value.clone()   # a connector view pins backend memory while the request waits: keep a copy
+
+
+def build_speech_role(config: WorkerConfig, connector: Connector) -> tuple[GenerateSpeechRole, Callable[[], dict]]:
+    """The role adapter and heartbeat-stats function of a speech generate worker: ``config.model_path``
+    is a Qwen2.5-Omni directory; the talker and token2wav run on the first CUDA device when there is one."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = GenerateSpeechEngine.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
+                                                  device=device, max_batch_size=config.capacity)
+    log.info("speech generate worker: %s on %s, voices %s", config.model_path, device, ", ".join(engine.voices))
+
+    def stats() -> dict:
+        return {**engine.load(), **engine.stats}
+
+    return GenerateSpeechRole(config.worker_id, engine, connector), stats
