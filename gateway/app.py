@@ -367,7 +367,9 @@ async def status_json(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     max_len = min((m.max_model_len for m in request.app[MODELS].values() if isinstance(m, ModelRuntime)),
                   default=2048)
-    return web.json_response(build_openapi(max_len, sorted(request.app[MODELS])))
+    from .videos import VideoModel
+    videos = sorted(name for name, m in request.app[MODELS].items() if isinstance(m, VideoModel))
+    return web.json_response(build_openapi(max_len, sorted(request.app[MODELS]), videos))
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -74,7 +74,75 @@ def _responses(ok: dict) -> dict:
     return out
 
 
-def build_openapi(max_model_len: int, models: list[str]) -> dict:
+_VIDEO_JOB = {
+    "type": "object", "required": ["id", "object", "status", "progress", "model", "created_at", "size", "seconds"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"type": "string", "enum": ["video"]},
+        "status": {"type": "string", "enum": ["queued", "in_progress", "completed", "failed", "cancelled"]},
+        "progress": {"type": "integer", "minimum": 0, "maximum": 100}, "model": {"type": "string"},
+        "prompt": {"type": "string", "nullable": True}, "created_at": {"type": "integer"},
+        "completed_at": {"type": "integer", "nullable": True}, "expires_at": {"type": "integer", "nullable": True},
+        "size": {"type": "string"}, "seconds": {"type": "string"},
+        "remixed_from_video_id": {"type": "string", "nullable": True},
+        "error": {"type": "object", "nullable": True, "properties": {"code": {"type": "string"},
+                                                                   "message": {"type": "string"}}}},
+}
+
+
+def _video_paths(models: list[str]) -> dict:
+    """``/v1/videos`` (gateway/videos.py): jobs. Bounds are VideoParams'; the ``openai`` client
+    sends the same fields as a multipart form, which is accepted too (numbers as text)."""
+    error = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    errors = lambda *codes: {code: error for code in codes}  # noqa: E731
+    job = {"description": "the video job", "content": {"application/json": {"schema": _VIDEO_JOB}}}
+    video_id = [{"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    create = {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": {"type": "string", "minLength": 1, "maxLength": 4000},
+        "model": {"type": "string", "enum": models, "description": "optional when one video model is served"},
+        "size": {"type": "string", "pattern": "^[0-9]{1,5}x[0-9]{1,5}$",
+                 "description": "WxH, multiples of 8, each side 8 to 1792 (default: the model's native size)"},
+        "seconds": {"type": "string", "pattern": "^[0-9]{1,2}$", "description": "clip length (default 4)"},
+        "fps": {"type": "integer", "minimum": 1, "maximum": 60},
+        "num_frames": {"type": "integer", "minimum": 1, "maximum": 240, "description": "default seconds x fps"},
+        "num_inference_steps": {"type": "integer", "minimum": 1, "maximum": 150},
+        "guidance_scale": {"type": "number", "minimum": 0, "maximum": 50},
+        "negative_prompt": {"type": "string", "maxLength": 4000},
+        "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}}}
+    listing = {"type": "object", "required": ["object", "data", "has_more"], "properties": {
+        "object": {"type": "string"}, "data": {"type": "array", "items": _VIDEO_JOB}, "has_more": {"type": "boolean"},
+        "first_id": {"type": "string", "nullable": True}, "last_id": {"type": "string", "nullable": True}}}
+    deleted = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string"}, "deleted": {"type": "boolean"}}}
+    return {
+        "/v1/videos": {
+            "post": {"operationId": "createVideo", "requestBody": {"required": True, "content": {
+                "application/json": {"schema": create}}},
+                "responses": {"200": job, **errors("400", "401", "404", "408", "413", "422", "429")}},
+            "get": {"operationId": "listVideos", "parameters": [
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                {"name": "after", "in": "query", "schema": {"type": "string"}},
+                {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}}],
+                "responses": {"200": {"description": "jobs, newest first by default", "content": {
+                    "application/json": {"schema": listing}}}, **errors("400", "401", "404")}}},
+        "/v1/videos/{video_id}": {
+            "get": {"operationId": "retrieveVideo", "parameters": video_id,
+                    "responses": {"200": job, **errors("401", "404")}},
+            "delete": {"operationId": "deleteVideo", "parameters": video_id, "responses": {
+                "200": {"description": "cancelled (unfinished) or removed (finished)",
+                        "content": {"application/json": {"schema": deleted}}}, **errors("401", "404")}}},
+        "/v1/videos/{video_id}/content": {
+            "get": {"operationId": "downloadVideoContent", "parameters": video_id + [
+                {"name": "variant", "in": "query", "schema": {"type": "string", "enum": ["video"]}}],
+                "responses": {"200": {"description": "the file", "content": {
+                    "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                    "image/webp": {"schema": {"type": "string", "format": "binary"}}}},
+                    **errors("401", "404", "422")}}},
+    }
+
+
+def build_openapi(max_model_len: int, models: list[str], video_models: list[str] | None = None) -> dict:
+    """``video_models``: the served text-to-video models; the video paths are documented only
+    when there is one (a gateway without one answers every video request 400/404)."""
     sampling = _sampling(max_model_len, models)
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
@@ -117,6 +185,7 @@ def build_openapi(max_model_len: int, models: list[str]) -> dict:
                                                             "properties": {"id": {"type": "string"},
                                                                            "object": {"type": "string"}}}}}}}}},
                 "401": {"description": "error", "content": {"application/json": {"schema": error_ref}}}}}},
+            **(_video_paths(video_models) if video_models else {}),
             "/health": {"get": {"operationId": "health", "responses": {
                 "200": {"description": "every role of every model has a live worker",
                         "content": {"application/json": {"schema": {"type": "object"}}}},

@@ -403,3 +403,7 @@ def test_unknown_videos_are_404_and_json_bodies_work_too(client, cluster):
     chat = requests.post(cluster.url + "/v1/chat/completions", timeout=30,
                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 422
+    doc = requests.get(cluster.url + "/openapi.json", timeout=10).json()
+    assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content"} <= set(doc["paths"])
+    create = doc["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert create["properties"]["model"]["enum"] == [MODEL]
