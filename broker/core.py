@@ -28,6 +28,8 @@ import dataclasses
 import enum
 import logging
 
+import msgspec
+
 from . import protocol as p
 from .config import BrokerConfig
 
@@ -46,7 +48,7 @@ class Phase(enum.Enum):
     RUNNING = "running"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class WorkerState:
     worker_id: str
     identity: bytes
@@ -71,7 +73,7 @@ class WorkerState:
                 "last_seen_s": round(now - self.last_seen, 3)}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestState:
     spec: p.Submit
     gateway: bytes
@@ -87,10 +89,18 @@ class RequestState:
         return self.spec.stages[self.stage_index]
 
 
+def _load(worker: WorkerState) -> tuple[int, int]:
+    """Least-loaded order: fewest assigned tasks, then most credit left."""
+    return len(worker.tasks), -worker.credits
+
+
 class BrokerCore:
     def __init__(self, config: BrokerConfig):
         self.config = config
         self.workers: dict[str, WorkerState] = {}
+        # The same workers indexed by (model, role): dispatch and admission look at one pool, never
+        # scan the registry. A key exists only while its pool has a live worker.
+        self.pools: dict[tuple[str, str], dict[str, WorkerState]] = {}
         self.requests: dict[str, RequestState] = {}
         self.queues: dict[tuple[str, str], collections.deque[str]] = collections.defaultdict(collections.deque)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -136,9 +146,13 @@ class BrokerCore:
         if old is None and len(self.workers) >= self.config.max_workers:
             self.counters["rejected_registrations"] += 1
             return [(identity, p.ErrorReply("overloaded", f"registry full ({self.config.max_workers} workers)"))]
-        self.workers[msg.worker_id] = WorkerState(
+        worker = WorkerState(
             worker_id=msg.worker_id, identity=identity, role=msg.role, model=msg.model,
             capacity=max(0, msg.capacity), pid=msg.pid, host=msg.host, last_seen=now)
+        if old is not None:
+            self._unindex(old)
+        self.workers[msg.worker_id] = worker
+        self.pools.setdefault((worker.model, worker.role), {})[worker.worker_id] = worker
         out: list[Outgoing] = []
         if old is not None:
             # The same worker registering again has lost whatever it held (it restarted, or the
@@ -184,6 +198,7 @@ class BrokerCore:
     def _drop_worker(self, worker: WorkerState, now: float) -> list[Outgoing]:
         if self.workers.get(worker.worker_id) is worker:
             del self.workers[worker.worker_id]
+            self._unindex(worker)
         out: list[Outgoing] = []
         for request_id in sorted(worker.tasks):
             req = self.requests.get(request_id)
@@ -203,8 +218,16 @@ class BrokerCore:
         out += self._pump(worker.model, worker.role)
         return out
 
+    def _unindex(self, worker: WorkerState) -> None:
+        key = (worker.model, worker.role)
+        pool = self.pools.get(key)
+        if pool is not None and pool.get(worker.worker_id) is worker:
+            del pool[worker.worker_id]
+            if not pool:
+                del self.pools[key]
+
     def _has_live(self, model: str, role: str) -> bool:
-        return any(w.model == model and w.role == role for w in self.workers.values())
+        return (model, role) in self.pools
 
     def _fail_queued_without_worker(self, model: str, role: str) -> list[Outgoing]:
         out: list[Outgoing] = []
@@ -257,7 +280,7 @@ class BrokerCore:
         if msg.error_type in RETRYABLE_ERRORS and req.attempts + 1 < self.config.max_attempts:
             # Start over from the first stage: the inputs that failed to transfer are gone.
             req.attempts += 1
-            req.stage_index, req.inputs, req.phase = 0, {}, Phase.QUEUED
+            req.stage_index, req.inputs, req.phase = 0, dict(req.spec.inputs), Phase.QUEUED
             self.counters["request_restarts"] += 1
             return self._enqueue(req)
         return self._fail(req, msg.error_type, msg.message)
@@ -293,25 +316,28 @@ class BrokerCore:
             return [(identity, p.RequestFailed(msg.request_id, msg.stages[0] if msg.stages else "",
                                                error_type, message, retry_after=retry_after))]
 
-        if not msg.stages or len(msg.stages) > MAX_STAGES:
+        stages, model = msg.stages, msg.model
+        if not stages or len(stages) > MAX_STAGES:
             return reject("bad_request", f"a request passes 1 to {MAX_STAGES} stages")
         if msg.request_id in self.requests:
             return reject("bad_request", f"duplicate request_id {msg.request_id}")
         if not math.isfinite(msg.deadline):
             return reject("bad_request", "deadline must be a finite time")
-        for role in msg.stages:
-            if not self._has_live(msg.model, role):
-                return reject("unavailable", f"no live {role} worker for model {msg.model}",
+        pools = self.pools
+        for role in stages:
+            if (model, role) not in pools:
+                return reject("unavailable", f"no live {role} worker for model {model}",
                               self.config.retry_after_s)
-        for role in msg.stages:
+        queues, bound = self.queues, self.config.max_queue_per_role
+        for role in stages:
             # Every stage's queue counts: a slow later role must push back on admission too.
-            if len(self.queues.get((msg.model, role), ())) >= self.config.max_queue_per_role:
+            queue = queues.get((model, role))
+            if queue is not None and len(queue) >= bound:
                 return reject("overloaded", f"{role} queue is full", self.config.retry_after_s)
-        queue = self.queues[(msg.model, msg.stages[0])]
-        self.requests[msg.request_id] = RequestState(spec=msg, gateway=identity)
+        self.requests[msg.request_id] = RequestState(spec=msg, gateway=identity, inputs=dict(msg.inputs))
         self.counters["requests_admitted"] += 1
-        queue.append(msg.request_id)
-        return self._pump(msg.model, msg.stages[0])
+        queues[(model, stages[0])].append(msg.request_id)
+        return self._pump(model, stages[0])
 
     def _on_cancel(self, identity: bytes, msg: p.Cancel, now: float) -> list[Outgoing]:
         req = self.requests.get(msg.request_id)
@@ -323,7 +349,7 @@ class BrokerCore:
 
     def _on_status_query(self, identity: bytes, msg: p.StatusQuery, now: float) -> list[Outgoing]:
         reply = self.status(now)
-        return [(identity, dataclasses.replace(reply, query_id=msg.query_id))]
+        return [(identity, msgspec.structs.replace(reply, query_id=msg.query_id))]
 
     # ------------------------------------------------------------------ dispatch
 
@@ -331,17 +357,19 @@ class BrokerCore:
         """Dispatch queued requests of (model, role) while some worker has credit."""
         queue = self.queues.get((model, role))
         out: list[Outgoing] = []
-        while queue:
-            candidates = [w for w in self.workers.values()
-                          if w.model == model and w.role == role and w.credits > 0]
-            if not candidates:
-                break
+        if not queue:
+            return out
+        candidates = [w for w in self.pools.get((model, role), {}).values() if w.credits > 0]
+        requests = self.requests
+        while queue and candidates:
             request_id = queue.popleft()
-            req = self.requests.get(request_id)
+            req = requests.get(request_id)
             if req is None or req.phase is not Phase.QUEUED:
                 continue  # cancelled or failed while queued
-            worker = min(candidates, key=lambda w: (len(w.tasks), -w.credits))
+            worker = candidates[0] if len(candidates) == 1 else min(candidates, key=_load)
             worker.credits -= 1
+            if not worker.credits:
+                candidates.remove(worker)
             worker.tasks.add(request_id)
             req.phase, req.worker_id, req.dispatched_at = Phase.RUNNING, worker.worker_id, self._now
             spec = req.spec
@@ -370,10 +398,10 @@ class BrokerCore:
             if not req.inputs:
                 return []
             # Data a finished stage left for this one: any worker of the consuming role can delete it.
-            consumers = [w for w in self.workers.values() if w.model == req.spec.model and w.role == req.stage]
+            consumers = self.pools.get((req.spec.model, req.stage))
             if not consumers:
                 return []
-            consumer = min(consumers, key=lambda w: len(w.tasks))
+            consumer = min(consumers.values(), key=lambda w: len(w.tasks))
             return [(consumer.identity, p.CancelTask(req.spec.request_id, inputs=req.inputs))]
         worker = self.workers.get(req.worker_id or "")
         if worker is None:

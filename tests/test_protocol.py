@@ -8,13 +8,13 @@ reach for pickle-family deserialisers (the "ShadowMQ" class of bugs).
 from __future__ import annotations
 
 import ast
-import dataclasses
 import pathlib
 import random
 import types
 import typing
 
 import msgpack
+import msgspec
 import pytest
 
 from omnirelay.broker import protocol as p
@@ -42,7 +42,7 @@ def _sample(hint: typing.Any) -> typing.Any:
 
 def sample_message(cls: type[p.Message]) -> p.Message:
     hints = typing.get_type_hints(cls)
-    return cls(**{f.name: _sample(hints[f.name]) for f in dataclasses.fields(cls)})
+    return cls(**{f.name: _sample(hints[f.name]) for f in msgspec.structs.fields(cls)})
 
 
 def frames_with(cls: type[p.Message], drop: tuple[str, ...] = (), **override) -> list[bytes]:
@@ -87,18 +87,18 @@ def test_every_message_class_round_trips(cls):
 
 @pytest.mark.parametrize("cls", MESSAGE_CLASSES, ids=lambda cls: cls.__name__)
 def test_optional_fields_may_be_omitted_and_take_their_defaults(cls):
-    optional = [f for f in dataclasses.fields(cls)
-                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+    optional = [f for f in msgspec.structs.fields(cls) if not f.required]
     decoded = p.decode(frames_with(cls, drop=tuple(f.name for f in optional)))
     for f in optional:
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
         assert getattr(decoded, f.name) == default
 
 
 def test_messages_are_frozen():
     msg = p.Credit("w1", 2)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         msg.credits = 3
+    assert msg.credits == 2
 
 
 def test_int_is_accepted_where_float_is_declared():
@@ -164,8 +164,7 @@ def test_trailing_bytes_after_the_body_are_rejected():
 
 
 @pytest.mark.parametrize("cls, field", [
-    (cls, f.name) for cls in MESSAGE_CLASSES for f in dataclasses.fields(cls)
-    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    (cls, f.name) for cls in MESSAGE_CLASSES for f in msgspec.structs.fields(cls) if f.required
 ], ids=lambda x: x.__name__ if isinstance(x, type) else x)
 def test_missing_required_field_is_rejected(cls, field):
     with pytest.raises(p.ProtocolError, match=f"missing field '{field}'"):
