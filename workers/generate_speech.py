@@ -28,7 +28,12 @@ equals ``torch.manual_seed(seed); model.generate(...)`` of transformers with a g
 Batching: requests are not merged into one talker forward. transformers draws a batch's samples
 from one random stream (so a request's audio would depend on its neighbours) and decodes token2wav
 one sample at a time for the same reason; per-request determinism wins over the batching gain.
-A step runs one request; cancellation and deadlines are checked between requests.
+
+Threads: one request's synthesis (transformers' ``generate`` + token2wav) runs whole, for seconds,
+so it runs on the engine's one synthesis thread; ``step()`` starts the next request there and
+returns at once (or after a short wait for the running one), so the worker's loop keeps
+heartbeating and taking cancels meanwhile. A cancelled running request finishes and is dropped.
+:meth:`close` joins the thread (the worker runtime owns the engine and closes it on shutdown).
 
 The engine holds no sockets; the role adapter (``speech_role.py``) encodes and sends the audio.
 """
@@ -36,6 +41,7 @@ The engine holds no sockets; the role adapter (``speech_role.py``) encodes and s
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -124,6 +130,9 @@ class GenerateSpeechEngine:
         thinker = config.thinker_config
         self.media_token_ids = (thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index)
         self.waiting: collections.deque[SpeechTask] = collections.deque()
+        self.running: tuple[SpeechTask, concurrent.futures.Future] | None = None
+        self._dropped: set[str] = set()   # cancelled while running: their result is discarded
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speech-synth")
         self.stats = collections.Counter()
 
     @classmethod
@@ -155,14 +164,19 @@ class GenerateSpeechEngine:
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + (self.running is not None)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting) or self.running is not None
 
     def load(self) -> dict:
-        return {"running": 0, "waiting": len(self.waiting)}
+        return {"running": int(self.running is not None), "waiting": len(self.waiting)}
+
+    def close(self) -> None:
+        """Stop taking work and join the synthesis thread (a running request finishes first)."""
+        self.waiting.clear()
+        self._thread.shutdown(wait=True, cancel_futures=True)
 
     def add(self, task: SpeechTask) -> None:
         """Validate and queue ``task``; raises :class:`BadRequest` for what this model cannot speak."""
@@ -185,28 +199,48 @@ class GenerateSpeechEngine:
             if task.request_id == request_id:
                 self.waiting.remove(task)
                 return True
+        if self.running is not None and self.running[0].request_id == request_id:
+            self._dropped.add(request_id)
+            return True
         return False
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> SpeechStep:
+    def step(self, wait_s: float = 0.05) -> SpeechStep:
+        """Expire waiting requests, start the next one on the synthesis thread when it is free, and
+        collect the running one if it finishes within ``wait_s``."""
         out = SpeechStep()
         now = time.time()
         for task in [t for t in self.waiting if now > t.deadline]:
             self.waiting.remove(task)
             out.failed.append(SpeechFailure(task.request_id, "deadline_exceeded", "deadline passed before speech"))
-        if not self.waiting:
+        if self.running is None and self.waiting:
+            task = self.waiting.popleft()
+            self.running = (task, self._thread.submit(self.synthesize, task))
+        if self.running is None:
             return out
-        task = self.waiting.popleft()
+        task, future = self.running
         try:
-            waveform, codes = self.synthesize(task)
+            waveform, codes = future.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            return out
         except torch.cuda.OutOfMemoryError as exc:
             out.failed.append(SpeechFailure(task.request_id, "out_of_memory", str(exc)))
-            return out
-        self.stats["speech_requests"] += 1
-        self.stats["talker_codes"] += codes
-        self.stats["audio_samples"] += int(waveform.numel())
-        out.outputs.append(SpeechOutput(task.request_id, waveform, codes))
+        except Exception as exc:   # a bug in synthesis fails this request, not the worker
+            log.exception("speech synthesis failed for %s", task.request_id)
+            out.failed.append(SpeechFailure(task.request_id, "internal_error", f"{type(exc).__name__}: {exc}"))
+        else:
+            self.stats["speech_requests"] += 1
+            self.stats["talker_codes"] += codes
+            self.stats["audio_samples"] += int(waveform.numel())
+            out.outputs.append(SpeechOutput(task.request_id, waveform, codes))
+        finally:
+            if future.done():
+                self.running = None
+        if task.request_id in self._dropped:
+            self._dropped.discard(task.request_id)
+            out.outputs = [o for o in out.outputs if o.request_id != task.request_id]
+            out.failed = [f for f in out.failed if f.request_id != task.request_id]
         return out
 
     @torch.inference_mode()

@@ -47,7 +47,9 @@ from .roles import Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker.speech")
 
-CHUNK_BYTES = 192 * 1024      # raw bytes per MediaResult (256 KiB of base64): well under one bus message
+# Raw bytes per MediaResult: a quarter second of 24 kHz 16-bit mono, the granularity a streaming client
+# receives (16 KiB of base64, far under one bus message).
+CHUNK_BYTES = SAMPLE_RATE // 4 * 2
 MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 INPUT_KEYS = ("speech_prompt_key", "speech_reply_key")
 
@@ -85,8 +87,9 @@ class GenerateSpeechRole(RoleAdapter):
     role = "generate"
 
     def __init__(self, worker_id: str, engine: GenerateSpeechEngine, connector: Connector,
-                 transfer_timeout_s: float = 30.0):
+                 transfer_timeout_s: float = 30.0, chunk_bytes: int = CHUNK_BYTES):
         super().__init__(worker_id)
+        self.chunk_bytes = chunk_bytes
         self.engine = engine
         self.connector = connector
         self.transfer_timeout_s = transfer_timeout_s
@@ -165,7 +168,8 @@ class GenerateSpeechRole(RoleAdapter):
             if reply_to is None:
                 continue   # cancelled while it ran
             data = encode_audio(speech.waveform, fmt)
-            chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+            size = self.chunk_bytes
+            chunks = [data[i:i + size] for i in range(0, len(data), size)] or [b""]
             for index, chunk in enumerate(chunks):
                 out.append((reply_to, p.MediaResult(speech.request_id, index, MIMES[fmt],
                                                     base64.b64encode(chunk).decode("ascii"),
