@@ -24,7 +24,7 @@ import uuid
 from typing import AsyncIterator
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest, OmniError
+from omnirelay.errors import BadRequest, OmniError, Unprocessable
 
 from .bus import BusClient
 from .detokenizer import IncrementalDetokenizer
@@ -52,6 +52,8 @@ class Generation:
     max_tokens: int
     completion_tokens: int = 0
     resumes: int = 0
+    stages: tuple[str, ...] = ()
+    inputs: dict = dataclasses.field(default_factory=dict)   # the first stage's (media for encode)
 
     @property
     def prompt_tokens(self) -> int:
@@ -60,8 +62,24 @@ class Generation:
 
 def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Generation:
     """Tokenize and check the request against the model's context (400 when it cannot fit)."""
+    stages, inputs = tuple(model.stages), {}
     if request.kind == "chat":
-        prompt_ids = model.encode_chat(request.messages)
+        messages = request.messages
+        media_param = next((f"messages[{i}].content" for i, m in enumerate(messages) if not isinstance(m["content"], str)),
+                           None)
+        if media_param is not None and model.media is None:
+            kind = next(part["type"] for m in messages if not isinstance(m["content"], str)
+                        for part in m["content"] if part["type"] != "text")
+            raise Unprocessable(f"{media_param}: unsupported part {kind!r} (this model takes text)", param=media_param)
+        items = []
+        if media_param is not None:
+            messages, items = model.media.extract(messages)
+        prompt_ids = model.encode_chat(messages)
+        if items:
+            prompt_ids = model.media.expand(prompt_ids, items)
+            inputs = {"media": [{"kind": m.kind, "data": m.data} for m in items]}
+        else:   # nothing to encode: the request starts at prefill
+            stages = tuple(s for s in stages if s != "encode")
     elif request.prompt is not None:
         prompt_ids = model.encode_text(request.prompt)
     else:
@@ -79,8 +97,10 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
     if max_tokens > room:
         raise BadRequest(f"max_tokens={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the "
                          f"context length {model.max_model_len}", param="max_tokens")
+    if request.kind != "chat":
+        stages = tuple(s for s in stages if s != "encode")
     return Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=model, request=request,
-                      prompt_token_ids=prompt_ids, max_tokens=max_tokens)
+                      prompt_token_ids=prompt_ids, max_tokens=max_tokens, stages=stages, inputs=inputs)
 
 
 def _sampling(gen: Generation, generated: int) -> dict:
@@ -109,11 +129,12 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
             # Each submission has its own id, so late tokens of an abandoned one are never mixed in.
             upstream_id = gen.request_id if not submissions else f"{gen.request_id}.{submissions}"
             submissions += 1
-            submit = p.Submit(request_id=upstream_id, model=gen.model.name, stages=list(gen.model.stages),
+            # A resumed stream replays prompt + tokens: media must be encoded again for its prefill.
+            submit = p.Submit(request_id=upstream_id, model=gen.model.name, stages=list(gen.stages or gen.model.stages),
                               prompt_token_ids=gen.prompt_token_ids + generated,
                               sampling={**sampling, "max_tokens": gen.max_tokens - len(generated)},
                               deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
-                              position_offset=len(generated))
+                              position_offset=len(generated), inputs=gen.inputs)
             stream = await bus.submit(submit)
             try:
                 async for event in stream.events():

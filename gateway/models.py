@@ -9,15 +9,22 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from .config import ServedModel
+from .media import MediaLimits, MediaProcessor
 
 
 class ModelRuntime:
-    def __init__(self, served: ServedModel):
+    """``media``: the media rules of a model that takes images and audio (Qwen2.5-Omni), else None."""
+
+    def __init__(self, served: ServedModel, media_limits: MediaLimits | None = None):
         self.name = served.name
         self.path = served.path
         self.stages = tuple(served.stages)
         self.tokenizer = AutoTokenizer.from_pretrained(served.path)
         config = json.loads((Path(served.path) / "config.json").read_text())
+        self.media = None
+        if config.get("model_type") == "qwen2_5_omni":   # the thinker's language model sets the limits
+            self.media = MediaProcessor(served.path, media_limits or MediaLimits())
+            config = config["thinker_config"]["text_config"]
         self.vocab_size = int(config["vocab_size"])
         model_max = int(config.get("max_position_embeddings", 2048))
         self.max_model_len = min(served.max_model_len or model_max, model_max)

@@ -35,6 +35,35 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    modalities: tuple[str, ...] = ("text",)   # chat: ("text", "audio") asks for speech too
+    audio: dict | None = None                 # chat with audio: {"voice": str, "format": wav|pcm16|flac}
+
+
+# Chat audio formats (OpenAI's names) → the speech worker's encodings; mp3/opus/aac need an encoder
+# this build does not ship.
+CHAT_AUDIO_FORMATS = {"wav": "wav", "pcm16": "pcm", "flac": "flac"}
+
+
+def _chat_audio(body: dict) -> dict:
+    """``modalities`` and ``audio`` of a chat request (OpenAI's audio output)."""
+    modalities = body.get("modalities")
+    if modalities is None:
+        modalities = ["text"]
+    if not isinstance(modalities, list) or not modalities or not set(modalities) <= {"text", "audio"} \
+            or "text" not in modalities:
+        raise BadRequest("'modalities' must be [\"text\"] or [\"text\", \"audio\"]", param="modalities")
+    audio = body.get("audio")
+    if "audio" not in modalities:
+        if audio is not None:
+            raise BadRequest("'audio' is only valid with modalities [\"text\", \"audio\"]", param="audio")
+        return {"modalities": ("text",)}
+    if not isinstance(audio, dict) or not isinstance(audio.get("voice"), str) or not audio["voice"]:
+        raise BadRequest("audio output needs 'audio': {\"voice\": …, \"format\": …}", param="audio")
+    fmt = audio.get("format", "wav")
+    if fmt not in CHAT_AUDIO_FORMATS:
+        raise BadRequest(f"audio.format {fmt!r} is not supported; use one of {', '.join(CHAT_AUDIO_FORMATS)}",
+                         param="audio.format")
+    return {"modalities": ("text", "audio"), "audio": {"voice": audio["voice"], "format": fmt}}
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -90,18 +119,39 @@ def _token_ids(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _content_text(content: Any, index: int) -> str:
+# Media parts, checked for shape here; decoded by gateway/media.py for models that take media, 422
+# for the others (generation.prepare). field → the keys its object must hold as strings.
+_MEDIA_PARTS = {"image_url": ("url",), "input_audio": ("data", "format"), "audio_url": ("url",)}
+
+
+def _media_part(part: dict, param: str) -> dict:
+    kind = part["type"]
+    body = part.get(kind)
+    if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in _MEDIA_PARTS[kind]):
+        raise BadRequest(f"{param}.{kind} must be an object with string {' and '.join(_MEDIA_PARTS[kind])}",
+                         param=param)
+    return {"type": kind, kind: {k: body[k] for k in _MEDIA_PARTS[kind]}}
+
+
+def _content_text(content: Any, index: int) -> str | list[dict]:
+    """The message's text, or (when it has media parts) its parts: text and media, in order."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        parts: list[dict] = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                parts.append(_media_part(part, f"messages[{index}].content[{j}]"))
+                continue
+            if kind != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise Unprocessable(f"messages[{index}].content: unsupported part {kind!r} (this model takes text)",
                                  param=f"messages[{index}].content")
-            parts.append(part["text"])
-        return "".join(parts)
+            parts.append({"type": "text", "text": part["text"]})
+        if all(part["type"] == "text" for part in parts):
+            return "".join(part["text"] for part in parts)
+        return parts
     if content is None:
         return ""
     raise BadRequest(f"messages[{index}].content must be a string or a list of parts",
@@ -155,7 +205,8 @@ def _common(body: dict) -> dict:
 
 def parse_chat(body: Any) -> GenerationRequest:
     common = _common(body)
-    return GenerationRequest(kind="chat", messages=_messages(body), prompt=None, prompt_token_ids=None, **common)
+    return GenerationRequest(kind="chat", messages=_messages(body), prompt=None, prompt_token_ids=None, **common,
+                             **_chat_audio(body))
 
 
 def parse_completion(body: Any) -> GenerationRequest:

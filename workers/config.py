@@ -8,7 +8,7 @@ import socket
 import uuid
 
 ROLES = ("encode", "prefill", "decode", "generate")
-ENGINE_ROLES = ("prefill", "decode", "generate")   # roles this build can run
+ENGINE_ROLES = ("encode", "prefill", "decode", "generate")   # roles this build can run
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -24,20 +25,33 @@ from omnirelay.video_params import is_video_pipeline
 
 from .config import WorkerConfig
 from .decode import DecodeEngine
+from .encode_role import build_encode_role
 from .generate_role import build_generate_role
+from .generate_speech import is_omni_model
 from .generate_video_role import build_generate_video_role
 from .model_runner import ModelRunner, local_runner
 from .models.llama import LlamaModel
+from .mrope import MropeSpec
 from .parallel import GroupConfig, GroupRunner
 from .prefill import PrefillEngine
 from .roles import DecodeRole, PrefillRole
 from .runtime import WorkerRuntime
+from .speech_role import build_speech_role
 
 log = logging.getLogger("omnirelay.worker")
 
 
 def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
                   keys: CurveKeys | None = None) -> WorkerRuntime:
+    if config.role == "encode":   # Qwen2.5-Omni's vision and audio encoders; embeddings out by connector
+        connector = TimedConnector(create_connector(config.connector, config.connector_options))
+        role, stats = build_encode_role(config, connector)
+        return WorkerRuntime(config, role, stats, shutdown, keys, owned=(connector,))
+    if config.role == "generate" and is_omni_model(config.model_path):   # Qwen2.5-Omni: talker + token2wav
+        connector = TimedConnector(create_connector(config.connector, config.connector_options))
+        role, stats = build_speech_role(config, connector)
+        # The engine first: closing it joins its synthesis thread before the connector goes.
+        return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine, connector))
     if config.role == "generate":   # a diffusers pipeline directory: no KV cache, no connector yet
         role, stats = (build_generate_video_role(config) if is_video_pipeline(config.model_path)
                        else build_generate_role(config))
@@ -52,7 +66,8 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
     connector = TimedConnector(create_connector(config.connector, config.connector_options))
     if config.role == "prefill":
         engine = PrefillEngine(runner, connector, max_model_len=max_model_len,
-                               max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching)
+                               max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
+                               mrope=MropeSpec.from_config(json.loads((Path(config.model_path) / "config.json").read_text())))
         role = PrefillRole(config.worker_id, engine)
 
         def stats() -> dict:

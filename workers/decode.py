@@ -7,7 +7,9 @@ Life of a request through this engine::
         finished (EOS / stop token / max_tokens / context full) → blocks released
 
     running ──blocks ran out──▶ preempted: blocks released, back to the front of waiting; on
-        re-admission its KV is recomputed from prompt + tokens so far (never a failure)
+        re-admission its KV is recomputed from prompt + tokens so far (never a failure); a
+        multimodal sequence instead keeps its KV in host memory and gets it back as it was (its
+        media embeddings are not in the token ids), and runs at rotary position index + rope delta
 
 Every ``step()`` first admits waiting sequences, rebuilds the KV of re-admitted preempted ones in
 one packed forward straight into their new blocks, makes room for the running ones (preempting the
@@ -49,6 +51,13 @@ class DecodeTask:
     kv_key: str
     kv_handle: dict
     position_offset: int = 0
+    # Multimodal prompt (Qwen2.5-Omni): rotary positions are token index + rope_delta (M-RoPE), and
+    # the prompt's KV cannot be recomputed from its token ids (the media embeddings are gone).
+    rope_delta: int = 0
+    has_media: bool = False
+    # Speech out (Qwen2.5-Omni): prefill's handles of the prompt's hidden states, passed on to the
+    # generate stage with ours (each reply token's state); None: a text-only request.
+    speech_inputs: dict | None = None
 
 
 @dataclasses.dataclass
@@ -58,6 +67,8 @@ class Sequence:
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0            # tokens whose KV is in this sequence's blocks
     needs_recompute: bool = False  # preempted: KV must be rebuilt from tokens
+    swapped: torch.Tensor | None = None   # preempted media sequence: its KV, kept in host memory
+    hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm state of each fed token
 
     @property
     def request_id(self) -> str:
@@ -75,6 +86,7 @@ class TokenOut:
     position: int
     token: int
     finish_reason: str
+    outputs: dict | None = None   # speech: handles for the generate stage, which runs after this one
 
 
 @dataclasses.dataclass
@@ -121,11 +133,13 @@ class DecodeEngine:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
                 self._drop_kv_key(seq)
+                self._drop_speech_key(seq)
                 self.stats["cancelled"] += 1
                 return True
         for seq in self.running:
             if seq.request_id == request_id:
                 self._retire(seq)
+                self._drop_speech_key(seq)
                 self.stats["cancelled"] += 1
                 return True
         return False
@@ -163,6 +177,13 @@ class DecodeEngine:
                 out.failed.append((seq.request_id, seq.task.reply_to, "out_of_memory",
                                    f"sequence of {cached + 1} tokens exceeds the whole KV pool"))
                 continue
+            if seq.task.speech_inputs is not None and not isinstance(self.runner, LocalRunner):
+                self.waiting.popleft()
+                self._drop_kv_key(seq)
+                self._drop_speech_key(seq)
+                out.failed.append((seq.request_id, seq.task.reply_to, "bad_request", "speech output needs a "
+                                   "single-process decode worker (tensor and pipeline parallel size 1)"))
+                continue
             if needed > self.allocator.free:
                 return
             self.waiting.popleft()
@@ -173,7 +194,10 @@ class DecodeEngine:
                     out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
                     continue
             seq.blocks = self.allocator.allocate(needed)
-            if not seq.needs_recompute:
+            if seq.swapped is not None:   # a preempted media sequence: its KV comes back as it left
+                self.runner.write_kv(seq.blocks, seq.swapped)
+                seq.num_cached, seq.swapped, seq.needs_recompute = seq.swapped.shape[2], None, False
+            elif not seq.needs_recompute:
                 self.runner.write_kv(seq.blocks, kv)
                 seq.num_cached = cached
             self.running.append(seq)
@@ -205,6 +229,12 @@ class DecodeEngine:
             self.connector.delete(seq.task.kv_key)
             seq.task.kv_key = ""
 
+    def _drop_speech_key(self, seq: Sequence) -> None:
+        """A cancelled speech request: prefill's prompt states will never be read."""
+        key = (seq.task.speech_inputs or {}).get("speech_prompt_key")
+        if isinstance(key, str) and key:
+            self.connector.delete(key)
+
     def _make_room(self, out: StepOutput) -> None:
         """Give every running sequence a slot for its next token, preempting the newest when short."""
         for seq in list(self.running):
@@ -220,6 +250,8 @@ class DecodeEngine:
             seq.blocks += self.allocator.allocate(1)
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq.task.has_media:   # recomputing from token ids would lose the image/audio embeddings
+            seq.swapped = self.runner.read_kv(seq.blocks, seq.num_cached)
         self.running.remove(seq)
         self.allocator.release(seq.blocks)
         seq.blocks, seq.num_cached, seq.needs_recompute = [], 0, True
@@ -238,7 +270,10 @@ class DecodeEngine:
         tables = torch.tensor([s.blocks + pad[len(s.blocks):] for s in batch], dtype=torch.long)
         input_ids = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
         positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
-        logits = self.runner.forward(ForwardBatch.decode(input_ids, positions, tables, self.block_size))
+        decode_batch = ForwardBatch.decode(input_ids, positions, tables, self.block_size)
+        if any(s.task.rope_delta for s in batch):
+            decode_batch.rope_positions = positions + torch.tensor([s.task.rope_delta for s in batch])
+        logits = self._forward_batch(decode_batch, batch)
         out_positions = [s.task.position_offset + len(s.generated) for s in batch]
         tokens = sample(logits, [s.task.params for s in batch], out_positions)
         self.stats["decode_steps"] += 1
@@ -248,6 +283,40 @@ class DecodeEngine:
             seq.generated.append(token)
             reason = finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
                                        self.eos_token_ids, self.max_model_len)
-            out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason))
+            outputs = None
+            if reason and seq.task.speech_inputs is not None:
+                try:
+                    outputs = self._put_speech(seq)
+                except OmniError as exc:
+                    self._retire(seq)
+                    out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
+                    continue
+            out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, outputs))
             if reason:
                 self._retire(seq)
+
+    def _forward_batch(self, batch: ForwardBatch, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode forward; for speech requests also keep the fed token's final-norm state."""
+        if all(s.task.speech_inputs is None for s in seqs):
+            return self.runner.forward(batch)
+        model = self.runner.model   # LocalRunner only: DecodeRole refuses speech on a parallel group
+        model.capture_hidden = True
+        try:
+            logits = self.runner.forward(batch)
+            hidden = model.captured_hidden
+        finally:
+            model.capture_hidden, model.captured_hidden = False, None
+        for row, seq in enumerate(seqs):
+            if seq.task.speech_inputs is not None:
+                seq.hidden.append(hidden[row].clone())
+        return logits
+
+    def _put_speech(self, seq: Sequence) -> dict:
+        """The reply for the generate stage: its tokens and the states of all but the last (which
+        was never fed back), next to prefill's prompt states."""
+        prompt_key = str(seq.task.speech_inputs.get("speech_prompt_key", ""))
+        key = (prompt_key.removesuffix("/prompt") or f"speech/{seq.request_id}") + "/reply"   # per attempt
+        hidden = torch.stack(seq.hidden) if seq.hidden else torch.zeros(0, 0)
+        handle = self.connector.put(key, {"hidden": hidden, "token_ids": list(seq.generated)})
+        self.stats["speech_handoffs"] += 1
+        return {**seq.task.speech_inputs, "speech_reply_key": key, "speech_reply_handle": handle}

@@ -25,6 +25,13 @@ class ForwardBatch:
     query_lens:   [B] new tokens per sequence (their sum is T).
     context_lens: [B] tokens in the cache for each sequence *after* this step (prefix + new).
     block_tables: [B, W] block ids of each sequence, padded with block 0 (never written by anyone).
+
+    Multimodal models (Qwen2.5-Omni's thinker) add two optional fields; None keeps the text path:
+    rope_positions: [T] or [3, T] rotary positions when they differ from ``positions`` (M-RoPE:
+        temporal/height/width positions of media tokens; decode: token index + the request's rope
+        delta). ``positions`` stays the token's index in the sequence (its KV slot).
+    embeds: ``(index [K], values [K, hidden])``: rows of the packed tokens whose input embedding is
+        ``values`` (encoder outputs at media placeholders) instead of the token's embedding.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +41,8 @@ class ForwardBatch:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     block_size: int
+    rope_positions: torch.Tensor | None = None
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.num_seqs = int(self.query_lens.shape[0])

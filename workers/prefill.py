@@ -10,6 +10,13 @@ Life of a request through this engine::
         it under ``kv/<request_id>/<attempt>`` ──▶ PrefillResult(handles); blocks released, the full
         ones stay cached under their content hash for the next prompt that shares the prefix
 
+A multimodal request (Qwen2.5-Omni) arrives with the encode stage's handles: at admission its
+image/audio embeddings are fetched from the connector (the key is deleted) and its M-RoPE positions
+and rope delta computed (:mod:`~omnirelay.workers.mrope`); each chunk's forward then takes the
+embeddings at the placeholder rows and the 3-row rotary positions. Such a prompt bypasses the
+prefix cache (its placeholder token ids say nothing about the media behind them), and the rope
+delta travels to decode in the outputs. Text-only prompts take exactly the text path.
+
 A request whose first token already ends it (EOS, a stop token, ``max_tokens == 1``) finishes here:
 no KV is handed off and the decode stage is skipped. ``cancel`` drops a waiting or running request
 and frees its blocks. A request waits (never fails) while the pool is short; only a prompt larger
@@ -27,13 +34,16 @@ import collections
 import dataclasses
 import time
 
+import torch
+
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
 
 from .block_hash import block_hashes
 from .forward_batch import ForwardBatch
-from .model_runner import ModelRunner, local_runner
+from .model_runner import LocalRunner, ModelRunner, local_runner
 from .models.llama import LlamaModel
+from .mrope import MropeSpec, mrope_positions
 from .prefix_cache import PrefixCachingAllocator
 from .sampling import SamplingParams, sample
 from .stopping import finish_reason_for
@@ -49,6 +59,20 @@ class PrefillTask:
     deadline: float
     attempt: int = 0
     position_offset: int = 0
+    media: dict | None = None    # the encode stage's outputs (mm_key, mm_handle, image_grids, audio_lengths)
+    # Speech out (Qwen2.5-Omni): "" none; "reply": decode speaks its reply after us; "prompt": the
+    # prompt's tail is the text to speak (/v1/audio/speech), so generate follows even if we finish.
+    speech: str = ""
+
+
+@dataclasses.dataclass
+class _Media:
+    """A multimodal prompt's extras, resolved at admission."""
+
+    rope: torch.Tensor           # [3, n] M-RoPE positions of the prompt
+    rope_delta: int              # decode positions are token index + this
+    index: torch.Tensor          # [K] prompt rows taking an encoder output, ascending
+    embeds: torch.Tensor         # [K, hidden] in the same order
 
 
 @dataclasses.dataclass
@@ -60,6 +84,7 @@ class PrefillResult:
     outputs: dict = dataclasses.field(default_factory=dict)
     error_type: str = ""
     message: str = ""
+    speech_next: bool = False   # the request goes on to a speech stage although its text finished
 
 
 @dataclasses.dataclass
@@ -69,6 +94,8 @@ class _Running:
     hashes: list[bytes]
     computed: int     # prompt tokens whose KV is in the blocks (cached prefix + chunks done)
     named: int        # leading blocks already registered under their hash
+    media: _Media | None = None
+    hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm states per chunk
 
 
 class PrefillEngine:
@@ -77,7 +104,8 @@ class PrefillEngine:
 
     def __init__(self, model: LlamaModel | ModelRunner, connector: Connector, *, max_model_len: int,
                  max_batch: int = 16, max_batched_tokens: int = 256, kv_cache_bytes: int = DEFAULT_KV_BYTES,
-                 block_size: int = 16, prefix_caching: bool = True):
+                 block_size: int = 16, prefix_caching: bool = True, mrope: MropeSpec | None = None,
+                 transfer_timeout_s: float = 30.0):
         self.runner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
                        if isinstance(model, LlamaModel) else model)
         self.connector = connector
@@ -85,6 +113,8 @@ class PrefillEngine:
         self.max_batched_tokens = max_batched_tokens
         self.max_model_len = max_model_len
         self.prefix_caching = prefix_caching
+        self.mrope = mrope                 # set for a model with media inputs
+        self.transfer_timeout_s = transfer_timeout_s
         self.block_size = self.runner.block_size
         self.allocator = PrefixCachingAllocator(self.runner.num_blocks)
         self.waiting: collections.deque[PrefillTask] = collections.deque()
@@ -154,25 +184,89 @@ class PrefillEngine:
                 results.append(PrefillResult(task.request_id, error_type="bad_request",
                                              message=f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"))
                 continue
+            if task.speech and not isinstance(self.runner, LocalRunner):
+                self.waiting.popleft()
+                results.append(PrefillResult(task.request_id, error_type="bad_request",
+                                             message="speech output needs a single-process prefill worker "
+                                                     "(tensor and pipeline parallel size 1)"))
+                continue
             total = -(-n // self.block_size)
             if total > self.runner.num_blocks - 1:
                 self.waiting.popleft()
                 results.append(PrefillResult(task.request_id, error_type="out_of_memory",
                                              message=f"prompt of {n} tokens exceeds the prefill KV pool"))
                 continue
-            hashes = block_hashes(task.prompt_token_ids, self.block_size) if self.prefix_caching else []
+            # Placeholder ids say nothing about the media behind them: a media prompt neither reuses
+            # nor publishes cached blocks.
+            hashes = block_hashes(task.prompt_token_ids, self.block_size) if self.prefix_caching and not task.media else []
             # The last prompt token is always computed: its logits give the first output token.
-            hits = self.allocator.match(hashes[: (n - 1) // self.block_size])
+            # A speech request needs every prompt token's hidden state: no cached prefix is skipped.
+            hits = [] if task.speech else self.allocator.match(hashes[: (n - 1) // self.block_size])
             self.allocator.acquire(hits)
             if total - len(hits) > self.allocator.free:
                 self.allocator.release(hits)
                 return   # wait for running prompts to finish and give their blocks back
             self.waiting.popleft()
+            media = None
+            if task.media:
+                try:
+                    media = self._load_media(task)
+                except (OmniError, ValueError, KeyError, TypeError) as exc:
+                    results.append(PrefillResult(task.request_id, error_type=getattr(exc, "error_type", "bad_request"),
+                                                 message=f"multimodal inputs: {exc}"))
+                    continue
             blocks = hits + self.allocator.allocate(total - len(hits))
             cached = len(hits) * self.block_size
-            self.running.append(_Running(task, blocks, hashes, computed=cached, named=len(hits)))
+            self.running.append(_Running(task, blocks, hashes, computed=cached, named=len(hits), media=media))
             self.stats["prefix_cached_tokens"] += cached
             self.stats["prefix_hit_requests"] += bool(hits)
+
+    def _load_media(self, task: PrefillTask) -> _Media:
+        """Fetch the encoder outputs (deleting the key) and place them: placeholder rows, M-RoPE."""
+        if self.mrope is None:
+            raise ValueError("this model takes no media inputs")
+        media = task.media
+        payload = self.connector.get(media["mm_key"], media.get("mm_handle"), timeout=self.transfer_timeout_s)
+        self.connector.delete(media["mm_key"])
+        ids = torch.tensor(task.prompt_token_ids)
+        rows, values = [], []
+        for token, name in ((self.mrope.image_token_id, "image_embeds"), (self.mrope.audio_token_id, "audio_embeds")):
+            where = torch.nonzero(ids == token).flatten()
+            embeds = payload.get(name)
+            count = 0 if embeds is None else embeds.shape[0]
+            if count != len(where):
+                raise ValueError(f"{len(where)} placeholder tokens for {count} encoder outputs ({name})")
+            if count:
+                rows.append(where)
+                values.append(embeds)
+        rope, delta = mrope_positions(task.prompt_token_ids, self.mrope, [list(g) for g in media.get("image_grids", [])],
+                                      [int(n) for n in media.get("audio_lengths", [])])
+        index = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+        order = torch.argsort(index)
+        embeds = torch.cat(values)[order] if values else torch.empty(0, self.runner.config.hidden_size)
+        self.stats["media_prompts"] += 1
+        return _Media(rope, delta, index[order], embeds)
+
+    def _media_fields(self, chunks: list[tuple["_Running", int]]) -> dict:
+        """ForwardBatch extras for a step with multimodal prompts: 3-row rotary positions for every
+        packed token (text prompts repeat their positions) and the embeddings at placeholder rows."""
+        if not any(seq.media is not None for seq, _ in chunks):
+            return {}
+        rope, index, values, offset = [], [], [], 0
+        for seq, n in chunks:
+            lo, hi = seq.computed, seq.computed + n
+            if seq.media is None:
+                rope.append(torch.arange(lo, hi).expand(3, n))
+            else:
+                rope.append(seq.media.rope[:, lo:hi])
+                inside = (seq.media.index >= lo) & (seq.media.index < hi)
+                index.append(seq.media.index[inside] - lo + offset)
+                values.append(seq.media.embeds[inside])
+            offset += n
+        fields = {"rope_positions": torch.cat(rope, dim=1)}
+        if index:
+            fields["embeds"] = (torch.cat(index), torch.cat(values))
+        return fields
 
     def _forward(self, results: list[PrefillResult]) -> None:
         chunks: list[tuple[_Running, int]] = []
@@ -186,7 +280,9 @@ class PrefillEngine:
         batch = ForwardBatch.build(
             [(seq.task.prompt_token_ids[seq.computed: seq.computed + n], seq.computed, seq.blocks) for seq, n in chunks],
             self.block_size)
-        logits = self.runner.forward(batch)
+        for name, value in self._media_fields(chunks).items():
+            setattr(batch, name, value)
+        logits = self._forward_batch(batch, chunks)
         self.stats["prefill_steps"] += 1
         done_rows, done = [], []
         for row, (seq, n) in enumerate(chunks):
@@ -202,6 +298,32 @@ class PrefillEngine:
         for seq, token in zip(done, tokens):
             results.append(self._finish(seq, token))
 
+    def _forward_batch(self, batch: ForwardBatch, chunks: list[tuple["_Running", int]]):
+        """One forward; for speech requests also keep their tokens' final-norm hidden states."""
+        speech = [seq.task.speech for seq, _ in chunks]
+        if not any(speech):
+            return self.runner.forward(batch)
+        model = self.runner.model   # LocalRunner only: _admit refuses speech on a parallel group
+        model.capture_hidden = True
+        try:
+            logits = self.runner.forward(batch)
+            hidden = model.captured_hidden
+        finally:
+            model.capture_hidden, model.captured_hidden = False, None
+        start = 0
+        for seq, n in chunks:
+            if seq.task.speech:
+                seq.hidden.append(hidden[start:start + n].clone())
+            start += n
+        return logits
+
+    def _put_speech(self, seq: _Running) -> dict:
+        """Hand the prompt's hidden states to the speech stage: ``speech_prompt_key``/``_handle``."""
+        key = f"speech/{seq.task.request_id}/{seq.task.attempt}/prompt"
+        handle = self.connector.put(key, {"hidden": torch.cat(seq.hidden)})
+        self.stats["speech_handoffs"] += 1
+        return {"speech_prompt_key": key, "speech_prompt_handle": handle}
+
     def _name_full_blocks(self, seq: _Running) -> None:
         full = min(seq.computed // self.block_size, len(seq.hashes))
         for index in range(seq.named, full):
@@ -214,6 +336,12 @@ class PrefillEngine:
         reason = finish_reason_for(token, 1, n + 1, task.params, self.runner.config.eos_token_ids, self.max_model_len)
         result = PrefillResult(task.request_id, first_token=token, position=task.position_offset, finish_reason=reason)
         try:
+            if task.speech == "prompt" or (task.speech and not reason):
+                try:
+                    result.outputs.update(self._put_speech(seq))
+                except OmniError as exc:
+                    return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
+                result.speech_next = True
             if not reason:
                 key = f"kv/{task.request_id}/{task.attempt}"
                 kv = self.runner.read_kv(seq.blocks, n)
@@ -222,7 +350,9 @@ class PrefillEngine:
                 except OmniError as exc:
                     return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
                 self.stats["kv_handoffs"] += 1
-                result.outputs = {"kv_key": key, "kv_handle": handle, "first_token": token}
+                result.outputs.update({"kv_key": key, "kv_handle": handle, "first_token": token})
+                if seq.media is not None:
+                    result.outputs.update(rope_delta=seq.media.rope_delta, has_media=True)
             return result
         finally:
             self._retire(seq)

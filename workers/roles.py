@@ -23,9 +23,10 @@ class RoleAdapter:
 
     def release_inputs(self, inputs: dict) -> None:
         """Delete connector keys a previous stage produced for a request that died in between."""
-        key = inputs.get("kv_key")
-        if self.connector is not None and isinstance(key, str) and key:
-            self.connector.delete(key)
+        for name in ("kv_key", "mm_key"):   # KV from prefill; media embeddings from encode
+            key = inputs.get(name)
+            if self.connector is not None and isinstance(key, str) and key:
+                self.connector.delete(key)
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
@@ -60,7 +61,8 @@ class PrefillRole(RoleAdapter):
         self._reply_to[task.request_id] = task.reply_to
         self._attempts[task.request_id] = task.attempt
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
-                                    task.attempt, task.position_offset))
+                                    task.attempt, task.position_offset, speech=_speech_mode(task.sampling),
+                                    media=dict(task.inputs) if "mm_key" in task.inputs else None))
         return []
 
     def cancel(self, request_id: str) -> None:
@@ -78,7 +80,8 @@ class PrefillRole(RoleAdapter):
             # The first token goes to the gateway at once (time to first token), before decode.
             out.append((reply_to, p.TokenDelta(result.request_id, result.position, [result.first_token],
                                                result.finish_reason, self.worker_id)))
-            out.append(self._done(result.request_id, result.outputs, bool(result.finish_reason)))
+            out.append(self._done(result.request_id, result.outputs,
+                                  bool(result.finish_reason) and not result.speech_next))
         return out
 
 
@@ -98,7 +101,8 @@ class DecodeRole(RoleAdapter):
                 request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
                 first_token=int(inputs["first_token"]), params=params, deadline=task.deadline,
                 reply_to=task.reply_to, kv_key=str(inputs["kv_key"]), kv_handle=dict(inputs["kv_handle"]),
-                position_offset=task.position_offset)
+                position_offset=task.position_offset, speech_inputs=_speech_inputs(task),
+                rope_delta=int(inputs.get("rope_delta", 0)), has_media=bool(inputs.get("has_media", False)))
         except (KeyError, TypeError, ValueError) as exc:
             return [self.failure(task.request_id, task.stage, "bad_request", f"invalid decode task: {exc!r}")]
         self._attempts[task.request_id] = task.attempt
@@ -116,8 +120,26 @@ class DecodeRole(RoleAdapter):
         for token in result.tokens:
             out.append((token.reply_to, p.TokenDelta(token.request_id, token.position, [token.token],
                                                      token.finish_reason, self.worker_id)))
-            if token.finish_reason:
-                out.append(self._done(token.request_id, {}, True))
+            if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
+                out.append(self._done(token.request_id, token.outputs or {}, token.outputs is None))
         for request_id, _reply_to, error_type, message in result.failed:
             out.append(self.failure(request_id, self.role, error_type, message))
         return out
+
+
+def _speech_mode(sampling: dict) -> str:
+    """What prefill does for speech out: "" none, "reply" (decode's reply is spoken), "prompt"
+    (``/v1/audio/speech``: the prompt's teacher-forced tail is spoken). See ``omnirelay.speech_params``."""
+    audio = sampling.get("audio")
+    if not isinstance(audio, dict):
+        return ""
+    reply_start = audio.get("reply_start", -1)
+    return "prompt" if isinstance(reply_start, int) and reply_start >= 0 else "reply"
+
+
+def _speech_inputs(task: p.Task) -> dict | None:
+    """Prefill's prompt-state handles a speech request's decode passes on; None for text only."""
+    if not isinstance(task.sampling.get("audio"), dict):
+        return None
+    return {"speech_prompt_key": str(task.inputs["speech_prompt_key"]),
+            "speech_prompt_handle": task.inputs.get("speech_prompt_handle")}

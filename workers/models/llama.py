@@ -43,6 +43,8 @@ from .. import native_attention
 from ..forward_batch import ForwardBatch
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+# Qwen2.5-Omni: the thinker's language model is a Qwen2 with M-RoPE, stored under "thinker.".
+OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +62,23 @@ class LlamaConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    weight_prefix: str = ""              # "thinker." for Qwen2.5-Omni checkpoints
+    mrope_section: tuple[int, ...] = ()  # M-RoPE sections over head_dim / 2 (temporal, height, width)
 
     @classmethod
     def from_dir(cls, path: Path) -> "LlamaConfig":
         raw = json.loads((path / "config.json").read_text())
         arch = (raw.get("architectures") or ["?"])[0]
+        prefix, mrope = "", ()
+        if arch in OMNI_ARCHITECTURES:
+            thinker = raw.get("thinker_config", raw)
+            text = thinker["text_config"]
+            rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+            mrope = tuple(rope.get("mrope_section") or ())
+            prefix = "thinker." if "thinker_config" in raw else ""
+            raw = {**text, "architectures": ["Qwen2ForCausalLM"],
+                   "eos_token_id": thinker.get("eos_token_id", text.get("eos_token_id"))}
+            arch = "Qwen2ForCausalLM"
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{path}: architecture {arch} is not supported by the compact engine "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -85,7 +99,7 @@ class LlamaConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-            eos_token_ids=eos)
+            eos_token_ids=eos, weight_prefix=prefix, mrope_section=mrope)
 
 
 def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
@@ -173,13 +187,17 @@ class _Layer:
 class _Weights:
     """Reads tensors (or one rank's slice of them) from the directory's safetensors files."""
 
-    def __init__(self, path: Path, dtype: torch.dtype):
+    def __init__(self, path: Path, dtype: torch.dtype, prefix: str = ""):
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors weights found")
         self.dtype = dtype
         self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {name: h for h in self._handles for name in h.keys()}
+        # ``prefix``: only the tensors under it, named without it (an omni checkpoint's
+        # "thinker.model.layers.0..." reads as "model.layers.0..."; its encoders, talker and
+        # vocoder are not ours to load).
+        self._where = {name[len(prefix):]: (h, name) for h in self._handles for name in h.keys()
+                       if name.startswith(prefix) and (not prefix or name[len(prefix):].startswith(("model.", "lm_head.")))}
         self.progress = LoadProgress(f"loading {path.name}", len(self._where))
 
     def has(self, name: str) -> bool:
@@ -187,9 +205,10 @@ class _Weights:
 
     def get(self, name: str, dim: int | None = None, rank: int = 0, parts: int = 1) -> torch.Tensor:
         self.progress.advance()
+        handle, name = self._where[name]
         if dim is None or parts == 1:
-            return self._where[name].get_tensor(name).to(self.dtype).contiguous()
-        sl = self._where[name].get_slice(name)
+            return handle.get_tensor(name).to(self.dtype).contiguous()
+        sl = handle.get_slice(name)
         size = sl.get_shape()[dim] // parts
         index = [slice(None)] * len(sl.get_shape())
         index[dim] = slice(rank * size, (rank + 1) * size)
@@ -224,7 +243,7 @@ class LlamaModel:
         self.num_kv_heads = cfg.num_kv_heads // tp    # on this rank: what its KV cache holds
         self.first_stage = self.layer_ids.start == 0
         self.last_stage = self.layer_ids.stop == cfg.num_layers
-        w = _Weights(self.path, dtype)
+        w = _Weights(self.path, dtype, cfg.weight_prefix)
         self.embed = w.get("model.embed_tokens.weight") if self.first_stage else None
         self.layers = [self._load_layer(w, i, rank, tp) for i in self.layer_ids]
         self.norm = self.lm_head = None
@@ -242,8 +261,18 @@ class LlamaModel:
         freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        # M-RoPE: rotary column c takes its angle from position axis _mrope_axis[c] (0 temporal,
+        # 1 height, 2 width), the sections repeating over both halves as transformers lays them out.
+        self._mrope_axis = None
+        if cfg.mrope_section:
+            axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(cfg.mrope_section)])
+            self._mrope_axis = torch.cat((axis, axis))
         self._native = native_attention.load() if attention == "auto" and dtype == torch.float32 else None
         self._scale = cfg.head_dim ** -0.5
+        # Speech output (Qwen2.5-Omni's talker reads the thinker's final-norm states): while
+        # ``capture_hidden`` is set, forward() keeps those states of every token it ran.
+        self.capture_hidden = False
+        self.captured_hidden: torch.Tensor | None = None
 
     def _load_layer(self, w: _Weights, i: int, rank: int, tp: int) -> _Layer:
         pre = f"model.layers.{i}."
@@ -316,6 +345,14 @@ class LlamaModel:
             out[start:end] = att[0].transpose(0, 1).reshape(end - start, -1)
         return out
 
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, head_dim]`` for positions ``[T]`` or M-RoPE positions ``[3, T]``."""
+        if positions.dim() == 1:
+            return self._cos.index_select(0, positions)[:, None, :], self._sin.index_select(0, positions)[:, None, :]
+        per_col = positions.index_select(0, self._mrope_axis).T            # [T, head_dim]
+        cols = torch.arange(per_col.shape[1])
+        return self._cos[per_col, cols][:, None, :], self._sin[per_col, cols][:, None, :]
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(_rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
 
@@ -327,9 +364,11 @@ class LlamaModel:
         ``batch.slots``. Returns logits ``[B, vocab]`` of each sequence's last new token on the last
         pipeline stage, else the hidden states ``[T, hidden]`` for the next stage (``hidden`` is
         the previous stage's output; the first stage embeds ``batch.input_ids``)."""
-        cos = self._cos.index_select(0, batch.positions)[:, None, :]
-        sin = self._sin.index_select(0, batch.positions)[:, None, :]
+        cos, sin = self._rotary(batch.positions if batch.rope_positions is None else batch.rope_positions)
         h = self.embed.index_select(0, batch.input_ids) if self.first_stage else hidden
+        if batch.embeds is not None and self.first_stage:
+            index, values = batch.embeds   # encoder outputs at media placeholders (prompt embeddings)
+            h[index] = values.to(h.dtype)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, cos, sin)
             cache.write(index, batch.slots, k, v)
@@ -340,6 +379,8 @@ class LlamaModel:
             h = self._finish_layer(layer, h, attn)
         if not self.last_stage:
             return h
+        if self.capture_hidden:
+            self.captured_hidden = _rms_norm(h, self.norm, self.config.rms_norm_eps)
         return self._logits(h.index_select(0, batch.last_index))
 
     @torch.inference_mode()

@@ -1,0 +1,226 @@
+"""Media in chat requests (Qwen2.5-Omni): validate, decode, count placeholder tokens, build the prompt.
+
+Life of a chat request with media through this module (called from ``generation.prepare``)::
+
+    messages with content parts ──▶ each image_url / input_audio / audio_url part: fetch its bytes
+        (a data: URL or base64; a local file only under --allowed-local-media-path), check its type
+        and size, decode it (PIL / WAV) ──▶ count the tokens it becomes (below) ──▶ the model's chat
+        template renders one <|vision_bos|><|IMAGE|><|vision_eos|> (or audio) triple per part ──▶
+        each placeholder is expanded to its token count ──▶ (prompt ids, media items for encode)
+
+Who counts the placeholder tokens: the gateway, here. The count depends only on an image's size
+(Qwen2-VL's ``smart_resize`` to the processor's pixel bounds, then one token per 2x2 patches) and an
+audio clip's length (Whisper frames, then two stride-2 steps), both cheap to get without running a
+feature extractor; knowing it here keeps the prompt a fixed list of token ids from the first stage
+on (context-length checks, usage, routing, and the KV length decode checks all agree). The encode
+worker reports the grids and frame counts it actually produced; prefill refuses a mismatch.
+
+What travels: images as their original file bytes (the encode worker decodes them again, exactly
+as here), audio as float32 little-endian PCM at 16 kHz (WAV of any rate and 8/16/32-bit PCM is
+converted here: linear interpolation when the rate differs), inline in the Submit's ``inputs``. The
+total is bounded below the bus message limit; a larger request is refused with 413.
+
+Errors (OpenAI-style, ``param`` naming the part, e.g. ``messages[0].content[1]``): bad base64, a
+type that is not an image / WAV audio, undecodable data, an image or clip out of bounds → 400; too
+many media items → 400; more bytes than the limits → 413.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import io
+import json
+import os
+import wave
+from pathlib import Path
+
+import numpy as np
+
+from omnirelay.broker.protocol import MAX_BODY_BYTES
+from omnirelay.errors import BadRequest, PayloadTooLarge
+
+MEDIA_PARTS = ("image_url", "input_audio", "audio_url")
+SAMPLE_RATE = 16000
+IMAGE_MIMES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
+AUDIO_MIMES = {"audio/wav": "wav", "audio/wave": "wav", "audio/x-wav": "wav"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaLimits:
+    max_items: int = 8                          # media parts per request
+    max_total_bytes: int = 6 * 1024 * 1024      # what travels inline, all items (bus limit: 8 MiB)
+    allowed_local_dir: str | None = None        # image_url may name files under it (operator flag)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_total_bytes <= MAX_BODY_BYTES - 512 * 1024:
+            raise ValueError(f"max_total_bytes must leave room in one bus message ({MAX_BODY_BYTES} bytes)")
+
+
+@dataclasses.dataclass
+class Media:
+    kind: str           # "image" | "audio"
+    data: bytes         # image: file bytes; audio: f32le PCM at 16 kHz
+    tokens: int         # placeholder tokens it expands to
+
+
+class MediaProcessor:
+    """The media rules of one omni model directory (its preprocessor_config.json and token ids)."""
+
+    def __init__(self, path: str, limits: MediaLimits):
+        root = Path(path)
+        pre = json.loads((root / "preprocessor_config.json").read_text())
+        thinker = json.loads((root / "config.json").read_text())["thinker_config"]
+        self.limits = limits
+        self.patch = int(pre.get("patch_size", 14))
+        self.merge = int(pre.get("merge_size", 2))
+        size = pre.get("size") or {}
+        self.min_pixels = int(size.get("shortest_edge", pre.get("min_pixels", 56 * 56)))
+        self.max_pixels = int(size.get("longest_edge", pre.get("max_pixels", 28 * 28 * 1280)))
+        self.hop = int(pre.get("hop_length", 160))
+        self.max_samples = int(pre.get("n_samples", 30 * SAMPLE_RATE))
+        self.image_token_id = int(thinker["image_token_index"])
+        self.audio_token_id = int(thinker["audio_token_index"])
+
+    # ---------------------------------------------------------------- per request
+
+    def extract(self, messages: list[dict]) -> tuple[list[dict], list[Media]]:
+        """Messages for the chat template (media parts reduced to their type) and the media items
+        in prompt order. Raises BadRequest / PayloadTooLarge."""
+        items: list[Media] = []
+        out = []
+        for i, message in enumerate(messages):
+            content = message["content"]
+            if isinstance(content, str):
+                out.append(message)
+                continue
+            parts = []
+            for j, part in enumerate(content):
+                if part["type"] == "text":
+                    parts.append(part)
+                    continue
+                param = f"messages[{i}].content[{j}]"
+                if len(items) >= self.limits.max_items:
+                    raise BadRequest(f"too many media items: at most {self.limits.max_items} per request", param=param)
+                items.append(self._item(part, param))
+                if sum(len(m.data) for m in items) > self.limits.max_total_bytes:
+                    raise PayloadTooLarge(f"media in this request exceed {self.limits.max_total_bytes} bytes "
+                                          "(decoded)", param=param)
+                parts.append({"type": part["type"]})
+            out.append({**message, "content": parts})
+        return out, items
+
+    def expand(self, prompt_ids: list[int], items: list[Media]) -> list[int]:
+        """Replace the k-th image (audio) placeholder with image (audio) item k's token count."""
+        counts = {self.image_token_id: [m.tokens for m in items if m.kind == "image"],
+                  self.audio_token_id: [m.tokens for m in items if m.kind == "audio"]}
+        found = {token: sum(1 for t in prompt_ids if t == token) for token in counts}
+        if any(found[token] != len(counts[token]) for token in counts):
+            raise BadRequest("the prompt's media placeholders do not match its media parts (is a placeholder "
+                             "token such as <|IMAGE|> written in the text?)", param="messages")
+        out: list[int] = []
+        for token in prompt_ids:
+            if token in counts:
+                out.extend([token] * counts[token].pop(0))
+            else:
+                out.append(token)
+        return out
+
+    # ---------------------------------------------------------------- one part
+
+    def _item(self, part: dict, param: str) -> Media:
+        kind = part["type"]
+        if kind == "image_url":
+            mime, data = self._url_bytes(part["image_url"]["url"], param, "image")
+            if mime not in IMAGE_MIMES:
+                raise BadRequest(f"unsupported image type {mime!r} (expected one of {', '.join(IMAGE_MIMES)})",
+                                 param=param)
+            return self._image(data, param)
+        if kind == "audio_url":
+            mime, data = self._url_bytes(part["audio_url"]["url"], param, "audio")
+            if mime not in AUDIO_MIMES:
+                raise BadRequest(f"unsupported audio type {mime!r} (audio/wav is supported)", param=param)
+            return self._audio(data, param)
+        fmt = part["input_audio"]["format"]
+        if fmt != "wav":
+            raise BadRequest(f"unsupported audio format {fmt!r} (wav is supported)", param=param)
+        return self._audio(_b64(part["input_audio"]["data"], param), param)
+
+    def _url_bytes(self, url: str, param: str, what: str) -> tuple[str, bytes]:
+        if url.startswith("data:"):
+            header, sep, payload = url[5:].partition(",")
+            if not sep or not header.endswith(";base64"):
+                raise BadRequest(f"a {what} data URL must be data:<mime>;base64,<data>", param=param)
+            return header[: -len(";base64")].lower(), _b64(payload, param)
+        if url.startswith(("http://", "https://")):
+            raise BadRequest(f"{what} URLs are not fetched by this server; send a data: URL", param=param)
+        return self._local_file(url[len("file://"):] if url.startswith("file://") else url, param, what)
+
+    def _local_file(self, path: str, param: str, what: str) -> tuple[str, bytes]:
+        base = self.limits.allowed_local_dir
+        if not base:
+            raise BadRequest(f"local {what} files are not enabled on this server; send a data: URL", param=param)
+        real, root = os.path.realpath(path), os.path.realpath(base)
+        if os.path.commonpath([real, root]) != root or not os.path.isfile(real):
+            raise BadRequest(f"{what} file is not under the allowed media directory", param=param)
+        if os.path.getsize(real) > self.limits.max_total_bytes:
+            raise PayloadTooLarge(f"{what} file exceeds {self.limits.max_total_bytes} bytes", param=param)
+        with open(real, "rb") as handle:
+            data = handle.read()
+        ext = os.path.splitext(real)[1].lower().lstrip(".")
+        mime = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg", "webp": "image/webp",
+                "gif": "image/gif", "bmp": "image/bmp", "wav": "audio/wav"}.get(ext, "application/octet-stream")
+        return mime, data
+
+    def _image(self, data: bytes, param: str) -> Media:
+        from PIL import Image, UnidentifiedImageError
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        if len(data) > self.limits.max_total_bytes:
+            raise PayloadTooLarge(f"image exceeds {self.limits.max_total_bytes} bytes", param=param)
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                img.verify()   # structure and checksums; a truncated or corrupt file fails here
+            with Image.open(io.BytesIO(data)) as img:
+                img.load()
+                width, height = img.size
+            h, w = smart_resize(height, width, factor=self.patch * self.merge, min_pixels=self.min_pixels,
+                                max_pixels=self.max_pixels)
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+            raise BadRequest(f"the image cannot be decoded: {exc}", param=param) from None
+        return Media("image", data, (h // self.patch) * (w // self.patch) // self.merge ** 2)
+
+    def _audio(self, data: bytes, param: str) -> Media:
+        from omnirelay.workers.mrope import audio_output_length
+
+        try:
+            with wave.open(io.BytesIO(data)) as wav:
+                channels, width, rate = wav.getnchannels(), wav.getsampwidth(), wav.getframerate()
+                frames = wav.readframes(wav.getnframes())
+        except (wave.Error, EOFError) as exc:
+            raise BadRequest(f"the audio is not a readable WAV file: {exc}", param=param) from None
+        if width not in (1, 2, 4) or rate <= 0 or not frames:
+            raise BadRequest("WAV audio must be 8/16/32-bit PCM with at least one sample", param=param)
+        dtype = {1: np.uint8, 2: "<i2", 4: "<i4"}[width]
+        pcm = np.frombuffer(frames[: len(frames) // (width * channels) * width * channels], dtype=dtype)
+        pcm = pcm.astype(np.float32)
+        pcm = (pcm - 128.0) / 128.0 if width == 1 else pcm / float(2 ** (8 * width - 1))
+        pcm = pcm.reshape(-1, channels).mean(axis=1)
+        if rate != SAMPLE_RATE:
+            target = int(round(len(pcm) * SAMPLE_RATE / rate))
+            pcm = np.interp(np.arange(target) * (rate / SAMPLE_RATE), np.arange(len(pcm)), pcm).astype(np.float32)
+        if len(pcm) > self.max_samples:
+            raise BadRequest(f"audio is {len(pcm) / SAMPLE_RATE:.1f} s; at most {self.max_samples / SAMPLE_RATE:.0f} s "
+                             "per clip", param=param)
+        if len(pcm) < 4 * self.hop:
+            raise BadRequest("audio is too short (under 40 ms)", param=param)
+        frames_out = -(-len(pcm) // self.hop)   # Whisper's attention mask: one frame per hop started
+        return Media("audio", pcm.astype("<f4").tobytes(), audio_output_length(frames_out))
+
+
+def _b64(text: str, param: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest("media data is not valid base64", param=param) from None

@@ -1,0 +1,216 @@
+"""Qwen2.5-Omni thinker end to end: image + audio in, text out, through encode → prefill → decode.
+
+A real ``omni-serve`` on the tiny random-weight omni model (``omni-make-model tiny-omni``) with
+``deploy/pipelines/omni_thinker.yaml``; requests through the official ``openai`` client. The
+reference is transformers' ``Qwen2_5OmniThinkerForConditionalGeneration.generate`` on the same
+directory, with its inputs built by transformers' own preprocessors (Qwen2-VL image processor,
+Whisper features) and its own token-count rules -- so the gateway's placeholder expansion, the
+encode worker's encoders, the prefill's embedding merge and M-RoPE, and decode's rope delta must
+all agree with transformers for the greedy tokens to match.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import time
+import urllib.request
+import wave
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from omnirelay.deploy.omni_builder import build_tiny_omni
+
+from conftest import ServeProcess
+
+PIPELINE = os.path.join(os.path.dirname(__file__), "..", "deploy", "pipelines", "omni_thinker.yaml")
+MAX_TOKENS = 12
+
+
+def _png(seed: int, size=(80, 64)) -> bytes:
+    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def _tone(freq: float, seconds: float = 1.0) -> np.ndarray:
+    """A 16 kHz clip, already on the int16 grid so WAV round-trips it exactly."""
+    pcm = np.round(0.5 * np.sin(np.arange(int(16000 * seconds)) * 2 * np.pi * freq / 16000) * 32767)
+    return pcm.astype("<i2")
+
+
+def _wav(pcm: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as handle:
+        handle.setnchannels(1)
+        handle.setsampwidth(2)
+        handle.setframerate(16000)
+        handle.writeframes(pcm.tobytes())
+    return out.getvalue()
+
+
+def _image_part(png: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+
+
+def _audio_part(wav: bytes) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+
+
+@pytest.fixture(scope="module")
+def tiny_omni(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("models") / "tiny-omni"
+    build_tiny_omni(path, seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_omni):
+    """transformers' greedy thinker on (text before, image, audio, text after) chat messages."""
+    from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration, WhisperFeatureExtractor
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_omni)
+    thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(tiny_omni, dtype=torch.float32).eval()
+    images, features = Qwen2VLImageProcessorPil.from_pretrained(tiny_omni), WhisperFeatureExtractor.from_pretrained(tiny_omni)
+
+    def generate(content: list, png: bytes | None = None, pcm: np.ndarray | None = None) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+        kwargs = {}
+        if png is not None:
+            image = images(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
+            n = int(image["image_grid_thw"][0].prod()) // images.merge_size ** 2
+            text = text.replace(tokenizer.image_token, tokenizer.image_token * n)
+            kwargs.update(pixel_values=image["pixel_values"], image_grid_thw=image["image_grid_thw"])
+        if pcm is not None:
+            audio = features([pcm.astype(np.float32) / 32768.0], sampling_rate=16000, return_attention_mask=True,
+                             padding="max_length", return_tensors="pt")
+            n = int(_get_feat_extract_output_lengths(audio["attention_mask"].sum(-1))[0])
+            text = text.replace(tokenizer.audio_token, tokenizer.audio_token * n)
+            kwargs.update(input_features=audio["input_features"], feature_attention_mask=audio["attention_mask"])
+        ids = tokenizer(text, return_tensors="pt")
+        out = thinker.generate(**ids, **kwargs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        return out[0, ids["input_ids"].shape[1]:].tolist()
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def server(tiny_omni, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("serve-omni") / "omni-serve.log")
+    serve = ServeProcess(tiny_omni, "--served-model-name", "tiny-omni", "--stage-configs-path", PIPELINE,
+                         "--log-level", "WARNING", log_path=log_path)
+    yield serve
+    serve.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(client, content, **kwargs):
+    return client.chat.completions.create(model="tiny-omni", messages=[{"role": "user", "content": content}],
+                                          max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True},
+                                          **kwargs)
+
+
+def _encode_stats(server) -> dict:
+    """The encode worker's engine counters as the broker last heard them (its heartbeat)."""
+    with urllib.request.urlopen(server.url + "/cluster", timeout=10) as response:
+        cluster = json.load(response)
+    stats = [w["stats"] for w in cluster["workers"] if w["role"] == "encode"]
+    assert len(stats) == 1, cluster["workers"]
+    return stats[0]
+
+
+def _wait_encode_stat(server, name: str, expected: int, timeout: float = 15.0) -> int:
+    """Wait for the next heartbeats to carry the counter to ``expected``; return what it reached."""
+    deadline = time.monotonic() + timeout
+    value = _encode_stats(server).get(name, 0)
+    while value < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = _encode_stats(server).get(name, 0)
+    return value
+
+
+def test_image_and_audio_in_text_out_equals_transformers(client, server, hf):
+    png, pcm = _png(0), _tone(440.0)
+    content = [{"type": "text", "text": "Look:"}, _image_part(png), _audio_part(_wav(pcm)),
+               {"type": "text", "text": "what do you see and hear?"}]
+    before = _encode_stats(server).get("encoded_requests", 0)
+    reply = _chat(client, content)
+    expected = hf(content, png=png, pcm=pcm)
+    assert len(set(expected)) > 3, "the reference itself is degenerate"
+    assert reply.choices[0].token_ids == expected
+    # The media went through the encode worker (its engine counted the request) ...
+    assert _wait_encode_stat(server, "encoded_requests", before + 1) == before + 1
+    # ... and the answer depends on it: another picture gives another reply.
+    other = _chat(client, [content[0], _image_part(_png(1)), *content[2:]])
+    assert other.choices[0].token_ids == hf(content, png=_png(1), pcm=pcm)
+    assert other.choices[0].token_ids != expected
+
+
+def test_audio_only_and_text_only_match_and_repeats_hit_the_encoder_cache(client, server, hf):
+    pcm = _tone(880.0, 0.7)
+    content = [_audio_part(_wav(pcm)), {"type": "text", "text": "Listen."}]
+    before = _encode_stats(server).get("encoded_requests", 0)
+    assert _chat(client, content).choices[0].token_ids == hf(content, pcm=pcm)
+    served = _wait_encode_stat(server, "encoded_requests", before + 1)
+    hits = _encode_stats(server).get("encoder_cache_hits", 0)
+    assert _chat(client, content).choices[0].token_ids == hf(content, pcm=pcm)
+    assert _wait_encode_stat(server, "encoded_requests", served + 1) == served + 1
+    assert _encode_stats(server)["encoder_cache_hits"] == hits + 1
+    text = [{"type": "text", "text": "What is the weather like today?"}]
+    assert _chat(client, text).choices[0].token_ids == hf(text)
+
+
+BAD = base64.b64encode(b"not an image at all").decode()
+
+
+@pytest.mark.parametrize("part, status, fragment", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@not-base64@@@"}}, 400, "base64"),
+    ({"type": "image_url", "image_url": {"url": "data:text/plain;base64," + BAD}}, 400, "unsupported image type"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + BAD}}, 400, "cannot be decoded"),
+    ({"type": "input_audio", "input_audio": {"data": BAD, "format": "mp3"}}, 400, "unsupported audio format"),
+    ({"type": "input_audio", "input_audio": {"data": BAD, "format": "wav"}}, 400, "not a readable WAV"),
+    ({"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(
+        _wav(_tone(300.0, 31.0))).decode()}}, 400, "at most 30 s"),
+    ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, 400, "not enabled"),
+])
+def test_bad_media_gets_a_clear_error_and_the_next_request_succeeds(client, part, status, fragment):
+    with pytest.raises(openai.APIStatusError) as caught:
+        _chat(client, [{"type": "text", "text": "hi"}, part])
+    assert caught.value.status_code == status
+    error = caught.value.response.json()["error"]
+    assert fragment in error["message"]
+    assert error["param"] == "messages[0].content[1]"
+    assert len(_chat(client, [_image_part(_png(2)), {"type": "text", "text": "ok?"}]).choices[0].token_ids) == MAX_TOKENS
+
+
+def test_too_many_media_items(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        _chat(client, [_image_part(_png(3))] * 9)
+    error = caught.value.response.json()["error"]
+    assert "too many media items" in error["message"] and error["param"] == "messages[0].content[8]"
+
+
+def test_media_over_the_inline_limit_is_413(client):
+    # 29 s clips: ~1.2 MB of base64 each in the body, 1.86 MB each as the float32 PCM that travels;
+    # the fourth takes the request past the 6 MiB inline limit.
+    clip = _audio_part(_wav(_tone(500.0, 29.0)))
+    with pytest.raises(openai.APIStatusError) as caught:
+        _chat(client, [clip] * 4)
+    error = caught.value.response.json()["error"]
+    assert caught.value.status_code == 413
+    assert "exceed" in error["message"] and error["param"] == "messages[0].content[3]"

@@ -1,0 +1,102 @@
+"""Multimodal rotary positions (M-RoPE) of a Qwen2.5-Omni prompt, and what a request carries for them.
+
+Where this sits in a request's life: the gateway expands each media placeholder to one token per
+encoder output; the encode stage reports each image's patch grid and each audio clip's feature
+length; the prefill engine calls :func:`mrope_positions` once per prompt to get the 3-row
+(temporal, height, width) rotary positions of every prompt token and the request's *rope delta*;
+every later token (decode) sits at ``token index + rope delta`` on all three axes.
+
+The rules are transformers' ``Qwen2_5OmniPreTrainedModelForConditionalGeneration.get_rope_index``
+for images and audio (video is not served): text advances all three axes together; an image's
+tokens sit on a ``grid_h/merge x grid_w/merge`` lattice offset from the position after its
+``<|vision_bos|>`` (temporal axis ``t * position_id_per_seconds``); an audio clip's tokens are
+consecutive; the next text starts one past the largest position used so far. As in transformers,
+a prompt without images gets plain positions (its audio positions are consecutive anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class MropeSpec:
+    """The model's constants for :func:`mrope_positions` (from the thinker config)."""
+
+    image_token_id: int
+    audio_token_id: int
+    spatial_merge_size: int = 2
+    position_id_per_seconds: int = 25
+
+    @classmethod
+    def from_config(cls, raw: dict) -> "MropeSpec | None":
+        """From a checkpoint's config.json map; None for a model without media inputs."""
+        thinker = raw.get("thinker_config", raw)
+        if "vision_config" not in thinker:
+            return None
+        return cls(image_token_id=int(thinker.get("image_token_index", thinker.get("image_token_id"))),
+                   audio_token_id=int(thinker.get("audio_token_index", thinker.get("audio_token_id"))),
+                   spatial_merge_size=int(thinker["vision_config"].get("spatial_merge_size", 2)),
+                   position_id_per_seconds=int(thinker.get("position_id_per_seconds", 25)))
+
+
+def audio_output_length(feature_len: int) -> int:
+    """Audio encoder outputs (= <|AUDIO|> tokens) for ``feature_len`` mel frames (two stride-2 steps)."""
+    return ((feature_len - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def mrope_positions(token_ids: list[int], spec: MropeSpec, image_grids: list[list[int]],
+                    audio_lengths: list[int]) -> tuple[torch.Tensor, int]:
+    """``(positions [3, n] int64, rope_delta)`` for one prompt. ``image_grids``: (t, h, w) patch grid
+    per image in prompt order; ``audio_lengths``: mel frames per audio clip in prompt order."""
+    n = len(token_ids)
+    if not image_grids:
+        return torch.arange(n).expand(3, n).clone(), 0
+    ids = torch.tensor(token_ids)
+    is_image, is_audio = ids == spec.image_token_id, ids == spec.audio_token_id
+    parts: list[torch.Tensor] = []
+    next_pos = 0   # one past the largest position used so far
+    st = image_idx = audio_idx = 0
+
+    def text(length: int) -> None:
+        nonlocal next_pos
+        if length > 0:
+            parts.append(torch.arange(length).expand(3, length) + next_pos)
+            next_pos += length
+
+    while st < n:
+        rest_image = torch.nonzero(is_image[st:])
+        rest_audio = torch.nonzero(is_audio[st:])
+        ed_image = st + int(rest_image[0]) if len(rest_image) and image_idx < len(image_grids) else n + 1
+        ed_audio = st + int(rest_audio[0]) if len(rest_audio) and audio_idx < len(audio_lengths) else n + 1
+        ed = min(ed_image, ed_audio)
+        if ed > n:
+            break
+        text(ed - st - 1)   # text before the media's bos token
+        text(1)             # its bos token
+        if ed == ed_audio:
+            length = audio_output_length(audio_lengths[audio_idx])
+            text(length)    # audio tokens advance like text
+            audio_idx += 1
+        else:
+            t, h, w = image_grids[image_idx]
+            merge = spec.spatial_merge_size
+            gh, gw = h // merge, w // merge
+            t_index = (torch.arange(t) * spec.position_id_per_seconds).view(-1, 1).expand(-1, gh * gw).flatten()
+            h_index = torch.arange(gh).view(1, -1, 1).expand(t, -1, gw).flatten()
+            w_index = torch.arange(gw).view(1, 1, -1).expand(t, gh, -1).flatten()
+            block = torch.stack([t_index, h_index, w_index]) + next_pos
+            parts.append(block)
+            next_pos = int(block.max()) + 1
+            length = t * gh * gw
+            image_idx += 1
+        text(1)             # its eos token
+        st = ed + length + 1
+    text(n - st)
+    positions = torch.cat(parts, dim=1)
+    if positions.shape[1] != n:
+        raise ValueError(f"media placeholders do not match the encoder outputs ({positions.shape[1]} positions "
+                         f"for {n} tokens)")
+    return positions, int(positions.max()) + 1 - n
