@@ -54,6 +54,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     """``keys``: CURVE material for the bus (required when the broker or the token socket is off loopback)."""
     from .images import ImageModel, add_image_routes, is_image_pipeline   # images imports this module's keys
     from .videos import VideoModel, add_video_routes
+    from .speech import add_speech_routes
     app = web.Application(middlewares=[_errors, _authenticate], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[KEYS] = keys
@@ -66,6 +67,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     add_image_routes(app)
+    add_speech_routes(app)
     add_video_routes(app)   # after the bus's cleanup context: its jobs are cancelled while the bus is open
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)
@@ -176,7 +178,11 @@ def _model(request: web.Request, name: str) -> ModelRuntime:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_chat(await _json_body(request))
+    body = await _json_body(request)
+    parsed = parse_chat(body)
+    if "audio" in parsed.modalities:   # spoken answer too: talker + token2wav after decode (gateway/speech.py)
+        from .speech import chat_with_audio
+        return await chat_with_audio(request, parsed, body)
     gen = generation.prepare(_model(request, parsed.model), parsed, "chatcmpl")
     return await _respond(request, gen, _ChatFormat())
 

@@ -1,0 +1,440 @@
+"""Speech out: ``POST /v1/audio/speech`` and chat completions with ``modalities: ["text", "audio"]``.
+
+Life of a chat request with audio out through the gateway::
+
+    parse_chat (modalities, audio {voice, format}) ──generation.prepare──▶ prompt ids, stages
+        ──▶ Submit(stages … decode, generate; sampling + {"audio": SpeechParams}) ──▶ SpeechStream:
+        TokenDeltas (prefill, decode: reordered, de-duplicated) → transcript text, then MediaResults
+        (generate: the encoded audio in chunks, kept by index, duplicates from a retried stage dropped)
+        ──▶ non-stream: message.audio {id, data: base64 of the whole file, transcript, expires_at}
+        ──▶ stream: SSE deltas {"audio": {"id", "transcript"}} as text arrives, then
+            {"audio": {"id", "data"}} per chunk as it arrives; the chunks' bytes concatenated are the file
+
+Life of ``POST /v1/audio/speech``::
+
+    {model, input, voice, response_format wav|pcm|flac, speed} ──▶ prompt = the chat template of one
+        user turn holding the text + the assistant header, then the text itself + <|im_end|>:
+        the text is teacher-forced as the thinker's reply, so prefill alone computes every hidden
+        state the talker needs (``SpeechParams.reply_start`` marks where the reply begins; no decode)
+        ──▶ Submit(stages prefill, generate) ──▶ the audio chunks, streamed as the HTTP body
+
+Why teacher forcing: Qwen2.5-Omni's talker speaks the text whose thinker states it reads; states of
+the text as the assistant's own reply are exactly what decode would have produced, had the thinker
+said it. Voices are the model's speakers (``spk_dict.json`` beside the weights; the worker checks
+again). Formats: ``wav`` (16-bit PCM RIFF, 24 kHz mono), ``pcm`` (raw 16-bit LE; chat: ``pcm16``),
+``flac`` (only when the ``soundfile`` package is installed here — else 400); mp3/opus/aac: 400.
+``speed`` resamples (pitch moves with it). The talker's and token2wav's random draws come from a
+seed (``seed`` field, else chosen here), so a stage retried elsewhere speaks the same; a resubmission
+after a lost worker starts over and skips what the client already has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from omnirelay.broker import protocol as p
+from omnirelay.errors import BadRequest, DeadlineExceeded, NotFound, OmniError, Unprocessable
+from omnirelay.speech_params import MAX_CODES, MAX_SEED, SpeechParams
+
+from . import generation
+from .app import BUS, CONFIG, METRICS, MODELS, _json_body
+from .bus import BusClient, RequestStream, StreamEvent
+from .detokenizer import IncrementalDetokenizer
+from .models import ModelRuntime
+from .schema import CHAT_AUDIO_FORMATS
+
+log = logging.getLogger("omnirelay.gateway")
+
+MAX_RESUBMITS = 3
+ADMISSION_RETRY_S = 5.0
+MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
+AUDIO_TTL_S = 3600               # ``expires_at``: nothing is stored, but clients read the field
+MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+UNSUPPORTED_FORMATS = ("mp3", "opus", "aac")
+
+
+def flac_available() -> bool:
+    try:
+        import soundfile  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def voices(model: ModelRuntime) -> list[str] | None:
+    """The model's speaker names from ``spk_dict.json`` (None when only a pickled table exists:
+    the worker then checks the voice)."""
+    try:
+        return sorted(json.loads((Path(model.path) / "spk_dict.json").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _speech_params(model: ModelRuntime, voice: Any, fmt: str, body: dict, **extra) -> SpeechParams:
+    names = voices(model)
+    if not isinstance(voice, str) or not voice:
+        raise BadRequest("'voice' must be a non-empty string", param="voice")
+    if names is not None and voice not in names:
+        raise BadRequest(f"voice {voice!r} is not available for model {model.name!r}; choose one of "
+                         f"{', '.join(names)}", param="voice")
+    if fmt == "flac" and not flac_available():
+        raise BadRequest("response_format 'flac' needs the soundfile package, which this server does not have; "
+                         "use 'wav' or 'pcm'", param="response_format")
+    seed = body.get("seed")
+    if seed is None:
+        seed = random.randrange(MAX_SEED)
+    max_codes = body.get("max_audio_tokens", SpeechParams.max_codes)
+    if isinstance(max_codes, bool) or not isinstance(max_codes, int) or not 1 <= max_codes <= MAX_CODES:
+        raise BadRequest(f"'max_audio_tokens' must be an integer between 1 and {MAX_CODES}", param="max_audio_tokens")
+    return SpeechParams(voice=voice, format=fmt, seed=seed, max_codes=max_codes, **extra)
+
+
+def _speech_model(models: dict, name: Any) -> ModelRuntime:
+    if not isinstance(name, str) or not name:
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    model = models.get(name)
+    if model is None:
+        raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
+    if not isinstance(model, ModelRuntime) or "generate" not in model.stages or not has_speakers(model):
+        raise BadRequest(f"model {name!r} does not produce speech", param="model")
+    return model
+
+
+def has_speakers(model: ModelRuntime) -> bool:
+    """Whether the model directory has a speaker table (a Qwen2.5-Omni with its talker)."""
+    root = Path(model.path)
+    return (root / "spk_dict.json").is_file() or (root / "spk_dict.pt").is_file()
+
+
+# ---------------------------------------------------------------------- the bus side
+
+
+class AudioChunk:
+    __slots__ = ("data",)
+
+    def __init__(self, data: str):
+        self.data = data   # base64 of the chunk's bytes, as the worker sent it
+
+
+class SpeechStream(RequestStream):
+    """Tokens and audio chunks of one submission. Tokens are delivered in position order from
+    ``skip_tokens`` on, chunks in index order from ``skip_chunks`` on (what an earlier submission of
+    the same client request already delivered). Done when the audio's last chunk is delivered."""
+
+    def __init__(self, request_id: str, deadline: float, mime: str, skip_tokens: int, skip_chunks: int):
+        super().__init__(request_id, deadline)
+        self.mime = mime
+        self.skip_tokens = skip_tokens
+        self.text_done = False
+        self.next_chunk = 0
+        self.skip_chunks = skip_chunks
+        self.chunks_total: int | None = None
+        self._early_chunks: dict[int, str] = {}
+
+    def on_delta(self, delta: p.TokenDelta) -> None:
+        if self.text_done or self.finished:
+            return
+        for i, token in enumerate(delta.token_ids):
+            position = delta.start + i
+            last = i == len(delta.token_ids) - 1
+            if position >= self.next_position:
+                self._early[position] = (token, delta.finish_reason if last else "")
+        ready, reason = [], ""
+        while self.next_position in self._early and not reason:
+            token, reason = self._early.pop(self.next_position)
+            if self.next_position >= self.skip_tokens:
+                ready.append(token)
+            self.next_position += 1
+        if ready or reason:
+            self._queue.put_nowait(StreamEvent(ready, reason))
+        if reason:
+            self.text_done = True
+
+    def on_media(self, media: p.MediaResult) -> None:
+        if self.finished or media.index < self.next_chunk:
+            return
+        if media.mime != self.mime:
+            self.on_error(OmniError(f"worker sent {media.mime!r}, expected {self.mime}", request_id=self.request_id,
+                                    stage="generate"))
+            return
+        self._early_chunks.setdefault(media.index, media.data)
+        if media.finish:
+            self.chunks_total = media.index + 1
+        while self.next_chunk in self._early_chunks:
+            data = self._early_chunks.pop(self.next_chunk)
+            if self.next_chunk >= self.skip_chunks:
+                self._queue.put_nowait(AudioChunk(data))
+            self.next_chunk += 1
+        if self.chunks_total is not None and self.next_chunk >= self.chunks_total:
+            self.finished = True
+            self._queue.put_nowait(StreamEvent([], "audio_done"))
+
+    async def items(self) -> AsyncIterator[StreamEvent | AudioChunk]:
+        """Yield token events and audio chunks until the audio is complete; raise the request's error."""
+        while True:
+            remaining = self.deadline - time.time()
+            try:
+                item = await asyncio.wait_for(self._queue.get(), timeout=max(0.0, remaining))
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded("request deadline passed while waiting for audio",
+                                       request_id=self.request_id) from None
+            if isinstance(item, OmniError):
+                raise item
+            if isinstance(item, StreamEvent) and item.finish_reason == "audio_done":
+                return
+            yield item
+
+
+async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_token_ids: list[int],
+                sampling: dict, inputs: dict, mime: str, deadline: float, request_id: str,
+                text_expected: bool) -> AsyncIterator[StreamEvent | AudioChunk]:
+    """Submit one speech request and yield its token events (when ``text_expected``) and audio chunks.
+    Resubmits from scratch after a lost worker or broker (same seeds: same tokens and audio),
+    skipping what was already yielded; waits briefly for a role without a live worker; cancels
+    upstream when the caller goes away or fails."""
+    tokens_out = chunks_out = resubmits = 0
+    retry_unavailable_until = time.monotonic() + ADMISSION_RETRY_S
+    upstream_id, done = request_id, False
+    try:
+        while True:
+            upstream_id = request_id if not resubmits else f"{request_id}.{resubmits}"
+            stream = SpeechStream(upstream_id, deadline, mime, tokens_out, chunks_out)
+            extra = {"inputs": inputs} if inputs else {}
+            submit = p.Submit(request_id=upstream_id, model=model, stages=list(stages),
+                              prompt_token_ids=prompt_token_ids, sampling=sampling, deadline=deadline,
+                              reply_to=bus.reply_to, reply_key=bus.reply_key, **extra)
+            await bus.submit(submit, stream)
+            try:
+                async for item in stream.items():
+                    if isinstance(item, AudioChunk):
+                        chunks_out += 1
+                        yield item
+                    elif text_expected:
+                        tokens_out += len(item.tokens)
+                        yield item
+                done = True
+                return
+            except OmniError as exc:
+                if exc.resumable and resubmits < MAX_RESUBMITS:
+                    resubmits += 1
+                    log.warning("%s: %s; resubmitting (%d tokens, %d audio chunks delivered)", request_id, exc,
+                                tokens_out, chunks_out)
+                    continue
+                pause = min(max(exc.retry_after, 0.2), 1.0)
+                if (exc.error_type == "unavailable" and time.monotonic() + pause < retry_unavailable_until
+                        and time.time() + pause < deadline):
+                    resubmits += 1
+                    await asyncio.sleep(pause)
+                    continue
+                exc.request_id = request_id
+                raise
+            finally:
+                bus.forget(upstream_id)
+    finally:
+        if not done:
+            await bus.cancel(upstream_id, "client left or request failed")
+
+
+# ---------------------------------------------------------------------- POST /v1/audio/speech
+
+
+def _speech_format(body: dict) -> str:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return "wav"   # OpenAI's default is mp3, which this server cannot encode
+    if fmt in UNSUPPORTED_FORMATS:
+        raise BadRequest(f"response_format {fmt!r} is not supported by this server; use 'wav', 'pcm' or 'flac'",
+                         param="response_format")
+    if fmt not in MIMES:
+        raise BadRequest(f"'response_format' must be one of wav, pcm, flac, got {fmt!r}", param="response_format")
+    return fmt
+
+
+def _reply_end_token(model: ModelRuntime) -> int:
+    """The token that ends an assistant turn (``<|im_end|>`` in Qwen's ChatML)."""
+    token = model.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return token if isinstance(token, int) and token >= 0 else int(model.tokenizer.eos_token_id)
+
+
+async def audio_speech(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = _speech_model(request.app[MODELS], body.get("model"))
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise BadRequest("'input' must be a non-empty string", param="input")
+    if len(text) > MAX_INPUT_CHARS:
+        raise BadRequest(f"'input' is longer than {MAX_INPUT_CHARS} characters", param="input")
+    fmt = _speech_format(body)
+    if body.get("instructions"):
+        raise Unprocessable("'instructions' are not supported: this model's voices take no style prompt",
+                            param="instructions")
+    if body.get("stream_format") not in (None, "audio"):
+        raise Unprocessable("stream_format 'sse' is not supported; the audio is the response body",
+                            param="stream_format")
+    speed = body.get("speed", 1.0)
+    prompt = model.encode_chat([{"role": "user", "content": text}])
+    reply = model.encode_text(text) + [_reply_end_token(model)]
+    params = _speech_params(model, body.get("voice"), fmt, body, speed=speed, reply_start=len(prompt))
+    ids = prompt + reply
+    if len(ids) >= model.max_model_len:
+        raise BadRequest(f"'input' takes {len(ids)} tokens with its prompt; this model's context is "
+                         f"{model.max_model_len}", param="input")
+    # Prefill samples one token nobody reads; greedy keeps it out of any random stream.
+    sampling = {"max_tokens": 1, "temperature": 0.0, "audio": params.to_wire()}
+    stages = tuple(s for s in model.stages if s in ("prefill", "generate"))
+    request_id = f"speech-{uuid.uuid4().hex}"
+    config = request.app[CONFIG]
+    timer = request.app[METRICS].timer(model.name)
+    outcome, parts = "cancelled", []
+    try:
+        # The whole file is collected before answering, so a failure still gets its status code
+        # (the talker's audio arrives in one burst anyway: token2wav decodes the whole utterance).
+        async for item in speak(request.app[BUS], model=model.name, stages=stages, prompt_token_ids=ids,
+                                sampling=sampling, inputs={}, mime=MIMES[fmt],
+                                deadline=time.time() + config.request_timeout_s, request_id=request_id,
+                                text_expected=False):
+            parts.append(base64.b64decode(item.data))
+        outcome = "ok"
+    except OmniError as exc:
+        outcome = exc.error_type
+        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        raise
+    finally:
+        timer.finish(len(ids), 0, outcome)
+        if not config.disable_log_requests:
+            log.info("request %s model=%s stages=%s input_tokens=%d voice=%s format=%s seed=%d outcome=%s e2e=%.3fs",
+                     request_id, model.name, "+".join(stages), len(reply), params.voice, fmt, params.seed, outcome,
+                     timer.elapsed())
+    return web.Response(body=b"".join(parts), content_type=MIMES[fmt], headers={"X-Request-Id": request_id})
+
+
+# ---------------------------------------------------------------------- chat with audio out
+
+
+async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.StreamResponse:
+    """A chat completion whose answer is spoken too (``modalities: ["text", "audio"]``)."""
+    model = _speech_model(request.app[MODELS], parsed.model)
+    if parsed.stop:
+        raise Unprocessable("'stop' strings are not supported with audio output", param="stop")
+    gen = generation.prepare(model, parsed, "chatcmpl")
+    if gen.max_tokens < 2 or "decode" not in gen.stages:
+        raise BadRequest("audio output needs a reply of at least 2 tokens: set max_tokens >= 2", param="max_tokens")
+    fmt = CHAT_AUDIO_FORMATS[parsed.audio["format"]]
+    params = _speech_params(model, parsed.audio["voice"], fmt, body)
+    sampling = {**generation._sampling(gen, 0), "audio": params.to_wire()}
+    config = request.app[CONFIG]
+    items = speak(request.app[BUS], model=model.name, stages=gen.stages, prompt_token_ids=gen.prompt_token_ids,
+                  sampling=sampling, inputs=gen.inputs, mime=MIMES[fmt],
+                  deadline=time.time() + config.request_timeout_s, request_id=gen.request_id, text_expected=True)
+    audio_id = f"audio_{uuid.uuid4().hex}"
+    timer = request.app[METRICS].timer(model.name)
+    outcome = "cancelled"
+    try:
+        if parsed.stream:
+            response = await _chat_audio_stream(request, gen, items, audio_id, timer)
+        else:
+            response = await _chat_audio_full(gen, items, audio_id, timer)
+        outcome = "ok"
+        return response
+    except OmniError as exc:
+        outcome = exc.error_type
+        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        raise
+    finally:
+        await items.aclose()
+        timer.finish(gen.prompt_tokens, gen.completion_tokens, outcome, gen.resumes)
+        if not config.disable_log_requests:
+            log.info("request %s model=%s stages=%s prompt_tokens=%d completion_tokens=%d voice=%s format=%s "
+                     "seed=%d outcome=%s e2e=%.3fs", gen.request_id, model.name, "+".join(gen.stages),
+                     gen.prompt_tokens, gen.completion_tokens, params.voice, fmt, params.seed, outcome,
+                     timer.elapsed())
+
+
+def _usage(gen) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+
+async def _chat_audio_full(gen, items, audio_id: str, timer) -> web.Response:
+    detok = IncrementalDetokenizer(gen.model.tokenizer)
+    finish, audio = "stop", []
+    async for item in items:
+        if isinstance(item, AudioChunk):
+            audio.append(base64.b64decode(item.data))
+            continue
+        timer.tokens(len(item.tokens))
+        gen.completion_tokens += len(item.tokens)
+        detok.add(item.tokens, final=bool(item.finish_reason))
+        finish = item.finish_reason or finish
+    message = {"role": "assistant", "content": None,
+               "audio": {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode("ascii"),
+                         "transcript": detok.take(final=True), "expires_at": int(time.time()) + AUDIO_TTL_S}}
+    body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": _usage(gen)}
+    return web.json_response(body, headers={"X-Request-Id": gen.request_id})
+
+
+async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str, timer) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": gen.request_id})
+    base = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
+            "object": "chat.completion.chunk"}
+
+    async def send(payload: dict) -> None:
+        data = b"data: " + json.dumps({**base, **payload}, separators=(",", ":")).encode() + b"\n\n"
+        try:
+            await asyncio.wait_for(response.write(data), config.stream_write_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
+
+    def choice(delta: dict, finish: str | None = None) -> dict:
+        return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    detok = IncrementalDetokenizer(gen.model.tokenizer)
+    first = await anext(items, None)   # errors before anything arrives still get a proper status
+    await response.prepare(request)
+    finish = "stop"
+    try:
+        await send(choice({"role": "assistant", "content": None}))
+        item = first
+        while item is not None:
+            if isinstance(item, AudioChunk):
+                await send(choice({"audio": {"id": audio_id, "data": item.data}}))
+            else:
+                timer.tokens(len(item.tokens))
+                gen.completion_tokens += len(item.tokens)
+                detok.add(item.tokens, final=bool(item.finish_reason))
+                finish = item.finish_reason or finish
+                text = detok.take(final=bool(item.finish_reason))
+                if text:
+                    await send(choice({"audio": {"id": audio_id, "transcript": text}}))
+            item = await anext(items, None)
+        await send(choice({"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_TTL_S}}, finish))
+        if gen.request.include_usage:
+            await send({"choices": [], "usage": _usage(gen)})
+    except OmniError as exc:
+        # Headers are gone: the error travels as the last event, in the same body shape.
+        exc.request_id = exc.request_id or gen.request_id
+        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        await response.write(b"data: " + json.dumps(exc.to_body()).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def add_speech_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/audio/speech", audio_speech)

@@ -1,0 +1,226 @@
+"""Speech out for Qwen2.5-Omni end to end: a real cluster (broker; prefill, decode and speech generate
+workers; gateway, as separate processes) serving the tiny random Qwen2.5-Omni, driven through the
+official ``openai`` client — chat with ``modalities=["text", "audio"]`` (whole and streamed) and
+``POST /v1/audio/speech`` — with the audio compared to what transformers'
+``Qwen2_5OmniForConditionalGeneration.generate`` speaks for the same prompt and seed.
+
+Parity tolerance: the int16 samples of our WAV and of transformers' float waveform (quantised the
+same way) differ by at most 1 LSB (1/32767 of full scale). The talker reads thinker hidden states
+computed by our compact prefill/decode model, equal to transformers' up to float rounding (~1e-6),
+which may move a sample across a rounding boundary; the codec tokens and the noise are identical.
+
+The pipeline here is omni.yaml without its encode stage (text in only: the encode role is tested
+with media elsewhere), so the test needs no encode worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+import wave
+
+import numpy as np
+import openai
+import pytest
+import requests
+import torch
+import yaml
+
+from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model
+from omnirelay.speech_params import SpeechParams
+from omnirelay.workers.generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
+from omnirelay.workers.speech_role import encode_audio
+
+from cluster import Cluster
+
+MODEL = "tiny-omni"
+MESSAGES = [{"role": "user", "content": "Say hello to the world"}]
+MAX_TOKENS = 8           # thinker reply tokens
+MAX_CODES = 16           # talker codec tokens: the random talker never says EOS, so this bounds the audio
+SEED = 1234
+
+
+@pytest.fixture(scope="module")
+def tiny_omni(tmp_path_factory) -> str:
+    return str(build_tiny_omni(tmp_path_factory.mktemp("models") / MODEL, seed=0))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_omni) -> list[int]:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_omni)
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_omni, prompt_ids):
+    """transformers' own Qwen2.5-Omni generate (greedy thinker, its default talker sampling), once."""
+    torch.set_num_threads(1)
+    model = load_full_model(tiny_omni).eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        sequences, wav = model.generate(torch.tensor([prompt_ids]), speaker="Ethan", thinker_max_new_tokens=MAX_TOKENS,
+                                        thinker_do_sample=False, talker_max_new_tokens=MAX_CODES)
+    reply = sequences[0, len(prompt_ids):].tolist()
+    return {"reply": reply, "wav": wav.float(), "model": model}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_omni, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("omni-speech-logs")
+    pipeline = {"stages": [{"name": "prefill", "role": "prefill"}, {"name": "decode", "role": "decode"},
+                           {"name": "generate", "role": "generate", "runtime": {"max_batch_size": 2}}],
+                "connectors": {"data": {"type": "shared_memory", "options": {"ttl_s": 120}}},
+                "edges": [{"from": "prefill", "to": "decode", "connector": "data"},
+                          {"from": "prefill", "to": "generate", "connector": "data"},
+                          {"from": "decode", "to": "generate", "connector": "data"}]}
+    pipeline_file = log_dir / "omni-speech.yaml"
+    pipeline_file.write_text(yaml.safe_dump(pipeline))
+    stages = ["--stage-configs-path", str(pipeline_file)]
+    c = Cluster(tiny_omni, str(log_dir), model_name=MODEL)
+    try:
+        c.start_broker()
+        for role in ("prefill", "decode", "generate"):
+            c.start_worker(role, *stages)
+        c.start_gateway(*stages)
+        c.wait_healthy(timeout=180)
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _wav_samples(data: bytes) -> np.ndarray:
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
+        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+
+
+def _int16(wav: torch.Tensor) -> np.ndarray:
+    return (wav.clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+
+
+def _chat_audio(client, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, modalities=["text", "audio"], max_tokens=MAX_TOKENS, temperature=0,
+        seed=SEED, extra_body={"max_audio_tokens": MAX_CODES}, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ engine
+
+
+def test_engine_matches_transformers_talker_and_token2wav(tiny_omni, prompt_ids, reference):
+    """The speech engine alone, fed transformers' own thinker hidden states: the same waveform."""
+    model = reference["model"]
+    out = model.thinker.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 output_hidden_states=True, return_dict_in_generate=True)
+    states = out.hidden_states
+    engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
+    assert engine.voices == ["Chelsie", "Ethan"]
+    task = SpeechTask("r", prompt_ids, states[0][-1][0], out.sequences[0, len(prompt_ids):].tolist(),
+                      torch.cat([s[-1][0] for s in states[1:]]), SpeechParams("Ethan", seed=SEED, max_codes=MAX_CODES),
+                      time.time() + 60)
+    wav, codes = engine.synthesize(task)
+    assert codes == MAX_CODES
+    torch.testing.assert_close(wav, reference["wav"], rtol=0, atol=1e-6)
+    assert wav.pow(2).mean().sqrt() > 0.01   # audible, not silence
+    # Deterministic per seed, whatever ran before; another seed speaks differently.
+    torch.testing.assert_close(engine.synthesize(task)[0], wav, rtol=0, atol=0)
+    other = SpeechTask(**{**task.__dict__, "params": SpeechParams("Ethan", seed=SEED + 1, max_codes=MAX_CODES)})
+    assert not torch.equal(engine.synthesize(other)[0], wav)
+
+
+def test_encodings_round_trip():
+    wav = torch.sin(torch.linspace(0, 200, SAMPLE_RATE // 10)) * 0.5
+    samples = _wav_samples(encode_audio(wav, "wav"))
+    assert np.array_equal(samples, np.frombuffer(encode_audio(wav, "pcm"), dtype="<i2"))
+    assert np.abs(samples / 32767 - wav.numpy()).max() <= 0.5 / 32767 + 1e-7
+
+
+# ------------------------------------------------------------------------------------ chat with audio out
+
+
+def test_chat_audio_matches_transformers(client, reference, tiny_omni):
+    resp = _chat_audio(client, audio={"voice": "Ethan", "format": "wav"})
+    message = resp.choices[0].message
+    audio = message.audio
+    assert audio is not None and audio.id and audio.expires_at > time.time()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_omni)
+    assert audio.transcript == tok.decode(reference["reply"], skip_special_tokens=True)
+    assert resp.usage.completion_tokens == len(reference["reply"])
+    samples = _wav_samples(base64.b64decode(audio.data))
+    expected = _int16(reference["wav"])
+    assert samples.shape == expected.shape == (MAX_CODES * 480,)   # 2 mel frames per code, 240 samples each
+    assert np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01          # not silent
+    assert np.abs(samples.astype(np.int32) - expected.astype(np.int32)).max() <= 1
+
+
+def test_chat_audio_stream_chunks_concatenate_to_the_same_wav(client):
+    whole = base64.b64decode(_chat_audio(client, audio={"voice": "Ethan", "format": "wav"}).choices[0].message.audio.data)
+    stream = _chat_audio(client, audio={"voice": "Ethan", "format": "wav"}, stream=True,
+                         stream_options={"include_usage": True})
+    chunks, transcript, finish, usage = [], [], None, None
+    for event in stream:
+        usage = event.usage or usage
+        if not event.choices:
+            continue
+        audio = event.choices[0].delta.audio   # the client's typed streamed-audio delta
+        if audio is not None and audio.data:
+            chunks.append(base64.b64decode(audio.data))
+        if audio is not None and audio.transcript:
+            transcript.append(audio.transcript)
+        finish = event.choices[0].finish_reason or finish
+    assert len(chunks) > 1 and finish == "length" and usage.completion_tokens == MAX_TOKENS
+    assert transcript and b"".join(chunks) == whole
+    _wav_samples(b"".join(chunks))
+
+
+# ------------------------------------------------------------------------------------ /v1/audio/speech
+
+
+def test_speech_endpoint_wav_and_pcm(client):
+    kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.", extra_body={"seed": 7, "max_audio_tokens": 12})
+    wav = client.audio.speech.create(response_format="wav", **kwargs)
+    samples = _wav_samples(wav.content)
+    assert samples.shape == (12 * 480,) and np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01
+    pcm = client.audio.speech.create(response_format="pcm", **kwargs)
+    assert np.array_equal(np.frombuffer(pcm.content, dtype="<i2"), samples)   # same seed: the same speech
+    faster = client.audio.speech.create(response_format="pcm", speed=2.0, **kwargs)
+    assert len(faster.content) // 2 == len(samples) // 2
+
+
+def test_bad_voice_and_format_are_400(client, cluster):
+    with pytest.raises(openai.BadRequestError, match="voice 'alloy' is not available.*Chelsie, Ethan"):
+        client.audio.speech.create(model=MODEL, voice="alloy", input="hi", response_format="wav")
+    with pytest.raises(openai.BadRequestError, match="'mp3' is not supported.*wav"):
+        client.audio.speech.create(model=MODEL, voice="Ethan", input="hi", response_format="mp3")
+    with pytest.raises(openai.BadRequestError, match="voice 'nova'"):
+        _chat_audio(client, audio={"voice": "nova", "format": "wav"})
+    with pytest.raises(openai.BadRequestError, match="audio.format 'mp3'"):
+        _chat_audio(client, audio={"voice": "Ethan", "format": "mp3"})
+    r = requests.post(cluster.url + "/v1/audio/speech", json={"model": MODEL, "voice": "Ethan", "input": ""}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_speech_endpoint_flac_when_soundfile_is_installed(client):
+    """FLAC rides on the optional ``soundfile`` package: lossless (the WAV's samples) when this
+    environment has it, else a 400 that says why."""
+    kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.", extra_body={"seed": 7, "max_audio_tokens": 12})
+    try:
+        import soundfile
+    except (ImportError, OSError):
+        with pytest.raises(openai.BadRequestError, match="'flac' needs the soundfile package"):
+            client.audio.speech.create(response_format="flac", **kwargs)
+        return
+    flac = client.audio.speech.create(response_format="flac", **kwargs)
+    samples, rate = soundfile.read(io.BytesIO(flac.content), dtype="int16")
+    assert rate == SAMPLE_RATE and flac.content[:4] == b"fLaC"
+    wav = client.audio.speech.create(response_format="wav", **kwargs)
+    assert np.array_equal(samples, _wav_samples(wav.content))
