@@ -11,6 +11,7 @@ address — still gets it).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import socket
@@ -18,6 +19,7 @@ import threading
 import time
 import urllib.parse
 
+import aiohttp
 import openai
 import pytest
 
@@ -37,7 +39,9 @@ def gateway(tiny_model, tmp_path_factory):
     try:
         cluster.start_broker()
         cluster.start_worker("prefill")
-        cluster.start_worker("decode", "--capacity", "4")
+        cluster.start_worker("decode", "--capacity", "8")
+        cluster.start_gateway()   # default limits, for the load of clients that leave mid-stream
+        cluster.open_url = cluster.url
         cluster.start_gateway("--header-timeout", str(HEADER_TIMEOUT_S), "--read-timeout", str(READ_TIMEOUT_S),
                               "--max-streams-per-client", "1")
         cluster.wait_healthy()
@@ -200,6 +204,67 @@ def test_idle_after_a_response_is_cut_off_too(gateway):
     assert client.status() == 200
     idle = client.closed_after - client.answered_after
     assert HEADER_TIMEOUT_S - 0.2 <= idle <= HEADER_TIMEOUT_S + SLACK_S, idle
+
+
+def test_clients_leaving_mid_stream_under_load_give_back_every_kv_block(gateway):
+    """24 streaming clients at concurrency 8: two in three hang up after a few events of a long
+    stream, the rest read theirs to the end. Every leaver's generation is cancelled upstream and the
+    decode worker's free KV blocks return to their idle count; the others complete."""
+    n, concurrency, leave_after = 24, 8, 3
+    time.sleep(1.5)   # a heartbeat carries the effects of the earlier tests
+    cancelled_before = _decode(gateway)["stats"].get("cancelled", 0)
+
+    async def one(session: aiohttp.ClientSession, i: int) -> str:
+        leaves = i % 3 != 2
+        body = {"model": "tiny-llm", "messages": [{"role": "user", "content": f"Stream {i}, please."}],
+                "max_tokens": 400 if leaves else 12, "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            async with asyncio.timeout(60):
+                async with session.post(gateway.open_url + "/v1/chat/completions", json=body) as response:
+                    if response.status != 200:
+                        error = await response.json()
+                        return "error" if "error" in error and "request_id" in error else "unstructured"
+                    events = 0
+                    async for line in response.content:
+                        if not line.startswith(b"data: "):
+                            continue
+                        if line.strip() == b"data: [DONE]":
+                            return "completed"
+                        if b'"error"' in line:
+                            return "error"
+                        events += 1
+                        if leaves and events == leave_after:
+                            response.close()   # hang up mid-stream
+                            return "left"
+                    return "unstructured"      # the stream ended without [DONE]
+        except TimeoutError:
+            return "hung"
+
+    async def run() -> list:
+        results: list = [None] * n
+        semaphore = asyncio.Semaphore(concurrency)
+        async with aiohttp.ClientSession() as session:
+            async def worker(i: int) -> None:
+                async with semaphore:
+                    results[i] = await one(session, i)
+            await asyncio.gather(*(worker(i) for i in range(n)))
+        return results
+
+    results = asyncio.run(run())
+    counts = {key: results.count(key) for key in ("completed", "left", "error", "hung", "unstructured")}
+    counts["lost"] = results.count(None)
+    deadline = time.monotonic() + 20
+    decode = _decode(gateway)
+    while time.monotonic() < deadline and (decode["running"], decode["free_kv_blocks"]) != (0, gateway.idle_kv):
+        time.sleep(0.3)
+        decode = _decode(gateway)
+    cancelled = decode["stats"].get("cancelled", 0) - cancelled_before
+    print(f"\nclients leaving mid-stream: {counts}; {cancelled} generation(s) cancelled upstream; decode KV "
+          f"{decode['free_kv_blocks']}/{gateway.idle_kv} free blocks")
+    assert counts["hung"] == counts["lost"] == counts["unstructured"] == counts["error"] == 0, counts
+    assert counts == {**counts, "completed": n // 3, "left": n - n // 3}
+    assert decode["running"] == 0 and decode["free_kv_blocks"] == gateway.idle_kv, decode
+    assert cancelled == counts["left"]   # stopped by the hang-ups, not by running to 400 tokens
 
 
 def test_timeouts_must_be_positive(tiny_model):
