@@ -14,8 +14,10 @@ buffer and takes dtypes from a closed table, so a corrupt or hostile buffer rais
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import struct
+import threading
 from typing import Any
 
 import msgpack
@@ -49,6 +51,18 @@ class EncodePlan:
     writes: tuple[tuple[int, Any], ...]   # (offset, tensor or bytes)
 
 
+_local = threading.local()
+
+
+def _pack(obj) -> bytes:
+    """``msgpack.packb`` with a per-thread packer: building a Packer per call costs more than
+    packing a small header (a Packer is not thread-safe, hence one per thread)."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)
+
+
 def plan(payload: dict[str, Any]) -> EncodePlan:
     entries, pending = [], []
     for name, value in payload.items():
@@ -57,11 +71,15 @@ def plan(payload: dict[str, Any]) -> EncodePlan:
         if isinstance(value, torch.Tensor):
             if value.dtype not in _DTYPE_NAMES:
                 raise CodecError(f"{name}: unsupported dtype {value.dtype}")
-            tensor = value.detach()
-            if tensor.device.type != "cpu":
+            # Each step is skipped when it would be a no-op: on the hot path (a contiguous CPU
+            # tensor) a torch call costs about as much as packing the header.
+            tensor = value.detach() if value.requires_grad else value
+            if not tensor.is_cpu:
                 tensor = tensor.cpu()
-            tensor = tensor.resolve_conj().resolve_neg().contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.is_conj() or tensor.is_neg():
+                tensor = tensor.resolve_conj().resolve_neg()
+            tensor = tensor.contiguous()
+            nbytes = tensor.nbytes
             entries.append({"n": name, "k": "t", "dt": _DTYPE_NAMES[tensor.dtype],
                             "sh": list(tensor.shape), "nb": nbytes})
             pending.append(tensor)
@@ -79,7 +97,7 @@ def plan(payload: dict[str, Any]) -> EncodePlan:
         if entry["k"] != "v":
             entry["o"] = 2**63 - 1
     try:
-        header_len = len(msgpack.packb({"v": 1, "entries": entries}, use_bin_type=True))
+        header_len = len(_pack({"v": 1, "entries": entries}))
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError(f"payload value is not msgpack-able: {exc}") from None
     offset = _align(_LEN.size + header_len)
@@ -90,9 +108,15 @@ def plan(payload: dict[str, Any]) -> EncodePlan:
         entry["o"] = offset
         writes.append((offset, data))
         offset = _align(offset + entry["nb"])
-    header = msgpack.packb({"v": 1, "entries": entries}, use_bin_type=True)  # real offsets: never longer
+    header = _pack({"v": 1, "entries": entries})  # real offsets: never longer
     return EncodePlan(header=_LEN.pack(len(header)) + header, size=max(offset, _align(_LEN.size + header_len)),
                       writes=tuple(writes))
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor of any dtype (bfloat16 and float8 included, which
+    ``Tensor.numpy`` refuses), without a torch call per copy. Valid while ``tensor`` lives."""
+    return memoryview((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def write_into(buf: memoryview, encode_plan: EncodePlan) -> None:
@@ -100,11 +124,8 @@ def write_into(buf: memoryview, encode_plan: EncodePlan) -> None:
     buf[: len(encode_plan.header)] = encode_plan.header
     for offset, data in encode_plan.writes:
         if isinstance(data, torch.Tensor):
-            nbytes = data.numel() * data.element_size()
-            if nbytes == 0:
-                continue
-            dest = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-            dest.copy_(data.reshape(-1).view(torch.uint8))
+            if data.nbytes:
+                buf[offset: offset + data.nbytes] = _tensor_bytes(data)   # one memcpy
         else:
             buf[offset: offset + data.nbytes] = data
 
@@ -159,15 +180,18 @@ def decode(buf) -> dict[str, Any]:
             dt = entry.get("dt")
             dtype = _DTYPES.get(dt) if isinstance(dt, str) else None
             shape = entry.get("sh")
-            if dtype is None or not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+            if dtype is None or not isinstance(shape, list):
                 raise CodecError(f"{name}: bad dtype or shape")
             numel = 1
             for s in shape:
+                if type(s) is not int or s < 0:
+                    raise CodecError(f"{name}: bad dtype or shape")
                 numel *= s
             if numel * dtype.itemsize != nbytes:
                 raise CodecError(f"{name}: shape does not match byte count")
             if numel == 0:
                 out[name] = torch.empty(shape, dtype=dtype)
             else:
-                out[name] = torch.frombuffer(view, dtype=dtype, count=numel, offset=offset).view(shape)
+                flat = torch.frombuffer(view, dtype=dtype, count=numel, offset=offset)
+                out[name] = flat if len(shape) == 1 else flat.view(shape)
     return out

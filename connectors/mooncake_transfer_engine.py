@@ -18,10 +18,18 @@ The life of one payload::
 Header layout (little-endian): ``magic u64 | gen u64 | size u64 | acked u64 | key hash 16 B``.
 ``gen`` is 0 while the block is being written or after it was recycled.
 
-Key-only retrieval uses a **directory** of small files, ``<directory>/omnirelay-<pid>-<key
-hash>``, each holding the handle (msgpack): a directory on the local tmpfs serves one host; a shared
-directory, or the handles the broker carries, serve several. Entries of dead producers are swept
-when a connector starts and when it closes.
+Key-only retrieval uses a **directory** of entries, ``<directory>/omnirelay-<pid>-<key hash>``:
+symlinks that are never followed, whose target text ``<peer>@<addr>@<size>@<gen>`` is the handle
+(one ``symlink`` to publish, one ``readlink`` to look up); the key hash in the block header guards
+against a colliding name. A directory on the local tmpfs serves one host; a shared directory, or
+the handles the broker carries, serve several. Entries of dead producers are swept when a
+connector starts and when it closes.
+
+Per-transfer costs kept small: a put recycles acknowledged blocks *before* it allocates, so the
+block just freed is written again while it is still in the cache; checking the ``acked`` words
+costs one memory read per payload in flight, so with many in flight that check runs once per
+``n // 8`` puts (and whenever the pool runs out); a consumer's delete finds the producer's entry
+from the handle (it names the producer's ``pid``) instead of scanning the directory.
 
 The payload lives in the producer's memory: once the producer's connector is closed (or its
 process dies), payloads nobody fetched are gone and a ``get`` fails with ``TransferFailed``.
@@ -48,8 +56,6 @@ import os
 import struct
 import threading
 import time
-
-import msgpack
 
 from omnirelay.errors import TransferFailed
 
@@ -140,6 +146,7 @@ class MooncakeTEConnector(Connector):
         self._by_key: dict[str, int] = {}                          # key → its current gen
         self._recent: collections.OrderedDict[str, dict] = collections.OrderedDict()  # key → handle got
         self._stats = collections.Counter()
+        self._since_reclaim = 0
         self._closed = False
 
     # ------------------------------------------------------------------------------ memory
@@ -147,7 +154,7 @@ class MooncakeTEConnector(Connector):
     def _allocate(self, size: int) -> Block | Region:
         block = self._pool.allocate(size)
         if block is None:
-            self._reclaim(time.monotonic())
+            self._reclaim(time.monotonic(), force=True)
             block = self._pool.allocate(size)
         if block is not None:
             return block
@@ -166,6 +173,7 @@ class MooncakeTEConnector(Connector):
             raise TransferFailed("mooncake_transfer_engine connector is closed")
         encode_plan = codec.plan(payload)
         size = encode_plan.size
+        self._reclaim(time.monotonic())
         memory = self._allocate(HEADER.size + size)
         view = memory.view(HEADER.size + size)
         try:
@@ -178,13 +186,17 @@ class MooncakeTEConnector(Connector):
             memory.release()
             raise
         view.release()
-        handle = {"peer": self.peer, "addr": memory.address, "size": size, "gen": gen}
+        handle = {"peer": self.peer, "addr": memory.address, "size": size, "gen": gen, "pid": self._pid}
         entry = self._entry_path(key)
-        tmp = f"{entry}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(msgpack.packb({**handle, "key": key}))
+        target = _entry_target(handle)
         with self._lock:
-            os.rename(tmp, entry)
+            try:
+                os.symlink(target, entry)   # the usual case: the key is new
+            except FileExistsError:         # put again: replace the entry atomically
+                tmp = f"{entry}.{threading.get_ident()}.tmp"
+                _unlink(tmp)
+                os.symlink(target, tmp)
+                os.rename(tmp, entry)
             previous = self._by_key.get(key)
             if previous is not None:
                 self._free(self._published.pop(previous), unlink=False)
@@ -192,7 +204,6 @@ class MooncakeTEConnector(Connector):
             self._by_key[key] = gen
             self._stats["puts"] += 1
             self._stats["bytes_put"] += size
-        self._reclaim(time.monotonic())
         return handle
 
     def _free(self, item: _Published, *, unlink: bool) -> None:
@@ -205,11 +216,16 @@ class MooncakeTEConnector(Connector):
         if self._by_key.get(item.key) == item.gen:
             del self._by_key[item.key]
             if unlink:
-                _remove_entry(item.entry, item.gen)
+                _remove_entry(item.entry, {"peer": self.peer, "gen": item.gen})
 
-    def _reclaim(self, now: float) -> None:
-        """Recycle payloads their consumer acknowledged, and those older than the TTL."""
+    def _reclaim(self, now: float, force: bool = False) -> None:
+        """Recycle payloads their consumer acknowledged, and those older than the TTL. With many
+        payloads in flight, only every ``n // 8`` calls unless ``force`` (amortised cost)."""
         with self._lock:
+            self._since_reclaim += 1
+            if not force and len(self._published) > 8 and self._since_reclaim * 8 < len(self._published):
+                return
+            self._since_reclaim = 0
             for gen, item in list(self._published.items()):
                 view = item.memory.view(HEADER.size)
                 (acked,) = struct.unpack_from("<Q", view, _ACKED_AT)
@@ -223,11 +239,18 @@ class MooncakeTEConnector(Connector):
     # ------------------------------------------------------------------------------ consumer
 
     def _entries(self, key: str) -> list[tuple[str, dict]]:
-        """Directory entries for ``key``: (path, handle) pairs."""
+        """Directory entries for ``key``: (path, handle) pairs (a directory scan: no pattern is
+        compiled per key)."""
+        suffix = f"-{_key_hash(key).hex()}"
+        try:
+            with os.scandir(self.directory) as it:
+                paths = [e.path for e in it if e.name.startswith(PREFIX) and e.name.endswith(suffix)]
+        except OSError:
+            return []
         found = []
-        for path in glob.glob(os.path.join(glob.escape(self.directory), f"{PREFIX}*-{_key_hash(key).hex()}")):
+        for path in paths:
             entry = _read_entry(path)
-            if entry is not None and entry.get("key") == key and _valid_handle(entry):
+            if entry is not None:
                 found.append((path, entry))
         return found
 
@@ -308,15 +331,18 @@ class MooncakeTEConnector(Connector):
                 self._free(item, unlink=True)
                 self._stats["deletes"] += 1
                 return
-        entries = self._entries(key)
-        if handle is None and entries:
-            handle = entries[0][1]
+        if handle is not None and isinstance(handle.get("pid"), int):   # the usual case: we got it
+            entries = [(self._entry_path(key, handle["pid"]), handle)]
+        else:
+            entries = self._entries(key)
+            if handle is None and entries:
+                handle = entries[0][1]
         if handle is None:
             return
         self._acknowledge(handle)
         for path, entry in entries:
             if entry["peer"] == handle["peer"] and entry["gen"] == handle["gen"]:
-                _remove_entry(path, entry["gen"])
+                _remove_entry(path, entry)
         with self._lock:
             self._stats["deletes"] += 1
 
@@ -362,20 +388,35 @@ def _valid_handle(handle) -> bool:
             and handle["size"] >= 0 and handle["addr"] > 0 and handle["gen"] > 0)
 
 
+def _entry_target(handle: dict) -> str:
+    return f"{handle['peer']}@{handle['addr']}@{handle['size']}@{handle['gen']}@{handle['pid']}"
+
+
 def _read_entry(path: str) -> dict | None:
+    """The handle a directory entry holds, or None (gone, or not one of ours)."""
     try:
-        with open(path, "rb") as f:
-            entry = msgpack.unpackb(f.read(), raw=False)
-    except (OSError, ValueError, msgpack.UnpackException):
+        parts = os.readlink(path).split("@")
+    except OSError:
         return None
-    return entry if isinstance(entry, dict) else None
+    if len(parts) != 5:
+        return None
+    try:
+        addr, size, gen, pid = (int(p) for p in parts[1:])
+    except ValueError:
+        return None
+    handle = {"peer": parts[0], "addr": addr, "size": size, "gen": gen, "pid": pid}
+    return handle if _valid_handle(handle) else None
 
 
-def _remove_entry(path: str, gen: int) -> None:
-    """Unlink a directory entry if it still describes generation ``gen``."""
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_entry(path: str, handle: dict) -> None:
+    """Unlink a directory entry if it still describes this handle's payload."""
     entry = _read_entry(path)
-    if entry is not None and entry.get("gen") == gen:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    if entry is not None and entry["peer"] == handle["peer"] and entry["gen"] == handle["gen"]:
+        _unlink(path)

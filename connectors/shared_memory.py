@@ -16,12 +16,22 @@ The life of a segment (a small state machine, :class:`SegmentState`, kept by the
       ▲                                                                                │
       └─── its entry is gone (consumer delete), superseded (put again), expired (TTL) ◀┘
 
-A consumer ``get`` opens the segment, takes a shared ``flock`` (its **lease**), re-reads the key
-entry to confirm the segment still holds that generation, and maps it copy-on-write. The mapping
-keeps a duplicate of the descriptor, so the lease lasts exactly as long as the mapping, i.e. as
-long as any tensor decoded from it is alive: a producer never overwrites memory a consumer still
-reads, tensors stay valid after ``delete``, and a consumer that dies drops its leases with its
-descriptors. Writes into got tensors stay private to the consumer (MAP_PRIVATE).
+A consumer ``get`` opens the segment, takes a shared ``flock`` (its **lease**) and re-reads the key
+entry to confirm the segment still holds that generation. The lease descriptor lives exactly as
+long as any tensor decoded from the payload (a finalizer on the buffer they view closes it): a
+producer never overwrites memory a consumer still reads, tensors stay valid after ``delete``, and a
+consumer that dies drops its leases with its descriptors. Writes into got tensors stay private to
+the consumer (MAP_PRIVATE).
+
+The consumer keeps each segment it has read **mapped** (a cache of ``pool_mb`` bytes, least
+recently used out), so a later get from the same pooled segment maps nothing and faults in no
+page: its page table still points at the producer's pages, and reading a payload runs at memory
+speed instead of ~1 GB/s of minor faults. Reuse must not leak a previous reader's private writes:
+before a cached mapping is handed out again, ``/proc/self/pagemap`` tells whether any page of the
+range became a private (anonymous) copy, and if one did, ``MADV_DONTNEED`` drops the copies so the
+range reads the segment again. A mapping that still has a live lease is not reused (that get maps
+the segment afresh). A cached mapping keeps the memory of a segment its producer unlinked until
+this connector's next get, delete or close notices (at most once a second) and unmaps it.
 
 ``delete`` unlinks the key entry; the producer notices and recycles the segment. While a producer
 connector is open it holds an exclusive ``flock`` on its **owner file** ``omnirelay-<pid>-c<n>-owner``;
@@ -57,6 +67,7 @@ from omnirelay.errors import TransferFailed
 
 from . import codec
 from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Payload
+from .shm_mappings import MappingCache
 
 PREFIX = "omnirelay-"
 SHM_DIR = "/dev/shm"
@@ -179,9 +190,14 @@ class SharedMemoryConnector(Connector):
         self._owner_fd = -1                            # the owner file, created by the first put
         self._lock = threading.Lock()
         self._segments: list[_Segment] = []           # every segment this producer holds open
+        self._free: list[_Segment] = []                # those in state FREE
+        self._published: dict[_Segment, None] = {}     # those in state PUBLISHED, oldest first
         self._by_entry: dict[str, _Segment] = {}       # entry path → the segment it publishes
+        self._puts_since_scan = 0
         self._ids = itertools.count()
         self._gens = itertools.count(1)
+        self._maps = MappingCache(self.pool_bytes)     # consumer side: segments kept mapped
+        self._got: collections.OrderedDict[str, str] = collections.OrderedDict()  # key → entry got
         self._closed = False
         self._stats = collections.Counter()
 
@@ -191,7 +207,13 @@ class SharedMemoryConnector(Connector):
         return os.path.join(self.shm_dir, f"{PREFIX}{pid or self._pid}-{_key_hash(key)}")
 
     def _entries(self, key: str) -> list[str]:
-        return glob.glob(os.path.join(glob.escape(self.shm_dir), f"{PREFIX}*-{_key_hash(key)}"))
+        """Every producer's entry for ``key`` (a directory scan: no pattern compiled per key)."""
+        suffix = f"-{_key_hash(key)}"
+        try:
+            with os.scandir(self.shm_dir) as it:
+                return [e.path for e in it if e.name.endswith(suffix) and _owner(e.name) is not None]
+        except OSError:
+            return []
 
     # ------------------------------------------------------------------------------ producer
 
@@ -220,21 +242,22 @@ class SharedMemoryConnector(Connector):
             raise
         gen = next(self._gens)
         entry = self._entry_path(key)
+        target = f"{segment.name}@{gen}@{size}"
         with self._lock:
-            target = f"{segment.name}@{gen}@{size}"
-            tmp = f"{entry}.{threading.get_ident()}.tmp"
             try:
+                os.symlink(target, entry)   # the usual case: the key is new
+            except FileExistsError:         # put again: replace the entry atomically
+                tmp = f"{entry}.{threading.get_ident()}.tmp"
+                _unlink(tmp)                # left by a put that failed half-way
                 os.symlink(target, tmp)
-            except FileExistsError:   # left by a put that failed half-way
-                _unlink(tmp)
-                os.symlink(target, tmp)
-            os.rename(tmp, entry)   # atomic publish; supersedes a previous payload of this key
+                os.rename(tmp, entry)
             previous = self._by_entry.get(entry)
             if previous is not None and previous is not segment:
                 self._set_free(previous)
             self._by_entry[entry] = segment
             segment.state, segment.entry, segment.target = SegmentState.PUBLISHED, entry, target
             segment.published_at = time.monotonic()
+            self._published[segment] = None
             self._stats["puts"] += 1
             self._stats["bytes_put"] += size
         return {"segment": segment.name, "gen": gen, "size": size}
@@ -242,14 +265,15 @@ class SharedMemoryConnector(Connector):
     def _acquire(self, size: int) -> _Segment:
         """A segment of at least ``size`` bytes, exclusively locked (no consumer maps it)."""
         with self._lock:
-            now = time.monotonic()
-            self._reap_expired(now)
+            self._reap_expired(time.monotonic())
+            self._puts_since_scan += 1
             if self.pool_bytes > 0:
-                segment = self._lock_free_segment(size)
+                segment = self._lock_free_segment(size) if self._free else None
                 if segment is None and self._reclaim_consumed():
                     segment = self._lock_free_segment(size)
                 if segment is not None:
                     segment.state = SegmentState.WRITING
+                    self._free.remove(segment)
                     return segment
             else:
                 self._reclaim_consumed()   # no reuse: consumed segments are unlinked just below
@@ -278,9 +302,7 @@ class SharedMemoryConnector(Connector):
 
     def _lock_free_segment(self, size: int) -> _Segment | None:
         """Best fit among free segments that no consumer still leases. Caller holds the lock."""
-        candidates = sorted((s for s in self._segments if s.state is SegmentState.FREE and s.capacity >= size),
-                            key=lambda s: s.capacity)
-        for segment in candidates:
+        for segment in sorted((s for s in self._free if s.capacity >= size), key=lambda s: s.capacity):
             try:
                 fcntl.flock(segment.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -289,10 +311,17 @@ class SharedMemoryConnector(Connector):
         return None
 
     def _reclaim_consumed(self) -> bool:
-        """Free published segments whose key entry a consumer deleted. Caller holds the lock."""
+        """Free published segments whose key entry a consumer deleted. Caller holds the lock.
+
+        Costs one ``readlink`` per published segment, so with many payloads awaiting their
+        consumers it runs only once per ``len(published) // 8`` puts (amortised: at most ~8
+        syscalls per put); in between, a put that finds no free segment creates one."""
+        if len(self._published) > 8 and self._puts_since_scan * 8 < len(self._published):
+            return False
+        self._puts_since_scan = 0
         found = False
-        for segment in self._segments:
-            if segment.state is SegmentState.PUBLISHED and not self._entry_points_here(segment):
+        for segment in list(self._published):
+            if not self._entry_points_here(segment):
                 self._by_entry.pop(segment.entry, None)
                 self._set_free(segment)
                 found = True
@@ -306,6 +335,9 @@ class SharedMemoryConnector(Connector):
             return False
 
     def _set_free(self, segment: _Segment) -> None:
+        self._published.pop(segment, None)
+        if segment.state is not SegmentState.FREE:
+            self._free.append(segment)
         segment.state, segment.entry, segment.target = SegmentState.FREE, "", ""
         segment.freed_at = time.monotonic()
 
@@ -320,7 +352,7 @@ class SharedMemoryConnector(Connector):
 
     def _evict(self, keep_bytes: int) -> None:
         """Unlink least recently freed segments until free ones hold at most ``keep_bytes``."""
-        free = sorted((s for s in self._segments if s.state is SegmentState.FREE), key=lambda s: s.freed_at)
+        free = sorted(self._free, key=lambda s: s.freed_at)
         total = sum(s.allocated for s in free)
         for segment in free:
             if total <= keep_bytes:
@@ -333,6 +365,9 @@ class SharedMemoryConnector(Connector):
         """Stop holding a segment (caller holds the lock, or the segment is not yet shared)."""
         if segment in self._segments:
             self._segments.remove(segment)
+        if segment in self._free:
+            self._free.remove(segment)
+        self._published.pop(segment, None)
         if self._by_entry.get(segment.entry) is segment:
             del self._by_entry[segment.entry]
         if unlink:
@@ -348,13 +383,16 @@ class SharedMemoryConnector(Connector):
             self._forget(segment, unlink=True)
 
     def _reap_expired(self, now: float) -> None:
-        for segment in list(self._segments):
-            if segment.state is SegmentState.PUBLISHED and now - segment.published_at >= self.ttl_s:
-                if self._entry_points_here(segment):
-                    _unlink(segment.entry)
-                    self._stats["expired"] += 1
-                self._by_entry.pop(segment.entry, None)
-                self._set_free(segment)
+        """Unpublish payloads older than the TTL: the oldest come first, so this stops at the
+        first young one."""
+        for segment in list(self._published):
+            if now - segment.published_at < self.ttl_s:
+                break
+            if self._entry_points_here(segment):
+                _unlink(segment.entry)
+                self._stats["expired"] += 1
+            self._by_entry.pop(segment.entry, None)
+            self._set_free(segment)
 
     # ------------------------------------------------------------------------------ consumer
 
@@ -376,14 +414,16 @@ class SharedMemoryConnector(Connector):
                 return entry, target, parsed[0]
         return None
 
-    def _try_map(self, key: str, handle: Handle | None) -> tuple[mmap.mmap, int] | None:
+    def _try_map(self, key: str, handle: Handle | None):
+        """(the payload's bytes, its size, its entry), leased; or None if not (yet) readable."""
         located = self._resolve(key, handle)
         if located is None:
             return None
         entry, target, name = located
-        _, _, size = _parse_target(target)
+        size = _parse_target(target)[2]
+        path = os.path.join(self.shm_dir, name)
         try:
-            fd = os.open(os.path.join(self.shm_dir, name), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
@@ -396,12 +436,20 @@ class SharedMemoryConnector(Connector):
                     return None   # superseded or deleted while we opened it
             except OSError:
                 return None
-            if size <= 0 or os.fstat(fd).st_size < size:
+            st = os.fstat(fd)
+            if size <= 0 or st.st_size < size:
                 raise TransferFailed(f"shared_memory: segment for key {key!r} is truncated")
-            # The mapping dups the descriptor, so the lease lives exactly as long as the mapping.
-            return mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE), size
+            with self._lock:
+                array = self._maps.lease(name, path, fd, st, size)
+            if array is not None:
+                fd = -1   # the array's finalizer closes it
+                return array, size, entry
+            # Not cached: a mapping of its own, which dups the descriptor, so the lease lives
+            # exactly as long as the mapping.
+            return mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE), size, entry
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
         deadline = time.monotonic() + timeout
@@ -409,14 +457,18 @@ class SharedMemoryConnector(Connector):
         while True:
             mapped = self._try_map(key, handle)
             if mapped is not None:
-                mapping, size = mapped
+                buffer, size, entry = mapped
                 try:
-                    payload = codec.decode(mapping)
+                    payload = codec.decode(buffer)
                 except codec.CodecError as exc:
                     raise TransferFailed(f"shared_memory: segment for key {key!r} is corrupt: {exc}") from None
                 with self._lock:
                     self._stats["gets"] += 1
                     self._stats["bytes_got"] += size
+                    self._got[key] = entry
+                    while len(self._got) > 4096:
+                        self._got.popitem(last=False)
+                    self._maps.prune()
                 return payload
             if time.monotonic() >= deadline:
                 raise TransferFailed(f"shared_memory: key {key!r} not available within {timeout:.1f}s")
@@ -425,7 +477,10 @@ class SharedMemoryConnector(Connector):
             delay = min(delay * 2, 0.05)
 
     def delete(self, key: str) -> None:
-        for entry in self._entries(key):
+        with self._lock:
+            got = self._got.pop(key, None)
+        # The entry this connector got is the usual one; otherwise look for every producer's.
+        for entry in ([got] if got is not None and os.path.lexists(got) else self._entries(key)):
             # Take the entry away under a private name first, so the target we read is the one we
             # removed even if its producer re-publishes the key at the same moment.
             grabbed = f"{entry}.{threading.get_ident()}.del"
@@ -436,14 +491,19 @@ class SharedMemoryConnector(Connector):
                 continue
             _unlink(grabbed)
             parsed = _parse_target(target)
-            if parsed and _owner_gone(self.shm_dir, parsed[0]):   # nobody left to recycle it
+            gone = parsed is not None and _owner_gone(self.shm_dir, parsed[0])
+            if gone:   # nobody left to recycle it
                 _unlink(os.path.join(self.shm_dir, parsed[0]))
             with self._lock:
+                if gone:
+                    self._maps.forget(parsed[0])
                 self._stats["deletes"] += 1
                 segment = self._by_entry.get(entry)
                 if segment is not None and segment.target == target:
                     del self._by_entry[entry]
                     self._set_free(segment)
+        with self._lock:
+            self._maps.prune()
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -455,7 +515,9 @@ class SharedMemoryConnector(Connector):
             if self._closed:
                 return
             self._closed = True
+            self._maps.close()
             self._reap_expired(time.monotonic())
+            self._puts_since_scan = len(self._published)   # a full scan, whatever the count
             self._reclaim_consumed()
             if self._owner_fd >= 0:
                 _unlink(os.path.join(self.shm_dir, f"{self._stem}-owner"))
@@ -469,11 +531,10 @@ class SharedMemoryConnector(Connector):
 
     def health(self) -> dict:
         with self._lock:
-            states = collections.Counter(s.state.value for s in self._segments)
             return {"backend": self.name, "ok": not self._closed,
-                    "segments_pending": states.get("published", 0), "segments_free": states.get("free", 0),
+                    "segments_pending": len(self._published), "segments_free": len(self._free),
                     "segment_bytes": sum(s.allocated for s in self._segments),
-                    **{k: int(v) for k, v in self._stats.items()}}
+                    **self._maps.stats(), **{k: int(v) for k, v in self._stats.items()}}
 
 
 __all__ = ["PREFIX", "SHM_DIR", "SegmentState", "SharedMemoryConnector", "sweep_orphans"]

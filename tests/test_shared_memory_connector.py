@@ -211,6 +211,73 @@ def test_tensors_stay_valid_after_delete_and_replace(conn, shm_dir):
     conn.delete("k2")
 
 
+def test_consumer_keeps_pooled_segment_mapped_without_leaking_private_writes(shm_dir):
+    """A consumer reads a reused segment through the mapping it kept (no new mmap), and a page it
+    wrote into last time (a private copy) shows the producer's new payload, not the old write."""
+    producer = SharedMemoryConnector({"shm_dir": shm_dir})
+    consumer = SharedMemoryConnector({"shm_dir": shm_dir})
+    try:
+        first = producer.put("a", {"t": torch.zeros(300_000, dtype=torch.int32)})
+        got = consumer.get("a", first, timeout=1)["t"]
+        address = got.data_ptr()
+        got[::1024].fill_(-7)   # private copies of every page
+        del got
+        consumer.delete("a")
+        second = producer.put("b", {"t": torch.arange(300_000, dtype=torch.int32)})
+        assert second["segment"] == first["segment"]   # the producer reused its segment
+        got = consumer.get("b", second, timeout=1)["t"]
+        assert got.data_ptr() == address               # through the same mapping
+        assert consumer.health()["mappings_cached"] == 1
+        assert torch.equal(got, torch.arange(300_000, dtype=torch.int32))
+        # While `got` is alive, a second get of the key may not share its (writable) pages.
+        got.fill_(5)
+        again = consumer.get("b", second, timeout=1)["t"]
+        assert again.data_ptr() != got.data_ptr()
+        assert torch.equal(again, torch.arange(300_000, dtype=torch.int32))
+        del got, again
+        consumer.delete("b")
+    finally:
+        producer.close()
+        consumer.close()
+    assert consumer.health()["mappings_cached"] == 0
+
+
+def test_consumer_unmaps_segments_its_producer_removed(shm_dir):
+    producer = SharedMemoryConnector({"shm_dir": shm_dir})
+    consumer = SharedMemoryConnector({"shm_dir": shm_dir})
+    try:
+        handle = producer.put("k", small_payload(1))
+        assert_same(consumer.get("k", handle, timeout=1), small_payload(1))
+        assert consumer.health()["mappings_cached"] == 1
+        producer.close()             # the payload outlives its producer's connector...
+        consumer.delete("k")         # ...until its consumer deletes it: segment unlinked, and unmapped
+        assert consumer.health()["mappings_cached"] == 0
+        assert files(shm_dir) == []
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_many_pending_payloads_keep_put_cheap(conn, shm_dir, monkeypatch):
+    """With n payloads awaiting consumers, a put must not check all n key entries (that made a
+    burst of n puts cost O(n²) syscalls); consumed segments are still reclaimed."""
+    for i in range(200):
+        conn.put(f"pending-{i}", small_payload(i))
+    calls = []
+    real_readlink = os.readlink
+    monkeypatch.setattr(os, "readlink", lambda path: calls.append(path) or real_readlink(path))
+    for i in range(50):
+        conn.delete(f"pending-{i}")
+        conn.put(f"more-{i}", small_payload(i))
+    monkeypatch.undo()
+    assert len(calls) <= 50 * 8 + 250, len(calls)   # amortised: ≤ ~8 entry checks per put
+    assert len(segments_in(shm_dir)) < 250           # and consumed segments were reused
+    for i in range(50, 200):
+        conn.delete(f"pending-{i}")
+    for i in range(50):
+        conn.delete(f"more-{i}")
+
+
 def test_get_before_put_times_out(conn):
     t0 = time.monotonic()
     with pytest.raises(TransferFailed):
