@@ -9,12 +9,15 @@ import os
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
     """name: the id clients send in ``model``; path: the local model directory (tokenizer,
-    chat template, context length); stages: the roles a request passes, in order."""
+    chat template, context length); stages: the roles a request passes, in order;
+    allowed_local_media_path: a directory whose files chat ``image_url``/``audio_url`` parts may name
+    (omni models; None: data URLs only)."""
 
     name: str
     path: str
     stages: tuple[str, ...] = ("prefill", "decode")
     max_model_len: int = 0
+    allowed_local_media_path: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,7 @@ async def serve(config: GatewayConfig, ready_file: str | None = None, keys: Curv
 
 
 def _served_models(paths: list[str], names: list[str] | None, pipelines: list[str] | None,
-                   max_model_len: int) -> tuple[ServedModel, ...]:
+                   max_model_len: int, allowed_local_media_path: str | None = None) -> tuple[ServedModel, ...]:
     names = names or []
     pipelines = pipelines or []
     if len(names) > len(paths):
@@ -56,7 +56,8 @@ def _served_models(paths: list[str], names: list[str] | None, pipelines: list[st
         pipeline_file = pipelines[i] if len(pipelines) == len(paths) else (pipelines[0] if pipelines else None)
         pipeline = load_pipeline(pipeline_file) if pipeline_file else default_llm_pipeline()
         models.append(ServedModel(name=names[i] if i < len(names) else path, path=os.path.abspath(path),
-                                  stages=pipeline.roles, max_model_len=max_model_len))
+                                  stages=pipeline.roles, max_model_len=max_model_len,
+                                  allowed_local_media_path=allowed_local_media_path))
     return tuple(models)
 
 
@@ -89,13 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-configs-path", action="append", default=None,
                         help="stage-pipeline YAML, one per --model or one for all (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
+    parser.add_argument("--allowed-local-media-path", default=None,
+                        help="directory whose files image_url/audio_url parts may name (default: data: URLs only)")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
     args = parser.parse_args(argv)
     setup_logging("omni-gateway", args.log_level, args.log_format)
     try:
         config = GatewayConfig(
-            models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len),
+            models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len,
+                                  os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None),
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,

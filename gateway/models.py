@@ -23,7 +23,8 @@ class ModelRuntime:
         config = json.loads((Path(served.path) / "config.json").read_text())
         self.media = None
         if config.get("model_type") == "qwen2_5_omni":   # the thinker's language model sets the limits
-            self.media = MediaProcessor(served.path, media_limits or MediaLimits())
+            limits = media_limits or MediaLimits(allowed_local_dir=served.allowed_local_media_path)
+            self.media = MediaProcessor(served.path, limits)
             config = config["thinker_config"]["text_config"]
         self.vocab_size = int(config["vocab_size"])
         model_max = int(config.get("max_position_embeddings", 2048))

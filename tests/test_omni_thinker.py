@@ -214,3 +214,105 @@ def test_media_over_the_inline_limit_is_413(client):
     error = caught.value.response.json()["error"]
     assert caught.value.status_code == 413
     assert "exceed" in error["message"] and error["param"] == "messages[0].content[3]"
+
+
+def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preempted(tiny_omni, hf, tmp_path):
+    """No network: encode → chunked prefill (chunks of 8 cut through the image and the audio, next to a
+    text prompt in the same steps) → decode in a pool so small that a sequence is preempted."""
+    from transformers import AutoTokenizer
+
+    from omnirelay.connectors import create_connector
+    from omnirelay.gateway.media import MediaLimits, MediaProcessor
+    from omnirelay.workers.decode import DecodeEngine, DecodeTask
+    from omnirelay.workers.encode import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
+    from omnirelay.workers.kv_cache import PagedKVCache
+    from omnirelay.workers.models.llama import LlamaModel
+    from omnirelay.workers.mrope import MropeSpec
+    from omnirelay.workers.prefill import PrefillEngine, PrefillTask
+    from omnirelay.workers.sampling import SamplingParams
+
+    png, pcm = _png(5), _tone(660.0, 0.5)
+    media_content = [{"type": "text", "text": "See"}, _image_part(png), _audio_part(_wav(pcm)),
+                     {"type": "text", "text": "and tell."}]
+    text_content = [{"type": "text", "text": "Tell me a story about the river."}]
+    tok = AutoTokenizer.from_pretrained(tiny_omni)
+    media = MediaProcessor(tiny_omni, MediaLimits())
+    messages, items = media.extract([{"role": "user", "content": media_content}])
+    ids = media.expand(tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)["input_ids"], items)
+    text_ids = tok(tok.apply_chat_template([{"role": "user", "content": text_content[0]["text"]}],
+                                           add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
+    try:
+        encode = EncodeEngine(OmniEncoders(tiny_omni), connector)
+        encode.add(EncodeTask("m", [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
+        (encoded,) = encode.step()
+        assert not encoded.error_type, encoded.message
+        assert encoded.outputs["image_grids"] and encoded.outputs["audio_lengths"]
+
+        model = LlamaModel(tiny_omni)
+        config = json.loads(open(os.path.join(tiny_omni, "config.json")).read())
+        prefill = PrefillEngine(model, connector, max_model_len=4096, max_batched_tokens=8, block_size=4,
+                                mrope=MropeSpec.from_config(config))
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        prefill.add(PrefillTask("m", ids, greedy, time.time() + 60, media=encoded.outputs))
+        prefill.add(PrefillTask("t", text_ids, greedy, time.time() + 60))
+        done = {}
+        for _ in range(200):
+            for result in prefill.step():
+                assert not result.error_type, result.message
+                done[result.request_id] = result
+            if not prefill.has_work:
+                break
+        assert prefill.stats["prefill_steps"] > (len(ids) + len(text_ids)) // 8   # really chunked
+        assert done["m"].outputs["has_media"] and done["m"].outputs["rope_delta"] < 0
+
+        cfg = model.config
+        # Room for both prompts to start, not for both to grow: the newest (the media one) is preempted.
+        blocks = 1 + -(-(len(ids) + 1) // 4) + -(-(len(text_ids) + 1) // 4) + 1
+        cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=4, num_blocks=blocks)
+        decode = DecodeEngine(model, cache, connector, max_num_seqs=4, max_model_len=4096, transfer_timeout_s=5)
+        outputs = {}
+        for rid, prompt in (("t", text_ids), ("m", ids)):
+            out = done[rid].outputs
+            outputs[rid] = [done[rid].first_token]
+            decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out["kv_key"],
+                                  out["kv_handle"], rope_delta=out.get("rope_delta", 0),
+                                  has_media=out.get("has_media", False)))
+        for _ in range(500):
+            step = decode.step()
+            assert not step.failed, step.failed
+            for token in step.tokens:
+                outputs[token.request_id].append(token.token)
+            if not decode.has_work:
+                break
+        assert decode.stats["preemptions"] > 0 and decode.stats["kv_swapped_in"] > 0   # the media one came back
+        assert outputs["m"] == hf(media_content, png=png, pcm=pcm)
+        assert outputs["t"] == hf(text_content)
+    finally:
+        connector.close()
+
+
+def test_local_media_files_only_under_the_allowed_directory(tiny_omni, tmp_path):
+    from omnirelay.errors import BadRequest
+    from omnirelay.gateway.media import MediaLimits, MediaProcessor
+
+    allowed, outside = tmp_path / "media", tmp_path / "private"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "cat.png").write_bytes(_png(7))
+    (outside / "secret.png").write_bytes(_png(8))
+    (allowed / "link.png").symlink_to(outside / "secret.png")
+    processor = MediaProcessor(tiny_omni, MediaLimits(allowed_local_dir=str(allowed)))
+
+    def part(url: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+    _, (item,) = processor.extract(part(f"file://{allowed}/cat.png"))
+    assert item.kind == "image" and item.data == _png(7) and item.tokens > 0
+    for url in (str(outside / "secret.png"), f"{allowed}/../private/secret.png", str(allowed / "link.png"),
+                str(allowed / "missing.png")):
+        with pytest.raises(BadRequest, match="not under the allowed media directory"):
+            processor.extract(part(url))
+    with pytest.raises(BadRequest, match="not enabled"):
+        MediaProcessor(tiny_omni, MediaLimits()).extract(part(str(allowed / "cat.png")))

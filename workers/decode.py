@@ -197,6 +197,7 @@ class DecodeEngine:
             if seq.swapped is not None:   # a preempted media sequence: its KV comes back as it left
                 self.runner.write_kv(seq.blocks, seq.swapped)
                 seq.num_cached, seq.swapped, seq.needs_recompute = seq.swapped.shape[2], None, False
+                self.stats["kv_swapped_in"] += 1
             elif not seq.needs_recompute:
                 self.runner.write_kv(seq.blocks, kv)
                 seq.num_cached = cached
