@@ -9,14 +9,16 @@ same way) differ by at most 1 LSB (1/32767 of full scale). The talker reads thin
 computed by our compact prefill/decode model, equal to transformers' up to float rounding (~1e-6),
 which may move a sample across a rounding boundary; the codec tokens and the noise are identical.
 
-The pipeline here is omni.yaml without its encode stage (text in only: the encode role is tested
-with media elsewhere), so the test needs no encode worker.
+The cluster runs the bundled ``deploy/pipelines/omni.yaml`` (encode → prefill → decode → generate);
+text-only requests skip encode. transformers is called the documented way (``**processor(...)``:
+with the prompt's attention mask).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import pathlib
 import time
 import wave
 
@@ -25,7 +27,7 @@ import openai
 import pytest
 import requests
 import torch
-import yaml
+from PIL import Image
 
 from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model
 from omnirelay.speech_params import SpeechParams
@@ -34,11 +36,15 @@ from omnirelay.workers.speech_role import encode_audio
 
 from cluster import Cluster
 
+# A cluster of five processes plus transformers' reference: one to three minutes on 2 shared cores.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-omni"
 MESSAGES = [{"role": "user", "content": "Say hello to the world"}]
 MAX_TOKENS = 8           # thinker reply tokens
 MAX_CODES = 16           # talker codec tokens: the random talker never says EOS, so this bounds the audio
 SEED = 1234
+PIPELINE = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "omni.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -54,35 +60,34 @@ def prompt_ids(tiny_omni) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_omni, prompt_ids):
-    """transformers' own Qwen2.5-Omni generate (greedy thinker, its default talker sampling), once."""
-    torch.set_num_threads(1)
-    model = load_full_model(tiny_omni).eval()
+def _generate(model, ids: list[int], speaker: str = "Ethan", **media):
+    """transformers' Qwen2.5-Omni generate as documented (inputs with their attention mask): greedy
+    thinker, the talker's default sampling, seeded."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        sequences, wav = model.generate(torch.tensor([prompt_ids]), speaker="Ethan", thinker_max_new_tokens=MAX_TOKENS,
-                                        thinker_do_sample=False, talker_max_new_tokens=MAX_CODES)
-    reply = sequences[0, len(prompt_ids):].tolist()
-    return {"reply": reply, "wav": wav.float(), "model": model}
+        sequences, wav = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        speaker=speaker, thinker_max_new_tokens=MAX_TOKENS, thinker_do_sample=False,
+                                        talker_max_new_tokens=MAX_CODES, **media)
+    return sequences[0, len(ids):].tolist(), wav.float()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_omni, prompt_ids):
+    """The reference for MESSAGES, once per module."""
+    torch.set_num_threads(1)
+    model = load_full_model(tiny_omni).eval()
+    reply, wav = _generate(model, prompt_ids)
+    return {"reply": reply, "wav": wav, "model": model}
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_omni, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("omni-speech-logs")
-    pipeline = {"stages": [{"name": "prefill", "role": "prefill"}, {"name": "decode", "role": "decode"},
-                           {"name": "generate", "role": "generate", "runtime": {"max_batch_size": 2}}],
-                "connectors": {"data": {"type": "shared_memory", "options": {"ttl_s": 120}}},
-                "edges": [{"from": "prefill", "to": "decode", "connector": "data"},
-                          {"from": "prefill", "to": "generate", "connector": "data"},
-                          {"from": "decode", "to": "generate", "connector": "data"}]}
-    pipeline_file = log_dir / "omni-speech.yaml"
-    pipeline_file.write_text(yaml.safe_dump(pipeline))
-    stages = ["--stage-configs-path", str(pipeline_file)]
+    stages = ["--stage-configs-path", PIPELINE]
     c = Cluster(tiny_omni, str(log_dir), model_name=MODEL)
     try:
         c.start_broker()
-        for role in ("prefill", "decode", "generate"):
+        for role in ("encode", "prefill", "decode", "generate"):
             c.start_worker(role, *stages)
         c.start_gateway(*stages)
         c.wait_healthy(timeout=180)
@@ -127,6 +132,7 @@ def test_engine_matches_transformers_talker_and_token2wav(tiny_omni, prompt_ids,
                       torch.cat([s[-1][0] for s in states[1:]]), SpeechParams("Ethan", seed=SEED, max_codes=MAX_CODES),
                       time.time() + 60)
     wav, codes = engine.synthesize(task)
+    engine.close()
     assert codes == MAX_CODES
     torch.testing.assert_close(wav, reference["wav"], rtol=0, atol=1e-6)
     assert wav.pow(2).mean().sqrt() > 0.01   # audible, not silence
@@ -159,6 +165,43 @@ def test_chat_audio_matches_transformers(client, reference, tiny_omni):
     expected = _int16(reference["wav"])
     assert samples.shape == expected.shape == (MAX_CODES * 480,)   # 2 mel frames per code, 240 samples each
     assert np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01          # not silent
+    assert np.abs(samples.astype(np.int32) - expected.astype(np.int32)).max() <= 1
+
+
+def test_chat_with_an_image_in_and_audio_out_matches_transformers(client, reference, tiny_omni):
+    """The design's flagship request: encode → prefill → decode → generate. The talker's positions
+    follow the image's M-RoPE grid, as in transformers."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    pixels = (np.random.RandomState(5).rand(64, 80, 3) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    png = buf.getvalue()
+    tok = AutoTokenizer.from_pretrained(tiny_omni)
+    processor = Qwen2VLImageProcessorPil.from_pretrained(tiny_omni)
+    content = [{"type": "text", "text": "What is in this picture?"}, {"type": "image"}]
+    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    image = processor(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
+    n = int(image["image_grid_thw"][0].prod()) // processor.merge_size ** 2
+    ids = list(tok(text.replace(tok.image_token, tok.image_token * n), add_special_tokens=False)["input_ids"])
+    # pixel_values go to the thinker only (its ``thinker_`` prefix): un-prefixed, transformers 5.24's
+    # generate() also hands them to the talker's generate(), which rejects them as unused. The grid
+    # goes to both, as the talker's M-RoPE needs it.
+    reply, wav = _generate(reference["model"], ids, speaker="Chelsie", thinker_pixel_values=image["pixel_values"],
+                           image_grid_thw=image["image_grid_thw"])
+
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                                            {"type": "image_url", "image_url": {"url": url}}]}],
+        modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"}, max_tokens=MAX_TOKENS,
+        temperature=0, seed=SEED, extra_body={"max_audio_tokens": MAX_CODES})
+    audio = resp.choices[0].message.audio
+    assert resp.usage.prompt_tokens == len(ids)
+    assert audio.transcript == tok.decode(reply, skip_special_tokens=True)
+    samples = _wav_samples(base64.b64decode(audio.data))
+    expected = _int16(wav)
+    assert samples.shape == expected.shape
     assert np.abs(samples.astype(np.int32) - expected.astype(np.int32)).max() <= 1
 
 

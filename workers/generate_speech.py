@@ -80,6 +80,10 @@ class SpeechTask:
     reply_hidden: torch.Tensor         # [m-1, H]
     params: SpeechParams
     deadline: float
+    # Media in the prompt (from the encode stage, via prefill): the talker's M-RoPE positions
+    # follow the thinker's, so they need each image's (t, h, w) patch grid and each clip's mel frames.
+    image_grids: list[list[int]] = dataclasses.field(default_factory=list)
+    audio_lengths: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -290,8 +294,14 @@ class GenerateSpeechEngine:
         codec_prompt = torch.tensor([[talker.codec_mask_token] * n + [talker.codec_pad_token, talker.codec_bos_token]],
                                     dtype=torch.long, device=dev)
         text_ids = torch.cat([ids, torch.tensor([[bos_token, task.reply_token_ids[0]]], device=dev)], dim=1)
+        # As transformers' generate() called the documented way (``**processor(...)``, so with the
+        # prompt's attention mask, extended by 2 for the codec pad and bos): every position attends.
+        # (Without a mask, generate() would infer one from the codec pad id and hide that position.)
+        grids = torch.tensor(task.image_grids, dtype=torch.long, device=dev) if task.image_grids else None
+        audio = torch.tensor(task.audio_lengths, dtype=torch.long, device=dev) if task.audio_lengths else None
         return {"input_ids": codec_prompt, "input_text_ids": text_ids, "inputs_embeds": inputs_embeds[None],
-                "thinker_reply_part": rest[None], "attention_mask": None}
+                "thinker_reply_part": rest[None], "attention_mask": torch.ones_like(codec_prompt),
+                "image_grid_thw": grids, "audio_feature_lengths": audio}
 
 
 def load_speakers(root: Path) -> dict[str, dict]:

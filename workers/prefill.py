@@ -320,7 +320,10 @@ class PrefillEngine:
     def _put_speech(self, seq: _Running) -> dict:
         """Hand the prompt's hidden states to the speech stage: ``speech_prompt_key``/``_handle``."""
         key = f"speech/{seq.task.request_id}/{seq.task.attempt}/prompt"
-        handle = self.connector.put(key, {"hidden": torch.cat(seq.hidden)})
+        media = seq.task.media or {}   # the talker places media tokens as the thinker does (M-RoPE)
+        handle = self.connector.put(key, {"hidden": torch.cat(seq.hidden),
+                                          "image_grids": [[int(x) for x in g] for g in media.get("image_grids", [])],
+                                          "audio_lengths": [int(n) for n in media.get("audio_lengths", [])]})
         self.stats["speech_handoffs"] += 1
         return {"speech_prompt_key": key, "speech_prompt_handle": handle}
 

@@ -13,8 +13,9 @@ Life of a request through this adapter::
 
 What the stages before leave in ``Task.inputs`` (names shared with prefill and decode):
 
-* ``speech_prompt_key``/``speech_prompt_handle``: prefill's ``{"hidden": [n, H]}``, the last-layer
-  states of every prompt token;
+* ``speech_prompt_key``/``speech_prompt_handle``: prefill's ``{"hidden": [n, H], "image_grids",
+  "audio_lengths"}``, the last-layer states of every prompt token and the prompt's media shapes
+  (the talker's M-RoPE positions need them);
 * ``speech_reply_key``/``speech_reply_handle`` (chat only): decode's ``{"hidden": [m-1, H],
   "token_ids": [m]}``, the reply tokens and the states of all but the last one.
 
@@ -143,7 +144,10 @@ class GenerateSpeechRole(RoleAdapter):
                               task.deadline)
         reply = self._get(inputs, "speech_reply")
         reply_ids = [int(t) for t in reply["token_ids"]]
-        return SpeechTask(task.request_id, ids, hidden, reply_ids, _tensor(reply, "hidden"), params, task.deadline)
+        grids = [[int(x) for x in grid] for grid in prompt.get("image_grids") or []]
+        audio_lengths = [int(n) for n in prompt.get("audio_lengths") or []]
+        return SpeechTask(task.request_id, ids, hidden, reply_ids, _tensor(reply, "hidden"), params, task.deadline,
+                          image_grids=grids, audio_lengths=audio_lengths)
 
     def _get(self, inputs: dict, name: str) -> dict:
         key = inputs[f"{name}_key"]
