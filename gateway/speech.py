@@ -131,9 +131,11 @@ class SpeechStream(RequestStream):
     ``skip_tokens`` on, chunks in index order from ``skip_chunks`` on (what an earlier submission of
     the same client request already delivered). Done when the audio's last chunk is delivered."""
 
-    def __init__(self, request_id: str, deadline: float, mime: str, skip_tokens: int, skip_chunks: int):
+    def __init__(self, request_id: str, deadline: float, mime: str, skip_tokens: int, skip_chunks: int,
+                 text_expected: bool = True):
         super().__init__(request_id, deadline)
         self.mime = mime
+        self.text_expected = text_expected   # False for /v1/audio/speech: prefill's one token is nobody's
         self.skip_tokens = skip_tokens
         self.text_done = False
         self.next_chunk = 0
@@ -142,7 +144,7 @@ class SpeechStream(RequestStream):
         self._early_chunks: dict[int, str] = {}
 
     def on_delta(self, delta: p.TokenDelta) -> None:
-        if self.text_done or self.finished:
+        if self.text_done or self.finished or not self.text_expected:
             return
         for i, token in enumerate(delta.token_ids):
             position = delta.start + i
@@ -159,6 +161,11 @@ class SpeechStream(RequestStream):
             self._queue.put_nowait(StreamEvent(ready, reason))
         if reason:
             self.text_done = True
+            if self.next_position < 2:
+                # A one-token reply (EOS at once) ends at prefill: the talker needs the states of
+                # two tokens, so nothing is spoken and no audio will come.
+                self.finished = True
+                self._queue.put_nowait(StreamEvent([], "audio_done"))
 
     def on_media(self, media: p.MediaResult) -> None:
         if self.finished or media.index < self.next_chunk:
@@ -208,7 +215,7 @@ async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_t
     try:
         while True:
             upstream_id = request_id if not resubmits else f"{request_id}.{resubmits}"
-            stream = SpeechStream(upstream_id, deadline, mime, tokens_out, chunks_out)
+            stream = SpeechStream(upstream_id, deadline, mime, tokens_out, chunks_out, text_expected)
             extra = {"inputs": inputs} if inputs else {}
             submit = p.Submit(request_id=upstream_id, model=model, stages=list(stages),
                               prompt_token_ids=prompt_token_ids, sampling=sampling, deadline=deadline,
@@ -219,7 +226,7 @@ async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_t
                     if isinstance(item, AudioChunk):
                         chunks_out += 1
                         yield item
-                    elif text_expected:
+                    else:
                         tokens_out += len(item.tokens)
                         yield item
                 done = True
@@ -378,9 +385,12 @@ async def _chat_audio_full(gen, items, audio_id: str, timer) -> web.Response:
         gen.completion_tokens += len(item.tokens)
         detok.add(item.tokens, final=bool(item.finish_reason))
         finish = item.finish_reason or finish
+    text = detok.take(final=True)
     message = {"role": "assistant", "content": None,
                "audio": {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode("ascii"),
-                         "transcript": detok.take(final=True), "expires_at": int(time.time()) + AUDIO_TTL_S}}
+                         "transcript": text, "expires_at": int(time.time()) + AUDIO_TTL_S}}
+    if not audio:   # a one-token reply is not spoken: the text alone
+        message = {"role": "assistant", "content": text, "audio": None}
     body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
             "usage": _usage(gen)}

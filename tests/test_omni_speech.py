@@ -267,3 +267,14 @@ def test_speech_endpoint_flac_when_soundfile_is_installed(client):
     assert rate == SAMPLE_RATE and flac.content[:4] == b"fLaC"
     wav = client.audio.speech.create(response_format="wav", **kwargs)
     assert np.array_equal(samples, _wav_samples(wav.content))
+
+
+def test_a_one_token_reply_is_answered_as_text_without_audio(client, reference):
+    """The talker needs the states of two reply tokens; a reply that ends at its first token (here a
+    stop token) comes back at once as text, not after the deadline."""
+    started = time.monotonic()
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"},
+        max_tokens=MAX_TOKENS, temperature=0, extra_body={"stop_token_ids": [reference["reply"][0]]})
+    assert resp.choices[0].message.audio is None and resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == 1 and time.monotonic() - started < 30
