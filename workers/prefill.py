@@ -11,7 +11,8 @@ Life of a request through this engine::
         ones stay cached under their content hash for the next prompt that shares the prefix
 
 A multimodal request (Qwen2.5-Omni) arrives with the encode stage's handles: at admission its
-image/audio embeddings are fetched from the connector (the key is deleted) and its M-RoPE positions
+image/audio embeddings are fetched from the connector (the key is deleted when the prefill ends,
+finished or cancelled, so a retry after this worker died still finds it) and its M-RoPE positions
 and rope delta computed (:mod:`~omnirelay.workers.mrope`); each chunk's forward then takes the
 embeddings at the placeholder rows and the 3-row rotary positions. Such a prompt bypasses the
 prefix cache (its placeholder token ids say nothing about the media behind them), and the rope
@@ -73,6 +74,7 @@ class _Media:
     rope_delta: int              # decode positions are token index + this
     index: torch.Tensor          # [K] prompt rows taking an encoder output, ascending
     embeds: torch.Tensor         # [K, hidden] in the same order
+    key: str                     # the encoder outputs' connector key, deleted when the prefill ends
 
 
 @dataclasses.dataclass
@@ -212,6 +214,8 @@ class PrefillEngine:
                 try:
                     media = self._load_media(task)
                 except (OmniError, ValueError, KeyError, TypeError) as exc:
+                    if isinstance(task.media.get("mm_key"), str):
+                        self.connector.delete(task.media["mm_key"])
                     results.append(PrefillResult(task.request_id, error_type=getattr(exc, "error_type", "bad_request"),
                                                  message=f"multimodal inputs: {exc}"))
                     continue
@@ -222,12 +226,12 @@ class PrefillEngine:
             self.stats["prefix_hit_requests"] += bool(hits)
 
     def _load_media(self, task: PrefillTask) -> _Media:
-        """Fetch the encoder outputs (deleting the key) and place them: placeholder rows, M-RoPE."""
+        """Fetch the encoder outputs and place them: placeholder rows, M-RoPE positions, rope delta."""
         if self.mrope is None:
             raise ValueError("this model takes no media inputs")
         media = task.media
+        # The key stays until this prefill ends (_retire): a retry elsewhere after our death reads it.
         payload = self.connector.get(media["mm_key"], media.get("mm_handle"), timeout=self.transfer_timeout_s)
-        self.connector.delete(media["mm_key"])
         ids = torch.tensor(task.prompt_token_ids)
         rows, values = [], []
         for token, name in ((self.mrope.image_token_id, "image_embeds"), (self.mrope.audio_token_id, "audio_embeds")):
@@ -245,7 +249,7 @@ class PrefillEngine:
         order = torch.argsort(index)
         embeds = torch.cat(values)[order] if values else torch.empty(0, self.runner.config.hidden_size)
         self.stats["media_prompts"] += 1
-        return _Media(rope, delta, index[order], embeds)
+        return _Media(rope, delta, index[order], embeds, str(media["mm_key"]))
 
     def _media_fields(self, chunks: list[tuple["_Running", int]]) -> dict:
         """ForwardBatch extras for a step with multimodal prompts: 3-row rotary positions for every
@@ -363,3 +367,5 @@ class PrefillEngine:
     def _retire(self, seq: _Running) -> None:
         self.running.remove(seq)
         self.allocator.release(seq.blocks)
+        if seq.media is not None:
+            self.connector.delete(seq.media.key)
