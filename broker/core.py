@@ -395,7 +395,7 @@ class BrokerCore:
         if req.phase is Phase.QUEUED:
             if queue is not None and req.spec.request_id in queue:
                 queue.remove(req.spec.request_id)
-            if not req.inputs:
+            if not req.inputs or req.stage_index == 0:   # the first stage's inputs are inline (Submit.inputs)
                 return []
             # Data a finished stage left for this one: any worker of the consuming role can delete it.
             consumers = self.pools.get((req.spec.model, req.stage))
