@@ -21,6 +21,14 @@ down_proj are row-parallel and their partial outputs are summed with ``comm.all_
 pipeline parallelism a rank holds a contiguous range of layers. Embedding and lm_head are
 replicated (they are small next to the layers for the models we serve on CPU).
 
+Qwen2.5-Omni: the thinker's language model is this same Qwen2 (weights under ``thinker.model.*`` and
+``thinker.lm_head``; its encoders, talker and vocoder are not loaded here). Two optional batch
+fields carry what differs (:class:`~omnirelay.workers.forward_batch.ForwardBatch`): ``embeds``
+replaces the token embeddings at media placeholder rows right after the embedding lookup (so ``h``
+there is the prompt's merged input embedding), and ``rope_positions`` gives 3-row M-RoPE positions
+(each rotary column takes the axis of its ``mrope_section``) or, in decode, index + rope delta.
+Without them a batch runs exactly the text path.
+
 :meth:`LlamaModel.prefill` is the cache-free convenience path (one sequence → logits and the whole
 KV as ``[layers, 2, seq, kv_heads, head_dim]``) kept for callers that want contiguous KV.
 """
