@@ -142,6 +142,36 @@ def test_engine_matches_transformers_talker_and_token2wav(tiny_omni, prompt_ids,
     assert not torch.equal(engine.synthesize(other)[0], wav)
 
 
+def test_engine_queue_cancel_and_deadline(tiny_omni, prompt_ids, reference):
+    """step() runs one request at a time on the synthesis thread: a request cancelled while it runs
+    is dropped, a request past its deadline fails without running, the rest come out in order."""
+    engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
+    try:
+        hidden = engine.thinker_embed.shape[1]
+
+        def task(request_id: str, deadline: float) -> SpeechTask:
+            return SpeechTask(request_id, prompt_ids, torch.randn(len(prompt_ids), hidden), [5, 6, 7],
+                              torch.randn(2, hidden), SpeechParams("Chelsie", seed=1, max_codes=4), deadline)
+
+        with pytest.raises(Exception, match="voice 'alloy'"):
+            engine.add(SpeechTask(**{**task("x", time.time() + 60).__dict__, "params": SpeechParams("alloy")}))
+        for t in (task("a", time.time() + 60), task("b", time.time() + 60), task("late", time.time() - 1)):
+            engine.add(t)
+        outputs, failed = [], []
+        first = engine.step(wait_s=0)
+        failed += first.failed
+        assert engine.running is not None and engine.running[0].request_id == "a"
+        assert engine.cancel("a") and engine.num_requests == 2
+        while engine.has_work:
+            out = engine.step()
+            outputs += out.outputs
+            failed += out.failed
+        assert [o.request_id for o in outputs] == ["b"] and outputs[0].num_codes == 4
+        assert [(f.request_id, f.error_type) for f in failed] == [("late", "deadline_exceeded")]
+    finally:
+        engine.close()
+
+
 def test_encodings_round_trip():
     wav = torch.sin(torch.linspace(0, 200, SAMPLE_RATE // 10)) * 0.5
     samples = _wav_samples(encode_audio(wav, "wav"))

@@ -252,7 +252,8 @@ class GenerateSpeechEngine:
         """The waveform of one request (float32, 1-D) and the number of codec tokens spoken."""
         talker_inputs = self._talker_inputs(task)
         speaker = self.speakers[task.params.voice]
-        devices = [self.device] if self.device.type == "cuda" else []
+        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
             torch.manual_seed(task.params.seed)
             talker = self.talker
