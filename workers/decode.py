@@ -177,6 +177,13 @@ class DecodeEngine:
                 out.failed.append((seq.request_id, seq.task.reply_to, "out_of_memory",
                                    f"sequence of {cached + 1} tokens exceeds the whole KV pool"))
                 continue
+            if (seq.task.has_media or seq.task.rope_delta) and not isinstance(self.runner, LocalRunner):
+                self.waiting.popleft()   # a parallel group's broadcast carries no rotary offsets
+                self._drop_kv_key(seq)
+                self._drop_speech_key(seq)
+                out.failed.append((seq.request_id, seq.task.reply_to, "bad_request", "image/audio input needs a "
+                                   "single-process decode worker (tensor and pipeline parallel size 1)"))
+                continue
             if seq.task.speech_inputs is not None and not isinstance(self.runner, LocalRunner):
                 self.waiting.popleft()
                 self._drop_kv_key(seq)

@@ -186,6 +186,15 @@ class PrefillEngine:
                 results.append(PrefillResult(task.request_id, error_type="bad_request",
                                              message=f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"))
                 continue
+            if task.media and not isinstance(self.runner, LocalRunner):
+                # A parallel group's broadcast carries token ids and positions only, not embeddings.
+                self.waiting.popleft()
+                if isinstance(task.media.get("mm_key"), str):
+                    self.connector.delete(task.media["mm_key"])
+                results.append(PrefillResult(task.request_id, error_type="bad_request",
+                                             message="image/audio input needs a single-process prefill worker "
+                                                     "(tensor and pipeline parallel size 1)"))
+                continue
             if task.speech and not isinstance(self.runner, LocalRunner):
                 self.waiting.popleft()
                 results.append(PrefillResult(task.request_id, error_type="bad_request",
