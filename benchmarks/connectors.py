@@ -1,6 +1,7 @@
 """Connector throughput: put + get between two processes, per backend, beside its raw transport.
 
-    python benchmarks/connectors.py [--sizes-mib 1 16 64] [--iters 10] [--update BENCHMARKS.md]
+    python benchmarks/connectors.py [--sizes-mib 1 16 64] [--iters 10] [--rounds 1] [--baseline REV]
+                                    [--update BENCHMARKS.md]
 
 For every size, one payload ``{"t": uint8 tensor of N bytes}`` goes from a producer process to a
 consumer process, repeatedly:
@@ -23,6 +24,14 @@ consumer process, repeatedly:
   ``mooncake_transfer_engine`` connector rides on); ``raw Mooncake store`` (``upsert_from``, then
   ``get_into`` between warm registered buffers, then ``remove``). Like the connectors, the raw
   rows use a fresh key per iteration and run between two processes.
+
+``--rounds N`` repeats the whole measurement N times, interleaved (every row of a size, then the
+next size, then the next round), and reports per row the median over the rounds of its best-of-
+iterations GB/s, and per share the median over the rounds of that round's ratio: on a shared host
+a ratio taken within one round is what stays comparable. ``--baseline REV`` adds rows for the
+``shared_memory`` and ``mooncake_transfer_engine`` connectors as they were at git revision ``REV``
+(their package is extracted from git into a temporary directory and imported from there), so a
+change is measured against its predecessor side by side, in the same run.
 
 The script starts its own ``redis-server`` and ``mooncake_master`` on free ports of 127.0.0.1 and
 stops them by PID; backends whose library or server is missing are reported as skipped. The
@@ -47,6 +56,7 @@ import uuid
 from pathlib import Path
 
 MIB = 1 << 20
+BASELINE_PACKAGE = "omnirelay_bench_baseline"
 
 
 # ------------------------------------------------------------------------------ child side
@@ -90,6 +100,14 @@ def _child(role: str, kind: str, options: dict) -> int:
         config = ReplicateConfig()
         config.preferred_segment = store.get_hostname()
         state["store"], state["config"] = store, config
+        say({"ready": 0})
+    elif kind.startswith("baseline:"):   # the connector as it was at --baseline REV
+        import importlib
+        from omnirelay.connectors import registry
+        sys.path.insert(0, os.environ["OMNIRELAY_BENCH_BASELINE"])
+        module_name, class_name = registry._BACKENDS[kind.split(":", 1)[1]].split(":")
+        module = importlib.import_module(module_name.replace("omnirelay.connectors.", f"{BASELINE_PACKAGE}."))
+        state["conn"] = getattr(module, class_name)(options)
         say({"ready": 0})
     else:
         from omnirelay.connectors import create_connector
@@ -365,21 +383,30 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def render(results: dict, sizes: list[int], command: str) -> str:
+def _rounds(result) -> list[float]:
+    return result["rounds"] if isinstance(result, dict) else result
+
+
+def aggregate(per_round: list[dict]) -> dict:
+    """One row's results over the rounds: medians, and the per-round best GB/s under "rounds"."""
+    if not isinstance(per_round[0], dict):   # a reference copy: per-round GB/s
+        return {"gbps": statistics.median(per_round), "rounds": per_round}
+    out = {k: statistics.median(r[k] for r in per_round) for k in ("gbps", "median_gbps", "put_ms", "get_ms")}
+    out["rounds"] = [r["gbps"] for r in per_round]
+    return out
+
+
+def render(results: dict, sizes: list[int], command: str, refs: dict) -> str:
     def cell(name, size):
         r = results.get(name, {}).get(size)
         if r is None:
             return "skipped"
-        return f"{r['gbps']:.2f}" if isinstance(r, dict) else f"{r:.2f}"
+        return f"{r['gbps']:.2f}"
 
-    refs = {"shared_memory": ("memcpy", "memcpy, cold cache"),
-            "shared_memory, consumer reads every byte": ("memcpy", "memcpy, cold cache"),
-            "shared_memory, fresh segment per put (pool_mb: 0)": ("memcpy", "memcpy, cold cache"),
-            "redis": ("raw Redis SET/GET",), "mooncake_transfer_engine": ("raw Mooncake TE",),
-            "mooncake_store": ("raw Mooncake store",)}
     lines = [f"Command: `{command}`", "", f"Machine: {machine()}.", "",
-             ("put+get GB/s between two processes (best of the iterations; in parentheses the share of the "
-              "reference transport — for shared memory: of memcpy / of the cold-cache memcpy):"), "",
+             ("put+get GB/s between two processes (best of the iterations, median over the rounds; in "
+              "parentheses the share of the reference transport, median of the per-round ratios — for shared "
+              "memory: of memcpy / of the cold-cache memcpy):"), "",
              "| | " + " | ".join(f"{s // MIB} MiB" for s in sizes) + " | reference |",
              "|---|" + "---|" * len(sizes) + "---|"]
     for name in ("memcpy", "memcpy, cold cache", "raw TCP", "raw Redis SET/GET", "raw Mooncake TE",
@@ -395,12 +422,15 @@ def render(results: dict, sizes: list[int], command: str) -> str:
             shares = []
             for ref in ref_names:
                 base = results.get(ref, {}).get(s)
-                base_gbps = base["gbps"] if isinstance(base, dict) else base
-                if base_gbps:
-                    shares.append(f"{100 * r['gbps'] / base_gbps:.0f} %")
+                if base is None:
+                    continue
+                ratios = [mine / theirs for mine, theirs in zip(r["rounds"], _rounds(base)) if theirs]
+                if ratios:
+                    shares.append(f"{100 * statistics.median(ratios):.0f} %")
             cells.append(f"{r['gbps']:.2f}" + (f" ({' / '.join(shares)})" if shares else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {' / '.join(ref_names)} |")
-    lines += ["", "The best iteration's put / get in ms, and the median iteration's put+get GB/s:", "",
+    lines += ["", ("The best iteration's put / get in ms, and the median iteration's put+get GB/s (each the "
+                   "median over the rounds):"), "",
               "| | " + " | ".join(f"{s // MIB} MiB" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
     for name in ["raw Redis SET/GET", "raw Mooncake TE", "raw Mooncake store", *refs]:
         row = []
@@ -436,6 +466,24 @@ def update_section(path: Path, body: str) -> None:
     path.write_text(text)
 
 
+def extract_baseline(rev: str, into: str) -> str:
+    """Write the ``connectors`` package as of git revision ``rev`` under ``into`` (as package
+    :data:`BASELINE_PACKAGE`); returns the short revision. Its modules import each other
+    relatively, so they load side by side with the current ones."""
+    root = Path(__file__).resolve().parent.parent
+    git = ["git", "-C", str(root)]
+    short = subprocess.run([*git, "rev-parse", "--short", rev], check=True, capture_output=True, text=True).stdout.strip()
+    names = subprocess.run([*git, "ls-tree", "--name-only", rev, "connectors/"], check=True, capture_output=True,
+                           text=True).stdout.split()
+    package = Path(into) / BASELINE_PACKAGE
+    package.mkdir()
+    for name in names:
+        if name.endswith(".py"):
+            source = subprocess.run([*git, "show", f"{rev}:{name}"], check=True, capture_output=True).stdout
+            (package / Path(name).name).write_bytes(source)
+    return short
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
@@ -444,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="repeat everything, interleaved; report medians")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also measure shared_memory and mooncake_transfer_engine as of this git revision")
     parser.add_argument("--backends", nargs="+", default=["shared_memory", "redis", "mooncake_transfer_engine",
                                                           "mooncake_store"])
     parser.add_argument("--update", type=Path, default=None,
@@ -451,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python benchmarks/connectors.py " + " ".join(argv)
     sizes = [s * MIB for s in args.sizes_mib]
+    per_round: dict = {}   # row → size → [result of each round]
     results: dict = {}
     workdir = tempfile.mkdtemp(prefix="omnirelay-bench-")
     shm_dir = f"/dev/shm/omnirelay-bench-{uuid.uuid4().hex[:8]}"
@@ -468,46 +520,59 @@ def main(argv: list[str] | None = None) -> int:
                 results["mooncake_transfer_engine"] = results["mooncake_store"] = {"skipped": f"skipped ({exc})"}
         servers = [s[0] for s in (redis_server, master) if s]
         pool_mb = 4 * max(args.sizes_mib) + 64
-        configs = {
-            "shared_memory": ("shared_memory", {"shm_dir": shm_dir}, {}),
-            "shared_memory, consumer reads every byte": ("shared_memory", {"shm_dir": shm_dir}, {"touch": True}),
+        cold = ("memcpy", "memcpy, cold cache")
+        configs = {   # row → (connector, options, extra measure_pair arguments, reference rows)
+            "shared_memory": ("shared_memory", {"shm_dir": shm_dir}, {}, cold),
+            "shared_memory, consumer reads every byte": ("shared_memory", {"shm_dir": shm_dir}, {"touch": True}, cold),
             "shared_memory, fresh segment per put (pool_mb: 0)": ("shared_memory", {"shm_dir": shm_dir, "pool_mb": 0},
-                                                                  {}),
+                                                                  {}, cold),
         }
         if redis_server:
-            configs["redis"] = ("redis", {"url": redis_server[1], "pool_mb": pool_mb}, {})
+            configs["redis"] = ("redis", {"url": redis_server[1], "pool_mb": pool_mb}, {}, ("raw Redis SET/GET",))
         if master:
-            configs["mooncake_transfer_engine"] = ("mooncake_transfer_engine",
-                                                   {"directory": te_dir, "pool_mb": pool_mb}, {})
+            configs["mooncake_transfer_engine"] = ("mooncake_transfer_engine", {"directory": te_dir, "pool_mb": pool_mb},
+                                                   {}, ("raw Mooncake TE",))
             configs["mooncake_store"] = ("mooncake_store", {"master": master[1], "pool_mb": pool_mb,
-                                                            "segment_mb": pool_mb}, {})
-        for size in sizes:
-            iters = args.iters if size < 64 * MIB else max(5, args.iters // 2)
-            print(f"-- {size // MIB} MiB", flush=True)
-            results.setdefault("memcpy", {})[size] = measure_memcpy(size, 50)
-            results.setdefault("memcpy, cold cache", {})[size] = measure_memcpy_cold(size, 20)
-            results.setdefault("raw TCP", {})[size] = measure_tcp(size, iters, args.warmup)
-            if redis_server:
-                results.setdefault("raw Redis SET/GET", {})[size] = measure_pair(
-                    "raw_redis", {"url": redis_server[1]}, size, iters, args.warmup)
-            if master:
-                results.setdefault("raw Mooncake TE", {})[size] = measure_pair("raw_te", {}, size, iters, args.warmup)
-                results.setdefault("raw Mooncake store", {})[size] = measure_pair(
-                    "raw_store", {"master": master[1], "segment_mb": pool_mb}, size, iters, args.warmup)
-            for name, (kind, options, extra) in configs.items():
-                if kind not in args.backends:
-                    continue
-                results.setdefault(name, {})[size] = measure_pair(kind, options, size, iters, args.warmup, **extra)
-                print(f"   {name}: {results[name][size]['gbps']:.2f} GB/s", flush=True)
-            # The host is shared: measure the copy again after the backends and keep the faster run.
-            results["memcpy"][size] = max(results["memcpy"][size], measure_memcpy(size, 50))
+                                                            "segment_mb": pool_mb}, {}, ("raw Mooncake store",))
+        if args.baseline:
+            rev = extract_baseline(args.baseline, workdir)
+            os.environ["OMNIRELAY_BENCH_BASELINE"] = workdir   # inherited by the child processes
+            for name in ("shared_memory", "shared_memory, consumer reads every byte", "mooncake_transfer_engine"):
+                if name in configs:
+                    kind, options, extra, refs = configs[name]
+                    configs[f"{name} @ {rev}"] = (f"baseline:{kind}", options, extra, refs)
+        for round_index in range(args.rounds):
+            for size in sizes:
+                iters = args.iters if size < 64 * MIB else max(5, args.iters // 2)
+                print(f"-- round {round_index + 1}/{args.rounds}, {size // MIB} MiB", flush=True)
+                row: dict = {"memcpy": measure_memcpy(size, 50), "memcpy, cold cache": measure_memcpy_cold(size, 20),
+                             "raw TCP": measure_tcp(size, iters, args.warmup)}
+                if redis_server:
+                    row["raw Redis SET/GET"] = measure_pair("raw_redis", {"url": redis_server[1]}, size, iters,
+                                                            args.warmup)
+                if master:
+                    row["raw Mooncake TE"] = measure_pair("raw_te", {}, size, iters, args.warmup)
+                    row["raw Mooncake store"] = measure_pair("raw_store", {"master": master[1], "segment_mb": pool_mb},
+                                                             size, iters, args.warmup)
+                for name, (kind, options, extra, _) in configs.items():
+                    if kind.removeprefix("baseline:") not in args.backends:
+                        continue
+                    row[name] = measure_pair(kind, options, size, iters, args.warmup, **extra)
+                    print(f"   {name}: {row[name]['gbps']:.2f} GB/s", flush=True)
+                # The host is shared: measure the copy again after the backends and keep the faster run.
+                row["memcpy"] = max(row["memcpy"], measure_memcpy(size, 50))
+                for name, result in row.items():
+                    per_round.setdefault(name, {}).setdefault(size, []).append(result)
     finally:
         for proc in servers:
             stop(proc)
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(te_dir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
-    report = render(results, sizes, command)
+    for name, by_size in per_round.items():
+        for size, rounds in by_size.items():
+            results.setdefault(name, {})[size] = aggregate(rounds)
+    report = render(results, sizes, command, {name: config[3] for name, config in configs.items()})
     print(report)
     if args.update:
         update_section(args.update, report)
