@@ -136,6 +136,18 @@ def test_engine_equals_the_pipeline_call_reports_progress_and_is_deterministic(p
     assert first[0].mime == ("video/mp4" if video_encoder() == "mp4" else "image/webp")
 
 
+def test_whole_call_runner_makes_the_same_video_in_one_step(pipe):
+    from omnirelay.workers.generate_video import WholeCallVideoRunner
+
+    params = _params(num_frames=4, num_inference_steps=2)
+    stepwise, _, _ = _run(GenerateVideoEngine(pipe, encoder="webp"), VideoTask("a", params, time.time() + 120))
+    engine = GenerateVideoEngine(pipe, runner=WholeCallVideoRunner(pipe), encoder="webp")
+    whole, progress, failed = _run(engine, VideoTask("b", params, time.time() + 120))
+    assert not failed and engine.stats["prompt_steps"] == engine.stats["mux_steps"] == 1 and len(progress) == 1
+    a, b = (decode_frames(v[0].data, v[0].mime)[0] for v in (stepwise, whole))
+    assert len(b) == 4 and np.abs(np.stack(a).astype(int) - np.stack(b)).max() <= 1
+
+
 @pytest.mark.skipif(video_encoder() != "mp4", reason="PyAV is not installed: the worker serves animated WebP")
 def test_mp4_encoding_is_h264_of_the_requested_size_and_rate():
     rng = np.random.default_rng(0)
