@@ -3,11 +3,15 @@ and leaves no process and no shared-memory segment behind."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import signal
 import time
+import wave
 
 import openai
+import pytest
 import requests
 
 from conftest import ServeProcess, pid_alive, shm_segments_of
@@ -31,11 +35,32 @@ def _assert_clean_exit(serve: ServeProcess, sig: int) -> None:
     assert shm_segments_of(children | {serve.proc.pid}) == []
 
 
-def test_default_model_serves_and_ctrl_c_cleans_up(tmp_path):
+@pytest.mark.slow
+@pytest.mark.timeout(900)   # builds four models and starts ten processes on two cores
+def test_embedded_default_serves_every_modality_and_ctrl_c_cleans_up(tmp_path):
+    """The newcomer's command: no model given → one embedded model per modality, each answering on
+    its own endpoint through the official client; Ctrl-C then leaves nothing behind."""
     env = {**os.environ, "OMNIRELAY_CACHE_DIR": str(tmp_path / "cache")}
-    serve = ServeProcess(None, log_path=str(tmp_path / "serve.log"), env=env)
+    serve = ServeProcess(None, log_path=str(tmp_path / "serve.log"), env=env, timeout=420)
     try:
-        assert _one_chat(serve.url, "tiny-llm") is not None
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["tiny-llm", "tiny-omni", "tiny-sd", "tiny-video"]
+        assert _one_chat(serve.url, "tiny-llm")
+        picture = client.images.generate(model="tiny-sd", prompt="a red square", size="64x64",
+                                         extra_body={"num_inference_steps": 2, "seed": 1})
+        assert base64.b64decode(picture.data[0].b64_json).startswith(b"\x89PNG")
+        speech = client.audio.speech.create(model="tiny-omni", input="Hello there.", voice="Chelsie",
+                                            response_format="wav")
+        with wave.open(io.BytesIO(speech.content)) as wav:
+            assert wav.getnframes() > 0
+        job = client.videos.create(model="tiny-video", prompt="a drifting cloud", size="64x64",
+                                   extra_body={"num_inference_steps": 2, "num_frames": 4, "seed": 1})
+        deadline = time.time() + 120
+        while job.status in ("queued", "in_progress") and time.time() < deadline:
+            time.sleep(0.5)
+            job = client.videos.retrieve(job.id)
+        assert job.status == "completed", job
+        assert len(client.videos.download_content(job.id).content) > 0
         assert (tmp_path / "cache").is_dir()
     finally:
         _assert_clean_exit(serve, signal.SIGINT)
