@@ -16,14 +16,17 @@ Life of ``POST /v1/audio/speech``::
         user turn holding the text + the assistant header, then the text itself + <|im_end|>:
         the text is teacher-forced as the thinker's reply, so prefill alone computes every hidden
         state the talker needs (``SpeechParams.reply_start`` marks where the reply begins; no decode)
-        ──▶ Submit(stages prefill, generate) ──▶ the audio chunks, streamed as the HTTP body
+        ──▶ Submit(stages prefill, generate) ──▶ the audio chunks, joined into the HTTP body (collected
+        first, so a failure still gets its status: token2wav decodes the utterance in one piece anyway)
 
 Why teacher forcing: Qwen2.5-Omni's talker speaks the text whose thinker states it reads; states of
 the text as the assistant's own reply are exactly what decode would have produced, had the thinker
 said it. Voices are the model's speakers (``spk_dict.json`` beside the weights; the worker checks
 again). Formats: ``wav`` (16-bit PCM RIFF, 24 kHz mono), ``pcm`` (raw 16-bit LE; chat: ``pcm16``),
 ``flac`` (only when the ``soundfile`` package is installed here — else 400); mp3/opus/aac: 400.
-``speed`` resamples (pitch moves with it). The talker's and token2wav's random draws come from a
+``speed`` resamples (pitch moves with it). Extensions (``extra_body``): ``seed``, and
+``max_audio_tokens`` (the talker's codec-token budget; default in proportion to the text,
+``SpeechParams.codes_for``). The talker's and token2wav's random draws come from a
 seed (``seed`` field, else chosen here), so a stage retried elsewhere speaks the same; a resubmission
 after a lost worker starts over and skips what the client already has.
 """
@@ -93,9 +96,10 @@ def _speech_params(model: ModelRuntime, voice: Any, fmt: str, body: dict, **extr
     seed = body.get("seed")
     if seed is None:
         seed = random.randrange(MAX_SEED)
-    max_codes = body.get("max_audio_tokens", SpeechParams.max_codes)
-    if isinstance(max_codes, bool) or not isinstance(max_codes, int) or not 1 <= max_codes <= MAX_CODES:
-        raise BadRequest(f"'max_audio_tokens' must be an integer between 1 and {MAX_CODES}", param="max_audio_tokens")
+    max_codes = body.get("max_audio_tokens", 0)   # 0: in proportion to the text (SpeechParams.codes_for)
+    if isinstance(max_codes, bool) or not isinstance(max_codes, int) or not 0 <= max_codes <= MAX_CODES:
+        raise BadRequest(f"'max_audio_tokens' must be an integer between 1 and {MAX_CODES} (0: automatic)",
+                         param="max_audio_tokens")
     return SpeechParams(voice=voice, format=fmt, seed=seed, max_codes=max_codes, **extra)
 
 

@@ -6,7 +6,8 @@ Life of a request through this engine::
         ──▶ waiting (FIFO) ──step(): the oldest live request──▶
     talker: its prompt is built exactly as transformers' ``Qwen2_5OmniForConditionalGeneration.generate``
         builds it, then sampled with the same settings (top-k 40, top-p 0.8, temperature 0.9,
-        repetition penalty 1.05, codec BOS suppressed, EOS = codec pad/end) up to ``max_codes``
+        repetition penalty 1.05, codec BOS suppressed, EOS = codec pad/end) up to ``max_codes`` (by
+        default in proportion to the reply's length: ``SpeechParams.codes_for``)
     ──▶ token2wav: DiT (10 Runge-Kutta steps from Gaussian noise, speaker ``cond`` + ``ref_mel``)
         + BigVGAN ──▶ SpeechOutput(float waveform at :data:`SAMPLE_RATE`) to the role adapter
 
@@ -258,7 +259,8 @@ class GenerateSpeechEngine:
             torch.manual_seed(task.params.seed)
             talker = self.talker
             result = talker.generate(
-                **talker_inputs, suppress_tokens=[talker.codec_bos_token], max_new_tokens=task.params.max_codes,
+                **talker_inputs, suppress_tokens=[talker.codec_bos_token],
+                max_new_tokens=task.params.codes_for(len(task.reply_token_ids)),
                 eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
                 use_audio_in_video=False, **TALKER_SAMPLING)
             codes = result[:, talker_inputs["input_ids"].shape[1]:]
