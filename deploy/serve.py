@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-serve", description="serve a model with every role on this host")
     parser.add_argument("models", nargs="*", metavar="MODEL",
                         help="local model directories, each with its own workers behind one gateway "
-                             "(default: the embedded models, one per modality, built once and cached; "
-                             "see omnirelay.deploy.embedded)")
+                             "(default: the tiny built-in model, built once and cached)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument("--served-model-name", action="append", default=None,
@@ -171,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
 
     names = args.served_model_name or []
     if not args.models:
-        if names:
-            parser.error("--served-model-name needs MODEL directories; the embedded default names its own")
-        from .embedded import embedded_models
-        models = embedded_models()
+        from .model_builder import default_model_dir
+        models = [(str(default_model_dir()), names[0] if names else "tiny-llm")]
     else:
         if len(names) > len(args.models):
             parser.error("more --served-model-name than models")

@@ -106,10 +106,16 @@ def hf(tiny_omni):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_omni, tmp_path_factory):
+def media_dir(tmp_path_factory) -> str:
+    """The directory the server lets image_url name files in (--allowed-local-media-path)."""
+    return str(tmp_path_factory.mktemp("media"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_omni, media_dir, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("serve-omni") / "omni-serve.log")
     serve = ServeProcess(tiny_omni, "--served-model-name", "tiny-omni", "--stage-configs-path", PIPELINE,
-                         "--log-level", "WARNING", log_path=log_path)
+                         "--allowed-local-media-path", media_dir, "--log-level", "WARNING", log_path=log_path)
     yield serve
     serve.stop()
 
@@ -186,7 +192,7 @@ BAD = base64.b64encode(b"not an image at all").decode()
     ({"type": "input_audio", "input_audio": {"data": BAD, "format": "wav"}}, 400, "not a readable WAV"),
     ({"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(
         _wav(_tone(300.0, 31.0))).decode()}}, 400, "at most 30 s"),
-    ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, 400, "not enabled"),
+    ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, 400, "not under the allowed media directory"),
 ])
 def test_bad_media_gets_a_clear_error_and_the_next_request_succeeds(client, part, status, fragment):
     with pytest.raises(openai.APIStatusError) as caught:
@@ -196,6 +202,18 @@ def test_bad_media_gets_a_clear_error_and_the_next_request_succeeds(client, part
     assert fragment in error["message"]
     assert error["param"] == "messages[0].content[1]"
     assert len(_chat(client, [_image_part(_png(2)), {"type": "text", "text": "ok?"}]).choices[0].token_ids) == MAX_TOKENS
+
+
+def test_image_url_may_name_a_file_in_the_allowed_directory(client, media_dir, hf):
+    png = _png(9)
+    with open(os.path.join(media_dir, "picture.png"), "wb") as handle:
+        handle.write(png)
+    content = [{"type": "image_url", "image_url": {"url": os.path.join(media_dir, "picture.png")}},
+               {"type": "text", "text": "Describe it."}]
+    assert _chat(client, content).choices[0].token_ids == hf(content, png=png)
+    with pytest.raises(openai.BadRequestError) as caught:
+        _chat(client, [{"type": "image_url", "image_url": {"url": os.path.join(media_dir, "..", "x.png")}}])
+    assert "not under the allowed media directory" in caught.value.response.json()["error"]["message"]
 
 
 def test_too_many_media_items(client):
