@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-serve", description="serve a model with every role on this host")
     parser.add_argument("models", nargs="*", metavar="MODEL",
                         help="local model directories, each with its own workers behind one gateway "
-                             "(default: the tiny built-in model, built once and cached)")
+                             "(default: the embedded models, one per modality, built once and cached; "
+                             "see omnirelay.deploy.embedded)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument("--served-model-name", action="append", default=None,
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None, help="bearer token the gateway requires on /v1 routes")
     parser.add_argument("--allowed-local-media-path", default=None,
                         help="directory whose files chat image_url/audio_url parts may name (omni models)")
+    parser.add_argument("--allowed-local-media-path", default=None,
+                        help="directory whose files chat image_url/audio_url parts may name (omni models)")
     parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
@@ -170,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
 
     names = args.served_model_name or []
     if not args.models:
-        from .model_builder import default_model_dir
-        models = [(str(default_model_dir()), names[0] if names else "tiny-llm")]
+        if names:
+            parser.error("--served-model-name needs MODEL directories; the embedded default names its own")
+        from .embedded import embedded_models
+        models = embedded_models()
     else:
         if len(names) > len(args.models):
             parser.error("more --served-model-name than models")
@@ -355,6 +360,7 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             "--ready-file", ready_file, *pipeline_args,
             *(["--reply-host", reply_host] if reply_host else []),
             *(["--api-key", args.api_key] if args.api_key else []),
+            *(["--allowed-local-media-path", args.allowed_local_media_path] if args.allowed_local_media_path else []),
             *(["--allowed-local-media-path", args.allowed_local_media_path] if args.allowed_local_media_path else []),
             *(["--disable-log-requests"] if args.disable_log_requests else [])]
 
