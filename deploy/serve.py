@@ -156,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None, help="bearer token the gateway requires on /v1 routes")
     parser.add_argument("--allowed-local-media-path", default=None,
                         help="directory whose files chat image_url/audio_url parts may name (omni models)")
-    parser.add_argument("--allowed-local-media-path", default=None,
-                        help="directory whose files chat image_url/audio_url parts may name (omni models)")
     parser.add_argument("--disable-log-requests", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
@@ -360,7 +358,6 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             "--ready-file", ready_file, *pipeline_args,
             *(["--reply-host", reply_host] if reply_host else []),
             *(["--api-key", args.api_key] if args.api_key else []),
-            *(["--allowed-local-media-path", args.allowed_local_media_path] if args.allowed_local_media_path else []),
             *(["--allowed-local-media-path", args.allowed_local_media_path] if args.allowed_local_media_path else []),
             *(["--disable-log-requests"] if args.disable_log_requests else [])]
 
