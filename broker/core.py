@@ -310,30 +310,32 @@ class BrokerCore:
                 out += self._release(req)
         return out
 
-    def _on_submit(self, identity: bytes, msg: p.Submit, now: float) -> list[Outgoing]:
-        def reject(error_type: str, message: str, retry_after: float = 0.0) -> list[Outgoing]:
-            self.counters[f"rejected:{error_type}"] += 1
-            return [(identity, p.RequestFailed(msg.request_id, msg.stages[0] if msg.stages else "",
-                                               error_type, message, retry_after=retry_after))]
+    def _reject(self, identity: bytes, msg: p.Submit, error_type: str, message: str,
+                retry_after: float = 0.0) -> list[Outgoing]:
+        self.counters[f"rejected:{error_type}"] += 1
+        return [(identity, p.RequestFailed(msg.request_id, msg.stages[0] if msg.stages else "",
+                                           error_type, message, retry_after=retry_after))]
 
+    def _on_submit(self, identity: bytes, msg: p.Submit, now: float) -> list[Outgoing]:
         stages, model = msg.stages, msg.model
         if not stages or len(stages) > MAX_STAGES:
-            return reject("bad_request", f"a request passes 1 to {MAX_STAGES} stages")
+            return self._reject(identity, msg, "bad_request", f"a request passes 1 to {MAX_STAGES} stages")
         if msg.request_id in self.requests:
-            return reject("bad_request", f"duplicate request_id {msg.request_id}")
+            return self._reject(identity, msg, "bad_request", f"duplicate request_id {msg.request_id}")
         if not math.isfinite(msg.deadline):
-            return reject("bad_request", "deadline must be a finite time")
+            return self._reject(identity, msg, "bad_request", "deadline must be a finite time")
         pools = self.pools
         for role in stages:
             if (model, role) not in pools:
-                return reject("unavailable", f"no live {role} worker for model {model}",
-                              self.config.retry_after_s)
+                return self._reject(identity, msg, "unavailable", f"no live {role} worker for model {model}",
+                                    self.config.retry_after_s)
         queues, bound = self.queues, self.config.max_queue_per_role
         for role in stages:
             # Every stage's queue counts: a slow later role must push back on admission too.
             queue = queues.get((model, role))
             if queue is not None and len(queue) >= bound:
-                return reject("overloaded", f"{role} queue is full", self.config.retry_after_s)
+                return self._reject(identity, msg, "overloaded", f"{role} queue is full",
+                                    self.config.retry_after_s)
         self.requests[msg.request_id] = RequestState(spec=msg, gateway=identity, inputs=dict(msg.inputs))
         self.counters["requests_admitted"] += 1
         queues[(model, stages[0])].append(msg.request_id)
