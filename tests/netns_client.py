@@ -4,6 +4,8 @@ Subcommands (each prints one JSON line, or writes a JSON file):
 
 * ``health URL TIMEOUT`` — wait until ``URL/health`` answers 200; exit 1 after TIMEOUT seconds.
 * ``cluster URL`` — print ``URL/cluster``.
+* ``media URL MODEL`` — one chat completion with a small PNG in it (a data: URL); prints
+  ``{"status", "finish_reason", "text"}``.
 * ``load URL MODEL OUT --concurrency N --max-requests M --max-seconds S --stop-file F`` — N threads
   send chat completions (every other one streamed) until F exists, M requests were sent, or S
   seconds passed; then write ``{"ok", "failed", "errors", "sent"}`` to OUT. Progress (the count of
@@ -70,6 +72,25 @@ def _one(url: str, model: str, n: int) -> str | None:
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
+def _media(url: str, model: str) -> int:
+    import base64
+    import io
+
+    from PIL import Image
+    png = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 40, 40)).save(png, format="PNG")
+    image = {"type": "image_url",
+             "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}}
+    body = {"model": model, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]}
+    response = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+    answer = response.json()
+    choice = answer.get("choices", [{}])[0]
+    print(json.dumps({"status": response.status_code, "finish_reason": choice.get("finish_reason"),
+                      "text": choice.get("message", {}).get("content"), "error": answer.get("error")}))
+    return 0 if response.status_code == 200 else 1
+
+
 def _load(args: argparse.Namespace) -> int:
     lock = threading.Lock()
     counts = {"ok": 0, "failed": 0, "sent": 0}
@@ -113,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     health.add_argument("timeout", type=float)
     cluster = sub.add_parser("cluster")
     cluster.add_argument("url")
+    media = sub.add_parser("media")
+    media.add_argument("url")
+    media.add_argument("model")
     load = sub.add_parser("load")
     load.add_argument("url")
     load.add_argument("model")
@@ -127,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cluster":
         print(json.dumps(requests.get(args.url + "/cluster", timeout=10).json()))
         return 0
+    if args.command == "media":
+        return _media(args.url, args.model)
     return _load(args)
 
 

@@ -2,13 +2,14 @@
 machines of a small cluster, each daemon runs on "its" host, and only the network joins them.
 
     gw  10.211.0.1   broker (CURVE on tcp://10.211.0.1) + gateway (HTTP :8091, token socket)
-    pf  10.211.0.2   prefill worker
+    pf  10.211.0.2   encode worker + prefill worker
     d1  10.211.0.3   decode worker A
     d2  10.211.0.4   decode worker B, later decode worker C
     rd  10.211.0.5   redis-server (password) — the KV cache crosses hosts through it (stage YAML)
     cl  10.211.0.6   the client: bounded load, health and /cluster probes
 
-Under load a third decode worker joins, then decode worker A is drained with SIGTERM: no request
+The model is the tiny Qwen2.5-Omni, so a request with an image passes encode → prefill → decode:
+its embeddings and then its KV cache cross hosts through Redis. Under text load a third decode worker joins, then decode worker A is drained with SIGTERM: no request
 may fail. Every namespace (and with it every veth and the bridge), process and file is removed in
 ``finally``. Skipped only where this machine cannot create network namespaces.
 """
@@ -32,7 +33,7 @@ from netns import Hosts, NamespacesUnavailable
 from omnirelay.security import keygen_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL_NAME = "tiny-llm"
+MODEL_NAME = "tiny-omni"
 REDIS_PASSWORD = "multihost-test-secret"
 
 
@@ -61,7 +62,13 @@ def _decoders(cluster: dict) -> dict[str, dict]:
     return {w["worker_id"]: w for w in cluster["workers"] if w["role"] == "decode"}
 
 
-def test_kv_crosses_hosts_over_redis_with_curve_bus_and_a_drain_loses_nothing(tiny_model):
+@pytest.fixture(scope="module")
+def tiny_omni(tmp_path_factory) -> str:
+    from omnirelay.deploy.omni_builder import build_tiny_omni
+    return str(build_tiny_omni(tmp_path_factory.mktemp("models") / "tiny-omni", seed=0))
+
+
+def test_kv_crosses_hosts_over_redis_with_curve_bus_and_a_drain_loses_nothing(tiny_omni):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (Debian package redis-server; .ci/run installs it)")
     hosts = Hosts({"gw": 1, "pf": 2, "d1": 3, "d2": 4, "rd": 5, "cl": 6})
@@ -82,11 +89,13 @@ def test_kv_crosses_hosts_over_redis_with_curve_bus_and_a_drain_loses_nothing(ti
         pipeline = os.path.join(work, "pipeline.yaml")
         with open(pipeline, "w") as handle:
             handle.write(f"""stages:
+  - {{name: encode, role: encode, runtime: {{max_batch_size: 4}}}}
   - {{name: prefill, role: prefill, runtime: {{max_batch_size: 8}}}}
   - {{name: decode, role: decode, runtime: {{max_batch_size: 16}}}}
 connectors:
   kv: {{type: redis, options: {{url: "{redis_url}", ttl_s: 120}}}}
 edges:
+  - {{from: encode, to: prefill, connector: kv}}
   - {{from: prefill, to: decode, connector: kv}}
 """)
         broker = f"tcp://{hosts.address('gw')}:5555"
@@ -108,7 +117,7 @@ edges:
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
         def worker(host: str, role: str, name: str) -> Proc:
-            return start(host, name, ["omnirelay.workers.daemon", "--role", role, "--model", tiny_model,
+            return start(host, name, ["omnirelay.workers.daemon", "--role", role, "--model", tiny_omni,
                                       "--served-model-name", MODEL_NAME, "--broker", broker,
                                       "--stage-configs-path", pipeline, "--drain-timeout", "20",
                                       "--log-level", "INFO", *worker_keys])
@@ -116,12 +125,13 @@ edges:
         start("gw", "broker", ["omnirelay.broker.daemon", "--endpoint", broker, "--log-level", "INFO",
                                "--curve-secret-key", secret("broker"),
                                "--curve-authorized-keys", os.path.join(keys, "authorized")])
-        start("gw", "gateway", ["omnirelay.gateway.daemon", "--model", tiny_model, "--served-model-name", MODEL_NAME,
+        start("gw", "gateway", ["omnirelay.gateway.daemon", "--model", tiny_omni, "--served-model-name", MODEL_NAME,
                                 "--broker", broker, "--host", hosts.address("gw"), "--port", "8091",
                                 "--reply-host", hosts.address("gw"), "--stage-configs-path", pipeline,
                                 "--log-level", "INFO", "--curve-secret-key", secret("gateway"),
                                 "--curve-server-key", os.path.join(keys, "broker.key"),
                                 "--curve-authorized-keys", os.path.join(keys, "authorized")])
+        worker("pf", "encode", "encode")
         worker("pf", "prefill", "prefill")
         decode_a = worker("d1", "decode", "decode-a")
         worker("d2", "decode", "decode-b")
@@ -132,6 +142,13 @@ edges:
         assert redis.poll() is None
         first = _decoders(_cluster(hosts, url))
         assert len(first) == 2
+
+        # An image from the client host: encoded on pf, its embeddings and KV cache through Redis.
+        media = _client(hosts, "media", url, MODEL_NAME, timeout=150)
+        assert media.returncode == 0, media.stdout + media.stderr[-2000:]
+        assert json.loads(media.stdout)["finish_reason"] in ("stop", "length"), media.stdout
+        _wait(lambda: any(w["stats"].get("encoded_requests", 0) >= 1 for w in _cluster(hosts, url)["workers"]
+                          if w["role"] == "encode"), 15, "the encode worker to report the image", procs)
 
         # Bounded load from the client host: until told to stop, 400 requests or 150 s at most.
         out = os.path.join(work, "load.json")
