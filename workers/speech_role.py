@@ -4,7 +4,8 @@ Life of a request through this adapter::
 
     Task (sampling["audio"] = SpeechParams; inputs = connector handles of the thinker's hidden states)
         ──accept: read the prompt states (prefill's) and the reply states (decode's) from the
-          connector, delete those keys, queue a SpeechTask──▶ engine
+          connector, queue a SpeechTask──▶ engine (the keys are deleted once the audio is out, the
+          request failed or was cancelled: a retry after this worker's death still finds them)
         ──step: the waveform ──encode (wav | pcm | flac)──▶ byte chunks of ≤ CHUNK_BYTES──▶
     one MediaResult per chunk to the gateway's ``reply_to`` (index = chunk number, ``finish`` on the
     last one), then StageDone(finished=True) to the broker — after the last chunk, so the broker
@@ -96,6 +97,9 @@ class GenerateSpeechRole(RoleAdapter):
         self.transfer_timeout_s = transfer_timeout_s
         self._reply_to: dict[str, str] = {}
         self._formats: dict[str, str] = {}
+        # The hidden states' keys stay until the request's audio is out (or it fails or is
+        # cancelled): if this worker dies mid-synthesis, the broker's retry elsewhere still finds them.
+        self._inputs: dict[str, dict] = {}
 
     def release_inputs(self, inputs: dict) -> None:
         for name in INPUT_KEYS:
@@ -104,8 +108,9 @@ class GenerateSpeechRole(RoleAdapter):
                 self.connector.delete(key)
 
     def accept(self, task: p.Task) -> list[Outbound]:
-        if task.request_id in self._reply_to:
-            self.cancel(task.request_id)   # the broker re-dispatched a request we still hold: the new attempt wins
+        if task.request_id in self._reply_to:   # the broker re-dispatched a request we still hold:
+            self._inputs.pop(task.request_id, None)   # the new attempt wins (and may read the same keys)
+            self.cancel(task.request_id)
         try:
             params = SpeechParams.from_wire(task.sampling.get("audio"))
             if params.format == "flac" and not flac_available():
@@ -126,6 +131,7 @@ class GenerateSpeechRole(RoleAdapter):
                                  attempt=task.attempt)]
         self._reply_to[task.request_id] = task.reply_to
         self._formats[task.request_id] = params.format
+        self._inputs[task.request_id] = dict(task.inputs)
         self._attempts[task.request_id] = task.attempt
         return []
 
@@ -153,14 +159,13 @@ class GenerateSpeechRole(RoleAdapter):
         key = inputs[f"{name}_key"]
         if not isinstance(key, str) or not key:
             raise BadRequest(f"no {name} states in the task inputs")
-        payload = self.connector.get(key, inputs.get(f"{name}_handle"), timeout=self.transfer_timeout_s)
-        self.connector.delete(key)
-        return payload
+        return self.connector.get(key, inputs.get(f"{name}_handle"), timeout=self.transfer_timeout_s)
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
         self._reply_to.pop(request_id, None)
         self._formats.pop(request_id, None)
+        self.release_inputs(self._inputs.pop(request_id, {}))
         self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
@@ -169,6 +174,7 @@ class GenerateSpeechRole(RoleAdapter):
         for speech in result.outputs:
             reply_to = self._reply_to.pop(speech.request_id, None)
             fmt = self._formats.pop(speech.request_id, "wav")
+            self.release_inputs(self._inputs.pop(speech.request_id, {}))
             if reply_to is None:
                 continue   # cancelled while it ran
             data = encode_audio(speech.waveform, fmt)
@@ -182,6 +188,7 @@ class GenerateSpeechRole(RoleAdapter):
         for failure in result.failed:
             self._reply_to.pop(failure.request_id, None)
             self._formats.pop(failure.request_id, None)
+            self.release_inputs(self._inputs.pop(failure.request_id, {}))
             out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
         return out
 
