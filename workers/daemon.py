@@ -1,4 +1,4 @@
-"""``omni-worker --role prefill|decode|generate --model DIR --broker ENDPOINT``: one worker daemon.
+"""``omni-worker --role encode|prefill|decode|generate --model DIR --broker ENDPOINT``: one worker daemon.
 
 Builds the worker's parts in order — config, model, connector, engine, role adapter, runtime — and
 runs the runtime until SIGTERM/SIGINT, then drains. Ranks of a GPU group beyond rank 0 never talk
