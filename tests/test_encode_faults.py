@@ -1,0 +1,144 @@
+"""kill -9 of an encode worker (tiny Qwen2.5-Omni thinker) under a bounded load.
+
+Two encode workers, one prefill, one decode, with ``deploy/pipelines/omni_thinker.yaml``. The load
+(16 chat requests with an image each, concurrency 4, greedy) runs while the encode worker that is
+busy is killed with SIGKILL after 4 answers. Encode is idempotent: the broker puts the dead
+worker's stage back in the queue, so every request must complete — or fail with a structured
+error. The reference is the same load run again afterwards on the surviving cluster (run before,
+it would fill the encoder caches and the killed worker would have had next to nothing to do).
+Each request is classified completed / structured error / wrong / hung / unstructured / lost and
+the counts are printed; the contract is 0 hung, 0 lost, 0 wrong, 0 unstructured. Mirrors the
+prefill/decode scenarios of ``test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import time
+
+import numpy as np
+import openai
+import pytest
+import requests
+from PIL import Image
+
+from cluster import Cluster
+from omnirelay.deploy.omni_builder import build_tiny_omni
+
+MODEL = "tiny-omni"
+PIPELINE = os.path.join(os.path.dirname(__file__), "..", "deploy", "pipelines", "omni_thinker.yaml")
+N_REQUESTS, CONCURRENCY, KILL_AFTER, MAX_TOKENS = 16, 4, 4, 6
+REQUEST_TIMEOUT_S = 90.0
+
+pytestmark = pytest.mark.slow
+
+
+def _image(i: int) -> dict:
+    # 224×224: enough patches that encoding takes a while, so the kill finds one in flight.
+    pixels = (np.random.RandomState(i).rand(224, 224, 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()}}
+
+
+@pytest.fixture(scope="module")
+def tiny_omni(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("models") / MODEL
+    build_tiny_omni(path, seed=0)
+    return str(path)
+
+
+@pytest.fixture
+def cluster(tiny_omni, tmp_path):
+    cluster = Cluster(model=tiny_omni, log_dir=str(tmp_path), model_name=MODEL)
+    try:
+        cluster.start_broker()
+        for role in ("encode", "encode", "prefill", "decode"):
+            cluster.start_worker(role, "--stage-configs-path", PIPELINE)
+        cluster.start_gateway("--stage-configs-path", PIPELINE)
+        cluster.wait_healthy()
+        deadline = time.monotonic() + 60
+        while len(cluster.workers()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def _one(client, i: int) -> tuple[str, list[int] | str]:
+    try:
+        response = await asyncio.wait_for(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": [_image(i), {"type": "text", "text": f"Picture {i}?"}]}],
+            temperature=0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True, "return_token_ids": True}),
+            REQUEST_TIMEOUT_S)
+        return "completed", response.choices[0].model_extra["token_ids"]
+    except asyncio.TimeoutError:
+        return "hung", "no answer in time"
+    except openai.APIStatusError as exc:
+        try:
+            body = exc.response.json()   # exc.body is only the inner "error" map
+        except ValueError:
+            body = {}
+        structured = isinstance(body.get("error"), dict) and "request_id" in body and "stage" in body
+        return ("error" if structured else "unstructured"), f"{exc.status_code} {body}"
+
+
+async def _load(url: str, fault=None) -> list:
+    results: list = [None] * N_REQUESTS
+    done = 0
+    fired = asyncio.Event()
+    semaphore = asyncio.Semaphore(CONCURRENCY)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=REQUEST_TIMEOUT_S + 5) as client:
+        async def worker(i: int) -> None:
+            nonlocal done
+            async with semaphore:
+                results[i] = await _one(client, i)
+            done += 1
+            if fault is not None and done >= KILL_AFTER and not fired.is_set():
+                fired.set()
+                await asyncio.to_thread(fault)
+
+        await asyncio.gather(*(worker(i) for i in range(N_REQUESTS)))
+    return results
+
+
+def _broker_counters(cluster: Cluster) -> dict:
+    return requests.get(cluster.url + "/cluster", timeout=10).json()["broker"]
+
+
+def test_kill9_encode_worker_under_load(cluster):
+    killed: dict = {}
+
+    def kill_a_busy_encode_worker() -> None:
+        encoders = [w for w in cluster.workers() if w["role"] == "encode"]
+        victim = max(encoders, key=lambda w: w["running"] + w["waiting"])
+        killed["busy"] = victim["running"] + victim["waiting"]
+        killed["proc"] = next(proc for proc in cluster.procs if proc.pid == victim["pid"])
+        killed["proc"].kill9()
+
+    results = asyncio.run(_load(cluster.url, fault=kill_a_busy_encode_worker))
+    logs = "".join(proc.output() for proc in cluster.procs)
+    retried = _broker_counters(cluster).get("stage_retries", 0)
+    reference = [tokens for _, tokens in asyncio.run(_load(cluster.url))]
+    counts = {"completed": 0, "error": 0, "wrong": 0, "hung": 0, "unstructured": 0, "lost": 0}
+    for result, expected in zip(results, reference):
+        if result is None:
+            counts["lost"] += 1
+        elif result[0] == "completed":
+            counts["completed" if result[1] == expected else "wrong"] += 1
+        else:
+            counts[result[0]] += 1
+    print(f"\nkill -9 encode: {counts}; {retried} stage(s) re-dispatched by the broker (victim held "
+          f"{killed.get('busy')} task(s) by its last heartbeat)")
+    assert all(isinstance(tokens, list) for tokens in reference), reference
+    assert counts["hung"] == 0 and counts["lost"] == 0 and counts["unstructured"] == 0, (counts, results)
+    assert counts["wrong"] == 0, counts
+    assert counts["completed"] + counts["error"] == N_REQUESTS
+    assert not killed["proc"].alive()
+    assert "missed heartbeats; dropping it" in logs   # the broker noticed the death itself
+    assert retried >= 1, "the kill hit no encode stage in flight"
+    assert [w["role"] for w in cluster.workers()].count("encode") == 1   # the survivor serves on
