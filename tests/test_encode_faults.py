@@ -41,7 +41,8 @@ def _image(i: int) -> dict:
     pixels = (np.random.RandomState(i).rand(224, 224, 3) * 255).astype("uint8")
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, "PNG")
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()}}
+    data_url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": data_url}}
 
 
 @pytest.fixture(scope="module")
