@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model
+from omnirelay.errors import BadRequest, TransferFailed
 from omnirelay.speech_params import SpeechParams
 from omnirelay.workers.generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
 from omnirelay.workers.speech_role import encode_audio
@@ -153,7 +154,7 @@ def test_engine_queue_cancel_and_deadline(tiny_omni, prompt_ids, reference):
             return SpeechTask(request_id, prompt_ids, torch.randn(len(prompt_ids), hidden), [5, 6, 7],
                               torch.randn(2, hidden), SpeechParams("Chelsie", seed=1, max_codes=4), deadline)
 
-        with pytest.raises(Exception, match="voice 'alloy'"):
+        with pytest.raises(BadRequest, match="voice 'alloy'"):
             engine.add(SpeechTask(**{**task("x", time.time() + 60).__dict__, "params": SpeechParams("alloy")}))
         for t in (task("a", time.time() + 60), task("b", time.time() + 60), task("late", time.time() - 1)):
             engine.add(t)
@@ -170,6 +171,53 @@ def test_engine_queue_cancel_and_deadline(tiny_omni, prompt_ids, reference):
         assert [(f.request_id, f.error_type) for f in failed] == [("late", "deadline_exceeded")]
     finally:
         engine.close()
+
+
+def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_ids):
+    """The speech role on its own (no processes): hidden states in through a shared-memory connector,
+    MediaResults out in index order, the last with ``finish``, then StageDone; the keys are gone after.
+    A voice the model lacks is a StageFailed(bad_request) that also frees the keys."""
+    from omnirelay.broker import protocol as p
+    from omnirelay.connectors import create_connector
+    from omnirelay.workers.speech_role import GenerateSpeechRole
+
+    connector = create_connector("shared_memory", {})
+    engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
+    try:
+        role = GenerateSpeechRole("w", engine, connector, chunk_bytes=1000)
+        hidden = engine.thinker_embed.shape[1]
+
+        def task(request_id: str, voice: str) -> p.Task:
+            inputs = {}
+            for name, payload in (("prompt", {"hidden": torch.randn(len(prompt_ids), hidden)}),
+                                  ("reply", {"hidden": torch.randn(2, hidden), "token_ids": [5, 6, 7]})):
+                key = f"speech/{request_id}/{name}"
+                inputs[f"speech_{name}_key"], inputs[f"speech_{name}_handle"] = key, connector.put(key, payload)
+            audio = SpeechParams(voice, format="pcm", seed=3, max_codes=4).to_wire()
+            return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=prompt_ids,
+                          sampling={"audio": audio}, inputs=inputs, reply_to="tcp://127.0.0.1:1", deadline=time.time() + 60)
+
+        bad = task("bad", "alloy")
+        [(dest, failed)] = role.accept(bad)
+        assert isinstance(failed, p.StageFailed) and failed.error_type == "bad_request" and "alloy" in failed.message
+        good = task("good", "Ethan")
+        assert role.accept(good) == []
+        out = []
+        while engine.has_work:
+            out += role.step()
+        media = [m for _, m in out if isinstance(m, p.MediaResult)]
+        assert [m.index for m in media] == list(range(len(media))) and len(media) == 4 * 960 // 1000 + 1
+        assert [m.finish for m in media] == [False] * (len(media) - 1) + [True]
+        pcm = b"".join(base64.b64decode(m.data) for m in media)
+        assert len(pcm) == 4 * 960 and all(m.mime == "audio/pcm" for m in media)
+        assert isinstance(out[-1][1], p.StageDone) and out[-1][1].finished
+        for t in (bad, good):
+            for name in ("prompt", "reply"):
+                with pytest.raises(TransferFailed):
+                    connector.get(t.inputs[f"speech_{name}_key"], timeout=0.2)
+    finally:
+        engine.close()
+        connector.close()
 
 
 def test_encodings_round_trip():
