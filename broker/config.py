@@ -15,6 +15,10 @@ class BrokerConfig:
     max_attempts:        how many times one request may be (re)started after worker loss.
     retry_after_s:       the Retry-After hint sent with overload/unavailable rejections.
     max_workers:         bound of the registry (registrations beyond it are refused).
+    prefix_keys_per_worker: bound of the prefix-cache block keys kept per worker (prefix-aware
+                         routing; ~100 bytes each), least recently touched dropped first.
+    prefix_load_slack:   a worker with a longer cached prefix wins only while it has at most this
+                         many more assigned tasks than the least-loaded worker of its role.
     """
 
     endpoint: str = "tcp://127.0.0.1:5555"
@@ -24,6 +28,8 @@ class BrokerConfig:
     max_attempts: int = 3
     retry_after_s: float = 1.0
     max_workers: int = 10_000
+    prefix_keys_per_worker: int = 16_384
+    prefix_load_slack: int = 4
 
     def __post_init__(self) -> None:
         if "://" not in self.endpoint:
@@ -32,3 +38,5 @@ class BrokerConfig:
             raise ValueError("liveness_s must exceed heartbeat_interval_s > 0")
         if self.max_queue_per_role < 1 or self.max_attempts < 1:
             raise ValueError("max_queue_per_role and max_attempts must be >= 1")
+        if self.prefix_keys_per_worker < 0 or self.prefix_load_slack < 0:
+            raise ValueError("prefix_keys_per_worker and prefix_load_slack must be >= 0")

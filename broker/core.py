@@ -14,7 +14,9 @@ Life of a request through the broker::
 Admission rejects early: a full role queue or a role with no live worker fails the request at
 once (``overloaded``/``unavailable`` with a retry-after) instead of queueing without bound.
 Dispatch is by credit: a worker grants credits, the broker never sends more tasks than granted,
-and picks the least-loaded worker of the role. Workers that miss heartbeats for ``liveness``
+and picks the least-loaded worker of the role — or, for a request with prefix hints, the worker
+that caches the longest prefix of its prompt unless that one is much busier
+(:mod:`~omnirelay.broker.prefix_index`). Workers that miss heartbeats for ``liveness``
 seconds are dropped; their idempotent stages (everything but decode) go back to the front of the
 queue, and a decode stream is reported ``resumable`` so the gateway can resume it elsewhere.
 """
@@ -32,6 +34,7 @@ import msgspec
 
 from . import protocol as p
 from .config import BrokerConfig
+from .prefix_index import MAX_PROMPT_BLOCKS, PrefixSet, pick_worker
 
 log = logging.getLogger("omnirelay.broker")
 
@@ -64,13 +67,19 @@ class WorkerState:
     free_kv_blocks: int = -1
     stats: dict = dataclasses.field(default_factory=dict)
     tasks: set[str] = dataclasses.field(default_factory=set)
+    block_size: int = 0                 # > 0: reports its prefix cache (prefix-aware routing)
+    prefix: PrefixSet | None = None
+    dispatched: int = 0                 # tasks sent to it since it registered
+    prefix_routed: int = 0              # … of which went to it for a cached prefix
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.model, "pid": self.pid,
                 "host": self.host, "capacity": self.capacity, "credits": self.credits,
                 "assigned": len(self.tasks), "running": self.running, "waiting": self.waiting,
                 "free_kv_blocks": self.free_kv_blocks, "stats": dict(self.stats),
-                "last_seen_s": round(now - self.last_seen, 3)}
+                "last_seen_s": round(now - self.last_seen, 3), "dispatched": self.dispatched,
+                "prefix_routed": self.prefix_routed, "block_size": self.block_size,
+                "prefix_keys": len(self.prefix) if self.prefix is not None else 0}
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,11 +96,6 @@ class RequestState:
     @property
     def stage(self) -> str:
         return self.spec.stages[self.stage_index]
-
-
-def _load(worker: WorkerState) -> tuple[int, int]:
-    """Least-loaded order: fewest assigned tasks, then most credit left."""
-    return len(worker.tasks), -worker.credits
 
 
 class BrokerCore:
@@ -149,6 +153,8 @@ class BrokerCore:
         worker = WorkerState(
             worker_id=msg.worker_id, identity=identity, role=msg.role, model=msg.model,
             capacity=max(0, msg.capacity), pid=msg.pid, host=msg.host, last_seen=now)
+        if msg.block_size > 0 and self.config.prefix_keys_per_worker > 0:
+            worker.block_size, worker.prefix = msg.block_size, PrefixSet(self.config.prefix_keys_per_worker)
         if old is not None:
             self._unindex(old)
         self.workers[msg.worker_id] = worker
@@ -186,6 +192,14 @@ class BrokerCore:
             return [(identity, p.Reregister("unknown worker"))]
         worker.running, worker.waiting = msg.running, msg.waiting
         worker.free_kv_blocks, worker.stats = msg.free_kv_blocks, dict(msg.stats)
+        prefix = worker.prefix
+        if prefix is not None:
+            bound = prefix.capacity
+            if msg.prefix_full:
+                prefix.replace(msg.prefix_added[-bound:])
+            else:
+                prefix.discard(msg.prefix_evicted[:bound])
+                prefix.add(msg.prefix_added[-bound:])
         return []
 
     def _on_unregister(self, identity: bytes, msg: p.Unregister, now: float) -> list[Outgoing]:
@@ -362,19 +376,34 @@ class BrokerCore:
         if not queue:
             return out
         candidates = [w for w in self.pools.get((model, role), {}).values() if w.credits > 0]
-        requests = self.requests
+        requests, slack = self.requests, self.config.prefix_load_slack
         while queue and candidates:
             request_id = queue.popleft()
             req = requests.get(request_id)
             if req is None or req.phase is not Phase.QUEUED:
                 continue  # cancelled or failed while queued
-            worker = candidates[0] if len(candidates) == 1 else min(candidates, key=_load)
+            spec = req.spec
+            keys = spec.prefix_hashes
+            if len(keys) > MAX_PROMPT_BLOCKS:   # a hint, bounded: no sender makes the broker loop long
+                keys = keys[:MAX_PROMPT_BLOCKS]
+            if len(candidates) == 1:
+                worker, hits = candidates[0], 0
+            else:
+                worker, hits = pick_worker(candidates, keys, spec.prefix_block_size, slack)
             worker.credits -= 1
             if not worker.credits:
                 candidates.remove(worker)
             worker.tasks.add(request_id)
+            worker.dispatched += 1
+            if keys and worker.prefix is not None and worker.block_size == spec.prefix_block_size:
+                if hits:
+                    worker.prefix_routed += 1
+                    self.counters["prefix_routed"] += 1
+                    self.counters["prefix_hit_blocks"] += hits
+                # It will hold this prompt's blocks once its prefill ran: the next request with
+                # the same prefix follows even before a heartbeat says so.
+                worker.prefix.add(keys)
             req.phase, req.worker_id, req.dispatched_at = Phase.RUNNING, worker.worker_id, self._now
-            spec = req.spec
             out.append((worker.identity, p.Task(
                 request_id=request_id, stage=req.stage, model=model,
                 prompt_token_ids=spec.prompt_token_ids, sampling=spec.sampling, inputs=req.inputs,

@@ -154,6 +154,9 @@ def decode(frames: list[bytes]) -> Message:
 
 @_register
 class Register(Message):
+    """``block_size`` > 0: the worker keeps a prefix cache of KV blocks of that many tokens and
+    reports it in heartbeats (prefix-aware routing, :mod:`omnirelay.broker.prefix_index`)."""
+
     TAG = b"REG"
     worker_id: str
     role: str
@@ -162,6 +165,7 @@ class Register(Message):
     pid: int = 0
     host: str = ""
     held: list[str] = msgspec.field(default_factory=list)   # requests still held (re-registration)
+    block_size: int = 0
 
 
 @_register
@@ -173,12 +177,21 @@ class Credit(Message):
 
 @_register
 class Heartbeat(Message):
+    """Liveness and load. A worker with a prefix cache adds the route keys (first 8 bytes of the
+    block names, :func:`~omnirelay.broker.prefix_index.route_keys`) of blocks it cached
+    (``prefix_added``) and evicted (``prefix_evicted``) since its last heartbeat — or, with
+    ``prefix_full``, its whole set in ``prefix_added`` (after registering, when the deltas overflow,
+    and now and then), which replaces the broker's copy. The broker keeps a bounded number per worker."""
+
     TAG = b"HB"
     worker_id: str
     running: int = 0
     waiting: int = 0
     free_kv_blocks: int = -1
     stats: dict[str, int | float] = msgspec.field(default_factory=dict)
+    prefix_added: list[int] = msgspec.field(default_factory=list)
+    prefix_evicted: list[int] = msgspec.field(default_factory=list)
+    prefix_full: bool = False
 
 
 @_register
@@ -225,7 +238,10 @@ class GatewayHello(Message):
 class Submit(Message):
     """A new request. ``deadline`` is wall-clock seconds since the epoch; ``reply_to`` is the
     endpoint where workers push :class:`TokenDelta` for it. ``position_offset`` is the absolute
-    position of the first token to generate (non-zero when a stream is resumed elsewhere)."""
+    position of the first token to generate (non-zero when a stream is resumed elsewhere).
+    ``prefix_hashes`` are the route keys of the prompt's leading blocks of ``prefix_block_size``
+    tokens (:func:`~omnirelay.broker.prefix_index.prompt_route_keys`): the broker sends the request
+    to the worker that caches the longest prefix of them. Empty: least-loaded routing."""
 
     TAG = b"SUB"
     request_id: str
@@ -240,6 +256,8 @@ class Submit(Message):
     # The first stage's inputs, inline (an omni request's media bytes for encode); bounded by
     # MAX_BODY_BYTES with the rest of the message. Later stages get the previous stage's outputs.
     inputs: dict[str, Any] = msgspec.field(default_factory=dict)
+    prefix_hashes: list[int] = msgspec.field(default_factory=list)
+    prefix_block_size: int = 0
 
 
 @_register

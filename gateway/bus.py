@@ -21,14 +21,20 @@ import logging
 import time
 import uuid
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from omnirelay.broker import protocol as p
+from omnirelay.broker.prefix_index import prompt_route_keys
 from omnirelay.errors import DeadlineExceeded, OmniError, WorkerLost, error_from_type
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
 
 log = logging.getLogger("omnirelay.gateway")
+
+# Prompt blocks are hashed at omni-worker's default --block-size for prefix-aware routing; the
+# broker uses the hint only with prefill workers whose cache has this block size.
+PREFIX_BLOCK_SIZE = 16
 
 
 @dataclasses.dataclass
@@ -152,7 +158,13 @@ class BusClient:
     # ------------------------------------------------------------------ requests
 
     async def submit(self, submit: p.Submit, stream: RequestStream | None = None) -> RequestStream:
-        """``stream``: where this request's worker messages go (default: a token stream)."""
+        """``stream``: where this request's worker messages go (default: a token stream). A text
+        prompt headed for prefill gets its prefix hint here (the block keys the broker routes on);
+        prompts with inline media do not, since their placeholder ids say nothing about the media."""
+        if (not submit.prefix_hashes and not submit.inputs and "prefill" in submit.stages
+                and len(submit.prompt_token_ids) > PREFIX_BLOCK_SIZE):
+            keys = prompt_route_keys(submit.prompt_token_ids, PREFIX_BLOCK_SIZE)
+            submit = msgspec.structs.replace(submit, prefix_hashes=keys, prefix_block_size=PREFIX_BLOCK_SIZE)
         if stream is None:
             stream = RequestStream(submit.request_id, submit.deadline)
             stream.next_position = submit.position_offset

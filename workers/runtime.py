@@ -24,13 +24,20 @@ import time
 import zmq
 
 from omnirelay.broker import protocol as p
+from omnirelay.broker.prefix_index import route_keys
 from omnirelay.lifecycle import Shutdown, ShutdownState
 from omnirelay.security import CurveKeys, is_loopback, require_curve_off_loopback
 
 from .config import WorkerConfig
+from .prefill import PrefillEngine
 from .roles import BROKER, Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker")
+
+# Prefix-cache reports in heartbeats (prefix-aware routing): at most this many block keys per
+# heartbeat, and the whole set every PREFIX_FULL_EVERY heartbeats so a lost delta heals.
+PREFIX_KEYS_PER_HEARTBEAT = 4096
+PREFIX_FULL_EVERY = 30
 
 
 class WorkerRuntime:
@@ -58,6 +65,9 @@ class WorkerRuntime:
         self._gateway_keys: dict[str, str] = {}   # reply_to → its CURVE public key (z85)
         self._credits_outstanding = 0
         self._tasks: set[str] = set()
+        engine = role.engine
+        self._prefix_engine = engine if isinstance(engine, PrefillEngine) and engine.prefix_caching else None
+        self._beats_to_full_prefix = 0   # 0: the next heartbeat sends the whole prefix set
 
     # ------------------------------------------------------------------ loop
 
@@ -96,9 +106,12 @@ class WorkerRuntime:
 
     def _register(self) -> None:
         self._credits_outstanding = 0
+        self._beats_to_full_prefix = 0   # a (re)started broker knows nothing of our cache
+        block_size = self._prefix_engine.block_size if self._prefix_engine is not None else 0
         self._send_broker(p.Register(worker_id=self.config.worker_id, role=self.config.role,
                                      model=self.config.model_name, capacity=self.config.capacity,
-                                     pid=os.getpid(), host=socket.gethostname(), held=sorted(self._tasks)))
+                                     pid=os.getpid(), host=socket.gethostname(), held=sorted(self._tasks),
+                                     block_size=block_size))
 
     def _handle_broker_messages(self, budget: int = 256) -> None:
         for _ in range(budget):
@@ -148,7 +161,23 @@ class WorkerRuntime:
         stats = self.engine_stats()
         self._send_broker(p.Heartbeat(worker_id=self.config.worker_id, running=stats.pop("running", 0),
                                       waiting=stats.pop("waiting", 0),
-                                      free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats))
+                                      free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats,
+                                      **self._prefix_report()))
+
+    def _prefix_report(self) -> dict:
+        """Heartbeat fields for prefix-aware routing: the route keys of blocks cached and evicted
+        since the last heartbeat, or the whole (bounded) set after registering, when the changes
+        overflow the bound, and every PREFIX_FULL_EVERY heartbeats."""
+        engine = self._prefix_engine
+        if engine is None:
+            return {}
+        added, evicted = engine.prefix_events()
+        self._beats_to_full_prefix -= 1
+        if self._beats_to_full_prefix < 0 or len(added) + len(evicted) > PREFIX_KEYS_PER_HEARTBEAT:
+            self._beats_to_full_prefix = PREFIX_FULL_EVERY
+            return {"prefix_full": True,
+                    "prefix_added": route_keys(engine.allocator.names()[-PREFIX_KEYS_PER_HEARTBEAT:])}
+        return {"prefix_added": route_keys(added), "prefix_evicted": route_keys(evicted)}
 
     def _abort_remaining(self) -> None:
         for request_id in sorted(self._tasks):
