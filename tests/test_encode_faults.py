@@ -26,6 +26,7 @@ import requests
 from PIL import Image
 
 from cluster import Cluster
+from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.omni_builder import build_tiny_omni
 
 MODEL = "tiny-omni"
@@ -55,6 +56,7 @@ def tiny_omni(tmp_path_factory) -> str:
 @pytest.fixture
 def cluster(tiny_omni, tmp_path):
     cluster = Cluster(model=tiny_omni, log_dir=str(tmp_path), model_name=MODEL)
+    cluster.killed = set()
     try:
         cluster.start_broker()
         for role in ("encode", "encode", "prefill", "decode"):
@@ -67,6 +69,9 @@ def cluster(tiny_omni, tmp_path):
         yield cluster
     finally:
         cluster.stop()
+        # What the worker killed on purpose left in /dev/shm (a connector starting later would sweep
+        # it; none does here). Only that PID's: a clean exit must still leave nothing by itself.
+        sweep_orphans(owners=cluster.killed)
 
 
 async def _one(client, i: int) -> tuple[str, list[int] | str]:
@@ -119,6 +124,7 @@ def test_kill9_encode_worker_under_load(cluster):
         victim = max(encoders, key=lambda w: w["running"] + w["waiting"])
         killed["busy"] = victim["running"] + victim["waiting"]
         killed["proc"] = next(proc for proc in cluster.procs if proc.pid == victim["pid"])
+        cluster.killed.add(victim["pid"])
         killed["proc"].kill9()
 
     results = asyncio.run(_load(cluster.url, fault=kill_a_busy_encode_worker))
