@@ -17,6 +17,7 @@ with the prompt's attention mask).
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import pathlib
 import time
@@ -29,6 +30,7 @@ import requests
 import torch
 from PIL import Image
 
+from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model
 from omnirelay.errors import BadRequest, TransferFailed
 from omnirelay.speech_params import SpeechParams
@@ -356,3 +358,36 @@ def test_a_one_token_reply_is_answered_as_text_without_audio(client, reference):
         max_tokens=MAX_TOKENS, temperature=0, extra_body={"stop_token_ids": [reference["reply"][0]]})
     assert resp.choices[0].message.audio is None and resp.choices[0].finish_reason == "stop"
     assert resp.usage.completion_tokens == 1 and time.monotonic() - started < 30
+
+
+def test_kill9_of_the_speaking_worker_still_answers_with_the_same_audio(cluster, client):
+    """A generate worker killed mid-synthesis: the broker sees it miss heartbeats and re-dispatches the
+    stage to the other one, which still finds the hidden states (kept until the audio is out) and,
+    from the same seed, speaks the very same audio."""
+    cluster.start_worker("generate", "--stage-configs-path", PIPELINE)
+    deadline = time.monotonic() + 120
+    while sum(w["role"] == "generate" for w in cluster.workers()) < 2:
+        assert time.monotonic() < deadline, "the second generate worker did not register"
+        time.sleep(0.2)
+
+    def ask():
+        return client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"},
+            max_tokens=MAX_TOKENS, temperature=0, seed=SEED + 7, extra_body={"max_audio_tokens": 96})
+
+    baseline = ask().choices[0].message.audio.data
+    before = requests.get(cluster.url + "/cluster", timeout=10).json()["broker"].get("stage_retries", 0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(ask)
+        victim = None
+        while victim is None and not answer.done():
+            busy = [w for w in cluster.workers() if w["role"] == "generate" and w["assigned"]]   # the broker's view
+            victim = next((proc for proc in cluster.procs if busy and proc.pid == busy[0]["pid"]), None)
+            time.sleep(0.1)
+        assert victim is not None, "the request finished before the broker dispatched its generate stage"
+        victim.kill9()
+        resp = answer.result(timeout=300)
+    sweep_orphans(owners={victim.pid})   # what a crash leaves in /dev/shm (omni-serve sweeps the same way)
+    assert resp.choices[0].message.audio.data == baseline
+    retried = requests.get(cluster.url + "/cluster", timeout=10).json()["broker"].get("stage_retries", 0) - before
+    assert retried >= 1 and "missed heartbeats; dropping it" in "".join(p.output() for p in cluster.procs)
