@@ -195,10 +195,12 @@ class BrokerCore:
         prefix = worker.prefix
         if prefix is not None:
             bound = prefix.capacity
-            if msg.prefix_full:
+            # A full report, or more evictions than the copy can hold (bounded work per heartbeat):
+            # the reported additions become the whole copy.
+            if msg.prefix_full or len(msg.prefix_evicted) > bound:
                 prefix.replace(msg.prefix_added[-bound:])
             else:
-                prefix.discard(msg.prefix_evicted[:bound])
+                prefix.discard(msg.prefix_evicted)
                 prefix.add(msg.prefix_added[-bound:])
         return []
 
