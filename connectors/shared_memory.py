@@ -27,9 +27,9 @@ The consumer keeps each segment it has read **mapped** (a cache of ``pool_mb`` b
 recently used out), so a later get from the same pooled segment maps nothing and faults in no
 page: its page table still points at the producer's pages, and reading a payload runs at memory
 speed instead of ~1 GB/s of minor faults. Reuse must not leak a previous reader's private writes:
-before a cached mapping is handed out again, ``/proc/self/pagemap`` tells whether any page of the
-range became a private (anonymous) copy, and if one did, ``MADV_DONTNEED`` drops the copies so the
-range reads the segment again. A mapping that still has a live lease is not reused (that get maps
+before a cached mapping is handed out again, one ``PAGEMAP_SCAN`` ioctl tells whether any page of
+the range became a private (anonymous) copy, and if one did, ``MADV_DONTNEED`` drops the copies so
+the range reads the segment again (:mod:`omnirelay.connectors.shm_mappings`). A mapping that still has a live lease is not reused (that get maps
 the segment afresh). A cached mapping keeps the memory of a segment its producer unlinked until
 this connector's next get, delete or close notices (at most once a second) and unmaps it.
 
@@ -43,7 +43,13 @@ when it starts and stops).
 
 Options: ``ttl_s`` (default 300): a payload nobody deleted is unpublished after this long;
 ``shm_dir`` (default /dev/shm); ``pool_mb`` (default 512): bytes of free segments kept for reuse,
-0 disables reuse.
+and bytes of other producers' segments a consumer keeps mapped; 0 disables both.
+
+Per-transfer work is kept constant in the number of payloads in flight: the producer keeps its
+free and published segments in separate collections (TTL expiry looks at the oldest only), and
+checks whether consumers deleted published entries (a ``readlink`` each) at most once per
+``n // 8`` puts when ``n`` are in flight; a consumer's ``delete`` renames the entry it got instead
+of scanning the directory.
 
 We use ``os.open`` + ``mmap`` rather than ``multiprocessing.shared_memory``, whose resource
 tracker unlinks (or warns about) segments another process still needs.
