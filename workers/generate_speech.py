@@ -309,15 +309,13 @@ class GenerateSpeechEngine:
 
 def load_speakers(root: Path) -> dict[str, dict]:
     """name → {"cond", "ref_mel", "bos_token"} (transformers' ``speaker_map``): from
-    ``spk_dict.safetensors`` + ``spk_dict.json`` (what ``omni-make-model`` writes: no pickle), else the
-    real checkpoint's ``spk_dict.pt`` — a file of the model directory, not received bytes, read with
-    ``weights_only`` (tensors and plain containers only)."""
+    ``spk_dict.safetensors`` + ``spk_dict.json`` (what ``omni-make-model`` writes). A real checkpoint's
+    ``spk_dict.pt`` is a pickle, which we never load: convert it once to those two files."""
     if (root / "spk_dict.safetensors").is_file():
         from omnirelay.deploy.omni_builder import load_speakers as load_safetensors_speakers
         return load_safetensors_speakers(root)
-    if (root / "spk_dict.pt").is_file():
-        return torch.load(root / "spk_dict.pt", weights_only=True, map_location="cpu")
-    raise FileNotFoundError(f"{root} has no speaker table (spk_dict.safetensors or spk_dict.pt)")
+    raise FileNotFoundError(f"{root} has no speaker table spk_dict.safetensors + spk_dict.json (a pickled "
+                            "spk_dict.pt is not loaded: convert it to those two files)")
 
 
 def _load_module(module: torch.nn.Module, weights: dict[str, torch.Tensor], prefix: str) -> None:
