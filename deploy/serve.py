@@ -46,6 +46,7 @@ from typing import NamedTuple
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.pipeline import PipelineError
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
+from omnirelay.gateway.config import GatewayConfig
 from omnirelay.lifecycle import Shutdown
 from omnirelay.security import is_loopback
 
@@ -119,7 +120,18 @@ def _read_ready_file(path: str) -> str | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+# omni-gateway's limit flags that omni-serve takes and forwards unchanged: (flag, default, type).
+GATEWAY_LIMITS = (
+    ("--request-timeout", GatewayConfig.request_timeout_s, float),
+    ("--max-body-bytes", GatewayConfig.max_body_bytes, int),
+    ("--max-streams-per-client", GatewayConfig.max_streams_per_client, int),
+    ("--stream-write-timeout", GatewayConfig.stream_write_timeout_s, float),
+    ("--header-timeout", GatewayConfig.header_timeout_s, float),
+    ("--read-timeout", GatewayConfig.read_timeout_s, float),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-serve", description="serve a model with every role on this host")
     parser.add_argument("models", nargs="*", metavar="MODEL",
                         help="local model directories, each with its own workers behind one gateway "
@@ -157,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allowed-local-media-path", default=None,
                         help="directory whose files chat image_url/audio_url parts may name (omni models)")
     parser.add_argument("--disable-log-requests", action="store_true")
+    limits = parser.add_argument_group("gateway limits (passed to omni-gateway as they are)")
+    limits.add_argument("--protect-probes", action="store_true",
+                        help="with --api-key, also protect /health, /metrics and /cluster")
+    for flag, default, kind in GATEWAY_LIMITS:
+        limits.add_argument(flag, type=kind, default=default)
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
     ray = parser.add_argument_group("Ray placement (pip install 'omnirelay[ray]')")
@@ -167,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     ray.add_argument("--curve-keys", default=None,
                      help="omni-keygen directory with broker, gateway and worker keys; required when the "
                           "Ray head or --broker is not on loopback")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_intermixed_args(argv)   # models may come before or after the options
 
     names = args.served_model_name or []
@@ -359,7 +381,13 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             *(["--reply-host", reply_host] if reply_host else []),
             *(["--api-key", args.api_key] if args.api_key else []),
             *(["--allowed-local-media-path", args.allowed_local_media_path] if args.allowed_local_media_path else []),
-            *(["--disable-log-requests"] if args.disable_log_requests else [])]
+            *(["--disable-log-requests"] if args.disable_log_requests else []),
+            *(["--protect-probes"] if args.protect_probes else []),
+            *[arg for flag, _, _ in GATEWAY_LIMITS for arg in (flag, str(getattr(args, _dest(flag))))]]
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 RESTART_WINDOW_S, RESTART_LIMIT = 60.0, 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import openai
 import pytest
@@ -26,7 +27,15 @@ def test_metrics_after_traffic(server):
                                                   extra_body={"ignore_eos": True})
         if stream:
             list(response)
-    text = requests.get(server.url + "/metrics", timeout=10).text
+    # Worker counters ride on heartbeats: poll (bounded) until one sent after the traffic arrived.
+    deadline = time.monotonic() + 15
+    while True:
+        text = requests.get(server.url + "/metrics", timeout=10).text
+        transfers = [_sample(text, "omnirelay_connector_transfer_seconds_sum", f'role="{role}"')
+                     for role in ("prefill", "decode")]
+        if min(transfers) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
     assert _sample(text, "vllm:generation_tokens_total") >= 16
     assert _sample(text, "vllm:prompt_tokens_total") > 0
     assert _sample(text, "vllm:time_to_first_token_seconds_count") >= 2

@@ -226,14 +226,14 @@ def test_placement_needs_a_head():
 
 
 def _serve_args(**overrides):
-    import argparse
-    values = dict(curve_keys=None, log_level="INFO", log_format="text", num_prefill=1, num_decode=2, num_encode=1, num_generate=1,
-                  max_model_len=0,
-                  kv_cache_bytes=1 << 20, dtype="float32", connector="shared_memory", drain_timeout=5.0,
-                  ray_worker_cpus=1.0, ray_address="10.0.0.1:6379", devices=None, gpu_memory_utilization=0.9,
-                  host="0.0.0.0", port=8091, api_key=None, disable_log_requests=False)
-    values.update(overrides)
-    return argparse.Namespace(**values)
+    """omni-serve's own parser, so a flag added there reaches the launcher in this test too."""
+    from omnirelay.deploy.serve import build_parser
+    args = build_parser().parse_args(["/srv/m", "--num-decode", "2", "--host", "0.0.0.0", "--kv-cache-bytes",
+                                      str(1 << 20), "--ray-address", "10.0.0.1:6379", "--log-level", "INFO",
+                                      "--allowed-local-media-path", "/srv/media", "--read-timeout", "7.5"])
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
 
 
 def test_off_loopback_head_needs_curve_keys_and_ships_them(tmp_path):
@@ -258,7 +258,11 @@ def test_off_loopback_head_needs_curve_keys_and_ships_them(tmp_path):
     worker_files = dict(specs["decode-0.0"].files)
     assert set(worker_files) == {"keys/worker.key_secret", "keys/broker.key"}   # never the broker's secret
     assert "{dir}/keys/worker.key_secret" in specs["decode-0.0"].argv
-    assert specs["gateway"].argv[specs["gateway"].argv.index("--reply-host") + 1] == "{node_ip}"
+    gateway_argv = specs["gateway"].argv
+    assert gateway_argv[gateway_argv.index("--reply-host") + 1] == "{node_ip}"
+    # The gateway's media directory and limits reach it on the Ray node as they do on one host.
+    assert gateway_argv[gateway_argv.index("--allowed-local-media-path") + 1] == "/srv/media"
+    assert gateway_argv[gateway_argv.index("--read-timeout") + 1] == "7.5"
     # On a CPU cluster the workers ask for no GPU.
     cpu = build_specs(_serve_args(curve_keys=str(keys)), plans, "tcp://10.0.0.1:5555",
                       has_gpus=False)

@@ -253,9 +253,15 @@ def test_clients_leaving_mid_stream_under_load_give_back_every_kv_block(gateway)
     results = asyncio.run(run())
     counts = {key: results.count(key) for key in ("completed", "left", "error", "hung", "unstructured")}
     counts["lost"] = results.count(None)
-    deadline = time.monotonic() + 20
+    load_ended = time.monotonic()
+    deadline = load_ended + 20
+
+    def settled(worker: dict) -> bool:   # a heartbeat sent after the load, showing it all let go
+        heard_after_load = time.monotonic() - worker["last_seen_s"] > load_ended
+        return heard_after_load and (worker["running"], worker["free_kv_blocks"]) == (0, gateway.idle_kv)
+
     decode = _decode(gateway)
-    while time.monotonic() < deadline and (decode["running"], decode["free_kv_blocks"]) != (0, gateway.idle_kv):
+    while time.monotonic() < deadline and not settled(decode):
         time.sleep(0.3)
         decode = _decode(gateway)
     cancelled = decode["stats"].get("cancelled", 0) - cancelled_before
