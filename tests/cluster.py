@@ -3,17 +3,25 @@
 Unlike ``omni-serve``, each piece is started and killed by the test on its own, which is what
 fault tests need (kill -9 a worker, restart the broker on the same endpoint). Every process runs in
 its own session, logs to a file under the test's directory, and is stopped by PID.
+
+The fault tests share one way to judge a fault: :func:`run_load` sends a bounded load through the
+``openai`` client and fires the fault mid-way, :func:`classify` counts each request as completed
+(same output as the fault-free run), structured error, wrong, hung, unstructured or lost, and
+:func:`assert_contract` holds them to 0 hung, 0 lost, 0 wrong, 0 unstructured.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
+import openai
 import requests
 
 
@@ -137,3 +145,88 @@ class Cluster:
                 proc.proc.send_signal(signal.SIGTERM)
         for proc in reversed(self.procs):
             proc.stop(timeout=30)
+
+
+# ---------------------------------------------------------------------- a bounded load with a fault
+
+Result = tuple[str, object]   # ("completed", output) or (outcome, why) with outcome "hung", "error", "unstructured"
+
+
+def is_structured_error(body: object) -> bool:
+    """The gateway's error contract: ``{"error": {message, type, param, code}, "request_id", "stage"}``."""
+    return (isinstance(body, dict) and isinstance(body.get("error"), dict)
+            and {"message", "type", "param", "code"} <= set(body["error"]) and "request_id" in body
+            and "stage" in body)
+
+
+async def _attempt(client: openai.AsyncOpenAI, request: Callable[[openai.AsyncOpenAI, int], Awaitable[object]],
+                   i: int, timeout_s: float) -> Result:
+    try:
+        return "completed", await asyncio.wait_for(request(client, i), timeout_s)
+    except asyncio.TimeoutError:
+        return "hung", "no answer in time"
+    except openai.APIStatusError as exc:
+        # exc.body is only the inner "error" map (the client unwraps it); the contract is about the whole body.
+        try:
+            body = exc.response.json()
+        except ValueError:
+            body = None
+        outcome = "error" if is_structured_error(body) else "unstructured"
+        return outcome, f"{exc.status_code} {body or exc.response.text[:200]}"
+
+
+async def run_load(url: str, request: Callable[[openai.AsyncOpenAI, int], Awaitable[object]], n: int, *,
+                   concurrency: int, timeout_s: float, fault: Callable[[], None] | None = None,
+                   after: int = 0) -> list[Result | None]:
+    """Requests ``0..n-1`` (``await request(client, i)`` returns what a completed one is compared
+    by), ``concurrency`` at a time, each given ``timeout_s`` to answer; ``fault()`` runs in a thread
+    once ``after`` of them have answered, while the rest of the load goes on."""
+    results: list[Result | None] = [None] * n
+    done = 0
+    fired = asyncio.Event()
+    semaphore = asyncio.Semaphore(concurrency)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=timeout_s + 5) as client:
+        async def one(i: int) -> None:
+            nonlocal done
+            async with semaphore:
+                results[i] = await _attempt(client, request, i, timeout_s)
+            done += 1
+            if fault is not None and done >= after and not fired.is_set():
+                fired.set()
+                await asyncio.to_thread(fault)
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return results
+
+
+def classify(results: list[Result | None], reference: list) -> dict[str, int]:
+    """Counts per outcome; a completed request whose output differs from ``reference`` is "wrong"."""
+    counts = {"completed": 0, "error": 0, "wrong": 0, "hung": 0, "unstructured": 0, "lost": 0}
+    for result, expected in zip(results, reference):
+        if result is None:
+            counts["lost"] += 1
+        elif result[0] == "completed":
+            counts["completed" if result[1] == expected else "wrong"] += 1
+        else:
+            counts[result[0]] += 1
+    return counts
+
+
+def assert_contract(counts: dict[str, int], results: list[Result | None]) -> None:
+    """Every request completed with the reference output or failed with a structured error."""
+    assert counts["hung"] == 0 and counts["lost"] == 0 and counts["unstructured"] == 0, (counts, results)
+    assert counts["wrong"] == 0, counts
+    assert counts["completed"] + counts["error"] == len(results), counts
+
+
+TOPICS = ["the sea", "a cat", "rain", "trains", "bread", "the moon", "music", "winter"]
+
+
+async def greedy_chat(client: openai.AsyncOpenAI, i: int, *, max_tokens: int) -> list[int]:
+    """Request ``i`` of a tiny-llm load: greedy, a fixed length, compared by its token ids."""
+    response = await client.chat.completions.create(
+        model="tiny-llm", messages=[{"role": "user", "content": f"Request {i}: say something about "
+                                                                f"{TOPICS[i % len(TOPICS)]}."}],
+        temperature=0, max_tokens=max_tokens, extra_body={"ignore_eos": True, "return_token_ids": True})
+    return response.choices[0].model_extra["token_ids"]

@@ -20,12 +20,11 @@ import os
 import time
 
 import numpy as np
-import openai
 import pytest
 import requests
 from PIL import Image
 
-from cluster import Cluster
+from cluster import Cluster, assert_contract, classify, run_load
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.omni_builder import build_tiny_omni
 
@@ -74,42 +73,16 @@ def cluster(tiny_omni, tmp_path):
         sweep_orphans(owners=cluster.killed)
 
 
-async def _one(client, i: int) -> tuple[str, list[int] | str]:
-    try:
-        response = await asyncio.wait_for(client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": [_image(i), {"type": "text", "text": f"Picture {i}?"}]}],
-            temperature=0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True, "return_token_ids": True}),
-            REQUEST_TIMEOUT_S)
-        return "completed", response.choices[0].model_extra["token_ids"]
-    except asyncio.TimeoutError:
-        return "hung", "no answer in time"
-    except openai.APIStatusError as exc:
-        try:
-            body = exc.response.json()   # exc.body is only the inner "error" map
-        except ValueError:
-            body = {}
-        structured = isinstance(body.get("error"), dict) and "request_id" in body and "stage" in body
-        return ("error" if structured else "unstructured"), f"{exc.status_code} {body}"
+async def _chat(client, i: int) -> list[int]:
+    response = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [_image(i), {"type": "text", "text": f"Picture {i}?"}]}],
+        temperature=0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True, "return_token_ids": True})
+    return response.choices[0].model_extra["token_ids"]
 
 
-async def _load(url: str, fault=None) -> list:
-    results: list = [None] * N_REQUESTS
-    done = 0
-    fired = asyncio.Event()
-    semaphore = asyncio.Semaphore(CONCURRENCY)
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                  timeout=REQUEST_TIMEOUT_S + 5) as client:
-        async def worker(i: int) -> None:
-            nonlocal done
-            async with semaphore:
-                results[i] = await _one(client, i)
-            done += 1
-            if fault is not None and done >= KILL_AFTER and not fired.is_set():
-                fired.set()
-                await asyncio.to_thread(fault)
-
-        await asyncio.gather(*(worker(i) for i in range(N_REQUESTS)))
-    return results
+def _load(url: str, fault=None) -> list:
+    return asyncio.run(run_load(url, _chat, N_REQUESTS, concurrency=CONCURRENCY, timeout_s=REQUEST_TIMEOUT_S,
+                                fault=fault, after=KILL_AFTER))
 
 
 def _broker_counters(cluster: Cluster) -> dict:
@@ -127,24 +100,15 @@ def test_kill9_encode_worker_under_load(cluster):
         cluster.killed.add(victim["pid"])
         killed["proc"].kill9()
 
-    results = asyncio.run(_load(cluster.url, fault=kill_a_busy_encode_worker))
+    results = _load(cluster.url, fault=kill_a_busy_encode_worker)
     logs = "".join(proc.output() for proc in cluster.procs)
     retried = _broker_counters(cluster).get("stage_retries", 0)
-    reference = [tokens for _, tokens in asyncio.run(_load(cluster.url))]
-    counts = {"completed": 0, "error": 0, "wrong": 0, "hung": 0, "unstructured": 0, "lost": 0}
-    for result, expected in zip(results, reference):
-        if result is None:
-            counts["lost"] += 1
-        elif result[0] == "completed":
-            counts["completed" if result[1] == expected else "wrong"] += 1
-        else:
-            counts[result[0]] += 1
+    reference = [tokens for _, tokens in _load(cluster.url)]
+    counts = classify(results, reference)
     print(f"\nkill -9 encode: {counts}; {retried} stage(s) re-dispatched by the broker (victim held "
           f"{killed.get('busy')} task(s) by its last heartbeat)")
     assert all(isinstance(tokens, list) for tokens in reference), reference
-    assert counts["hung"] == 0 and counts["lost"] == 0 and counts["unstructured"] == 0, (counts, results)
-    assert counts["wrong"] == 0, counts
-    assert counts["completed"] + counts["error"] == N_REQUESTS
+    assert_contract(counts, results)
     assert not killed["proc"].alive()
     assert "missed heartbeats; dropping it" in logs   # the broker noticed the death itself
     assert retried >= 1, "the kill hit no encode stage in flight"

@@ -9,66 +9,24 @@ within its time limit). It prints the counts; the contract is 0 hung, 0 wrong, n
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import openai
 import pytest
 
-from cluster import Cluster
+from cluster import Cluster, assert_contract, classify, greedy_chat, run_load
 
 N_REQUESTS, CONCURRENCY, MAX_TOKENS = 64, 8, 24
 REQUEST_TIMEOUT_S = 60.0
-TOPICS = ["the sea", "a cat", "rain", "trains", "bread", "the moon", "music", "winter"]
-PROMPTS = [f"Request {i}: say something about {TOPICS[i % len(TOPICS)]}." for i in range(8 * N_REQUESTS)]
 
 pytestmark = pytest.mark.slow
 
 
-async def _one(client, prompt: str) -> tuple[str, list[int] | str]:
-    try:
-        response = await asyncio.wait_for(client.chat.completions.create(
-            model="tiny-llm", messages=[{"role": "user", "content": prompt}], temperature=0,
-            max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True, "return_token_ids": True}), REQUEST_TIMEOUT_S)
-        return "completed", response.choices[0].model_extra["token_ids"]
-    except asyncio.TimeoutError:
-        return "hung", "no answer in time"
-    except openai.APIStatusError as exc:
-        body = exc.body if isinstance(exc.body, dict) else {}
-        structured = isinstance(body.get("error"), dict) and "request_id" in exc.response.json()
-        return ("error" if structured else "unstructured"), f"{exc.status_code} {body}"
-
-
-async def _load(url: str, fault=None, after: int = 16, n: int = N_REQUESTS) -> list[tuple[str, list[int] | str]]:
+def _load(url: str, fault=None, after: int = 16, n: int = N_REQUESTS) -> list:
     """Run ``n`` requests; call ``fault()`` (in a thread) once ``after`` of them have completed."""
-    results: list = [None] * n
-    done = 0
-    fired = asyncio.Event()
-    semaphore = asyncio.Semaphore(CONCURRENCY)
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                  timeout=REQUEST_TIMEOUT_S + 5) as client:
-        async def worker(i: int) -> None:
-            nonlocal done
-            async with semaphore:
-                results[i] = await _one(client, PROMPTS[i])
-            done += 1
-            if fault is not None and done >= after and not fired.is_set():
-                fired.set()
-                await asyncio.to_thread(fault)
-
-        await asyncio.gather(*(worker(i) for i in range(n)))
-    return results
-
-
-def _classify(results, baseline) -> dict[str, int]:
-    counts = {"completed": 0, "error": 0, "wrong": 0, "hung": 0, "unstructured": 0, "lost": 0}
-    for result, expected in zip(results, baseline):
-        if result is None:
-            counts["lost"] += 1
-        elif result[0] == "completed":
-            counts["completed" if result[1] == expected else "wrong"] += 1
-        else:
-            counts[result[0]] += 1
-    return counts
+    return asyncio.run(run_load(url, functools.partial(greedy_chat, max_tokens=MAX_TOKENS), n,
+                                concurrency=CONCURRENCY, timeout_s=REQUEST_TIMEOUT_S, fault=fault, after=after))
 
 
 @pytest.fixture
@@ -85,11 +43,11 @@ def cluster(tiny_model, tmp_path):
         cluster.stop()
 
 
-def _assert_contract(name: str, counts: dict[str, int]) -> None:
+def _assert_contract(name: str, results: list, baseline: list) -> dict[str, int]:
+    counts = classify(results, baseline)
     print(f"\n{name}: {counts}")
-    assert counts["hung"] == 0 and counts["lost"] == 0 and counts["unstructured"] == 0, counts
-    assert counts["wrong"] == 0, counts
-    assert counts["completed"] + counts["error"] == sum(counts.values())
+    assert_contract(counts, results)
+    return counts
 
 
 def _victim(cluster: Cluster, role: str):
@@ -99,11 +57,9 @@ def _victim(cluster: Cluster, role: str):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_kill9_worker_under_load(cluster, role):
-    baseline = [tokens for _, tokens in asyncio.run(_load(cluster.url))]
+    baseline = [tokens for _, tokens in _load(cluster.url)]
     victim = _victim(cluster, role)
-    results = asyncio.run(_load(cluster.url, fault=victim.kill9))
-    counts = _classify(results, baseline)
-    _assert_contract(f"kill -9 {role}", counts)
+    _assert_contract(f"kill -9 {role}", _load(cluster.url, fault=victim.kill9), baseline)
     assert not victim.alive()
     # The survivors of the role keep serving.
     assert [w["role"] for w in cluster.workers()].count(role) == 1
@@ -114,7 +70,7 @@ def test_kill9_worker_under_load(cluster, role):
 
 
 def test_kill9_broker_and_restart_under_load(cluster):
-    baseline = [tokens for _, tokens in asyncio.run(_load(cluster.url))]
+    baseline = [tokens for _, tokens in _load(cluster.url)]
     broker = next(proc for proc in cluster.procs if proc.name.endswith("broker"))
     gap: dict[str, float] = {}
 
@@ -132,10 +88,9 @@ def test_kill9_broker_and_restart_under_load(cluster):
             except openai.APIError:
                 time.sleep(0.1)
 
-    results = asyncio.run(_load(cluster.url, fault=restart_broker))
-    counts = _classify(results, baseline)
+    results = _load(cluster.url, fault=restart_broker)
     print(f"\nbroker restart: service back after {gap.get('seconds', float('nan')):.2f}s")
-    _assert_contract("kill -9 broker + restart", counts)
+    _assert_contract("kill -9 broker + restart", results, baseline)
     assert gap.get("seconds", 99) < 5.0
     assert "broker restarted; resuming" in "".join(proc.output() for proc in cluster.procs)
 
@@ -144,7 +99,7 @@ def test_sigterm_drains_a_worker_and_a_new_one_takes_work(cluster):
     """SIGTERM → the worker stops taking work, finishes what it holds, unregisters, exits 0; a
     worker that joins under load gets work; no request fails."""
     n = 8 * N_REQUESTS   # long enough that the newcomer starts up while the load still runs
-    baseline = [tokens for _, tokens in asyncio.run(_load(cluster.url, n=n))]
+    baseline = [tokens for _, tokens in _load(cluster.url, n=n)]
     leaving = _victim(cluster, "decode")
     joined: dict = {}
 
@@ -158,10 +113,9 @@ def test_sigterm_drains_a_worker_and_a_new_one_takes_work(cluster):
         joined["registered_at"] = time.monotonic()
         leaving.proc.send_signal(15)
 
-    results = asyncio.run(_load(cluster.url, fault=drain_one_and_add_one, after=4, n=n))
+    results = _load(cluster.url, fault=drain_one_and_add_one, after=4, n=n)
     assert joined["registered_at"], "the new worker never registered"
-    counts = _classify(results, baseline)
-    _assert_contract("drain one decode, add one", counts)
+    counts = _assert_contract("drain one decode, add one", results, baseline)
     assert sum(counts.values()) == n
     assert counts["error"] == 0
     assert leaving.proc.wait(30) == 0

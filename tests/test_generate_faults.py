@@ -17,11 +17,10 @@ import asyncio
 import pathlib
 import time
 
-import openai
 import pytest
 import requests
 
-from cluster import Cluster
+from cluster import Cluster, assert_contract, classify, run_load
 from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
 
 MODEL = "tiny-sd"
@@ -58,56 +57,21 @@ def cluster(tiny_sd, tmp_path):
         cluster.stop()
 
 
-async def _one(client, i: int) -> tuple[str, str]:
-    try:
-        response = await asyncio.wait_for(client.images.generate(
-            model=MODEL, prompt=f"{SUBJECTS[i % len(SUBJECTS)]}, picture {i}", size="64x64",
-            extra_body={"seed": 1000 + i, "num_inference_steps": STEPS}), REQUEST_TIMEOUT_S)
-        return "completed", response.data[0].b64_json
-    except asyncio.TimeoutError:
-        return "hung", "no answer in time"
-    except openai.APIStatusError as exc:
-        body = exc.response.json() if exc.response.headers.get("content-type", "").startswith("application/json") \
-            else {}
-        structured = isinstance(body.get("error"), dict) and "request_id" in body and "stage" in body
-        return ("error" if structured else "unstructured"), f"{exc.status_code} {body or exc.response.text[:200]}"
+async def _image(client, i: int) -> str:
+    response = await client.images.generate(
+        model=MODEL, prompt=f"{SUBJECTS[i % len(SUBJECTS)]}, picture {i}", size="64x64",
+        extra_body={"seed": 1000 + i, "num_inference_steps": STEPS})
+    return response.data[0].b64_json
 
 
-async def _load(url: str, fault=None) -> list[tuple[str, str] | None]:
+def _load(url: str, fault=None, n: int = N_REQUESTS) -> list:
     """Run the requests; call ``fault()`` (in a thread) once ``KILL_AFTER`` of them have answered."""
-    results: list = [None] * N_REQUESTS
-    done = 0
-    fired = asyncio.Event()
-    semaphore = asyncio.Semaphore(CONCURRENCY)
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                  timeout=REQUEST_TIMEOUT_S + 5) as client:
-        async def worker(i: int) -> None:
-            nonlocal done
-            async with semaphore:
-                results[i] = await _one(client, i)
-            done += 1
-            if fault is not None and done >= KILL_AFTER and not fired.is_set():
-                fired.set()
-                await asyncio.to_thread(fault)
-
-        await asyncio.gather(*(worker(i) for i in range(N_REQUESTS)))
-    return results
-
-
-def _classify(results, baseline) -> dict[str, int]:
-    counts = {"completed": 0, "error": 0, "wrong": 0, "hung": 0, "unstructured": 0, "lost": 0}
-    for result, expected in zip(results, baseline):
-        if result is None:
-            counts["lost"] += 1
-        elif result[0] == "completed":
-            counts["completed" if result[1] == expected else "wrong"] += 1
-        else:
-            counts[result[0]] += 1
-    return counts
+    return asyncio.run(run_load(url, _image, n, concurrency=CONCURRENCY, timeout_s=REQUEST_TIMEOUT_S, fault=fault,
+                                after=KILL_AFTER))
 
 
 def test_kill9_generate_worker_under_load(cluster):
-    baseline = [image for _, image in asyncio.run(_load(cluster.url))]
+    baseline = [image for _, image in _load(cluster.url)]
     assert all(isinstance(image, str) and image for image in baseline)
     retries_before = _broker_counters(cluster).get("stage_retries", 0)
     killed: dict = {}
@@ -120,12 +84,10 @@ def test_kill9_generate_worker_under_load(cluster):
         victim.kill9()
         killed["proc"] = victim
 
-    results = asyncio.run(_load(cluster.url, fault=kill_a_busy_generate_worker))
-    counts = _classify(results, baseline)
+    results = _load(cluster.url, fault=kill_a_busy_generate_worker)
+    counts = classify(results, baseline)
     print(f"\nkill -9 generate: {counts} (victim held {killed.get('busy')} task(s) by its last heartbeat)")
-    assert counts["hung"] == 0 and counts["lost"] == 0 and counts["unstructured"] == 0, (counts, results)
-    assert counts["wrong"] == 0, counts
-    assert counts["completed"] + counts["error"] == N_REQUESTS
+    assert_contract(counts, results)
     assert not killed["proc"].alive()
     # The broker noticed the death itself and started the dead worker's stage again elsewhere.
     logs = "".join(proc.output() for proc in cluster.procs)
@@ -136,12 +98,7 @@ def test_kill9_generate_worker_under_load(cluster):
     assert retried + resubmitted >= 1, "the kill hit no request in flight"
     # The survivor keeps serving.
     assert [w["role"] for w in cluster.workers()] == ["generate"]
-    assert asyncio.run(_load_one(cluster.url, 0)) == ("completed", baseline[0])
-
-
-async def _load_one(url: str, i: int) -> tuple[str, str]:
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
-        return await _one(client, i)
+    assert _load(cluster.url, n=1) == [("completed", baseline[0])]
 
 
 def _broker_counters(cluster: Cluster) -> dict:
