@@ -13,7 +13,12 @@ class BrokerConfig:
     liveness_s:          a worker silent for this long is dropped and its stages re-dispatched.
     max_queue_per_role:  bound of each (model, role) queue; beyond it submissions are rejected.
     max_attempts:        how many times one request may be (re)started after worker loss.
-    retry_after_s:       the Retry-After hint sent with overload/unavailable rejections.
+    retry_after_s:       the Retry-After hint sent with overload/unavailable rejections (and, at least,
+                         with a transfer failure that used up ``max_attempts``).
+    retry_backoff_s:     the wait before restarting a request after a failed transfer; it doubles with
+                         each further attempt. 0 restarts at once. Kept to within half a heartbeat
+                         interval (the daemon's tick) or the next message the broker handles.
+    retry_backoff_max_s: the cap of that wait.
     max_workers:         bound of the registry (registrations beyond it are refused).
     prefix_keys_per_worker: bound of the prefix-cache block keys kept per worker (prefix-aware
                          routing; ~100 bytes each), least recently touched dropped first.
@@ -27,6 +32,8 @@ class BrokerConfig:
     max_queue_per_role: int = 1024
     max_attempts: int = 3
     retry_after_s: float = 1.0
+    retry_backoff_s: float = 0.25
+    retry_backoff_max_s: float = 4.0
     max_workers: int = 10_000
     prefix_keys_per_worker: int = 16_384
     prefix_load_slack: int = 4
@@ -38,5 +45,7 @@ class BrokerConfig:
             raise ValueError("liveness_s must exceed heartbeat_interval_s > 0")
         if self.max_queue_per_role < 1 or self.max_attempts < 1:
             raise ValueError("max_queue_per_role and max_attempts must be >= 1")
+        if not 0 <= self.retry_backoff_s <= self.retry_backoff_max_s < float("inf"):
+            raise ValueError("need 0 <= retry_backoff_s <= retry_backoff_max_s, both finite")
         if self.prefix_keys_per_worker < 0 or self.prefix_load_slack < 0:
             raise ValueError("prefix_keys_per_worker and prefix_load_slack must be >= 0")

@@ -8,7 +8,10 @@ Life of a request through the broker::
     Submit ──admit──▶ QUEUED(stage i) ──credit available──▶ RUNNING(stage i, worker w)
                           ▲                                      │ StageDone
                           │ worker w died, stage idempotent      ├──▶ QUEUED(stage i+1) … ──▶ done
-                          └──────────────────────────────────────┤ StageFailed / deadline / no worker
+                          ├──────────────────────────────────────┤ StageFailed worker_lost: restart now
+                          │                                      │ StageFailed transfer_failed:
+                          └──── not-before reached ◀── BACKOFF(stage 0) ◀──┘ restart after a delay
+                                                                 │ StageFailed / deadline / no worker
                                                                  └──▶ RequestFailed → gateway
 
 Admission rejects early: a full role queue or a role with no live worker fails the request at
@@ -19,11 +22,20 @@ that caches the longest prefix of its prompt unless that one is much busier
 (:mod:`~omnirelay.broker.prefix_index`). Workers that miss heartbeats for ``liveness``
 seconds are dropped; their idempotent stages (everything but decode) go back to the front of the
 queue, and a decode stream is reported ``resumable`` so the gateway can resume it elsewhere.
+
+A failed transfer restarts the request from its first stage, but not at once: a flapping connector
+or store would fail the retry the same way, so the request waits in ``BACKOFF`` for a delay that
+doubles with each attempt up to ``retry_backoff_max_s``. The broker never sleeps: a heap ordered by
+not-before time is drained by :meth:`BrokerCore.tick` and after every message, so the delay is kept
+to within the daemon's tick interval. A retry that could not start before the request's deadline
+fails at once with ``deadline_exceeded``; a final ``transfer_failed`` carries a retry-after hint.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import math
 import uuid
 import dataclasses
@@ -42,12 +54,16 @@ MAX_STAGES = 8
 IDEMPOTENT_STAGES = frozenset({"encode", "prefill", "generate"})
 # A failure of these kinds may succeed when the request starts over on other workers.
 RETRYABLE_ERRORS = frozenset({"transfer_failed", "worker_lost"})
+# … of which these wait before the restart: the same connector or store is likely to fail again at
+# once. A worker_lost report comes from a draining worker, and another worker can take over now.
+BACKOFF_ERRORS = frozenset({"transfer_failed"})
 
 Outgoing = tuple[bytes, p.Message]
 
 
 class Phase(enum.Enum):
     QUEUED = "queued"
+    BACKOFF = "backoff"     # restarting after a failed transfer, queued again once not_before passes
     RUNNING = "running"
 
 
@@ -92,6 +108,7 @@ class RequestState:
     worker_id: str | None = None
     attempts: int = 0
     dispatched_at: float = 0.0
+    not_before: float = 0.0             # in BACKOFF: when it may be queued again
 
     @property
     def stage(self) -> str:
@@ -111,6 +128,11 @@ class BrokerCore:
         self.gateways: dict[bytes, float] = {}   # identity → last hello, for gateways that say hello
         self.broker_id = uuid.uuid4().hex
         self._now = 0.0   # time of the event being handled (stamps dispatches)
+        # Requests in BACKOFF as (not_before, seq, request_id, attempt). Entries of requests that were
+        # cancelled, failed or restarted meanwhile stay until due and are skipped then: the delay is
+        # capped, so the heap holds at most one entry per restart of the last few seconds.
+        self._backoff: list[tuple[float, int, str, int]] = []
+        self._backoff_seq = itertools.count()
 
     # ------------------------------------------------------------------ entry points
 
@@ -122,10 +144,15 @@ class BrokerCore:
         if handler is None:
             self.counters["unexpected_messages"] += 1
             return [(identity, p.ErrorReply("unexpected_message", f"{type(msg).__name__} is not for the broker"))]
-        return handler(self, identity, msg, now)
+        out = handler(self, identity, msg, now)
+        if self._backoff and self._backoff[0][0] <= now:
+            # Between ticks too: a busy broker then keeps the delay close to what was asked.
+            out += self._end_backoffs(now)
+        return out
 
     def tick(self, now: float) -> list[Outgoing]:
-        """Expire silent workers and fail requests past their deadline."""
+        """Expire silent workers, fail requests past their deadline, queue again the requests whose
+        retry delay is over."""
         self._now = now
         out: list[Outgoing] = []
         for worker in [w for w in self.workers.values() if now - w.last_seen > self.config.liveness_s]:
@@ -134,8 +161,12 @@ class BrokerCore:
             self.counters["workers_expired"] += 1
             out += self._drop_worker(worker, now)
         for req in [r for r in self.requests.values() if now > r.spec.deadline]:
-            out += self._fail(req, "deadline_exceeded", f"deadline passed in stage {req.stage}")
+            where = ("while waiting to retry after a failed transfer" if req.phase is Phase.BACKOFF
+                     else f"in stage {req.stage}")
+            out += self._fail(req, "deadline_exceeded", f"deadline passed {where}")
         out += self._expire_gateways(now)
+        if self._backoff and self._backoff[0][0] <= now:
+            out += self._end_backoffs(now)
         return out
 
     def status(self, now: float) -> p.StatusReply:
@@ -293,20 +324,57 @@ class BrokerCore:
             return []
         worker.tasks.discard(msg.request_id)
         req.worker_id = None   # the worker already dropped it: no CancelTask back
-        if msg.error_type in RETRYABLE_ERRORS and req.attempts + 1 < self.config.max_attempts:
-            # Start over from the first stage: the inputs that failed to transfer are gone.
-            req.attempts += 1
-            req.stage_index, req.inputs, req.phase = 0, dict(req.spec.inputs), Phase.QUEUED
-            self.counters["request_restarts"] += 1
+        if msg.error_type not in RETRYABLE_ERRORS:
+            return self._fail(req, msg.error_type, msg.message)
+        if req.attempts + 1 >= self.config.max_attempts:
+            # Recoverable all the same: the client may try again once the connector recovers.
+            return self._fail(req, msg.error_type, msg.message,
+                              retry_after=max(self.config.retry_after_s, self._backoff_delay(req.attempts + 1)))
+        delay = self._backoff_delay(req.attempts + 1) if msg.error_type in BACKOFF_ERRORS else 0.0
+        if delay and now + delay >= req.spec.deadline:
+            # Waiting would end past the deadline: say so now instead of holding the request until then.
+            return self._fail(req, "deadline_exceeded", f"{msg.message}; no time is left before the deadline "
+                                                        f"to retry after {delay:g}s")
+        # Start over from the first stage: the inputs that failed to transfer are gone.
+        req.attempts += 1
+        req.stage_index, req.inputs = 0, dict(req.spec.inputs)
+        self.counters["request_restarts"] += 1
+        if not delay:
+            req.phase = Phase.QUEUED
             return self._enqueue(req)
-        return self._fail(req, msg.error_type, msg.message)
+        req.phase, req.not_before = Phase.BACKOFF, now + delay
+        heapq.heappush(self._backoff, (req.not_before, next(self._backoff_seq), msg.request_id, req.attempts))
+        self.counters["restart_backoffs"] += 1
+        return []
 
-    def _enqueue(self, req: RequestState) -> list[Outgoing]:
-        """Queue ``req`` for its current stage, or fail it at once when no worker serves that role."""
+    def _backoff_delay(self, attempt: int) -> float:
+        """The wait before restart number ``attempt`` (1, 2, …): doubling, capped."""
+        config = self.config
+        return min(config.retry_backoff_max_s, config.retry_backoff_s * 2.0 ** min(attempt - 1, 32))
+
+    def _end_backoffs(self, now: float) -> list[Outgoing]:
+        """Queue again, ahead of newer work, every request whose retry delay is over."""
+        heap, out = self._backoff, []
+        while heap and heap[0][0] <= now:
+            _, _, request_id, attempt = heapq.heappop(heap)
+            req = self.requests.get(request_id)
+            if req is None or req.phase is not Phase.BACKOFF or req.attempts != attempt:
+                continue   # cancelled or failed while it waited
+            req.phase = Phase.QUEUED
+            out += self._enqueue(req, front=True)
+        return out
+
+    def _enqueue(self, req: RequestState, front: bool = False) -> list[Outgoing]:
+        """Queue ``req`` for its current stage, or fail it at once when no worker serves that role.
+        ``front``: it was admitted before what is queued now (a restart), so it goes first."""
         if not self._has_live(req.spec.model, req.stage):
             return self._fail(req, "unavailable", f"no live {req.stage} worker for model {req.spec.model}",
                               retry_after=self.config.retry_after_s)
-        self.queues[(req.spec.model, req.stage)].append(req.spec.request_id)
+        queue = self.queues[(req.spec.model, req.stage)]
+        if front:
+            queue.appendleft(req.spec.request_id)
+        else:
+            queue.append(req.spec.request_id)
         return self._pump(req.spec.model, req.stage)
 
     # ------------------------------------------------------------------ gateways
@@ -424,6 +492,8 @@ class BrokerCore:
 
     def _release(self, req: RequestState) -> list[Outgoing]:
         """Take ``req`` out of its queue or off its worker (telling the worker to drop it)."""
+        if req.phase is Phase.BACKOFF:
+            return []   # its inputs are the Submit's own, and its heap entry is skipped when due
         queue = self.queues.get((req.spec.model, req.stage))
         if req.phase is Phase.QUEUED:
             if queue is not None and req.spec.request_id in queue:

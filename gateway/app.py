@@ -20,6 +20,7 @@ import collections
 import hmac
 import json
 import logging
+import math
 import time
 
 from aiohttp import web
@@ -102,8 +103,12 @@ class _RequestTimeout(OmniError):
 
 
 def _error_response(error: OmniError) -> web.Response:
-    headers = {"Retry-After": str(max(1, int(round(error.retry_after))))} if error.status in (429, 503) else None
-    return web.json_response(error.to_body(), status=error.status, headers=headers)
+    # Every recoverable error (429 overloaded, 503 unavailable / worker lost, 502 transfer failed)
+    # tells the client when trying again makes sense; the others would fail the same way again.
+    if not error.recoverable:
+        return web.json_response(error.to_body(), status=error.status)
+    hint = error.retry_after if 0 < error.retry_after <= 3600 else 1   # a hint off the bus is not trusted blindly
+    return web.json_response(error.to_body(), status=error.status, headers={"Retry-After": str(math.ceil(hint))})
 
 
 @web.middleware

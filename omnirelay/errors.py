@@ -10,7 +10,12 @@ from __future__ import annotations
 
 
 class OmniError(Exception):
-    """Base class. ``error_type`` is the stable wire name; ``status`` the HTTP status."""
+    """Base class. ``error_type`` is the stable wire name; ``status`` the HTTP status.
+
+    ``recoverable``: the same request may succeed later (overload, no worker for a while, a lost
+    worker, a failed transfer); the gateway answers these with ``Retry-After`` — ``retry_after``
+    seconds where the broker gave a hint, else 1.
+    """
 
     error_type = "internal_error"
     status = 500
@@ -81,6 +86,9 @@ class WorkerLost(OmniError):
 
 
 class TransferFailed(OmniError):
+    """A connector could not move a stage's data (store or peer down, key lost). The broker restarts
+    the request after a delay first; this reaches the client only once those attempts are spent."""
+
     error_type, status, openai_type, recoverable = "transfer_failed", 502, "server_error", True
 
 

@@ -277,7 +277,8 @@ def test_non_retryable_stage_failure_is_reported_to_the_gateway(core):
 def test_retryable_stage_failure_restarts_from_the_first_stage(core):
     pipeline(core, pre_credits=2)
     done(core, b"pre", "r1", "prefill", outputs={"kv": "lost"})
-    out = failed(core, b"dec", "r1", "decode", "transfer_failed")
+    # worker_lost restarts at once; transfer_failed waits first (tests/test_transfer_retry.py).
+    out = failed(core, b"dec", "r1", "decode", "worker_lost")
     assert failures(out) == []
     ((ident, task),) = of_type(out, p.Task)
     assert (ident, task.stage, task.attempt, task.inputs) == (b"pre", "prefill", 1, {})
@@ -286,13 +287,13 @@ def test_retryable_stage_failure_restarts_from_the_first_stage(core):
 def test_retryable_failures_stop_after_max_attempts(core):
     pipeline(core, pre_credits=8, dec_credits=0, capacity=8)
     for attempt in (1, 2):  # max_attempts=3: two restarts, then the failure is final
-        out = failed(core, b"pre", "r1", "prefill", "transfer_failed", attempt=attempt - 1)
+        out = failed(core, b"pre", "r1", "prefill", "worker_lost", attempt=attempt - 1)
         assert tasks(out) == [(b"pre", "r1", "prefill")]
         assert core.requests["r1"].attempts == attempt
     # A late report of an attempt that was already restarted is ignored.
-    assert failed(core, b"pre", "r1", "prefill", "transfer_failed", attempt=0) == []
-    (fail,) = failures(failed(core, b"pre", "r1", "prefill", "transfer_failed", attempt=2))
-    assert fail.error_type == "transfer_failed" and "r1" not in core.requests
+    assert failed(core, b"pre", "r1", "prefill", "worker_lost", attempt=0) == []
+    (fail,) = failures(failed(core, b"pre", "r1", "prefill", "worker_lost", attempt=2))
+    assert fail.error_type == "worker_lost" and "r1" not in core.requests
 
 
 # ------------------------------------------------------------------------------------ cancel

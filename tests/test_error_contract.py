@@ -1,6 +1,7 @@
 """The parts of the error contract the other suites do not reach: 503 with Retry-After when a role
 the model needs has no live worker, and ``--protect-probes`` closing /health, /metrics and /cluster
-behind the API key.
+behind the API key. (The 502 of a failed transfer, with its Retry-After, is in
+``test_transfer_retry.py``: it needs workers.)
 
 One broker and one gateway, no worker at all: nothing here loads a model's weights.
 """
@@ -34,8 +35,10 @@ def _assert_error(response: requests.Response, status: int, code: str) -> dict:
     body = response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code, body
     assert "request_id" in body and "stage" in body
-    if status in (429, 503):
+    if status in (429, 502, 503):   # the recoverable ones say when to try again
         assert int(response.headers["Retry-After"]) >= 1
+    else:
+        assert "Retry-After" not in response.headers
     return body
 
 
