@@ -13,166 +13,35 @@ The result is an ordinary diffusers directory, loadable offline with
 The default output is 64×64 (an 8×8 latent); any multiple of 8 pixels works. At 64×64 one
 denoising step takes ~10 ms on one CPU core, a whole 50-step image well under a second.
 
-The tokenizer is CLIP's byte-level BPE with ``</w>`` word ends, trained here with ``tokenizers`` on
-:data:`CORPUS` (no download) and written in CLIP's own file format: the 256 byte symbols, the same
-with ``</w>``, then one entry per merge, then ``<|startoftext|>`` and ``<|endoftext|>`` — so
-``CLIPTokenizer.from_pretrained(DIR/tokenizer)`` loads it, fast or slow.
-
-Weights are a pure function of ``seed``: each component is built under its own seeded RNG (the
-caller's global RNG is untouched), and the VAE decoder's output layer is widened so that images are
-not a flat grey — different seeds and prompts give visibly different pictures.
-
-Everything is written into a temporary sibling directory and renamed into place, as in
-:mod:`omnirelay.deploy.model_builder`.
+Only the UNet and the pipeline class are this module's own; the tokenizer (trained offline), the
+text encoder, VAE and scheduler, the seeding and the atomic write are :mod:`.tiny_diffusers`',
+shared with the text-to-video builder.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import shutil
+
+from .tiny_diffusers import build, is_complete, write_pipeline
+# dit_builder (being written alongside) still takes these from this module; drop once it imports
+# them from tiny_diffusers.
+from .tiny_diffusers import MAX_TEXT_POSITIONS, VAE_OUT_STD, _write_tokenizer  # noqa: F401
 
 MODEL_KIND = "tiny-sd"
 RECIPE_VERSION = 1
-REQUIRED_FILES = ("model_index.json", "unet/config.json", "vae/config.json", "scheduler/scheduler_config.json",
-                  "text_encoder/config.json", "tokenizer/vocab.json", "tokenizer/merges.txt")
-BOS, EOS = "<|startoftext|>", "<|endoftext|>"
-MAX_TEXT_POSITIONS = 77          # CLIP's context, which diffusers pads every prompt to
-TEXT_WIDTH = 64
-BPE_MERGES = 700                 # at most this many merges (the corpus yields ~370; vocab = 512 + merges + 2)
-VAE_OUT_STD = 0.1                # std of the VAE decoder's last conv: spreads pixels over [0, 255]
-
-# What the prompts in tests and demos talk about: enough words that merges are not trivial.
-CORPUS = """\
-a photograph of a red fox sitting in the snow at dawn, soft light, high detail
-an oil painting of a lighthouse on a rocky coast during a storm, dramatic waves
-a watercolor sketch of a quiet village street with bicycles and flower pots
-a cat wearing a tiny astronaut helmet floating among stars and planets
-a bowl of ramen with a soft boiled egg, green onions and steam rising
-a futuristic city skyline at night with neon signs reflected in the rain
-an illustration of a dragon curled around a mountain, golden scales, clouds
-a close up of a dew drop on a green leaf, macro photography, bokeh background
-a cozy reading corner with a wooden chair, a lamp, plants and many books
-a map of an imaginary island with forests, rivers, castles and a harbor
-portrait of an old sailor with a white beard and a blue knitted hat
-a minimalist poster of a sunrise over the desert, orange and purple tones
-a robot watering tomatoes in a small garden behind a brick house
-low quality, blurry, distorted, watermark, text, cropped, worst quality
-"""
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP's reversible map from bytes to printable characters (the byte-level alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
-def _train_clip_bpe() -> tuple[dict[str, int], list[str]]:
-    """Learn merges on CORPUS with CLIP's normalisation and splitting; return (vocab, merges) in
-    CLIP's order."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-
-    alphabet = sorted(_bytes_to_unicode().values(), key=ord)
-    tok = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    # The same pipeline transformers' CLIPTokenizer builds, so the merges apply to what it produces.
-    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
-                                           normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|"""
-                                   r"""[\p{N}]|[^\s\p{L}\p{N}]+"""), behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
-    trainer = trainers.BpeTrainer(vocab_size=10_000, min_frequency=1, initial_alphabet=alphabet,
-                                  end_of_word_suffix="</w>", show_progress=False, limit_alphabet=len(alphabet))
-    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
-    learned = json.loads(tok.to_str())["model"]["merges"]   # ["a", "b"] pairs; "a b" strings before tokenizers 0.20
-    merges = [pair if isinstance(pair, str) else " ".join(pair) for pair in learned][:BPE_MERGES]
-    vocab: dict[str, int] = {}
-    for symbol in alphabet + [c + "</w>" for c in alphabet]:
-        vocab[symbol] = len(vocab)
-    for merge in merges:
-        vocab.setdefault(merge.replace(" ", ""), len(vocab))
-    vocab[BOS] = len(vocab)
-    vocab[EOS] = len(vocab)
-    return vocab, merges
-
-
-def _write_tokenizer(out: pathlib.Path) -> int:
-    vocab, merges = _train_clip_bpe()
-    out.mkdir(parents=True)
-    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n", encoding="utf-8")
-    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-    special = {"bos_token": BOS, "eos_token": EOS, "unk_token": EOS, "pad_token": EOS}
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "CLIPTokenizer", "model_max_length": MAX_TEXT_POSITIONS, "do_lower_case": True,
-         "clean_up_tokenization_spaces": False, **special}, indent=2) + "\n")
-    return len(vocab)
+__all__ = ["build_tiny_text_to_image", "is_complete"]
 
 
 def _build_into(out: pathlib.Path, seed: int) -> None:
-    import torch
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
-    vocab_size = _write_tokenizer(out / "tokenizer")
-    tokenizer = CLIPTokenizer.from_pretrained(str(out / "tokenizer"))
-    text_config = CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=TEXT_WIDTH, intermediate_size=4 * TEXT_WIDTH, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=MAX_TEXT_POSITIONS, projection_dim=TEXT_WIDTH,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
-    # fork_rng: building must not reseed the caller's global RNG; one seed per component, so
-    # changing one component's recipe does not change the others' weights.
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        text_encoder = CLIPTextModel(text_config).eval()
-        torch.manual_seed(seed + 1)
-        unet = UNet2DConditionModel(
-            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-            block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=TEXT_WIDTH,
-            attention_head_dim=8, norm_num_groups=8).eval()
-        torch.manual_seed(seed + 2)
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
-            block_out_channels=(16, 16, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=8, sample_size=64).eval()
-        vae.decoder.conv_out.weight.normal_(0.0, VAE_OUT_STD, generator=torch.Generator().manual_seed(seed + 3))
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                              clip_sample=False, set_alpha_to_one=False, steps_offset=1)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
-    saved_tokenizer = {p.name: p.read_bytes() for p in (out / "tokenizer").iterdir()}
-    pipe.save_pretrained(str(out), safe_serialization=True)
-    # save_pretrained rewrites the tokenizer in the library's current format (tokenizer.json);
-    # keep exactly the CLIP files written above, which every transformers version reads.
-    shutil.rmtree(out / "tokenizer")
-    (out / "tokenizer").mkdir()
-    for name, data in saved_tokenizer.items():
-        (out / "tokenizer" / name).write_bytes(data)
-    # mkdtemp made the dir private; a model dir is shared data.
-    for path in [out, *out.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
-
-
-def is_complete(path: str | os.PathLike) -> bool:
-    root = pathlib.Path(path)
-    return all((root / name).is_file() for name in REQUIRED_FILES)
+    write_pipeline(out, seed, UNet2DConditionModel,
+                   dict(down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")),
+                   StableDiffusionPipeline, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
 def build_tiny_text_to_image(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
-    from .model_builder import build_atomically
-    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
-                            what="pipeline")
+    return build(path, _build_into, seed, force)
