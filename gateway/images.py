@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import random
 import re
@@ -38,12 +37,12 @@ from typing import Any
 from aiohttp import web
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest, NotFound, OmniError, Unprocessable, WorkerLost
+from omnirelay.errors import BadRequest, OmniError, Unprocessable, WorkerLost
 from omnirelay.image_params import MAX_SEED, ImageParams
 
 from .app import BUS, CONFIG, METRICS, MODELS, _json_body
 from .bus import BusClient, RequestStream, StreamEvent
-from .config import ServedModel
+from .pipeline_model import PipelineModel
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -57,24 +56,10 @@ def is_image_pipeline(path: str) -> bool:
     return (Path(path) / "model_index.json").is_file()
 
 
-class ImageModel:
-    """What the gateway knows about a served diffusers pipeline: its name, stages and card."""
+class ImageModel(PipelineModel):
+    """A served text-to-image pipeline."""
 
-    def __init__(self, served: ServedModel):
-        if "generate" not in served.stages:
-            raise ValueError(f"model {served.name!r} ({served.path}) is a diffusers pipeline, but its stages "
-                             f"{list(served.stages)} have no 'generate'; serve it with a pipeline file such as "
-                             f"deploy/pipelines/text_to_image.yaml")
-        self.name = served.name
-        self.path = served.path
-        self.stages = tuple(served.stages)
-        index = json.loads((Path(served.path) / "model_index.json").read_text())
-        self.pipeline_class = str(index.get("_class_name", ""))
-        self.created = int(Path(served.path).stat().st_mtime)
-
-    def card(self) -> dict:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",
-                "root": self.path, "pipeline": self.pipeline_class}
+    noun, makes, pipeline_file = "image", "images", "deploy/pipelines/text_to_image.yaml"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,24 +188,9 @@ async def generate(bus: BusClient, model: ImageModel, params: ImageParams, deadl
             await bus.cancel(upstream_id, "client left or request failed")
 
 
-def _image_model(models: dict, name: str | None) -> ImageModel:
-    if name is None:
-        image_models = [m for m in models.values() if isinstance(m, ImageModel)]
-        if len(image_models) != 1:
-            raise BadRequest("'model' is required (this gateway serves "
-                             f"{len(image_models)} image models)", param="model")
-        return image_models[0]
-    model = models.get(name)
-    if model is None:
-        raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
-    if not isinstance(model, ImageModel):
-        raise Unprocessable(f"model {name!r} does not generate images", param="model")
-    return model
-
-
 async def image_generations(request: web.Request) -> web.Response:
     parsed = parse_image_request(await _json_body(request))
-    model = _image_model(request.app[MODELS], parsed.model)
+    model = ImageModel.find(request.app[MODELS], parsed.model)
     params = parsed.params
     if params.seed is None:
         params = dataclasses.replace(params, seed=random.randrange(MAX_SEED - params.n))

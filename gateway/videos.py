@@ -37,13 +37,11 @@ import base64
 import binascii
 import collections
 import dataclasses
-import json
 import logging
 import random
 import re
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -57,6 +55,7 @@ from omnirelay.video_params import (DEFAULT_FPS, MAX_FRAMES, MAX_SECONDS, MAX_SE
 from .app import BUS, CONFIG, METRICS, MODELS, _json_body
 from .bus import BusClient, RequestStream, StreamEvent
 from .config import ServedModel
+from .pipeline_model import PipelineModel
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -69,25 +68,14 @@ _FLOAT_FIELDS = ("guidance_scale",)
 FINISHED = ("completed", "failed", "cancelled")
 
 
-class VideoModel:
-    """What the gateway knows about a served text-to-video pipeline: name, stages, native size."""
+class VideoModel(PipelineModel):
+    """A served text-to-video pipeline, with the native size it makes."""
+
+    what, noun, makes, pipeline_file = "video pipeline", "video", "video", "deploy/pipelines/text_to_video.yaml"
 
     def __init__(self, served: ServedModel):
-        if "generate" not in served.stages:
-            raise ValueError(f"model {served.name!r} ({served.path}) is a video pipeline, but its stages "
-                             f"{list(served.stages)} have no 'generate'; serve it with a pipeline file such as "
-                             f"deploy/pipelines/text_to_video.yaml")
-        self.name = served.name
-        self.path = served.path
-        self.stages = tuple(served.stages)
-        index = json.loads((Path(served.path) / "model_index.json").read_text())
-        self.pipeline_class = str(index.get("_class_name", ""))
+        super().__init__(served)
         self.native_size = native_size(served.path)
-        self.created = int(Path(served.path).stat().st_mtime)
-
-    def card(self) -> dict:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",
-                "root": self.path, "pipeline": self.pipeline_class}
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -409,21 +397,6 @@ async def _job_task(app: web.Application, model: VideoModel, job: VideoJob) -> N
 # ---------------------------------------------------------------------------------------- routes
 
 
-def _video_model(models: dict, name: str | None) -> VideoModel:
-    if name is None:
-        video_models = [m for m in models.values() if isinstance(m, VideoModel)]
-        if len(video_models) != 1:
-            raise BadRequest(f"'model' is required (this gateway serves {len(video_models)} video models)",
-                             param="model")
-        return video_models[0]
-    model = models.get(name)
-    if model is None:
-        raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
-    if not isinstance(model, VideoModel):
-        raise Unprocessable(f"model {name!r} does not generate video", param="model")
-    return model
-
-
 async def _body(request: web.Request) -> dict:
     """The fields of a JSON body or of a form (multipart or urlencoded)."""
     if request.content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
@@ -444,7 +417,7 @@ async def _body(request: web.Request) -> dict:
 
 async def create_video(request: web.Request) -> web.Response:
     parsed = parse_video_request(await _body(request))
-    model = _video_model(request.app[MODELS], parsed.model)
+    model = VideoModel.find(request.app[MODELS], parsed.model)
     params, seconds = resolve_params(parsed, model)
     jobs: VideoJobs = request.app[JOBS]
     job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=model.name, params=params, seconds=seconds,
