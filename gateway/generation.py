@@ -15,7 +15,6 @@ with no duplicated or missing token. Leaving early (client gone, error) always c
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import random
@@ -29,11 +28,10 @@ from omnirelay.errors import BadRequest, OmniError, Unprocessable
 from .bus import BusClient
 from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
+from .resubmit import MAX_RESUBMITS, AdmissionWait
 from .schema import GenerationRequest
 
 log = logging.getLogger("omnirelay.gateway")
-MAX_RESUMES = 3
-ADMISSION_RETRY_S = 5.0   # how long a request waits for a role that has no live worker
 
 
 @dataclasses.dataclass
@@ -121,7 +119,7 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
     generated: list[int] = []
     sampling = _sampling(gen, 0)
     submissions = 0
-    retry_unavailable_until = time.monotonic() + ADMISSION_RETRY_S
+    admission = AdmissionWait(deadline)
     upstream_id = gen.request_id
     done = False
     try:
@@ -152,15 +150,11 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                         return
                     yield TextChunk(detok.take(), event.tokens)
             except OmniError as exc:
-                if exc.resumable and gen.resumes < MAX_RESUMES:
+                if exc.resumable and gen.resumes < MAX_RESUBMITS:
                     gen.resumes += 1
                     log.warning("%s: %s; resuming at position %d", gen.request_id, exc, len(generated))
                     continue
-                pause = min(max(exc.retry_after, 0.2), 1.0)
-                if (exc.error_type == "unavailable" and time.monotonic() + pause < retry_unavailable_until
-                        and time.time() + pause < deadline):
-                    # A role briefly without workers (a restart in progress): wait for it to return.
-                    await asyncio.sleep(pause)
+                if await admission.retry(exc):   # a role briefly without workers (a restart in progress)
                     continue
                 exc.request_id = gen.request_id
                 raise

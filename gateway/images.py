@@ -24,7 +24,6 @@ gateway, stages from its pipeline file (``deploy/pipelines/text_to_image.yaml``:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import random
@@ -43,11 +42,10 @@ from omnirelay.image_params import MAX_SEED, ImageParams
 from .app import BUS, CONFIG, METRICS, MODELS, _json_body
 from .bus import BusClient, RequestStream, StreamEvent
 from .pipeline_model import PipelineModel
+from .resubmit import submit_until_done
 
 log = logging.getLogger("omnirelay.gateway")
 
-MAX_RESUBMITS = 3
-ADMISSION_RETRY_S = 5.0      # how long a request waits for a generate role that has no live worker
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 
 
@@ -151,41 +149,12 @@ async def generate(bus: BusClient, model: ImageModel, params: ImageParams, deadl
     """The base64 PNGs of ``params.n`` images, in order. Resubmits after a lost worker or broker
     (same seed, so the same images); waits briefly for a generate role that has no live worker;
     cancels upstream when the caller goes away or fails."""
-    received: dict[int, str] = {}
-    resubmits = 0
-    retry_unavailable_until = time.monotonic() + ADMISSION_RETRY_S
-    upstream_id, done = request_id, False
-    try:
-        while True:
-            upstream_id = request_id if not resubmits else f"{request_id}.{resubmits}"
-            stream = MediaStream(upstream_id, deadline, params.n, received)
-            submit = p.Submit(request_id=upstream_id, model=model.name, stages=list(model.stages),
-                              prompt_token_ids=[], sampling=params.to_wire(), deadline=deadline,
-                              reply_to=bus.reply_to, reply_key=bus.reply_key)
-            await bus.submit(submit, stream)
-            try:
-                await stream.wait()
-                done = True
-                return [received[i] for i in range(params.n)]
-            except OmniError as exc:
-                if exc.resumable and resubmits < MAX_RESUBMITS:
-                    resubmits += 1
-                    log.warning("%s: %s; resubmitting (%d of %d images in)", request_id, exc, len(received),
-                                params.n)
-                    continue
-                pause = min(max(exc.retry_after, 0.2), 1.0)
-                if (exc.error_type == "unavailable" and time.monotonic() + pause < retry_unavailable_until
-                        and time.time() + pause < deadline):
-                    resubmits += 1
-                    await asyncio.sleep(pause)
-                    continue
-                exc.request_id = request_id
-                raise
-            finally:
-                bus.forget(upstream_id)
-    finally:
-        if not done:
-            await bus.cancel(upstream_id, "client left or request failed")
+    received: dict[int, str] = {}   # shared by the resubmissions: an image already in is not awaited again
+    submit = p.Submit(request_id=request_id, model=model.name, stages=list(model.stages), prompt_token_ids=[],
+                      sampling=params.to_wire(), deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key)
+    await submit_until_done(bus, submit, lambda upstream_id: MediaStream(upstream_id, deadline, params.n, received),
+                            progress=lambda: f" ({len(received)} of {params.n} images in)")
+    return [received[i] for i in range(params.n)]
 
 
 async def image_generations(request: web.Request) -> web.Response:

@@ -56,11 +56,10 @@ from .app import BUS, CONFIG, METRICS, MODELS, _json_body
 from .bus import BusClient, RequestStream, StreamEvent
 from .config import ServedModel
 from .pipeline_model import PipelineModel
+from .resubmit import submit_until_done
 
 log = logging.getLogger("omnirelay.gateway")
 
-MAX_RESUBMITS = 3
-ADMISSION_RETRY_S = 5.0      # how long a job waits for a generate role that has no live worker
 DEFAULT_SECONDS = 4
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 _INT_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
@@ -328,38 +327,11 @@ async def run_job(bus: BusClient, model: VideoModel, job: VideoJob, deadline: fl
     """Generate ``job``'s file: (bytes, MIME). Resubmits after a lost worker or broker (same
     seed, so the same file); waits briefly for a generate role with no live worker; cancels
     upstream when cancelled or failed."""
-    resubmits = 0
-    retry_unavailable_until = time.monotonic() + ADMISSION_RETRY_S
-    upstream_id, done = job.id, False
-    try:
-        while True:
-            upstream_id = job.id if not resubmits else f"{job.id}.{resubmits}"
-            stream = VideoStream(upstream_id, deadline, job)
-            await bus.submit(p.Submit(request_id=upstream_id, model=model.name, stages=list(model.stages),
-                                      prompt_token_ids=[], sampling=job.params.to_wire(), deadline=deadline,
-                                      reply_to=bus.reply_to, reply_key=bus.reply_key), stream)
-            try:
-                data = await stream.wait()
-                done = True
-                return data, stream.mime
-            except OmniError as exc:
-                if exc.resumable and resubmits < MAX_RESUBMITS:
-                    resubmits += 1
-                    log.warning("%s: %s; resubmitting", job.id, exc)
-                    continue
-                pause = min(max(exc.retry_after, 0.2), 1.0)
-                if (exc.error_type == "unavailable" and time.monotonic() + pause < retry_unavailable_until
-                        and time.time() + pause < deadline):
-                    resubmits += 1
-                    await asyncio.sleep(pause)
-                    continue
-                exc.request_id = job.id
-                raise
-            finally:
-                bus.forget(upstream_id)
-    finally:
-        if not done:
-            await asyncio.shield(bus.cancel(upstream_id, "video job cancelled or failed"))
+    submit = p.Submit(request_id=job.id, model=model.name, stages=list(model.stages), prompt_token_ids=[],
+                      sampling=job.params.to_wire(), deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key)
+    data, stream = await submit_until_done(bus, submit, lambda upstream_id: VideoStream(upstream_id, deadline, job),
+                                           cancel_reason="video job cancelled or failed")
+    return data, stream.mime
 
 
 async def _job_task(app: web.Application, model: VideoModel, job: VideoJob) -> None:
