@@ -34,7 +34,8 @@ from omnirelay.errors import TransferFailed
 
 from . import codec
 from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Payload
-from .buffers import Block, BufferPool, Region
+from .buffers import Block
+from .mooncake_pool import RegisteredPool
 
 try:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -70,10 +71,13 @@ class MooncakeStoreConnector(Connector):
                                device_name, master)
         if rc != 0:
             raise TransferFailed(f"mooncake_store: setup against master {master} failed (rc={rc})")
-        self._pool = BufferPool(pool_bytes)
-        if self._store.register_buffer(self._pool.address, self._pool.capacity) != 0:
+        try:
+            self._memory = RegisteredPool(pool_bytes, self._store.register_buffer, self._store.unregister_buffer,
+                                          "mooncake_store")
+        except TransferFailed:
             self._store.close()
-            raise TransferFailed("mooncake_store: cannot register the buffer pool")
+            raise
+        self._pool = self._memory.pool
         self._replicate = ReplicateConfig()
         if prefer_local:
             self._replicate.preferred_segment = self._store.get_hostname()
@@ -91,7 +95,7 @@ class MooncakeStoreConnector(Connector):
         self._expire(time.monotonic())
         encode_plan = codec.plan(payload)
         size = encode_plan.size
-        block = self._allocate(size)
+        block = self._memory.allocate(size)
         try:
             view = block.view(size)
             try:
@@ -148,19 +152,9 @@ class MooncakeStoreConnector(Connector):
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.05)
 
-    def _allocate(self, size: int) -> Block | Region:
-        """A pool block, or a one-off registered buffer when the pool is full."""
-        block = self._pool.allocate(size)
-        if block is not None:
-            return block
-        try:
-            return Region(size, self._store.register_buffer, self._store.unregister_buffer)
-        except MemoryError as exc:
-            raise TransferFailed(f"mooncake_store: {exc}") from None
-
     def _read(self, key: str, size: int) -> Payload | int:
         """The payload, or Mooncake's (negative) return code."""
-        block = self._allocate(size)
+        block = self._memory.allocate(size)
         got = self._store.get_into(key, block.address, size)
         if got != size:
             block.release()
@@ -203,7 +197,7 @@ class MooncakeStoreConnector(Connector):
                 return
             self._closed = True
         self._expire(time.monotonic())
-        self._store.unregister_buffer(self._pool.address)
+        self._memory.close()
         self._store.close()
 
     def health(self) -> dict:

@@ -61,7 +61,8 @@ from omnirelay.errors import TransferFailed
 
 from . import codec
 from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Payload
-from .buffers import Block, BufferPool, Region
+from .buffers import Block, Region
+from .mooncake_pool import RegisteredPool
 
 try:
     from mooncake.engine import TransferEngine
@@ -136,9 +137,9 @@ class MooncakeTEConnector(Connector):
             raise TransferFailed(f"mooncake: transfer engine failed to initialize (rc={rc}) on "
                                  f"{self.local_hostname} with {protocol} via {metadata_server}")
         self.peer = f"{self.local_hostname}:{self._engine.get_rpc_port()}"
-        self._pool = BufferPool(pool_bytes)
-        if self._engine.register_memory(self._pool.address, self._pool.capacity) != 0:
-            raise TransferFailed("mooncake: cannot register the buffer pool")
+        self._memory = RegisteredPool(pool_bytes, self._engine.register_memory, self._engine.unregister_memory,
+                                      "mooncake_transfer_engine")
+        self._pool = self._memory.pool
         self._pid = os.getpid()
         self._gens = itertools.count(1)
         self._lock = threading.Lock()
@@ -153,15 +154,10 @@ class MooncakeTEConnector(Connector):
 
     def _allocate(self, size: int) -> Block | Region:
         block = self._pool.allocate(size)
-        if block is None:
-            self._reclaim(time.monotonic(), force=True)
-            block = self._pool.allocate(size)
         if block is not None:
             return block
-        try:
-            return Region(size, self._engine.register_memory, self._engine.unregister_memory)
-        except MemoryError as exc:
-            raise TransferFailed(f"mooncake_transfer_engine: {exc}") from None
+        self._reclaim(time.monotonic(), force=True)   # acknowledged blocks may free enough
+        return self._memory.allocate(size)
 
     def _entry_path(self, key: str, pid: int | None = None) -> str:
         return os.path.join(self.directory, f"{PREFIX}{pid or self._pid}-{_key_hash(key).hex()}")
@@ -370,7 +366,7 @@ class MooncakeTEConnector(Connector):
             for item in list(self._published.values()):
                 self._free(item, unlink=True)
             self._published.clear()
-        self._engine.unregister_memory(self._pool.address)
+        self._memory.close()
         self._engine = None   # the engine's destructor stops its threads and closes its sockets
         sweep_directory(self.directory)
 
