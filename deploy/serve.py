@@ -19,8 +19,13 @@ Parallelism flags: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``-
 worker's GPU group) and ``--gpu-memory-utilization`` are checked before anything starts
 (:func:`check_parallel`): devices must number TP × PP, TP must divide the model's attention and KV
 heads, PP must not exceed its layers, a stage of the pipeline file that sets a size must agree with
-the flag. They reach ``omni-worker`` once it runs GPU groups (:data:`WORKER_RUNS_GROUPS`); until
-then any size but 1 is refused with a message saying so.
+the flag. They reach ``omni-worker`` once it runs GPU groups (:data:`WORKER_RUNS_GROUPS`) and takes
+device lists (:data:`WORKER_TAKES_DEVICES`); until then any size but 1, or a device list, is refused
+with a message saying so. Every worker of this host gets the same ``--devices`` (its GPU group) and
+``--gpu-memory-utilization`` (the share of each device it may fill, counting memory already in use,
+so workers sharing a group need shares that leave each other room); ``--kv-cache-bytes`` left at 0
+lets the utilization size the KV pool on CUDA (256 MiB on the CPU), a value caps it
+(:mod:`omnirelay.workers.devices`).
 
 ``--ray-address ADDR`` places the same daemons on a Ray cluster instead of this host (see
 :mod:`omnirelay.deploy.ray_launcher`).
@@ -53,9 +58,10 @@ from omnirelay.security import is_loopback
 # Whether omni-worker accepts --tensor-parallel-size/--pipeline-parallel-size/--devices/
 # --gpu-memory-utilization. Flip to True once `omni-worker --help` lists them.
 WORKER_RUNS_GROUPS = True
-# The engines of this build run their ranks on the CPU (gloo); device lists and GPU memory shares wait
-# for the CUDA path, so omni-serve refuses --devices rather than pretend to honour it.
-WORKER_TAKES_DEVICES = False
+# omni-worker places rank i of a prefill/decode group on the i-th listed device (NCCL between them)
+# and sizes its KV pool from --gpu-memory-utilization; without --devices it picks cuda:0..N-1, or the
+# CPU on a host without CUDA (omnirelay.workers.devices).
+WORKER_TAKES_DEVICES = True
 
 _PR_SET_PDEATHSIG = 1
 # The gateway only reads a pipeline's roles: any prefill → decode file stands for a causal LM's.
@@ -142,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", action="append", default=None,
                         help="model id clients use, one per MODEL in order (default: the path as given)")
     parser.add_argument("--max-model-len", type=int, default=0)
-    parser.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
+    parser.add_argument("--kv-cache-bytes", type=int, default=0,
+                        help="KV pool bytes per worker (0: 256 MiB on the CPU, the --gpu-memory-utilization "
+                             "share on CUDA; a value caps that share)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers per model")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers per model")
@@ -154,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline-parallel-size", type=int, default=None,
                         help="ranks per worker that split the layers (default 1, or the stage's)")
     parser.add_argument("--devices", default=None, help="device ids of one worker's GPU group, e.g. 0,1")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: share of each device's memory a worker fills, memory in use included")
     parser.add_argument("--connector", default="shared_memory",
                         help="KV connector backend when no --stage-configs-path is given")
     parser.add_argument("--stage-configs-path", action="append", default=None,

@@ -340,8 +340,6 @@ def test_omni_serve_runs_a_legacy_stage_config(tiny_model, tmp_path):
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: must be in (0, 1]"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0: must be at least 1"),
     (["--num-decode", "0"], "--num-prefill, --num-decode, --num-encode and --num-generate must be at least 1"),
-    # Consistent, but this build's workers run their ranks on the CPU: a device list is refused, saying so.
-    (["--tensor-parallel-size", "2", "--devices", "0,1"], "does not take a device list yet"),
 ])
 def test_omni_serve_refuses_inconsistent_values(tiny_model, capsys, flags, message):
     with pytest.raises(SystemExit) as info:

@@ -263,6 +263,10 @@ def test_off_loopback_head_needs_curve_keys_and_ships_them(tmp_path):
     # The gateway's media directory and limits reach it on the Ray node as they do on one host.
     assert gateway_argv[gateway_argv.index("--allowed-local-media-path") + 1] == "/srv/media"
     assert gateway_argv[gateway_argv.index("--read-timeout") + 1] == "7.5"
+    # Ray hands each actor its GPUs (CUDA_VISIBLE_DEVICES): the worker's default placement, no --devices.
+    on_ray = {s.name: s for s in build_specs(_serve_args(curve_keys=str(keys), devices="0,1"), plans,
+                                             "tcp://10.0.0.1:5555", has_gpus=True)}
+    assert "--devices" not in on_ray["decode-0.0"].argv and "--gpu-memory-utilization" in on_ray["decode-0.0"].argv
     # On a CPU cluster the workers ask for no GPU.
     cpu = build_specs(_serve_args(curve_keys=str(keys)), plans, "tcp://10.0.0.1:5555",
                       has_gpus=False)

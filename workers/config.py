@@ -21,7 +21,13 @@ class WorkerConfig:
     worker_id:       unique id on the bus (default: role-host-pid-random).
     capacity:        how many requests this worker holds at once (credits it grants).
     max_model_len:   longest sequence (prompt + output); default the model's max positions.
-    kv_cache_bytes:  byte budget of the decode worker's KV block pool (CPU).
+    kv_cache_bytes:  byte budget of the prefill/decode KV block pool; 0: not set (256 MiB on the CPU;
+                     on CUDA the pool takes what ``gpu_memory_utilization`` leaves, and a non-zero
+                     value caps it — :mod:`omnirelay.workers.devices`).
+    devices:         CUDA device ids of this worker's GPU group, rank i on the i-th (empty: cuda:0..
+                     N-1 on a host with CUDA, else the CPU); must number tensor × pipeline parallel size.
+    gpu_memory_utilization: on CUDA, the share of each device's memory the worker fills, weights and
+                     memory already in use included; the KV pool gets the rest of that share.
     block_size:      tokens per KV block.
     connector:       name of the connector backend for the KV handoff.
     connector_options: the backend's options.
@@ -42,7 +48,7 @@ class WorkerConfig:
     worker_id: str = ""
     capacity: int = 0
     max_model_len: int = 0
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_cache_bytes: int = 0
     block_size: int = 16
     connector: str = "shared_memory"
     connector_options: dict = dataclasses.field(default_factory=dict)
@@ -54,6 +60,8 @@ class WorkerConfig:
     max_num_batched_tokens: int = 256
     prefix_caching: bool = True
     threads: int = 1
+    devices: tuple[int, ...] = ()
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -64,8 +72,15 @@ class WorkerConfig:
             raise ValueError(f"model directory {self.model_path!r} does not exist")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
-        if self.capacity < 0 or self.block_size < 1 or self.kv_cache_bytes < 1:
-            raise ValueError("capacity, block_size and kv_cache_bytes must be positive")
+        if self.capacity < 0 or self.block_size < 1 or self.kv_cache_bytes < 0:
+            raise ValueError("capacity and block_size must be positive, kv_cache_bytes not negative")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
+        group = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.devices and len(self.devices) != group:
+            raise ValueError(f"--devices {','.join(map(str, self.devices))} names {len(self.devices)} device(s) but "
+                             f"the group is --tensor-parallel-size {self.tensor_parallel_size} × "
+                             f"--pipeline-parallel-size {self.pipeline_parallel_size} = {group}")
         if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.max_num_batched_tokens, self.threads) < 1:
             raise ValueError("parallel sizes, max_num_batched_tokens and threads must be >= 1")
         if not self.worker_id:

@@ -3,6 +3,13 @@
 Builds the worker's parts in order — config, model, connector, engine, role adapter, runtime — and
 runs the runtime until SIGTERM/SIGINT, then drains. Ranks of a GPU group beyond rank 0 never talk
 to the broker (tensor/pipeline parallelism is set up inside the engine).
+
+Devices (:mod:`omnirelay.workers.devices`): ``--devices 0,1`` puts rank i of a prefill/decode group
+on ``cuda:<i-th id>``; without it a host with CUDA uses cuda:0..N-1 and a host without runs on the
+CPU. ``--devices`` on a host without CUDA, or a list that does not number TP × PP, exits with
+status 2 before anything loads; so does a KV pool that ``--gpu-memory-utilization`` /
+``--kv-cache-bytes`` leave too small, once the weights are loaded. Encode and generate workers keep
+their own placement (the first listed device becomes the current CUDA device).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from omnirelay.video_params import is_video_pipeline
 
 from .config import WorkerConfig
 from .decode import DecodeEngine
+from .devices import KVBudgetError, parse_device_ids, resolve_devices
 from .encode_role import build_encode_role
 from .generate_role import build_generate_role
 from .generate_speech import is_omni_model
@@ -91,13 +99,16 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
 
 def _model_runner(config: WorkerConfig) -> ModelRunner:
     """This process's model and KV pool, or rank 0 of a TP × PP group whose other ranks it starts."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
-        model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype))
-        return local_runner(model, block_size=config.block_size, budget_bytes=config.kv_cache_bytes)
+    devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
+    if len(devices) == 1:
+        model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype), device=devices[0])
+        return local_runner(model, block_size=config.block_size, budget_bytes=config.kv_cache_bytes,
+                            gpu_memory_utilization=config.gpu_memory_utilization)
     group = GroupConfig(config.model_path, tp_size=config.tensor_parallel_size,
                         pp_size=config.pipeline_parallel_size, dtype=config.dtype, block_size=config.block_size,
-                        threads=config.threads)
-    return GroupRunner(group, budget_bytes=config.kv_cache_bytes)
+                        threads=config.threads, devices=devices, kv_cache_bytes=config.kv_cache_bytes,
+                        gpu_memory_utilization=config.gpu_memory_utilization)
+    return GroupRunner(group)
 
 
 def _connector_stats(connector) -> dict:
@@ -114,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-id", default="")
     parser.add_argument("--capacity", type=int, default=0, help="max requests held at once")
     parser.add_argument("--max-model-len", type=int, default=0)
-    parser.add_argument("--kv-cache-bytes", type=int, default=WorkerConfig.kv_cache_bytes)
+    parser.add_argument("--kv-cache-bytes", type=int, default=WorkerConfig.kv_cache_bytes,
+                        help="KV pool bytes (CPU default 256 MiB); on CUDA a cap on the utilization share")
+    parser.add_argument("--devices", default=None, help="CUDA device ids of this worker's group, e.g. 0,1")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=WorkerConfig.gpu_memory_utilization,
+                        help="CUDA: share of each device's memory to fill (weights, KV, memory in use)")
     parser.add_argument("--block-size", type=int, default=WorkerConfig.block_size)
     parser.add_argument("--stage-configs-path", default=None,
                         help="stage-pipeline YAML; its edge names this worker's connector")
@@ -156,13 +171,21 @@ def main(argv: list[str] | None = None) -> int:
             drain_timeout_s=args.drain_timeout, dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching,
-            threads=args.threads)
+            threads=args.threads,
+            devices=parse_device_ids(args.devices) if args.devices is not None else (),
+            gpu_memory_utilization=args.gpu_memory_utilization)
+        devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker)
     except (ValueError, json.JSONDecodeError, PipelineError) as exc:   # SecurityError included
         parser.error(str(exc))
     shutdown = Shutdown().install()
-    runtime = build_runtime(config, shutdown, keys)
+    if config.role not in ("prefill", "decode") and devices[0].startswith("cuda"):
+        torch.cuda.set_device(devices[0])   # roles that place themselves on "cuda" land on the group's first
+    try:
+        runtime = build_runtime(config, shutdown, keys)
+    except KVBudgetError as exc:
+        parser.error(str(exc))
     print(f"omni-worker {config.role} ready: {config.worker_id}", flush=True)
     runtime.run()
     return 0

@@ -34,7 +34,7 @@ from omnirelay.errors import OmniError
 
 from .forward_batch import ForwardBatch
 from .kv_cache import BlockAllocator, PagedKVCache
-from .model_runner import LocalRunner, ModelRunner
+from .model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from .models.llama import LlamaModel
 from .sampling import SamplingParams, sample
 from .stopping import finish_reason_for
@@ -283,7 +283,8 @@ class DecodeEngine:
             decode_batch.rope_positions = positions + torch.tensor([s.task.rope_delta for s in batch])
         logits = self._forward_batch(decode_batch, batch)
         out_positions = [s.task.position_offset + len(s.generated) for s in batch]
-        tokens = sample(logits, [s.task.params for s in batch], out_positions)
+        params = [s.task.params for s in batch]
+        tokens = sample(logits_for_sampling(logits, params), params, out_positions)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(batch)
         for seq, token, position in zip(list(batch), tokens, out_positions):

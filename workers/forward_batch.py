@@ -7,6 +7,10 @@ the sequence's block table. :meth:`ForwardBatch.build` packs that into flat tens
 everything per layer (slots to write, gather indices, masks) is derived once here, never inside the
 layer loop. Being tensors only, a batch can be broadcast as-is from rank 0 to the other ranks of a
 tensor/pipeline-parallel group (:mod:`omnirelay.workers.parallel`).
+
+Engines build a batch on the CPU; the runner moves it to its rank's device once per step
+(:meth:`ForwardBatch.to`). The per-sequence lengths are also kept as Python lists from the CPU copy,
+so planning a prefill step on a GPU never waits for the device.
 """
 
 from __future__ import annotations
@@ -50,6 +54,30 @@ class ForwardBatch:
         self.is_decode = self.num_tokens == self.num_seqs
         self.last_index = torch.cumsum(self.query_lens, 0) - 1
         self._plan: dict = {}
+        # (query_lens, context_lens) as lists, read where the tensors are on the host.
+        self._host_lens: tuple[list[int], list[int]] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> "ForwardBatch":
+        """The same batch with every tensor on ``device`` (itself when already there)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        out = ForwardBatch(*(move(t) for t in (self.input_ids, self.positions, self.slots, self.query_lens,
+                                                 self.context_lens, self.block_tables)), self.block_size,
+                           rope_positions=move(self.rope_positions),
+                           embeds=None if self.embeds is None else (move(self.embeds[0]), move(self.embeds[1])))
+        out._host_lens = self._lens()
+        return out
+
+    def _lens(self) -> tuple[list[int], list[int]]:
+        if self._host_lens is None:
+            self._host_lens = (self.query_lens.tolist(), self.context_lens.tolist())
+        return self._host_lens
 
     @classmethod
     def build(cls, chunks: list[tuple[list[int], int, list[int]]], block_size: int) -> "ForwardBatch":
@@ -77,7 +105,7 @@ class ForwardBatch:
     def decode(cls, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                block_size: int) -> "ForwardBatch":
         """One new token per sequence, at ``positions`` (vectorised: no per-sequence Python)."""
-        rows = torch.arange(block_tables.shape[0])
+        rows = torch.arange(block_tables.shape[0], device=block_tables.device)
         slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
         ones = torch.ones_like(positions)
         return cls(input_ids, positions, slots, ones, positions + 1, block_tables, block_size)
@@ -88,7 +116,7 @@ class ForwardBatch:
         """(flat block ids to gather [B * W], boolean mask of real keys [B, 1, 1, W * block_size])."""
         if "decode" not in self._plan:
             span = self.block_tables.shape[1] * self.block_size
-            valid = torch.arange(span)[None, :] < self.context_lens[:, None]
+            valid = torch.arange(span, device=self.device)[None, :] < self.context_lens[:, None]
             self._plan["decode"] = (self.block_tables.reshape(-1), valid[:, None, None, :])
         return self._plan["decode"]
 
@@ -99,13 +127,13 @@ class ForwardBatch:
         if "prefill" not in self._plan:
             plan = []
             start = 0
-            for n, ctx, table in zip(self.query_lens.tolist(), self.context_lens.tolist(), self.block_tables):
+            for n, ctx, table in zip(*self._lens(), self.block_tables):
                 if ctx == n:
                     plan.append((start, start + n, None, None))
                 else:
                     nblocks = -(-ctx // self.block_size)
                     # Query i (absolute position ctx - n + i) sees keys 0 .. ctx - n + i.
-                    mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+                    mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(ctx - n)
                     plan.append((start, start + n, table[:nblocks].clone(), mask))
                 start += n
             self._plan["prefill"] = plan

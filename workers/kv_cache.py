@@ -3,6 +3,11 @@
 A sequence owns a list of block ids (its block table); token ``t`` of the sequence lives in block
 ``table[t // block_size]`` at offset ``t % block_size``. Sequences join and leave without moving
 anyone else's blocks. The pool is sized once from a byte budget, so memory use is fixed at start-up.
+
+The pool lives on one device (``device``: the rank's CPU or ``cuda:<id>``). Slots and block tables
+of a step come on that device (the runner moved the batch); a sequence's KV written from elsewhere
+(a connector's host tensor) is copied there once. :meth:`PagedKVCache.read_sequence` returns the
+sequence on the pool's device: the runner decides when it crosses to the host.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, block_size: int = 16,
                  num_blocks: int | None = None, budget_bytes: int | None = None,
-                 dtype: torch.dtype = torch.float32):
-        per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        per_block = self.block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
         if num_blocks is None:
             if budget_bytes is None:
                 raise ValueError("give num_blocks or budget_bytes")
@@ -50,11 +55,17 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.bytes_per_block = per_block
+        self.device = torch.device(device)
         self.allocator = BlockAllocator(num_blocks)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zero-filled so first touch of the pool happens here, not in the first request's step.
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block over all layers, keys and values."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -66,23 +77,25 @@ class PagedKVCache:
         self.values[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
     def _slots(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
-        positions = torch.arange(num_tokens)
-        table = torch.tensor(blocks, dtype=torch.long)
+        positions = torch.arange(num_tokens, device=self.device)
+        table = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def write_sequence(self, blocks: list[int], kv: torch.Tensor, start: int = 0) -> None:
         """Copy a contiguous ``[layers, 2, seq, kv_heads, head_dim]`` KV into ``blocks``, its first
         token at position ``start`` of the sequence."""
         slots = self._slots(blocks, start + kv.shape[2])[start:]
+        kv = kv.to(self.device)
         for layer in range(kv.shape[0]):
             self.write(layer, slots, kv[layer, 0], kv[layer, 1])
 
     def read_sequence(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         """The first ``num_tokens`` of a sequence as one contiguous ``[layers, 2, seq, kv_heads,
         head_dim]`` tensor (the connector payload)."""
-        index = torch.tensor(blocks[: self.blocks_needed(num_tokens)], dtype=torch.long)
+        index = torch.tensor(blocks[: self.blocks_needed(num_tokens)], dtype=torch.long, device=self.device)
         layers = len(self.keys)
-        out = torch.empty(layers, 2, num_tokens, *self.keys[0].shape[2:], dtype=self.keys[0].dtype)
+        out = torch.empty(layers, 2, num_tokens, *self.keys[0].shape[2:], dtype=self.keys[0].dtype,
+                          device=self.device)
         for layer in range(layers):
             keys, values = self.gather(layer, index, 1)
             out[layer, 0], out[layer, 1] = keys[0, :num_tokens], values[0, :num_tokens]

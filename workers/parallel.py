@@ -22,8 +22,19 @@ Life of one engine call through the group (rank 0's :class:`GroupRunner`, the ot
     WRITE_KV: rank 0 sends each rank its layers × heads of a full-head KV; each writes its pool
     STOP:     ranks leave the loop, destroy the process group and exit
 
-Collectives use gloo on CPU (tested here) and would use NCCL on GPUs; the command channel is the
-same broadcast either way.
+Devices: rank ``r`` runs on ``GroupConfig.devices[r]`` (the CPU, or ``cuda:<id>`` from
+``--devices``; :mod:`omnirelay.workers.devices`). On the CPU the group is one gloo process group. On
+CUDA it is ``cpu:gloo,cuda:nccl``: torch.distributed picks the backend by the tensor's device, so
+everything that carries model data (TP all-reduce, hidden states between stages, logits, KV shards)
+goes over NCCL between the GPUs, while the command header and the step's integer payload stay CPU
+tensors over gloo. Why keep those on gloo: idle ranks block in the header broadcast for as long as
+the worker has no work, which NCCL would turn into a spinning kernel and a watchdog timeout; and the
+payload arrives where the prefill planning reads it (host lists) without a device sync. Each rank
+moves the payload to its device once per step.
+
+KV pool size: with ``num_blocks`` 0 every rank measures its own budget after loading its weights
+(:func:`~omnirelay.workers.devices.rank_kv_budget`), and the group takes the smallest block count
+(all ranks use the same block ids); too small a pool on any rank fails every rank's start-up.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .devices import DEFAULT_GPU_MEMORY_UTILIZATION, KVBudgetError, blocks_in_budget, rank_kv_budget
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
 from .models.llama import LlamaConfig, LlamaModel, Shard
@@ -61,7 +73,9 @@ _IDLE_TIMEOUT = datetime.timedelta(days=7)
 @dataclasses.dataclass(frozen=True)
 class GroupConfig:
     """model_path / dtype: the model; tp_size, pp_size: the group's shape; block_size, num_blocks:
-    every rank's KV pool geometry (same block ids everywhere); threads: torch threads per rank;
+    every rank's KV pool geometry (same block ids everywhere; ``num_blocks`` 0: sized from
+    ``kv_cache_bytes`` / ``gpu_memory_utilization`` on each rank, see the module docstring);
+    devices: torch device of each rank (empty: all on the CPU); threads: torch threads per rank;
     init_method: torch.distributed rendezvous (a ``file://`` path rank 0 makes)."""
 
     model_path: str
@@ -72,10 +86,19 @@ class GroupConfig:
     num_blocks: int = 0
     threads: int = 1
     init_method: str = ""
+    devices: tuple[str, ...] = ()
+    kv_cache_bytes: int = 0
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
             raise ValueError("tensor and pipeline parallel sizes must be >= 1")
+        if self.devices and len(self.devices) != self.world:
+            raise ValueError(f"{len(self.devices)} device(s) {','.join(self.devices)} for tensor_parallel_size "
+                             f"{self.tp_size} × pipeline_parallel_size {self.pp_size} = {self.world} ranks")
+
+    def device(self, rank: int) -> torch.device:
+        return torch.device(self.devices[rank] if self.devices else "cpu")
 
     @property
     def world(self) -> int:
@@ -90,7 +113,9 @@ class GroupConfig:
         return ["--rank", str(rank), "--model", self.model_path, "--tp", str(self.tp_size), "--pp",
                 str(self.pp_size), "--dtype", self.dtype, "--block-size", str(self.block_size),
                 "--num-blocks", str(self.num_blocks), "--threads", str(self.threads),
-                "--init-method", self.init_method]
+                "--init-method", self.init_method, "--devices", ",".join(self.devices),
+                "--kv-cache-bytes", str(self.kv_cache_bytes),
+                "--gpu-memory-utilization", str(self.gpu_memory_utilization)]
 
 
 def layer_ranges(num_layers: int, stages: int) -> list[range]:
@@ -122,18 +147,42 @@ class _Rank:
     def __init__(self, config: GroupConfig, rank: int):
         self.config = config
         self.rank = rank
-        dist.init_process_group("gloo", init_method=config.init_method, rank=rank, world_size=config.world,
+        self.device = config.device(rank)
+        backend = "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)   # NCCL's communicator binds to the current device
+            backend = "cpu:gloo,cuda:nccl"
+        dist.init_process_group(backend, init_method=config.init_method, rank=rank, world_size=config.world,
                                 timeout=_STEP_TIMEOUT)
-        self.commands = dist.new_group(list(range(config.world)), timeout=_IDLE_TIMEOUT)
+        self.commands = dist.new_group(list(range(config.world)), timeout=_IDLE_TIMEOUT, backend="gloo")
         tp = config.tp_size
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(config.pp_size)]
         self.stage, self.tp_rank = divmod(rank, tp)
         num_layers = LlamaConfig.from_dir(Path(config.model_path)).num_layers
-        self.model = LlamaModel(config.model_path, getattr(torch, config.dtype),
+        self.model = LlamaModel(config.model_path, getattr(torch, config.dtype), device=self.device,
                                 shard=config.shard(rank, num_layers), comm=_TPGroup(groups[self.stage]))
         self.cache = PagedKVCache(len(self.model.layers), self.model.num_kv_heads, self.model.config.head_dim,
-                                  block_size=config.block_size, num_blocks=config.num_blocks,
-                                  dtype=self.model.dtype)
+                                  block_size=config.block_size, num_blocks=config.num_blocks or self._agree_on_blocks(),
+                                  dtype=self.model.dtype, device=self.device)
+
+    def _agree_on_blocks(self) -> int:
+        """Every rank measures what its device can hold after loading its shard; the group takes the
+        smallest count. A too-small pool anywhere fails every rank, each naming the limiting one."""
+        cfg, model = self.config, self.model
+        per_block = PagedKVCache.block_bytes(len(model.layers), model.num_kv_heads, model.config.head_dim,
+                                             cfg.block_size, model.dtype)
+        budget, where = rank_kv_budget(self.device, cfg.gpu_memory_utilization, cfg.kv_cache_bytes)
+        mine = torch.tensor([budget // per_block, budget, per_block], dtype=torch.long)
+        every = [torch.empty_like(mine) for _ in range(cfg.world)]
+        dist.all_gather(every, mine, group=self.commands)
+        smallest = min(range(cfg.world), key=lambda r: int(every[r][0]))
+        if smallest == self.rank:
+            return blocks_in_budget(budget, per_block, f"rank {self.rank}, {where}")
+        blocks, budget, per_block = every[smallest].tolist()
+        if blocks < 2:
+            raise KVBudgetError(f"KV cache on rank {smallest} ({cfg.device(smallest)}): a budget of {budget} bytes "
+                                f"holds {blocks} block(s) of {per_block} bytes, at least 2 are needed")
+        return blocks
 
     # Peers along the pipeline: the same tensor rank one stage before / after.
     @property
@@ -151,9 +200,10 @@ class _Rank:
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         hidden = None
         if self.stage > 0:
-            hidden = torch.empty(batch.num_tokens, self.model.config.hidden_size, dtype=self.model.dtype)
+            hidden = torch.empty(batch.num_tokens, self.model.config.hidden_size, dtype=self.model.dtype,
+                                 device=self.device)
             dist.recv(hidden, src=self.prev)
-        out = self.model.forward(batch, self.cache, hidden)
+        out = self.model.forward(batch.to(self.device), self.cache, hidden)
         if not self.last_stage:
             dist.send(out.contiguous(), dst=self.next)
             return None
@@ -177,10 +227,11 @@ class GroupRunner:
     """Rank 0's :class:`~omnirelay.workers.model_runner.ModelRunner` for a TP × PP group."""
 
     def __init__(self, config: GroupConfig, budget_bytes: int = 0):
+        """``budget_bytes``: the KV byte budget when ``config.kv_cache_bytes`` is 0 (kept for callers
+        that pass it here)."""
         cfg = LlamaConfig.from_dir(Path(config.model_path))
         self._tmp = tempfile.mkdtemp(prefix="omnirelay-group-")
-        num_blocks = config.num_blocks or _blocks_for(cfg, config, budget_bytes)
-        config = dataclasses.replace(config, num_blocks=num_blocks,
+        config = dataclasses.replace(config, kv_cache_bytes=config.kv_cache_bytes or budget_bytes,
                                      init_method=config.init_method or f"file://{self._tmp}/rendezvous")
         self.group = config
         self._procs: list[subprocess.Popen] = []
@@ -191,11 +242,13 @@ class GroupRunner:
                     preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL))
             self._rank = _Rank(config, 0)
         except BaseException:
+            if dist.is_initialized():   # a failed start must not block the next group in this process
+                dist.destroy_process_group()
             self._kill()
             raise
         self.config = cfg
         self.block_size = config.block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = self._rank.cache.num_blocks
         self._last = (config.pp_size - 1) * config.tp_size
         self._closed = False
 
@@ -207,7 +260,7 @@ class GroupRunner:
         out = self._rank.forward(batch)
         if self.group.pp_size == 1:
             return out
-        logits = torch.empty(batch.num_seqs, self.config.vocab_size, dtype=torch.float32)
+        logits = torch.empty(batch.num_seqs, self.config.vocab_size, dtype=torch.float32, device=self._rank.device)
         dist.recv(logits, src=self._last)
         return logits
 
@@ -215,7 +268,9 @@ class GroupRunner:
         _send_header(self._rank.commands, READ_KV, len(blocks), num_tokens)
         dist.broadcast(torch.tensor(blocks, dtype=torch.long), src=0)
         cfg, group = self.config, self.group
-        full = torch.empty(cfg.num_layers, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=self._rank.model.dtype)
+        device = self._rank.device
+        full = torch.empty(cfg.num_layers, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=self._rank.model.dtype,
+                           device=device)
         ranges = layer_ranges(cfg.num_layers, group.pp_size)
         heads = cfg.num_kv_heads // group.tp_size
         for rank in range(group.world):
@@ -224,15 +279,16 @@ class GroupRunner:
             if rank == 0:
                 part = self._rank.cache.read_sequence(blocks, num_tokens)
             else:
-                part = torch.empty(len(layers), 2, num_tokens, heads, cfg.head_dim, dtype=full.dtype)
+                part = torch.empty(len(layers), 2, num_tokens, heads, cfg.head_dim, dtype=full.dtype, device=device)
                 dist.recv(part, src=rank)
             full[layers.start:layers.stop, :, :, h0:h0 + heads] = part
-        return full
+        return full.cpu()   # one copy to the host, for the connector
 
     def write_kv(self, blocks: list[int], kv: torch.Tensor, start: int = 0) -> None:
         _send_header(self._rank.commands, WRITE_KV, len(blocks), kv.shape[2], start)
         dist.broadcast(torch.tensor(blocks, dtype=torch.long), src=0)
         group, cfg = self.group, self.config
+        kv = kv.to(self._rank.device)   # one copy to the device; the shards leave from there
         ranges = layer_ranges(cfg.num_layers, group.pp_size)
         heads = cfg.num_kv_heads // group.tp_size
         for rank in range(1, group.world):
@@ -263,14 +319,6 @@ class GroupRunner:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def _blocks_for(cfg, config: GroupConfig, budget_bytes: int) -> int:
-    """Blocks that fit ``budget_bytes`` on the rank holding the most layers (stage 0)."""
-    layers = len(layer_ranges(cfg.num_layers, config.pp_size)[0])
-    heads = cfg.num_kv_heads // config.tp_size
-    per_block = 2 * layers * config.block_size * heads * cfg.head_dim * getattr(torch, config.dtype).itemsize
-    return budget_bytes // per_block
-
-
 def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
 
@@ -289,7 +337,7 @@ def serve_rank(config: GroupConfig, rank: int) -> None:
             payload = torch.empty(3 * t + 2 * nseq + nseq * width, dtype=torch.long)
             dist.broadcast(payload, src=0)
             parts = list(torch.split(payload, [t, t, t, nseq, nseq, nseq * width]))
-            out = me.forward(ForwardBatch.from_tensors(parts, width, block_size))
+            out = me.forward(ForwardBatch.from_tensors(parts, width, block_size))   # moved to the device there
             if out is not None and me.tp_rank == 0 and config.pp_size > 1:
                 dist.send(out.contiguous(), dst=0)
         elif cmd in (READ_KV, WRITE_KV):
@@ -299,7 +347,7 @@ def serve_rank(config: GroupConfig, rank: int) -> None:
                 dist.send(me.cache.read_sequence(blocks.tolist(), b), dst=0)
             else:
                 part = torch.empty(len(me.model.layers), 2, b, me.model.num_kv_heads, me.model.config.head_dim,
-                                   dtype=me.model.dtype)
+                                   dtype=me.model.dtype, device=me.device)
                 dist.recv(part, src=0)
                 me.cache.write_sequence(blocks.tolist(), part, c)
     dist.destroy_process_group()
@@ -316,13 +364,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--init-method", required=True)
+    ap.add_argument("--devices", default="", help="torch device of every rank, comma-separated (empty: CPU)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=0)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    devices = tuple(d for d in args.devices.split(",") if d)
     config = GroupConfig(args.model, args.tp, args.pp, args.dtype, args.block_size, args.num_blocks, args.threads,
-                         args.init_method)
-    serve_rank(config, args.rank)
+                         args.init_method, devices, args.kv_cache_bytes, args.gpu_memory_utilization)
+    try:
+        serve_rank(config, args.rank)
+    except KVBudgetError as exc:   # rank 0 reports it to the user; no traceback from here
+        print(f"omnirelay.workers.parallel rank {args.rank}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -42,7 +42,7 @@ from omnirelay.errors import OmniError
 
 from .block_hash import block_hashes
 from .forward_batch import ForwardBatch
-from .model_runner import LocalRunner, ModelRunner, local_runner
+from .model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sampling
 from .models.llama import LlamaModel
 from .mrope import MropeSpec, mrope_positions
 from .prefix_cache import PrefixCachingAllocator
@@ -307,7 +307,8 @@ class PrefillEngine:
                 done.append(seq)
         if not done:
             return
-        tokens = sample(logits[done_rows], [s.task.params for s in done], [s.task.position_offset for s in done])
+        params = [s.task.params for s in done]
+        tokens = sample(logits_for_sampling(logits[done_rows], params), params, [s.task.position_offset for s in done])
         for seq, token in zip(done, tokens):
             results.append(self._finish(seq, token))
 

@@ -21,6 +21,11 @@ down_proj are row-parallel and their partial outputs are summed with ``comm.all_
 pipeline parallelism a rank holds a contiguous range of layers. Embedding and lm_head are
 replicated (they are small next to the layers for the models we serve on CPU).
 
+Device: the model lives on one device (``device``: the CPU, or the rank's ``cuda:<id>``); weights
+are read from safetensors and moved there once, the rotary tables are built there, and a batch must
+already be there (the runner moves it). The native decode kernel and oneDNN weight packing are
+CPU-only and are off on any other device; logits come back on the model's device.
+
 Qwen2.5-Omni: the thinker's language model is this same Qwen2 (weights under ``thinker.model.*`` and
 ``thinker.lm_head``; its encoders, talker and vocoder are not loaded here). Two optional batch
 fields carry what differs (:class:`~omnirelay.workers.forward_batch.ForwardBatch`): ``embeds``
@@ -195,11 +200,12 @@ class _Layer:
 class _Weights:
     """Reads tensors (or one rank's slice of them) from the directory's safetensors files."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, prefix: str = ""):
+    def __init__(self, path: Path, dtype: torch.dtype, prefix: str = "", device: torch.device = torch.device("cpu")):
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors weights found")
         self.dtype = dtype
+        self.device = device
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         # ``prefix``: only the tensors under it, named without it (an omni checkpoint's
         # "thinker.model.layers.0..." reads as "model.layers.0..."; its encoders, talker and
@@ -215,24 +221,27 @@ class _Weights:
         self.progress.advance()
         handle, name = self._where[name]
         if dim is None or parts == 1:
-            return handle.get_tensor(name).to(self.dtype).contiguous()
+            return handle.get_tensor(name).to(self.device, self.dtype).contiguous()
         sl = handle.get_slice(name)
         size = sl.get_shape()[dim] // parts
         index = [slice(None)] * len(sl.get_shape())
         index[dim] = slice(rank * size, (rank + 1) * size)
-        return sl[tuple(index)].to(self.dtype).contiguous()
+        return sl[tuple(index)].to(self.device, self.dtype).contiguous()
 
 
 class LlamaModel:
     def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
                  shard: Shard = Shard(), comm: Collective | None = None, attention: str = "auto",
-                 kernels: str = "auto"):
+                 kernels: str = "auto", device: torch.device | str = "cpu"):
         """``attention``: ``"auto"`` reads decode KV in place with the native kernel where it
-        builds (float32), else ``"torch"`` (gather + SDPA). ``kernels``: ``"auto"`` packs the linear
-        weights for oneDNN where available (float32), ``"torch"`` keeps ``F.linear``."""
+        builds (float32 on the CPU), else ``"torch"`` (gather + SDPA). ``kernels``: ``"auto"`` packs
+        the linear weights for oneDNN where available (float32 on the CPU), ``"torch"`` keeps
+        ``F.linear``. ``device``: where weights, rotary tables and activations live."""
         if attention not in ("auto", "torch") or kernels not in ("auto", "torch"):
             raise ValueError(f"attention and kernels must be 'auto' or 'torch', got {attention!r}, {kernels!r}")
-        self._packed = kernels == "auto" and _can_pack(dtype)
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        self._packed = kernels == "auto" and on_cpu and _can_pack(dtype)
         self.path = Path(path)
         self.config = cfg = LlamaConfig.from_dir(self.path)
         self.dtype = dtype
@@ -251,7 +260,7 @@ class LlamaModel:
         self.num_kv_heads = cfg.num_kv_heads // tp    # on this rank: what its KV cache holds
         self.first_stage = self.layer_ids.start == 0
         self.last_stage = self.layer_ids.stop == cfg.num_layers
-        w = _Weights(self.path, dtype, cfg.weight_prefix)
+        w = _Weights(self.path, dtype, cfg.weight_prefix, self.device)
         self.embed = w.get("model.embed_tokens.weight") if self.first_stage else None
         self.layers = [self._load_layer(w, i, rank, tp) for i in self.layer_ids]
         self.norm = self.lm_head = None
@@ -268,17 +277,18 @@ class LlamaModel:
         # float32 products as transformers' rotary embedding, so the values are identical.
         freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self._cos, self._sin = emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype)
         # M-RoPE: rotary column c takes its angle from position axis _mrope_axis[c] (0 temporal,
         # 1 height, 2 width), the sections repeating over both halves as transformers lays them out.
         self._mrope_axis = None
         if cfg.mrope_section:
             axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(cfg.mrope_section)])
-            self._mrope_axis = torch.cat((axis, axis))
-        self._native = native_attention.load() if attention == "auto" and dtype == torch.float32 else None
+            self._mrope_axis = torch.cat((axis, axis)).to(self.device)
+        self._native = native_attention.load() if attention == "auto" and dtype == torch.float32 and on_cpu else None
         self._scale = cfg.head_dim ** -0.5
         # Speech output (Qwen2.5-Omni's talker reads the thinker's final-norm states): while
-        # ``capture_hidden`` is set, forward() keeps those states of every token it ran.
+        # ``capture_hidden`` is set, forward() keeps those states of every token it ran, on
+        # the host.
         self.capture_hidden = False
         self.captured_hidden: torch.Tensor | None = None
 
@@ -337,7 +347,7 @@ class LlamaModel:
         return out.reshape(b, -1)
 
     def _prefill_attention(self, q, k, v, index, cache, batch: ForwardBatch) -> torch.Tensor:
-        out = torch.empty(q.shape[0], self.num_heads * self.config.head_dim, dtype=q.dtype)
+        out = torch.empty(q.shape[0], self.num_heads * self.config.head_dim, dtype=q.dtype, device=q.device)
         for start, end, blocks, mask in batch.prefill_plan():
             qs = q[start:end].transpose(0, 1)[None]
             if blocks is None:
@@ -358,7 +368,7 @@ class LlamaModel:
         if positions.dim() == 1:
             return self._cos.index_select(0, positions)[:, None, :], self._sin.index_select(0, positions)[:, None, :]
         per_col = positions.index_select(0, self._mrope_axis).T            # [T, head_dim]
-        cols = torch.arange(per_col.shape[1])
+        cols = torch.arange(per_col.shape[1], device=per_col.device)
         return self._cos[per_col, cols][:, None, :], self._sin[per_col, cols][:, None, :]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -388,7 +398,8 @@ class LlamaModel:
         if not self.last_stage:
             return h
         if self.capture_hidden:
-            self.captured_hidden = _rms_norm(h, self.norm, self.config.rms_norm_eps)
+            # On the host: these states only leave through a connector (speech requests only).
+            self.captured_hidden = _rms_norm(h, self.norm, self.config.rms_norm_eps).cpu()
         return self._logits(h.index_select(0, batch.last_index))
 
     @torch.inference_mode()
@@ -399,10 +410,10 @@ class LlamaModel:
         if not (self.first_stage and self.last_stage and self.shard.tp_size == 1):
             raise ValueError("the cache-free prefill runs on an unsharded model only")
         n = len(token_ids)
-        positions = torch.arange(start_position, start_position + n)
+        positions = torch.arange(start_position, start_position + n, device=self.device)
         cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]
-        h = self.embed[torch.tensor(token_ids, dtype=torch.long)]
-        kv = torch.empty(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype)
+        h = self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)]
+        kv = torch.empty(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, cos, sin)
             kv[i, 0], kv[i, 1] = k, v
@@ -416,4 +427,5 @@ class LlamaModel:
                context_lens: torch.Tensor | None = None) -> torch.Tensor:
         """One new token for each of B sequences at ``positions`` (their KV is written there);
         ``block_tables`` [B, W] padded with block 0. Returns logits [B, vocab]."""
-        return self.forward(ForwardBatch.decode(input_ids, positions, block_tables, cache.block_size), cache)
+        batch = ForwardBatch.decode(input_ids, positions, block_tables, cache.block_size)
+        return self.forward(batch.to(self.device), cache)
