@@ -34,7 +34,7 @@ from . import generation
 from .bus import BusClient
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
-from .openapi import build_openapi
+from .openapi import SpeechDoc, build_openapi
 from .status_page import STATUS_HTML, StatusHistory
 from .models import ModelRuntime
 from .schema import parse_chat, parse_completion
@@ -376,11 +376,30 @@ async def status_json(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    max_len = min((m.max_model_len for m in request.app[MODELS].values() if isinstance(m, ModelRuntime)),
-                  default=2048)
+    models = request.app[MODELS]
+    max_len = min((m.max_model_len for m in models.values() if isinstance(m, ModelRuntime)), default=2048)
+    from .images import ImageModel
     from .videos import VideoModel
-    videos = sorted(name for name, m in request.app[MODELS].items() if isinstance(m, VideoModel))
-    return web.json_response(build_openapi(max_len, sorted(request.app[MODELS]), videos))
+    videos = sorted(name for name, m in models.items() if isinstance(m, VideoModel))
+    images = sorted(name for name, m in models.items() if isinstance(m, ImageModel))
+    text = sorted(name for name, m in models.items() if isinstance(m, ModelRuntime))
+    vocab = min((m.vocab_size for m in models.values() if isinstance(m, ModelRuntime)), default=None)
+    return web.json_response(build_openapi(max_len, text, videos, image_models=images,
+                                           speech=_speech_doc(models), vocab_size=vocab))
+
+
+def _speech_doc(models: dict) -> SpeechDoc | None:
+    """The served speech models as the speech routes judge them (gateway/speech.py's own checks)."""
+    from .speech import MAX_INPUT_CHARS, flac_available, has_speakers, voices
+    speaking = sorted(name for name, m in models.items()
+                      if isinstance(m, ModelRuntime) and "generate" in m.stages and has_speakers(m))
+    if not speaking:
+        return None
+    tables = [voices(models[name]) for name in speaking]
+    # A voice the document offers must suit every speech model it may be sent with.
+    common = None if any(t is None for t in tables) else sorted(set.intersection(*(set(t) for t in tables)))
+    formats = ["wav", "pcm"] + (["flac"] if flac_available() else [])
+    return SpeechDoc(models=speaking, voices=common or None, formats=formats, max_input_chars=MAX_INPUT_CHARS)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -1,11 +1,45 @@
-"""The OpenAPI 3.0 document of the gateway (``GET /openapi.json``), kept beside the validator it
-describes (``schema.py``): every bound and type here is one the validator enforces, so a client
+"""The OpenAPI 3.0 document of the gateway (``GET /openapi.json``), kept beside the validators it
+describes (``schema.py``, and the checks of ``speech.py``, ``images.py``, ``videos.py`` with their
+``*_params`` objects): every bound and type here is one the validator enforces, so a client
 generated from this document never sees a 400 for a request the document allows — except where the
-prompt itself does not fit the model's context, which depends on tokenization (documented)."""
+prompt itself does not fit the model's context, which depends on tokenization, and for the few rules
+across fields that OpenAPI 3.0 cannot state (each named in its field's description).
+
+A route exists in the document only when some served model answers it: ``/v1/audio/speech`` and
+chat's audio output with a model that has a talker and speakers, ``/v1/images/generations`` with a
+text-to-image pipeline, ``/v1/videos`` with a text-to-video one.
+
+Statuses: every route that reads a body may answer 408 (the body did not arrive in time) and 413;
+every route that submits work may answer 502 (a transfer between stages kept failing; recoverable,
+with Retry-After, like 429 and 503), 503, 504 and 507."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from omnirelay import __version__
+from omnirelay import image_params as img
+from omnirelay import speech_params as sp
+from omnirelay import video_params as vid
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeechDoc:
+    """What the served speech models accept, as ``gateway/speech.py`` judges it (the app gathers
+    this: speech.py imports the app, so it cannot be imported here). models: their names; voices:
+    the speakers all of them have (None: unknown here, the worker checks the voice); formats: the
+    ``response_format`` values (``flac`` only with soundfile); max_input_chars: the bound of ``input``."""
+
+    models: list[str]
+    voices: list[str] | None
+    formats: list[str]
+    max_input_chars: int
+
+
+# Statuses of a route that submits work to the cluster (chat, completions, speech, images).
+_GENERATION_ERRORS = ("400", "401", "404", "408", "413", "422", "429", "500", "502", "503", "504", "507")
+_ERROR_RESPONSE = {"description": "error (recoverable ones — 429, 502, 503 — carry Retry-After)",
+                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
 _ERROR = {
     "type": "object",
@@ -38,7 +72,7 @@ def _sampling(max_model_len: int, models: list[str]) -> dict:
                        "description": "prompt tokens + max_tokens must fit the context (400 otherwise)"},
         "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1, "nullable": True},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
-        "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
+        "top_p": {"type": "number", "minimum": 1e-9, "maximum": 1, "nullable": True},
         "top_k": {"type": "integer", "minimum": -1, "nullable": True},
         "seed": {"type": "integer", "nullable": True},
         "stop": _STOP,
@@ -65,13 +99,33 @@ def _completion_response(choice: dict) -> dict:
 
 
 def _responses(ok: dict) -> dict:
-    error = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     out = {"200": {"description": "completion (JSON, or an SSE stream when stream=true)",
                    "content": {"application/json": {"schema": ok},
-                               "text/event-stream": {"schema": {"type": "string"}}}}}
-    for status in ("400", "401", "404", "413", "422", "429", "500", "503", "504", "507"):
-        out[status] = error
-    return out
+                               "text/event-stream": {"schema": _SSE_EVENT}}}}
+    return {**out, **_errors(*_GENERATION_ERRORS)}
+
+
+# One event of a stream (the schema applies per event): its data is a chunk object as JSON, the
+# error body when the request failed after the headers went out, or the final ``[DONE]``.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk (JSON), an error body (JSON) or [DONE]"},
+    "event": {"type": "string"}}}
+
+
+def _errors(*statuses: str) -> dict:
+    return {status: _ERROR_RESPONSE for status in statuses}
+
+
+def _size_pattern(max_side: int, multiple: int, auto: bool) -> str:
+    """``WxH`` with each side a multiple of ``multiple`` up to ``max_side``: spelled out, so that a
+    size the document allows is one the validator accepts (a regex cannot count in eights otherwise)."""
+    side = "|".join(str(v) for v in range(multiple, max_side + 1, multiple))
+    return f"^(({side})x({side}){'|auto' if auto else ''})$"
+
+
+# Some character Python's str.strip() keeps (the validators strip before checking): ECMA's \s
+# lacks \x1c-\x1f and \x85, which Python counts as white space.
+_NOT_BLANK = "[^\\s\\x1c-\\x1f\\x85]"
 
 
 _VIDEO_JOB = {
@@ -92,22 +146,24 @@ _VIDEO_JOB = {
 def _video_paths(models: list[str]) -> dict:
     """``/v1/videos`` (gateway/videos.py): jobs. Bounds are VideoParams'; the ``openai`` client
     sends the same fields as a multipart form, which is accepted too (numbers as text)."""
-    error = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    errors = lambda *codes: {code: error for code in codes}  # noqa: E731
+    errors = _errors
     job = {"description": "the video job", "content": {"application/json": {"schema": _VIDEO_JOB}}}
     video_id = [{"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     create = {"type": "object", "required": ["prompt"], "properties": {
-        "prompt": {"type": "string", "minLength": 1, "maxLength": 4000},
+        "prompt": {"type": "string", "minLength": 1, "maxLength": vid.MAX_PROMPT_CHARS, "pattern": _NOT_BLANK},
         "model": {"type": "string", "enum": models, "description": "optional when one video model is served"},
-        "size": {"type": "string", "pattern": "^[0-9]{1,5}x[0-9]{1,5}$",
-                 "description": "WxH, multiples of 8, each side 8 to 1792 (default: the model's native size)"},
-        "seconds": {"type": "string", "pattern": "^[0-9]{1,2}$", "description": "clip length (default 4)"},
-        "fps": {"type": "integer", "minimum": 1, "maximum": 60},
-        "num_frames": {"type": "integer", "minimum": 1, "maximum": 240, "description": "default seconds x fps"},
-        "num_inference_steps": {"type": "integer", "minimum": 1, "maximum": 150},
-        "guidance_scale": {"type": "number", "minimum": 0, "maximum": 50},
-        "negative_prompt": {"type": "string", "maxLength": 4000},
-        "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}}}
+        "size": {"type": "string", "pattern": _size_pattern(vid.MAX_SIDE, vid.SIZE_MULTIPLE, auto=True),
+                 "description": f"WxH, multiples of {vid.SIZE_MULTIPLE}, each side at most {vid.MAX_SIDE} (default or 'auto': the "
+                                "model's native size)"},
+        "seconds": {"type": "string", "pattern": "^([1-9]|1[0-9]|2[0-9]|30)$",
+                    "description": f"clip length (default 4); seconds x fps must stay within {vid.MAX_FRAMES} frames "
+                                   "unless num_frames is given (400 otherwise)"},
+        "fps": {"type": "integer", "minimum": 1, "maximum": vid.MAX_FPS, "description": "default 8"},
+        "num_frames": {"type": "integer", "minimum": 1, "maximum": vid.MAX_FRAMES, "description": "default seconds x fps"},
+        "num_inference_steps": {"type": "integer", "minimum": 1, "maximum": vid.MAX_STEPS},
+        "guidance_scale": {"type": "number", "minimum": 0, "maximum": vid.MAX_GUIDANCE},
+        "negative_prompt": {"type": "string", "maxLength": vid.MAX_PROMPT_CHARS},
+        "seed": {"type": "integer", "minimum": 0, "maximum": vid.MAX_SEED}}}
     listing = {"type": "object", "required": ["object", "data", "has_more"], "properties": {
         "object": {"type": "string"}, "data": {"type": "array", "items": _VIDEO_JOB}, "has_more": {"type": "boolean"},
         "first_id": {"type": "string", "nullable": True}, "last_id": {"type": "string", "nullable": True}}}
@@ -117,7 +173,8 @@ def _video_paths(models: list[str]) -> dict:
         "/v1/videos": {
             "post": {"operationId": "createVideo", "requestBody": {"required": True, "content": {
                 "application/json": {"schema": create}}},
-                "responses": {"200": job, **errors("400", "401", "404", "408", "413", "422", "429")}},
+                # The job runs after the answer: its failures (502, 503, 504 …) land in the job's error.
+                "responses": {"200": job, **errors("400", "401", "404", "408", "413", "422", "429", "500")}},
             "get": {"operationId": "listVideos", "parameters": [
                 {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
                 {"name": "after", "in": "query", "schema": {"type": "string"}},
@@ -140,9 +197,102 @@ def _video_paths(models: list[str]) -> dict:
     }
 
 
-def build_openapi(max_model_len: int, models: list[str], video_models: list[str] | None = None) -> dict:
-    """``video_models``: the served text-to-video models; the video paths are documented only
-    when there is one (a gateway without one answers every video request 400/404)."""
+def _speech_paths(speech: SpeechDoc) -> dict:
+    """``POST /v1/audio/speech`` (gateway/speech.py: ``audio_speech``)."""
+    request = {"type": "object", "required": ["model", "input", "voice"], "properties": {
+        "model": {"type": "string", "enum": speech.models},
+        "input": {"type": "string", "minLength": 1, "maxLength": speech.max_input_chars, "pattern": _NOT_BLANK,
+                  "description": "the text to speak; with its prompt it must fit the model's context (400 "
+                                 "otherwise)"},
+        "voice": _voice(speech),
+        "response_format": {"type": "string", "enum": speech.formats, "nullable": True,
+                            "description": "default wav (mp3, opus, aac: 400, no encoder here)"},
+        "speed": {"type": "number", "minimum": sp.MIN_SPEED, "maximum": sp.MAX_SPEED,
+                  "description": "playback speed (default 1; resampled, so the pitch moves with it)"},
+        "seed": {"type": "integer", "minimum": 0, "maximum": sp.MAX_SEED, "nullable": True,
+                 "description": "extension: the talker's and vocoder's random seed (default: chosen per request)"},
+        "max_audio_tokens": {"type": "integer", "minimum": 0, "maximum": sp.MAX_CODES,
+                             "description": "extension: the talker's codec-token budget (0, the default: in "
+                                            "proportion to the text)"},
+        "stream_format": {"type": "string", "enum": ["audio"], "nullable": True,
+                          "description": "only 'audio' (the file is the body); 'sse' is 422"}}}
+    mimes = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+    audio = {"description": "the audio file (pcm: raw 16-bit little-endian mono)", "content": {
+        mimes[fmt]: {"schema": {"type": "string", "format": "binary"}} for fmt in speech.formats}}
+    return {"/v1/audio/speech": {"post": {
+        "operationId": "createSpeech",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {"200": audio, **_errors(*_GENERATION_ERRORS)}}}}
+
+
+def _voice(speech: SpeechDoc) -> dict:
+    if speech.voices:
+        return {"type": "string", "enum": speech.voices, "description": "a speaker of the model"}
+    return {"type": "string", "minLength": 1, "description": "a speaker of the model (others: 400)"}
+
+
+def _image_paths(models: list[str]) -> dict:
+    """``POST /v1/images/generations`` (gateway/images.py: ``parse_image_request``, ImageParams)."""
+    request = {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": {"type": "string", "minLength": 1, "maxLength": img.MAX_PROMPT_CHARS, "pattern": _NOT_BLANK},
+        "model": {"type": "string", "enum": models, "description": "optional when one image model is served"},
+        "n": {"type": "integer", "minimum": 1, "maximum": img.MAX_IMAGES, "nullable": True},
+        "size": {"type": "string", "nullable": True, "pattern": _size_pattern(img.MAX_SIDE, img.SIZE_MULTIPLE, auto=True),
+                 "description": f"WxH, multiples of {img.SIZE_MULTIPLE}, each side at most {img.MAX_SIDE} (default "
+                                "or 'auto': the model's native size; a model may refuse sizes its VAE cannot make)"},
+        "response_format": {"type": "string", "enum": ["b64_json"], "nullable": True,
+                            "description": "'url' is 422: images are not stored"},
+        "output_format": {"type": "string", "enum": ["png"], "nullable": True},
+        "stream": {"type": "boolean", "enum": [False], "nullable": True},
+        "negative_prompt": {"type": "string", "maxLength": img.MAX_PROMPT_CHARS, "nullable": True},
+        "num_inference_steps": {"type": "integer", "minimum": 0, "maximum": img.MAX_STEPS, "nullable": True,
+                                "description": "0 or absent: the pipeline's default"},
+        "guidance_scale": {"type": "number", "minimum": 0, "maximum": img.MAX_GUIDANCE, "nullable": True},
+        "seed": {"type": "integer", "minimum": 0, "maximum": img.MAX_SEED - img.MAX_IMAGES, "nullable": True,
+                 "description": "image k uses seed + k (default: chosen per request)"}}}
+    response = {"type": "object", "required": ["created", "data"], "properties": {
+        "created": {"type": "integer"}, "output_format": {"type": "string", "enum": ["png"]},
+        "data": {"type": "array", "items": {"type": "object", "required": ["b64_json"], "properties": {
+            "b64_json": {"type": "string", "description": "a PNG, base64"}}}}}}
+    return {"/v1/images/generations": {"post": {
+        "operationId": "createImage",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {"200": {"description": "the images", "content": {"application/json": {"schema": response}}},
+                      **_errors(*_GENERATION_ERRORS)}}}}
+
+
+def _chat_output(speech: SpeechDoc | None) -> dict:
+    """``modalities`` and ``audio`` of a chat request (schema.py: ``_chat_audio``)."""
+    if speech is None:
+        return {"modalities": {"type": "array", "enum": [["text"]], "nullable": True,
+                               "description": "text only: no served model speaks"}}
+    return {
+        "modalities": {"type": "array", "enum": [["text"], ["text", "audio"], ["audio", "text"]], "nullable": True,
+                       "description": "with audio, the answer is spoken too (needs 'audio', a model of "
+                                      f"{', '.join(speech.models)}, max_tokens >= 2 and no 'stop'; 400/422 "
+                                      "otherwise)"},
+        "audio": {"type": "object", "nullable": True, "required": ["voice"], "properties": {
+            "voice": _voice(speech),
+            "format": {"type": "string", "enum": [f for f in ("wav", "pcm16", "flac")
+                                                  if (f if f != "pcm16" else "pcm") in speech.formats],
+                       "description": "default wav"}},
+            "description": "only with modalities [\"text\", \"audio\"] (400 otherwise)"},
+    }
+
+
+_MESSAGE_AUDIO = {"type": "object", "nullable": True, "required": ["id", "data", "transcript", "expires_at"],
+                  "properties": {"id": {"type": "string"}, "data": {"type": "string", "description": "base64 file"},
+                                 "transcript": {"type": "string"}, "expires_at": {"type": "integer"}},
+                  "description": "the spoken answer (modalities with audio); content is null then"}
+
+
+def build_openapi(max_model_len: int, models: list[str], video_models: list[str] | None = None, *,
+                  image_models: list[str] | None = None, speech: SpeechDoc | None = None,
+                  vocab_size: int | None = None) -> dict:
+    """``models``: the served language models (chat, completions); ``video_models``, ``image_models``,
+    ``speech``: the served models of each kind. A route is documented only when some model answers it
+    (a gateway without one answers such requests 400/404/422). ``max_model_len`` and ``vocab_size``:
+    the smallest of the language models (token ids at or above it are 400)."""
     sampling = _sampling(max_model_len, models)
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
@@ -152,15 +302,18 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                 "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
     }}
     chat_request = {"type": "object", "required": ["model", "messages"], "properties": {
-        **sampling, "messages": {"type": "array", "minItems": 1, "items": message}}}
+        **sampling, "messages": {"type": "array", "minItems": 1, "items": message}, **_chat_output(speech)}}
     completion_request = {"type": "object", "required": ["model", "prompt"], "properties": {
         **sampling, "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                                         {**_TOKEN_IDS, "minItems": 1}]},
+                                         {"type": "array", "minItems": 1, "items": {
+                                             "type": "integer", "minimum": 0,
+                                             **({"maximum": vocab_size - 1} if vocab_size else {})}}]},
         "echo": {"type": "boolean", "enum": [False], "nullable": True}}}
     chat_choice = {"type": "object", "properties": {
         "index": {"type": "integer"}, "finish_reason": {"type": "string", "nullable": True},
         "message": {"type": "object", "properties": {"role": {"type": "string"},
-                                                     "content": {"type": "string", "nullable": True}}}}}
+                                                     "content": {"type": "string", "nullable": True},
+                                                     "audio": _MESSAGE_AUDIO}}}}
     text_choice = {"type": "object", "properties": {
         "index": {"type": "integer"}, "text": {"type": "string"},
         "finish_reason": {"type": "string", "nullable": True}}}
@@ -171,12 +324,13 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
         "info": {"title": "omnirelay gateway", "version": __version__,
                  "description": "OpenAI-compatible API of an omnirelay cluster."},
         "paths": {
-            "/v1/chat/completions": {"post": {"operationId": "createChatCompletion",
-                                              "requestBody": json_body(chat_request),
-                                              "responses": _responses(_completion_response(chat_choice))}},
-            "/v1/completions": {"post": {"operationId": "createCompletion",
-                                         "requestBody": json_body(completion_request),
-                                         "responses": _responses(_completion_response(text_choice))}},
+            **({"/v1/chat/completions": {"post": {"operationId": "createChatCompletion",
+                                                  "requestBody": json_body(chat_request),
+                                                  "responses": _responses(_completion_response(chat_choice))}},
+                "/v1/completions": {"post": {"operationId": "createCompletion",
+                                             "requestBody": json_body(completion_request),
+                                             "responses": _responses(_completion_response(text_choice))}}}
+               if models else {}),
             "/v1/models": {"get": {"operationId": "listModels", "responses": {
                 "200": {"description": "served models", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["object", "data"], "properties": {
@@ -186,6 +340,8 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                                                                            "object": {"type": "string"}}}}}}}}},
                 "401": {"description": "error", "content": {"application/json": {"schema": error_ref}}}}}},
             **(_video_paths(video_models) if video_models else {}),
+            **(_image_paths(image_models) if image_models else {}),
+            **(_speech_paths(speech) if speech and speech.models else {}),
             "/health": {"get": {"operationId": "health", "responses": {
                 "200": {"description": "every role of every model has a live worker",
                         "content": {"application/json": {"schema": {"type": "object"}}}},
