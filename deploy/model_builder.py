@@ -6,6 +6,7 @@ Usage::
     omni-make-model tiny-sd DIR [--seed N] [--force]     # diffusers text-to-image (diffusion_builder.py)
     omni-make-model tiny-omni DIR [--seed N] [--force]   # Qwen2.5-Omni (omni_builder.py)
     omni-make-model tiny-video DIR [--seed N] [--force]  # diffusers text-to-video (video_builder.py)
+    omni-make-model tiny-dit DIR [--seed N] [--force]    # diffusers text-to-image, SD3 transformer (dit_builder.py)
 
 The result is an ordinary Hugging Face model directory, loadable offline with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``:
@@ -307,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="omni-make-model", description="Write a tiny random-weight model directory."
     )
-    parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd", "tiny-video", "tiny-omni"],
+    parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd", "tiny-video", "tiny-omni", "tiny-dit"],
                         help="which model to build (tiny-sd: a diffusers text-to-image pipeline; "
+                             "tiny-dit: the same around a diffusion transformer (SD3); "
                              "tiny-video: a diffusers text-to-video pipeline; "
                              "tiny-omni: Qwen2.5-Omni thinker + talker + token2wav)")
     parser.add_argument("dir", help="output directory (created atomically)")
@@ -330,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.kind == "tiny-video":
             from .video_builder import build_tiny_text_to_video
             out = build_tiny_text_to_video(args.dir, seed=args.seed, force=args.force)
+        elif args.kind == "tiny-dit":
+            from .dit_builder import build_tiny_dit
+            out = build_tiny_dit(args.dir, seed=args.seed, force=args.force)
         elif args.kind == "tiny-omni":
             from .omni_builder import build_tiny_omni
             out = build_tiny_omni(args.dir, seed=args.seed, force=args.force)

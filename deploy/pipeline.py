@@ -10,8 +10,9 @@ A pipeline file (YAML) looks like::
           max_batch_size: 8
           devices: "0,1"            # optional: the GPU group of each worker of this stage
         engine_args:                # passed to the role's engine (dtype, …)
-          tensor_parallel_size: 2   # devices, when given, must number tensor × pipeline parallel size
+          tensor_parallel_size: 2   # devices, when given, must number tensor × pipeline × sequence parallel size
           pipeline_parallel_size: 1
+          # sequence_parallel_size: 2 (generate stages of a diffusion transformer: ranks splitting image tokens)
       - name: decode
         role: decode
         runtime: {max_batch_size: 64}
@@ -73,9 +74,13 @@ class Stage:
         return int(self.engine_args.get("pipeline_parallel_size", 1))
 
     @property
+    def sequence_parallel_size(self) -> int:
+        return int(self.engine_args.get("sequence_parallel_size", 1))
+
+    @property
     def group_size(self) -> int:
         """Processes (and GPUs, on GPU hosts) one worker of this stage needs."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.sequence_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,9 +218,12 @@ def _parse_native(raw: Any) -> Pipeline:
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
             raise PipelineError(f"{where}.runtime.max_batch_size: must be a non-negative integer")
         engine_args = _mapping(entry.get("engine_args", {}), f"{where}.engine_args")
-        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel_size"):
             if key in engine_args:
                 _positive_int(engine_args[key], f"{where}.engine_args.{key}")
+        if engine_args.get("sequence_parallel_size", 1) != 1 and role != "generate":
+            raise PipelineError(f"{where}.engine_args.sequence_parallel_size: only generate stages (diffusion "
+                                f"transformers) run sequence parallelism, not {role}")
         stage = Stage(name=name, role=role, max_batch_size=batch, engine_args=dict(engine_args),
                       devices=_devices(runtime["devices"], f"{where}.runtime.devices") if "devices" in runtime
                       else ())
@@ -223,7 +231,9 @@ def _parse_native(raw: Any) -> Pipeline:
             raise PipelineError(
                 f"{where}.runtime.devices: {len(stage.devices)} device(s) {','.join(stage.devices)} but "
                 f"tensor_parallel_size {stage.tensor_parallel_size} × pipeline_parallel_size "
-                f"{stage.pipeline_parallel_size} = {stage.group_size}")
+                f"{stage.pipeline_parallel_size}"
+                + (f" × sequence_parallel_size {stage.sequence_parallel_size}" if stage.sequence_parallel_size > 1
+                   else "") + f" = {stage.group_size}")
         stages.append(stage)
 
     connectors: dict[str, ConnectorSpec] = {}

@@ -350,7 +350,7 @@ class WorkerCommand(NamedTuple):
     name: str          # e.g. "decode-0.1": role, model number, index
     role: str
     argv: list[str]    # after ``python -m``
-    group_size: int    # ranks (devices) of its group: tensor × pipeline parallel size
+    group_size: int    # ranks (devices) of its group: tensor × pipeline (× sequence) parallel size
 
 
 def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: str) -> list[WorkerCommand]:
@@ -361,9 +361,13 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
     for model_number, plan in enumerate(plans):
         for role in plan.roles:
             tp, pp = plan.groups.get(role, (1, 1))
+            # A generate stage's sequence-parallel size (pipeline file only; the worker checks it
+            # against the model at start-up and exits with the reason if it cannot run it).
+            sp = plan.pipeline.stage_for_role(role).sequence_parallel_size
             parallel = []
             if WORKER_RUNS_GROUPS:
-                parallel = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+                parallel = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+                            *(["--sequence-parallel-size", str(sp)] if sp > 1 else [])]
             if WORKER_TAKES_DEVICES:
                 parallel += ["--gpu-memory-utilization", str(args.gpu_memory_utilization),
                              *(["--devices", args.devices] if args.devices and not args.ray_address else [])]
@@ -373,7 +377,7 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
                     "--served-model-name", plan.name, "--broker", broker,
                     "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
                     "--dtype", args.dtype, "--connector", args.connector, *plan.pipeline_args(), *parallel,
-                    "--drain-timeout", str(args.drain_timeout)], tp * pp))
+                    "--drain-timeout", str(args.drain_timeout)], tp * pp * sp))
     return commands
 
 

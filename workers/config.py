@@ -36,6 +36,8 @@ class WorkerConfig:
     dtype:           model dtype name (float32, bfloat16, float16).
     tensor_parallel_size: ranks that split heads and MLP columns (rank 0 is this process).
     pipeline_parallel_size: ranks that split the layers into ranges.
+    sequence_parallel_size: generate only: ranks that split a diffusion transformer's image tokens
+                     (checked against the pipeline directory here, before anything loads).
     max_num_batched_tokens: prefill tokens per engine step (longer prompts are chunked).
     prefix_caching:  prefill reuses KV blocks of earlier prompts with the same prefix.
     threads:         torch intra-op threads of each rank.
@@ -62,6 +64,7 @@ class WorkerConfig:
     threads: int = 1
     devices: tuple[int, ...] = ()
     gpu_memory_utilization: float = 0.9
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -81,8 +84,15 @@ class WorkerConfig:
             raise ValueError(f"--devices {','.join(map(str, self.devices))} names {len(self.devices)} device(s) but "
                              f"the group is --tensor-parallel-size {self.tensor_parallel_size} × "
                              f"--pipeline-parallel-size {self.pipeline_parallel_size} = {group}")
-        if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.max_num_batched_tokens, self.threads) < 1:
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.sequence_parallel_size,
+               self.max_num_batched_tokens, self.threads) < 1:
             raise ValueError("parallel sizes, max_num_batched_tokens and threads must be >= 1")
+        if self.sequence_parallel_size != 1:
+            if self.role != "generate":
+                raise ValueError(f"sequence_parallel_size {self.sequence_parallel_size}: only generate workers "
+                                 "(diffusion transformers) run sequence parallelism")
+            from .sequence_parallel_group import check_sequence_parallel   # torch: only when asked for
+            check_sequence_parallel(self.model_path, self.sequence_parallel_size)
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")

@@ -60,10 +60,13 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         role, stats = build_speech_role(config, connector)
         # The engine first: closing it joins its synthesis thread before the connector goes.
         return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine, connector))
-    if config.role == "generate":   # a diffusers pipeline directory: no KV cache, no connector yet
-        role, stats = (build_generate_video_role(config) if is_video_pipeline(config.model_path)
-                       else build_generate_role(config))
+    if config.role == "generate" and is_video_pipeline(config.model_path):   # no KV cache, no connector yet
+        role, stats = build_generate_video_role(config)
         return WorkerRuntime(config, role, stats, shutdown, keys)
+    if config.role == "generate":   # a text-to-image diffusers pipeline directory
+        role, stats = build_generate_role(config)
+        # The engine is owned: closing it stops ranks 1..N-1 of a sequence-parallel group.
+        return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine,))
     runner = _model_runner(config)
     model_cfg = runner.config
     max_model_len = config.max_model_len or model_cfg.max_position_embeddings
@@ -141,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per rank)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks splitting heads and MLP")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="ranks splitting the layers")
+    parser.add_argument("--sequence-parallel-size", type=int, default=None,
+                        help="generate: ranks splitting a diffusion transformer's image tokens "
+                             "(default: the stage's engine_args.sequence_parallel_size, else 1)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=WorkerConfig.max_num_batched_tokens,
                         help="prefill tokens per step; longer prompts are chunked")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill recomputes every prompt")
@@ -173,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching,
             threads=args.threads,
             devices=parse_device_ids(args.devices) if args.devices is not None else (),
-            gpu_memory_utilization=args.gpu_memory_utilization)
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            sequence_parallel_size=(stage.sequence_parallel_size if args.sequence_parallel_size is None
+                                    else args.sequence_parallel_size))
         devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker)

@@ -28,6 +28,11 @@ text-to-image pipeline runs through its own ``__call__`` in one engine step
 (:class:`WholeCallRunner`); the worker then does not heartbeat for the length of one batch, so a
 slow pipeline needs a broker liveness longer than a generation.
 
+Sequence parallelism (``--sequence-parallel-size N``, a diffusion-transformer pipeline such as SD3):
+the pipeline's transformer runs over N ranks (:mod:`.sequence_parallel_group`); the runner is the
+same — the pipeline's own loop drives the group — and :meth:`GenerateImageEngine.add` refuses sizes
+whose image tokens do not split over N.
+
 No sockets here; the role adapter (``generate_role.py``) turns outputs into bus messages.
 """
 
@@ -250,14 +255,24 @@ class GenerateImageEngine:
     loop calls :meth:`add`, :meth:`cancel` and :meth:`step` from one thread."""
 
     def __init__(self, pipe, *, max_batch_size: int = 1, runner=None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, sequence_parallel=None):
+        """``sequence_parallel``: the :class:`~omnirelay.workers.sequence_parallel_group.SequenceParallelDenoiser`
+        installed on ``pipe``'s transformer, if any; the engine refuses sizes it cannot split and
+        :meth:`close` stops its ranks."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.pipe = pipe
         self.runner = runner or runner_for(pipe)
         self.max_batch_size = max_batch_size
         self.clock = clock
+        self.sequence_parallel = sequence_parallel
         self.vae_scale_factor = int(pipe.vae_scale_factor)
+        # A transformer denoiser cuts the latent into patch × patch tiles, so sizes go in multiples of both.
+        denoiser = pipe.components.get("unet") or pipe.components.get("transformer")
+        self.patch_size = int(denoiser.config.get("patch_size", 1)) if denoiser is not None else 1
+        # SD3-style transformers crop a fixed table of positions: larger images fail inside the denoiser.
+        max_patches = denoiser.config.get("pos_embed_max_size") if denoiser is not None else None
+        self.max_side = max_patches * self.patch_size * self.vae_scale_factor if max_patches else None
         self.default_width, self.default_height = _native_size(pipe, self.vae_scale_factor)
         self.waiting: collections.deque[ImageItem] = collections.deque()
         self.batch: Batch | None = None
@@ -289,10 +304,15 @@ class GenerateImageEngine:
             raise ValueError("image requests carry a seed (the gateway picks one)")
         width = params.width or self.default_width
         height = params.height or self.default_height
-        multiple = self.vae_scale_factor
+        multiple = self.vae_scale_factor * self.patch_size
         if width % multiple or height % multiple:
             raise BadRequest(f"this model makes images in multiples of {multiple} pixels, got {width}x{height}",
                              param="size")
+        if self.max_side and max(width, height) > self.max_side:
+            raise BadRequest(f"this model makes images of at most {self.max_side} pixels a side, got "
+                             f"{width}x{height}", param="size")
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.check_size(width, height, self.vae_scale_factor)
         steps = params.num_inference_steps or DEFAULT_STEPS
         self.requests[task.request_id] = _RequestState(task, remaining=params.n)
         for index in range(params.n):
@@ -387,6 +407,11 @@ class GenerateImageEngine:
     def load(self) -> dict:
         """Load figures for heartbeats: images in the running batch and waiting."""
         return {"running": len(self.batch.items) if self.batch else 0, "waiting": len(self.waiting)}
+
+    def close(self) -> None:
+        """Stop what the engine owns beyond this process (a sequence-parallel group's ranks)."""
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.close()
 
 
 def _native_size(pipe, scale: int) -> tuple[int, int]:

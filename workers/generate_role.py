@@ -25,8 +25,9 @@ from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
 
 from .config import WorkerConfig
-from .generate_image import GenerateImageEngine, ImageTask
+from .generate_image import GenerateImageEngine, ImageTask, load_pipeline
 from .roles import Outbound, RoleAdapter
+from .sequence_parallel_group import SequenceParallelDenoiser
 
 log = logging.getLogger("omnirelay.worker.generate")
 
@@ -94,10 +95,24 @@ def build_generate_role(config: WorkerConfig) -> tuple[GenerateImageRole, Callab
     """The role adapter and heartbeat-stats function for a generate worker. ``config.model_path``
     is a diffusers pipeline directory; ``config.capacity`` (by default the stage's
     ``runtime.max_batch_size``, 1 for diffusion) bounds both the requests held and the images
-    denoised together. Runs on the first CUDA device when there is one."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = GenerateImageEngine.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
-                                                 device=device, max_batch_size=config.capacity)
+    denoised together. Runs on the first CUDA device when there is one, except with
+    ``config.sequence_parallel_size`` > 1: then the transformer runs over that many ranks (this
+    process and the ones it starts, gloo on the CPU), which the engine's ``close`` stops."""
+    sp_size = config.sequence_parallel_size
+    # The SP group's collectives are gloo on the CPU (as the TP/PP group's): rank 0 stays there too.
+    device = "cuda" if torch.cuda.is_available() and sp_size == 1 else "cpu"
+    # Ranks 1..N-1 start first: they load their transformer while this process loads the pipeline.
+    sequence_parallel = SequenceParallelDenoiser(config.model_path, sp_size, config.threads) if sp_size > 1 else None
+    try:
+        pipe = load_pipeline(config.model_path, getattr(torch, config.dtype), device)
+        if sequence_parallel is not None:
+            sequence_parallel.attach(pipe.transformer)
+            log.info("generate worker: transformer runs over %d sequence-parallel ranks", sp_size)
+        engine = GenerateImageEngine(pipe, max_batch_size=config.capacity, sequence_parallel=sequence_parallel)
+    except BaseException:
+        if sequence_parallel is not None:
+            sequence_parallel.close()
+        raise
     # The dtype the denoiser really holds (what --dtype asked for, unless the pipeline pins it):
     # logged and heartbeated, so a deployment can see that its --dtype took effect.
     denoiser = engine.pipe.components.get("unet") or engine.pipe.components.get("transformer")
@@ -108,6 +123,8 @@ def build_generate_role(config: WorkerConfig) -> tuple[GenerateImageRole, Callab
     weight_bits = weights.element_size() * 8
 
     def stats() -> dict:
-        return {**engine.load(), **engine.stats, "denoiser_weight_bits": weight_bits}
+        sp = sequence_parallel.stats if sequence_parallel is not None else {}
+        return {**engine.load(), **engine.stats, **sp, "denoiser_weight_bits": weight_bits,
+                "sequence_parallel_size": sp_size}
 
     return GenerateImageRole(config.worker_id, engine), stats

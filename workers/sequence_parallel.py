@@ -16,9 +16,10 @@ same order; only the query batch differs), which ``tests/test_sequence_parallel.
 
 Scope: the MMDiT transformer of Stable Diffusion 3 (:class:`diffusers.SD3Transformer2DModel`,
 joint attention, no dual attention, no skip layers, no ControlNet residuals). The token count
-(``(H/patch)·(W/patch)``) must divide by the group size. This module is the kernel of SP; wiring
-it into a generate worker's rank group (``--sequence-parallel-size``, ranks 1..N-1 fed the same
-latents each step, as the LM's tensor-parallel group is) is not done yet.
+(``(H/patch)·(W/patch)``) must divide by the group size. This module is the kernel of SP; a
+generate worker runs it over its ranks with ``--sequence-parallel-size N``
+(:mod:`omnirelay.workers.sequence_parallel_group`: rank 0 broadcasts each forward's inputs to
+ranks 1..N-1, which follow the pipeline's denoising loop call by call).
 """
 
 from __future__ import annotations

@@ -1,0 +1,172 @@
+"""Sequence parallelism wired into a generate worker: a real ``omni-worker --role generate`` whose
+diffusion transformer runs over two gloo ranks (``sequence_parallel_size: 2`` in its stage YAML),
+behind the real broker and gateway, makes the same images as the single-rank worker; sizes the
+group cannot split are refused — at start-up from the model's metadata, per request with a 400.
+
+Equality: the PNG pixels are compared, allowing one level of 255 on a vanishing fraction of
+pixels. Why not bytes: the two-rank forward computes each rank's projections and MLPs on a slice
+of the tokens, so a GEMM may block its sums differently and round the last float bit differently
+(attention itself sums the same keys in the same order); a difference of ~1e-7 in a pixel that
+sits on a .5 boundary flips its 8-bit value. On this machine the images come out byte-identical.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import openai
+import pytest
+import yaml
+from PIL import Image
+
+from omnirelay.deploy.model_builder import main as make_model
+from omnirelay.deploy.pipeline import PipelineError, parse_pipeline
+from omnirelay.deploy.serve import build_parser, check_parallel, worker_commands
+from omnirelay.deploy.served_models import plan_models
+from omnirelay.workers.sequence_parallel_group import SequenceParallelError, check_sequence_parallel
+
+from cluster import Cluster
+
+MODEL = "tiny-dit"
+PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
+PROMPT = "a lighthouse on a rocky coast during a storm"
+# (size, guidance): guided doubles the batch the ranks see (classifier-free guidance); 96x64 is 6×4 tokens.
+REQUESTS = [("64x64", 5.0), ("96x64", 1.0)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dit(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("models") / MODEL
+    assert make_model(["tiny-dit", str(path)]) == 0   # omni-make-model tiny-dit DIR
+    return str(path)
+
+
+def _sp_yaml(directory: pathlib.Path, size: int) -> str:
+    path = directory / f"text_to_image_sp{size}.yaml"
+    path.write_text(yaml.safe_dump({"stages": [{"name": "generate", "role": "generate",
+                                                "runtime": {"max_batch_size": 1},
+                                                "engine_args": {"sequence_parallel_size": size}}]}))
+    return str(path)
+
+
+def _generate(client, size: str, guidance: float, seed: int = 11) -> np.ndarray:
+    response = client.images.generate(model=MODEL, prompt=PROMPT, size=size,
+                                      extra_body={"seed": seed, "num_inference_steps": 2, "guidance_scale": guidance})
+    [item] = response.data
+    image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+    assert image.format == "PNG" and "x".join(map(str, image.size)) == size
+    return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+def _only_worker(cluster: Cluster, sp_size: int, timeout: float = 60.0) -> dict:
+    """The one registered worker, once it has heartbeated that it runs ``sp_size`` ranks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = cluster.workers()
+        if len(workers) == 1 and workers[0]["stats"].get("sequence_parallel_size") == sp_size:
+            return workers[0]
+        time.sleep(0.2)
+    raise AssertionError(f"expected one generate worker of {sp_size} rank(s), got {cluster.workers()}")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(line) for line in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_two_rank_worker_makes_the_single_rank_workers_images(tiny_dit, tmp_path):
+    cluster = Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=MODEL)
+    try:
+        cluster.start_broker()
+        single = cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML)
+        cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
+        cluster.wait_healthy()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        _only_worker(cluster, 1)
+        reference = [_generate(client, size, guidance) for size, guidance in REQUESTS]
+        single.stop()   # SIGTERM: it drains and unregisters, so the next request goes to the SP worker
+
+        split = cluster.start_worker("generate", "--stage-configs-path", _sp_yaml(tmp_path, 2))
+        cluster.wait_healthy()
+        _only_worker(cluster, 2)
+        ranks = _children(split.pid)
+        assert len(ranks) == 1, ranks   # rank 1, started by the worker (rank 0)
+        images = [_generate(client, size, guidance) for size, guidance in REQUESTS]
+        for got, want in zip(images, reference):
+            diff = np.abs(got - want)
+            assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
+        assert reference[0].std() > 10 and np.abs(reference[0][:, :, 0] - reference[0][:, :, 1]).mean() > 1
+
+        # 48x48 is 3×3 patches of 16 pixels: nine tokens do not split over two ranks.
+        with pytest.raises(openai.BadRequestError) as info:
+            _generate(client, "48x48", 1.0)
+        assert info.value.status_code == 400 and "sequence-parallel" in str(info.value)
+        # Beyond the transformer's table of positions (32 patches of 16 pixels): refused before the
+        # ranks see it, so the group stays in step.
+        with pytest.raises(openai.BadRequestError, match="at most 512 pixels a side"):
+            _generate(client, "1024x512", 1.0)
+        # Every denoising forward ran through the group: 2 steps × 2 images (batch 2 when guided: one call).
+        deadline = time.monotonic() + 10
+        while (stats := _only_worker(cluster, 2)["stats"]).get("sp_forwards", 0) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert stats["sp_forwards"] == 4 and stats["images_generated"] == 2
+        assert split.stop() == 0   # SIGTERM: drains, closes the engine, which stops and joins rank 1
+    finally:
+        cluster.stop()
+    assert not any(_alive(pid) for pid in ranks)
+    assert "Traceback" not in split.output(), split.output()[-3000:]
+
+
+def test_sizes_the_group_cannot_split_fail_fast(tiny_dit, tmp_path):
+    with pytest.raises(SequenceParallelError, match=r"size 3 does not divide the 16 image tokens .* use one of "
+                                                    r"\[1, 2, 4, 8, 16\]"):
+        check_sequence_parallel(tiny_dit, 3)
+    check_sequence_parallel(tiny_dit, 4)
+    unet_dir = tmp_path / "sd"
+    unet_dir.mkdir()
+    (unet_dir / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline", '
+                                               '"unet": ["diffusers", "UNet2DConditionModel"]}')
+    with pytest.raises(SequenceParallelError, match="a UNet .UNet2DConditionModel.; use sequence_parallel_size 1"):
+        check_sequence_parallel(str(unet_dir), 2)
+    # The worker refuses before loading anything, with the reason on stderr and exit status 2
+    # (the flag here; the stage YAML's engine_args.sequence_parallel_size goes the same way).
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "omnirelay.workers.daemon", "--role", "generate", "--model",
+                           tiny_dit, "--broker", "tcp://127.0.0.1:9", "--sequence-parallel-size", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "sequence-parallel size 3 does not divide the 16 image tokens" in proc.stderr
+    assert time.monotonic() - started < 60
+    with pytest.raises(PipelineError, match=r"stages\[0\].engine_args.sequence_parallel_size: only generate"):
+        parse_pipeline({"stages": [{"role": "prefill", "engine_args": {"sequence_parallel_size": 2}},
+                                   {"role": "decode"}]})
+    with pytest.raises(PipelineError, match="must be a positive integer"):
+        parse_pipeline({"stages": [{"role": "generate", "engine_args": {"sequence_parallel_size": 0}}]})
+
+
+def test_omni_serve_passes_the_stages_sequence_parallel_size(tiny_dit, tmp_path):
+    args = build_parser().parse_args([tiny_dit, "--stage-configs-path", _sp_yaml(tmp_path, 2)])
+    plans = [dataclasses.replace(plan, groups=check_parallel(args, plan))
+             for plan in plan_models([(tiny_dit, MODEL)], args.stage_configs_path, args.connector)]
+    [command] = worker_commands(args, plans, "ipc:///tmp/unused.sock")
+    assert command.role == "generate" and command.group_size == 2
+    flag = command.argv.index("--sequence-parallel-size")
+    assert command.argv[flag + 1] == "2"
+    args = build_parser().parse_args([tiny_dit, "--stage-configs-path", PIPELINE_YAML])
+    plans = plan_models([(tiny_dit, MODEL)], args.stage_configs_path, args.connector)
+    [command] = worker_commands(args, plans, "ipc:///tmp/unused.sock")
+    assert "--sequence-parallel-size" not in command.argv and command.group_size == 1
