@@ -10,6 +10,16 @@ heartbeats), rejections, retries, migrations (resumed streams) and cancellations
 Request figures are observed by :class:`RequestTimer`, a hook the HTTP layer calls at arrival, at
 each chunk and at the end; nothing here runs inside a worker's decode loop. Cluster figures are
 refreshed from one broker status query per scrape.
+
+Worker engine figures (:class:`WorkerStatsCollector`): each worker's heartbeat carries a flat map of
+its engine's figures; the broker keeps the last one. They are exported per ``model`` and ``role``,
+summed over the workers of that pool: the engines' running totals as counters (``omnirelay_encode_
+requests_total``, ``omnirelay_encoder_cache_hits_total``, ``omnirelay_images_generated_total``, …,
+``omnirelay_worker_steps_total{phase}``, ``omnirelay_worker_failures_total{error_type}``), their
+instantaneous figures as gauges (running, waiting, KV blocks, cache sizes; the step age is the
+oldest, not a sum). A worker that leaves takes its totals with it, which Prometheus' ``rate()``
+reads as a counter reset. A figure this table does not know is still exported, as
+``omnirelay_worker_stat{stat}`` of unknown type. They are as fresh as the last heartbeat.
 """
 
 from __future__ import annotations
@@ -17,7 +27,10 @@ from __future__ import annotations
 import collections
 import time
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, UnknownMetricFamily
 
 from omnirelay.broker.protocol import StatusReply
 
@@ -25,6 +38,99 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0)
+
+
+# Engine running totals from worker heartbeats: stat key → (metric name, help). Names follow
+# Prometheus' conventions (the family gets ``_total`` when rendered).
+_WORKER_COUNTERS = {
+    "encoded_requests": ("omnirelay_encode_requests", "Requests whose media the encode workers encoded"),
+    "encoder_cache_hits": ("omnirelay_encoder_cache_hits", "Media items the encode workers took from their cache"),
+    "encoded_images": ("omnirelay_encoded_images", "Images the encode workers ran through the vision encoder"),
+    "encoded_audio": ("omnirelay_encoded_audio_clips", "Audio clips the encode workers ran through the audio encoder"),
+    "prefill_tokens": ("omnirelay_prefill_tokens", "Prompt tokens the prefill workers computed"),
+    "prefix_cached_tokens": ("omnirelay_prefix_cached_tokens", "Prompt tokens the prefill workers took from "
+                                                              "their prefix cache"),
+    "prefix_hit_requests": ("omnirelay_prefix_hit_requests", "Prefills that found part of their prompt cached"),
+    "media_prompts": ("omnirelay_media_prompts", "Prefills of prompts with encoded media"),
+    "kv_handoffs": ("omnirelay_kv_handoffs", "KV caches the prefill workers handed to decode"),
+    "speech_handoffs": ("omnirelay_speech_handoffs", "Hidden states handed to the speech generate stage"),
+    "decode_tokens": ("omnirelay_decode_tokens", "Tokens the decode workers generated"),
+    "kv_loads": ("omnirelay_kv_loads", "KV caches the decode workers fetched from a connector"),
+    "kv_swapped_in": ("omnirelay_kv_swapped_in", "Preempted sequences whose KV came back"),
+    "recomputed_tokens": ("omnirelay_recomputed_tokens", "Tokens recomputed after a preemption"),
+    "preemptions": ("omnirelay_preemptions", "Sequences preempted for lack of KV blocks"),
+    "cancelled": ("omnirelay_worker_cancellations", "Requests the workers dropped on a cancel"),
+    "cancelled_running": ("omnirelay_worker_cancellations_running", "Running generations stopped by a cancel"),
+    "batches": ("omnirelay_generate_batches", "Batches the image generate workers ran"),
+    "images_generated": ("omnirelay_images_generated", "Images the generate workers produced"),
+    "videos_generated": ("omnirelay_videos_generated", "Videos the generate workers produced"),
+    "frames_generated": ("omnirelay_video_frames_generated", "Video frames the generate workers produced"),
+    "speech_requests": ("omnirelay_speech_requests", "Utterances the speech generate workers produced"),
+    "talker_codes": ("omnirelay_talker_codes", "Codec tokens the talker produced"),
+    "audio_samples": ("omnirelay_audio_samples", "Audio samples the speech generate workers produced"),
+    "keepalives": ("omnirelay_worker_keepalives", "Engine steps that outlasted a heartbeat interval"),
+}
+# Instantaneous figures: stat key → (metric name, help, how a pool combines them).
+_WORKER_GAUGES = {
+    "running": ("omnirelay_worker_requests_running", "Requests in the workers' running batches", sum),
+    "waiting": ("omnirelay_worker_requests_waiting", "Requests queued inside the workers", sum),
+    "free_kv_blocks": ("omnirelay_worker_kv_blocks_free", "Free KV cache blocks", sum),
+    "kv_blocks_total": ("omnirelay_worker_kv_blocks", "KV cache blocks", sum),
+    "prefix_cached_blocks": ("omnirelay_prefix_cached_blocks", "KV blocks held by the prefix cache", sum),
+    "encoder_cache_items": ("omnirelay_encoder_cache_items", "Media items in the encoder cache", sum),
+    "step_age_s": ("omnirelay_worker_step_age_seconds", "Age of the oldest engine step in progress", max),
+}
+# Described elsewhere (connector_* feed the omnirelay_connector_* families) or not a figure of load.
+_WORKER_SKIPPED = ("connector_", "denoiser_weight_bits", "sequence_parallel_size")
+
+
+class WorkerStatsCollector:
+    """The workers' heartbeat figures as Prometheus families, rebuilt from the last status reply."""
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[str, str], list[dict]] = {}
+
+    def update(self, workers: list[dict]) -> None:
+        pools: dict[tuple[str, str], list[dict]] = {}
+        for worker in workers:
+            stats = {k: v for k, v in worker.get("stats", {}).items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+            # The heartbeat's own load fields win over copies in the stats map (-1: no KV cache).
+            stats.update({k: worker[k] for k in ("running", "waiting") if k in worker})
+            if worker.get("free_kv_blocks", -1) >= 0:
+                stats["free_kv_blocks"] = worker["free_kv_blocks"]
+            pools.setdefault((worker["model"], worker["role"]), []).append(stats)
+        self._pools = pools
+
+    def describe(self) -> list:
+        return []   # names depend on what the workers report: no collision check at registration
+
+    def collect(self):
+        labels = ["model", "role"]
+        counters = {key: CounterMetricFamily(name, text, labels=labels) for key, (name, text) in _WORKER_COUNTERS.items()}
+        gauges = {key: GaugeMetricFamily(name, text, labels=labels) for key, (name, text, _) in _WORKER_GAUGES.items()}
+        steps = CounterMetricFamily("omnirelay_worker_steps", "Engine steps, by phase", labels=labels + ["phase"])
+        failures = CounterMetricFamily("omnirelay_worker_failures", "Requests a worker engine failed, by error type",
+                                       labels=labels + ["error_type"])
+        other = UnknownMetricFamily("omnirelay_worker_stat", "Other worker figures, as reported",
+                                    labels=labels + ["stat"])
+        for (model, role), pool in sorted(self._pools.items()):
+            keys = sorted({key for stats in pool for key in stats})
+            for key in keys:
+                values = [stats[key] for stats in pool if key in stats]
+                if key in _WORKER_COUNTERS:
+                    counters[key].add_metric([model, role], sum(values))
+                elif key in _WORKER_GAUGES:
+                    gauges[key].add_metric([model, role], _WORKER_GAUGES[key][2](values))
+                elif key.endswith("_steps"):
+                    steps.add_metric([model, role, key[:-len("_steps")]], sum(values))
+                elif key.startswith("failed_"):
+                    failures.add_metric([model, role, key[len("failed_"):]], sum(values))
+                elif not key.startswith(_WORKER_SKIPPED):
+                    other.add_metric([model, role, key], sum(values))
+        for family in (*counters.values(), *gauges.values(), steps, failures, other):
+            if family.samples:
+                yield family
 
 
 class GatewayMetrics:
@@ -64,6 +170,8 @@ class GatewayMetrics:
         self.totals: collections.Counter[str] = collections.Counter()
         self.broker_events = Gauge("omnirelay_broker_events", "Broker counters (rejections, retries, "
                                    "cancellations, expirations, malformed messages)", ["event"], registry=r)
+        self.worker_stats = WorkerStatsCollector()
+        r.register(self.worker_stats)
 
     def timer(self, model: str) -> "RequestTimer":
         return RequestTimer(self, model)
@@ -76,6 +184,7 @@ class GatewayMetrics:
                       self.stage_seconds, self.stage_count, self.broker_events):
             gauge.clear()
         sums: dict[tuple, float] = {}
+        self.worker_stats.update(status.workers)
         for worker in status.workers:
             self.live_workers.labels(worker["model"], worker["role"]).inc()
             stats = worker.get("stats", {})

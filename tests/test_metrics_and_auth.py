@@ -1,4 +1,5 @@
-"""/metrics with vLLM's names and ours, and the API key on /v1 routes."""
+"""/metrics with vLLM's names and ours (the workers' heartbeat figures typed as counters and
+gauges), and the API key on /v1 routes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import time
 import openai
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ServeProcess
+from omnirelay.broker.protocol import StatusReply
+from omnirelay.gateway.metrics import GatewayMetrics
 
 
 def _sample(text: str, name: str, labels: str = "") -> float:
@@ -33,7 +37,8 @@ def test_metrics_after_traffic(server):
         text = requests.get(server.url + "/metrics", timeout=10).text
         transfers = [_sample(text, "omnirelay_connector_transfer_seconds_sum", f'role="{role}"')
                      for role in ("prefill", "decode")]
-        if min(transfers) > 0 or time.monotonic() > deadline:
+        decoded = re.search(r'^omnirelay_decode_tokens_total\{[^}]*\} (\S+)$', text, re.MULTILINE)
+        if (min(transfers) > 0 and decoded and float(decoded.group(1)) >= 14) or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert _sample(text, "vllm:generation_tokens_total") >= 16
@@ -49,6 +54,59 @@ def test_metrics_after_traffic(server):
     assert _sample(text, "omnirelay_connector_transfer_seconds_sum", 'role="prefill"') > 0
     assert _sample(text, "omnirelay_connector_transfer_seconds_sum", 'role="decode"') > 0
     assert _sample(text, "omnirelay_broker_events", 'event="requests_admitted"') >= 2
+    # The engines' own totals, per model and role: 2 prefills (first token each), 14 decoded tokens.
+    assert _sample(text, "omnirelay_decode_tokens_total", 'model="tiny-llm",role="decode"') >= 14
+    assert _sample(text, "omnirelay_prefill_tokens_total", 'role="prefill"') > 0
+    assert _sample(text, "omnirelay_worker_steps_total", 'phase="decode",role="decode"') >= 7
+    assert _sample(text, "omnirelay_worker_kv_blocks", 'role="decode"') > 0
+    assert "# TYPE omnirelay_decode_tokens_total counter" in text
+    assert "# TYPE omnirelay_worker_kv_blocks_free gauge" in text
+
+
+def _families(metrics: GatewayMetrics) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def _values(family) -> dict:
+    return {tuple(sorted(s.labels.items())): s.value for s in family.samples if not s.name.endswith("_created")}
+
+
+def test_worker_figures_are_typed_and_summed_per_model_and_role():
+    def worker(worker_id: str, model: str, role: str, **stats) -> dict:
+        return {"worker_id": worker_id, "model": model, "role": role, "running": 0, "waiting": 0, "stats": stats}
+
+    metrics = GatewayMetrics()
+    metrics.update_cluster(StatusReply(0, [
+        worker("e1", "omni", "encode", encoded_requests=3, encoder_cache_hits=1, encode_steps=3, encoder_cache_items=2,
+               step_age_s=0.5, connector_puts=3),
+        worker("e2", "omni", "encode", encoded_requests=2, encoder_cache_hits=4, step_age_s=1.5, fresh_idea=7),
+        worker("g1", "sd", "generate", images_generated=4, denoise_steps=10, failed_bad_request=1, running=1,
+               denoiser_weight_bits=32, sick=True),
+        worker("s1", "omni", "generate", speech_requests=2, talker_codes=40)], {}, {}))
+    families = _families(metrics)
+    encode = (("model", "omni"), ("role", "encode"))
+    # prometheus_client's parser names a counter family without its _total suffix.
+    assert families["omnirelay_encode_requests"].type == "counter"
+    assert _values(families["omnirelay_encode_requests"]) == {encode: 5}          # summed over the pool
+    assert _values(families["omnirelay_encoder_cache_hits"]) == {encode: 5}
+    assert families["omnirelay_encoder_cache_items"].type == "gauge"
+    assert _values(families["omnirelay_worker_step_age_seconds"]) == {encode: 1.5}  # the oldest, not a sum
+    assert _values(families["omnirelay_images_generated"]) == {(("model", "sd"), ("role", "generate")): 4}
+    assert _values(families["omnirelay_speech_requests"]) == {(("model", "omni"), ("role", "generate")): 2}
+    assert _values(families["omnirelay_worker_steps"]) == {
+        (("model", "omni"), ("phase", "encode"), ("role", "encode")): 3,
+        (("model", "sd"), ("phase", "denoise"), ("role", "generate")): 10}
+    assert _values(families["omnirelay_worker_failures"]) == {
+        (("error_type", "bad_request"), ("model", "sd"), ("role", "generate")): 1}
+    # A figure the table does not know is kept, untyped; flags and configuration are not figures.
+    assert families["omnirelay_worker_stat"].type == "unknown"
+    assert _values(families["omnirelay_worker_stat"]) == {
+        (("model", "omni"), ("role", "encode"), ("stat", "fresh_idea")): 7}
+    # The next scrape without the image worker: its figures are gone, not frozen.
+    metrics.update_cluster(StatusReply(0, [worker("e1", "omni", "encode", encoded_requests=4)], {}, {}))
+    families = _families(metrics)
+    assert "omnirelay_images_generated" not in families
+    assert _values(families["omnirelay_encode_requests"]) == {encode: 4}
 
 
 @pytest.fixture(scope="module")

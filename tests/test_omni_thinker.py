@@ -181,6 +181,42 @@ def test_audio_only_and_text_only_match_and_repeats_hit_the_encoder_cache(client
     assert _chat(client, text).choices[0].token_ids == hf(text)
 
 
+def _pool_metric(server, name: str, role: str) -> float:
+    """One pool's sample of a /metrics family (0 before the first heartbeat that reports it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("model") == "tiny-omni" and sample.labels.get("role") == role:
+                assert family.type == ("counter" if name.endswith("_total") else "gauge"), (name, family.type)
+                return sample.value
+    return 0.0
+
+
+def test_encode_worker_counters_are_exported_on_metrics(client, server):
+    png = _png(11)
+    requests_before = _pool_metric(server, "omnirelay_encode_requests_total", "encode")
+    hits_before = _pool_metric(server, "omnirelay_encoder_cache_hits_total", "encode")
+    for _ in range(2):   # the same picture twice: the second is taken from the encoder cache
+        assert _chat(client, [_image_part(png), {"type": "text", "text": "Again?"}]).choices[0].token_ids
+    # Worker counters ride on heartbeats: poll (bounded) until one sent after the traffic arrived.
+    deadline = time.monotonic() + 15
+    while True:
+        encoded = _pool_metric(server, "omnirelay_encode_requests_total", "encode")
+        hits = _pool_metric(server, "omnirelay_encoder_cache_hits_total", "encode")
+        media_prompts = _pool_metric(server, "omnirelay_media_prompts_total", "prefill")
+        decoded = _pool_metric(server, "omnirelay_decode_tokens_total", "decode")
+        if (encoded >= requests_before + 2 and hits >= hits_before + 1 and media_prompts >= 2
+                and decoded >= 2 * (MAX_TOKENS - 1)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert encoded >= requests_before + 2 and hits >= hits_before + 1, (encoded, hits)
+    assert media_prompts >= 2 and decoded >= 2 * (MAX_TOKENS - 1), (media_prompts, decoded)
+    assert _pool_metric(server, "omnirelay_encoder_cache_items", "encode") >= 1
+
+
 BAD = base64.b64encode(b"not an image at all").decode()
 
 
