@@ -358,6 +358,11 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
     counts = {"prefill": args.num_prefill, "decode": args.num_decode,
               "encode": args.num_encode, "generate": args.num_generate}
     commands = []
+    utilization = args.gpu_memory_utilization
+    if not args.ray_address:
+        # On one host every worker sees the same devices: they split the share evenly, each
+        # sizing its KV pool from its own part (Ray gives each actor devices of its own).
+        utilization /= sum(counts.get(role, 1) for plan in plans for role in plan.roles)
     for model_number, plan in enumerate(plans):
         for role in plan.roles:
             tp, pp = plan.groups.get(role, (1, 1))
@@ -369,7 +374,7 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
                 parallel = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
                             *(["--sequence-parallel-size", str(sp)] if sp > 1 else [])]
             if WORKER_TAKES_DEVICES:
-                parallel += ["--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                parallel += ["--gpu-memory-utilization", f"{utilization:.4g}",
                              *(["--devices", args.devices] if args.devices and not args.ray_address else [])]
             for index in range(counts.get(role, 1)):
                 commands.append(WorkerCommand(f"{role}-{model_number}.{index}", role, [

@@ -27,25 +27,31 @@ CUDA_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 # ------------------------------------------------------------------ the KV budget rule (pure)
 
-@pytest.mark.parametrize("total, free, utilization, explicit, expected", [
-    # 0.9 × 80 GiB = 72 GiB allowed; 20 GiB in use (weights, other processes) → 52 GiB for KV.
-    (80 * GiB, 60 * GiB, 0.9, 0, 52 * GiB),
+@pytest.mark.parametrize("total, free, own, utilization, explicit, expected", [
+    # The worker's share is 0.9 × 80 GiB = 72 GiB; its weights took 2 GiB → 70 GiB for KV.
+    (80 * GiB, 78 * GiB, 2 * GiB, 0.9, 0, 70 * GiB),
     # An explicit byte budget caps the share ...
-    (80 * GiB, 60 * GiB, 0.9, 4 * GiB, 4 * GiB),
+    (80 * GiB, 78 * GiB, 2 * GiB, 0.9, 4 * GiB, 4 * GiB),
     # ... but never raises it above what the share leaves.
-    (80 * GiB, 60 * GiB, 0.9, 100 * GiB, 52 * GiB),
-    # Memory already in use beyond the share: nothing is left (never negative).
-    (80 * GiB, 4 * GiB, 0.5, 0, 0),
-    (80 * GiB, 80 * GiB, 1.0, 0, 80 * GiB),
+    (80 * GiB, 78 * GiB, 2 * GiB, 0.9, 100 * GiB, 70 * GiB),
+    # Two workers at 0.45 each on one device: the second sees the first's 36 GiB as not free, yet
+    # its own share is intact (vLLM's rule; the old "fill up to 0.9 of total" left it nothing).
+    (80 * GiB, 42 * GiB, 2 * GiB, 0.45, 0, 34 * GiB),
+    # Never more than is free now: other processes hold most of the device.
+    (80 * GiB, 10 * GiB, 2 * GiB, 0.9, 0, 10 * GiB),
+    # The weights alone exceed the share: nothing is left (never negative).
+    (80 * GiB, 40 * GiB, 40 * GiB, 0.25, 0, 0),
+    (80 * GiB, 80 * GiB, 0, 1.0, 0, 80 * GiB),
 ])
-def test_kv_cache_budget(total, free, utilization, explicit, expected):
-    assert kv_cache_budget(total=total, free=free, utilization=utilization, explicit=explicit) == expected
+def test_kv_cache_budget(total, free, own, utilization, explicit, expected):
+    assert kv_cache_budget(total=total, free=free, own=own, utilization=utilization, explicit=explicit) == expected
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"total": GiB, "free": GiB, "utilization": 0.0}, "must be in (0, 1]"),
-    ({"total": GiB, "free": GiB, "utilization": 1.5}, "must be in (0, 1]"),
-    ({"total": GiB, "free": 2 * GiB, "utilization": 0.9}, "not a valid reading"),
+    ({"total": GiB, "free": GiB, "own": 0, "utilization": 0.0}, "must be in (0, 1]"),
+    ({"total": GiB, "free": GiB, "own": 0, "utilization": 1.5}, "must be in (0, 1]"),
+    ({"total": GiB, "free": 2 * GiB, "own": 0, "utilization": 0.9}, "not a valid reading"),
+    ({"total": GiB, "free": GiB, "own": 2 * GiB, "utilization": 0.9}, "not a valid reading"),
 ])
 def test_kv_cache_budget_rejects_bad_inputs(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
@@ -165,12 +171,13 @@ def test_omni_serve_passes_devices_and_utilization_to_every_worker():
     plan = ModelPlan(path="/srv/m", name="m", kind="llm", pipeline=default_llm_pipeline(), pipeline_file=None,
                      groups={"prefill": (2, 1), "decode": (2, 1)})
     args = serve.build_parser().parse_args(["/srv/m", "--tensor-parallel-size", "2", "--devices", "2,3",
-                                            "--gpu-memory-utilization", "0.45"])
+                                            "--gpu-memory-utilization", "0.9"])
     commands = serve.worker_commands(args, [plan], "ipc:///tmp/b")
     assert {c.role for c in commands} == {"prefill", "decode"}
     for command in commands:
         argv = command.argv
         assert argv[argv.index("--devices") + 1] == "2,3"
+        # Prefill and decode share this host's devices: each worker owns half of the 0.9.
         assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
         assert argv[argv.index("--kv-cache-bytes") + 1] == "0"   # unset: the worker's default rule
         assert command.group_size == 2

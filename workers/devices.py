@@ -9,13 +9,14 @@ running on the CPU when a GPU group was asked for would only hide a broken drive
 
 KV budget (:func:`kv_cache_budget`), measured on each rank after its weights are loaded:
 
-* CUDA: ``utilization × total − (total − free)`` of the rank's device, i.e. the worker fills the
-  device up to ``--gpu-memory-utilization`` of its memory, counting everything already on it (its
-  own weights and other processes'). An explicit ``--kv-cache-bytes`` caps that: the pool takes the
+* CUDA: the worker owns ``utilization × total`` of its rank's device — its share, as in vLLM:
+  weights, activations and KV pool together. The pool takes the share minus what this process has
+  already reserved (its weights, measured by torch's allocator), and never more than is free right
+  now, because other workers may own the rest of the device. Several workers on one device split it
+  by their utilizations (``omni-serve`` divides ``--gpu-memory-utilization`` among the workers it
+  starts on one host's devices). An explicit ``--kv-cache-bytes`` caps that: the pool takes the
   smaller of the two, so a byte budget never over-commits the device and a utilization never
-  exceeds what the operator wrote down. The ``1 − utilization`` rest is what a step's activations
-  and other processes may use. Two workers sharing a device therefore need to leave each other
-  room (the second one sees the first one's pool as memory in use).
+  exceeds what the operator wrote down.
 * CPU: ``--kv-cache-bytes`` (default :data:`DEFAULT_CPU_KV_BYTES`); there is no device memory to
   measure, so ``--gpu-memory-utilization`` does not apply.
 
@@ -69,15 +70,16 @@ def resolve_devices(devices: tuple[int, ...], world: int, *, cuda_count: int | N
     return tuple(f"cuda:{i}" for i in range(world))
 
 
-def kv_cache_budget(*, total: int, free: int, utilization: float, explicit: int = 0) -> int:
-    """Bytes a CUDA rank's KV pool may take (see the module docstring): ``utilization × total``
-    minus the memory in use (``total − free``), capped by ``explicit`` when it is non-zero. Never
-    negative; pure, so the rule is tested without a device."""
+def kv_cache_budget(*, total: int, free: int, own: int, utilization: float, explicit: int = 0) -> int:
+    """Bytes a CUDA rank's KV pool may take (see the module docstring): the worker's share
+    ``utilization × total`` minus ``own`` (bytes this process already reserved), at most ``free``,
+    capped by ``explicit`` when it is non-zero. Never negative; pure, so the rule is tested without
+    a device."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization {utilization}: must be in (0, 1]")
-    if total <= 0 or not 0 <= free <= total:
-        raise ValueError(f"device memory total {total} / free {free} bytes is not a valid reading")
-    budget = int(utilization * total) - (total - free)
+    if total <= 0 or not 0 <= free <= total or not 0 <= own <= total:
+        raise ValueError(f"device memory total {total} / free {free} / own {own} bytes is not a valid reading")
+    budget = min(int(utilization * total) - own, free)
     if explicit > 0:
         budget = min(budget, explicit)
     return max(budget, 0)
@@ -99,9 +101,10 @@ def rank_kv_budget(device: torch.device, utilization: float, explicit: int) -> t
     if device.type != "cuda":
         budget = explicit or DEFAULT_CPU_KV_BYTES
         return budget, f"{device} (--kv-cache-bytes {budget})"
-    # Loading leaves freed temporaries in torch's cache; mem_get_info would count them as in use.
+    # Loading leaves freed temporaries in torch's cache: they would count as this worker's own.
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    budget = kv_cache_budget(total=total, free=free, utilization=utilization, explicit=explicit)
-    return budget, (f"{device} (--gpu-memory-utilization {utilization} of {total} bytes, {total - free} in use"
-                    + (f", --kv-cache-bytes {explicit}" if explicit else "") + ")")
+    own = torch.cuda.memory_reserved(device)
+    budget = kv_cache_budget(total=total, free=free, own=own, utilization=utilization, explicit=explicit)
+    return budget, (f"{device} (--gpu-memory-utilization {utilization} of {total} bytes, {own} taken by this "
+                    f"worker, {free} free" + (f", --kv-cache-bytes {explicit}" if explicit else "") + ")")
