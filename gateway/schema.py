@@ -49,8 +49,8 @@ def _chat_audio(body: dict) -> dict:
     modalities = body.get("modalities")
     if modalities is None:
         modalities = ["text"]
-    if not isinstance(modalities, list) or not modalities or not set(modalities) <= {"text", "audio"} \
-            or "text" not in modalities:
+    if not isinstance(modalities, list) or not modalities \
+            or not all(isinstance(m, str) and m in ("text", "audio") for m in modalities) or "text" not in modalities:
         raise BadRequest("'modalities' must be [\"text\"] or [\"text\", \"audio\"]", param="modalities")
     audio = body.get("audio")
     if "audio" not in modalities:
@@ -60,7 +60,7 @@ def _chat_audio(body: dict) -> dict:
     if not isinstance(audio, dict) or not isinstance(audio.get("voice"), str) or not audio["voice"]:
         raise BadRequest("audio output needs 'audio': {\"voice\": …, \"format\": …}", param="audio")
     fmt = audio.get("format", "wav")
-    if fmt not in CHAT_AUDIO_FORMATS:
+    if not isinstance(fmt, str) or fmt not in CHAT_AUDIO_FORMATS:
         raise BadRequest(f"audio.format {fmt!r} is not supported; use one of {', '.join(CHAT_AUDIO_FORMATS)}",
                          param="audio.format")
     return {"modalities": ("text", "audio"), "audio": {"voice": audio["voice"], "format": fmt}}
@@ -141,7 +141,7 @@ def _content_text(content: Any, index: int) -> str | list[dict]:
         parts: list[dict] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _MEDIA_PARTS:
+            if isinstance(kind, str) and kind in _MEDIA_PARTS:
                 parts.append(_media_part(part, f"messages[{index}].content[{j}]"))
                 continue
             if kind != "text" or not isinstance(part.get("text"), str):

@@ -263,6 +263,8 @@ def _speech_format(body: dict) -> str:
     fmt = body.get("response_format")
     if fmt is None:
         return "wav"   # OpenAI's default is mp3, which this server cannot encode
+    if not isinstance(fmt, str):
+        raise BadRequest("'response_format' must be a string: wav, pcm or flac", param="response_format")
     if fmt in UNSUPPORTED_FORMATS:
         raise BadRequest(f"response_format {fmt!r} is not supported by this server; use 'wav', 'pcm' or 'flac'",
                          param="response_format")
