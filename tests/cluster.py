@@ -136,8 +136,22 @@ class Cluster:
             time.sleep(0.2)
         raise RuntimeError("cluster not healthy:\n" + "\n".join(p.output()[-1500:] for p in self.procs))
 
+    def wait_for_workers(self, n: int, timeout: float = 60.0) -> None:
+        """Until ``n`` workers are registered (healthy needs only one per role) or ``timeout``
+        passes; what is then missing is for the test's own assertions to say."""
+        deadline = time.monotonic() + timeout
+        while len(self.workers()) < n and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     def workers(self) -> list[dict]:
         return requests.get(self.url + "/cluster", timeout=10).json()["workers"]
+
+    def broker_counters(self) -> dict:
+        return requests.get(self.url + "/cluster", timeout=10).json()["broker"]
+
+    def logs(self) -> str:
+        """Every process's output so far, in start order."""
+        return "".join(proc.output() for proc in self.procs)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):

@@ -17,11 +17,9 @@ import asyncio
 import base64
 import io
 import os
-import time
 
 import numpy as np
 import pytest
-import requests
 from PIL import Image
 
 from cluster import Cluster, assert_contract, classify, run_load
@@ -62,9 +60,7 @@ def cluster(tiny_omni, tmp_path):
             cluster.start_worker(role, "--stage-configs-path", PIPELINE)
         cluster.start_gateway("--stage-configs-path", PIPELINE)
         cluster.wait_healthy()
-        deadline = time.monotonic() + 60
-        while len(cluster.workers()) < 4 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        cluster.wait_for_workers(4)
         yield cluster
     finally:
         cluster.stop()
@@ -85,9 +81,6 @@ def _load(url: str, fault=None) -> list:
                                 fault=fault, after=KILL_AFTER))
 
 
-def _broker_counters(cluster: Cluster) -> dict:
-    return requests.get(cluster.url + "/cluster", timeout=10).json()["broker"]
-
 
 def test_kill9_encode_worker_under_load(cluster):
     killed: dict = {}
@@ -101,8 +94,8 @@ def test_kill9_encode_worker_under_load(cluster):
         killed["proc"].kill9()
 
     results = _load(cluster.url, fault=kill_a_busy_encode_worker)
-    logs = "".join(proc.output() for proc in cluster.procs)
-    retried = _broker_counters(cluster).get("stage_retries", 0)
+    logs = cluster.logs()
+    retried = cluster.broker_counters().get("stage_retries", 0)
     reference = [tokens for _, tokens in _load(cluster.url)]
     counts = classify(results, reference)
     print(f"\nkill -9 encode: {counts}; {retried} stage(s) re-dispatched by the broker (victim held "

@@ -22,7 +22,6 @@ import time
 import uuid
 
 import pytest
-import requests
 
 from cluster import Cluster, assert_contract, classify, greedy_chat, run_load
 from connector_servers import RedisServer
@@ -84,14 +83,14 @@ def test_redis_stopped_mid_transfers_under_load(redis_cluster):
     results = _load(redis_cluster.url, fault=stop_redis_then_start_it_again, after=8, n=N_REQUESTS)
     counts = classify(results, baseline)
     statuses = collections.Counter(result[1].split()[0] for result in results if result and result[0] != "completed")
-    restarts = _broker(redis_cluster).get("request_restarts", 0)
+    restarts = redis_cluster.broker_counters().get("request_restarts", 0)
     print(f"\nredis stopped {OUTAGE_S:.0f}s mid-transfers: {counts}; error statuses {dict(statuses)}; "
           f"{restarts} request(s) started over")
     assert_contract(counts, results)
     assert "500" not in statuses   # an outage is not a bug
     assert "back" in outage, "the outage never happened"
     # The outage touched the traffic (puts failed or requests started over), and the cluster serves again.
-    logs = "".join(proc.output() for proc in redis_cluster.procs)
+    logs = redis_cluster.logs()
     assert counts["error"] > 0 or restarts > 0 or "unreachable" in logs, counts
     after = _load(redis_cluster.url, n=8)
     assert classify(after, baseline[:8])["completed"] == 8
@@ -100,7 +99,3 @@ def test_redis_stopped_mid_transfers_under_load(redis_cluster):
     while redis.keys() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert redis.keys() == []
-
-
-def _broker(cluster: Cluster) -> dict:
-    return requests.get(cluster.url + "/cluster", timeout=10).json()["broker"]
