@@ -24,9 +24,6 @@ import os
 import pathlib
 
 from .tiny_diffusers import build, is_complete, write_pipeline
-# dit_builder (being written alongside) still takes these from this module; drop once it imports
-# them from tiny_diffusers.
-from .tiny_diffusers import MAX_TEXT_POSITIONS, VAE_OUT_STD, _write_tokenizer  # noqa: F401
 
 MODEL_KIND = "tiny-sd"
 RECIPE_VERSION = 1
