@@ -1,13 +1,18 @@
 """A connector slowed past the requests' deadline, under a bounded load.
 
 The ``kv`` edge is the fault-injection connector over shared memory with every put delayed
-``PUT_DELAY_S``; the prefill worker takes one request at a time (and, in the second case, eight:
-see its xfail reason, a known defect). Through a gateway whose deadline is shorter than that
-delay, 16 requests at concurrency 8 must each get a structured 504 in time (deadline + slack) — none hangs, none is
-lost; through a second gateway with a deadline the link can meet, the same cluster answers every
-request. Afterwards the decode worker is idle with its whole KV pool free and the late puts were
-deleted rather than left for their TTL. Counts are printed per phase. (The single-request version,
-with the exact timing of one 504, is ``test_fault_injection.py``.)
+``PUT_DELAY_S``; the prefill worker takes one request at a time, and in the second case eight, so
+that one engine step makes up to eight slow puts (12 s) — far past the broker's liveness (3.5 s).
+Through a gateway whose deadline is shorter than that delay, 16 requests at concurrency 8 must each
+get a structured 504 in time (deadline + slack) — none hangs, none is lost; through a second gateway
+with a deadline the link can meet, the same cluster answers every request: no 503, because the
+prefill worker stays registered all along (its broker link heartbeats while the step runs,
+:mod:`omnirelay.workers.broker_link`). Afterwards the decode worker is idle with its whole KV pool
+free and the late puts were deleted rather than left for their TTL. Counts are printed per phase.
+(The single-request version, with the exact timing of one 504, is ``test_fault_injection.py``.)
+
+``test_broker_link_*`` drive the link alone against a stand-in broker socket: keepalives while the
+loop is busy, silence once it looks wedged, and the farewell relayed last on stop.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 
 import aiohttp
 import pytest
 import requests
+import zmq
 
 from cluster import Cluster
+from omnirelay.broker import protocol as p
+from omnirelay.workers.broker_link import KEEPALIVE_AFTER, BrokerLink
 
 PUT_DELAY_S, SHORT_DEADLINE_S = 1.5, 1.0
 N_REQUESTS, CONCURRENCY = 16, 8
@@ -40,6 +49,7 @@ def slow_link(tiny_model, tmp_path, request):
         "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
     cluster.prefill = None
+    cluster.prefill_capacity = request.param
     try:
         cluster.start_broker()
         cluster.prefill = cluster.start_worker("prefill", "--stage-configs-path", str(pipeline), "--capacity",
@@ -52,13 +62,6 @@ def slow_link(tiny_model, tmp_path, request):
         yield cluster
     finally:
         cluster.stop()
-        if request.param > 1 and cluster.prefill is not None:
-            # The known defect (see the xfail) has the broker drop a live worker, so nobody tells it
-            # to delete its late outputs and they stay published for a consumer that never comes.
-            # Remove that one dead worker's segments, so the session's leak check stays meaningful.
-            for name in os.listdir("/dev/shm"):
-                if name.startswith(f"omnirelay-{cluster.prefill.pid}-") and not cluster.prefill.alive():
-                    os.unlink(os.path.join("/dev/shm", name))
 
 
 async def _load(url: str, timeout_s: float) -> list[tuple[str, float]]:
@@ -102,13 +105,14 @@ def _segments_of(pid: int) -> list[str]:
             and "-c" not in name[len(f"omnirelay-{pid}"):]]   # buffer-pool files are reused, not per key
 
 
-@pytest.mark.parametrize("slow_link", [
-    1,
-    pytest.param(8, marks=pytest.mark.xfail(strict=True, reason=(
-        "the worker loop makes its connector puts inside the engine step, on the thread that also "
-        "heartbeats: 8 puts of 1.5 s block it for 12 s, past the broker's 3.5 s liveness, so the broker "
-        "drops the (healthy) prefill worker and the next requests get 503"))),
-], indirect=True, ids=["one-put-per-step", "eight-puts-per-step"])
+def _prefill_view(cluster) -> tuple[dict, dict]:
+    """The broker's record of the prefill worker, and its counters."""
+    view = requests.get(cluster.url + "/cluster", timeout=10).json()
+    [prefill] = [w for w in view["workers"] if w["role"] == "prefill"]
+    return prefill, view["broker"]
+
+
+@pytest.mark.parametrize("slow_link", [1, 8], indirect=True, ids=["one-put-per-step", "eight-puts-per-step"])
 def test_slow_connector_past_the_deadline_under_load(slow_link):
     late = asyncio.run(_load(slow_link.short_url, timeout_s=30))
     counts = _counts(late)
@@ -125,6 +129,15 @@ def test_slow_connector_past_the_deadline_under_load(slow_link):
     print(f"connector slowed {PUT_DELAY_S}s, deadline 60s: {counts}")
     assert counts == {"lost": 0, "completed": N_REQUESTS}, counts
 
+    # The prefill worker was never dropped: the same process, registered once, none expired.
+    prefill, counters = _prefill_view(slow_link)
+    print(f"prefill worker: keepalives {prefill['stats'].get('keepalives')}, broker counters {counters}")
+    assert prefill["pid"] == slow_link.prefill.pid
+    assert counters.get("workers_expired", 0) == 0 and counters["registrations"] == 2, counters
+    if slow_link.prefill_capacity > 1:
+        # Steps of several slow puts outlasted the heartbeat interval, and the link spoke for them.
+        assert prefill["stats"]["keepalives"] > 0, prefill
+
     # Nothing is held afterwards: the decode worker is idle with its pool free, and the outputs
     # of the late puts were deleted once their stage reported done, not left for the TTL.
     deadline = time.monotonic() + 15
@@ -137,3 +150,69 @@ def test_slow_connector_past_the_deadline_under_load(slow_link):
         time.sleep(0.3)
     assert decode["running"] == 0 and decode["free_kv_blocks"] == decode["stats"]["kv_blocks_total"], decode
     assert _segments_of(slow_link.prefill.pid) == []
+
+
+# ---------------------------------------------------------------------- the broker link alone
+
+WORKER_ID, INTERVAL_S, WEDGED_S = "prefill-link-test", 0.1, 1.0
+
+
+@pytest.fixture
+def link_and_broker():
+    """A started link, and the ROUTER socket standing in for the broker (the test is the loop thread)."""
+    ctx = zmq.Context()
+    broker = ctx.socket(zmq.ROUTER)
+    broker.bind("inproc://stand-in-broker")
+    link = BrokerLink(ctx, "inproc://stand-in-broker", WORKER_ID, INTERVAL_S, wedged_after_s=WEDGED_S)
+    link.start()
+    yield link, broker
+    link.stop()
+    broker.close(0)
+    ctx.term()
+
+
+def _received(broker: zmq.Socket, seconds: float) -> list[p.Message]:
+    """What the stand-in broker gets from the worker within ``seconds``."""
+    got = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if broker.poll(int(left * 1000) + 1):
+            identity, *frames = broker.recv_multipart()
+            assert identity == WORKER_ID.encode()
+            got.append(p.decode(frames))
+    return got
+
+
+def test_broker_link_keeps_a_busy_loop_alive_and_gives_up_on_a_wedged_one(link_and_broker):
+    link, broker = link_and_broker
+    link.poll(0)   # the loop begins an iteration (an engine step with slow puts) …
+    link.send_heartbeat(p.Heartbeat(WORKER_ID, running=3, waiting=1, free_kv_blocks=7, stats={"prefill_steps": 5},
+                                    prefix_added=[11, 12]))
+    first, *keepalives = _received(broker, WEDGED_S + 0.6)   # … and stays in it past the wedge limit
+    assert first.prefix_added == [11, 12] and "step_age_s" not in first.stats
+    print(f"\n{len(keepalives)} keepalives, step ages {[k.stats['step_age_s'] for k in keepalives]}")
+    # One every KEEPALIVE_AFTER intervals (0.15 s) until the wedge limit; timing slack for a busy host.
+    assert len(keepalives) >= 3 and link.keepalives == len(keepalives)
+    for count, keepalive in enumerate(keepalives, start=1):
+        assert (keepalive.running, keepalive.waiting, keepalive.free_kv_blocks) == (3, 1, 7)
+        assert keepalive.prefix_added == [] and keepalive.prefix_evicted == [] and not keepalive.prefix_full
+        assert keepalive.stats["prefill_steps"] == 5 and keepalive.stats["keepalives"] == count
+    ages = [k.stats["step_age_s"] for k in keepalives]
+    assert ages == sorted(ages) and ages[0] >= KEEPALIVE_AFTER * INTERVAL_S - 0.01 and ages[-1] <= WEDGED_S
+    assert _received(broker, 0.5) == []   # wedged: the link no longer vouches for the loop
+
+    # The loop comes back and reads what the broker said meanwhile.
+    broker.send_multipart([WORKER_ID.encode(), *p.encode(p.Reregister("unknown worker"))])
+    assert link.poll(2000)
+    assert p.decode(link.recv()) == p.Reregister("unknown worker")
+    assert link.recv() is None
+
+
+def test_broker_link_relays_in_order_and_says_farewell_last(link_and_broker):
+    link, broker = link_and_broker
+    for n in range(1, 501):
+        link.send(p.Credit(WORKER_ID, n))
+    link.stop(farewell=p.Unregister(WORKER_ID))
+    assert not [t for t in threading.enumerate() if t.name == "broker-link"]   # joined
+    got = _received(broker, 1.0)
+    assert got == [p.Credit(WORKER_ID, n) for n in range(1, 501)] + [p.Unregister(WORKER_ID)]

@@ -3,15 +3,20 @@
 Loop, as a table of contents::
 
     while running:
-        poll the broker socket (no wait while the engine has work, else until the next heartbeat)
+        poll the broker link (no wait while the engine has work, else until the next heartbeat)
         handle bus messages: Task → engine, CancelTask → engine, Reregister → register again
         step the engine once and send what it produced (deltas to gateways, stage reports to broker)
         top up credits: grant the broker as many tasks as the engine has room for
         heartbeat when due
 
+The broker socket itself lives on the :class:`~omnirelay.workers.broker_link.BrokerLink` thread,
+which relays this loop's messages and keeps the worker alive at the broker while one step (and the
+connector transfers inside it) takes longer than the broker's liveness period. Gateway sockets
+stay on this thread: only it sends token deltas.
+
 Shutdown (SIGTERM/SIGINT only flip a flag): stop granting credits, keep stepping until the engine
 is empty or ``drain_timeout_s`` passes, report the rest as failed (``worker_lost``, resumable), then
-unregister and close the sockets.
+unregister, stop and join the link, and close the sockets.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from omnirelay.broker.prefix_index import route_keys
 from omnirelay.lifecycle import Shutdown, ShutdownState
 from omnirelay.security import CurveKeys, is_loopback, require_curve_off_loopback
 
+from .broker_link import BrokerLink
 from .config import WorkerConfig
 from .prefill import PrefillEngine
 from .roles import BROKER, Outbound, RoleAdapter
@@ -53,14 +59,7 @@ class WorkerRuntime:
         self._keys = keys
         self._owned = owned
         self._ctx = zmq.Context()
-        self._broker = self._ctx.socket(zmq.DEALER)
-        if keys:
-            keys.make_client(self._broker)
-        self._broker.setsockopt(zmq.IDENTITY, config.worker_id.encode())
-        self._broker.setsockopt(zmq.LINGER, 1000)
-        self._broker.setsockopt(zmq.RECONNECT_IVL, 100)
-        self._broker.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._broker.connect(config.broker)
+        self._link = BrokerLink(self._ctx, config.broker, config.worker_id, config.heartbeat_interval_s, keys)
         self._gateways: dict[str, zmq.Socket] = {}
         self._gateway_keys: dict[str, str] = {}   # reply_to → its CURVE public key (z85)
         self._credits_outstanding = 0
@@ -72,34 +71,38 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> None:
-        self._register()
-        next_heartbeat = 0.0
-        drain_deadline = None
         try:
-            while True:
-                if self.shutdown.requested and drain_deadline is None:
-                    self.shutdown.state = ShutdownState.STOPPING
-                    drain_deadline = time.monotonic() + self.config.drain_timeout_s
-                    self._revoke_credits()
-                    log.info("draining %d in-flight requests (timeout %.0fs)", len(self._tasks),
-                             self.config.drain_timeout_s)
-                if drain_deadline is not None and (not self.role_has_work() or time.monotonic() > drain_deadline):
-                    break
-                now = time.monotonic()
-                wait_ms = 0 if self.role_has_work() else max(0, int((next_heartbeat - now) * 1000))
-                if self._broker.poll(min(wait_ms, 200), zmq.POLLIN):
-                    self._handle_broker_messages()
-                if self.role_has_work():
-                    self._send(self.role.step())
-                if drain_deadline is None:
-                    self._top_up_credits()
-                if time.monotonic() >= next_heartbeat:
-                    self._heartbeat()
-                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+            self._link.start()
+            self._register()
+            self._serve()
         finally:
             self._abort_remaining()
-            self._send_broker(p.Unregister(self.config.worker_id))
+            self._link.stop(farewell=p.Unregister(self.config.worker_id))
             self.close()
+
+    def _serve(self) -> None:
+        next_heartbeat = 0.0
+        drain_deadline = None
+        while True:
+            if self.shutdown.requested and drain_deadline is None:
+                self.shutdown.state = ShutdownState.STOPPING
+                drain_deadline = time.monotonic() + self.config.drain_timeout_s
+                self._revoke_credits()
+                log.info("draining %d in-flight requests (timeout %.0fs)", len(self._tasks),
+                         self.config.drain_timeout_s)
+            if drain_deadline is not None and (not self.role_has_work() or time.monotonic() > drain_deadline):
+                break
+            now = time.monotonic()
+            wait_ms = 0 if self.role_has_work() else max(0, int((next_heartbeat - now) * 1000))
+            if self._link.poll(min(wait_ms, 200)):
+                self._handle_broker_messages()
+            if self.role_has_work():
+                self._send(self.role.step())
+            if drain_deadline is None:
+                self._top_up_credits()
+            if time.monotonic() >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
 
     def role_has_work(self) -> bool:
         return self.role.engine.has_work
@@ -115,9 +118,8 @@ class WorkerRuntime:
 
     def _handle_broker_messages(self, budget: int = 256) -> None:
         for _ in range(budget):
-            try:
-                frames = self._broker.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = self._link.recv()
+            if frames is None:
                 return
             try:
                 msg = p.decode(frames)
@@ -159,10 +161,11 @@ class WorkerRuntime:
 
     def _heartbeat(self) -> None:
         stats = self.engine_stats()
-        self._send_broker(p.Heartbeat(worker_id=self.config.worker_id, running=stats.pop("running", 0),
-                                      waiting=stats.pop("waiting", 0),
-                                      free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats,
-                                      **self._prefix_report()))
+        stats["keepalives"] = self._link.keepalives   # steps that outlasted a heartbeat interval
+        self._link.send_heartbeat(p.Heartbeat(worker_id=self.config.worker_id, running=stats.pop("running", 0),
+                                              waiting=stats.pop("waiting", 0),
+                                              free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats,
+                                              **self._prefix_report()))
 
     def _prefix_report(self) -> dict:
         """Heartbeat fields for prefix-aware routing: the route keys of blocks cached and evicted
@@ -199,10 +202,7 @@ class WorkerRuntime:
                 self._send_gateway(dest, msg)
 
     def _send_broker(self, msg: p.Message) -> None:
-        try:
-            self._broker.send_multipart(p.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("broker send queue full; dropped %s", type(msg).__name__)
+        self._link.send(msg)
 
     def _send_gateway(self, endpoint: str, msg: p.Message) -> None:
         if not endpoint:
@@ -235,5 +235,5 @@ class WorkerRuntime:
         for sock in self._gateways.values():
             sock.close()
         self._gateways.clear()
-        self._broker.close()
+        self._link.stop()   # already stopped by run(); here for a runtime that never ran
         self._ctx.term()
