@@ -72,3 +72,61 @@ def test_generate_worker_holds_bfloat16_weights_and_still_makes_images(bf16_clus
     difference = np.abs(pixels - reference)
     assert difference.max() > 0, "a bfloat16 worker should not reproduce float32 bit for bit"
     assert difference.mean() < 0.25 * pixels.std(), "bfloat16 should only round, not change the picture"
+
+
+# ----------------------------------------------------------------------------- SD3 (tiny-dit)
+
+DIT_MODEL = "tiny-dit"
+
+
+@pytest.fixture(scope="module")
+def tiny_dit(tmp_path_factory) -> str:
+    from omnirelay.deploy.dit_builder import build_tiny_dit
+    return str(build_tiny_dit(tmp_path_factory.mktemp("models") / DIT_MODEL, seed=0))
+
+
+def _float_dtypes(module: torch.nn.Module) -> set[torch.dtype]:
+    return {t.dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
+
+
+def test_sd3_pipeline_loads_every_component_in_bfloat16_and_runs(tiny_dit):
+    # The transformer used to stay float32 (diffusers' plain loader assigns the file's tensors when
+    # the state dict's first entry, SD3's float32 position table, already matches them) while the
+    # VAE and text encoders became bfloat16, and the first denoising forward failed.
+    from omnirelay.workers.generate_image import load_pipeline
+    torch.set_num_threads(1)
+    pipe = load_pipeline(tiny_dit, torch.bfloat16)
+    modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    assert {"transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"} <= set(modules)
+    assert {name: _float_dtypes(m) for name, m in modules.items()} == {name: {torch.bfloat16} for name in modules}
+    image = pipe(PROMPT, width=64, height=64, num_inference_steps=2,
+                 generator=torch.Generator().manual_seed(3)).images[0]
+    assert image.size == (64, 64) and np.asarray(image.convert("RGB"), dtype=np.float64).std() > 10
+    # float32 stays float32 throughout.
+    pipe = load_pipeline(tiny_dit)
+    assert all(_float_dtypes(c) == {torch.float32} for c in pipe.components.values() if isinstance(c, torch.nn.Module))
+
+
+def test_two_rank_sd3_worker_runs_in_bfloat16(tiny_dit, tmp_path):
+    # Rank 0 announces its transformer's dtype; rank 1 casts to it, so the group computes in bf16.
+    yaml_path = tmp_path / "text_to_image_sp2.yaml"
+    yaml_path.write_text("stages:\n- {name: generate, role: generate, runtime: {max_batch_size: 1}, "
+                         "engine_args: {sequence_parallel_size: 2}}\n")
+    cluster = Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=DIT_MODEL)
+    try:
+        cluster.start_broker()
+        worker = cluster.start_worker("generate", "--stage-configs-path", str(yaml_path), "--dtype", "bfloat16")
+        cluster.start_gateway("--stage-configs-path", str(yaml_path))
+        cluster.wait_healthy()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        response = client.images.generate(model=DIT_MODEL, prompt=PROMPT, size="64x64",
+                                          extra_body={"seed": 4, "num_inference_steps": 2, "guidance_scale": 5.0})
+        image = Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json)))
+        assert image.format == "PNG" and image.size == (64, 64)
+        stats = cluster.workers()[0]["stats"]
+        assert stats["sequence_parallel_size"] == 2 and stats["denoiser_weight_bits"] == 16
+        assert "denoiser weights torch.bfloat16" in worker.output()
+        assert worker.stop() == 0
+    finally:
+        cluster.stop()
+    assert "Traceback" not in worker.output(), worker.output()[-3000:]

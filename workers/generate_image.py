@@ -43,6 +43,7 @@ import dataclasses
 import enum
 import importlib.util
 import io
+import itertools
 import logging
 import time
 from typing import Callable
@@ -235,11 +236,36 @@ def load_pipeline(path: str, dtype: torch.dtype = torch.float32, device: str = "
     # diffusers loads float32 unless told otherwise; naming another dtype keeps the modules a
     # pipeline pins to float32 there. Without accelerate, ask for the plain loader instead of a warning.
     kwargs = {} if dtype == torch.float32 else {"torch_dtype": dtype}
-    pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True,
-                                             low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None,
-                                             **kwargs)
+    accelerate = importlib.util.find_spec("accelerate") is not None
+    pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True, low_cpu_mem_usage=accelerate, **kwargs)
     pipe.set_progress_bar_config(disable=True)
+    if not accelerate:   # accelerate's loader casts each tensor as it loads it
+        _cast_unpinned_models(pipe, dtype)
     return pipe.to(device)
+
+
+def _cast_unpinned_models(pipe, dtype: torch.dtype) -> None:
+    """Put every diffusers model of ``pipe`` that pins nothing to float32 in ``dtype``.
+
+    Why: diffusers' plain loader (no accelerate) builds the model in ``dtype`` and then either
+    copies the file's tensors into it or, when the first entry of the model's state dict already
+    has the file's dtype, *assigns* the file's tensors in place of the model's. SD3's transformer
+    starts with its float32 position table (``pos_embed.pos_embed``, a buffer built in float32), so
+    it takes the assigning path and ends up float32 while the VAE and text encoders are in
+    ``dtype``; its first forward then fails on mismatched dtypes. A model that declares
+    ``_keep_in_fp32_modules`` is left as loaded: casting it whole would undo those pins.
+    (``nn.Module.to`` rather than diffusers' override, which warns about pins on every dtype cast,
+    even for a model that declares none.)"""
+    from diffusers import ModelMixin
+
+    for name, module in pipe.components.items():
+        if not isinstance(module, ModelMixin) or module._keep_in_fp32_modules:
+            continue
+        found = {t.dtype for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()}
+        if found - {dtype}:
+            log.info("pipeline component %s loaded as %s; casting it to %s", name,
+                     ", ".join(sorted(map(str, found))), dtype)
+            torch.nn.Module.to(module, dtype)
 
 
 def runner_for(pipe) -> StepwiseRunner | WholeCallRunner:

@@ -313,7 +313,8 @@ def serve_rank(config: SPGroupConfig, rank: int) -> None:
             break
         if cmd == SETUP:
             if model.dtype != DTYPES[batch]:   # the first field carries the dtype code
-                model = model.to(DTYPES[batch])
+                # nn.Module.to: diffusers' override warns about float32 pins this model has none of.
+                model = torch.nn.Module.to(model, DTYPES[batch])
             continue
         shapes = [(batch, channels, height, width), (batch, text_tokens, text_dim), (batch, pooled_dim), (batch,)]
         inputs = [torch.empty(shape, dtype=DTYPES[code]) for shape, code in zip(shapes, codes)]
