@@ -17,7 +17,7 @@ so no process outlives it.
 
 Parallelism flags: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--devices`` (one
 worker's GPU group) and ``--gpu-memory-utilization`` are checked before anything starts
-(:func:`check_parallel`): devices must number TP × PP, TP must divide the model's attention and KV
+(:func:`check_parallel`): devices must number TP × PP (× SP: generate), TP must divide the model's attention and KV
 heads, PP must not exceed its layers, a stage of the pipeline file that sets a size must agree with
 the flag. They reach ``omni-worker`` once it runs GPU groups (:data:`WORKER_RUNS_GROUPS`) and takes
 device lists (:data:`WORKER_TAKES_DEVICES`); until then any size but 1, or a device list, is refused
@@ -322,9 +322,13 @@ def check_parallel(args: argparse.Namespace, plan: ModelPlan) -> dict[str, tuple
         groups[role] = (tp, pp)
         if args.devices is not None:
             devices = _device_ids(args.devices)
-            if len(devices) != tp * pp:
+            # A generate stage's group also has its sequence-parallel ranks (as worker_commands counts
+            # it); that size comes from the stage config only, so the message names the stage.
+            sp = stage.sequence_parallel_size
+            if len(devices) != tp * pp * sp:
                 raise LaunchError(f"--devices {args.devices} names {len(devices)} device(s) but the {role} worker's "
-                                  f"group is --tensor-parallel-size {tp} × --pipeline-parallel-size {pp} = {tp * pp}")
+                                  f"group is --tensor-parallel-size {tp} × --pipeline-parallel-size {pp} × "
+                                  f"sequence_parallel_size {sp} (stage {stage.name!r}) = {tp * pp * sp}")
         if shape is None or role not in ("prefill", "decode"):
             continue
         if shape["heads"] % tp or shape["kv_heads"] % tp:

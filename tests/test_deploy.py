@@ -335,7 +335,7 @@ def test_omni_serve_runs_a_legacy_stage_config(tiny_model, tmp_path):
     (["--pipeline-parallel-size", "5"], "--pipeline-parallel-size 5 exceeds the 4 layers"),
     (["--tensor-parallel-size", "2", "--devices", "0"],
      "--devices 0 names 1 device(s) but the prefill worker's group is --tensor-parallel-size 2 × "
-     "--pipeline-parallel-size 1 = 2"),
+     "--pipeline-parallel-size 1 × sequence_parallel_size 1 (stage 'prefill') = 2"),
     (["--devices", "0,x"], "--devices '0,x': expected distinct device ids like 0,1"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: must be in (0, 1]"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0: must be at least 1"),
@@ -358,6 +358,26 @@ def test_omni_serve_refuses_a_flag_that_contradicts_the_stage_config(tiny_model,
         serve_main([tiny_model, "--stage-configs-path", str(path), "--tensor-parallel-size", "1"])
     assert (f"--tensor-parallel-size 1 contradicts stage 'prefill' of --stage-configs-path {path}, which sets "
             "tensor_parallel_size: 2") in capsys.readouterr().err
+
+
+def test_omni_serve_counts_a_generate_stages_sequence_parallel_ranks_in_devices(tmp_path, capsys):
+    # A generate stage's group is TP × PP × SP (worker_commands' group_size): --devices numbers all of them.
+    from omnirelay.deploy.dit_builder import build_tiny_dit
+    from omnirelay.deploy.serve import build_parser, check_parallel
+    from omnirelay.deploy.served_models import plan_models
+
+    model = str(build_tiny_dit(tmp_path / "tiny-dit"))
+    path = tmp_path / "sp2.yaml"
+    path.write_text(json.dumps({"stages": [{"name": "images", "role": "generate",
+                                            "engine_args": {"sequence_parallel_size": 2}}]}))
+    with pytest.raises(SystemExit) as info:
+        serve_main([model, "--port", "0", "--stage-configs-path", str(path), "--devices", "0"])
+    assert info.value.code == 2
+    assert ("--devices 0 names 1 device(s) but the generate worker's group is --tensor-parallel-size 1 × "
+            "--pipeline-parallel-size 1 × sequence_parallel_size 2 (stage 'images') = 2") in capsys.readouterr().err
+    args = build_parser().parse_args([model, "--stage-configs-path", str(path), "--devices", "0,1"])
+    [plan] = plan_models([(model, "tiny-dit")], args.stage_configs_path, args.connector)
+    assert check_parallel(args, plan) == {"generate": (1, 1)}
 
 
 def test_ray_address_where_no_cluster_listens_fails_fast(tiny_model):

@@ -23,6 +23,7 @@ import time
 import numpy as np
 import openai
 import pytest
+import torch
 import yaml
 from PIL import Image
 
@@ -156,6 +157,34 @@ def test_sizes_the_group_cannot_split_fail_fast(tiny_dit, tmp_path):
                                    {"role": "decode"}]})
     with pytest.raises(PipelineError, match="must be a positive integer"):
         parse_pipeline({"stages": [{"role": "generate", "engine_args": {"sequence_parallel_size": 0}}]})
+
+
+def test_devices_for_a_sequence_parallel_worker_fail_fast(tiny_dit, monkeypatch):
+    # The group numbers TP × PP × SP ranks; a device list of another length is refused at start-up.
+    def worker(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "omnirelay.workers.daemon", "--role", "generate", "--model",
+                               tiny_dit, "--broker", "tcp://127.0.0.1:9", "--sequence-parallel-size", "2", *flags],
+                              capture_output=True, text=True, timeout=120)
+
+    proc = worker("--devices", "0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("--devices 0 names 1 device(s) but the group is --tensor-parallel-size 1 × --pipeline-parallel-size 1 × "
+            "--sequence-parallel-size 2 = 2") in proc.stderr
+    if not torch.cuda.is_available():   # as an LLM worker's: no silent fall-back to the CPU
+        proc = worker("--devices", "0,1")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "--devices 0,1: this host has no CUDA device" in proc.stderr
+    # With CUDA the list is right, but the group runs on the CPU (gloo): refused, not ignored.
+    from omnirelay.workers import daemon
+    from omnirelay.workers.config import WorkerConfig
+    config = WorkerConfig(role="generate", model_path=tiny_dit, model_name=MODEL, devices=(0, 1),
+                          sequence_parallel_size=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="sequence-parallel ranks run on the CPU .gloo. in this build"):
+        daemon._resolve_worker_devices(config)
+    # Without a list an SP worker needs no CUDA devices, however many ranks it has.
+    assert daemon._resolve_worker_devices(dataclasses.replace(config, devices=())) == ("cpu",)
 
 
 def test_omni_serve_passes_the_stages_sequence_parallel_size(tiny_dit, tmp_path):

@@ -25,7 +25,8 @@ class WorkerConfig:
                      on CUDA the pool takes what ``gpu_memory_utilization`` leaves, and a non-zero
                      value caps it — :mod:`omnirelay.workers.devices`).
     devices:         CUDA device ids of this worker's GPU group, rank i on the i-th (empty: cuda:0..
-                     N-1 on a host with CUDA, else the CPU); must number tensor × pipeline parallel size.
+                     N-1 on a host with CUDA, else the CPU); must number tensor × pipeline (× sequence)
+                     parallel size.
     gpu_memory_utilization: on CUDA, the share of each device's memory the worker fills, weights and
                      memory already in use included; the KV pool gets the rest of that share.
     block_size:      tokens per KV block.
@@ -79,11 +80,13 @@ class WorkerConfig:
             raise ValueError("capacity and block_size must be positive, kv_cache_bytes not negative")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
-        group = self.tensor_parallel_size * self.pipeline_parallel_size
+        group = self.tensor_parallel_size * self.pipeline_parallel_size * self.sequence_parallel_size
         if self.devices and len(self.devices) != group:
             raise ValueError(f"--devices {','.join(map(str, self.devices))} names {len(self.devices)} device(s) but "
                              f"the group is --tensor-parallel-size {self.tensor_parallel_size} × "
-                             f"--pipeline-parallel-size {self.pipeline_parallel_size} = {group}")
+                             f"--pipeline-parallel-size {self.pipeline_parallel_size}"
+                             + (f" × --sequence-parallel-size {self.sequence_parallel_size}"
+                                if self.sequence_parallel_size > 1 else "") + f" = {group}")
         if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.sequence_parallel_size,
                self.max_num_batched_tokens, self.threads) < 1:
             raise ValueError("parallel sizes, max_num_batched_tokens and threads must be >= 1")

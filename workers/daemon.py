@@ -6,8 +6,9 @@ to the broker (tensor/pipeline parallelism is set up inside the engine).
 
 Devices (:mod:`omnirelay.workers.devices`): ``--devices 0,1`` puts rank i of a prefill/decode group
 on ``cuda:<i-th id>``; without it a host with CUDA uses cuda:0..N-1 and a host without runs on the
-CPU. ``--devices`` on a host without CUDA, or a list that does not number TP × PP, exits with
-status 2 before anything loads; so does a KV pool that ``--gpu-memory-utilization`` /
+CPU. ``--devices`` on a host without CUDA, or a list that does not number TP × PP (× SP for a
+generate worker; its SP group runs on the CPU, so it then refuses any list), exits with status 2
+before anything loads; so does a KV pool that ``--gpu-memory-utilization`` /
 ``--kv-cache-bytes`` leave too small, once the weights are loaded. Encode and generate workers keep
 their own placement (the first listed device becomes the current CUDA device).
 """
@@ -114,6 +115,21 @@ def _model_runner(config: WorkerConfig) -> ModelRunner:
     return GroupRunner(group)
 
 
+def _resolve_worker_devices(config: WorkerConfig) -> tuple[str, ...]:
+    """The group's devices, or ValueError. A sequence-parallel group runs on the CPU (gloo) in this
+    build: a device list for it is checked as any other (so a host without CUDA fails as the LLM
+    workers do) and then refused rather than ignored; without one it needs no CUDA devices."""
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    sp = config.sequence_parallel_size
+    if sp == 1:
+        return resolve_devices(config.devices, world)
+    if config.devices:
+        resolve_devices(config.devices, world * sp)
+        raise ValueError(f"--devices {','.join(map(str, config.devices))}: the {sp} sequence-parallel ranks run on the "
+                         "CPU (gloo) in this build and cannot use CUDA devices yet; leave --devices out")
+    return ("cpu",) * world
+
+
 def _connector_stats(connector) -> dict:
     return {f"connector_{k}": v for k, v in connector.health().items() if isinstance(v, (int, float))
             and not isinstance(v, bool)}
@@ -182,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             sequence_parallel_size=(stage.sequence_parallel_size if args.sequence_parallel_size is None
                                     else args.sequence_parallel_size))
-        devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
+        devices = _resolve_worker_devices(config)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker)
     except (ValueError, json.JSONDecodeError, PipelineError) as exc:   # SecurityError included
