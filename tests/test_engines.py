@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from omnirelay.workers.models.llama import LlamaModel
+from omnirelay.workers.kv_export import import_kv
 from omnirelay.workers.prefill import PrefillEngine
 from omnirelay.workers.block_hash import block_hashes
 from omnirelay.workers.prefix_cache import PrefixCachingAllocator
@@ -43,14 +44,15 @@ def test_one_big_batch_equals_one_at_a_time(model, tok, connector):
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     together = PrefillEngine(model, connector, max_model_len=2048, max_batched_tokens=4096)
     alone = PrefillEngine(model, connector, max_model_len=2048, max_batch=1)
+    # Both runs use the same request ids, so each run's KV is imported (and its keys consumed) first.
     a = run_prefill(together, prompts)
+    kv_a = {k: import_kv(connector, r.outputs["kv_key"], r.outputs["kv_handle"], timeout=5) for k, r in a.items()}
     b = run_prefill(alone, prompts)
+    kv_b = {k: import_kv(connector, r.outputs["kv_key"], r.outputs["kv_handle"], timeout=5) for k, r in b.items()}
     assert together.stats["prefill_steps"] == 1 and alone.stats["prefill_steps"] == len(prompts)
     for key in a:
         assert a[key].first_token == b[key].first_token
-        kv_a = connector.get(a[key].outputs["kv_key"])["kv"]
-        kv_b = connector.get(b[key].outputs["kv_key"])["kv"]
-        assert torch.allclose(kv_a, kv_b, atol=1e-5)
+        assert torch.allclose(kv_a[key], kv_b[key], atol=1e-5)
 
 
 def test_prefix_cache_skips_the_shared_system_prompt(model, tok, reference, connector):
@@ -128,7 +130,8 @@ def test_native_decode_attention_matches_torch(tiny_model, model, tok, connector
     assert float(torch.tensor([1e-39]) * 1.0) != 0.0
     plain = LlamaModel(tiny_model, attention="torch")
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
-    prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), prompts)
+    # Whole-KV handoff: the test reads each KV twice (once per engine) without consuming it.
+    prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048, kv_transfer="whole"), prompts)
     engines = [decode_engine(m, connector, num_blocks=128) for m in (model, plain)]
     # Same KV into both pools, then the same steps: logits agree to float32 rounding.
     outs = []

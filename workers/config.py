@@ -41,6 +41,8 @@ class WorkerConfig:
                      (checked against the pipeline directory here, before anything loads).
     max_num_batched_tokens: prefill tokens per engine step (longer prompts are chunked).
     prefix_caching:  prefill reuses KV blocks of earlier prompts with the same prefix.
+    kv_transfer:     prefill: ``layerwise`` puts each layer's KV while the later layers compute (a
+                     single-process worker; a TP/PP group always exports whole), ``whole`` after the forward.
     threads:         torch intra-op threads of each rank.
     """
 
@@ -62,6 +64,7 @@ class WorkerConfig:
     pipeline_parallel_size: int = 1
     max_num_batched_tokens: int = 256
     prefix_caching: bool = True
+    kv_transfer: str = "layerwise"
     threads: int = 1
     devices: tuple[int, ...] = ()
     gpu_memory_utilization: float = 0.9
@@ -74,6 +77,8 @@ class WorkerConfig:
             raise ValueError(f"role {self.role!r} has no engine in this build (available: {', '.join(ENGINE_ROLES)})")
         if not os.path.isdir(self.model_path):
             raise ValueError(f"model directory {self.model_path!r} does not exist")
+        if self.kv_transfer not in ("layerwise", "whole"):
+            raise ValueError(f"kv_transfer must be 'layerwise' or 'whole', got {self.kv_transfer!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.capacity < 0 or self.block_size < 1 or self.kv_cache_bytes < 0:

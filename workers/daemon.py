@@ -79,6 +79,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
     if config.role == "prefill":
         engine = PrefillEngine(runner, connector, max_model_len=max_model_len,
                                max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
+                               kv_transfer=config.kv_transfer,
                                mrope=MropeSpec.from_config(json.loads((Path(config.model_path) / "config.json").read_text())))
         role = PrefillRole(config.worker_id, engine)
 
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=WorkerConfig.max_num_batched_tokens,
                         help="prefill tokens per step; longer prompts are chunked")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill recomputes every prompt")
+    parser.add_argument("--kv-transfer", choices=("layerwise", "whole"), default=None,
+                        help="prefill: how the KV leaves (default: the stage's engine_args.kv_transfer, else layerwise)")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=False, client=True)
     args = parser.parse_args(argv)
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             drain_timeout_s=args.drain_timeout, dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching,
-            threads=args.threads,
+            threads=args.threads, kv_transfer=args.kv_transfer or stage.kv_transfer,
             devices=parse_device_ids(args.devices) if args.devices is not None else (),
             gpu_memory_utilization=args.gpu_memory_utilization,
             sequence_parallel_size=(stage.sequence_parallel_size if args.sequence_parallel_size is None

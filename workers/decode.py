@@ -34,6 +34,7 @@ from omnirelay.errors import OmniError
 
 from .forward_batch import ForwardBatch
 from .kv_cache import BlockAllocator, PagedKVCache
+from .kv_export import import_kv, release_kv
 from .model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from .models.llama import LlamaModel
 from .sampling import SamplingParams, sample
@@ -223,9 +224,10 @@ class DecodeEngine:
             self.stats["recomputed_tokens"] += len(tokens)
 
     def _load_kv(self, seq: Sequence) -> torch.Tensor:
-        payload = self.connector.get(seq.task.kv_key, seq.task.kv_handle, timeout=self.transfer_timeout_s)
-        self._drop_kv_key(seq)
-        kv = payload["kv"]
+        """The prefill's KV, whole or layer by layer (:func:`~omnirelay.workers.kv_export.import_kv`
+        assembles the pieces once the manifest is there); its keys are gone when this returns."""
+        key, seq.task.kv_key = seq.task.kv_key, ""
+        kv = import_kv(self.connector, key, seq.task.kv_handle, timeout=self.transfer_timeout_s)
         if kv.shape[2] != len(seq.task.prompt_token_ids):
             raise OmniError(f"KV for {seq.request_id} covers {kv.shape[2]} tokens, "
                             f"prompt has {len(seq.task.prompt_token_ids)}")
@@ -234,7 +236,7 @@ class DecodeEngine:
 
     def _drop_kv_key(self, seq: Sequence) -> None:
         if seq.task.kv_key:
-            self.connector.delete(seq.task.kv_key)
+            release_kv(self.connector, seq.task.kv_key, seq.task.kv_handle)   # a layerwise KV's pieces too
             seq.task.kv_key = ""
 
     def _drop_speech_key(self, seq: Sequence) -> None:

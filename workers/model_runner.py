@@ -21,7 +21,7 @@ and copies rows to the host only for random sampling (:func:`logits_for_sampling
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -59,8 +59,10 @@ class LocalRunner:
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.forward(batch.to(self.model.device), self.cache)
+    def forward(self, batch: ForwardBatch, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """``on_layer``: see :meth:`LlamaModel.forward` (local runners only: a group's layers are
+        on other ranks, so the prefill exports a group's KV whole)."""
+        return self.model.forward(batch.to(self.model.device), self.cache, on_layer=on_layer)
 
     def read_kv(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         return self.cache.read_sequence(blocks, num_tokens).cpu()

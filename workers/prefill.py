@@ -6,9 +6,16 @@ Life of a request through this engine::
         ──admit: blocks for the whole prompt; the longest cached prefix is reused, not recomputed──▶
     running ──step() × k: its next chunk joins one packed forward with the other running prompts,
         within ``max_batched_tokens`` per step (a long prompt takes several steps: chunked prefill)──▶
-    last chunk done: sample the first token ──▶ read its KV out of the pool (all heads) and ``put``
-        it under ``kv/<request_id>/<attempt>`` ──▶ PrefillResult(handles); blocks released, the full
-        ones stay cached under their content hash for the next prompt that shares the prefix
+    last chunk done: sample the first token ──▶ its KV (all heads) is under ``kv/<request_id>/<attempt>``
+        ──▶ PrefillResult(handles); blocks released, the full ones stay cached under their content
+        hash for the next prompt that shares the prefix
+
+How the KV leaves (``kv_transfer``): ``"layerwise"`` (the default on a single-process runner) puts
+each layer of the sequences whose last chunk runs in a step while that step's later layers still
+compute, and the manifest last (:mod:`~omnirelay.workers.kv_export`); the step returns once every
+piece is out. ``"whole"`` (and any tensor/pipeline-parallel group, whose heads and layers sit on other
+ranks) reads the finished sequence out of the pool after the forward and puts it as one tensor.
+Decode reads either format.
 
 A multimodal request (Qwen2.5-Omni) arrives with the encode stage's handles: at admission its
 image/audio embeddings are fetched from the connector (the key is deleted when the prefill ends,
@@ -42,6 +49,7 @@ from omnirelay.errors import OmniError
 
 from .block_hash import block_hashes
 from .forward_batch import ForwardBatch
+from .kv_export import TRANSFER_MODES, ExportSequence, LayerwiseExport, release_kv
 from .model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sampling
 from .models.llama import LlamaModel
 from .mrope import MropeSpec, mrope_positions
@@ -107,7 +115,9 @@ class PrefillEngine:
     def __init__(self, model: LlamaModel | ModelRunner, connector: Connector, *, max_model_len: int,
                  max_batch: int = 16, max_batched_tokens: int = 256, kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  block_size: int = 16, prefix_caching: bool = True, mrope: MropeSpec | None = None,
-                 transfer_timeout_s: float = 30.0):
+                 transfer_timeout_s: float = 30.0, kv_transfer: str = "layerwise"):
+        if kv_transfer not in TRANSFER_MODES:
+            raise ValueError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got {kv_transfer!r}")
         self.runner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
                        if isinstance(model, LlamaModel) else model)
         self.connector = connector
@@ -117,6 +127,8 @@ class PrefillEngine:
         self.prefix_caching = prefix_caching
         self.mrope = mrope                 # set for a model with media inputs
         self.transfer_timeout_s = transfer_timeout_s
+        # A group's KV heads and layers are on other ranks: only a local runner streams layers.
+        self.kv_transfer = kv_transfer if isinstance(self.runner, LocalRunner) else "whole"
         self.block_size = self.runner.block_size
         self.allocator = PrefixCachingAllocator(self.runner.num_blocks)
         self.waiting: collections.deque[PrefillTask] = collections.deque()
@@ -295,32 +307,61 @@ class PrefillEngine:
             self.block_size)
         for name, value in self._media_fields(chunks).items():
             setattr(batch, name, value)
-        logits = self._forward_batch(batch, chunks)
-        self.stats["prefill_steps"] += 1
-        done_rows, done = [], []
-        for row, (seq, n) in enumerate(chunks):
-            seq.computed += n
-            self.stats["prefill_tokens"] += n
-            self._name_full_blocks(seq)
-            if seq.computed == len(seq.task.prompt_token_ids):
-                done_rows.append(row)
-                done.append(seq)
-        if not done:
-            return
-        params = [s.task.params for s in done]
-        tokens = sample(logits_for_sampling(logits[done_rows], params), params, [s.task.position_offset for s in done])
-        for seq, token in zip(done, tokens):
-            results.append(self._finish(seq, token))
+        export = self._start_export([seq for seq, n in chunks if seq.computed + n == len(seq.task.prompt_token_ids)])
+        try:
+            logits = self._forward_batch(batch, chunks, export)
+            self.stats["prefill_steps"] += 1
+            done_rows, done = [], []
+            for row, (seq, n) in enumerate(chunks):
+                seq.computed += n
+                self.stats["prefill_tokens"] += n
+                self._name_full_blocks(seq)
+                if seq.computed == len(seq.task.prompt_token_ids):
+                    done_rows.append(row)
+                    done.append(seq)
+            if not done:
+                return
+            params = [s.task.params for s in done]
+            tokens = sample(logits_for_sampling(logits[done_rows], params), params,
+                            [s.task.position_offset for s in done])
+            exported = {}
+            if export is not None:   # manifests for the sequences that go on to decode; the rest deleted
+                exported = export.complete({self._kv_key(s.task) for s, t in zip(done, tokens)
+                                            if not self._finish_reason(s, t)})
+            for seq, token in zip(done, tokens):
+                results.append(self._finish(seq, token, exported.get(self._kv_key(seq.task))))
+        finally:   # the step owns the export's thread: joined, and the pieces deleted, on any exception
+            if export is not None:
+                export.abort()
 
-    def _forward_batch(self, batch: ForwardBatch, chunks: list[tuple["_Running", int]]):
-        """One forward; for speech requests also keep their tokens' final-norm hidden states."""
+    def _start_export(self, finishing: list[_Running]) -> LayerwiseExport | None:
+        """A layerwise export of the sequences whose last chunk runs in this step (None: whole)."""
+        if self.kv_transfer != "layerwise" or not finishing:
+            return None
+        sequences = [ExportSequence(self._kv_key(s.task), s.blocks, len(s.task.prompt_token_ids)) for s in finishing]
+        return LayerwiseExport(self.connector, self.runner.cache, sequences, len(self.runner.model.layers))
+
+    @staticmethod
+    def _kv_key(task: PrefillTask) -> str:
+        return f"kv/{task.request_id}/{task.attempt}"
+
+    def _finish_reason(self, seq: _Running, token: int) -> str:
+        n = len(seq.task.prompt_token_ids)
+        return finish_reason_for(token, 1, n + 1, seq.task.params, self.runner.config.eos_token_ids,
+                                 self.max_model_len)
+
+    def _forward_batch(self, batch: ForwardBatch, chunks: list[tuple["_Running", int]],
+                       export: LayerwiseExport | None = None):
+        """One forward (streaming each layer's KV to ``export``); for speech requests also keep
+        their tokens' final-norm hidden states."""
         speech = [seq.task.speech for seq, _ in chunks]
+        on_layer = {} if export is None else {"on_layer": export.layer_done}   # LocalRunner only
         if not any(speech):
-            return self.runner.forward(batch)
+            return self.runner.forward(batch, **on_layer)
         model = self.runner.model   # LocalRunner only: _admit refuses speech on a parallel group
         model.capture_hidden = True
         try:
-            logits = self.runner.forward(batch)
+            logits = self.runner.forward(batch, **on_layer)
             hidden = model.captured_hidden
         finally:
             model.capture_hidden, model.captured_hidden = False, None
@@ -347,25 +388,35 @@ class PrefillEngine:
             self.allocator.register(seq.blocks[index], seq.hashes[index])
         seq.named = max(seq.named, full)
 
-    def _finish(self, seq: _Running, token: int) -> PrefillResult:
+    def _finish(self, seq: _Running, token: int, exported: dict | OmniError | None = None) -> PrefillResult:
+        """``exported``: the layerwise export's manifest handle (or its error) for this sequence;
+        None: the KV goes whole, from here."""
         task = seq.task
         n = len(task.prompt_token_ids)
-        reason = finish_reason_for(token, 1, n + 1, task.params, self.runner.config.eos_token_ids, self.max_model_len)
+        reason = self._finish_reason(seq, token)
         result = PrefillResult(task.request_id, first_token=token, position=task.position_offset, finish_reason=reason)
         try:
             if task.speech == "prompt" or (task.speech and not reason):
                 try:
                     result.outputs.update(self._put_speech(seq))
                 except OmniError as exc:
+                    if isinstance(exported, dict):   # already exported: nobody will import it now
+                        release_kv(self.connector, self._kv_key(task), exported)
                     return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
                 result.speech_next = True
             if not reason:
-                key = f"kv/{task.request_id}/{task.attempt}"
-                kv = self.runner.read_kv(seq.blocks, n)
-                try:
-                    handle = self.connector.put(key, {"kv": kv, "num_tokens": n})
-                except OmniError as exc:
-                    return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
+                key = self._kv_key(task)
+                if isinstance(exported, OmniError):
+                    return PrefillResult(task.request_id, error_type=exported.error_type, message=str(exported))
+                if exported is not None:
+                    handle = exported
+                    self.stats["kv_layerwise_handoffs"] += 1
+                else:
+                    kv = self.runner.read_kv(seq.blocks, n)
+                    try:
+                        handle = self.connector.put(key, {"kv": kv, "num_tokens": n})
+                    except OmniError as exc:
+                        return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
                 self.stats["kv_handoffs"] += 1
                 result.outputs.update({"kv_key": key, "kv_handle": handle, "first_token": token})
                 if seq.media is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from omnirelay.broker import protocol as p
 
 from .decode import DecodeEngine, DecodeTask
+from .kv_export import release_kv
 from .prefill import PrefillEngine, PrefillTask
 from .sampling import SamplingParams
 
@@ -26,7 +27,11 @@ class RoleAdapter:
         for name in ("kv_key", "mm_key"):   # KV from prefill; media embeddings from encode
             key = inputs.get(name)
             if self.connector is not None and isinstance(key, str) and key:
-                self.connector.delete(key)
+                if name == "kv_key":   # a layerwise KV is a manifest and one key per layer
+                    handle = inputs.get("kv_handle")
+                    release_kv(self.connector, key, handle if isinstance(handle, dict) else None)
+                else:
+                    self.connector.delete(key)
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id

@@ -44,7 +44,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -377,11 +377,14 @@ class LlamaModel:
     # ------------------------------------------------------------------ entry points
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache, hidden: torch.Tensor | None = None,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run one step. ``cache`` holds this rank's layers and KV heads; the new tokens' K/V go to
         ``batch.slots``. Returns logits ``[B, vocab]`` of each sequence's last new token on the last
         pipeline stage, else the hidden states ``[T, hidden]`` for the next stage (``hidden`` is
-        the previous stage's output; the first stage embeds ``batch.input_ids``)."""
+        the previous stage's output; the first stage embeds ``batch.input_ids``). ``on_layer(i)``
+        runs as soon as layer ``i`` (of this rank's cache) holds the step's K/V, so a caller can
+        start moving it while the later layers compute (the prefill's layerwise KV export)."""
         cos, sin = self._rotary(batch.positions if batch.rope_positions is None else batch.rope_positions)
         h = self.embed.index_select(0, batch.input_ids) if self.first_stage else hidden
         if batch.embeds is not None and self.first_stage:
@@ -390,6 +393,8 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, cos, sin)
             cache.write(index, batch.slots, k, v)
+            if on_layer is not None:
+                on_layer(index)
             if batch.is_decode:
                 attn = self._decode_attention(q, index, cache, batch)
             else:

@@ -1,0 +1,208 @@
+"""Prefill → decode time to the first decode token, whole-KV vs layer-by-layer export, side by side.
+
+    python benchmarks/kv_transfer.py [--model DIR] [--prompt-lens 1024 2000] [--repeats 5]
+                                     [--backends shared_memory redis] [--max-batched-tokens 4096]
+
+What one sample measures (both engines in this process, the connector between them as between two
+workers; the broker hop, the same for both modes, is left out): ``t0`` the prompt is added to the
+prefill engine → prefill steps until its result (the first token; the KV handed off: whole after
+the forward, or layer by layer during it) → the decode engine takes the task, imports the KV into
+its pool and runs its first step → ``t1`` the first decode token. TTFT at decode = ``t1 - t0``;
+``prefill`` is the prefill part (forward + export), ``decode`` the rest (import + first step).
+
+Every sample uses a fresh random prompt (no prefix-cache hit), the modes alternate in order from
+sample to sample, one warm-up sample per (backend, length, mode) is dropped, and each cell is the
+median over ``--repeats``. ``--max-batched-tokens`` at least the prompt length runs the whole prompt
+in one step (the case with the most layers to overlap); a smaller value makes it chunked prefill,
+where only the last chunk's step exports. Torch runs one thread (as a worker does); the transfer
+thread of the layerwise export can use a second core. The script starts its own ``redis-server``
+on a free port of 127.0.0.1 and stops it by PID; without one, Redis is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+from omnirelay.connectors import create_connector
+from omnirelay.workers.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.kv_cache import PagedKVCache
+from omnirelay.workers.models.llama import LlamaModel
+from omnirelay.workers.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.sampling import SamplingParams
+
+MODES = ("whole", "layerwise")
+PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)   # first token + one decode token
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(workdir: str) -> tuple[subprocess.Popen, str] | None:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", workdir, "--loglevel", "warning"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError("redis-server did not start")
+
+
+def one_sample(prefill: PrefillEngine, decode: DecodeEngine, prompt: list[int], rid: str) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) from adding the prompt to the first decode token."""
+    t0 = time.perf_counter()
+    prefill.add(PrefillTask(rid, prompt, PARAMS, time.time() + 600))
+    results = []
+    while not results:
+        results = prefill.step()
+    (result,) = results
+    if result.error_type:
+        raise RuntimeError(f"prefill failed: {result.error_type}: {result.message}")
+    t1 = time.perf_counter()
+    decode.add(DecodeTask(rid, prompt, result.first_token, PARAMS, time.time() + 600, "",
+                          result.outputs["kv_key"], result.outputs["kv_handle"]))
+    tokens = []
+    while not tokens:
+        out = decode.step()
+        if out.failed:
+            raise RuntimeError(f"decode failed: {out.failed}")
+        tokens = out.tokens
+    t2 = time.perf_counter()
+    while decode.has_work:   # max_tokens=2: the first decode token already finished it
+        decode.step()
+    return t1 - t0, t2 - t1
+
+
+def run_backend(model: LlamaModel, connector, lens: list[int], repeats: int, max_batched: int) -> list[dict]:
+    cfg = model.config
+    block = 16
+    need_blocks = -(-(max(lens) + 2) // block) + 2
+    kv_bytes = need_blocks * PagedKVCache.block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block,
+                                                      model.dtype)
+    prefills = {mode: PrefillEngine(model, connector, max_model_len=max(lens) + 8, max_batched_tokens=max_batched,
+                                    kv_cache_bytes=kv_bytes, block_size=block, prefix_caching=False,
+                                    kv_transfer=mode) for mode in MODES}
+    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block, num_blocks=need_blocks)
+    decode = DecodeEngine(model, cache, connector, max_num_seqs=4, max_model_len=max(lens) + 8)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in lens:
+        samples = {mode: [] for mode in MODES}
+        for i in range(repeats + 1):   # sample 0 of each mode warms pools and caches: dropped
+            order = MODES if i % 2 == 0 else MODES[::-1]
+            for mode in order:
+                prompt = torch.randint(10, cfg.vocab_size - 64, (n,), generator=gen).tolist()
+                timing = one_sample(prefills[mode], decode, prompt, f"{mode}-{n}-{i}-{uuid.uuid4().hex[:6]}")
+                if i:
+                    samples[mode].append(timing)
+        kv_mib = cfg.num_layers * 2 * n * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize / (1 << 20)
+        row = {"prompt_tokens": n, "kv_mib": round(kv_mib, 1)}
+        for mode in MODES:
+            row[mode] = {"ttft_ms": 1e3 * statistics.median(p + d for p, d in samples[mode]),
+                         "prefill_ms": 1e3 * statistics.median(p for p, _ in samples[mode]),
+                         "decode_ms": 1e3 * statistics.median(d for _, d in samples[mode]),
+                         "samples_ttft_ms": [round(1e3 * (p + d), 1) for p, d in samples[mode]]}
+        rows.append(row)
+        print(f"  {n} tokens: whole {row['whole']['ttft_ms']:.1f} ms, layerwise {row['layerwise']['ttft_ms']:.1f} ms",
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def table(results: dict) -> str:
+    lines = ["| backend | prompt tokens | KV MiB | TTFT whole ms (prefill + decode) | "
+             "TTFT layerwise ms (prefill + decode) | layerwise / whole |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for backend, rows in results.items():
+        for r in rows:
+            w, lw = r["whole"], r["layerwise"]
+            lines.append(f"| {backend} | {r['prompt_tokens']} | {r['kv_mib']} | {w['ttft_ms']:.1f} "
+                         f"({w['prefill_ms']:.1f} + {w['decode_ms']:.1f}) | {lw['ttft_ms']:.1f} "
+                         f"({lw['prefill_ms']:.1f} + {lw['decode_ms']:.1f}) | {lw['ttft_ms'] / w['ttft_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="", help="HF directory of a Llama/Qwen2 model (default: the tiny model)")
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 2000])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", nargs="+", default=["shared_memory", "redis"])
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="omnirelay-kvbench-")
+    redis_proc = None
+    try:
+        path = args.model
+        if not path:
+            from omnirelay.deploy.model_builder import build_tiny_llm
+            path = str(build_tiny_llm(os.path.join(work, "tiny-llm"), seed=0))
+        model = LlamaModel(path)
+        results = {}
+        for backend in args.backends:
+            if backend == "redis":
+                started = start_redis(work)
+                if started is None:
+                    print("redis: skipped (no redis-server)", file=sys.stderr)
+                    continue
+                redis_proc, url = started
+                options = {"url": url, "prefix": f"kvbench-{uuid.uuid4().hex[:6]}:"}
+            elif backend == "shared_memory":
+                options = {"shm_dir": os.path.join(work, "shm")}
+                os.makedirs(options["shm_dir"])
+            else:
+                options = {}
+            print(f"{backend}:", file=sys.stderr, flush=True)
+            connector = create_connector(backend, options)
+            try:
+                results[backend] = run_backend(model, connector, args.prompt_lens, args.repeats,
+                                               args.max_batched_tokens)
+            finally:
+                connector.close()
+            if redis_proc is not None:
+                redis_proc.terminate()
+                redis_proc.wait(10)
+                redis_proc = None
+        cfg = model.config
+        print(f"Model: {path} ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads × {cfg.head_dim}, "
+              f"{model.dtype}); max_batched_tokens {args.max_batched_tokens}; median of {args.repeats}; "
+              f"load average at the end {os.getloadavg()[0]:.1f}\n")
+        print(table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": path, "args": vars(args), "results": results}, f, indent=1)
+    finally:
+        if redis_proc is not None and redis_proc.poll() is None:
+            redis_proc.kill()
+            redis_proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
