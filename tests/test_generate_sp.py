@@ -1,7 +1,9 @@
 """Sequence parallelism wired into a generate worker: a real ``omni-worker --role generate`` whose
 diffusion transformer runs over two gloo ranks (``sequence_parallel_size: 2`` in its stage YAML),
 behind the real broker and gateway, makes the same images as the single-rank worker; sizes the
-group cannot split are refused — at start-up from the model's metadata, per request with a 400.
+group cannot split are refused — at start-up from the model's metadata, per request with a 400. A
+rank killed with SIGKILL (idle, or while a request runs) fails the request with a structured,
+retryable 503, and the worker exits with status 1 for its supervisor to restart, leaving no rank.
 
 Equality: the PNG pixels are compared, allowing one level of 255 on a vanishing fraction of
 pixels. Why not bytes: the two-rank forward computes each rank's projections and MLPs on a slice
@@ -13,9 +15,12 @@ sits on a .5 boundary flips its 8-bit value. On this machine the images come out
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import dataclasses
 import io
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -33,7 +38,7 @@ from omnirelay.deploy.serve import build_parser, check_parallel, worker_commands
 from omnirelay.deploy.served_models import plan_models
 from omnirelay.workers.sequence_parallel_group import SequenceParallelError, check_sequence_parallel
 
-from cluster import Cluster
+from cluster import Cluster, is_structured_error
 
 MODEL = "tiny-dit"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
@@ -80,6 +85,12 @@ def _only_worker(cluster: Cluster, sp_size: int, timeout: float = 60.0) -> dict:
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(line) for line in out.split()]
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of a process, in clock ticks."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def _alive(pid: int) -> bool:
@@ -130,6 +141,83 @@ def test_two_rank_worker_makes_the_single_rank_workers_images(tiny_dit, tmp_path
         cluster.stop()
     assert not any(_alive(pid) for pid in ranks)
     assert "Traceback" not in split.output(), split.output()[-3000:]
+
+
+def _fails_recoverably(request) -> float:
+    """Run ``request``; it must fail with the gateway's structured error, a 503 the client may retry
+    (the worker is lost, or none is left for now). Returns the seconds it took."""
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        request()
+    elapsed = time.monotonic() - started
+    body = info.value.response.json()
+    assert info.value.status_code == 503 and is_structured_error(body), (info.value.status_code, body)
+    assert body["error"]["code"] in ("worker_lost", "unavailable"), body
+    return elapsed
+
+
+def _exits_for_a_restart(worker, ranks: list[int], timeout: float = 60.0) -> None:
+    """The worker stops by itself with a non-zero status (so omni-serve or systemd restarts it) and
+    leaves no rank process behind."""
+    assert worker.proc.wait(timeout) == 1, worker.output()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in ranks)
+    assert "sequence-parallel group lost" in worker.output()
+    assert "Traceback" not in worker.output(), worker.output()[-3000:]
+
+
+def test_a_lost_rank_fails_requests_and_the_worker_exits_for_a_restart(tiny_dit, tmp_path):
+    cluster = Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=MODEL)
+    sp_yaml = _sp_yaml(tmp_path, 2)
+    try:
+        cluster.start_broker()
+        idle = cluster.start_worker("generate", "--stage-configs-path", sp_yaml)
+        cluster.start_gateway("--stage-configs-path", sp_yaml)
+        cluster.wait_healthy()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        _only_worker(cluster, 2)
+        ranks = _children(idle.pid)
+        assert len(ranks) == 1, ranks
+
+        # An idle worker: rank 1 is killed, then a request comes. It fails at once with a structured
+        # 503 (the worker noticed and left, or reported the request worker_lost), never hangs.
+        os.kill(ranks[0], signal.SIGKILL)
+        assert _fails_recoverably(lambda: _generate(client, "64x64", 1.0)) < 30
+        _exits_for_a_restart(idle, ranks)
+        deadline = time.monotonic() + 10
+        while cluster.workers() and time.monotonic() < deadline:   # it unregistered on its way out
+            time.sleep(0.2)
+        assert cluster.workers() == []
+
+        # A request in flight: rank 1 dies while the group denoises it (the largest size, guided, the
+        # most steps: many seconds). The pipeline's whole call is one engine step, so no heartbeat
+        # tells when it runs; rank 1's CPU time does (an idle rank waits in a broadcast).
+        busy = cluster.start_worker("generate", "--stage-configs-path", sp_yaml)
+        _only_worker(cluster, 2)
+        ranks = _children(busy.pid)
+        idle_ticks, restarts = _cpu_ticks(ranks[0]), cluster.broker_counters().get("request_restarts", 0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(_fails_recoverably, lambda: client.images.generate(
+                model=MODEL, prompt=PROMPT, size="512x512",
+                extra_body={"seed": 1, "num_inference_steps": 150, "guidance_scale": 5.0}))
+            deadline = time.monotonic() + 60
+            while _cpu_ticks(ranks[0]) < idle_ticks + 50:   # half a second of work at 100 ticks/s
+                assert time.monotonic() < deadline and not slow.done(), "the request never reached the group"
+                time.sleep(0.1)
+            killed = time.monotonic()
+            os.kill(ranks[0], signal.SIGKILL)
+            slow.result(timeout=60)
+            # (The gateway resubmits while no worker is live, as while one restarts: seconds.)
+            assert time.monotonic() - killed < 30
+        _exits_for_a_restart(busy, ranks)
+        # The request in flight was reported worker_lost, not as a 500: the broker restarted it (it
+        # found no worker left, so the client got the 503).
+        assert cluster.broker_counters()["request_restarts"] > restarts
+        assert "failing 1 held request(s) as worker_lost" in busy.output()
+    finally:
+        cluster.stop()
 
 
 def test_sizes_the_group_cannot_split_fail_fast(tiny_dit, tmp_path):

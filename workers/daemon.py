@@ -20,6 +20,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,7 +52,9 @@ log = logging.getLogger("omnirelay.worker")
 
 
 def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
-                  keys: CurveKeys | None = None) -> WorkerRuntime:
+                  keys: CurveKeys | None = None, on_fatal: Callable[[str], None] | None = None) -> WorkerRuntime:
+    """``on_fatal(reason)``: called once, from any thread, when the worker can no longer serve
+    (a generate worker's sequence-parallel group lost a rank); it should request the shutdown."""
     if config.role == "encode":   # Qwen2.5-Omni's vision and audio encoders; embeddings out by connector
         connector = TimedConnector(create_connector(config.connector, config.connector_options))
         role, stats = build_encode_role(config, connector)
@@ -65,7 +68,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         role, stats = build_generate_video_role(config)
         return WorkerRuntime(config, role, stats, shutdown, keys)
     if config.role == "generate":   # a text-to-image diffusers pipeline directory
-        role, stats = build_generate_role(config)
+        role, stats = build_generate_role(config, on_lost=on_fatal)
         # The engine is owned: closing it stops ranks 1..N-1 of a sequence-parallel group.
         return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine,))
     runner = _model_runner(config)
@@ -209,12 +212,23 @@ def main(argv: list[str] | None = None) -> int:
     shutdown = Shutdown().install()
     if config.role not in ("prefill", "decode") and devices[0].startswith("cuda"):
         torch.cuda.set_device(devices[0])   # roles that place themselves on "cuda" land on the group's first
+    # A worker that can no longer serve says why here; it then drains and unregisters as on SIGTERM
+    # (its engine has already failed what it held) and exits 1, so that its supervisor restarts it.
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        shutdown.request()
+
     try:
-        runtime = build_runtime(config, shutdown, keys)
+        runtime = build_runtime(config, shutdown, keys, on_fatal)
     except KVBudgetError as exc:
         parser.error(str(exc))
     print(f"omni-worker {config.role} ready: {config.worker_id}", flush=True)
     runtime.run()
+    if fatal:
+        log.error("%s worker %s stopped: %s; exiting with status 1", config.role, config.worker_id, fatal[0])
+        return 1
     return 0
 
 

@@ -31,7 +31,9 @@ slow pipeline needs a broker liveness longer than a generation.
 Sequence parallelism (``--sequence-parallel-size N``, a diffusion-transformer pipeline such as SD3):
 the pipeline's transformer runs over N ranks (:mod:`.sequence_parallel_group`); the runner is the
 same — the pipeline's own loop drives the group — and :meth:`GenerateImageEngine.add` refuses sizes
-whose image tokens do not split over N.
+whose image tokens do not split over N. Once the group is lost (a rank died), every request the
+engine holds fails with ``worker_lost`` — another worker may serve it — and so does every later one;
+the worker (told through the group's ``on_lost``) stops taking work and exits to be restarted.
 
 No sockets here; the role adapter (``generate_role.py``) turns outputs into bus messages.
 """
@@ -52,6 +54,8 @@ import torch
 
 from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
+
+from .sequence_parallel_group import SequenceParallelGroupLost
 
 log = logging.getLogger("omnirelay.worker.generate")
 
@@ -367,6 +371,10 @@ class GenerateImageEngine:
         """One unit of work: admit a batch if none runs, then advance it one phase or step."""
         out = StepOutput()
         self._expire(out)
+        lost = self.sequence_parallel.lost if self.sequence_parallel is not None else None
+        if lost:
+            self._fail_all(out, f"this worker's sequence-parallel group is lost ({lost}); the worker restarts")
+            return out
         if self.batch is None:
             self.batch = self._admit()
             if self.batch is None:
@@ -377,6 +385,9 @@ class GenerateImageEngine:
             images = self.runner.advance(batch)
         except torch.OutOfMemoryError as exc:
             self._fail_batch(batch, out, "out_of_memory", f"out of memory generating images: {exc}")
+            return out
+        except SequenceParallelGroupLost as exc:   # nothing here can run again: fail all we hold, recoverably
+            self._fail_all(out, f"{exc}; the worker restarts")
             return out
         except Exception as exc:   # a bug or a pipeline we cannot drive: fail these requests, keep serving
             log.exception("image batch failed")
@@ -422,6 +433,14 @@ class GenerateImageEngine:
         self.batch = None
         for request_id in dict.fromkeys(it.request_id for it in batch.items):
             self._fail_request(request_id, out, error_type, message)
+
+    def _fail_all(self, out: StepOutput, message: str) -> None:
+        """Fail every request held as ``worker_lost``: this worker cannot run them, another may."""
+        if self.requests:
+            log.error("failing %d held request(s) as worker_lost: %s", len(self.requests), message)
+        self.batch = None
+        for request_id in list(self.requests):
+            self._fail_request(request_id, out, "worker_lost", message)
 
     def _fail_request(self, request_id: str, out: StepOutput, error_type: str, message: str) -> None:
         if self.requests.pop(request_id, None) is None:

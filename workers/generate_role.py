@@ -7,7 +7,8 @@
 * then ``StageDone(finished=True)`` to the broker — after the last image, so the broker never
   forgets a request whose images are still on their way;
 * or one ``StageFailed`` (``bad_request`` for parameters the model cannot honour, ``deadline_exceeded``,
-  ``out_of_memory``, ``payload_too_large`` for an image too big for one bus message).
+  ``out_of_memory``, ``payload_too_large`` for an image too big for one bus message, ``worker_lost``
+  once a sequence-parallel group lost a rank — the broker retries it elsewhere, and this worker exits).
 
 Same interface as the adapters in ``roles.py``; the runtime treats it alike.
 """
@@ -91,18 +92,22 @@ class GenerateImageRole(RoleAdapter):
         return out
 
 
-def build_generate_role(config: WorkerConfig) -> tuple[GenerateImageRole, Callable[[], dict]]:
+def build_generate_role(config: WorkerConfig, on_lost: Callable[[str], None] | None = None
+                        ) -> tuple[GenerateImageRole, Callable[[], dict]]:
     """The role adapter and heartbeat-stats function for a generate worker. ``config.model_path``
     is a diffusers pipeline directory; ``config.capacity`` (by default the stage's
     ``runtime.max_batch_size``, 1 for diffusion) bounds both the requests held and the images
     denoised together. Runs on the first CUDA device when there is one, except with
     ``config.sequence_parallel_size`` > 1: then the transformer runs over that many ranks (this
-    process and the ones it starts, gloo on the CPU), which the engine's ``close`` stops."""
+    process and the ones it starts, gloo on the CPU), which the engine's ``close`` stops;
+    ``on_lost(reason)`` is called once, from any thread, if that group loses a rank (the worker
+    should then stop taking work and exit non-zero)."""
     sp_size = config.sequence_parallel_size
     # The SP group's collectives are gloo on the CPU (as the TP/PP group's): rank 0 stays there too.
     device = "cuda" if torch.cuda.is_available() and sp_size == 1 else "cpu"
     # Ranks 1..N-1 start first: they load their transformer while this process loads the pipeline.
-    sequence_parallel = SequenceParallelDenoiser(config.model_path, sp_size, config.threads) if sp_size > 1 else None
+    sequence_parallel = (SequenceParallelDenoiser(config.model_path, sp_size, config.threads, on_lost=on_lost)
+                         if sp_size > 1 else None)
     try:
         pipe = load_pipeline(config.model_path, getattr(torch, config.dtype), device)
         if sequence_parallel is not None:

@@ -24,6 +24,15 @@ pipeline transformer's ``forward``; the other ranks' :func:`serve_rank` loop)::
     rank 0: returns the noise prediction to the pipeline, which steps its scheduler
     STOP (close): ranks leave the loop, destroy the process group and exit
 
+A lost group (a rank process exited, or a collective failed or timed out) cannot be resynchronised:
+the ranks would disagree about which forward they are in. Rank 0 then marks the group lost for good
+and says so once through ``on_lost`` — from its watcher thread, which notices a rank that exits
+while the worker is idle, or from the forward whose collective failed. The forward in flight raises
+:class:`SequenceParallelGroupLost` (the engine fails the requests it holds as ``worker_lost``, which
+the broker retries on another worker), and the worker stops taking work and exits non-zero so its
+supervisor restarts it with a fresh group; :meth:`SequenceParallelDenoiser.close` kills the ranks
+that are left rather than waiting for them.
+
 So ranks 1..N-1 follow rank 0's denoising loop call by call, whatever the pipeline's loop is
 (classifier-free guidance doubles the batch; the header carries it). Text encoders, scheduler and
 VAE run on rank 0 only; the pipeline is loaded by ``from_pretrained`` as without SP — only its
@@ -58,6 +67,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -77,10 +88,17 @@ KERNEL_TRANSFORMERS = ("SD3Transformer2DModel",)
 _STEP_TIMEOUT = datetime.timedelta(seconds=120)
 # ... but idle ranks wait for rank 0's next forward as long as the worker has no work.
 _IDLE_TIMEOUT = datetime.timedelta(days=7)
+# How often rank 0's watcher checks that ranks 1..N-1 are still running (idle ranks are never heard from).
+_WATCH_INTERVAL_S = 0.5
 
 
 class SequenceParallelError(ValueError):
     """A sequence-parallel size this model cannot run; the message says why and what would work."""
+
+
+class SequenceParallelGroupLost(RuntimeError):
+    """The group lost a rank or fell out of step; no forward can run on it again (the worker must
+    restart). The message says what happened."""
 
 
 def _read_json(path: str) -> dict:
@@ -160,11 +178,13 @@ class SequenceParallelDenoiser:
     constructor starts the ranks; :meth:`attach` joins the process group, tells the ranks the dtype
     rank 0's transformer holds, and replaces ``forward`` on that transformer instance
     (``nn.Module.__call__`` calls ``self.forward``), so the pipeline's own ``__call__`` drives the
-    group unchanged. Not thread-safe: the worker's loop is its one caller. Once a collective fails
-    (a rank died), the group is broken for good and every later forward says so at once instead
-    of hanging."""
+    group unchanged. Not thread-safe: the worker's loop is its one caller (the watcher thread only
+    polls the rank processes and marks the group lost). Once lost (see the module docstring), every
+    forward raises :class:`SequenceParallelGroupLost` at once instead of hanging; ``on_lost(reason)``
+    is called once, from whichever thread noticed, and must only flip flags (the worker's shutdown)."""
 
-    def __init__(self, model_path: str, size: int, threads: int = 1):
+    def __init__(self, model_path: str, size: int, threads: int = 1,
+                 on_lost: Callable[[str], None] | None = None):
         self.size = size
         self._tmp = tempfile.mkdtemp(prefix="omnirelay-sp-")
         self.config = SPGroupConfig(os.path.abspath(model_path), size, threads, f"file://{self._tmp}/rendezvous")
@@ -173,7 +193,11 @@ class SequenceParallelDenoiser:
         self.stats = {"sp_forwards": 0}
         self._commands = None
         self._procs: list[subprocess.Popen] = []
-        self._broken: str | None = None
+        self._on_lost = on_lost
+        self._lost: str | None = None
+        self._lost_lock = threading.Lock()   # the watcher and the forward may both find the group lost
+        self._stop_watching = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._closed = False
         self._original_forward = None
         try:
@@ -196,7 +220,42 @@ class SequenceParallelDenoiser:
         self.patch = int(transformer.config.patch_size)
         self._original_forward = transformer.__dict__.get("forward")
         transformer.forward = self.forward
+        # Owned here: close() stops and joins it before the ranks are stopped (their exit is then expected).
+        self._watcher = threading.Thread(target=self._watch_ranks, name="sp-rank-watcher", daemon=True)
+        self._watcher.start()
         return self
+
+    @property
+    def lost(self) -> str | None:
+        """Why the group is lost, or None while it can run forwards."""
+        return self._lost
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._lost_lock:
+            if self._lost is not None:
+                return
+            self._lost = reason
+        log.error("sequence-parallel group lost: %s; the worker stops taking work and exits", reason)
+        if self._on_lost is not None:
+            self._on_lost(reason)
+
+    def _dead_rank(self) -> str | None:
+        """The first rank process that has exited, described; None while all run."""
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                return f"rank {rank} (pid {proc.pid}) {how}"
+        return None
+
+    def _watch_ranks(self) -> None:
+        """Watcher thread: mark the group lost as soon as a rank exits, so that an idle worker does
+        not wait for its next request to find out."""
+        while not self._stop_watching.wait(_WATCH_INTERVAL_S):
+            dead = self._dead_rank()
+            if dead is not None:
+                self._mark_lost(dead)
+                return
 
     def check_size(self, width: int, height: int, vae_scale: int) -> None:
         """Raise :class:`BadRequest` for an image whose token count does not split over the ranks."""
@@ -215,10 +274,13 @@ class SequenceParallelDenoiser:
         if block_controlnet_hidden_states is not None or skip_layers or joint_attention_kwargs:
             raise ValueError("the sequence-parallel transformer takes no ControlNet residuals, skip layers or "
                              "joint attention kwargs")
-        if self._broken:
-            raise RuntimeError(f"the sequence-parallel group is broken ({self._broken}); restart the worker")
         if self._closed:
-            raise RuntimeError("the sequence-parallel group is closed")
+            raise SequenceParallelGroupLost("the sequence-parallel group is closed")
+        dead = self._dead_rank()   # found here before the watcher does: fail now, not in a collective
+        if dead is not None:
+            self._mark_lost(dead)
+        if self._lost:
+            raise SequenceParallelGroupLost(f"the sequence-parallel group is lost ({self._lost})")
         batch, _, height, width = hidden_states.shape
         # Checked before anything is broadcast: a rank that raised mid-forward would leave the others
         # waiting in a collective. (check_size refuses such requests earlier, with a 400.)
@@ -236,8 +298,9 @@ class SequenceParallelDenoiser:
         except RuntimeError as exc:   # a rank died or timed out: the group cannot resync
             # (A ValueError — the model refusing these inputs — is raised alike on every rank at the
             # same point, so the group stays in step and only this request fails.)
-            self._broken = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-            raise
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            self._mark_lost(self._dead_rank() or f"a collective failed: {first_line}")
+            raise SequenceParallelGroupLost(f"the sequence-parallel group is lost ({self._lost})") from exc
         self.stats["sp_forwards"] += 1
         if not return_dict:
             return (out,)
@@ -246,10 +309,14 @@ class SequenceParallelDenoiser:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop ranks 1..N-1 and join them; put the transformer's own forward back. Idempotent.
-        Before :meth:`attach` the ranks are still loading or waiting to join: they are killed."""
+        Before :meth:`attach` the ranks are still loading or waiting to join, and after the group
+        is lost the rest wait in a collective that will never complete: they are killed."""
         if self._closed:
             return
         self._closed = True
+        self._stop_watching.set()
+        if self._watcher is not None:
+            self._watcher.join()
         if self._commands is None:
             self._reap(0.0)
             return
@@ -257,8 +324,10 @@ class SequenceParallelDenoiser:
             self.transformer.__dict__.pop("forward", None)
         else:
             self.transformer.forward = self._original_forward
+        if self._lost:
+            self._reap(0.0)   # before destroy_process_group, which could wait on them otherwise
         try:
-            if not self._broken:
+            if not self._lost:
                 _send_header(self._commands, STOP)
             dist.destroy_process_group()
         except (RuntimeError, ValueError) as exc:
