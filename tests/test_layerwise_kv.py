@@ -229,3 +229,21 @@ def test_pipeline_yaml_kv_transfer_option():
     assert parse_pipeline(stages({"kv_transfer": "whole"})).stage_for_role("prefill").kv_transfer == "whole"
     with pytest.raises(PipelineError, match="kv_transfer"):
         parse_pipeline(stages({"kv_transfer": "sometimes"}))
+
+
+def test_layerwise_prefill_to_a_tp2_decode_reshards_by_heads(model, tok, reference, tiny_model, connector, tmp_path):
+    """Pieces carry all KV heads of their layer: a TP=2 decode splits the assembled KV by heads."""
+    from omnirelay.workers.decode import DecodeEngine
+    from omnirelay.workers.parallel import GroupConfig, GroupRunner
+
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
+    prefilled = run_prefill(prefill_engine(model, connector, "layerwise"), prompts)
+    runner = GroupRunner(GroupConfig(tiny_model, tp_size=2, block_size=16, num_blocks=128))
+    try:
+        engine = DecodeEngine(runner, None, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
+        outputs = run_decode(engine, prompts, prefilled)
+    finally:
+        runner.close()
+    for i, ids in enumerate(prompts):
+        assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
+    assert shm_keys(tmp_path) == []

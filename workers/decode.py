@@ -34,7 +34,7 @@ from omnirelay.errors import OmniError
 
 from .forward_batch import ForwardBatch
 from .kv_cache import BlockAllocator, PagedKVCache
-from .kv_export import import_kv, release_kv
+from .kv_export import StagingBuffer, import_kv, release_kv
 from .model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from .models.llama import LlamaModel
 from .sampling import SamplingParams, sample
@@ -114,6 +114,7 @@ class DecodeEngine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.transfer_timeout_s = transfer_timeout_s
+        self._staging = StagingBuffer()   # a layerwise KV is assembled here, then written to the pool
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.stats = collections.Counter()
@@ -227,7 +228,7 @@ class DecodeEngine:
         """The prefill's KV, whole or layer by layer (:func:`~omnirelay.workers.kv_export.import_kv`
         assembles the pieces once the manifest is there); its keys are gone when this returns."""
         key, seq.task.kv_key = seq.task.kv_key, ""
-        kv = import_kv(self.connector, key, seq.task.kv_handle, timeout=self.transfer_timeout_s)
+        kv = import_kv(self.connector, key, seq.task.kv_handle, timeout=self.transfer_timeout_s, staging=self._staging)
         if kv.shape[2] != len(seq.task.prompt_token_ids):
             raise OmniError(f"KV for {seq.request_id} covers {kv.shape[2]} tokens, "
                             f"prompt has {len(seq.task.prompt_token_ids)}")

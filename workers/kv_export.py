@@ -13,13 +13,24 @@ Life of one step's export (:class:`LayerwiseExport`, owned by the prefill step t
     after the forward: complete(keep) ──join the thread──▶ for each kept sequence, the manifest is
         put under ``<key>`` itself, last; every other piece (a sequence whose first token ended it,
         or any sequence of a failed transfer) is deleted
-    abort() (an exception in the forward, a shutdown): stop, join, delete every piece put
+    abort() (an exception anywhere in the step): stop, join, delete every piece put
 
 State of an export: STREAMING → COMPLETED | FAILED | ABORTED (:class:`ExportState`).
 
 Why a piece covers the whole sequence of its layer: under chunked prefill a long prompt's earlier
 chunks put their KV into the pool in earlier steps; the export runs only in the step of its last
 chunk, and reads the layer's whole sequence from the blocks (prefix-cache hits included).
+
+What overlaps: the puts of layers ``0..i`` with the compute of layers ``i+1..``; the step (and so the
+stage report that makes the broker dispatch decode) ends when the last piece and the manifest are
+out, so what remains after the forward is the last layer's put, not the whole KV's read + put. The
+decode side does not overlap with the prefill: it imports a finished KV.
+
+Why not :mod:`omnirelay.connectors.chunked`: its consumer waits for chunk after chunk, which only
+pays when the consumer starts before the producer ends (not the case here: decode starts after the
+stage report), and an aborted stream leaves its chunks behind for the TTL with an error marker,
+where a failed KV export must delete every piece it put. A manifest with the piece handles also lets
+the consumer fetch each piece by handle rather than by key lookup.
 
 Consumer contract (:func:`import_kv`, decode's KV import): the key the prefill worker reports is the
 manifest's; it is put after every piece was readable and the stage reports done after that, so a
@@ -35,7 +46,8 @@ its ``complete``/``abort``, which the step calls in a ``finally``: no thread out
 the engine has nothing to stop at shutdown. Reading layer ``i`` from the pool on that thread is safe:
 the forward writes only later layers after ``layer_done(i)``, and the sequence's blocks are released
 only after the step joined the thread. On CUDA the thread waits for an event recorded on the
-compute stream after layer ``i``'s write, and gathers on a side stream.
+compute stream after layer ``i``'s write, and gathers on a side stream (that path has no test on the
+CPU-only hosts the suite runs on).
 
 Parallel groups (TP > 1 or PP > 1, :class:`~omnirelay.workers.parallel.GroupRunner`): the layers'
 heads live on other ranks, which would each have to send per layer inside the forward; those
@@ -100,6 +112,12 @@ class LayerwiseExport:
         self._side_stream = torch.cuda.Stream(cache.device) if self._cuda else None
         self._index = {id(s): torch.tensor(s.blocks[: -(-s.num_tokens // cache.block_size)], dtype=torch.long,
                                            device=cache.device) for s in sequences}
+        # One gather buffer per sequence, reused for every layer (the put copies it out before the
+        # next layer): fresh pages cost a first touch each time, reused ones do not.
+        row = cache.keys[0][0].numel()
+        self._buffers = {id(s): (torch.empty(len(i), row, dtype=cache.keys[0].dtype, device=cache.device),
+                                 torch.empty(len(i), row, dtype=cache.keys[0].dtype, device=cache.device))
+                         for s in sequences for i in [self._index[id(s)]]}
         self._thread = threading.Thread(target=self._run, name="kv-export", daemon=True)
         self._thread.start()
 
@@ -196,9 +214,13 @@ class LayerwiseExport:
 
     def _read(self, layer: int, seq: ExportSequence) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values of the sequence, ``[seq, kv_heads, head_dim]`` each
-        (views of one gather; the connector copies them out)."""
-        keys, values = self.cache.gather(layer, self._index[id(seq)], 1)
-        return keys[0, : seq.num_tokens], values[0, : seq.num_tokens]
+        (views of the sequence's gather buffers, whole blocks copied as rows; the put copies them out)."""
+        index, (keys, values) = self._index[id(seq)], self._buffers[id(seq)]
+        cache = self.cache
+        torch.index_select(cache.keys[layer].view(cache.num_blocks, -1), 0, index, out=keys)
+        torch.index_select(cache.values[layer].view(cache.num_blocks, -1), 0, index, out=values)
+        shape = (-1, *cache.keys[layer].shape[2:])
+        return keys.view(shape)[: seq.num_tokens], values.view(shape)[: seq.num_tokens]
 
 
 def _as_omni_error(exc: BaseException, key: str) -> OmniError:
@@ -210,9 +232,32 @@ def _as_omni_error(exc: BaseException, key: str) -> OmniError:
 # ---------------------------------------------------------------------- consumer side
 
 
-def import_kv(connector: Connector, key: str, handle: dict | None, *, timeout: float) -> torch.Tensor:
+class StagingBuffer:
+    """A host buffer, reused, into which :func:`import_kv` assembles a layerwise KV: fresh memory
+    costs a first touch of every page (~0.5 GB/s here, DESIGN.md), a warm buffer runs at memcpy
+    speed. Up to ``keep_bytes`` stay allocated between imports; a larger KV gets a buffer of its own.
+    The tensor it hands out is valid until the next call (the caller writes it into its pool first)."""
+
+    def __init__(self, keep_bytes: int = 256 << 20):
+        self.keep_bytes = keep_bytes
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = dtype.itemsize
+        for size in shape:
+            nbytes *= size
+        if nbytes > self.keep_bytes:
+            return torch.empty(shape, dtype=dtype)
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
+
+
+def import_kv(connector: Connector, key: str, handle: dict | None, *, timeout: float,
+              staging: StagingBuffer | None = None) -> torch.Tensor:
     """The full-head ``[layers, 2, seq, kv_heads, head_dim]`` KV under ``key`` (either format), on
-    the host; every key of it is deleted, also when a piece is missing (TransferFailed)."""
+    the host; every key of it is deleted, also when a piece is missing (TransferFailed). A layerwise
+    KV is assembled in ``staging`` when given (then valid until its next use), else in a new tensor."""
     payload = connector.get(key, handle, timeout=timeout)
     if "kv" in payload:
         connector.delete(key)
@@ -228,7 +273,8 @@ def import_kv(connector: Connector, key: str, handle: dict | None, *, timeout: f
                 raise TransferFailed(f"KV piece {name!r}: shapes {tuple(k.shape)}/{tuple(v.shape)} "
                                      f"for {num_tokens} tokens")
             if kv is None:
-                kv = torch.empty(layers, 2, *k.shape, dtype=k.dtype)
+                shape = (layers, 2, *k.shape)
+                kv = torch.empty(shape, dtype=k.dtype) if staging is None else staging.tensor(shape, k.dtype)
             kv[layer, 0], kv[layer, 1] = k, v   # the one copy out of the connector's memory
         return kv
     finally:
