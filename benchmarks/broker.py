@@ -15,7 +15,9 @@ What is measured (each repeat starts fresh processes; the summary is the median 
   requests in flight for ``--duration`` seconds; the worker answers every Task with StageDone and
   tops its credit up after each batch it drains. Reported: requests dispatched per second and
   messages the broker routed per second (every message it received or sent: Submit, Task,
-  StageDone, Credit, and any rejection), plus the broker's CPU use over the window.
+  StageDone, Credit, and any rejection), plus the broker's CPU use over the window, the share of
+  that CPU spent in its main (Python) thread rather than libzmq's I/O thread, and its context
+  switches per message (wake-ups of either thread).
 
 The client (gateway + worker, or the raw client) runs in this process on the other core(s); on its
 side of the hot loop it calls pyzmq's compiled socket directly and decodes only the Task fields it
@@ -33,9 +35,12 @@ Usage::
     python benchmarks/broker.py                 # 3 repeats, table
     python benchmarks/broker.py --json          # the same as JSON on stdout
     python benchmarks/broker.py --profile broker.prof   # one broker throughput run under cProfile
-    # this checkout's broker against another revision's, side by side in every repeat:
-    mkdir -p /tmp/base && git archive HEAD~1 broker | tar -x -C /tmp/base && mv /tmp/base/broker /tmp/base/broker_base
-    PYTHONPATH=/tmp/base python benchmarks/broker.py --baseline-module broker_base.daemon
+    # this checkout's broker against another revision's (here HEAD: the committed broker against
+    # the working tree's), side by side in every repeat; the baseline's package gets its own name:
+    git worktree add --detach /tmp/omni-base HEAD
+    mkdir -p /tmp/omni-basepkg && ln -s /tmp/omni-base/broker /tmp/omni-basepkg/h5base
+    PYTHONPATH=/tmp/omni-basepkg python benchmarks/broker.py --baseline-module h5base.daemon --repeat 5
+    rm -r /tmp/omni-basepkg && git worktree remove /tmp/omni-base
 
 Every child process is started and stopped by PID (SIGTERM, wait, SIGKILL); every loop is bounded
 by a count and a deadline.
@@ -94,6 +99,24 @@ class Child:
     def cpu_seconds(self) -> float:
         """user + system CPU time of the process so far (from /proc)."""
         with open(f"/proc/{self.pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def context_switches(self) -> int:
+        """Voluntary + involuntary context switches of all the process's threads so far (for the
+        broker: mostly libzmq's I/O thread woken to move a few messages, and the loop preempted by it)."""
+        total = 0
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/status") as handle:
+                    total += sum(int(line.split()[1]) for line in handle if "ctxt_switches" in line)
+            except OSError:   # a thread that ended meanwhile
+                pass
+        return total
+
+    def main_thread_cpu_seconds(self) -> float:
+        """The same for the process's main thread only (for the broker: Python, without libzmq's I/O thread)."""
+        with open(f"/proc/{self.pid}/task/{self.pid}/stat") as handle:
             fields = handle.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -327,7 +350,7 @@ def run_broker(args, workdir: str, broker_cpu: int | None, profile: str | None =
         task_head = msgspec.msgpack.Decoder(_TaskHead)
         pack = msgspec.msgpack.Encoder().encode
         submitted = dispatched = rejected = dones = credits = 0
-        cpu0 = broker.cpu_seconds()
+        cpu0, main0, switches0 = broker.cpu_seconds(), broker.main_thread_cpu_seconds(), broker.context_switches()
         t0 = time.perf_counter()
         stop_at = t0 + args.duration
         hard_stop = stop_at + 10
@@ -350,7 +373,7 @@ def run_broker(args, workdir: str, broker_cpu: int | None, profile: str | None =
                     if frames[1] != p.Task.TAG:
                         continue
                     task = task_head.decode(frames[2])
-                    send3(worker, [p._VERSION_FRAME, p.StageDone.TAG, pack(
+                    send3(worker, [p.VERSION_FRAME, p.StageDone.TAG, pack(
                         {"worker_id": WORKER_ID, "request_id": task.request_id, "stage": task.stage,
                          "finished": True, "attempt": task.attempt})])
                     batch += 1
@@ -369,6 +392,8 @@ def run_broker(args, workdir: str, broker_cpu: int | None, profile: str | None =
                         rejected += 1
         elapsed = max(1e-9, last_task_at - t0)
         cpu = broker.cpu_seconds() - cpu0
+        main_cpu = broker.main_thread_cpu_seconds() - main0
+        switches = broker.context_switches() - switches0
         wall = time.perf_counter() - t0
         routed = submitted + dispatched + dones + credits + rejected
         if not broker.alive():
@@ -378,6 +403,8 @@ def run_broker(args, workdir: str, broker_cpu: int | None, profile: str | None =
                 "lost": submitted - dispatched - rejected, "broker_cpu_pct": 100.0 * cpu / wall,
                 "broker_cpu_us_per_msg": 1e6 * cpu / max(1, routed), "broker_msgs_per_cpu_s": routed / max(cpu, 1e-9),
                 "requests_per_cpu_s": dispatched / max(cpu, 1e-9),
+                "main_thread_cpu_share": main_cpu / max(cpu, 1e-9),
+                "context_switches_per_msg": switches / max(1, routed),
                 "pinned": broker.pinned}
     except TimeoutError as exc:
         raise RuntimeError(f"{module}: {exc} (broker alive: {broker.alive()}); its log:\n{broker.log_tail()}") from None
@@ -392,7 +419,8 @@ def run_broker(args, workdir: str, broker_cpu: int | None, profile: str | None =
 
 
 HOP_KEYS = ("p50_us", "p99_us", "requests_per_s", "broker_msgs_per_s", "msgs_per_request", "broker_cpu_pct",
-            "broker_cpu_us_per_msg", "broker_msgs_per_cpu_s", "requests_per_cpu_s")
+            "broker_cpu_us_per_msg", "broker_msgs_per_cpu_s", "requests_per_cpu_s", "main_thread_cpu_share",
+            "context_switches_per_msg")
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -441,6 +469,8 @@ def print_table(result: dict) -> None:
          *pair("broker_msgs_per_cpu_s", "{:,.0f}"),
          f"{hop['broker_msgs_per_cpu_s'] / raw['server_msgs_per_cpu_s']:.2f}×"),
         ("requests per CPU-second", "", *pair("requests_per_cpu_s", "{:,.0f}"), ""),
+        ("… of that CPU in the main (Python) thread (%)", "", *pair("main_thread_cpu_share", "{:.0%}"), ""),
+        ("broker context switches per message", "", *pair("context_switches_per_msg", "{:.2f}"), ""),
         ("messages per request", "2", *pair("msgs_per_request", "{:.2f}"), ""),
     ]
     header = ("", "raw ZeroMQ", "broker hop") + (("baseline hop",) if base else ()) + ("hop/raw",)
@@ -464,7 +494,9 @@ def print_table(result: dict) -> None:
                 b = run[part]
                 line += (f" | {'hop' if part == 'broker' else 'baseline'} p50 {b['p50_us']:.1f} µs "
                          f"p99 {b['p99_us']:.1f} µs {b['requests_per_s']:,.0f} req/s {b['broker_msgs_per_s']:,.0f} msg/s "
-                         f"(CPU {b['broker_cpu_pct']:.0f}%, {b['broker_msgs_per_cpu_s']:,.0f} msg per CPU-s, "
+                         f"(CPU {b['broker_cpu_pct']:.0f}%, main thread {b['main_thread_cpu_share']:.0%}, "
+                         f"{b['context_switches_per_msg']:.2f} ctx sw/msg, "
+                         f"{b['broker_msgs_per_cpu_s']:,.0f} msg per CPU-s, "
                          f"lost {b['lost']}, rejected {b['rejected']})")
         print(line)
 

@@ -58,7 +58,7 @@ from typing import Any, ClassVar
 import msgspec
 
 PROTOCOL_VERSION = 1
-_VERSION_FRAME = bytes([PROTOCOL_VERSION])
+VERSION_FRAME = bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 8 * 1024 * 1024   # a 1M-token prompt fits; bulk data goes through connectors
 
 
@@ -120,7 +120,11 @@ def _explain(cls: type[Message], error: str) -> str:
 
 def encode(msg: Message) -> list[bytes]:
     """Frames ``[version, tag, body]`` for ``msg`` (fields at their default left out)."""
-    return [_VERSION_FRAME, msg.TAG, _ENCODER.encode(msg)]
+    return [VERSION_FRAME, msg.TAG, _ENCODER.encode(msg)]
+
+
+# The body frame alone, for a sender that writes the frames itself: [VERSION_FRAME, msg.TAG, encode_body(msg)].
+encode_body = _ENCODER.encode
 
 
 def decode(frames: list[bytes]) -> Message:
@@ -128,7 +132,7 @@ def decode(frames: list[bytes]) -> Message:
     if len(frames) != 3:
         raise ProtocolError(f"expected 3 frames, got {len(frames)}")
     version, tag, body = frames
-    if version != _VERSION_FRAME:
+    if version != VERSION_FRAME:
         raise ProtocolError(f"unsupported protocol version {bytes(version)[:4]!r}")
     if type(tag) is not bytes:   # a memoryview or bytearray from an unusual caller
         tag = bytes(tag)

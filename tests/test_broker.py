@@ -20,6 +20,7 @@ import zmq
 from omnirelay.broker import protocol as p
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
+from omnirelay.broker.daemon import config_from_args, make_parser
 
 MODEL = "tiny"
 GW = b"gw"
@@ -91,6 +92,16 @@ def test_config_rejects_invalid_values(kwargs):
     BrokerConfig()  # the defaults are valid
     with pytest.raises(ValueError):
         BrokerConfig(**kwargs)
+
+
+def test_omni_broker_flags_set_the_retry_backoff():
+    parser = make_parser()
+    assert config_from_args(parser.parse_args([])) == BrokerConfig()
+    config = config_from_args(parser.parse_args(["--retry-backoff", "0.5", "--retry-backoff-max", "8"]))
+    assert (config.retry_backoff_s, config.retry_backoff_max_s) == (0.5, 8.0)
+    assert config_from_args(parser.parse_args(["--retry-backoff", "0"])).retry_backoff_s == 0.0
+    with pytest.raises(ValueError):   # main() turns this into a usage error (exit 2)
+        config_from_args(parser.parse_args(["--retry-backoff", "2", "--retry-backoff-max", "1"]))
 
 
 # ------------------------------------------------------------------------------------ membership
@@ -480,6 +491,15 @@ def test_daemon_survives_garbage_and_dispatches_a_task(tmp_path):
         worker.send_multipart(p.encode(p.StatusQuery(3)))  # same socket: handled after StageDone
         status = _recv(worker)
         assert status.query_id == 3 and status.workers[0]["assigned"] == 0
+
+        # A burst: the broker sends a drain pass's replies together; all of them, in order.
+        burst = dealer(b"w2")
+        for msg in (p.Register("w2", "encode", MODEL, capacity=300), p.Credit("w2", 300), p.StatusQuery(4)):
+            burst.send_multipart(p.encode(msg))
+        assert _recv(burst).query_id == 4
+        for i in range(300):
+            gw.send_multipart(p.encode(p.Submit(f"b{i}", MODEL, ["encode"], [i], {}, FAR, "ipc://reply")))
+        assert [_recv(burst).request_id for _ in range(300)] == [f"b{i}" for i in range(300)]
         assert proc.poll() is None, "the broker exited"
 
         proc.send_signal(signal.SIGTERM)
