@@ -10,6 +10,14 @@ Life of a chat request with audio out through the gateway::
         ──▶ stream: SSE deltas {"audio": {"id", "transcript"}} as text arrives, then
             {"audio": {"id", "data"}} per chunk as it arrives; the chunks' bytes concatenated are the file
 
+A streamed chat asks the worker for incremental synthesis (``sampling[AUDIO_STREAM_KEY]``): its
+first audio chunk leaves while the talker is still speaking, instead of after the whole utterance.
+Such audio is PCM as it comes (``pcm16``), or a WAV whose header says "unknown length" (0xFFFFFFFF;
+readers take the data to the end); FLAC is still synthesised whole. Streamed samples differ slightly
+from a non-streamed answer with the same seed (token2wav runs per window of codes with its own noise:
+``workers/speech_stream.py``) but are the same on every run and every worker, so a resubmitted stream
+still resumes by chunk index.
+
 Life of ``POST /v1/audio/speech``::
 
     {model, input, voice, response_format wav|pcm|flac, speed} ──▶ prompt = the chat template of one
@@ -17,7 +25,10 @@ Life of ``POST /v1/audio/speech``::
         the text is teacher-forced as the thinker's reply, so prefill alone computes every hidden
         state the talker needs (``SpeechParams.reply_start`` marks where the reply begins; no decode)
         ──▶ Submit(stages prefill, generate) ──▶ the audio chunks, joined into the HTTP body (collected
-        first, so a failure still gets its status: token2wav decodes the utterance in one piece anyway)
+        first, so a failure still gets its status; the worker synthesises the utterance whole)
+        ──▶ ``stream_format: "audio"`` (asked for explicitly): incremental synthesis, each chunk written
+        to a chunked body as it arrives (a failure after the first chunk breaks the connection:
+        the status is gone). 'sse' is 422.
 
 Why teacher forcing: Qwen2.5-Omni's talker speaks the text whose thinker states it reads; states of
 the text as the assistant's own reply are exactly what decode would have produced, had the thinker
@@ -64,6 +75,8 @@ MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
 AUDIO_TTL_S = 3600               # ``expires_at``: nothing is stored, but clients read the field
 MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 UNSUPPORTED_FORMATS = ("mp3", "opus", "aac")
+# The sampling key asking the speech worker to stream (workers/speech_role.py's STREAM_KEY).
+AUDIO_STREAM_KEY = "audio_stream"
 
 
 def flac_available() -> bool:
@@ -293,9 +306,10 @@ async def audio_speech(request: web.Request) -> web.Response:
     if body.get("instructions"):
         raise Unprocessable("'instructions' are not supported: this model's voices take no style prompt",
                             param="instructions")
-    if body.get("stream_format") not in (None, "audio"):
-        raise Unprocessable("stream_format 'sse' is not supported; the audio is the response body",
-                            param="stream_format")
+    stream_format = body.get("stream_format")
+    if stream_format not in (None, "audio"):
+        raise Unprocessable(f"stream_format {stream_format!r} is not supported; 'audio' streams the file as the "
+                            "response body", param="stream_format")
     speed = body.get("speed", 1.0)
     prompt = model.encode_chat([{"role": "user", "content": text}])
     reply = model.encode_text(text) + [_reply_end_token(model)]
@@ -310,14 +324,25 @@ async def audio_speech(request: web.Request) -> web.Response:
     request_id = f"speech-{uuid.uuid4().hex}"
     config = request.app[CONFIG]
     timer = request.app[METRICS].timer(model.name)
+    streamed = stream_format == "audio"
+    if streamed:
+        sampling[AUDIO_STREAM_KEY] = True
+    items = speak(request.app[BUS], model=model.name, stages=stages, prompt_token_ids=ids, sampling=sampling,
+                  inputs={}, mime=MIMES[fmt], deadline=time.time() + config.request_timeout_s,
+                  request_id=request_id, text_expected=False)
     outcome, parts = "cancelled", []
     try:
-        # The whole file is collected before answering, so a failure still gets its status code
-        # (the talker's audio arrives in one burst anyway: token2wav decodes the whole utterance).
-        async for item in speak(request.app[BUS], model=model.name, stages=stages, prompt_token_ids=ids,
-                                sampling=sampling, inputs={}, mime=MIMES[fmt],
-                                deadline=time.time() + config.request_timeout_s, request_id=request_id,
-                                text_expected=False):
+        if streamed:
+            response, error = await _speech_body_stream(request, items, MIMES[fmt], request_id)
+            if error is not None:   # after the 200 went out: the connection was broken instead
+                outcome = error.error_type
+                request.app[METRICS].errors.labels(error.error_type, error.stage or "gateway").inc()
+            else:
+                outcome = "ok"
+            return response
+        # The whole file is collected before answering, so a failure still gets its status code;
+        # the worker synthesises it whole (no AUDIO_STREAM_KEY), as transformers' generate would.
+        async for item in items:
             parts.append(base64.b64decode(item.data))
         outcome = "ok"
     except OmniError as exc:
@@ -325,12 +350,40 @@ async def audio_speech(request: web.Request) -> web.Response:
         request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
         raise
     finally:
+        await items.aclose()
         timer.finish(len(ids), 0, outcome)
         if not config.disable_log_requests:
-            log.info("request %s model=%s stages=%s input_tokens=%d voice=%s format=%s seed=%d outcome=%s e2e=%.3fs",
-                     request_id, model.name, "+".join(stages), len(reply), params.voice, fmt, params.seed, outcome,
-                     timer.elapsed())
+            log.info("request %s model=%s stages=%s input_tokens=%d voice=%s format=%s seed=%d streamed=%s "
+                     "outcome=%s e2e=%.3fs", request_id, model.name, "+".join(stages), len(reply), params.voice, fmt,
+                     params.seed, streamed, outcome, timer.elapsed())
     return web.Response(body=b"".join(parts), content_type=MIMES[fmt], headers={"X-Request-Id": request_id})
+
+
+async def _speech_body_stream(request: web.Request, items, mime: str,
+                              request_id: str) -> tuple[web.StreamResponse, OmniError | None]:
+    """``stream_format: "audio"``: the file as a chunked body, each chunk written as the worker
+    synthesises it. A failure before the first chunk raises (its status code still goes out); after
+    it, the connection is closed before the body's terminating chunk, so the client sees an
+    incomplete body rather than a short file that looks whole, and the error is returned."""
+    config = request.app[CONFIG]
+    first = await anext(items, None)
+    response = web.StreamResponse(headers={"Content-Type": mime, "X-Request-Id": request_id})
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    item = first
+    try:
+        while item is not None:
+            try:
+                await asyncio.wait_for(response.write(base64.b64decode(item.data)), config.stream_write_timeout_s)
+            except asyncio.TimeoutError:
+                raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
+            item = await anext(items, None)
+    except OmniError as exc:
+        log.warning("request %s: speech stream broken after its status went out: %s", request_id, exc)
+        if request.transport is not None:
+            request.transport.close()
+        return response, exc
+    return response, None
 
 
 # ---------------------------------------------------------------------- chat with audio out
@@ -347,6 +400,8 @@ async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.Strea
     fmt = CHAT_AUDIO_FORMATS[parsed.audio["format"]]
     params = _speech_params(model, parsed.audio["voice"], fmt, body)
     sampling = {**generation._sampling(gen, 0), "audio": params.to_wire()}
+    if parsed.stream:
+        sampling[AUDIO_STREAM_KEY] = True
     config = request.app[CONFIG]
     items = speak(request.app[BUS], model=model.name, stages=gen.stages, prompt_token_ids=gen.prompt_token_ids,
                   sampling=sampling, inputs=gen.inputs, mime=MIMES[fmt],

@@ -175,13 +175,73 @@ def test_engine_queue_cancel_and_deadline(tiny_omni, prompt_ids, reference):
         engine.close()
 
 
+def test_engine_streams_pieces_while_the_talker_speaks(tiny_omni, prompt_ids):
+    """A streamed request: pieces in order, the first emitted after 24 codes (one token2wav block
+    and its look-ahead) of 72, concatenating to the one-shot's length, audible, the same on a second
+    run; cancelled after its first piece it stops there; a failure mid-stream comes after the
+    pieces already out."""
+    engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
+    try:
+        hidden = engine.thinker_embed.shape[1]
+        g = torch.Generator().manual_seed(3)
+        task = SpeechTask("s", prompt_ids, torch.randn(len(prompt_ids), hidden, generator=g), [5, 6, 7, 8],
+                          torch.randn(3, hidden, generator=g), SpeechParams("Ethan", seed=SEED, max_codes=72),
+                          time.time() + 600, stream=True)
+        pieces = []
+        assert engine.synthesize_stream(task, pieces.append) == 72
+        assert [(c.index, c.codes, c.final) for c in pieces] == [(0, 24, False), (1, 72, False), (2, 72, True)]
+        wav = torch.cat([c.waveform for c in pieces])
+        one_shot, codes = engine.synthesize(task)
+        assert codes == 72 and wav.shape == one_shot.shape == (72 * 480,)
+        assert wav.pow(2).mean().sqrt() > 0.01
+        again = []
+        engine.synthesize_stream(task, again.append)
+        assert all(torch.equal(a.waveform, b.waveform) for a, b in zip(pieces, again))
+
+        # Through step(): cancel once the first piece is out; the synthesis stops at the next token.
+        engine.add(task)
+        got = []
+        while not got:
+            got += engine.step().chunks
+        assert engine.cancel("s")
+        while engine.has_work:
+            step = engine.step()
+            got += step.chunks
+            assert not step.outputs and not step.failed
+        assert [c.index for c in got] == [0]
+
+        # A failure inside token2wav after the first piece: that piece, then the failure.
+        vocoder = engine.token2wav.code2wav_bigvgan_model
+        calls = []
+
+        def failing(mel):
+            calls.append(mel.shape[2])
+            if len(calls) > 1:
+                raise RuntimeError("vocoder broke")
+            return type(vocoder).forward(vocoder, mel)
+
+        vocoder.forward = failing
+        engine.add(task)
+        chunks, failed = [], []
+        while engine.has_work:
+            step = engine.step()
+            chunks += step.chunks
+            failed += step.failed
+        del vocoder.forward
+        assert [c.index for c in chunks] == [0]
+        assert [(f.request_id, f.error_type) for f in failed] == [("s", "internal_error")]
+        assert "vocoder broke" in failed[0].message
+    finally:
+        engine.close()
+
+
 def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_ids):
     """The speech role on its own (no processes): hidden states in through a shared-memory connector,
     MediaResults out in index order, the last with ``finish``, then StageDone; the keys are gone after.
     A voice the model lacks is a StageFailed(bad_request) that also frees the keys."""
     from omnirelay.broker import protocol as p
     from omnirelay.connectors import create_connector
-    from omnirelay.workers.speech_role import GenerateSpeechRole
+    from omnirelay.workers.speech_role import STREAM_KEY, WAV_STREAM_HEADER, GenerateSpeechRole
 
     connector = create_connector("shared_memory", {})
     engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
@@ -189,15 +249,16 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
         role = GenerateSpeechRole("w", engine, connector, chunk_bytes=1000)
         hidden = engine.thinker_embed.shape[1]
 
-        def task(request_id: str, voice: str) -> p.Task:
+        def task(request_id: str, voice: str, params: SpeechParams | None = None, **sampling) -> p.Task:
             inputs = {}
             for name, payload in (("prompt", {"hidden": torch.randn(len(prompt_ids), hidden)}),
                                   ("reply", {"hidden": torch.randn(2, hidden), "token_ids": [5, 6, 7]})):
                 key = f"speech/{request_id}/{name}"
                 inputs[f"speech_{name}_key"], inputs[f"speech_{name}_handle"] = key, connector.put(key, payload)
-            audio = SpeechParams(voice, format="pcm", seed=3, max_codes=4).to_wire()
+            audio = (params or SpeechParams(voice, format="pcm", seed=3, max_codes=4)).to_wire()
             return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=prompt_ids,
-                          sampling={"audio": audio}, inputs=inputs, reply_to="tcp://127.0.0.1:1", deadline=time.time() + 60)
+                          sampling={"audio": audio, **sampling}, inputs=inputs, reply_to="tcp://127.0.0.1:1",
+                          deadline=time.time() + 60)
 
         bad = task("bad", "alloy")
         [(dest, failed)] = role.accept(bad)
@@ -217,6 +278,21 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
             for name in ("prompt", "reply"):
                 with pytest.raises(TransferFailed):
                     connector.get(t.inputs[f"speech_{name}_key"], timeout=0.2)
+
+        # Streamed (sampling["audio_stream"]): the pieces go out as MediaResults numbered on across
+        # pieces, the WAV header (unknown length) first, finish on the very last, then StageDone.
+        streamed = task("streamed", "Ethan", SpeechParams("Ethan", format="wav", seed=3, max_codes=30),
+                        **{STREAM_KEY: True})
+        assert role.accept(streamed) == []
+        out = []
+        while engine.has_work:
+            out += role.step()
+        media = [m for _, m in out if isinstance(m, p.MediaResult)]
+        data = b"".join(base64.b64decode(m.data) for m in media)
+        assert [m.index for m in media] == list(range(len(media))) and media[-1].finish
+        assert sum(m.finish for m in media) == 1 and data[:44] == WAV_STREAM_HEADER
+        assert _wav_samples(data).shape == (30 * 480,)
+        assert isinstance(out[-1][1], p.StageDone) and out[-1][1].finished
     finally:
         engine.close()
         connector.close()
@@ -285,10 +361,12 @@ def test_chat_with_an_image_in_and_audio_out_matches_transformers(client, refere
     assert np.abs(samples.astype(np.int32) - expected.astype(np.int32)).max() <= 1
 
 
-def test_chat_audio_stream_chunks_concatenate_to_the_same_wav(client):
-    whole = base64.b64decode(_chat_audio(client, audio={"voice": "Ethan", "format": "wav"}).choices[0].message.audio.data)
-    stream = _chat_audio(client, audio={"voice": "Ethan", "format": "wav"}, stream=True,
-                         stream_options={"include_usage": True})
+def _stream_chat_audio(client, fmt: str, codes: int) -> tuple[list[bytes], str, str | None, int]:
+    """A streamed chat with audio: the audio chunks' bytes, the transcript, finish reason and usage."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, modalities=["text", "audio"], max_tokens=MAX_TOKENS, temperature=0,
+        seed=SEED, audio={"voice": "Ethan", "format": fmt}, stream=True, stream_options={"include_usage": True},
+        extra_body={"max_audio_tokens": codes})
     chunks, transcript, finish, usage = [], [], None, None
     for event in stream:
         usage = event.usage or usage
@@ -300,9 +378,60 @@ def test_chat_audio_stream_chunks_concatenate_to_the_same_wav(client):
         if audio is not None and audio.transcript:
             transcript.append(audio.transcript)
         finish = event.choices[0].finish_reason or finish
-    assert len(chunks) > 1 and finish == "length" and usage.completion_tokens == MAX_TOKENS
-    assert transcript and b"".join(chunks) == whole
-    _wav_samples(b"".join(chunks))
+    return chunks, "".join(transcript), finish, usage.completion_tokens
+
+
+def _speech_stats(cluster) -> dict:
+    """The generate workers' streamed-speech counters, summed (from their last heartbeats)."""
+    out: dict = {}
+    for worker in cluster.workers():
+        if worker["role"] == "generate":
+            for key, value in worker.get("stats", {}).items():
+                if key.startswith("speech_stream_"):
+                    out[key] = out.get(key, 0) + value
+    return out
+
+
+def _speech_stats_after(cluster, before: dict, requests: int) -> dict:
+    """How the counters moved since ``before`` once ``requests`` more streamed requests are counted
+    (the counters travel in heartbeats, so they lag the answers a little)."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = _speech_stats(cluster)
+        delta = {key: value - before.get(key, 0) for key, value in stats.items()}
+        if delta.get("speech_stream_requests", 0) >= requests:
+            return delta
+        assert time.monotonic() < deadline, f"the worker's streamed-speech counters did not move: {delta}"
+        time.sleep(0.2)
+
+
+STREAM_CODES = 72   # six token2wav blocks: a first piece after 24 codes, then 4 blocks, then the last
+
+
+def test_chat_audio_stream_is_synthesised_while_the_talker_speaks(client, cluster):
+    """A streamed chat's audio comes from incremental synthesis: the chunks concatenate to a WAV
+    (header of unknown length) as long as the one-shot's and audible; its first piece left the
+    worker when the talker had produced fewer codes than it finally did (the worker's counters);
+    the same seed streams the same bytes; PCM streams the same samples without the header."""
+    whole = base64.b64decode(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, modalities=["text", "audio"], max_tokens=MAX_TOKENS, temperature=0,
+        seed=SEED, audio={"voice": "Ethan", "format": "wav"},
+        extra_body={"max_audio_tokens": STREAM_CODES}).choices[0].message.audio.data)
+    before = _speech_stats(cluster)
+    chunks, transcript, finish, completion_tokens = _stream_chat_audio(client, "wav", STREAM_CODES)
+    assert len(chunks) > 1 and transcript and finish == "length" and completion_tokens == MAX_TOKENS
+    streamed = b"".join(chunks)
+    samples = _wav_samples(streamed)
+    assert samples.shape == _wav_samples(whole).shape == (STREAM_CODES * 480,)   # same codes: same duration
+    assert np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01
+    again, *_ = _stream_chat_audio(client, "wav", STREAM_CODES)
+    assert b"".join(again) == streamed                                            # deterministic per seed
+    pcm, *_ = _stream_chat_audio(client, "pcm16", STREAM_CODES)
+    assert b"".join(pcm) == streamed[44:]
+    delta = _speech_stats_after(cluster, before, requests=3)
+    assert delta["speech_stream_early_first_chunks"] == 3
+    assert delta["speech_stream_first_chunk_codes"] == 3 * 24 and delta["speech_stream_codes"] == 3 * STREAM_CODES
+    assert delta["speech_stream_chunks"] == 3 * 3
 
 
 # ------------------------------------------------------------------------------------ /v1/audio/speech
@@ -317,6 +446,30 @@ def test_speech_endpoint_wav_and_pcm(client):
     assert np.array_equal(np.frombuffer(pcm.content, dtype="<i2"), samples)   # same seed: the same speech
     faster = client.audio.speech.create(response_format="pcm", speed=2.0, **kwargs)
     assert len(faster.content) // 2 == len(samples) // 2
+
+
+def test_speech_endpoint_streams_the_file_as_it_is_synthesised(client, cluster):
+    """``stream_format="audio"``: the body arrives in pieces from incremental synthesis — a WAV of
+    the one-shot's length, audible, the same bytes for the same seed; the worker's first piece
+    left before the talker's last code. Without ``stream_format`` the answer stays the one-shot's."""
+    kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.",
+                  extra_body={"seed": 7, "max_audio_tokens": STREAM_CODES})
+    whole = client.audio.speech.create(response_format="wav", **kwargs).content
+    before = _speech_stats(cluster)
+    bodies = []
+    for _ in range(2):
+        with client.audio.speech.with_streaming_response.create(response_format="wav", stream_format="audio",
+                                                                 **kwargs) as response:
+            assert response.headers["content-type"] == "audio/wav"
+            bodies.append([part for part in response.iter_bytes() if part])
+    streamed = b"".join(bodies[0])
+    assert b"".join(bodies[1]) == streamed and len(bodies[0]) > 1
+    samples = _wav_samples(streamed)
+    assert samples.shape == _wav_samples(whole).shape == (STREAM_CODES * 480,)
+    assert np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01
+    assert _speech_stats_after(cluster, before, requests=2)["speech_stream_early_first_chunks"] == 2
+    with pytest.raises(openai.UnprocessableEntityError, match="'sse' is not supported"):
+        client.audio.speech.create(response_format="wav", stream_format="sse", **kwargs)
 
 
 def test_bad_voice_and_format_are_400(client, cluster):

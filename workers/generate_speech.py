@@ -11,6 +11,12 @@ Life of a request through this engine::
     ──▶ token2wav: DiT (10 Runge-Kutta steps from Gaussian noise, speaker ``cond`` + ``ref_mel``)
         + BigVGAN ──▶ SpeechOutput(float waveform at :data:`SAMPLE_RATE`) to the role adapter
 
+A streamed request (``SpeechTask.stream``: the client reads the audio as it comes) runs the same
+talker, but token2wav runs per chunk of codec tokens inside the talker's loop
+(:meth:`GenerateSpeechEngine.synthesize_stream`, ``speech_stream.py``): each SpeechChunk goes to the
+role adapter as soon as the codes it depends on exist, the last one marked ``final``, and no
+SpeechOutput follows. Its samples differ slightly from the one-shot's (how and why: ``speech_stream.py``).
+
 What the talker reads, for a prompt of ``n`` tokens and a thinker reply ``t0 … t(m-1)``:
 
 * ``prompt_hidden`` [n, H]: the thinker's last-layer (final-norm) states of the prompt;
@@ -25,6 +31,8 @@ Determinism: each request runs under its own seeded random stream (``torch.rando
 ``manual_seed(seed)``), consumed in transformers' order — talker sampling, then token2wav's noise —
 so a request's audio depends on its seed and inputs only, never on what else the worker runs, and
 equals ``torch.manual_seed(seed); model.generate(...)`` of transformers with a greedy thinker.
+A streamed request's talker samples from that same stream (the same codes); its token2wav noise
+comes from its own generator seeded with the seed, so its pieces too depend on seed and inputs only.
 
 Batching: requests are not merged into one talker forward. transformers draws a batch's samples
 from one random stream (so a request's audio would depend on its neighbours) and decodes token2wav
@@ -33,7 +41,9 @@ one sample at a time for the same reason; per-request determinism wins over the 
 Threads: one request's synthesis (transformers' ``generate`` + token2wav) runs whole, for seconds,
 so it runs on the engine's one synthesis thread; ``step()`` starts the next request there and
 returns at once (or after a short wait for the running one), so the worker's loop keeps
-heartbeating and taking cancels meanwhile. A cancelled running request finishes and is dropped.
+heartbeating and taking cancels meanwhile. A streamed request's pieces pass from that thread to
+``step()`` through a deque (appended there, taken here). A cancelled running request is dropped:
+a streamed one stops at its next codec token (its ``CodeTap`` raises), a one-shot finishes first.
 :meth:`close` joins the thread (the worker runtime owns the engine and closes it on shutdown).
 
 The engine holds no sockets; the role adapter (``speech_role.py``) encodes and sends the audio.
@@ -46,13 +56,17 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from omnirelay.errors import BadRequest
 from omnirelay.speech_params import SpeechParams
+
+from .speech_stream import ChunkedToken2Wav, CodeTap, SynthesisCancelled
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -85,6 +99,21 @@ class SpeechTask:
     # follow the thinker's, so they need each image's (t, h, w) patch grid and each clip's mel frames.
     image_grids: list[list[int]] = dataclasses.field(default_factory=list)
     audio_lengths: list[int] = dataclasses.field(default_factory=list)
+    # Streamed (chat ``stream: true``): audio comes out as SpeechChunks while the talker speaks,
+    # instead of one SpeechOutput at the end (see speech_stream.py for how the samples differ).
+    stream: bool = False
+
+
+@dataclasses.dataclass
+class SpeechChunk:
+    """One piece of a streamed request's waveform, in order (``index`` 0, 1, …); ``final`` on the
+    last. ``codes`` is how many codec tokens the talker had produced when the piece was emitted
+    (on the final piece: all it produced)."""
+    request_id: str
+    index: int
+    waveform: torch.Tensor             # float32 [samples], in [-1, 1]; may be empty on the final piece
+    codes: int
+    final: bool
 
 
 @dataclasses.dataclass
@@ -104,6 +133,7 @@ class SpeechFailure:
 @dataclasses.dataclass
 class SpeechStep:
     outputs: list[SpeechOutput] = dataclasses.field(default_factory=list)
+    chunks: list[SpeechChunk] = dataclasses.field(default_factory=list)
     failed: list[SpeechFailure] = dataclasses.field(default_factory=list)
 
 
@@ -137,6 +167,10 @@ class GenerateSpeechEngine:
         self.waiting: collections.deque[SpeechTask] = collections.deque()
         self.running: tuple[SpeechTask, concurrent.futures.Future] | None = None
         self._dropped: set[str] = set()   # cancelled while running: their result is discarded
+        self._cancelled = threading.Event()   # set to stop the running streamed request between tokens
+        # Streamed pieces, appended by the synthesis thread, taken by step() (deque ends are thread-safe).
+        self._chunks: collections.deque[SpeechChunk] = collections.deque()
+        self._first_chunk_codes: dict[str, int] = {}
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speech-synth")
         self.stats = collections.Counter()
 
@@ -206,14 +240,16 @@ class GenerateSpeechEngine:
                 return True
         if self.running is not None and self.running[0].request_id == request_id:
             self._dropped.add(request_id)
+            self._cancelled.set()   # a streamed request stops at its next token; a one-shot runs out
             return True
         return False
 
     # ------------------------------------------------------------------ one step
 
     def step(self, wait_s: float = 0.05) -> SpeechStep:
-        """Expire waiting requests, start the next one on the synthesis thread when it is free, and
-        collect the running one if it finishes within ``wait_s``."""
+        """Expire waiting requests, start the next one on the synthesis thread when it is free,
+        collect the pieces a streamed request has produced so far, and collect the running request
+        if it finishes within ``wait_s``."""
         out = SpeechStep()
         now = time.time()
         for task in [t for t in self.waiting if now > t.deadline]:
@@ -221,14 +257,18 @@ class GenerateSpeechEngine:
             out.failed.append(SpeechFailure(task.request_id, "deadline_exceeded", "deadline passed before speech"))
         if self.running is None and self.waiting:
             task = self.waiting.popleft()
-            self.running = (task, self._thread.submit(self.synthesize, task))
+            self._cancelled = threading.Event()
+            self.running = (task, self._thread.submit(self._synthesize_any, task, self._cancelled))
         if self.running is None:
             return out
         task, future = self.running
         try:
             waveform, codes = future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
+            self._collect_chunks(out)
             return out
+        except SynthesisCancelled:
+            pass   # a cancelled stream stopped between tokens: dropped below
         except torch.cuda.OutOfMemoryError as exc:
             out.failed.append(SpeechFailure(task.request_id, "out_of_memory", str(exc)))
         except Exception as exc:   # a bug in synthesis fails this request, not the worker
@@ -237,16 +277,48 @@ class GenerateSpeechEngine:
         else:
             self.stats["speech_requests"] += 1
             self.stats["talker_codes"] += codes
-            self.stats["audio_samples"] += int(waveform.numel())
-            out.outputs.append(SpeechOutput(task.request_id, waveform, codes))
+            if waveform is not None:
+                self.stats["audio_samples"] += int(waveform.numel())
+                out.outputs.append(SpeechOutput(task.request_id, waveform, codes))
         finally:
             if future.done():
                 self.running = None
+        # The thread queued every piece before it finished: these are the last ones (before any failure).
+        self._collect_chunks(out)
+        self._first_chunk_codes.pop(task.request_id, None)
         if task.request_id in self._dropped:
             self._dropped.discard(task.request_id)
             out.outputs = [o for o in out.outputs if o.request_id != task.request_id]
+            out.chunks = [c for c in out.chunks if c.request_id != task.request_id]
             out.failed = [f for f in out.failed if f.request_id != task.request_id]
         return out
+
+    def _collect_chunks(self, out: SpeechStep) -> None:
+        """Move the streamed pieces the synthesis thread queued into ``out`` (the dropped request's
+        are discarded) and count them. ``speech_stream_early_first_chunks`` counts streamed requests
+        whose first piece went out before the talker's last code: the point of streaming."""
+        while self._chunks:
+            chunk = self._chunks.popleft()
+            if chunk.request_id in self._dropped:
+                continue
+            self.stats["speech_stream_chunks"] += 1
+            self.stats["audio_samples"] += int(chunk.waveform.numel())
+            if chunk.index == 0:
+                self._first_chunk_codes[chunk.request_id] = chunk.codes
+            if chunk.final:
+                self.stats["speech_stream_requests"] += 1
+                first = self._first_chunk_codes.get(chunk.request_id, chunk.codes)
+                self.stats["speech_stream_first_chunk_codes"] += first
+                self.stats["speech_stream_codes"] += chunk.codes
+                self.stats["speech_stream_early_first_chunks"] += int(first < chunk.codes)
+            out.chunks.append(chunk)
+
+    def _synthesize_any(self, task: SpeechTask, cancelled: threading.Event) -> tuple[torch.Tensor | None, int]:
+        """On the synthesis thread: the one-shot waveform, or (None, codes) for a streamed request
+        whose pieces went to ``self._chunks``."""
+        if task.stream:
+            return None, self.synthesize_stream(task, self._chunks.append, cancelled)
+        return self.synthesize(task)
 
     @torch.inference_mode()
     def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
@@ -275,6 +347,44 @@ class GenerateSpeechEngine:
         if task.params.speed != 1.0:
             wav = _change_speed(wav, task.params.speed)
         return wav, length
+
+    @torch.inference_mode()
+    def synthesize_stream(self, task: SpeechTask, emit: Callable[[SpeechChunk], None],
+                          cancelled: threading.Event | None = None) -> int:
+        """A streamed request: ``emit`` each waveform piece as soon as the codes it depends on exist
+        (speech_stream.py); returns the number of codec tokens spoken. The talker runs as in
+        :meth:`synthesize` (same inputs, sampling and seeded stream, so the same codes); token2wav
+        runs per chunk inside its loop. ``cancelled`` set: raises :class:`SynthesisCancelled` at the
+        next token (or before the last piece)."""
+        cancelled = cancelled or threading.Event()
+        talker_inputs = self._talker_inputs(task)
+        speaker = self.speakers[task.params.voice]
+        talker, index = self.talker, 0
+
+        def on_piece(wav: torch.Tensor, codes: int, final: bool) -> None:
+            nonlocal index
+            if task.params.speed != 1.0 and wav.numel():
+                wav = _change_speed(wav, task.params.speed)
+            emit(SpeechChunk(task.request_id, index, wav, codes, final))
+            index += 1
+
+        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(task.params.seed)
+            cond = speaker["cond"].to(self.device).float().expand(1, -1)
+            ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
+            token2wav = ChunkedToken2Wav(self.token2wav, cond, ref_mel, task.params.seed, on_piece)
+            tap = CodeTap((talker.codec_pad_token, talker.codec_eos_token), token2wav.feed, cancelled)
+            talker.generate(
+                **talker_inputs, suppress_tokens=[talker.codec_bos_token],
+                max_new_tokens=task.params.codes_for(len(task.reply_token_ids)),
+                eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
+                use_audio_in_video=False, streamer=tap, **TALKER_SAMPLING)
+            if cancelled.is_set():
+                raise SynthesisCancelled()
+            token2wav.feed(tap.codes, final=True)
+        return len(tap.codes)
 
     def _talker_inputs(self, task: SpeechTask) -> dict:
         """The talker's inputs for one request, built as transformers' ``generate`` builds them."""

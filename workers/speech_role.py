@@ -12,6 +12,14 @@ Life of a request through this adapter::
     never forgets a request whose audio is still on its way; or one StageFailed (``bad_request``
     for an unknown voice or malformed inputs, ``deadline_exceeded``, ``transfer_failed`` …).
 
+Streamed requests (``sampling[STREAM_KEY]``, wav or pcm): the engine hands out waveform pieces while
+the talker still speaks; each piece is sent at once as 16-bit PCM (the first behind a streamed WAV
+header, :data:`WAV_STREAM_HEADER`) in MediaResults of ≤ CHUNK_BYTES, numbered on from the previous
+piece's; ``finish`` on the last of the final piece, then StageDone. A failure mid-stream is one
+StageFailed after the pieces already sent. The pieces follow a fixed plan from the seed, so a retry
+elsewhere sends the same bytes under the same indexes and the gateway skips what it delivered.
+FLAC is not streamed (its header wants the length): such a request is synthesised whole.
+
 What the stages before leave in ``Task.inputs`` (names shared with prefill and decode):
 
 * ``speech_prompt_key``/``speech_prompt_handle``: prefill's ``{"hidden": [n, H], "image_grids",
@@ -44,7 +52,7 @@ from omnirelay.errors import BadRequest, OmniError
 from omnirelay.speech_params import SpeechParams
 
 from .config import WorkerConfig
-from .generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
+from .generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, SpeechTask
 from .roles import Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker.speech")
@@ -52,6 +60,17 @@ log = logging.getLogger("omnirelay.worker.speech")
 # Raw bytes per MediaResult: a quarter second of 24 kHz 16-bit mono, the granularity a streaming client
 # receives (16 KiB of base64, far under one bus message).
 CHUNK_BYTES = SAMPLE_RATE // 4 * 2
+# ``sampling[STREAM_KEY] is True``: the client streams (chat ``stream: true``; ``/v1/audio/speech``
+# with ``stream_format: "audio"``), so the audio is
+# synthesised incrementally and sent piece by piece while the talker speaks (see speech_stream.py).
+# Beside "audio", not inside it: prefill/decode ignore unknown sampling keys, SpeechParams refuses them.
+STREAM_KEY = "audio_stream"
+# A streamed WAV's header is sent before the length is known: RIFF and data sizes say 0xFFFFFFFF,
+# the usual "unknown length" of streamed WAV (readers take the data up to the end of the stream).
+WAV_STREAM_HEADER = (b"RIFF" + (0xFFFFFFFF).to_bytes(4, "little") + b"WAVEfmt " + (16).to_bytes(4, "little")
+                     + (1).to_bytes(2, "little") + (1).to_bytes(2, "little") + SAMPLE_RATE.to_bytes(4, "little")
+                     + (SAMPLE_RATE * 2).to_bytes(4, "little") + (2).to_bytes(2, "little")
+                     + (16).to_bytes(2, "little") + b"data" + (0xFFFFFFFF).to_bytes(4, "little"))
 MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 INPUT_KEYS = ("speech_prompt_key", "speech_reply_key")
 
@@ -100,6 +119,7 @@ class GenerateSpeechRole(RoleAdapter):
         # The hidden states' keys stay until the request's audio is out (or it fails or is
         # cancelled): if this worker dies mid-synthesis, the broker's retry elsewhere still finds them.
         self._inputs: dict[str, dict] = {}
+        self._next_index: dict[str, int] = {}   # streamed request → its next MediaResult index
 
     def release_inputs(self, inputs: dict) -> None:
         for name in INPUT_KEYS:
@@ -117,6 +137,7 @@ class GenerateSpeechRole(RoleAdapter):
                 raise BadRequest("flac needs the soundfile package on the generate worker; use wav or pcm",
                                  param="response_format")
             speech = self._read_inputs(task, params)
+            speech.stream = task.sampling.get(STREAM_KEY) is True and params.format != "flac"
             self.engine.add(speech)
         except BadRequest as exc:
             self.release_inputs(task.inputs)
@@ -165,6 +186,7 @@ class GenerateSpeechRole(RoleAdapter):
         self.engine.cancel(request_id)
         self._reply_to.pop(request_id, None)
         self._formats.pop(request_id, None)
+        self._next_index.pop(request_id, None)
         self.release_inputs(self._inputs.pop(request_id, {}))
         self._attempts.pop(request_id, None)
 
@@ -185,11 +207,39 @@ class GenerateSpeechRole(RoleAdapter):
                                                     base64.b64encode(chunk).decode("ascii"),
                                                     finish=index == len(chunks) - 1, worker_id=self.worker_id)))
             out.append(self._done(speech.request_id, {}, True))
+        for chunk in result.chunks:
+            out += self._send_piece(chunk)
         for failure in result.failed:
+            self._next_index.pop(failure.request_id, None)
             self._reply_to.pop(failure.request_id, None)
             self._formats.pop(failure.request_id, None)
             self.release_inputs(self._inputs.pop(failure.request_id, {}))
             out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
+        return out
+
+    def _send_piece(self, chunk: SpeechChunk) -> list[Outbound]:
+        """One streamed piece as MediaResults (and, after the final one, StageDone)."""
+        reply_to = self._reply_to.get(chunk.request_id)
+        if reply_to is None:
+            return []   # cancelled meanwhile
+        fmt = self._formats.get(chunk.request_id, "wav")
+        data = encode_audio(chunk.waveform, "pcm")
+        if chunk.index == 0 and fmt == "wav":
+            data = WAV_STREAM_HEADER + data
+        size = self.chunk_bytes
+        parts = [data[i:i + size] for i in range(0, len(data), size)] or ([b""] if chunk.final else [])
+        first = self._next_index.get(chunk.request_id, 0)
+        out: list[Outbound] = [
+            (reply_to, p.MediaResult(chunk.request_id, first + k, MIMES[fmt], base64.b64encode(part).decode("ascii"),
+                                     finish=chunk.final and k == len(parts) - 1, worker_id=self.worker_id))
+            for k, part in enumerate(parts)]
+        self._next_index[chunk.request_id] = first + len(parts)
+        if chunk.final:
+            self._reply_to.pop(chunk.request_id, None)
+            self._formats.pop(chunk.request_id, None)
+            self._next_index.pop(chunk.request_id, None)
+            self.release_inputs(self._inputs.pop(chunk.request_id, {}))
+            out.append(self._done(chunk.request_id, {}, True))
         return out
 
 
