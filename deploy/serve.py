@@ -329,6 +329,9 @@ def check_parallel(args: argparse.Namespace, plan: ModelPlan) -> dict[str, tuple
                 raise LaunchError(f"--devices {args.devices} names {len(devices)} device(s) but the {role} worker's "
                                   f"group is --tensor-parallel-size {tp} × --pipeline-parallel-size {pp} × "
                                   f"sequence_parallel_size {sp} (stage {stage.name!r}) = {tp * pp * sp}")
+            if sp > 1:   # fail here, not as a worker that exits 2 after the launch
+                raise LaunchError(f"--devices: stage {stage.name!r} runs sequence_parallel_size {sp}, whose ranks "
+                                  "run on the CPU over gloo in this build; leave --devices out")
         if shape is None or role not in ("prefill", "decode"):
             continue
         if shape["heads"] % tp or shape["kv_heads"] % tp:

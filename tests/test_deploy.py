@@ -363,7 +363,7 @@ def test_omni_serve_refuses_a_flag_that_contradicts_the_stage_config(tiny_model,
 def test_omni_serve_counts_a_generate_stages_sequence_parallel_ranks_in_devices(tmp_path, capsys):
     # A generate stage's group is TP × PP × SP (worker_commands' group_size): --devices numbers all of them.
     from omnirelay.deploy.dit_builder import build_tiny_dit
-    from omnirelay.deploy.serve import build_parser, check_parallel
+    from omnirelay.deploy.serve import LaunchError, build_parser, check_parallel
     from omnirelay.deploy.served_models import plan_models
 
     model = str(build_tiny_dit(tmp_path / "tiny-dit"))
@@ -377,7 +377,10 @@ def test_omni_serve_counts_a_generate_stages_sequence_parallel_ranks_in_devices(
             "--pipeline-parallel-size 1 × sequence_parallel_size 2 (stage 'images') = 2") in capsys.readouterr().err
     args = build_parser().parse_args([model, "--stage-configs-path", str(path), "--devices", "0,1"])
     [plan] = plan_models([(model, "tiny-dit")], args.stage_configs_path, args.connector)
-    assert check_parallel(args, plan) == {"generate": (1, 1)}
+    # The count is right, but SP ranks run on the CPU in this build: refused at launch, not by a
+    # worker exiting 2 after it.
+    with pytest.raises(LaunchError, match="runs sequence_parallel_size 2, whose ranks run on the CPU"):
+        check_parallel(args, plan)
 
 
 def test_ray_address_where_no_cluster_listens_fails_fast(tiny_model):

@@ -253,3 +253,10 @@ def test_cuda_placement_and_tp2_equals_tp1(tiny_model, tok, tmp_path):  # noqa: 
             group.close()
     finally:
         conn.close()
+
+
+def test_a_wedge_limit_must_exceed_two_heartbeats(tiny_model):
+    # A limit inside two heartbeat intervals would drop a worker for one ordinary slow step.
+    with pytest.raises(ValueError, match="--wedged-after 1.5 must exceed two heartbeat intervals"):
+        WorkerConfig("prefill", tiny_model, "m", heartbeat_interval_s=1.0, wedged_after_s=1.5)
+    assert WorkerConfig("prefill", tiny_model, "m", wedged_after_s=30.0).wedged_after_s == 30.0

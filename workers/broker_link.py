@@ -42,7 +42,6 @@ from omnirelay.security import CurveKeys
 log = logging.getLogger("omnirelay.worker")
 
 KEEPALIVE_AFTER = 1.5      # heartbeat intervals of silence from a busy loop before the link speaks for it
-WEDGED_AFTER_S = 300.0     # one loop iteration this long is a wedged engine, not a slow one
 RELAY_BATCH = 256          # frames relayed per direction before the link looks at the other side
 PIPE_HWM = 100_000         # inproc queue bound; the broker side keeps ZeroMQ's default
 STOP_FRAMES = [b""]        # not a protocol message (those have 3 frames): flush and exit
@@ -55,7 +54,7 @@ class BrokerLinkDown(RuntimeError):
 
 class BrokerLink:
     def __init__(self, ctx: zmq.Context, endpoint: str, worker_id: str, heartbeat_interval_s: float,
-                 keys: CurveKeys | None = None, wedged_after_s: float = WEDGED_AFTER_S):
+                 keys: CurveKeys | None = None, wedged_after_s: float = 300.0):
         self._ctx = ctx
         self._endpoint = endpoint
         self._identity = worker_id.encode()

@@ -33,6 +33,8 @@ class WorkerConfig:
     connector:       name of the connector backend for the KV handoff.
     connector_options: the backend's options.
     heartbeat_interval_s: how often to heartbeat the broker.
+    wedged_after_s: one engine step this long is a wedged engine: keepalives stop, so the broker
+                    drops the worker and re-dispatches what it held (see broker_link.py).
     drain_timeout_s: on SIGTERM, how long in-flight requests may take before they are aborted.
     dtype:           model dtype name (float32, bfloat16, float16).
     tensor_parallel_size: ranks that split heads and MLP columns (rank 0 is this process).
@@ -58,6 +60,7 @@ class WorkerConfig:
     connector: str = "shared_memory"
     connector_options: dict = dataclasses.field(default_factory=dict)
     heartbeat_interval_s: float = 1.0
+    wedged_after_s: float = 300.0
     drain_timeout_s: float = 30.0
     dtype: str = "float32"
     tensor_parallel_size: int = 1
@@ -81,6 +84,9 @@ class WorkerConfig:
             raise ValueError(f"kv_transfer must be 'layerwise' or 'whole', got {self.kv_transfer!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.wedged_after_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError(f"--wedged-after {self.wedged_after_s} must exceed two heartbeat intervals "
+                             f"({2 * self.heartbeat_interval_s} s): a slow step is not a wedged one")
         if self.capacity < 0 or self.block_size < 1 or self.kv_cache_bytes < 0:
             raise ValueError("capacity and block_size must be positive, kv_cache_bytes not negative")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--drain-timeout", type=float, default=WorkerConfig.drain_timeout_s)
     parser.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s)
+    parser.add_argument("--wedged-after", type=float, default=WorkerConfig.wedged_after_s,
+                        help="seconds one engine step may run before the worker counts as wedged and stops "
+                             "heartbeating (the broker then re-dispatches its work)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per rank)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks splitting heads and MLP")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="ranks splitting the layers")
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity=args.capacity or stage.max_batch_size, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
             block_size=args.block_size, connector=connector.type,
             connector_options=connector.options, heartbeat_interval_s=args.heartbeat_interval,
+            wedged_after_s=args.wedged_after,
             drain_timeout_s=args.drain_timeout, dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching,

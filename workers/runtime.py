@@ -59,7 +59,8 @@ class WorkerRuntime:
         self._keys = keys
         self._owned = owned
         self._ctx = zmq.Context()
-        self._link = BrokerLink(self._ctx, config.broker, config.worker_id, config.heartbeat_interval_s, keys)
+        self._link = BrokerLink(self._ctx, config.broker, config.worker_id, config.heartbeat_interval_s, keys,
+                                wedged_after_s=config.wedged_after_s)
         self._gateways: dict[str, zmq.Socket] = {}
         self._gateway_keys: dict[str, str] = {}   # reply_to → its CURVE public key (z85)
         self._credits_outstanding = 0
