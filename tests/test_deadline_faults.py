@@ -43,7 +43,10 @@ def slow_link(tiny_model, tmp_path, request):
     """``request.param``: the prefill worker's capacity (how many slow puts one engine step may make)."""
     pipeline = tmp_path / "slow.yaml"
     pipeline.write_text(json.dumps({   # YAML is a superset of JSON
-        "stages": [{"name": "prefill", "role": "prefill"}, {"name": "decode", "role": "decode"}],
+        # One put per request (whole KV): the step's slow puts are what the test counts; a layerwise
+        # export would make one per layer plus the manifest, each delayed.
+        "stages": [{"name": "prefill", "role": "prefill", "engine_args": {"kv_transfer": "whole"}},
+                   {"name": "decode", "role": "decode"}],
         "connectors": {"kv": {"type": "fault_injection",
                               "options": {"inner": "shared_memory", "put_delay_s": PUT_DELAY_S}}},
         "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
