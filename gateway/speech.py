@@ -65,12 +65,11 @@ from .app import BUS, CONFIG, METRICS, MODELS, _json_body
 from .bus import BusClient, RequestStream, StreamEvent
 from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
+from .resubmit import MAX_RESUBMITS, AdmissionWait
 from .schema import CHAT_AUDIO_FORMATS
 
 log = logging.getLogger("omnirelay.gateway")
 
-MAX_RESUBMITS = 3
-ADMISSION_RETRY_S = 5.0
 MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
 AUDIO_TTL_S = 3600               # ``expires_at``: nothing is stored, but clients read the field
 MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
@@ -227,7 +226,7 @@ async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_t
     skipping what was already yielded; waits briefly for a role without a live worker; cancels
     upstream when the caller goes away or fails."""
     tokens_out = chunks_out = resubmits = 0
-    retry_unavailable_until = time.monotonic() + ADMISSION_RETRY_S
+    admission = AdmissionWait(deadline)
     upstream_id, done = request_id, False
     try:
         while True:
@@ -254,11 +253,8 @@ async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_t
                     log.warning("%s: %s; resubmitting (%d tokens, %d audio chunks delivered)", request_id, exc,
                                 tokens_out, chunks_out)
                     continue
-                pause = min(max(exc.retry_after, 0.2), 1.0)
-                if (exc.error_type == "unavailable" and time.monotonic() + pause < retry_unavailable_until
-                        and time.time() + pause < deadline):
+                if await admission.retry(exc):
                     resubmits += 1
-                    await asyncio.sleep(pause)
                     continue
                 exc.request_id = request_id
                 raise
@@ -266,7 +262,8 @@ async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_t
                 bus.forget(upstream_id)
     finally:
         if not done:
-            await bus.cancel(upstream_id, "client left or request failed")
+            # Shielded: a stream cancelled again while it unwinds must still stop the worker.
+            await asyncio.shield(bus.cancel(upstream_id, "client left or request failed"))
 
 
 # ---------------------------------------------------------------------- POST /v1/audio/speech
