@@ -247,3 +247,41 @@ def test_layerwise_prefill_to_a_tp2_decode_reshards_by_heads(model, tok, referen
     for i, ids in enumerate(prompts):
         assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
     assert shm_keys(tmp_path) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["layerwise", "whole"])
+def test_pipeline_switch_reaches_the_prefill_worker(mode, tiny_model, tmp_path):
+    """omni-serve with the stage's ``engine_args.kv_transfer``: the prefill worker hands off that way
+    (its heartbeat stats count layerwise handoffs) and the answer equals transformers."""
+    import openai
+    import requests
+    import yaml
+    from conftest import ServeProcess, hf_chat_greedy
+
+    pipeline = {"stages": [{"name": "prefill", "role": "prefill", "engine_args": {"kv_transfer": mode}},
+                           {"name": "decode", "role": "decode"}],
+                "connectors": {"kv": {"type": "shared_memory", "options": {}}},
+                "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(pipeline))
+    serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--stage-configs-path", str(path),
+                         "--log-level", "WARNING", log_path=str(tmp_path / "serve.log"))
+    try:
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        content = QUESTIONS[1]
+        response = client.chat.completions.create(
+            model="tiny-llm", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=8,
+            extra_body={"return_token_ids": True})
+        assert response.choices[0].model_extra["token_ids"] == hf_chat_greedy(tiny_model, content, 8)
+        deadline = time.time() + 10
+        while True:   # the stats arrive with the workers' heartbeats
+            workers = {w["role"]: w for w in requests.get(serve.url + "/cluster", timeout=10).json()["workers"]}
+            stats = workers["prefill"]["stats"]
+            if stats.get("kv_handoffs") or time.time() > deadline:
+                break
+            time.sleep(0.3)
+        assert stats.get("kv_handoffs") == 1, stats
+        assert stats.get("kv_layerwise_handoffs", 0) == (1 if mode == "layerwise" else 0), stats
+    finally:
+        assert serve.stop() == 0, serve.output()[-3000:]

@@ -137,7 +137,8 @@ class LayerwiseExport:
         kept key maps to the error instead."""
         self._join()
         if self.state is ExportState.ABORTED:
-            return {s.key: TransferFailed(f"KV export of {s.key!r} was aborted") for s in self.sequences if s.key in keep}
+            return {s.key: TransferFailed(f"KV export of {s.key!r} was aborted")
+                    for s in self.sequences if s.key in keep}
         out: dict[str, dict | OmniError] = {}
         for seq in self.sequences:
             if seq.key not in keep:
