@@ -45,6 +45,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from omnirelay.broker import protocol as p
 from omnirelay.errors import (BadRequest, NotFound, OmniError, Overloaded, PayloadTooLarge, Unprocessable,
@@ -376,7 +377,7 @@ async def _body(request: web.Request) -> dict:
             form = await request.post()
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"request body exceeds {request.app[CONFIG].max_body_bytes} bytes") from None
-        except ValueError as exc:
+        except (ValueError, HttpProcessingError) as exc:   # a part's bad header is the latter, not a ValueError
             raise BadRequest(f"malformed form body: {exc}") from None
         fields: dict[str, Any] = {}
         for key, value in form.items():

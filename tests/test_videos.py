@@ -403,6 +403,18 @@ def test_bad_video_requests_get_openai_errors(client, kwargs, status, param):
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("part", [
+    b'Content-Disposition: form-data; name="prompt"\r\nBad Header\r\n\r\nclouds\r\n',   # no colon
+    b'Content-Disposition: form-data; name="prompt"\r\n\x00: x\r\n\r\nclouds\r\n',     # a NUL name
+])
+def test_a_malformed_multipart_part_is_a_400(cluster, part):
+    body = b"--XyZ\r\n" + part + b"--XyZ--\r\n"
+    response = requests.post(cluster.url + "/v1/videos", data=body, timeout=30,
+                             headers={"Content-Type": "multipart/form-data; boundary=XyZ"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith("malformed form body")
+
+
 def test_unknown_videos_are_404_and_json_bodies_work_too(client, cluster):
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve("video_nope")
