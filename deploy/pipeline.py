@@ -13,8 +13,9 @@ A pipeline file (YAML) looks like::
           tensor_parallel_size: 2   # devices, when given, must number tensor × pipeline × sequence parallel size
           pipeline_parallel_size: 1
           # sequence_parallel_size: 2 (generate stages of a diffusion transformer: ranks splitting image tokens)
-          # kv_transfer: layerwise  (prefill stages: layerwise (default) streams each layer's KV while the
-          #                          later layers compute; whole puts it after the forward)
+          # kv_transfer: auto  (prefill stages: layerwise streams each layer's KV while the later layers
+          #                     compute; whole puts it after the forward; auto (default) streams a step
+          #                     with at least 16 MiB of KV)
       - name: decode
         role: decode
         runtime: {max_batch_size: 64}
@@ -81,8 +82,8 @@ class Stage:
 
     @property
     def kv_transfer(self) -> str:
-        """Prefill: how the KV leaves, ``layerwise`` (default) or ``whole``."""
-        return str(self.engine_args.get("kv_transfer", "layerwise"))
+        """Prefill: how the KV leaves, ``auto`` (default), ``layerwise`` or ``whole``."""
+        return str(self.engine_args.get("kv_transfer", "auto"))
 
     @property
     def group_size(self) -> int:
@@ -228,8 +229,8 @@ def _parse_native(raw: Any) -> Pipeline:
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel_size"):
             if key in engine_args:
                 _positive_int(engine_args[key], f"{where}.engine_args.{key}")
-        if engine_args.get("kv_transfer", "layerwise") not in ("layerwise", "whole"):
-            raise PipelineError(f"{where}.engine_args.kv_transfer: must be 'layerwise' or 'whole', "
+        if engine_args.get("kv_transfer", "auto") not in ("auto", "layerwise", "whole"):
+            raise PipelineError(f"{where}.engine_args.kv_transfer: must be 'auto', 'layerwise' or 'whole', "
                                 f"got {engine_args['kv_transfer']!r}")
         if engine_args.get("sequence_parallel_size", 1) != 1 and role != "generate":
             raise PipelineError(f"{where}.engine_args.sequence_parallel_size: only generate stages (diffusion "

@@ -225,7 +225,7 @@ def test_pipeline_yaml_kv_transfer_option():
                            {"name": "decode", "role": "decode"}],
                 "connectors": {"kv": {"type": "shared_memory", "options": {}}},
                 "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}
-    assert parse_pipeline(stages({})).stage_for_role("prefill").kv_transfer == "layerwise"
+    assert parse_pipeline(stages({})).stage_for_role("prefill").kv_transfer == "auto"
     assert parse_pipeline(stages({"kv_transfer": "whole"})).stage_for_role("prefill").kv_transfer == "whole"
     with pytest.raises(PipelineError, match="kv_transfer"):
         parse_pipeline(stages({"kv_transfer": "sometimes"}))
@@ -247,6 +247,24 @@ def test_layerwise_prefill_to_a_tp2_decode_reshards_by_heads(model, tok, referen
     for i, ids in enumerate(prompts):
         assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
     assert shm_keys(tmp_path) == []
+
+
+def test_auto_streams_only_a_step_with_enough_kv(model, tok, connector):
+    """``auto`` (the default) streams layers for a step whose finishing sequences hold at least
+    ``layerwise_min_bytes`` of KV and puts smaller ones whole; decode reads both the same."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS]
+    small = prefill_engine(model, connector, "auto")    # the default 16 MiB: the tiny model's KV is far below
+    assert PrefillEngine(model, connector, max_model_len=2048).kv_transfer == "auto"
+    a = run_prefill(small, prompts)
+    assert small.stats.get("kv_layerwise_handoffs", 0) == 0 and small.stats["kv_handoffs"] == len(prompts)
+    # Read (and so delete) the first run's KV before the second run puts under the same keys.
+    kv_a = {k: import_kv(connector, r.outputs["kv_key"], r.outputs["kv_handle"], timeout=5) for k, r in a.items()}
+    big = prefill_engine(model, connector, "auto", layerwise_min_bytes=1)
+    b = run_prefill(big, prompts)
+    assert big.stats["kv_layerwise_handoffs"] == len(prompts)
+    for key in a:
+        kv_b = import_kv(connector, b[key].outputs["kv_key"], b[key].outputs["kv_handle"], timeout=5)
+        assert a[key].first_token == b[key].first_token and torch.equal(kv_a[key], kv_b)
 
 
 @pytest.mark.timeout(300)

@@ -44,7 +44,8 @@ class WorkerConfig:
     max_num_batched_tokens: prefill tokens per engine step (longer prompts are chunked).
     prefix_caching:  prefill reuses KV blocks of earlier prompts with the same prefix.
     kv_transfer:     prefill: ``layerwise`` puts each layer's KV while the later layers compute (a
-                     single-process worker; a TP/PP group always exports whole), ``whole`` after the forward.
+                     single-process worker; a TP/PP group always exports whole), ``whole`` after the forward,
+                     ``auto`` (default) layerwise only for a step with at least 16 MiB of KV to send.
     threads:         torch intra-op threads of each rank.
     """
 
@@ -67,7 +68,7 @@ class WorkerConfig:
     pipeline_parallel_size: int = 1
     max_num_batched_tokens: int = 256
     prefix_caching: bool = True
-    kv_transfer: str = "layerwise"
+    kv_transfer: str = "auto"
     threads: int = 1
     devices: tuple[int, ...] = ()
     gpu_memory_utilization: float = 0.9
@@ -80,8 +81,8 @@ class WorkerConfig:
             raise ValueError(f"role {self.role!r} has no engine in this build (available: {', '.join(ENGINE_ROLES)})")
         if not os.path.isdir(self.model_path):
             raise ValueError(f"model directory {self.model_path!r} does not exist")
-        if self.kv_transfer not in ("layerwise", "whole"):
-            raise ValueError(f"kv_transfer must be 'layerwise' or 'whole', got {self.kv_transfer!r}")
+        if self.kv_transfer not in ("auto", "layerwise", "whole"):
+            raise ValueError(f"kv_transfer must be 'auto', 'layerwise' or 'whole', got {self.kv_transfer!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.wedged_after_s <= 2 * self.heartbeat_interval_s:

@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=WorkerConfig.max_num_batched_tokens,
                         help="prefill tokens per step; longer prompts are chunked")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill recomputes every prompt")
-    parser.add_argument("--kv-transfer", choices=("layerwise", "whole"), default=None,
-                        help="prefill: how the KV leaves (default: the stage's engine_args.kv_transfer, else layerwise)")
+    parser.add_argument("--kv-transfer", choices=("auto", "layerwise", "whole"), default=None,
+                        help="prefill: how the KV leaves (default: the stage's engine_args.kv_transfer, else auto)")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=False, client=True)
     args = parser.parse_args(argv)

@@ -67,7 +67,12 @@ import torch
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError, TransferFailed
 
-TRANSFER_MODES = ("layerwise", "whole")
+TRANSFER_MODES = ("auto", "layerwise", "whole")
+# "auto" streams layers only for a step whose finishing sequences hold at least this much KV: below
+# it the send a layerwise export hides is a few ms, less than its thread costs the forward (measured
+# in BENCHMARKS.md, "Layerwise KV export vs whole KV": 1.5–6 ms saved vs a 2–5 % slower forward at
+# 4–8 MiB; 40–150 ms saved at 45–90 MiB).
+LAYERWISE_MIN_BYTES = 16 << 20
 _STOP = -1
 
 

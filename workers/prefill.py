@@ -10,7 +10,8 @@ Life of a request through this engine::
         ──▶ PrefillResult(handles); blocks released, the full ones stay cached under their content
         hash for the next prompt that shares the prefix
 
-How the KV leaves (``kv_transfer``): ``"layerwise"`` (the default on a single-process runner) puts
+How the KV leaves (``kv_transfer``): ``"auto"`` (the default) streams layers for a step whose finishing
+sequences hold at least ``layerwise_min_bytes`` of KV, and puts it whole otherwise. ``"layerwise"`` puts
 each layer of the sequences whose last chunk runs in a step while that step's later layers still
 compute, and the manifest last (:mod:`~omnirelay.workers.kv_export`); the step returns once every
 piece is out. ``"whole"`` (and any tensor/pipeline-parallel group, whose heads and layers sit on other
@@ -49,7 +50,7 @@ from omnirelay.errors import OmniError
 
 from .block_hash import block_hashes
 from .forward_batch import ForwardBatch
-from .kv_export import TRANSFER_MODES, ExportSequence, LayerwiseExport, release_kv
+from .kv_export import LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport, release_kv
 from .model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sampling
 from .models.llama import LlamaModel
 from .mrope import MropeSpec, mrope_positions
@@ -115,7 +116,8 @@ class PrefillEngine:
     def __init__(self, model: LlamaModel | ModelRunner, connector: Connector, *, max_model_len: int,
                  max_batch: int = 16, max_batched_tokens: int = 256, kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  block_size: int = 16, prefix_caching: bool = True, mrope: MropeSpec | None = None,
-                 transfer_timeout_s: float = 30.0, kv_transfer: str = "layerwise"):
+                 transfer_timeout_s: float = 30.0, kv_transfer: str = "auto",
+                 layerwise_min_bytes: int = LAYERWISE_MIN_BYTES):
         if kv_transfer not in TRANSFER_MODES:
             raise ValueError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got {kv_transfer!r}")
         self.runner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
@@ -129,6 +131,7 @@ class PrefillEngine:
         self.transfer_timeout_s = transfer_timeout_s
         # A group's KV heads and layers are on other ranks: only a local runner streams layers.
         self.kv_transfer = kv_transfer if isinstance(self.runner, LocalRunner) else "whole"
+        self.layerwise_min_bytes = layerwise_min_bytes
         self.block_size = self.runner.block_size
         self.allocator = PrefixCachingAllocator(self.runner.num_blocks)
         self.waiting: collections.deque[PrefillTask] = collections.deque()
@@ -336,8 +339,12 @@ class PrefillEngine:
 
     def _start_export(self, finishing: list[_Running]) -> LayerwiseExport | None:
         """A layerwise export of the sequences whose last chunk runs in this step (None: whole)."""
-        if self.kv_transfer != "layerwise" or not finishing:
+        if self.kv_transfer == "whole" or not finishing:
             return None
+        if self.kv_transfer == "auto":
+            per_token = self.runner.cache.bytes_per_block // self.block_size
+            if sum(len(s.task.prompt_token_ids) for s in finishing) * per_token < self.layerwise_min_bytes:
+                return None
         sequences = [ExportSequence(self._kv_key(s.task), s.blocks, len(s.task.prompt_token_ids)) for s in finishing]
         return LayerwiseExport(self.connector, self.runner.cache, sequences, len(self.runner.model.layers))
 
