@@ -309,14 +309,20 @@ class GroupRunner:
         self._kill(timeout_s)
 
     def _kill(self, timeout_s: float = 5.0) -> None:
-        for proc in self._procs:
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._procs.clear()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        reap_ranks(self._procs, self._tmp, timeout_s)
+
+
+def reap_ranks(procs: list[subprocess.Popen], tmp: str, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for each rank process (ours: started by the group) to exit, kill the
+    ones that do not, and remove the group's rendezvous directory."""
+    for proc in procs:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    procs.clear()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _die_with_parent() -> None:

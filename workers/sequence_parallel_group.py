@@ -62,7 +62,6 @@ import datetime
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +74,7 @@ import torch.distributed as dist
 
 from omnirelay.errors import BadRequest
 
+from .parallel import reap_ranks
 from .sequence_parallel import sequence_parallel_forward
 
 log = logging.getLogger("omnirelay.worker.generate")
@@ -335,15 +335,7 @@ class SequenceParallelDenoiser:
         self._reap(timeout_s)
 
     def _reap(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for each rank to exit, then kill it (ours: started above)."""
-        for proc in self._procs:
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._procs.clear()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        reap_ranks(self._procs, self._tmp, timeout_s)
 
 
 def _send_header(group, cmd: int, *fields: int) -> None:
