@@ -303,3 +303,26 @@ def test_pipeline_switch_reaches_the_prefill_worker(mode, tiny_model, tmp_path):
         assert stats.get("kv_layerwise_handoffs", 0) == (1 if mode == "layerwise" else 0), stats
     finally:
         assert serve.stop() == 0, serve.output()[-3000:]
+
+
+def test_abort_while_the_store_is_down_does_not_raise(model, connector, tmp_path):
+    """Clean-up after a failed export must survive a store that is down (a Redis outage once
+    crashed the prefill worker here): deletes that fail are logged and left to the TTL / sweep."""
+    from omnirelay.errors import TransferFailed
+
+    class DownForDeletes(_GatedConnector):
+        def delete(self, key):
+            raise TransferFailed(f"store unreachable during delete of {key!r}")
+
+    down = DownForDeletes(connector)
+    release_kv(down, "kv/nothing-here")   # missing, and its delete fails too: no exception
+    runner = local_runner(model, block_size=4, budget_bytes=1 << 20)
+    export = LayerwiseExport(down, runner.cache, [ExportSequence("kv/aborted/0", [1, 2], 7)], len(model.layers))
+    down.gate.release()
+    export.layer_done(0)
+    deadline = time.time() + 10
+    while not shm_keys(tmp_path) and time.time() < deadline:
+        time.sleep(0.01)
+    export.abort()   # the layer-0 piece cannot be deleted now: logged, not raised
+    assert len(shm_keys(tmp_path)) == 1
+    connector.delete(piece_key("kv/aborted/0", 0))

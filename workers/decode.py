@@ -34,7 +34,7 @@ from omnirelay.errors import OmniError
 
 from .forward_batch import ForwardBatch
 from .kv_cache import BlockAllocator, PagedKVCache
-from .kv_export import StagingBuffer, import_kv, release_kv
+from .kv_export import StagingBuffer, delete_quietly, import_kv, release_kv
 from .model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from .models.llama import LlamaModel
 from .sampling import SamplingParams, sample
@@ -244,7 +244,7 @@ class DecodeEngine:
         """A cancelled speech request: prefill's prompt states will never be read."""
         key = (seq.task.speech_inputs or {}).get("speech_prompt_key")
         if isinstance(key, str) and key:
-            self.connector.delete(key)
+            delete_quietly(self.connector, key)
 
     def _make_room(self, out: StepOutput) -> None:
         """Give every running sequence a slot for its next token, preempting the newest when short."""

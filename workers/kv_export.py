@@ -58,6 +58,7 @@ decode side reads is the same either way.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import enum
 import queue
 import threading
@@ -66,6 +67,8 @@ import torch
 
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError, TransferFailed
+
+log = logging.getLogger("omnirelay.worker.kv_export")
 
 TRANSFER_MODES = ("auto", "layerwise", "whole")
 # "auto" streams layers only for a step whose finishing sequences hold at least this much KV: below
@@ -184,7 +187,7 @@ class LayerwiseExport:
 
     def _delete(self, seq: ExportSequence) -> None:
         for key in seq.put_keys:
-            self.connector.delete(key)
+            delete_quietly(self.connector, key)
         seq.put_keys.clear()
         seq.handles.clear()
 
@@ -293,7 +296,7 @@ def release_kv(connector: Connector, key: str, handle: dict | None = None) -> No
     try:
         payload = connector.get(key, handle, timeout=0.0)
     except OmniError:
-        connector.delete(key)   # gone already, or never written: nothing else can be found
+        delete_quietly(connector, key)   # gone already, never written, or the store is down
         return
     _delete_manifest(connector, key, payload)
 
@@ -310,5 +313,15 @@ def _delete_manifest(connector: Connector, key: str, payload: dict) -> None:
     layers = payload.get("layerwise")
     if isinstance(layers, int):
         for layer in range(max(0, min(layers, 1 << 16))):
-            connector.delete(piece_key(key, layer))
-    connector.delete(key)
+            delete_quietly(connector, piece_key(key, layer))
+    delete_quietly(connector, key)
+
+
+def delete_quietly(connector: Connector, key: str) -> None:
+    """Clean-up after a failure or cancel: a store that is down then (a Redis outage) must not turn
+    one failed request into a dead worker. What cannot be deleted now expires by the backend's TTL
+    (Redis) or is swept with its owner's segments (shared memory)."""
+    try:
+        connector.delete(key)
+    except OmniError as exc:
+        log.warning("could not delete %r (left to expire): %s", key, exc)

@@ -50,7 +50,8 @@ from omnirelay.errors import OmniError
 
 from .block_hash import block_hashes
 from .forward_batch import ForwardBatch
-from .kv_export import LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport, release_kv
+from .kv_export import (LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport, delete_quietly,
+                        release_kv)
 from .model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sampling
 from .models.llama import LlamaModel
 from .mrope import MropeSpec, mrope_positions
@@ -205,7 +206,7 @@ class PrefillEngine:
                 # A parallel group's broadcast carries token ids and positions only, not embeddings.
                 self.waiting.popleft()
                 if isinstance(task.media.get("mm_key"), str):
-                    self.connector.delete(task.media["mm_key"])
+                    delete_quietly(self.connector, task.media["mm_key"])
                 results.append(PrefillResult(task.request_id, error_type="bad_request",
                                              message="image/audio input needs a single-process prefill worker "
                                                      "(tensor and pipeline parallel size 1)"))
@@ -239,7 +240,7 @@ class PrefillEngine:
                     media = self._load_media(task)
                 except (OmniError, ValueError, KeyError, TypeError) as exc:
                     if isinstance(task.media.get("mm_key"), str):
-                        self.connector.delete(task.media["mm_key"])
+                        delete_quietly(self.connector, task.media["mm_key"])
                     results.append(PrefillResult(task.request_id, error_type=getattr(exc, "error_type", "bad_request"),
                                                  message=f"multimodal inputs: {exc}"))
                     continue
@@ -436,4 +437,4 @@ class PrefillEngine:
         self.running.remove(seq)
         self.allocator.release(seq.blocks)
         if seq.media is not None:
-            self.connector.delete(seq.media.key)
+            delete_quietly(self.connector, seq.media.key)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from omnirelay.broker import protocol as p
 
 from .decode import DecodeEngine, DecodeTask
-from .kv_export import release_kv
+from .kv_export import delete_quietly, release_kv
 from .prefill import PrefillEngine, PrefillTask
 from .sampling import SamplingParams
 
@@ -31,7 +31,7 @@ class RoleAdapter:
                     handle = inputs.get("kv_handle")
                     release_kv(self.connector, key, handle if isinstance(handle, dict) else None)
                 else:
-                    self.connector.delete(key)
+                    delete_quietly(self.connector, key)
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
