@@ -27,7 +27,8 @@ Blocking
     ``timeout`` seconds pass (:class:`~omnirelay.errors.TransferFailed`, whose message names the
     key and, for a network backend, what failed); key-only retrieval (no handle) works for every
     backend, the handle only makes it faster, and a stale handle (the key was put again) falls back
-    to looking the key up. ``delete`` does not block on remote peers longer than one round trip.
+    to looking the key up. A handle also says the producer had finished: a backend that can tell
+    the key no longer exists (Redis restarted empty) fails at once instead of waiting out ``timeout``. ``delete`` does not block on remote peers longer than one round trip.
     Every method is safe to call from several threads.
 
 Buffers and ownership

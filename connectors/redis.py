@@ -193,6 +193,11 @@ class RedisConnector(Connector):
             try:
                 if meta is None:
                     meta = _parse_meta(self._client.get(self._meta_key(key)))
+                    if meta is None and handle is not None and last_error is None:
+                        # The producer had finished (it gave the handle) and Redis answers without
+                        # the key: the store lost it (restarted empty, evicted). Waiting cannot bring
+                        # it back, and a consumer blocked here stalls every other request it serves.
+                        raise TransferFailed(f"redis: key {key!r} is gone (it had been written; the store lost it)")
                 if meta is not None:
                     chunks = self._fetch(key, meta)
                     if chunks is not None:

@@ -232,7 +232,9 @@ def test_missing_key_fails_within_the_timeout(backend, with_handle):
     with pytest.raises(TransferFailed) as info:
         backend.conn.get(key, handle, timeout=0.4)
     elapsed = time.monotonic() - t0
-    assert 0.39 <= elapsed < 2.5, elapsed
+    # Key-only waits out the timeout (the producer may still come); with a handle the producer had
+    # finished, so a backend that can tell the key is gone may fail at once (connectors/base.py).
+    assert (0.0 if with_handle else 0.39) <= elapsed < 2.5, elapsed
     assert key in str(info.value)
 
 

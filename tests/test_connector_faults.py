@@ -173,6 +173,26 @@ def test_redis_outage_gives_a_clear_error_and_the_connector_recovers(redis_serve
         conn.close()
 
 
+def test_redis_key_lost_by_a_restart_fails_a_handle_get_at_once(redis_server):
+    """A handle says the producer had finished; when Redis comes back empty the consumer must not
+    wait out its timeout (a decode worker blocked there stalls every stream it serves)."""
+    options = {"url": redis_server.url, "prefix": f"ortest-{uuid.uuid4().hex[:8]}:", "connect_timeout_s": 1.0,
+               "socket_timeout_s": 2.0}
+    conn = create_connector("redis", options)
+    try:
+        handle = conn.put("kv", {"t": torch.arange(10)})
+        redis_server.stop()
+        redis_server.start()   # same port, empty
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed, match="is gone"):
+            conn.get("kv", handle, timeout=20)
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(TransferFailed, match="not available within 0.3s"):   # key-only still waits
+            conn.get("kv", timeout=0.3)
+    finally:
+        conn.close()
+
+
 # ------------------------------------------------------------------------- mooncake transfer engine
 
 
