@@ -23,6 +23,7 @@ import logging
 import math
 import time
 
+import msgspec
 from aiohttp import web
 
 from omnirelay.errors import (BadRequest, NotFound, OmniError, Overloaded, PayloadTooLarge, Unauthorized, Unavailable,
@@ -38,6 +39,10 @@ from .openapi import SpeechDoc, build_openapi
 from .status_page import STATUS_HTML, StatusHistory
 from .models import ModelRuntime
 from .schema import parse_chat, parse_completion
+
+
+# Compiled JSON encoding for the per-token SSE chunks: about 5x cheaper than json.dumps.
+_encode_json = msgspec.json.Encoder().encode
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -295,8 +300,10 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, timer) 
 
     async def write(data: bytes) -> None:
         try:
-            await asyncio.wait_for(response.write(data), config.stream_write_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: no task is created per write (one per token per stream).
+            async with asyncio.timeout(config.stream_write_timeout_s):
+                await response.write(data)
+        except TimeoutError:
             # The client stopped reading: give its worker slot and KV back rather than wait.
             raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
 
@@ -304,7 +311,7 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, timer) 
         payload = {**chunk_base, "choices": choices}
         if include_usage:
             payload["usage"] = usage
-        await write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+        await write(b"data: " + _encode_json(payload) + b"\n\n")
 
     stream = generation.run(request.app[BUS], gen, deadline)
     try:

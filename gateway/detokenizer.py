@@ -12,7 +12,7 @@ from __future__ import annotations
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self._tokenizer = tokenizer
+        self._decode_ids = _fast_decode(tokenizer)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -23,7 +23,7 @@ class IncrementalDetokenizer:
         self.stopped = False    # a stop string matched
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._decode_ids(ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int], final: bool = False) -> None:
         """Take new tokens; with ``final`` also flush an incomplete character at the end."""
@@ -50,3 +50,13 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted:end]
         self._emitted = end
         return delta
+
+
+def _fast_decode(tokenizer):
+    """The Rust tokenizer's own ``decode`` when it gives the same text as transformers' (no
+    clean-up pass configured): it skips ~3 µs of Python per call, and the detokenizer decodes
+    twice per token of every stream."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer.decode
+    return backend.decode
