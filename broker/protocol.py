@@ -43,11 +43,14 @@ RequestFailed         broker → gateway        structured error for one request
 StatusReply           broker → gateway        live workers per model and role, with their stats
 ErrorReply            any → sender            your message was malformed
 TokenDelta            worker → gateway        generated tokens at absolute positions (+ finish)
+TokenDeltas           worker → gateway        one decode step's TokenDeltas for one gateway
 MediaResult           worker → gateway        one finished media item (a PNG image …), base64
 ====================  ======================  ===================================================
 
 Token deltas carry the absolute position of their first token, so a receiver can drop duplicates
 and detect gaps: a stage that is replayed elsewhere may resend positions the client already has.
+A :class:`TokenDeltas` is only a batch of such deltas (one per request of a decode step, all bound
+for the same gateway): the receiver handles each as if it had come alone.
 """
 
 from __future__ import annotations
@@ -101,16 +104,18 @@ def _register(cls):
 
 _ENCODER = msgspec.msgpack.Encoder()
 # msgspec's messages, turned into this protocol's wording ("Submit.deadline: expected float, …").
-_AT_FIELD = re.compile(r"^(?P<what>.*?) - at `(?:key` in `)?\$\.(?P<field>\w+)")
-_MISSING = re.compile(r"^Object missing required field `(?P<field>\w+)`")
-_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>.*)`$", re.S)
+# A nested struct (TokenDeltas.deltas) adds where in the body: "… - at `$.deltas[3]`".
+_AT_FIELD = re.compile(r"^(?P<what>.*?) - at `(?:key` in `)?\$\.(?P<field>\w+(?:\[\d+\]\.\w+)*)")
+_NESTED = r"(?: - at `\$(?P<at>\.\w+\[\d+\])`)?$"
+_MISSING = re.compile(r"^Object missing required field `(?P<field>\w+)`" + _NESTED)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>.*?)`" + _NESTED, re.S)
 
 
 def _explain(cls: type[Message], error: str) -> str:
     if m := _MISSING.match(error):
-        return f"{cls.__name__}: missing field {m['field']!r}"
+        return f"{cls.__name__}{m['at'] or ''}: missing field {m['field']!r}"
     if m := _UNKNOWN.match(error):
-        return f"{cls.__name__}: unknown fields [{m['field'][:64]!r}]"
+        return f"{cls.__name__}{m['at'] or ''}: unknown fields [{m['field'][:64]!r}]"
     if m := _AT_FIELD.match(error):
         return f"{cls.__name__}.{m['field']}: {m['what'].replace('`', '')}"
     if error.startswith("Expected `object`"):
@@ -386,4 +391,22 @@ class MediaResult(Message):
     mime: str
     data: str
     finish: bool = False
+    worker_id: str = ""
+
+
+@_register
+class TokenDeltas(Message):
+    """The token deltas of one decode step that go to one gateway, in one message instead of one
+    each: a worker decoding for many streams would otherwise send (and the gateway receive and
+    decode) a message per stream per step. Each delta is a complete :class:`TokenDelta` of its own
+    request with its own absolute ``start``, so a receiver dispatches them one by one exactly as it
+    would single ones (de-duplication and gap filling unchanged); their ``worker_id`` is left empty,
+    this message's says who sent them all. Order within the list carries no meaning across
+    requests. Size: a step yields at most one delta per running sequence (``max_num_seqs``, a few
+    hundred at most) of about a hundred bytes each, tens of kilobytes, far under
+    :data:`MAX_BODY_BYTES`. :class:`TokenDelta` stays: prefill sends its first token alone, and a
+    gateway that predates this message must still be reached by senders that do the same."""
+
+    TAG = b"TOKS"
+    deltas: list[TokenDelta]
     worker_id: str = ""

@@ -5,7 +5,8 @@ Two sockets, one owner task:
 * a DEALER to the broker (submit, cancel, status queries; receives ``RequestFailed``,
   ``StatusReply``, ``Reregister``);
 * a PULL bound on ``tcp://<reply_host>:*`` — the ``reply_to`` endpoint that travels with each
-  request — where workers push ``TokenDelta`` straight from prefill and decode.
+  request — where workers push ``TokenDelta`` straight from prefill and decode (decode batches a
+  step's deltas for this gateway into one ``TokenDeltas``, unpacked here into single deltas).
 
 :class:`RequestStream` turns the deltas of one request into an ordered sequence of tokens: it keeps
 the next expected position, drops positions already delivered (a replayed stage may resend them)
@@ -225,13 +226,19 @@ class BusClient:
 
     def _on_worker_message(self, msg: p.Message) -> None:
         if isinstance(msg, p.TokenDelta):
-            stream = self._streams.get(msg.request_id)
-            if stream is not None:
-                stream.on_delta(msg)
+            self._on_delta(msg)
+        elif isinstance(msg, p.TokenDeltas):
+            for delta in msg.deltas:
+                self._on_delta(delta)
         elif isinstance(msg, p.MediaResult):
             stream = self._streams.get(msg.request_id)
             if stream is not None:
                 stream.on_media(msg)
+
+    def _on_delta(self, delta: p.TokenDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is not None:
+            stream.on_delta(delta)
 
     def _on_broker_restart(self) -> None:
         """The broker restarted and forgot every request: each open stream resumes from the

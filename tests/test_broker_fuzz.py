@@ -63,6 +63,8 @@ def strategy_for(hint: Any) -> st.SearchStrategy:
     """A strategy of valid values for one field annotation of a message class."""
     if hint is Any:
         return msgpack_values()
+    if isinstance(hint, type) and issubclass(hint, p.Message):   # a struct nested in another (TokenDeltas)
+        return messages_of(hint)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return st.one_of(*(strategy_for(h) for h in typing.get_args(hint)))
@@ -226,6 +228,7 @@ class Fuzzer(threading.Thread):
         elif kind == "not_for_broker":
             frames = p.encode(rng.choice([
                 p.Task("r", ROLE, MODEL, [1], {}, {}, "ipc://x", 1e12), p.TokenDelta("r", 0, [1, 2]),
+                p.TokenDeltas([p.TokenDelta("r", 0, [1]), p.TokenDelta("s", 4, [2], "stop")]),
                 p.StatusReply(1, []), p.ErrorReply("x", "y"), p.Reregister(), p.CancelTask("r")]))
         elif kind == "mutated":
             frames = p.encode(p.Submit(f"fz-{rng.random()}", "no-such-model", [ROLE], [1, 2, 3],

@@ -31,6 +31,8 @@ def _sample(hint: typing.Any) -> typing.Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is typing.Any:
         return {"nested": [1, "two", 3.5, None, True, b"\x00raw"]}
+    if isinstance(hint, type) and issubclass(hint, p.Message):   # a struct nested in another (TokenDeltas)
+        return sample_message(hint)
     if origin in (typing.Union, types.UnionType):
         return _sample(args[-1])
     if origin is list:
@@ -72,7 +74,7 @@ def test_registry_holds_every_message_the_design_names():
     names = {cls.__name__ for cls in MESSAGE_CLASSES}
     assert names >= {"Register", "Credit", "Heartbeat", "StageDone", "StageFailed", "Unregister",
                      "GatewayHello", "Submit", "Cancel", "StatusQuery", "Task", "CancelTask",
-                     "Reregister", "RequestFailed", "StatusReply", "ErrorReply", "TokenDelta"}
+                     "Reregister", "RequestFailed", "StatusReply", "ErrorReply", "TokenDelta", "TokenDeltas"}
     assert all(tag == cls.TAG for tag, cls in p._REGISTRY.items())
 
 
@@ -205,6 +207,8 @@ def test_field_name_given_as_bytes_is_an_unknown_field():
     (p.Heartbeat, "stats", {"ok": True}),              # bool value where int | float
     (p.Heartbeat, "stats", {b"tokens": 1}),            # bytes key where str
     (p.TokenDelta, "token_ids", [[1, 2]]),             # nested list where list[int]
+    (p.TokenDeltas, "deltas", {"r1": [1]}),            # map where list
+    (p.TokenDeltas, "deltas", [["r1", 0, [1]]]),       # array where a delta (a map) belongs
     (p.RequestFailed, "retry_after", "1s"),            # str where float
     (p.StatusReply, "workers", [["w1"]]),              # list item where dict
     (p.StatusReply, "queued", {"m/prefill": 1.5}),     # float value where int
@@ -212,6 +216,53 @@ def test_field_name_given_as_bytes_is_an_unknown_field():
 def test_wrong_field_type_is_rejected(cls, field, bad):
     with pytest.raises(p.ProtocolError, match=f"{cls.__name__}.{field}"):
         p.decode(frames_with(cls, **{field: bad}))
+
+
+# ------------------------------------------------------------------------------------ batched token deltas
+
+
+def test_token_deltas_round_trip_keeps_each_delta_whole():
+    deltas = [p.TokenDelta("req-a", 17, [101]), p.TokenDelta("req-b", 3, [7], "stop"),
+              p.TokenDelta("req-c", 0, [5, 6], "length")]
+    msg = p.TokenDeltas(deltas, worker_id="dec-1")
+    decoded = p.decode(p.encode(msg))
+    assert decoded == msg and type(decoded) is p.TokenDeltas
+    assert all(type(d) is p.TokenDelta for d in decoded.deltas)
+    assert [(d.request_id, d.start, d.token_ids, d.finish_reason) for d in decoded.deltas] == \
+        [("req-a", 17, [101], ""), ("req-b", 3, [7], "stop"), ("req-c", 0, [5, 6], "length")]
+    # The inner deltas' defaults travel as omitted fields too: no per-delta worker id on the wire.
+    body = msgpack.unpackb(p.encode(msg)[2], raw=False)
+    assert body["deltas"][0] == {"request_id": "req-a", "start": 17, "token_ids": [101]}
+
+
+def _token_deltas_frames(*deltas: dict) -> list[bytes]:
+    return [p.VERSION_FRAME, p.TokenDeltas.TAG, msgpack.packb({"deltas": list(deltas)}, use_bin_type=True)]
+
+
+GOOD_DELTA = {"request_id": "r1", "start": 0, "token_ids": [1]}
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ({**GOOD_DELTA, "start": "0"}, r"TokenDeltas.deltas\[1\].start: Expected int, got str"),
+    ({**GOOD_DELTA, "start": True}, r"TokenDeltas.deltas\[1\].start: Expected int, got bool"),
+    ({**GOOD_DELTA, "token_ids": [1, 2.5]}, r"TokenDeltas.deltas\[1\].token_ids: Expected int"),
+    ({**GOOD_DELTA, "finish_reason": None}, r"TokenDeltas.deltas\[1\].finish_reason: Expected str"),
+    ({"request_id": "r1", "token_ids": [1]}, r"TokenDeltas.deltas\[1\]: missing field 'start'"),
+    ({**GOOD_DELTA, "surprise": 1}, r"TokenDeltas.deltas\[1\]: unknown fields \['surprise'\]"),
+    ({**GOOD_DELTA, "a`b": 1}, r"TokenDeltas.deltas\[1\]: unknown fields \['a`b'\]"),
+    ("r1", r"TokenDeltas.deltas: Expected object, got str"),
+], ids=["str-start", "bool-start", "float-token", "nil-finish", "missing-start", "unknown-field",
+        "backtick-field", "not-a-map"])
+def test_malformed_nested_delta_rejects_the_whole_message(bad, expected):
+    """A bad delta behind a good one: validation reaches inside the list, strict as for a lone
+    TokenDelta, and names where the fault is; nothing of the message is delivered."""
+    with pytest.raises(p.ProtocolError, match=expected):
+        p.decode(_token_deltas_frames(GOOD_DELTA, bad))
+
+
+def test_token_deltas_with_no_deltas_field_is_rejected():
+    with pytest.raises(p.ProtocolError, match="TokenDeltas: missing field 'deltas'"):
+        p.decode([p.VERSION_FRAME, p.TokenDeltas.TAG, msgpack.packb({"worker_id": "w"})])
 
 
 # ------------------------------------------------------------------------------------ fuzzing

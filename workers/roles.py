@@ -1,15 +1,16 @@
-"""Adapters between bus messages and the engines: ``Task`` in, ``TokenDelta``/``StageDone``/
-``StageFailed`` out. One adapter per role; the runtime treats them alike.
+"""Adapters between bus messages and the engines: ``Task`` in, ``TokenDelta``/``TokenDeltas``/
+``StageDone``/``StageFailed`` out. One adapter per role; the runtime treats them alike.
 
 Each outgoing message is addressed either to :data:`BROKER` or to a gateway's ``reply_to``
-endpoint, so the runtime knows which socket to use without looking inside.
+endpoint, so the runtime knows which socket to use without looking inside. The runtime sends a
+step's list in order, so a stage report placed after a token delta is sent after it.
 """
 
 from __future__ import annotations
 
 from omnirelay.broker import protocol as p
 
-from .decode import DecodeEngine, DecodeTask
+from .decode import DecodeEngine, DecodeTask, TokenOut
 from .kv_export import delete_quietly, release_kv
 from .prefill import PrefillEngine, PrefillTask
 from .sampling import SamplingParams
@@ -119,17 +120,30 @@ class DecodeRole(RoleAdapter):
         self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
+        """One engine step: its tokens, one message per gateway, then the stage reports of the
+        requests that finished (each after the message with its last token) and the failures."""
         result = self.engine.step()
-        out: list[Outbound] = []
-        # One delta per request per step; a request's tokens in a step are consecutive.
-        for token in result.tokens:
-            out.append((token.reply_to, p.TokenDelta(token.request_id, token.position, [token.token],
-                                                     token.finish_reason, self.worker_id)))
+        by_gateway: dict[str, list[TokenOut]] = {}
+        reports: list[Outbound] = []
+        for token in result.tokens:   # one token per running request per step
+            by_gateway.setdefault(token.reply_to, []).append(token)
             if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
-                out.append(self._done(token.request_id, token.outputs or {}, token.outputs is None))
+                reports.append(self._done(token.request_id, token.outputs or {}, token.outputs is None))
+        out = [(reply_to, self._token_message(tokens)) for reply_to, tokens in by_gateway.items()]
+        out += reports
         for request_id, _reply_to, error_type, message in result.failed:
             out.append(self.failure(request_id, self.role, error_type, message))
         return out
+
+    def _token_message(self, tokens: list[TokenOut]) -> p.Message:
+        """One gateway's tokens of one step as one message. A lone token goes as a plain
+        TokenDelta: wrapping it saves no send, and a gateway serving a single stream keeps
+        receiving exactly what it did before TokenDeltas existed."""
+        if len(tokens) == 1:
+            (t,) = tokens
+            return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, self.worker_id)
+        return p.TokenDeltas([p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason) for t in tokens],
+                             self.worker_id)
 
 
 def _speech_mode(sampling: dict) -> str:
