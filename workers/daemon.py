@@ -85,6 +85,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
                                kv_transfer=config.kv_transfer,
                                mrope=MropeSpec.from_config(json.loads((Path(config.model_path) / "config.json").read_text())))
         role = PrefillRole(config.worker_id, engine)
+        closes_first: tuple = ()
 
         def stats() -> dict:
             return {"running": len(engine.running), "waiting": len(engine.waiting),
@@ -94,6 +95,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
     else:
         engine = DecodeEngine(runner, None, connector, max_num_seqs=config.capacity, max_model_len=max_model_len)
         role = DecodeRole(config.worker_id, engine)
+        closes_first = (engine,)   # joins its KV import threads, which use the connector
 
         def stats() -> dict:
             return {"running": len(engine.running), "waiting": len(engine.waiting),
@@ -102,7 +104,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
     log.info("%s worker %s ready: model %s (%s), max_model_len %d", config.role, config.worker_id,
              config.model_path, config.dtype, max_model_len)
     # The runner is owned too: closing it stops ranks 1..N-1 of a parallel group.
-    return WorkerRuntime(config, role, stats, shutdown, keys, owned=(connector, runner))
+    return WorkerRuntime(config, role, stats, shutdown, keys, owned=(*closes_first, connector, runner))
 
 
 def _model_runner(config: WorkerConfig) -> ModelRunner:

@@ -2,23 +2,34 @@
 
 Life of a request through this engine::
 
-    add(DecodeTask) ──▶ waiting ──admit: blocks free and a batch slot──▶ load KV from the connector
-        into its blocks, delete the key ──▶ running ──step() × n: one token per running sequence──▶
-        finished (EOS / stop token / max_tokens / context full) → blocks released
+    add(DecodeTask) ──▶ waiting ──next step: its KV import starts (KVPrefetcher: connector gets on
+        a background thread, every key deleted)──▶ importing KV ──▶ ready: KV on the host
+        ──admit: blocks free and a batch slot──▶ KV written into its blocks ──▶ running
+        ──step() × n: one token per running sequence──▶ finished (EOS / stop token / max_tokens /
+        context full) → blocks released
+    importing KV ──the import failed──▶ failed with the error's error_type
+    waiting / importing / ready ──cancel or deadline──▶ gone: its import dropped and its keys
+        released (an import in flight runs out its own get first, see kv_prefetch)
 
     running ──blocks ran out──▶ preempted: blocks released, back to the front of waiting; on
         re-admission its KV is recomputed from prompt + tokens so far (never a failure); a
         multimodal sequence instead keeps its KV in host memory and gets it back as it was (its
         media embeddings are not in the token ids), and runs at rotary position index + rope delta
 
-Every ``step()`` first admits waiting sequences, rebuilds the KV of re-admitted preempted ones in
-one packed forward straight into their new blocks, makes room for the running ones (preempting the
-most recently admitted when the pool is short), then runs one batched forward for all running
-sequences; sequences of any length join and leave between steps without copying anyone's blocks.
+Every ``step()`` first hands new requests' KV imports to the prefetcher, admits waiting sequences
+whose KV is ready (in arrival order; one still importing is passed over, not waited for) and
+re-admits preempted ones, rebuilds the KV of those in one packed forward straight into their new
+blocks, makes room for the running ones (preempting the most recently admitted when the pool is
+short), then runs one batched forward for all running sequences; sequences of any length join and
+leave between steps without copying anyone's blocks. A slow connector (a Redis outage, a layerwise
+KV still arriving) thus delays only the request whose KV it is, never the running batch. A step with
+nothing to run while imports are pending waits briefly for one to finish rather than spin.
 The block allocator lives here; the model and its pool sit behind a
 :class:`~omnirelay.workers.model_runner.ModelRunner` (this process, or a TP/PP group whose pools
-hold head/layer shards of the same block ids). The engine holds no sockets: it returns token
-deltas and finished/failed requests to the runtime.
+hold head/layer shards of the same block ids): the imports run in this process (rank 0) and only
+the step thread writes into the pool. The engine holds no sockets: it returns token deltas and
+finished/failed requests to the runtime. Its owner calls :meth:`DecodeEngine.close`, which joins the
+import threads (before the connector is closed).
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ from omnirelay.errors import OmniError
 
 from .forward_batch import ForwardBatch
 from .kv_cache import BlockAllocator, PagedKVCache
-from .kv_export import StagingBuffer, delete_quietly, import_kv, release_kv
+from .kv_export import delete_quietly, release_kv
+from .kv_prefetch import ImportState, KVImport, KVPrefetcher
 from .model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from .models.llama import LlamaModel
 from .sampling import SamplingParams, sample
@@ -69,6 +81,7 @@ class Sequence:
     num_cached: int = 0            # tokens whose KV is in this sequence's blocks
     needs_recompute: bool = False  # preempted: KV must be rebuilt from tokens
     swapped: torch.Tensor | None = None   # preempted media sequence: its KV, kept in host memory
+    kv_import: KVImport | None = None     # the prefill's KV on its way; owns task.kv_key once started
     hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm state of each fed token
 
     @property
@@ -98,10 +111,16 @@ class StepOutput:
 
 class DecodeEngine:
     """``model`` and ``cache``: a :class:`LlamaModel` and its local pool, or a :class:`ModelRunner`
-    (e.g. rank 0 of a tensor-parallel group, whose ranks hold the pools) and ``cache=None``."""
+    (e.g. rank 0 of a tensor-parallel group, whose ranks hold the pools) and ``cache=None``.
+    ``kv_import_threads``: the threads importing new requests' KVs (see
+    :mod:`~omnirelay.workers.kv_prefetch`); at most ``max_num_seqs`` imported KVs wait for admission."""
+
+    # A step with nothing running sleeps at most this long for an import to finish: bounds how late
+    # the runtime, which polls the bus between steps, sees a new task or a cancel meanwhile.
+    IDLE_WAIT_S = 0.02
 
     def __init__(self, model: LlamaModel | ModelRunner, cache: PagedKVCache | None, connector: Connector, *,
-                 max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0):
+                 max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0, kv_import_threads: int = 2):
         if isinstance(model, LlamaModel):
             self.runner: ModelRunner = LocalRunner(model, cache)
             self.allocator = cache.allocator
@@ -114,7 +133,8 @@ class DecodeEngine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.transfer_timeout_s = transfer_timeout_s
-        self._staging = StagingBuffer()   # a layerwise KV is assembled here, then written to the pool
+        self._prefetch = KVPrefetcher(connector, timeout_s=transfer_timeout_s, max_held=max_num_seqs,
+                                      threads=kv_import_threads)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.stats = collections.Counter()
@@ -125,7 +145,7 @@ class DecodeEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running)   # waiting includes sequences whose KV is importing
 
     def add(self, task: DecodeTask) -> None:
         self.waiting.append(Sequence(task=task, generated=[task.first_token]))
@@ -146,6 +166,11 @@ class DecodeEngine:
                 return True
         return False
 
+    def close(self) -> None:
+        """Stop and join the KV import threads (an import in flight runs out its get first). Call
+        before closing the connector. Idempotent."""
+        self._prefetch.close()
+
     # ------------------------------------------------------------------ one step
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -154,11 +179,16 @@ class DecodeEngine:
     def step(self) -> StepOutput:
         out = StepOutput()
         self._expire(out)
+        self._start_imports(out)
         self._admit(out)
         self._recompute()
         self._make_room(out)
         if self.running:
             self._forward(out)
+        # A gauge, not a count: the heartbeat carries the engine's stats.
+        self.stats["kv_imports_inflight"] = pending = self._prefetch.num_pending
+        if pending and not (self.running or out.tokens or out.failed):   # never delays what this step made
+            self._prefetch.wait_for_news(self.IDLE_WAIT_S)
         return out
 
     def _expire(self, out: StepOutput) -> None:
@@ -167,49 +197,71 @@ class DecodeEngine:
             self.cancel(seq.request_id)
             out.failed.append((seq.request_id, seq.task.reply_to, "deadline_exceeded", "deadline passed in decode"))
 
+    def _start_imports(self, out: StepOutput) -> None:
+        """Hand new requests' KVs to the prefetcher (first failing those this worker cannot serve, so
+        their KVs are never read). Done here rather than in add(): a cancel before the first step
+        then releases the keys at once, with no import racing it."""
+        for seq in list(self.waiting):
+            if seq.needs_recompute or seq.kv_import is not None or self._rejected(seq, out):
+                continue
+            key, seq.task.kv_key = seq.task.kv_key, ""
+            seq.kv_import = self._prefetch.submit(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
+                                                  seq.task.deadline)
+
+    def _rejected(self, seq: Sequence, out: StepOutput) -> bool:
+        """Fail (and take out of waiting) a sequence this worker can never run."""
+        cached = seq.total_len - 1
+        if self.blocks_needed(cached + 1) > self.runner.num_blocks - 1:
+            error = ("out_of_memory", f"sequence of {cached + 1} tokens exceeds the whole KV pool")
+        elif (seq.task.has_media or seq.task.rope_delta) and not isinstance(self.runner, LocalRunner):
+            # a parallel group's broadcast carries no rotary offsets
+            error = ("bad_request", "image/audio input needs a single-process decode worker "
+                     "(tensor and pipeline parallel size 1)")
+        elif seq.task.speech_inputs is not None and not isinstance(self.runner, LocalRunner):
+            error = ("bad_request", "speech output needs a single-process decode worker "
+                     "(tensor and pipeline parallel size 1)")
+        else:
+            return False
+        self.waiting.remove(seq)
+        self._drop_kv_key(seq)
+        self._drop_speech_key(seq)
+        out.failed.append((seq.request_id, seq.task.reply_to, *error))
+        return True
+
     def _admit(self, out: StepOutput) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        """Admit waiting sequences in order while slots and blocks last. A new one whose KV is still
+        importing is passed over (a later one may be ready); one that does not fit stops admission,
+        so that a long sequence is not starved by shorter ones behind it."""
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                return
+            if self._rejected(seq, out):   # a preempted sequence that outgrew the pool
+                continue
+            fresh = not seq.needs_recompute
+            if fresh and not seq.kv_import.finished:
+                continue
+            if fresh and seq.kv_import.state is ImportState.FAILED:
+                self.waiting.remove(seq)
+                error = seq.kv_import.error
+                out.failed.append((seq.request_id, seq.task.reply_to, error.error_type, str(error)))
+                continue
             # Room for the cached tokens plus the one this step writes.
             cached = seq.total_len - 1
             needed = self.blocks_needed(cached + 1)
-            if needed > self.runner.num_blocks - 1:
-                self.waiting.popleft()
-                self._drop_kv_key(seq)
-                out.failed.append((seq.request_id, seq.task.reply_to, "out_of_memory",
-                                   f"sequence of {cached + 1} tokens exceeds the whole KV pool"))
-                continue
-            if (seq.task.has_media or seq.task.rope_delta) and not isinstance(self.runner, LocalRunner):
-                self.waiting.popleft()   # a parallel group's broadcast carries no rotary offsets
-                self._drop_kv_key(seq)
-                self._drop_speech_key(seq)
-                out.failed.append((seq.request_id, seq.task.reply_to, "bad_request", "image/audio input needs a "
-                                   "single-process decode worker (tensor and pipeline parallel size 1)"))
-                continue
-            if seq.task.speech_inputs is not None and not isinstance(self.runner, LocalRunner):
-                self.waiting.popleft()
-                self._drop_kv_key(seq)
-                self._drop_speech_key(seq)
-                out.failed.append((seq.request_id, seq.task.reply_to, "bad_request", "speech output needs a "
-                                   "single-process decode worker (tensor and pipeline parallel size 1)"))
-                continue
             if needed > self.allocator.free:
                 return
-            self.waiting.popleft()
-            if not seq.needs_recompute:
-                try:
-                    kv = self._load_kv(seq)
-                except OmniError as exc:
-                    out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
-                    continue
+            self.waiting.remove(seq)
             seq.blocks = self.allocator.allocate(needed)
             if seq.swapped is not None:   # a preempted media sequence: its KV comes back as it left
                 self.runner.write_kv(seq.blocks, seq.swapped)
                 seq.num_cached, seq.swapped, seq.needs_recompute = seq.swapped.shape[2], None, False
                 self.stats["kv_swapped_in"] += 1
-            elif not seq.needs_recompute:
-                self.runner.write_kv(seq.blocks, kv)
+            elif fresh:
+                with self._prefetch.take(seq.kv_import) as kv:
+                    self.runner.write_kv(seq.blocks, kv)
+                seq.kv_import = None
                 seq.num_cached = cached
+                self.stats["kv_loads"] += 1
             self.running.append(seq)
 
     def _recompute(self) -> None:
@@ -224,19 +276,11 @@ class DecodeEngine:
             seq.num_cached, seq.needs_recompute = len(tokens), False
             self.stats["recomputed_tokens"] += len(tokens)
 
-    def _load_kv(self, seq: Sequence) -> torch.Tensor:
-        """The prefill's KV, whole or layer by layer (:func:`~omnirelay.workers.kv_export.import_kv`
-        assembles the pieces once the manifest is there); its keys are gone when this returns."""
-        key, seq.task.kv_key = seq.task.kv_key, ""
-        kv = import_kv(self.connector, key, seq.task.kv_handle, timeout=self.transfer_timeout_s, staging=self._staging)
-        if kv.shape[2] != len(seq.task.prompt_token_ids):
-            raise OmniError(f"KV for {seq.request_id} covers {kv.shape[2]} tokens, "
-                            f"prompt has {len(seq.task.prompt_token_ids)}")
-        self.stats["kv_loads"] += 1
-        return kv
-
     def _drop_kv_key(self, seq: Sequence) -> None:
-        if seq.task.kv_key:
+        if seq.kv_import is not None:   # the import owns the key: it releases it, now or when it returns
+            self._prefetch.cancel(seq.kv_import)
+            seq.kv_import = None
+        elif seq.task.kv_key:
             release_kv(self.connector, seq.task.kv_key, seq.task.kv_handle)   # a layerwise KV's pieces too
             seq.task.kv_key = ""
 

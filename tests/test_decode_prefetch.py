@@ -1,0 +1,314 @@
+"""Decode's KV prefetch (workers/kv_prefetch.py): a slow KV import no longer stalls the running batch.
+
+No network: real prefill and decode engines in this process, the real shared-memory connector in a
+private directory between them. The decode side reads through :class:`_HeldGets`, which forwards to
+that connector but can hold the gets of chosen keys until the test lets them through, so "while an
+import is pending" is a state the test controls: progress is counted in steps and tokens, never
+timed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from omnirelay.connectors import Connector, create_connector
+from omnirelay.workers.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.kv_cache import PagedKVCache
+from omnirelay.workers.kv_export import piece_key
+from omnirelay.workers.kv_prefetch import ImportState
+from omnirelay.workers.models.llama import LlamaModel
+from omnirelay.workers.prefill import PrefillEngine
+
+from engine_support import (  # noqa: F401  (fixtures)
+    GREEDY, QUESTIONS, chat_ids, connector, reference, run_prefill, tok)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    torch.set_num_threads(1)
+    return LlamaModel(tiny_model)
+
+
+def shm_keys(directory) -> list[str]:
+    """Published key entries of the shared-memory connector (symlinks; segments are plain files)."""
+    return sorted(n for n in os.listdir(directory) if os.path.islink(os.path.join(directory, n)))
+
+
+class _HeldGets(Connector):
+    """The real connector, except that a get of a held key waits until :meth:`let_through`."""
+
+    name = "held_gets"
+
+    def __init__(self, inner: Connector):
+        self.inner = inner
+        self._gates: dict[str, threading.Event] = {}
+        self.entered: dict[str, threading.Event] = {}
+        self.gets: list[str] = []
+        self.threads: set[threading.Thread] = set()
+
+    def hold(self, key: str) -> None:
+        self._gates[key] = threading.Event()
+        self.entered[key] = threading.Event()
+
+    def let_through(self, key: str | None = None) -> None:
+        for name, gate in self._gates.items():
+            if key is None or name == key:
+                gate.set()
+
+    def wait_entered(self, key: str) -> None:
+        assert self.entered[key].wait(10), f"no import thread reached the get of {key!r}"
+
+    def get(self, key, handle=None, timeout=30.0):
+        self.gets.append(key)
+        self.threads.add(threading.current_thread())
+        if key in self._gates:
+            self.entered[key].set()
+            assert self._gates[key].wait(30), "the test never let the get through"
+        return self.inner.get(key, handle, timeout)
+
+    def put(self, key, payload):
+        return self.inner.put(key, payload)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    def close(self):
+        pass
+
+    def health(self):
+        return self.inner.health()
+
+
+def make_decode(model, connector, *, max_num_seqs: int = 16, num_blocks: int = 256) -> DecodeEngine:
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=16, num_blocks=num_blocks)
+    return DecodeEngine(model, cache, connector, max_num_seqs=max_num_seqs, max_model_len=2048, transfer_timeout_s=5)
+
+
+def prefill(model, connector, prompts, mode: str = "whole") -> dict:
+    engine = PrefillEngine(model, connector, max_model_len=2048, kv_transfer=mode)
+    return run_prefill(engine, prompts)
+
+
+def task(rid: str, ids: list[int], result) -> DecodeTask:
+    return DecodeTask(rid, ids, result.first_token, GREEDY, time.time() + 60, "", result.outputs["kv_key"],
+                      result.outputs["kv_handle"])
+
+
+def is_running(engine: DecodeEngine, rid: str) -> bool:
+    return any(s.request_id == rid for s in engine.running)
+
+
+def waiting_seq(engine: DecodeEngine, rid: str):
+    return next(s for s in engine.waiting if s.request_id == rid)
+
+
+def step_until(engine: DecodeEngine, outputs: dict, done, max_steps: int = 500) -> list:
+    failed = []
+    for _ in range(max_steps):
+        out = engine.step()
+        failed += out.failed
+        for token in out.tokens:
+            outputs[token.request_id].append(token.token)
+        if done():
+            return failed
+    raise AssertionError("the engine did not get there")
+
+
+def test_running_sequence_keeps_stepping_while_another_kv_import_is_held(model, tok, reference, connector, tmp_path):
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
+    prefilled = prefill(model, connector, prompts)
+    held = _HeldGets(connector)
+    engine = make_decode(model, held)
+    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(2)}
+    try:
+        engine.add(task("r0", prompts[0], prefilled["r0"]))
+        step_until(engine, outputs, lambda: is_running(engine, "r0"))
+        b_key = prefilled["r1"].outputs["kv_key"]
+        held.hold(b_key)
+        engine.add(task("r1", prompts[1], prefilled["r1"]))
+        out = engine.step()   # hands r1's import to a thread
+        assert [t.request_id for t in out.tokens] == ["r0"]
+        outputs["r0"].append(out.tokens[0].token)
+        held.wait_entered(b_key)
+        # r1's get is blocked: every step still produces r0's next token.
+        steps_while_held = 6
+        for _ in range(steps_while_held):
+            out = engine.step()
+            assert [t.request_id for t in out.tokens] == ["r0"] and not out.failed
+            outputs["r0"].append(out.tokens[0].token)
+            assert waiting_seq(engine, "r1").kv_import.state is ImportState.IMPORTING
+            assert engine.stats["kv_imports_inflight"] == 1
+        held.let_through(b_key)
+        failed = step_until(engine, outputs, lambda: not engine.has_work)
+        assert not failed
+    finally:
+        held.let_through()
+        engine.close()
+    assert engine.stats["kv_loads"] == 2 and engine.stats["kv_imports_inflight"] == 0
+    for i, ids in enumerate(prompts):
+        assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
+    assert shm_keys(tmp_path) == []
+    assert not any(t.is_alive() for t in held.threads)   # close() joined the import threads
+
+
+def test_greedy_output_with_a_held_import_equals_transformers(model, tok, reference, connector, tmp_path):
+    """The same scenario, recording every token: both streams equal transformers'."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
+    prefilled = prefill(model, connector, prompts, mode="layerwise")
+    held = _HeldGets(connector)
+    engine = make_decode(model, held)
+    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(3)}
+    try:
+        engine.add(task("r0", prompts[0], prefilled["r0"]))
+        step_until(engine, outputs, lambda: is_running(engine, "r0"))
+        slow = piece_key(prefilled["r1"].outputs["kv_key"], 1)   # r1's layerwise KV: its second piece is late
+        held.hold(slow)
+        engine.add(task("r1", prompts[1], prefilled["r1"]))
+        engine.add(task("r2", prompts[2], prefilled["r2"]))   # arrives later, but its KV is there: admitted first
+        step_until(engine, outputs, lambda: held.entered[slow].is_set() and is_running(engine, "r2"))
+        for _ in range(4):   # r1's import is stuck on a piece: the others keep producing tokens
+            out = engine.step()
+            for token in out.tokens:
+                outputs[token.request_id].append(token.token)
+            assert out.tokens and "r1" not in {t.request_id for t in out.tokens}
+        assert waiting_seq(engine, "r1").kv_import.state is ImportState.IMPORTING
+        held.let_through()
+        assert not step_until(engine, outputs, lambda: not engine.has_work)
+    finally:
+        held.let_through()
+        engine.close()
+    for i, ids in enumerate(prompts):
+        assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
+    assert shm_keys(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", ["whole", "layerwise"])
+def test_cancel_while_the_import_is_in_flight_leaves_no_key(model, tok, connector, tmp_path, mode):
+    prompts = [chat_ids(tok, QUESTIONS[2])]
+    result = prefill(model, connector, prompts, mode=mode)["r0"]
+    key = result.outputs["kv_key"]
+    layers = model.config.num_layers
+    assert len(shm_keys(tmp_path)) == (1 if mode == "whole" else layers + 1)
+    held = _HeldGets(connector)
+    gated = key if mode == "whole" else piece_key(key, 1)
+    held.hold(gated)
+    engine = make_decode(model, held)
+    try:
+        engine.add(task("r0", prompts[0], result))
+        assert not engine.step().failed
+        held.wait_entered(gated)
+        assert engine.cancel("r0") and not engine.has_work
+        held.let_through()
+    finally:
+        held.let_through()
+        engine.close()   # joins the import thread: it has returned and dropped its result
+    assert shm_keys(tmp_path) == []
+    if mode == "layerwise":   # pieces 0 and 1 were read; the rest were deleted unread
+        assert [k for k in held.gets if k != key] == [piece_key(key, 0), piece_key(key, 1)]
+
+
+def test_deadline_while_the_import_is_in_flight_leaves_no_key(model, tok, connector, tmp_path):
+    prompts = [chat_ids(tok, QUESTIONS[1])]
+    result = prefill(model, connector, prompts)["r0"]
+    held = _HeldGets(connector)
+    held.hold(result.outputs["kv_key"])
+    engine = make_decode(model, held)
+    try:
+        t = task("r0", prompts[0], result)
+        engine.add(t)
+        engine.step()
+        held.wait_entered(result.outputs["kv_key"])
+        engine.waiting[0].task.deadline = time.time() - 1
+        out = engine.step()
+        assert [(f[0], f[2]) for f in out.failed] == [("r0", "deadline_exceeded")] and not engine.has_work
+    finally:
+        held.let_through()
+        engine.close()
+    assert shm_keys(tmp_path) == []
+
+
+def test_import_error_fails_only_that_request(model, tok, reference, connector, tmp_path):
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
+    prefilled = prefill(model, connector, prompts)
+    # The decode side's own connector on the same directory; its 2nd get fails (r1's import).
+    faulty = create_connector("fault_injection", {"inner": "shared_memory", "inner_options": {"shm_dir": str(tmp_path)},
+                                                  "fail_every_nth_get": 2})
+    engine = make_decode(model, faulty)
+    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(2)}
+    try:
+        engine.add(task("r0", prompts[0], prefilled["r0"]))
+        assert not step_until(engine, outputs, lambda: is_running(engine, "r0"))
+        engine.add(task("r1", prompts[1], prefilled["r1"]))
+        failed = step_until(engine, outputs, lambda: not engine.has_work)
+    finally:
+        engine.close()
+        faulty.close()
+    assert [(f[0], f[2]) for f in failed] == [("r1", "transfer_failed")]
+    assert "failed on purpose" in failed[0][3]
+    assert outputs["r0"] == reference(prompts[0]) and outputs["r1"] == [prefilled["r1"].first_token]
+    assert engine.stats["kv_loads"] == 1
+
+
+def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connector, tmp_path):
+    """At most max_num_seqs KVs are held imported-or-importing; the next import starts when one leaves."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
+    prefilled = prefill(model, connector, prompts)
+    keys = [prefilled[f"r{i}"].outputs["kv_key"] for i in range(3)]
+    held = _HeldGets(connector)
+    for key in keys[:2]:
+        held.hold(key)
+    engine = make_decode(model, held, max_num_seqs=2)
+    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(3)}
+    try:
+        for i in range(3):
+            engine.add(task(f"r{i}", prompts[i], prefilled[f"r{i}"]))
+        engine.step()
+        for key in keys[:2]:
+            held.wait_entered(key)
+        # Nothing runs and only imports are pending: a step waits for one instead of spinning.
+        started = time.monotonic()
+        for _ in range(3):
+            assert not engine.step().tokens
+        assert time.monotonic() - started >= 2 * DecodeEngine.IDLE_WAIT_S
+        assert waiting_seq(engine, "r2").kv_import.state is ImportState.QUEUED and keys[2] not in held.gets
+        assert engine.stats["kv_imports_inflight"] == 3
+        held.let_through()
+        assert not step_until(engine, outputs, lambda: not engine.has_work)
+    finally:
+        held.let_through()
+        engine.close()
+    for i, ids in enumerate(prompts):
+        assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
+    assert shm_keys(tmp_path) == []
+
+
+def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connector, tmp_path):
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
+    prefilled = prefill(model, connector, prompts)
+    keys = [prefilled[f"r{i}"].outputs["kv_key"] for i in range(2)]
+    held = _HeldGets(connector)
+    held.hold(keys[0])
+    engine = make_decode(model, held, max_num_seqs=1)   # r1's import waits behind r0's
+    engine.add(task("r0", prompts[0], prefilled["r0"]))
+    engine.add(task("r1", prompts[1], prefilled["r1"]))
+    engine.step()
+    held.wait_entered(keys[0])
+    queued = waiting_seq(engine, "r1").kv_import
+    assert queued.state is ImportState.QUEUED
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()   # waits for r0's get, which it cannot interrupt
+    held.let_through()
+    closer.join(10)
+    assert not closer.is_alive() and not any(t.is_alive() for t in held.threads)
+    # r1's import never started; close() released its key (one get without waiting, then delete).
+    assert queued.state is ImportState.CANCELLED and held.gets.count(keys[1]) == 1
+    assert shm_keys(tmp_path) == []
+    engine.close()   # idempotent
