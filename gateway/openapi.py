@@ -214,15 +214,25 @@ def _speech_paths(speech: SpeechDoc) -> dict:
         "max_audio_tokens": {"type": "integer", "minimum": 0, "maximum": sp.MAX_CODES,
                              "description": "extension: the talker's codec-token budget (0, the default: in "
                                             "proportion to the text)"},
-        "stream_format": {"type": "string", "enum": ["audio"], "nullable": True,
-                          "description": "only 'audio' (the file is the body); 'sse' is 422"}}}
+        "stream_format": {"type": "string", "enum": ["sse", "audio"], "nullable": True,
+                          "description": "stream while the talker speaks: 'audio', the file as a chunked body; "
+                                         "'sse', text/event-stream events (flac: its bytes come at the end)"}}}
     mimes = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
-    audio = {"description": "the audio file (pcm: raw 16-bit little-endian mono)", "content": {
-        mimes[fmt]: {"schema": {"type": "string", "format": "binary"}} for fmt in speech.formats}}
+    audio = {"description": "the audio file (pcm: raw 16-bit little-endian mono); with stream_format 'sse' "
+                            "the events (gateway/speech.py: _speech_events)", "content": {
+        **{mimes[fmt]: {"schema": {"type": "string", "format": "binary"}} for fmt in speech.formats},
+        "text/event-stream": {"schema": {"type": "string", "description": _SPEECH_EVENTS}}}}
     return {"/v1/audio/speech": {"post": {
         "operationId": "createSpeech",
         "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
         "responses": {"200": audio, **_errors(*_GENERATION_ERRORS)}}}}
+
+
+_SPEECH_EVENTS = (
+    'lines "data: <json>": {"type": "speech.audio.delta", "audio": <base64 of the next bytes of the file>} '
+    'per chunk, then {"type": "speech.audio.done", "usage": {"input_tokens", "output_tokens" (the talker\'s '
+    'codec tokens), "total_tokens"}}; a failure after the first event ends the stream with '
+    '{"type": "error", "error": {...}, "request_id", "stage"}')
 
 
 def _voice(speech: SpeechDoc) -> dict:

@@ -28,7 +28,20 @@ Life of ``POST /v1/audio/speech``::
         first, so a failure still gets its status; the worker synthesises the utterance whole)
         ──▶ ``stream_format: "audio"`` (asked for explicitly): incremental synthesis, each chunk written
         to a chunked body as it arrives (a failure after the first chunk breaks the connection:
-        the status is gone). 'sse' is 422.
+        the status is gone)
+        ──▶ ``stream_format: "sse"``: the same incremental synthesis (the same bytes), as OpenAI's
+        events: ``{"type": "speech.audio.delta", "audio": <base64>}`` per chunk, then
+        ``{"type": "speech.audio.done", "usage": {input_tokens, output_tokens, total_tokens}}``; a
+        failure after the first event is one last ``{"type": "error", "error": …, "request_id",
+        "stage"}`` event (the error body of every other route), then the end of the stream.
+
+Both streams concatenate to the file: ``pcm`` is raw PCM from the first byte, ``wav`` starts with a
+header of unknown length (above). FLAC is accepted by both, synthesised whole: its bytes arrive
+together once the utterance is done (the FLAC header wants the length; a client that always asks for
+a stream still gets every format this server has). Usage of the ``sse`` stream: ``input_tokens`` the
+prompt's tokens (template + text, what prefill computed), ``output_tokens`` the talker's codec
+tokens (:class:`SpokenAudio`: recovered from the audio's length — the worker reports its count to
+the broker only).
 
 Why teacher forcing: Qwen2.5-Omni's talker speaks the text whose thinker states it reads; states of
 the text as the assistant's own reply are exactly what decode would have produced, had the thinker
@@ -76,6 +89,10 @@ MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 UNSUPPORTED_FORMATS = ("mp3", "opus", "aac")
 # The sampling key asking the speech worker to stream (workers/speech_role.py's STREAM_KEY).
 AUDIO_STREAM_KEY = "audio_stream"
+STREAM_FORMATS = ("sse", "audio")
+# Qwen2.5-Omni's codec runs at 50 codes a second: token2wav turns each code into 480 samples at 24 kHz.
+CODES_PER_SECOND, SAMPLE_RATE = 50, 24000
+WAV_HEADER_BYTES = 44   # the one-shot's and the streamed header (workers/speech_role.py) alike
 
 
 def flac_available() -> bool:
@@ -304,9 +321,9 @@ async def audio_speech(request: web.Request) -> web.Response:
         raise Unprocessable("'instructions' are not supported: this model's voices take no style prompt",
                             param="instructions")
     stream_format = body.get("stream_format")
-    if stream_format not in (None, "audio"):
+    if stream_format is not None and stream_format not in STREAM_FORMATS:
         raise Unprocessable(f"stream_format {stream_format!r} is not supported; 'audio' streams the file as the "
-                            "response body", param="stream_format")
+                            "response body, 'sse' as speech.audio.delta events", param="stream_format")
     speed = body.get("speed", 1.0)
     prompt = model.encode_chat([{"role": "user", "content": text}])
     reply = model.encode_text(text) + [_reply_end_token(model)]
@@ -321,7 +338,7 @@ async def audio_speech(request: web.Request) -> web.Response:
     request_id = f"speech-{uuid.uuid4().hex}"
     config = request.app[CONFIG]
     timer = request.app[METRICS].timer(model.name)
-    streamed = stream_format == "audio"
+    streamed = stream_format is not None
     if streamed:
         sampling[AUDIO_STREAM_KEY] = True
     items = speak(request.app[BUS], model=model.name, stages=stages, prompt_token_ids=ids, sampling=sampling,
@@ -330,7 +347,11 @@ async def audio_speech(request: web.Request) -> web.Response:
     outcome, parts = "cancelled", []
     try:
         if streamed:
-            response, error = await _speech_body_stream(request, items, MIMES[fmt], request_id)
+            if stream_format == "audio":
+                response, error = await _speech_body_stream(request, items, MIMES[fmt], request_id)
+            else:
+                response, error = await _speech_events(request, items, SpokenAudio(fmt, params.speed), len(ids),
+                                                       request_id)
             if error is not None:   # after the 200 went out: the connection was broken instead
                 outcome = error.error_type
                 request.app[METRICS].errors.labels(error.error_type, error.stage or "gateway").inc()
@@ -350,9 +371,9 @@ async def audio_speech(request: web.Request) -> web.Response:
         await items.aclose()
         timer.finish(len(ids), 0, outcome)
         if not config.disable_log_requests:
-            log.info("request %s model=%s stages=%s input_tokens=%d voice=%s format=%s seed=%d streamed=%s "
+            log.info("request %s model=%s stages=%s input_tokens=%d voice=%s format=%s seed=%d stream_format=%s "
                      "outcome=%s e2e=%.3fs", request_id, model.name, "+".join(stages), len(reply), params.voice, fmt,
-                     params.seed, streamed, outcome, timer.elapsed())
+                     params.seed, stream_format, outcome, timer.elapsed())
     return web.Response(body=b"".join(parts), content_type=MIMES[fmt], headers={"X-Request-Id": request_id})
 
 
@@ -381,6 +402,76 @@ async def _speech_body_stream(request: web.Request, items, mime: str,
             request.transport.close()
         return response, exc
     return response, None
+
+
+class SpokenAudio:
+    """How many codec tokens the talker spoke, from the audio a stream carried (``usage.output_tokens``).
+
+    The worker counts its codes but tells only the broker (its stats); what reaches the gateway is
+    the audio, and token2wav makes exactly ``SAMPLE_RATE / CODES_PER_SECOND`` samples per code, so
+    the samples give the count back (the codes spoken; the talker's end-of-speech code makes no
+    audio and is not counted). Exact at speed 1 and for FLAC (whole, so resampled once); a streamed
+    resampled answer rounds each piece's length by up to half a sample, which a long one at high
+    speed can add up to a code or two."""
+
+    def __init__(self, fmt: str, speed: float):
+        self.fmt, self.speed = fmt, speed
+        self.audio_bytes = 0
+        self.flac_samples = 0
+
+    def add(self, data: str) -> None:
+        """One chunk as the worker sent it (base64), counted without decoding it."""
+        if self.fmt == "flac" and not self.audio_bytes:
+            # FLAC's STREAMINFO, the first metadata block, holds the total sample count (36 bits).
+            head = base64.b64decode(data[:36])
+            self.flac_samples = int.from_bytes(head[18:26], "big") & ((1 << 36) - 1)
+        self.audio_bytes += len(data) // 4 * 3 - data[-2:].count("=")
+
+    @property
+    def codes(self) -> int:
+        if self.fmt == "flac":
+            samples = self.flac_samples
+        else:
+            samples = max(0, self.audio_bytes - (WAV_HEADER_BYTES if self.fmt == "wav" else 0)) // 2
+        return round(samples * self.speed * CODES_PER_SECOND / SAMPLE_RATE)
+
+
+async def _speech_events(request: web.Request, items, spoken: SpokenAudio, input_tokens: int,
+                         request_id: str) -> tuple[web.StreamResponse, OmniError | None]:
+    """``stream_format: "sse"``: a ``speech.audio.delta`` event per chunk as the worker synthesises
+    it (its base64 copied through), then ``speech.audio.done`` with the usage. A failure before the
+    first chunk raises (its status still goes out); after it, the error is the last event, and returned."""
+    config = request.app[CONFIG]
+    first = await anext(items, None)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": request_id})
+    await response.prepare(request)
+
+    async def send(event: dict) -> None:
+        try:
+            async with asyncio.timeout(config.stream_write_timeout_s):
+                await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+        except TimeoutError:
+            # The client stopped reading: give the worker back rather than wait.
+            raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
+
+    error, item = None, first
+    try:
+        while item is not None:
+            spoken.add(item.data)
+            await send({"type": "speech.audio.delta", "audio": item.data})
+            item = await anext(items, None)
+        usage = {"input_tokens": input_tokens, "output_tokens": spoken.codes,
+                 "total_tokens": input_tokens + spoken.codes}
+        await send({"type": "speech.audio.done", "usage": usage})
+    except OmniError as exc:
+        # Headers are gone: the error travels as the last event, in the body every error has.
+        log.warning("request %s: speech events broken after their status went out: %s", request_id, exc)
+        exc.request_id = exc.request_id or request_id
+        error = exc
+        await send({"type": "error", **exc.to_body()})
+    await response.write_eof()
+    return response, error
 
 
 # ---------------------------------------------------------------------- chat with audio out

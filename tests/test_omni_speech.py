@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import json
 import pathlib
 import time
 import wave
@@ -35,7 +36,7 @@ from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model
 from omnirelay.errors import BadRequest, TransferFailed
 from omnirelay.speech_params import SpeechParams
 from omnirelay.workers.generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
-from omnirelay.workers.speech_role import encode_audio
+from omnirelay.workers.speech_role import encode_audio, flac_available
 
 from cluster import Cluster
 
@@ -468,8 +469,73 @@ def test_speech_endpoint_streams_the_file_as_it_is_synthesised(client, cluster):
     assert samples.shape == _wav_samples(whole).shape == (STREAM_CODES * 480,)
     assert np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01
     assert _speech_stats_after(cluster, before, requests=2)["speech_stream_early_first_chunks"] == 2
-    with pytest.raises(openai.UnprocessableEntityError, match="'sse' is not supported"):
-        client.audio.speech.create(response_format="wav", stream_format="sse", **kwargs)
+    with pytest.raises(openai.UnprocessableEntityError, match="'chunks' is not supported"):
+        client.audio.speech.create(response_format="wav", stream_format="chunks", **kwargs)
+
+
+def _speech_events(client, **kwargs) -> tuple[list[bytes], dict]:
+    """``stream_format="sse"`` through the official client: the decoded deltas and the done event
+    (which must be the last event, after at least one delta)."""
+    events = []
+    with client.audio.speech.with_streaming_response.create(stream_format="sse", **kwargs) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        for line in response.iter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                events.append(json.loads(line[len("data: "):]))
+    *deltas, done = events
+    assert deltas and all(set(e) == {"type", "audio"} and e["type"] == "speech.audio.delta" for e in deltas), events
+    assert done["type"] == "speech.audio.done", done
+    return [base64.b64decode(e["audio"]) for e in deltas], done
+
+
+def _speech_input_tokens(tiny_omni: str, text: str) -> int:
+    """The speech prompt: one user turn and the assistant header, then the text and <|im_end|>."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_omni)
+    template = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return sum(len(tok(part, add_special_tokens=False)["input_ids"]) for part in (template, text)) + 1
+
+
+def test_speech_sse_events_carry_the_audio_stream_and_usage(client, cluster, tiny_omni):
+    """``stream_format="sse"``: speech.audio.delta events from the same incremental synthesis as
+    ``stream_format="audio"`` — their audio concatenates to that body, byte for byte, in several
+    deltas — then speech.audio.done whose output_tokens is the talker's codec count as the worker
+    itself counted it, and whose input_tokens is the speech prompt's."""
+    text = "Hello there, world."
+    kwargs = dict(model=MODEL, voice="Chelsie", input=text, response_format="wav",
+                  extra_body={"seed": 7, "max_audio_tokens": STREAM_CODES})
+    with client.audio.speech.with_streaming_response.create(stream_format="audio", **kwargs) as response:
+        body = response.read()
+    before = _speech_stats(cluster)
+    deltas, done = _speech_events(client, **kwargs)
+    assert len(deltas) >= 2 and b"".join(deltas) == body
+    assert deltas[0][:4] == b"RIFF" and deltas[0][4:8] == b"\xff\xff\xff\xff"   # the streamed header, as "audio"
+    codes = _speech_stats_after(cluster, before, requests=1)["speech_stream_codes"]
+    assert codes == STREAM_CODES   # the random talker never says EOS: it speaks its whole budget
+    inputs = _speech_input_tokens(tiny_omni, text)
+    assert done["usage"] == {"input_tokens": inputs, "output_tokens": codes, "total_tokens": inputs + codes}
+
+
+def test_speech_sse_pcm_is_the_raw_samples(client):
+    """PCM deltas are raw 16-bit samples from the first byte: the streamed WAV without its header."""
+    kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.",
+                  extra_body={"seed": 7, "max_audio_tokens": STREAM_CODES})
+    with client.audio.speech.with_streaming_response.create(stream_format="audio", response_format="wav",
+                                                             **kwargs) as response:
+        wav = response.read()
+    deltas, done = _speech_events(client, response_format="pcm", **kwargs)
+    assert len(deltas) >= 2 and b"".join(deltas) == wav[44:]
+    assert done["usage"]["output_tokens"] == STREAM_CODES
+
+
+def test_speech_sse_bad_voice_is_a_json_400_before_any_event(client, cluster):
+    with pytest.raises(openai.BadRequestError, match="voice 'alloy' is not available"):
+        _speech_events(client, model=MODEL, voice="alloy", input="hi", response_format="wav")
+    r = requests.post(cluster.url + "/v1/audio/speech", timeout=30,
+                      json={"model": MODEL, "voice": "alloy", "input": "hi", "stream_format": "sse"})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["param"] == "voice" and {"request_id", "stage"} <= set(r.json())
 
 
 def test_bad_voice_and_format_are_400(client, cluster):
@@ -500,6 +566,18 @@ def test_speech_endpoint_flac_when_soundfile_is_installed(client):
     assert rate == SAMPLE_RATE and flac.content[:4] == b"fLaC"
     wav = client.audio.speech.create(response_format="wav", **kwargs)
     assert np.array_equal(samples, _wav_samples(wav.content))
+
+
+def test_speech_sse_flac_comes_whole_at_the_end(client):
+    """FLAC is not synthesised incrementally (its header wants the length): with ``sse`` its bytes
+    are the one-shot file, sent once the utterance is done; usage reads the length from its header."""
+    if not flac_available():
+        pytest.skip("no soundfile here: flac is a 400 (test_speech_endpoint_flac_when_soundfile_is_installed)")
+    kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.", response_format="flac",
+                  extra_body={"seed": 7, "max_audio_tokens": 12})
+    deltas, done = _speech_events(client, **kwargs)
+    assert b"".join(deltas) == client.audio.speech.create(**kwargs).content
+    assert done["usage"]["output_tokens"] == 12
 
 
 def test_a_one_token_reply_is_answered_as_text_without_audio(client, reference):
