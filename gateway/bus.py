@@ -86,8 +86,10 @@ class RequestStream:
         while True:
             remaining = self.deadline - time.time()
             try:
-                event = await asyncio.wait_for(self._queue.get(), timeout=max(0.0, remaining))
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: no task is created per event (one per token per stream).
+                async with asyncio.timeout(max(0.0, remaining)):
+                    event = await self._queue.get()
+            except TimeoutError:
                 raise DeadlineExceeded("request deadline passed while waiting for tokens",
                                        request_id=self.request_id) from None
             if isinstance(event, OmniError):
