@@ -18,7 +18,9 @@ extension types, bounded sizes.
 
 Compatibility: a field added later has a default, so old senders (which omit it) keep working, and
 since fields at their default are not sent, a new sender talks to an old receiver as long as it
-leaves the new field unused (the receiver rejects fields it does not know).
+leaves the new field unused (the receiver rejects fields it does not know). The same holds for a new
+message type (``TokenDeltas``): receivers are upgraded before senders — broker, then gateways,
+then workers (README, "Upgrading").
 
 Who sends what:
 
