@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from omnirelay.connectors import create_connector
 from omnirelay.workers.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv_cache import PagedKVCache
+from omnirelay.workers.models.llama import LlamaModel
 from omnirelay.workers.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.sampling import SamplingParams
 
@@ -21,6 +23,12 @@ SYSTEM = ("You are a careful assistant. Answer in short sentences, cite nothing,
 QUESTIONS = ["Hi!", "What is the capital of France?", "Write one sentence about the sea and the sky.",
              "Count from one to five.", "Tell me a short story about a cat, a dog and a very old tree.",
              "Why?"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    torch.set_num_threads(1)
+    return LlamaModel(tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +57,11 @@ def connector(tmp_path):
     conn = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
     yield conn
     conn.close()
+
+
+def shm_keys(directory) -> list[str]:
+    """Published key entries of the shared-memory connector (symlinks; segments are plain files)."""
+    return sorted(n for n in os.listdir(directory) if os.path.islink(os.path.join(directory, n)))
 
 
 def chat_ids(tok, question: str, system: str | None = None) -> list[int]:

@@ -9,34 +9,20 @@ timed.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import pytest
-import torch
 
 from omnirelay.connectors import Connector, create_connector
 from omnirelay.workers.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv_cache import PagedKVCache
 from omnirelay.workers.kv_export import piece_key
 from omnirelay.workers.kv_prefetch import ImportState
-from omnirelay.workers.models.llama import LlamaModel
 from omnirelay.workers.prefill import PrefillEngine
 
 from engine_support import (  # noqa: F401  (fixtures)
-    GREEDY, QUESTIONS, chat_ids, connector, reference, run_prefill, tok)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    torch.set_num_threads(1)
-    return LlamaModel(tiny_model)
-
-
-def shm_keys(directory) -> list[str]:
-    """Published key entries of the shared-memory connector (symlinks; segments are plain files)."""
-    return sorted(n for n in os.listdir(directory) if os.path.islink(os.path.join(directory, n)))
+    GREEDY, QUESTIONS, chat_ids, connector, model, reference, run_prefill, shm_keys, tok)
 
 
 class _HeldGets(Connector):

@@ -17,13 +17,7 @@ from omnirelay.workers.block_hash import block_hashes
 from omnirelay.workers.prefix_cache import PrefixCachingAllocator
 
 from engine_support import (  # noqa: F401  (fixtures)
-    QUESTIONS, SYSTEM, chat_ids, connector, decode_engine, reference, run_decode, run_prefill, tok)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    torch.set_num_threads(1)
-    return LlamaModel(tiny_model)
+    QUESTIONS, SYSTEM, chat_ids, connector, decode_engine, model, reference, run_decode, run_prefill, tok)
 
 
 def test_batched_chunked_prefill_and_decode_equal_transformers(model, tok, reference, connector):

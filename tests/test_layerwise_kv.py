@@ -7,7 +7,6 @@ the whole-KV path and transformers; a failed, aborted or unneeded export leaves 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -19,24 +18,13 @@ from omnirelay.connectors import create_connector
 from omnirelay.deploy.pipeline import PipelineError, parse_pipeline
 from omnirelay.workers.kv_export import ExportSequence, ExportState, LayerwiseExport, import_kv, piece_key, release_kv
 from omnirelay.workers.model_runner import local_runner
-from omnirelay.workers.models.llama import LlamaModel
 from omnirelay.workers.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.sampling import SamplingParams
 
 from connector_servers import RedisServer
 from engine_support import (  # noqa: F401  (fixtures)
-    GREEDY, QUESTIONS, chat_ids, connector, decode_engine, reference, run_decode, run_prefill, tok)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    torch.set_num_threads(1)
-    return LlamaModel(tiny_model)
-
-
-def shm_keys(directory) -> list[str]:
-    """Published key entries of the shared-memory connector (symlinks; segments are plain files)."""
-    return sorted(n for n in os.listdir(directory) if os.path.islink(os.path.join(directory, n)))
+    GREEDY, QUESTIONS, chat_ids, connector, decode_engine, model, reference, run_decode, run_prefill,
+    shm_keys, tok)
 
 
 def prefill_engine(model, connector, mode: str, **kw) -> PrefillEngine:
