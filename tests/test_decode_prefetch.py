@@ -13,12 +13,14 @@ import threading
 import time
 
 import pytest
+import torch
 
 from omnirelay.connectors import Connector, create_connector
+from omnirelay.errors import TransferFailed
 from omnirelay.workers.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv_cache import PagedKVCache
 from omnirelay.workers.kv_export import piece_key
-from omnirelay.workers.kv_prefetch import ImportState
+from omnirelay.workers.kv_prefetch import ImportState, KVPrefetcher
 from omnirelay.workers.prefill import PrefillEngine
 
 from engine_support import (  # noqa: F401  (fixtures)
@@ -26,13 +28,15 @@ from engine_support import (  # noqa: F401  (fixtures)
 
 
 class _HeldGets(Connector):
-    """The real connector, except that a get of a held key waits until :meth:`let_through`."""
+    """The real connector, except that a get of a held key waits until :meth:`let_through`, and
+    the next get of a key marked with :meth:`fail_once` fails (as a get that timed out would)."""
 
     name = "held_gets"
 
     def __init__(self, inner: Connector):
         self.inner = inner
         self._gates: dict[str, threading.Event] = {}
+        self._failing: set[str] = set()
         self.entered: dict[str, threading.Event] = {}
         self.gets: list[str] = []
         self.threads: set[threading.Thread] = set()
@@ -46,6 +50,9 @@ class _HeldGets(Connector):
             if key is None or name == key:
                 gate.set()
 
+    def fail_once(self, key: str) -> None:
+        self._failing.add(key)
+
     def wait_entered(self, key: str) -> None:
         assert self.entered[key].wait(10), f"no import thread reached the get of {key!r}"
 
@@ -55,6 +62,9 @@ class _HeldGets(Connector):
         if key in self._gates:
             self.entered[key].set()
             assert self._gates[key].wait(30), "the test never let the get through"
+        if key in self._failing:
+            self._failing.discard(key)
+            raise TransferFailed(f"get of {key!r} timed out (on purpose)")
         return self.inner.get(key, handle, timeout)
 
     def put(self, key, payload):
@@ -239,6 +249,34 @@ def test_import_error_fails_only_that_request(model, tok, reference, connector, 
     assert "failed on purpose" in failed[0][3]
     assert outputs["r0"] == reference(prompts[0]) and outputs["r1"] == [prefilled["r1"].first_token]
     assert engine.stats["kv_loads"] == 1
+    assert shm_keys(tmp_path) == []   # r1's KV was released when its import failed
+
+
+@pytest.mark.parametrize("mode", ["whole", "layerwise"])
+def test_failed_import_releases_its_keys_and_the_speech_key(model, tok, connector, tmp_path, mode):
+    """A request whose import failed is restarted from prefill under a new attempt (new keys) or
+    failed: this attempt's KV and speech prompt states will never be read, and are deleted."""
+    prompts = [chat_ids(tok, QUESTIONS[1])]
+    result = prefill(model, connector, prompts, mode=mode)["r0"]
+    key = result.outputs["kv_key"]
+    speech_key = "speech/r0/0/prompt"
+    speech_handle = connector.put(speech_key, {"hidden": torch.zeros(2, 4)})
+    assert len(shm_keys(tmp_path)) == (2 if mode == "whole" else model.config.num_layers + 2)
+    held = _HeldGets(connector)
+    held.fail_once(key)   # the manifest's get, for a layerwise KV: its pieces are still there after it
+    engine = make_decode(model, held)
+    try:
+        t = task("r0", prompts[0], result)
+        t.speech_inputs = {"speech_prompt_key": speech_key, "speech_prompt_handle": speech_handle}
+        engine.add(t)
+        outputs = {"r0": [result.first_token]}
+        failed = step_until(engine, outputs, lambda: not engine.has_work)
+        # By the time the failure is reported, the keys are gone (released before the import is FAILED).
+        assert [(f[0], f[2]) for f in failed] == [("r0", "transfer_failed")] and "on purpose" in failed[0][3]
+        assert shm_keys(tmp_path) == []
+    finally:
+        engine.close()
+    assert outputs["r0"] == [result.first_token] and engine.stats["kv_loads"] == 0
 
 
 def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connector, tmp_path):
@@ -298,3 +336,41 @@ def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connecto
     assert queued.state is ImportState.CANCELLED and held.gets.count(keys[1]) == 1
     assert shm_keys(tmp_path) == []
     engine.close()   # idempotent
+
+
+def test_close_does_not_wait_out_a_get_in_progress(model, tok, tmp_path, connector):
+    """close() joins for at most CLOSE_JOIN_S; the thread still inside a get is left to it and, once
+    the get returns, only releases the import's keys (the connector closed meanwhile) and ends."""
+    prompts = [chat_ids(tok, QUESTIONS[2])]
+    result = prefill(model, connector, prompts, mode="layerwise")["r0"]
+    key = result.outputs["kv_key"]
+    decode_side = create_connector("shared_memory", {"shm_dir": str(tmp_path)})   # the decode worker's own
+    held = _HeldGets(decode_side)
+    gated = piece_key(key, 1)
+    held.hold(gated)
+    engine = make_decode(model, held)
+    unhandled: list = []
+    hook, threading.excepthook = threading.excepthook, unhandled.append
+    try:
+        engine.add(task("r0", prompts[0], result))
+        engine.step()
+        held.wait_entered(gated)
+        (thread,) = held.threads
+        assert thread.daemon   # a thread close() gave up on does not keep the process alive
+        started = time.monotonic()
+        engine.close()
+        waited = time.monotonic() - started
+        assert KVPrefetcher.CLOSE_JOIN_S * 0.9 <= waited < 5 and thread.is_alive()
+        decode_side.close()   # what the owner does right after
+        held.let_through()
+        thread.join(10)
+        assert not thread.is_alive() and not unhandled
+    finally:
+        threading.excepthook = hook
+        held.let_through()
+        engine.close()
+        decode_side.close()
+    # Pieces 0 and 1 were read, none after; every key was deleted (a shared-memory consumer's delete
+    # works on a closed connector too).
+    assert [k for k in held.gets if k != key] == [piece_key(key, 0), gated]
+    assert shm_keys(tmp_path) == []

@@ -7,7 +7,8 @@ Life of a request through this engine::
         ──admit: blocks free and a batch slot──▶ KV written into its blocks ──▶ running
         ──step() × n: one token per running sequence──▶ finished (EOS / stop token / max_tokens /
         context full) → blocks released
-    importing KV ──the import failed──▶ failed with the error's error_type
+    importing KV ──the import failed──▶ its keys released ──▶ failed with the error's error_type
+        (the broker restarts it from prefill under a new attempt, with new keys, or fails it)
     waiting / importing / ready ──cancel or deadline──▶ gone: its import dropped and its keys
         released (an import in flight runs out its own get first, see kv_prefetch)
 
@@ -28,8 +29,10 @@ The block allocator lives here; the model and its pool sit behind a
 :class:`~omnirelay.workers.model_runner.ModelRunner` (this process, or a TP/PP group whose pools
 hold head/layer shards of the same block ids): the imports run in this process (rank 0) and only
 the step thread writes into the pool. The engine holds no sockets: it returns token deltas and
-finished/failed requests to the runtime. Its owner calls :meth:`DecodeEngine.close`, which joins the
-import threads (before the connector is closed).
+finished/failed requests to the runtime. Its owner calls :meth:`DecodeEngine.close` before closing
+the connector; it joins the import threads for at most ``KVPrefetcher.CLOSE_JOIN_S`` (one still
+inside a get ends by itself when the get returns, touching the connector only to release its keys).
+A failed request's speech prompt key, like a cancelled one's, is deleted: it will never be read.
 """
 
 from __future__ import annotations
@@ -167,8 +170,9 @@ class DecodeEngine:
         return False
 
     def close(self) -> None:
-        """Stop and join the KV import threads (an import in flight runs out its get first). Call
-        before closing the connector. Idempotent."""
+        """Stop the KV import threads and join them for at most ``KVPrefetcher.CLOSE_JOIN_S`` (an
+        import in flight runs out its get first; see kv_prefetch). Call before closing the
+        connector. Idempotent."""
         self._prefetch.close()
 
     # ------------------------------------------------------------------ one step
@@ -240,8 +244,9 @@ class DecodeEngine:
             fresh = not seq.needs_recompute
             if fresh and not seq.kv_import.finished:
                 continue
-            if fresh and seq.kv_import.state is ImportState.FAILED:
+            if fresh and seq.kv_import.state is ImportState.FAILED:   # its KV keys were released
                 self.waiting.remove(seq)
+                self._drop_speech_key(seq)
                 error = seq.kv_import.error
                 out.failed.append((seq.request_id, seq.task.reply_to, error.error_type, str(error)))
                 continue
@@ -285,7 +290,8 @@ class DecodeEngine:
             seq.task.kv_key = ""
 
     def _drop_speech_key(self, seq: Sequence) -> None:
-        """A cancelled speech request: prefill's prompt states will never be read."""
+        """A cancelled or failed speech request: prefill's prompt states will never be read (a
+        restart runs prefill again, under a new attempt's key)."""
         key = (seq.task.speech_inputs or {}).get("speech_prompt_key")
         if isinstance(key, str) and key:
             delete_quietly(self.connector, key)
@@ -345,6 +351,7 @@ class DecodeEngine:
                     outputs = self._put_speech(seq)
                 except OmniError as exc:
                     self._retire(seq)
+                    self._drop_speech_key(seq)
                     out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
                     continue
             out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, outputs))

@@ -12,12 +12,19 @@ Life of one import (:class:`KVImport`, made by :meth:`KVPrefetcher.submit`)::
     QUEUED ──a thread is free and fewer than max_held KVs are held──▶ IMPORTING: import_kv (the
         gets, the layerwise assembly, the deletes of every key) ──▶ READY: the KV held on the host
         ──take(): the engine writes it into its blocks──▶ TAKEN
-    IMPORTING ──an OmniError (or any exception, as TransferFailed)──▶ FAILED: the engine fails
-        the request with the error's error_type
+    IMPORTING ──an OmniError (or any exception, as TransferFailed)──▶ its keys released (on the
+        import thread) ──▶ FAILED: the engine fails the request with the error's error_type
     cancel(): QUEUED → CANCELLED, its keys released at once (on the caller's thread);
               IMPORTING → CANCELLED, the result dropped and, if the import failed, its keys
                   released when it returns (on the import thread);
               READY → CANCELLED, the KV dropped (its keys were deleted by the import)
+
+Why a failed import releases its keys before the request fails: nobody will read them. The broker
+either fails the request or restarts it from prefill under a new attempt, whose KV goes under new
+keys (``kv/<request_id>/<attempt>``); left alone, this attempt's KV (a get that timed out while the
+key arrived late, a get that failed while the key was there) would hold shared memory or store
+space until the TTL. Releasing is best-effort (:func:`~.kv_export.release_kv`): a store still down
+leaves them to the TTL.
 
 An import cannot be interrupted: a ``get`` in progress runs out its own timeout (the transfer
 timeout, capped by the request's deadline). A cancelled one issues no further get: its remaining
@@ -36,9 +43,15 @@ once, which the connector contract suite checks with three). A thread is started
 :meth:`KVPrefetcher.submit` (or when a held KV leaves) while startable imports outnumber the
 running threads, and ends by itself when none is left, so an idle prefetcher holds no thread;
 :meth:`KVPrefetcher.close` (the engine's ``close``) cancels what is queued or in flight and joins
-every thread. The layerwise assembly buffers (:class:`StagingBuffer`, warm memory reused across
-imports) are one per thread: an import borrows a free one and a READY KV keeps it until the engine
-has written it; with none free, the import assembles into fresh memory.
+every thread, for at most :attr:`KVPrefetcher.CLOSE_JOIN_S`: a thread still inside a get then (a
+store outage: up to the transfer timeout) is logged and left to finish it. Threads are daemon
+threads so that such a one does not hold up the process's exit. When its get returns, it only
+releases the import's keys, best-effort (any exception logged and swallowed: the connector may
+have been closed meanwhile), issues no further get and ends.
+
+The layerwise assembly buffers (:class:`StagingBuffer`, warm memory reused across imports) are one
+per thread: an import borrows a free one and a READY KV keeps it until the engine has written it;
+with none free, the import assembles into fresh memory.
 """
 
 from __future__ import annotations
@@ -67,7 +80,7 @@ class ImportState(enum.Enum):
     QUEUED = "queued"         # submitted; waits for a thread and for room under max_held
     IMPORTING = "importing"   # a thread runs its gets
     READY = "ready"           # the KV is on the host, waiting for the engine to take it
-    FAILED = "failed"         # ``error`` says why; its keys were deleted as far as import_kv could
+    FAILED = "failed"         # ``error`` says why; its keys were released (best-effort) before this
     TAKEN = "taken"           # the engine wrote it into its blocks
     CANCELLED = "cancelled"   # the request went away; nothing of it is kept
 
@@ -94,6 +107,12 @@ class KVImport:
 class KVPrefetcher:
     """Owns the import threads of one decode engine. ``submit``, ``take``, ``cancel`` and ``close``
     are called from the engine's step thread."""
+
+    # How long close() waits for the import threads. A get in progress cannot be interrupted and may
+    # run out the transfer timeout (30 s) in a store outage; the worker's stop budget (systemd's
+    # TimeoutStopSec=90s) is spent by the drain (60 s) first, so waiting for it would leave no margin
+    # before SIGKILL. A thread still running after this is logged and left to end by itself.
+    CLOSE_JOIN_S = 2.0
 
     def __init__(self, connector: Connector, *, timeout_s: float, max_held: int, threads: int = 2):
         if max_held < 1 or threads < 1:
@@ -168,8 +187,9 @@ class KVPrefetcher:
             self._news = False
 
     def close(self) -> None:
-        """Cancel queued and in-flight imports and join every thread: a get in progress runs out its
-        own timeout first. Idempotent."""
+        """Cancel queued and in-flight imports and join every thread, waiting at most
+        :attr:`CLOSE_JOIN_S` in all: a get in progress runs out its own timeout, so a thread still
+        inside one is logged and left to end when it returns (releasing that import's keys). Idempotent."""
         with self._cond:
             self._closed = True
             queued = list(self._queue)
@@ -180,10 +200,16 @@ class KVPrefetcher:
             workers = list(self._workers)
         for ticket in queued:
             release_kv(self.connector, ticket.key, ticket.handle)
+        deadline = time.monotonic() + self.CLOSE_JOIN_S
         for worker in workers:
-            worker.join()
+            worker.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
-            self._workers.clear()
+            self._workers = [w for w in workers if w.is_alive()]
+            stuck = sorted(ticket.key for ticket in self._importing)
+        if self._workers:
+            log.warning("closing with %d KV import thread(s) still inside a connector get after %.0f s (%s): "
+                        "each ends when its get returns, releasing that import's keys",
+                        len(self._workers), self.CLOSE_JOIN_S, ", ".join(stuck) or "finishing")
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
 
@@ -203,7 +229,8 @@ class KVPrefetcher:
         inside an import is not free)."""
         while self._active < self.threads and self._active - len(self._importing) < self._startable_locked():
             self._workers = [w for w in self._workers if w.is_alive()]
-            worker = threading.Thread(target=self._run, name="kv-import")
+            # daemon: a thread close() stopped waiting for must not keep the process alive
+            worker = threading.Thread(target=self._run, name="kv-import", daemon=True)
             self._active += 1
             self._workers.append(worker)
             worker.start()
@@ -229,6 +256,11 @@ class KVPrefetcher:
             except Exception as exc:   # noqa: BLE001 - on this thread it would vanish and hang the request
                 log.exception("KV import of %r failed", ticket.key)
                 error = TransferFailed(f"KV import of {ticket.key!r} failed: {type(exc).__name__}: {exc}")
+            if error is not None:
+                # What a failed import may have left (a get that timed out before its key appeared,
+                # one that failed with the key there), cancelled or not: no one will read it. Before
+                # the state changes, so a request reported failed has no keys left.
+                self._release_quietly(ticket)
             with self._cond:
                 self._importing.discard(ticket)
                 cancelled = ticket.state is ImportState.CANCELLED
@@ -241,9 +273,15 @@ class KVPrefetcher:
                 self._news = True
                 self._cond.notify_all()
             del kv
-            if cancelled and error is not None:
-                # What a failed import may have left (a get that timed out before its key appeared).
-                release_kv(self.connector, ticket.key, ticket.handle)
+
+    def _release_quietly(self, ticket: KVImport) -> None:
+        """release_kv on an import thread: never raises (the thread would die with the exception),
+        also not when close() has returned and the owner closed the connector meanwhile."""
+        try:
+            release_kv(self.connector, ticket.key, ticket.handle)
+        except Exception as exc:   # noqa: BLE001 - best-effort clean-up; the key expires by its TTL
+            log.warning("could not release the KV under %r (left to expire): %s: %s", ticket.key,
+                        type(exc).__name__, exc)
 
     def _import(self, ticket: KVImport) -> torch.Tensor:
         timeout = max(0.0, min(self.timeout_s, ticket.deadline - time.time()))
