@@ -1,5 +1,6 @@
-"""One token message per gateway per decode step: DecodeRole batches a step's deltas by ``reply_to``
-into a ``TokenDeltas``, and the gateway's bus hands each delta to its stream as if it came alone.
+"""One token message per gateway per step: DecodeRole and PrefillRole batch a step's deltas by
+``reply_to`` into a ``TokenDeltas`` (the same helper), and the gateway's bus hands each delta to its
+stream as if it came alone.
 
 The role is driven by a stand-in engine (the batching is about messages, not about the model); the
 bus test pushes real frames over ZeroMQ into a real :class:`BusClient`.
@@ -15,7 +16,8 @@ import zmq
 from omnirelay.broker import protocol as p
 from omnirelay.gateway.bus import BusClient, RequestStream
 from omnirelay.workers.decode import StepOutput, TokenOut
-from omnirelay.workers.roles import BROKER, DecodeRole
+from omnirelay.workers.prefill import PrefillResult
+from omnirelay.workers.roles import BROKER, DecodeRole, PrefillRole
 
 GW_A, GW_B = "tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"
 
@@ -30,6 +32,9 @@ class ScriptedEngine:
 
     def step(self) -> StepOutput:
         return self._steps.pop(0)
+
+    def add(self, task) -> None:
+        pass
 
 
 def test_a_step_sends_one_message_per_gateway_then_its_reports():
@@ -60,6 +65,57 @@ def test_a_step_sends_one_message_per_gateway_then_its_reports():
 def test_a_step_without_tokens_sends_no_token_message():
     role = DecodeRole("dec-1", ScriptedEngine(StepOutput()))
     assert role.step() == []
+
+
+def _prefill_role(step: list[PrefillResult], gateways: dict[str, str]) -> PrefillRole:
+    """A prefill role holding tasks ``request_id → reply_to`` (attempt 1), whose next step yields ``step``."""
+    role = PrefillRole("pre-1", ScriptedEngine(step))
+    for rid, reply_to in gateways.items():
+        assert role.accept(p.Task(rid, "prefill", "m", [1, 2, 3], {}, {}, reply_to, time.time() + 60, attempt=1)) == []
+    return role
+
+
+def test_prefill_first_tokens_for_one_gateway_go_as_one_message_before_the_reports():
+    kv = {"kv_key": "kv/a1/1", "kv_handle": {}, "first_token": 11}
+    step = [PrefillResult("a1", 11, 0, "", kv), PrefillResult("a2", error_type="out_of_memory", message="too long"),
+            PrefillResult("a3", 13, 0, "stop"), PrefillResult("a4", 14, 0, "", {"kv_key": "kv/a4/1"})]
+    role = _prefill_role(step, {rid: GW_A for rid in ("a1", "a2", "a3", "a4")})
+    out = role.step()
+
+    # The first tokens, then the StageDone reports in step order (each after its request's token),
+    # then the failure.
+    assert [dest for dest, _ in out] == [GW_A, BROKER, BROKER, BROKER, BROKER]
+    batched = out[0][1]
+    assert type(batched) is p.TokenDeltas and batched.worker_id == "pre-1"
+    assert batched.deltas == [p.TokenDelta("a1", 0, [11]), p.TokenDelta("a3", 0, [13], "stop"),
+                              p.TokenDelta("a4", 0, [14])]
+    done_a1, done_a3, done_a4, failed = (msg for _, msg in out[1:])
+    assert [(type(m), m.request_id, m.finished, m.attempt) for m in (done_a1, done_a3, done_a4)] == [
+        (p.StageDone, "a1", False, 1), (p.StageDone, "a3", True, 1), (p.StageDone, "a4", False, 1)]
+    assert done_a1.outputs == kv and done_a1.stage == "prefill"
+    assert (type(failed), failed.request_id, failed.error_type, failed.attempt) == (p.StageFailed, "a2",
+                                                                                     "out_of_memory", 1)
+    for _, msg in out:
+        assert p.decode(p.encode(msg)) == msg
+
+
+def test_prefill_first_tokens_for_two_gateways_go_as_one_message_each():
+    step = [PrefillResult("a1", 11, 0), PrefillResult("b1", 21, 0), PrefillResult("b2", 22, 0, "length")]
+    role = _prefill_role(step, {"a1": GW_A, "b1": GW_B, "b2": GW_B})
+    out = role.step()
+
+    assert [dest for dest, _ in out] == [GW_A, GW_B, BROKER, BROKER, BROKER]
+    # A gateway with one request in the step gets a plain TokenDelta, as before batching existed.
+    assert out[0][1] == p.TokenDelta("a1", 0, [11], "", "pre-1")
+    assert out[1][1] == p.TokenDeltas([p.TokenDelta("b1", 0, [21]), p.TokenDelta("b2", 0, [22], "length")], "pre-1")
+    assert [msg.request_id for _, msg in out[2:]] == ["a1", "b1", "b2"]
+    # No StageDone before the message carrying that request's first token.
+    sent: set[str] = set()
+    for _, msg in out:
+        if isinstance(msg, p.StageDone):
+            assert msg.request_id in sent
+        else:
+            sent.update(d.request_id for d in (msg.deltas if isinstance(msg, p.TokenDeltas) else [msg]))
 
 
 async def _collect(stream: RequestStream) -> list[tuple[list[int], str]]:

@@ -4,6 +4,11 @@
 Each outgoing message is addressed either to :data:`BROKER` or to a gateway's ``reply_to``
 endpoint, so the runtime knows which socket to use without looking inside. The runtime sends a
 step's list in order, so a stage report placed after a token delta is sent after it.
+
+A step's list, for prefill and decode alike: its token deltas first, one message per gateway
+(:func:`token_messages`), then the StageDone reports in the order the requests finished, then the
+failures. So a request's token (prefill: its first token; decode: its last) always leaves before
+its StageDone, which is what makes the broker dispatch the next stage.
 """
 
 from __future__ import annotations
@@ -77,18 +82,22 @@ class PrefillRole(RoleAdapter):
         self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
-        out: list[Outbound] = []
+        """One engine step: the first tokens, one message per gateway, then the stage reports of the
+        requests prefilled (each after the message with its first token), then the failures."""
+        tokens: list[TokenOut] = []
+        reports: list[Outbound] = []
+        failures: list[Outbound] = []
         for result in self.engine.step():
             reply_to = self._reply_to.pop(result.request_id, "")
             if result.error_type:
-                out.append(self.failure(result.request_id, self.role, result.error_type, result.message))
+                failures.append(self.failure(result.request_id, self.role, result.error_type, result.message))
                 continue
-            # The first token goes to the gateway at once (time to first token), before decode.
-            out.append((reply_to, p.TokenDelta(result.request_id, result.position, [result.first_token],
-                                               result.finish_reason, self.worker_id)))
-            out.append(self._done(result.request_id, result.outputs,
-                                  bool(result.finish_reason) and not result.speech_next))
-        return out
+            # The first token goes to the gateway at once (time to first token), before decode's.
+            tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
+                                   result.finish_reason))
+            reports.append(self._done(result.request_id, result.outputs,
+                                      bool(result.finish_reason) and not result.speech_next))
+        return token_messages(tokens, self.worker_id) + reports + failures
 
 
 class DecodeRole(RoleAdapter):
@@ -123,27 +132,34 @@ class DecodeRole(RoleAdapter):
         """One engine step: its tokens, one message per gateway, then the stage reports of the
         requests that finished (each after the message with its last token) and the failures."""
         result = self.engine.step()
-        by_gateway: dict[str, list[TokenOut]] = {}
         reports: list[Outbound] = []
         for token in result.tokens:   # one token per running request per step
-            by_gateway.setdefault(token.reply_to, []).append(token)
             if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
                 reports.append(self._done(token.request_id, token.outputs or {}, token.outputs is None))
-        out = [(reply_to, self._token_message(tokens)) for reply_to, tokens in by_gateway.items()]
-        out += reports
+        out = token_messages(result.tokens, self.worker_id) + reports
         for request_id, _reply_to, error_type, message in result.failed:
             out.append(self.failure(request_id, self.role, error_type, message))
         return out
 
-    def _token_message(self, tokens: list[TokenOut]) -> p.Message:
-        """One gateway's tokens of one step as one message. A lone token goes as a plain
-        TokenDelta: wrapping it saves no send, and a gateway serving a single stream keeps
-        receiving exactly what it did before TokenDeltas existed."""
-        if len(tokens) == 1:
-            (t,) = tokens
-            return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, self.worker_id)
-        return p.TokenDeltas([p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason) for t in tokens],
-                             self.worker_id)
+
+def token_messages(tokens: list[TokenOut], worker_id: str) -> list[Outbound]:
+    """A step's tokens (one per request) as one message per gateway, in the order each gateway first
+    appears, each gateway's tokens in step order: a worker serving many streams of one gateway would
+    otherwise send (and the gateway receive and decode) a message per stream per step. A lone token
+    goes as a plain TokenDelta: wrapping it saves no send, and a gateway serving a single stream
+    keeps receiving exactly what it did before TokenDeltas existed."""
+    by_gateway: dict[str, list[TokenOut]] = {}
+    for token in tokens:
+        by_gateway.setdefault(token.reply_to, []).append(token)
+    out: list[Outbound] = []
+    for reply_to, group in by_gateway.items():
+        if len(group) == 1:
+            (t,) = group
+            out.append((reply_to, p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id)))
+        else:
+            out.append((reply_to, p.TokenDeltas([p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason)
+                                                 for t in group], worker_id)))
+    return out
 
 
 def _speech_mode(sampling: dict) -> str:
