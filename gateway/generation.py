@@ -10,28 +10,26 @@ Life of a request through the gateway::
 
 A decode worker that dies mid-stream is reported ``resumable``: the gateway resubmits the prompt
 plus the tokens the client already has, at the next position, so the client's stream continues
-with no duplicated or missing token. Leaving early (client gone, error) always cancels upstream.
+with no duplicated or missing token (the resubmission policy: ``resubmit.Submissions``). Leaving
+early (client gone, error) always cancels upstream.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import random
 import time
 import uuid
 from typing import AsyncIterator
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest, OmniError, Unprocessable
+from omnirelay.errors import BadRequest, Unprocessable
 
 from .bus import BusClient
 from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
-from .resubmit import MAX_RESUBMITS, AdmissionWait
+from .resubmit import Submissions
 from .schema import GenerationRequest
-
-log = logging.getLogger("omnirelay.gateway")
 
 
 @dataclasses.dataclass
@@ -118,51 +116,34 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
     detok = IncrementalDetokenizer(gen.model.tokenizer, gen.request.stop)
     generated: list[int] = []
     sampling = _sampling(gen, 0)
-    submissions = 0
-    admission = AdmissionWait(deadline)
-    upstream_id = gen.request_id
-    done = False
-    try:
-        while True:
-            # Each submission has its own id, so late tokens of an abandoned one are never mixed in.
-            upstream_id = gen.request_id if not submissions else f"{gen.request_id}.{submissions}"
-            submissions += 1
-            # A resumed stream replays prompt + tokens: media must be encoded again for its prefill.
-            submit = p.Submit(request_id=upstream_id, model=gen.model.name, stages=list(gen.stages or gen.model.stages),
-                              prompt_token_ids=gen.prompt_token_ids + generated,
-                              sampling={**sampling, "max_tokens": gen.max_tokens - len(generated)},
-                              deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
-                              position_offset=len(generated), inputs=gen.inputs)
-            stream = await bus.submit(submit)
-            try:
+    # A pause for a role briefly without workers (a restart in progress) is not a resume.
+    async with Submissions(bus, gen.request_id, deadline, unavailable_spends_a_resubmit=False,
+                           retry_note=lambda: f"resuming at position {len(generated)}") as submissions:
+        while not submissions.done:
+            async with submissions.attempt() as upstream_id:
+                # A resumed stream replays prompt + tokens: media must be encoded again for its prefill.
+                submit = p.Submit(request_id=upstream_id, model=gen.model.name,
+                                  stages=list(gen.stages or gen.model.stages),
+                                  prompt_token_ids=gen.prompt_token_ids + generated,
+                                  sampling={**sampling, "max_tokens": gen.max_tokens - len(generated)},
+                                  deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
+                                  position_offset=len(generated), inputs=gen.inputs)
+                stream = await bus.submit(submit)
                 async for event in stream.events():
                     generated.extend(event.tokens)
                     gen.completion_tokens = len(generated)
                     detok.add(event.tokens, final=bool(event.finish_reason))
                     if detok.stopped:
-                        done = True
+                        submissions.finish()
                         await bus.cancel(upstream_id, "stop string")
                         yield TextChunk(detok.take(final=True), event.tokens, "stop")
                         return
                     if event.finish_reason:
-                        done = True
+                        submissions.finish()
                         yield TextChunk(detok.take(final=True), event.tokens, event.finish_reason)
                         return
                     yield TextChunk(detok.take(), event.tokens)
-            except OmniError as exc:
-                if exc.resumable and gen.resumes < MAX_RESUBMITS:
-                    gen.resumes += 1
-                    log.warning("%s: %s; resuming at position %d", gen.request_id, exc, len(generated))
-                    continue
-                if await admission.retry(exc):   # a role briefly without workers (a restart in progress)
-                    continue
-                exc.request_id = gen.request_id
-                raise
-            finally:
-                bus.forget(upstream_id)
-    finally:
-        if not done:
-            await bus.cancel(upstream_id, "client left or request failed")
+            gen.resumes = submissions.resumes
 
 
 def now() -> int:

@@ -11,14 +11,20 @@ Two failures are worth another submission:
 Anything else reaches the client, carrying the client's request id. Each submission has its own
 upstream id (``<id>``, ``<id>.1``, …), so late messages of an abandoned one are never mixed in, and
 leaving early (client gone, error, job cancelled) always cancels the last one upstream.
+
+:class:`Submissions` is that policy for a caller that reads each submission's stream itself (text
+generation and speech, which yield as they go: what the next submission asks for depends on what
+the client already has); :func:`submit_until_done` is it for a caller that waits for one result
+(images, video jobs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import msgspec
 
@@ -31,6 +37,7 @@ log = logging.getLogger("omnirelay.gateway")
 
 MAX_RESUBMITS = 3
 ADMISSION_RETRY_S = 5.0   # how long a request waits for a role that has no live worker
+CANCEL_REASON = "client left or request failed"
 
 S = TypeVar("S", bound=RequestStream)
 
@@ -52,38 +59,88 @@ class AdmissionWait:
         return False
 
 
+class Submissions:
+    """The submissions of one client request, for a caller that consumes each one's stream::
+
+        async with Submissions(bus, request_id, deadline) as submissions:
+            while not submissions.done:
+                async with submissions.attempt() as upstream_id:
+                    stream = await bus.submit(<the Submit, under upstream_id>, …)
+                    … read the stream (an async generator may yield here) …
+
+    ``attempt()`` closes one submission: its stream is forgotten; a normal exit makes the request
+    done; an error worth another submission is swallowed (the loop goes round under the next
+    upstream id); any other error leaves carrying the client's ``request_id``. Leaving the outer
+    block before done cancels the last submission upstream, shielded: a task cancelled again while
+    it unwinds must still stop the worker. :meth:`finish` marks done early, for a caller that ends
+    the request itself (its last event in hand, or upstream already cancelled by a stop string).
+
+    ``retry_note()``: what the log line of a resubmission adds (what the client already has).
+    ``unavailable_spends_a_resubmit``: whether a pause for an unavailable role takes one of the
+    :data:`MAX_RESUBMITS` too (images, video, speech) or only resumable failures count (text
+    generation, whose resumes are a metric of their own: :attr:`resumes`).
+    """
+
+    def __init__(self, bus: BusClient, request_id: str, deadline: float, *,
+                 retry_note: Callable[[], str] = lambda: "resubmitting",
+                 unavailable_spends_a_resubmit: bool = True, cancel_reason: str = CANCEL_REASON):
+        self.bus = bus
+        self.request_id = request_id
+        self.upstream_id = request_id
+        self.done = False
+        self.resumes = 0        # submissions again after a resumable failure
+        self.resubmits = 0      # … and after a pause for an unavailable role
+        self._admission = AdmissionWait(deadline)
+        self._retry_note = retry_note
+        self._unavailable_spends = unavailable_spends_a_resubmit
+        self._cancel_reason = cancel_reason
+
+    async def __aenter__(self) -> Submissions:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        if not self.done:
+            await asyncio.shield(self.bus.cancel(self.upstream_id, self._cancel_reason))
+
+    def finish(self) -> None:
+        self.done = True
+
+    @contextlib.asynccontextmanager
+    async def attempt(self) -> AsyncIterator[str]:
+        """One submission under :attr:`upstream_id` (see the class)."""
+        upstream_id = self.upstream_id
+        try:
+            yield upstream_id
+            self.done = True
+        except OmniError as exc:
+            if not await self._again(exc):
+                exc.request_id = self.request_id
+                raise
+            self.resubmits += 1
+            self.upstream_id = f"{self.request_id}.{self.resubmits}"
+        finally:
+            self.bus.forget(upstream_id)
+
+    async def _again(self, exc: OmniError) -> bool:
+        spent = self.resubmits if self._unavailable_spends else self.resumes
+        if exc.resumable and spent < MAX_RESUBMITS:
+            self.resumes += 1
+            log.warning("%s: %s; %s", self.request_id, exc, self._retry_note())
+            return True
+        return await self._admission.retry(exc)
+
+
 async def submit_until_done(bus: BusClient, submit: p.Submit, stream_for: Callable[[str], S], *,
                             progress: Callable[[], str] = lambda: "",
-                            cancel_reason: str = "client left or request failed") -> tuple[Any, S]:
+                            cancel_reason: str = CANCEL_REASON) -> tuple[Any, S]:
     """Submit ``submit`` (under ids derived from its ``request_id``) until a submission's stream,
     made by ``stream_for(upstream_id)``, finishes: returns ``(await stream.wait(), stream)``.
     ``progress()`` adds what is already in to the log line of a resubmission."""
-    request_id, resubmits = submit.request_id, 0
-    admission = AdmissionWait(submit.deadline)
-    upstream_id, done = request_id, False
-    try:
-        while True:
-            upstream_id = request_id if not resubmits else f"{request_id}.{resubmits}"
-            stream = stream_for(upstream_id)
-            await bus.submit(msgspec.structs.replace(submit, request_id=upstream_id), stream)
-            try:
+    async with Submissions(bus, submit.request_id, submit.deadline, retry_note=lambda: "resubmitting" + progress(),
+                           cancel_reason=cancel_reason) as submissions:
+        while not submissions.done:
+            async with submissions.attempt() as upstream_id:
+                stream = stream_for(upstream_id)
+                await bus.submit(msgspec.structs.replace(submit, request_id=upstream_id), stream)
                 result = await stream.wait()
-                done = True
-                return result, stream
-            except OmniError as exc:
-                if exc.resumable and resubmits < MAX_RESUBMITS:
-                    resubmits += 1
-                    log.warning("%s: %s; resubmitting%s", request_id, exc, progress())
-                    continue
-                if await admission.retry(exc):
-                    # An unavailable retry also takes one of the MAX_RESUBMITS (and a fresh upstream id).
-                    resubmits += 1
-                    continue
-                exc.request_id = request_id
-                raise
-            finally:
-                bus.forget(upstream_id)
-    finally:
-        if not done:
-            # Shielded: a job cancelled again while it unwinds must still stop the worker.
-            await asyncio.shield(bus.cancel(upstream_id, cancel_reason))
+    return result, stream

@@ -1,4 +1,6 @@
-"""Speech out: ``POST /v1/audio/speech`` and chat completions with ``modalities: ["text", "audio"]``.
+"""Speech out: ``POST /v1/audio/speech`` and chat completions with ``modalities: ["text", "audio"]``:
+their parsing and checks, the speech request on the bus (:func:`speak`), the routes, and the chat
+answers; the streamed answers of ``/v1/audio/speech`` are rendered by ``speech_responses.py``.
 
 Life of a chat request with audio out through the gateway::
 
@@ -33,15 +35,8 @@ Life of ``POST /v1/audio/speech``::
         events: ``{"type": "speech.audio.delta", "audio": <base64>}`` per chunk, then
         ``{"type": "speech.audio.done", "usage": {input_tokens, output_tokens, total_tokens}}``; a
         failure after the first event is one last ``{"type": "error", "error": …, "request_id",
-        "stage"}`` event (the error body of every other route), then the end of the stream.
-
-Both streams concatenate to the file: ``pcm`` is raw PCM from the first byte, ``wav`` starts with a
-header of unknown length (above). FLAC is accepted by both, synthesised whole: its bytes arrive
-together once the utterance is done (the FLAC header wants the length; a client that always asks for
-a stream still gets every format this server has). Usage of the ``sse`` stream: ``input_tokens`` the
-prompt's tokens (template + text, what prefill computed), ``output_tokens`` the talker's codec
-tokens (:class:`SpokenAudio`: recovered from the audio's length — the worker reports its count to
-the broker only).
+        "stage"}`` event (the error body of every other route), then the end of the stream
+        (both streams: ``speech_responses.py``, which also says how FLAC and ``usage`` arrive)
 
 Why teacher forcing: Qwen2.5-Omni's talker speaks the text whose thinker states it reads; states of
 the text as the assistant's own reply are exactly what decode would have produced, had the thinker
@@ -67,6 +62,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import msgspec
 from aiohttp import web
 
 from omnirelay.broker import protocol as p
@@ -78,8 +74,9 @@ from .app import BUS, CONFIG, METRICS, MODELS, _json_body
 from .bus import BusClient, RequestStream, StreamEvent
 from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
-from .resubmit import MAX_RESUBMITS, AdmissionWait
+from .resubmit import Submissions
 from .schema import CHAT_AUDIO_FORMATS
+from .speech_responses import SpokenAudio, speech_body_stream, speech_event_stream
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -90,9 +87,6 @@ UNSUPPORTED_FORMATS = ("mp3", "opus", "aac")
 # The sampling key asking the speech worker to stream (workers/speech_role.py's STREAM_KEY).
 AUDIO_STREAM_KEY = "audio_stream"
 STREAM_FORMATS = ("sse", "audio")
-# Qwen2.5-Omni's codec runs at 50 codes a second: token2wav turns each code into 480 samples at 24 kHz.
-CODES_PER_SECOND, SAMPLE_RATE = 50, 24000
-WAV_HEADER_BYTES = 44   # the one-shot's and the streamed header (workers/speech_role.py) alike
 
 
 def flac_available() -> bool:
@@ -241,46 +235,26 @@ async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_t
     """Submit one speech request and yield its token events (when ``text_expected``) and audio chunks.
     Resubmits from scratch after a lost worker or broker (same seeds: same tokens and audio),
     skipping what was already yielded; waits briefly for a role without a live worker; cancels
-    upstream when the caller goes away or fails."""
-    tokens_out = chunks_out = resubmits = 0
-    admission = AdmissionWait(deadline)
-    upstream_id, done = request_id, False
-    try:
-        while True:
-            upstream_id = request_id if not resubmits else f"{request_id}.{resubmits}"
-            stream = SpeechStream(upstream_id, deadline, mime, tokens_out, chunks_out, text_expected)
-            extra = {"inputs": inputs} if inputs else {}
-            submit = p.Submit(request_id=upstream_id, model=model, stages=list(stages),
-                              prompt_token_ids=prompt_token_ids, sampling=sampling, deadline=deadline,
-                              reply_to=bus.reply_to, reply_key=bus.reply_key, **extra)
-            await bus.submit(submit, stream)
-            try:
+    upstream when the caller goes away or fails (``resubmit.Submissions``)."""
+    tokens_out = chunks_out = 0
+    submit = p.Submit(request_id=request_id, model=model, stages=list(stages), prompt_token_ids=prompt_token_ids,
+                      sampling=sampling, deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
+                      **({"inputs": inputs} if inputs else {}))
+
+    def note() -> str:
+        return f"resubmitting ({tokens_out} tokens, {chunks_out} audio chunks delivered)"
+
+    async with Submissions(bus, request_id, deadline, retry_note=note) as submissions:
+        while not submissions.done:
+            async with submissions.attempt() as upstream_id:
+                stream = SpeechStream(upstream_id, deadline, mime, tokens_out, chunks_out, text_expected)
+                await bus.submit(msgspec.structs.replace(submit, request_id=upstream_id), stream)
                 async for item in stream.items():
                     if isinstance(item, AudioChunk):
                         chunks_out += 1
-                        yield item
                     else:
                         tokens_out += len(item.tokens)
-                        yield item
-                done = True
-                return
-            except OmniError as exc:
-                if exc.resumable and resubmits < MAX_RESUBMITS:
-                    resubmits += 1
-                    log.warning("%s: %s; resubmitting (%d tokens, %d audio chunks delivered)", request_id, exc,
-                                tokens_out, chunks_out)
-                    continue
-                if await admission.retry(exc):
-                    resubmits += 1
-                    continue
-                exc.request_id = request_id
-                raise
-            finally:
-                bus.forget(upstream_id)
-    finally:
-        if not done:
-            # Shielded: a stream cancelled again while it unwinds must still stop the worker.
-            await asyncio.shield(bus.cancel(upstream_id, "client left or request failed"))
+                    yield item
 
 
 # ---------------------------------------------------------------------- POST /v1/audio/speech
@@ -348,10 +322,10 @@ async def audio_speech(request: web.Request) -> web.Response:
     try:
         if streamed:
             if stream_format == "audio":
-                response, error = await _speech_body_stream(request, items, MIMES[fmt], request_id)
+                response, error = await speech_body_stream(request, items, MIMES[fmt], request_id)
             else:
-                response, error = await _speech_events(request, items, SpokenAudio(fmt, params.speed), len(ids),
-                                                       request_id)
+                response, error = await speech_event_stream(request, items, SpokenAudio(fmt, params.speed),
+                                                            len(ids), request_id)
             if error is not None:   # after the 200 went out: the connection was broken instead
                 outcome = error.error_type
                 request.app[METRICS].errors.labels(error.error_type, error.stage or "gateway").inc()
@@ -375,103 +349,6 @@ async def audio_speech(request: web.Request) -> web.Response:
                      "outcome=%s e2e=%.3fs", request_id, model.name, "+".join(stages), len(reply), params.voice, fmt,
                      params.seed, stream_format, outcome, timer.elapsed())
     return web.Response(body=b"".join(parts), content_type=MIMES[fmt], headers={"X-Request-Id": request_id})
-
-
-async def _speech_body_stream(request: web.Request, items, mime: str,
-                              request_id: str) -> tuple[web.StreamResponse, OmniError | None]:
-    """``stream_format: "audio"``: the file as a chunked body, each chunk written as the worker
-    synthesises it. A failure before the first chunk raises (its status code still goes out); after
-    it, the connection is closed before the body's terminating chunk, so the client sees an
-    incomplete body rather than a short file that looks whole, and the error is returned."""
-    config = request.app[CONFIG]
-    first = await anext(items, None)
-    response = web.StreamResponse(headers={"Content-Type": mime, "X-Request-Id": request_id})
-    response.enable_chunked_encoding()
-    await response.prepare(request)
-    item = first
-    try:
-        while item is not None:
-            try:
-                await asyncio.wait_for(response.write(base64.b64decode(item.data)), config.stream_write_timeout_s)
-            except asyncio.TimeoutError:
-                raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
-            item = await anext(items, None)
-    except OmniError as exc:
-        log.warning("request %s: speech stream broken after its status went out: %s", request_id, exc)
-        if request.transport is not None:
-            request.transport.close()
-        return response, exc
-    return response, None
-
-
-class SpokenAudio:
-    """How many codec tokens the talker spoke, from the audio a stream carried (``usage.output_tokens``).
-
-    The worker counts its codes but tells only the broker (its stats); what reaches the gateway is
-    the audio, and token2wav makes exactly ``SAMPLE_RATE / CODES_PER_SECOND`` samples per code, so
-    the samples give the count back (the codes spoken; the talker's end-of-speech code makes no
-    audio and is not counted). Exact at speed 1 and for FLAC (whole, so resampled once); a streamed
-    resampled answer rounds each piece's length by up to half a sample, which a long one at high
-    speed can add up to a code or two."""
-
-    def __init__(self, fmt: str, speed: float):
-        self.fmt, self.speed = fmt, speed
-        self.audio_bytes = 0
-        self.flac_samples = 0
-
-    def add(self, data: str) -> None:
-        """One chunk as the worker sent it (base64), counted without decoding it."""
-        if self.fmt == "flac" and not self.audio_bytes:
-            # FLAC's STREAMINFO, the first metadata block, holds the total sample count (36 bits).
-            head = base64.b64decode(data[:36])
-            self.flac_samples = int.from_bytes(head[18:26], "big") & ((1 << 36) - 1)
-        self.audio_bytes += len(data) // 4 * 3 - data[-2:].count("=")
-
-    @property
-    def codes(self) -> int:
-        if self.fmt == "flac":
-            samples = self.flac_samples
-        else:
-            samples = max(0, self.audio_bytes - (WAV_HEADER_BYTES if self.fmt == "wav" else 0)) // 2
-        return round(samples * self.speed * CODES_PER_SECOND / SAMPLE_RATE)
-
-
-async def _speech_events(request: web.Request, items, spoken: SpokenAudio, input_tokens: int,
-                         request_id: str) -> tuple[web.StreamResponse, OmniError | None]:
-    """``stream_format: "sse"``: a ``speech.audio.delta`` event per chunk as the worker synthesises
-    it (its base64 copied through), then ``speech.audio.done`` with the usage. A failure before the
-    first chunk raises (its status still goes out); after it, the error is the last event, and returned."""
-    config = request.app[CONFIG]
-    first = await anext(items, None)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": request_id})
-    await response.prepare(request)
-
-    async def send(event: dict) -> None:
-        try:
-            async with asyncio.timeout(config.stream_write_timeout_s):
-                await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
-        except TimeoutError:
-            # The client stopped reading: give the worker back rather than wait.
-            raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
-
-    error, item = None, first
-    try:
-        while item is not None:
-            spoken.add(item.data)
-            await send({"type": "speech.audio.delta", "audio": item.data})
-            item = await anext(items, None)
-        usage = {"input_tokens": input_tokens, "output_tokens": spoken.codes,
-                 "total_tokens": input_tokens + spoken.codes}
-        await send({"type": "speech.audio.done", "usage": usage})
-    except OmniError as exc:
-        # Headers are gone: the error travels as the last event, in the body every error has.
-        log.warning("request %s: speech events broken after their status went out: %s", request_id, exc)
-        exc.request_id = exc.request_id or request_id
-        error = exc
-        await send({"type": "error", **exc.to_body()})
-    await response.write_eof()
-    return response, error
 
 
 # ---------------------------------------------------------------------- chat with audio out

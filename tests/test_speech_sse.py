@@ -1,5 +1,5 @@
 """``POST /v1/audio/speech`` with ``stream_format: "sse"`` without a cluster: the event framing of
-``gateway/speech.py``'s ``_speech_events`` over a real aiohttp server fed a scripted chunk stream
+``gateway/speech_responses.py``'s ``speech_event_stream`` over a real aiohttp server fed a scripted chunk stream
 (a failure before the first chunk is a JSON error with its status; after it, one last error event
 in the error contract's body), and :class:`SpokenAudio`, the codec-token count of ``usage``.
 The end-to-end path (official client, real workers) is in test_omni_speech.py."""
@@ -21,7 +21,8 @@ from aiohttp.test_utils import TestServer
 from omnirelay.errors import OmniError, WorkerLost
 from omnirelay.gateway.app import CONFIG, _errors
 from omnirelay.gateway.config import GatewayConfig, ServedModel
-from omnirelay.gateway.speech import AudioChunk, SpokenAudio, _speech_events
+from omnirelay.gateway.speech import AudioChunk
+from omnirelay.gateway.speech_responses import SpokenAudio, speech_event_stream
 
 SAMPLES_PER_CODE = 480
 
@@ -32,7 +33,7 @@ def _b64(data: bytes) -> str:
 
 async def _post(tmp_path, chunks: list[bytes], failure: OmniError | None) -> tuple[int, str, str, list]:
     """Serve one request whose upstream yields ``chunks`` then raises ``failure``; returns the
-    status, content type, body and what ``_speech_events`` returned (its error) or raised."""
+    status, content type, body and what ``speech_event_stream`` returned (its error) or raised."""
     returned: list = []
 
     async def items():
@@ -42,7 +43,7 @@ async def _post(tmp_path, chunks: list[bytes], failure: OmniError | None) -> tup
             raise failure
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        response, error = await _speech_events(request, items(), SpokenAudio("pcm", 1.0), 9, "speech-test")
+        response, error = await speech_event_stream(request, items(), SpokenAudio("pcm", 1.0), 9, "speech-test")
         returned.append(error)
         return response
 
