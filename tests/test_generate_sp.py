@@ -4,6 +4,8 @@ behind the real broker and gateway, makes the same images as the single-rank wor
 group cannot split are refused — at start-up from the model's metadata, per request with a 400. A
 rank killed with SIGKILL (idle, or while a request runs) fails the request with a structured,
 retryable 503, and the worker exits with status 1 for its supervisor to restart, leaving no rank.
+A rank lost while the group starts (killed, or a model directory it cannot load) fails start-up
+within seconds, naming the rank and how it ended, instead of after the rendezvous timeout.
 
 Equality: the PNG pixels are compared, allowing one level of 255 on a vanishing fraction of
 pixels. Why not bytes: the two-rank forward computes each rank's projections and MLPs on a slice
@@ -36,7 +38,8 @@ from omnirelay.deploy.model_builder import main as make_model
 from omnirelay.deploy.pipeline import PipelineError, parse_pipeline
 from omnirelay.deploy.serve import build_parser, check_parallel, worker_commands
 from omnirelay.deploy.served_models import plan_models
-from omnirelay.workers.sequence_parallel_group import SequenceParallelError, check_sequence_parallel
+from omnirelay.workers.sequence_parallel_group import (SequenceParallelDenoiser, SequenceParallelError,
+                                                      SequenceParallelGroupLost, check_sequence_parallel)
 
 from cluster import Cluster, is_structured_error
 
@@ -85,6 +88,19 @@ def _only_worker(cluster: Cluster, sp_size: int, timeout: float = 60.0) -> dict:
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(line) for line in out.split()]
+
+
+def _sp_ranks(pid: int) -> dict[int, int]:
+    """The sequence-parallel rank processes ``pid`` started: rank -> pid, from their command lines."""
+    ranks = {}
+    for child in _children(pid):
+        try:
+            argv = pathlib.Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "omnirelay.workers.sequence_parallel_group" in argv:
+            ranks[int(argv[argv.index("--rank") + 1])] = child
+    return ranks
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -218,6 +234,77 @@ def test_a_lost_rank_fails_requests_and_the_worker_exits_for_a_restart(tiny_dit,
         assert "failing 1 held request(s) as worker_lost" in busy.output()
     finally:
         cluster.stop()
+
+
+def _transformer(model_path: str):
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel.from_pretrained(model_path, subfolder="transformer", local_files_only=True).eval()
+
+
+def test_a_rank_killed_during_start_up_fails_it_at_once_and_no_rank_is_left(tiny_dit):
+    # Rank 0 in this process (as the worker's build_generate_role does it): ranks 1 and 2 start, rank
+    # 1 is killed while it loads. attach fails without entering the rendezvous, names the rank, and
+    # stops rank 2 (this process lives on, so the kernel's parent-death signal does not do it).
+    group = SequenceParallelDenoiser(tiny_dit, 3)
+    try:
+        ranks = _sp_ranks(os.getpid())
+        assert sorted(ranks) == [1, 2], ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        transformer = _transformer(tiny_dit)
+        started = time.monotonic()
+        with pytest.raises(SequenceParallelGroupLost, match=rf"^sequence-parallel rank 1 \(pid {ranks[1]}\) was "
+                                                            r"killed by signal 9 \(SIGKILL\) during start-up"):
+            group.attach(transformer)
+        assert time.monotonic() - started < 15   # not the rendezvous timeout (120 s)
+        assert not any(_alive(pid) for pid in ranks.values())
+        assert _sp_ranks(os.getpid()) == {}
+        assert "forward" not in transformer.__dict__   # attach replaced nothing
+    finally:
+        group.close()   # after a failed attach: nothing left to stop
+
+
+def test_a_rank_that_cannot_load_the_model_fails_start_up_with_its_exit_status(tiny_dit, tmp_path):
+    # The ranks' model directory does not exist (rank 0's transformer comes from elsewhere): rank 1
+    # raises while it loads and exits with status 1; its traceback goes to this process's stderr.
+    group = SequenceParallelDenoiser(str(tmp_path / "missing"), 2)
+    try:
+        [pid] = _sp_ranks(os.getpid()).values()
+        with pytest.raises(SequenceParallelGroupLost, match=rf"^sequence-parallel rank 1 \(pid {pid}\) exited with "
+                                                            r"status 1 during start-up, .* this worker's stderr"):
+            group.attach(_transformer(tiny_dit))
+        assert not _alive(pid)
+    finally:
+        group.close()
+
+
+def test_a_worker_whose_rank_dies_during_start_up_exits_1_at_once(tiny_dit, tmp_path):
+    # omni-worker with two ranks; rank 1 is killed as soon as it is started (it is still importing),
+    # while the worker loads its pipeline. The worker exits 1 as soon as that is loaded, saying which
+    # rank died and how, instead of waiting out the rendezvous.
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "w") as log_file:
+        worker = subprocess.Popen([sys.executable, "-m", "omnirelay.workers.daemon", "--role", "generate", "--model",
+                                   tiny_dit, "--broker", "tcp://127.0.0.1:9", "--sequence-parallel-size", "2"],
+                                  stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ranks := _sp_ranks(worker.pid)):
+            assert time.monotonic() < deadline and worker.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        assert worker.wait(120) == 1, log_path.read_text()[-3000:]
+        output = log_path.read_text()
+        # The worker's pipeline load (seconds) plus a poll; the rendezvous timeout would be 120 s.
+        assert time.monotonic() - killed < 60, output[-3000:]
+        assert (f"sequence-parallel rank 1 (pid {ranks[1]}) was killed by signal 9 (SIGKILL) during start-up"
+                in output), output[-3000:]
+        assert "omni-worker generate ready" not in output and not _alive(ranks[1])
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
 
 
 def test_sizes_the_group_cannot_split_fail_fast(tiny_dit, tmp_path):

@@ -9,8 +9,17 @@ them: :meth:`SequenceParallelDenoiser.close` stops and joins them, and the kerne
 rank 0 dies (PR_SET_PDEATHSIG).
 
 Start-up: rank 0 starts the ranks first, so that they load the transformer while it loads the
-pipeline; then :meth:`SequenceParallelDenoiser.attach` joins the group and broadcasts SETUP (the
-dtype rank 0's transformer ended up in, which the ranks cast to).
+pipeline; then :meth:`SequenceParallelDenoiser.attach` waits until every rank has loaded, joins the
+group and broadcasts SETUP (the dtype rank 0's transformer ended up in, which the ranks cast to).
+Each rank says "loaded" through a pipe of its own (one byte, ``--ready-fd``) right before it joins.
+Rank 0 waits for those bytes rather than in the rendezvous, because it cannot leave a rendezvous
+early: ``init_process_group`` waits the whole ``_STEP_TIMEOUT`` for a rank that will never come,
+and killing the other ranks does not end that wait. Waiting on the pipes, it checks every
+``_START_POLL_S`` that the ranks still run, so a rank that exits while it starts (a bad model
+directory, an import error, the OOM killer) fails start-up within a fraction of a second, naming
+the rank and its exit status; rank 0 kills the others and raises
+:class:`SequenceParallelGroupLost` (the worker exits 1). Once every rank has loaded, the rendezvous
+itself takes milliseconds; only a rank that dies inside it still costs the bounded timeout.
 
 Life of one denoising forward (rank 0's :meth:`SequenceParallelDenoiser.forward`, installed as the
 pipeline transformer's ``forward``; the other ranks' :func:`serve_rank` loop)::
@@ -62,11 +71,13 @@ import datetime
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -90,6 +101,8 @@ _STEP_TIMEOUT = datetime.timedelta(seconds=120)
 _IDLE_TIMEOUT = datetime.timedelta(days=7)
 # How often rank 0's watcher checks that ranks 1..N-1 are still running (idle ranks are never heard from).
 _WATCH_INTERVAL_S = 0.5
+# How often rank 0 checks, while it waits for the ranks to load, that they are still running.
+_START_POLL_S = 0.1
 
 
 class SequenceParallelError(ValueError):
@@ -175,7 +188,8 @@ class SequenceParallelDenoiser:
     """Rank 0's side: starts ranks 1..N-1 and runs the pipeline's transformer with them.
 
     Two steps, so that the ranks load their transformer while rank 0 loads the pipeline: the
-    constructor starts the ranks; :meth:`attach` joins the process group, tells the ranks the dtype
+    constructor starts the ranks; :meth:`attach` waits until they have loaded (and fails at once,
+    having stopped them all, if one exits first), joins the process group, tells the ranks the dtype
     rank 0's transformer holds, and replaces ``forward`` on that transformer instance
     (``nn.Module.__call__`` calls ``self.forward``), so the pipeline's own ``__call__`` drives the
     group unchanged. Not thread-safe: the worker's loop is its one caller (the watcher thread only
@@ -200,11 +214,18 @@ class SequenceParallelDenoiser:
         self._watcher: threading.Thread | None = None
         self._closed = False
         self._original_forward = None
+        self._loading: dict[int, int] = {}   # rank -> read end of its "loaded" pipe, until attach
         try:
             for rank in range(1, size):
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "omnirelay.workers.sequence_parallel_group", *self.config.argv(rank)],
-                    preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL))
+                read_end, write_end = os.pipe()   # not inheritable: only this rank holds write_end
+                self._loading[rank] = read_end
+                try:
+                    self._procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "omnirelay.workers.sequence_parallel_group", *self.config.argv(rank),
+                         "--ready-fd", str(write_end)],
+                        preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, pass_fds=(write_end,)))
+                finally:
+                    os.close(write_end)
         except BaseException:
             self._reap(0.0)
             raise
@@ -213,7 +234,15 @@ class SequenceParallelDenoiser:
         if type(transformer).__name__ not in KERNEL_TRANSFORMERS:
             raise SequenceParallelError(f"sequence parallelism needs one of {KERNEL_TRANSFORMERS}, "
                                         f"got {type(transformer).__name__}")
-        self._commands = _join_group(self.config, 0)
+        self._wait_until_loaded()
+        try:
+            self._commands = _join_group(self.config, 0)
+        except RuntimeError as exc:   # the rendezvous timed out: a rank died inside it, or hangs there
+            dead = self._dead_rank()
+            self._reap(0.0)
+            if dead is None:
+                raise
+            raise SequenceParallelGroupLost(f"sequence-parallel {dead} while the group formed") from exc
         dtype = next(transformer.parameters()).dtype
         _send_header(self._commands, SETUP, DTYPES.index(dtype))
         self.transformer = transformer
@@ -224,6 +253,37 @@ class SequenceParallelDenoiser:
         self._watcher = threading.Thread(target=self._watch_ranks, name="sp-rank-watcher", daemon=True)
         self._watcher.start()
         return self
+
+    def _wait_until_loaded(self) -> None:
+        """Start-up: return once every rank has said it loaded its transformer (and is joining the
+        group). A rank that exits first, or ranks still loading after ``_STEP_TIMEOUT``, raise
+        :class:`SequenceParallelGroupLost` once every rank is stopped."""
+        deadline = time.monotonic() + _STEP_TIMEOUT.total_seconds()
+        exited: set[int] = set()   # closed their pipe without a byte: they are exiting
+        try:
+            while True:
+                # First on every round: a rank that said "loaded" and died right after is still
+                # found here, not in the rendezvous.
+                dead = self._dead_rank()
+                if dead is not None:
+                    raise SequenceParallelGroupLost(
+                        f"sequence-parallel {dead} during start-up, before the group formed (its own "
+                        "output, a traceback if it raised one, went to this worker's stderr)")
+                if not self._loading and not exited:
+                    return
+                if time.monotonic() > deadline:
+                    raise SequenceParallelGroupLost(
+                        f"sequence-parallel rank(s) {', '.join(map(str, sorted({*self._loading, *exited})))} "
+                        f"not loaded {_STEP_TIMEOUT.total_seconds():.0f} s after rank 0 was ready")
+                readable, _, _ = select.select(list(self._loading.values()), [], [], _START_POLL_S)
+                for rank, fd in list(self._loading.items()):
+                    if fd in readable:
+                        if not os.read(fd, 1):   # end of file: the rank exited before it loaded, which
+                            exited.add(rank)     # _dead_rank names once the process can be waited for
+                        os.close(self._loading.pop(rank))
+        except BaseException:
+            self._reap(0.0)
+            raise
 
     @property
     def lost(self) -> str | None:
@@ -244,7 +304,8 @@ class SequenceParallelDenoiser:
         for rank, proc in enumerate(self._procs, start=1):
             code = proc.poll()
             if code is not None:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                how = (f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0
+                       else f"exited with status {code}")
                 return f"rank {rank} (pid {proc.pid}) {how}"
         return None
 
@@ -335,7 +396,16 @@ class SequenceParallelDenoiser:
         self._reap(timeout_s)
 
     def _reap(self, timeout_s: float) -> None:
+        while self._loading:   # start-up did not finish: the pipes of ranks still loading
+            os.close(self._loading.popitem()[1])
         reap_ranks(self._procs, self._tmp, timeout_s)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
 
 
 def _send_header(group, cmd: int, *fields: int) -> None:
@@ -361,10 +431,13 @@ def _load_transformer(config: SPGroupConfig):
         low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None).eval()   # as load_pipeline
 
 
-def serve_rank(config: SPGroupConfig, rank: int) -> None:
-    """Ranks 1..N-1: load the transformer, take rank 0's dtype (SETUP), then run each forward rank 0
-    announces, until STOP."""
+def serve_rank(config: SPGroupConfig, rank: int, ready_fd: int = -1) -> None:
+    """Ranks 1..N-1: load the transformer, say so to rank 0 (one byte on ``ready_fd``, then closed;
+    -1: no pipe), take rank 0's dtype (SETUP), then run each forward rank 0 announces, until STOP."""
     model = _load_transformer(config)
+    if ready_fd >= 0:
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
     commands = _join_group(config, rank)
     header = torch.zeros(HEADER, dtype=torch.long)
     while True:
@@ -398,12 +471,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--init-method", required=True)
+    ap.add_argument("--ready-fd", type=int, default=-1, help="pipe to rank 0: one byte once the transformer loaded")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING)
-    serve_rank(SPGroupConfig(args.model, args.size, args.threads, args.init_method), args.rank)
+    serve_rank(SPGroupConfig(args.model, args.size, args.threads, args.init_method), args.rank, args.ready_fd)
     return 0
 
 
