@@ -219,7 +219,7 @@ def _speech_paths(speech: SpeechDoc) -> dict:
                                          "'sse', text/event-stream events (flac: its bytes come at the end)"}}}
     mimes = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
     audio = {"description": "the audio file (pcm: raw 16-bit little-endian mono); with stream_format 'sse' "
-                            "the events (gateway/speech_responses.py: speech_event_stream)", "content": {
+                            "speech.audio.delta events, then speech.audio.done", "content": {
         **{mimes[fmt]: {"schema": {"type": "string", "format": "binary"}} for fmt in speech.formats},
         "text/event-stream": {"schema": {"type": "string", "description": _SPEECH_EVENTS}}}}
     return {"/v1/audio/speech": {"post": {
