@@ -45,14 +45,14 @@ RequestFailed         broker → gateway        structured error for one request
 StatusReply           broker → gateway        live workers per model and role, with their stats
 ErrorReply            any → sender            your message was malformed
 TokenDelta            worker → gateway        generated tokens at absolute positions (+ finish)
-TokenDeltas           worker → gateway        one decode step's TokenDeltas for one gateway
+TokenDeltas           worker → gateway        one engine step's TokenDeltas for one gateway
 MediaResult           worker → gateway        one finished media item (a PNG image …), base64
 ====================  ======================  ===================================================
 
 Token deltas carry the absolute position of their first token, so a receiver can drop duplicates
 and detect gaps: a stage that is replayed elsewhere may resend positions the client already has.
-A :class:`TokenDeltas` is only a batch of such deltas (one per request of a decode step, all bound
-for the same gateway): the receiver handles each as if it had come alone.
+A :class:`TokenDeltas` is only a batch of such deltas (one per request of a prefill or decode step,
+all bound for the same gateway): the receiver handles each as if it had come alone.
 """
 
 from __future__ import annotations
@@ -398,16 +398,16 @@ class MediaResult(Message):
 
 @_register
 class TokenDeltas(Message):
-    """The token deltas of one decode step that go to one gateway, in one message instead of one
-    each: a worker decoding for many streams would otherwise send (and the gateway receive and
-    decode) a message per stream per step. Each delta is a complete :class:`TokenDelta` of its own
+    """The token deltas of one engine step (prefill: first tokens; decode: next tokens) that go to
+    one gateway, in one message instead of one each: a worker decoding for many streams would
+    otherwise send (and the gateway receive and decode) a message per stream per step. Each delta is a complete :class:`TokenDelta` of its own
     request with its own absolute ``start``, so a receiver dispatches them one by one exactly as it
     would single ones (de-duplication and gap filling unchanged); their ``worker_id`` is left empty,
     this message's says who sent them all. Order within the list carries no meaning across
     requests. Size: a step yields at most one delta per running sequence (``max_num_seqs``, a few
     hundred at most) of about a hundred bytes each, tens of kilobytes, far under
-    :data:`MAX_BODY_BYTES`. :class:`TokenDelta` stays: prefill sends its first token alone, and a
-    gateway that predates this message must still be reached by senders that do the same."""
+    :data:`MAX_BODY_BYTES`. :class:`TokenDelta` stays for a step with a single delta for a gateway
+    (wrapping it would save no send)."""
 
     TAG = b"TOKS"
     deltas: list[TokenDelta]

@@ -5,8 +5,8 @@ Two sockets, one owner task:
 * a DEALER to the broker (submit, cancel, status queries; receives ``RequestFailed``,
   ``StatusReply``, ``Reregister``);
 * a PULL bound on ``tcp://<reply_host>:*`` — the ``reply_to`` endpoint that travels with each
-  request — where workers push ``TokenDelta`` straight from prefill and decode (decode batches a
-  step's deltas for this gateway into one ``TokenDeltas``, unpacked here into single deltas).
+  request — where workers push ``TokenDelta`` straight from prefill and decode (a step's deltas
+  for this gateway travel as one ``TokenDeltas``, unpacked here into single deltas).
 
 :class:`RequestStream` turns the deltas of one request into an ordered sequence of tokens: it keeps
 the next expected position, drops positions already delivered (a replayed stage may resend them)

@@ -46,6 +46,7 @@ from .parallel import GroupConfig, GroupRunner
 from .prefill import PrefillEngine
 from .roles import DecodeRole, PrefillRole
 from .runtime import WorkerRuntime
+from .sequence_parallel_group import SequenceParallelGroupLost
 from .speech_role import build_speech_role
 
 log = logging.getLogger("omnirelay.worker")
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         runtime = build_runtime(config, shutdown, keys, on_fatal)
     except KVBudgetError as exc:
         parser.error(str(exc))
+    except SequenceParallelGroupLost as exc:   # a rank died while starting: its own output is above
+        log.error("%s worker %s could not start: %s", config.role, config.worker_id, exc)
+        return 1
     print(f"omni-worker {config.role} ready: {config.worker_id}", flush=True)
     runtime.run()
     if fatal:
