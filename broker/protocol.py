@@ -53,6 +53,16 @@ Token deltas carry the absolute position of their first token, so a receiver can
 and detect gaps: a stage that is replayed elsewhere may resend positions the client already has.
 A :class:`TokenDeltas` is only a batch of such deltas (one per request of a prefill or decode step,
 all bound for the same gateway): the receiver handles each as if it had come alone.
+
+Log-probabilities. ``Submit.sampling`` (copied into ``Task.sampling``) may hold ``"logprobs"``, an
+int: -1 or absent, none; 0, the chosen token's; k (1 … :data:`MAX_TOP_LOGPROBS`), also the k most
+likely tokens of each position (workers/sampling.py validates it; anything else fails the task as
+``bad_request``). The worker that samples a token then fills ``TokenDelta.logprobs`` (one float per
+token id) and, for k > 0, ``TokenDelta.top_token_ids`` and ``TokenDelta.top_logprobs`` (per token
+id, the k most likely ids and their logprobs, most likely first): raw logprobs, ``log_softmax`` of the logits before temperature, top-k
+and top-p. Both stay empty, and so off the wire, for a request that did not ask, so a gateway that
+knows nothing of them keeps working as long as nobody asks. A gateway that asks must check that
+they came: a worker older than this field ignores ``"logprobs"`` in ``sampling``.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ import msgspec
 PROTOCOL_VERSION = 1
 VERSION_FRAME = bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 8 * 1024 * 1024   # a 1M-token prompt fits; bulk data goes through connectors
+MAX_TOP_LOGPROBS = 5               # sampling["logprobs"] asks for at most this many alternatives per token
 
 
 class ProtocolError(ValueError):
@@ -367,7 +378,14 @@ class ErrorReply(Message):
 @_register
 class TokenDelta(Message):
     """Tokens ``token_ids`` at absolute positions ``start`` … of the generated sequence.
-    ``finish_reason`` is ``"stop"``/``"length"`` on the last delta, else empty."""
+    ``finish_reason`` is ``"stop"``/``"length"`` on the last delta, else empty.
+
+    ``logprobs``, ``top_token_ids``, ``top_logprobs``: empty unless the request's ``sampling`` asked
+    for logprobs (see the module docstring); else aligned with ``token_ids``: ``logprobs[i]`` is the
+    raw logprob of ``token_ids[i]``; ``top_token_ids[i]`` and ``top_logprobs[i]`` are the most likely
+    ids of that position and their logprobs, most likely first (both lists empty for
+    ``"logprobs": 0``). Two flat lists rather than pairs keep every element strictly typed. Checked on
+    decode: lengths that do not line up make the message malformed."""
 
     TAG = b"TOK"
     request_id: str
@@ -375,6 +393,17 @@ class TokenDelta(Message):
     token_ids: list[int]
     finish_reason: str = ""
     worker_id: str = ""
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    top_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.logprobs and not self.top_token_ids and not self.top_logprobs:
+            return   # the common case: nobody asked
+        if len(self.logprobs) != len(self.token_ids) or len(self.top_token_ids) != len(self.top_logprobs) \
+                or (self.top_logprobs and len(self.top_logprobs) != len(self.token_ids)) \
+                or any(len(ids) != len(values) for ids, values in zip(self.top_token_ids, self.top_logprobs)):
+            raise ValueError("logprobs, top_token_ids and top_logprobs must be empty or line up with token_ids")
 
 
 @_register

@@ -52,7 +52,7 @@ from .kv_export import delete_quietly, release_kv
 from .kv_prefetch import ImportState, KVImport, KVPrefetcher
 from .model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from .models.llama import LlamaModel
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from .stopping import finish_reason_for
 
 
@@ -104,6 +104,7 @@ class TokenOut:
     token: int
     finish_reason: str
     outputs: dict | None = None   # speech: handles for the generate stage, which runs after this one
+    logprobs: TokenLogprobs | None = None   # the request asked for logprobs (SamplingParams.logprobs)
 
 
 @dataclasses.dataclass
@@ -337,10 +338,12 @@ class DecodeEngine:
         logits = self._forward_batch(decode_batch, batch)
         out_positions = [s.task.position_offset + len(s.generated) for s in batch]
         params = [s.task.params for s in batch]
-        tokens = sample(logits_for_sampling(logits, params), params, out_positions)
+        logits = logits_for_sampling(logits, params)
+        tokens = sample(logits, params, out_positions)
+        logprobs = chosen_logprobs(logits, params, tokens)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(batch)
-        for seq, token, position in zip(list(batch), tokens, out_positions):
+        for seq, token, position, token_logprobs in zip(list(batch), tokens, out_positions, logprobs):
             seq.num_cached += 1
             seq.generated.append(token)
             reason = finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
@@ -354,7 +357,8 @@ class DecodeEngine:
                     self._drop_speech_key(seq)
                     out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
                     continue
-            out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, outputs))
+            out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, outputs,
+                                       token_logprobs))
             if reason:
                 self._retire(seq)
 

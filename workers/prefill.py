@@ -56,7 +56,7 @@ from .model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sam
 from .models.llama import LlamaModel
 from .mrope import MropeSpec, mrope_positions
 from .prefix_cache import PrefixCachingAllocator
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from .stopping import finish_reason_for
 
 DEFAULT_KV_BYTES = 256 * 1024 * 1024
@@ -97,6 +97,7 @@ class PrefillResult:
     error_type: str = ""
     message: str = ""
     speech_next: bool = False   # the request goes on to a speech stage although its text finished
+    logprobs: TokenLogprobs | None = None   # the first token's, when the request asked
 
 
 @dataclasses.dataclass
@@ -326,14 +327,17 @@ class PrefillEngine:
             if not done:
                 return
             params = [s.task.params for s in done]
-            tokens = sample(logits_for_sampling(logits[done_rows], params), params,
-                            [s.task.position_offset for s in done])
+            done_logits = logits_for_sampling(logits[done_rows], params)
+            tokens = sample(done_logits, params, [s.task.position_offset for s in done])
+            logprobs = chosen_logprobs(done_logits, params, tokens)
             exported = {}
             if export is not None:   # manifests for the sequences that go on to decode; the rest deleted
                 exported = export.complete({self._kv_key(s.task) for s, t in zip(done, tokens)
                                             if not self._finish_reason(s, t)})
-            for seq, token in zip(done, tokens):
-                results.append(self._finish(seq, token, exported.get(self._kv_key(seq.task))))
+            for seq, token, token_logprobs in zip(done, tokens, logprobs):
+                result = self._finish(seq, token, exported.get(self._kv_key(seq.task)))
+                result.logprobs = token_logprobs
+                results.append(result)
         finally:   # the step owns the export's thread: joined, and the pieces deleted, on any exception
             if export is not None:
                 export.abort()

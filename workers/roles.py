@@ -8,7 +8,9 @@ step's list in order, so a stage report placed after a token delta is sent after
 A step's list, for prefill and decode alike: its token deltas first, one message per gateway
 (:func:`token_messages`), then the StageDone reports in the order the requests finished, then the
 failures. So a request's token (prefill: its first token; decode: its last) always leaves before
-its StageDone, which is what makes the broker dispatch the next stage.
+its StageDone, which is what makes the broker dispatch the next stage. A token of a request that
+asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_token_ids``/``top_logprobs``, filled from
+``TokenOut.logprobs``, which the engine computed with :func:`~omnirelay.workers.sampling.chosen_logprobs`).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class PrefillRole(RoleAdapter):
                 continue
             # The first token goes to the gateway at once (time to first token), before decode's.
             tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
-                                   result.finish_reason))
+                                   result.finish_reason, logprobs=result.logprobs))
             reports.append(self._done(result.request_id, result.outputs,
                                       bool(result.finish_reason) and not result.speech_next))
         return token_messages(tokens, self.worker_id) + reports + failures
@@ -154,12 +156,20 @@ def token_messages(tokens: list[TokenOut], worker_id: str) -> list[Outbound]:
     out: list[Outbound] = []
     for reply_to, group in by_gateway.items():
         if len(group) == 1:
-            (t,) = group
-            out.append((reply_to, p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id)))
+            out.append((reply_to, _delta(group[0], worker_id)))
         else:
-            out.append((reply_to, p.TokenDeltas([p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason)
-                                                 for t in group], worker_id)))
+            out.append((reply_to, p.TokenDeltas([_delta(t) for t in group], worker_id)))
     return out
+
+
+def _delta(t: TokenOut, worker_id: str = "") -> p.TokenDelta:
+    """One token as a delta, with its logprobs when the request asked (``TokenOut.logprobs``)."""
+    if t.logprobs is None:
+        return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id)
+    top = t.logprobs.top
+    return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
+                        logprobs=[t.logprobs.logprob], top_token_ids=[[i for i, _ in top]] if top else [],
+                        top_logprobs=[[v for _, v in top]] if top else [])
 
 
 def _speech_mode(sampling: dict) -> str:

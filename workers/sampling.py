@@ -1,5 +1,11 @@
 """Sampling parameters and the sampler shared by the prefill and decode engines.
 
+Log-probabilities (``SamplingParams.logprobs`` >= 0): the worker that samples a token also reports
+its log-probability under the model's *raw* distribution, ``log_softmax(logits)`` in float32 taken
+before temperature, top-k and top-p are applied (vLLM's default, "raw logprobs"), and with
+``logprobs`` = k > 0 the k most likely tokens with theirs (:func:`chosen_logprobs`). So a greedy
+token's logprob is its top-1 entry, and the numbers do not depend on how the token was drawn.
+
 Reproducibility across processes: the random stream of a seeded request is derived from
 ``(seed, position)``, not from a generator that lives in one process. So the token at position ``n``
 is the same whichever worker samples it — prefill for the first token, decode for the rest, or a
@@ -12,6 +18,8 @@ import dataclasses
 from typing import Any
 
 import torch
+
+from omnirelay.broker.protocol import MAX_TOP_LOGPROBS   # the most alternatives per position (OpenAI's limit)
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 63) - 1
@@ -28,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = -1        # -1: none; 0: the chosen token's; k: also the top k (k <= MAX_TOP_LOGPROBS)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,6 +47,9 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < -1:
             raise ValueError("top_k must be -1, 0 or positive")
+        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) \
+                or not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be an integer from -1 to {MAX_TOP_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:
@@ -86,4 +98,36 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         gen = _generator(param.seed, position) if param.seed is not None else None
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's raw log-probability and, when asked, the top ``k`` ``(token_id, logprob)``
+    pairs of its position, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+
+def chosen_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                    tokens: list[int]) -> list[TokenLogprobs | None]:
+    """Per row of ``logits`` [B, vocab]: the raw logprobs of ``tokens[row]`` (see the module
+    docstring), or None for a row whose request did not ask. Only the rows that asked are computed,
+    in one ``log_softmax`` (float32), one ``gather`` and one ``topk`` (the largest k asked; each row
+    is cut to its own k), with two copies to the host (values, ids)."""
+    rows = [row for row, param in enumerate(params) if param.logprobs >= 0]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen_ids = torch.tensor([tokens[row] for row in rows], dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(1, chosen_ids[:, None])
+    k = max(params[row].logprobs for row in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1)    # k = 0: empty
+    values, top_ids = torch.cat([chosen, top_values], dim=1).tolist(), top_ids.tolist()
+    for i, row in enumerate(rows):
+        own = params[row].logprobs
+        out[row] = TokenLogprobs(values[i][0], list(zip(top_ids[i][:own], values[i][1:own + 1])))
     return out
