@@ -203,31 +203,76 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _respond(request, gen, _CompletionFormat())
 
 
+# Logprobs answers (request asked: GenerationRequest.logprobs >= 0). Each format's ``logprobs``
+# renders the tokens of one chunk (stream) or of the whole answer, given the text offset reached so
+# far, and returns the object and the new offset. Token text: generation.token_text (each id decoded
+# on its own); a logprob JSON cannot carry (-inf) becomes -9999.0, OpenAI's "very unlikely".
+_UNLIKELY = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return value if value >= _UNLIKELY else _UNLIKELY
+
+
 class _ChatFormat:
+    """``logprobs`` is OpenAI's ``{"content": [{"token", "logprob", "bytes", "top_logprobs": […]}]}``."""
+
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
     def first_delta(self) -> dict | None:
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, text: str, finish: str | None) -> dict:
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+    def delta(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": finish}
 
-    def full(self, text: str, finish: str) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def full(self, text: str, finish: str, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(gen: generation.Generation, token_ids: list[int], logprobs: list, offset: int) -> tuple[dict, int]:
+        def entry(token_id: int, value: float) -> dict:
+            text = generation.token_text(gen, token_id)
+            return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                   for token_id, lp in zip(token_ids, logprobs)]
+        return {"content": content}, offset
 
 
 class _CompletionFormat:
+    """``logprobs`` is the legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``:
+    ``top_logprobs`` maps each position's alternatives' text to its logprob (null for
+    ``logprobs: 0``); ``text_offset`` counts characters into the completion's text (no echo)."""
+
     object_full = object_chunk = "text_completion"
 
     def first_delta(self) -> dict | None:
         return None
 
-    def delta(self, text: str, finish: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def delta(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def full(self, text: str, finish: str) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def full(self, text: str, finish: str, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(gen: generation.Generation, token_ids: list[int], logprobs: list, offset: int) -> tuple[dict, int]:
+        tokens, offsets = [], []
+        for token_id in token_ids:
+            tokens.append(generation.token_text(gen, token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        top = None
+        if gen.request.logprobs > 0:
+            top = []
+            for lp in logprobs:
+                alternatives: dict[str, float] = {}
+                for token_id, value in lp.top:   # most likely first: of two equal texts, it keeps the likelier
+                    alternatives.setdefault(generation.token_text(gen, token_id), _logprob(value))
+                top.append(alternatives)
+        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs], "top_logprobs": top,
+                "text_offset": offsets}, offset
 
 
 def _usage(gen: generation.Generation) -> dict:
@@ -259,13 +304,15 @@ async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web
 
 async def _respond_full(request: web.Request, gen: generation.Generation, fmt, timer) -> web.Response:
     deadline = time.time() + request.app[CONFIG].request_timeout_s
-    texts, token_ids, finish = [], [], "stop"
+    texts, token_ids, logprobs, finish = [], [], [], "stop"
     async for chunk in generation.run(request.app[BUS], gen, deadline):
         timer.tokens(len(chunk.token_ids))
         texts.append(chunk.text)
         token_ids.extend(chunk.token_ids)
+        logprobs.extend(chunk.logprobs)
         finish = chunk.finish_reason or finish
-    choice = fmt.full("".join(texts), finish)
+    rendered = fmt.logprobs(gen, token_ids, logprobs, 0)[0] if gen.request.logprobs >= 0 else None
+    choice = fmt.full("".join(texts), finish, rendered)
     if gen.request.return_token_ids:
         choice["token_ids"] = token_ids
         choice["prompt_token_ids"] = gen.prompt_token_ids
@@ -322,11 +369,14 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, timer) 
     try:
         if fmt.first_delta() is not None:
             await send([fmt.first_delta()])
-        chunk = first
+        chunk, text_offset = first, 0
         while chunk is not None:
             timer.tokens(len(chunk.token_ids))
-            if chunk.text or chunk.finish_reason:
-                choice = fmt.delta(chunk.text, chunk.finish_reason or None)
+            logprobs = None   # a chunk whose text is held back still sends its tokens' logprobs
+            if gen.request.logprobs >= 0 and chunk.token_ids:
+                logprobs, text_offset = fmt.logprobs(gen, chunk.token_ids, chunk.logprobs, text_offset)
+            if chunk.text or chunk.finish_reason or logprobs:
+                choice = fmt.delta(chunk.text, chunk.finish_reason or None, logprobs)
                 if gen.request.return_token_ids:
                     choice["token_ids"] = chunk.token_ids
                 await send([choice])

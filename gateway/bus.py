@@ -10,7 +10,8 @@ Two sockets, one owner task:
 
 :class:`RequestStream` turns the deltas of one request into an ordered sequence of tokens: it keeps
 the next expected position, drops positions already delivered (a replayed stage may resend them)
-and holds early ones until the gap fills.
+and holds early ones until the gap fills. A token's logprobs (when the request asked) travel with it
+through that reordering, so a position keeps the logprobs of the copy that delivered it.
 """
 
 from __future__ import annotations
@@ -38,10 +39,21 @@ log = logging.getLogger("omnirelay.gateway")
 PREFIX_BLOCK_SIZE = 16
 
 
+@dataclasses.dataclass(frozen=True)
+class PositionLogprobs:
+    """One position's raw logprobs as a worker reported them (``TokenDelta.logprobs`` …): the
+    chosen token's, and ``top`` ``(token_id, logprob)`` pairs, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclasses.dataclass
 class StreamEvent:
     tokens: list[int]
     finish_reason: str = ""
+    # Aligned with ``tokens`` when any of them came with logprobs (None for one that did not); else empty.
+    logprobs: list[PositionLogprobs | None] = dataclasses.field(default_factory=list)
 
 
 class RequestStream:
@@ -52,7 +64,7 @@ class RequestStream:
         self.deadline = deadline
         self.next_position = 0
         self.finished = False
-        self._early: dict[int, tuple[int, str]] = {}
+        self._early: dict[int, tuple[int, str, PositionLogprobs | None]] = {}
         self._queue: asyncio.Queue[StreamEvent | OmniError] = asyncio.Queue()
 
     def on_delta(self, delta: p.TokenDelta) -> None:
@@ -62,14 +74,15 @@ class RequestStream:
             position = delta.start + i
             last = i == len(delta.token_ids) - 1
             if position >= self.next_position:
-                self._early[position] = (token, delta.finish_reason if last else "")
-        ready, reason = [], ""
+                self._early[position] = (token, delta.finish_reason if last else "", _logprobs_at(delta, i))
+        ready, logprobs, reason = [], [], ""
         while self.next_position in self._early and not reason:
-            token, reason = self._early.pop(self.next_position)
+            token, reason, position_logprobs = self._early.pop(self.next_position)
             ready.append(token)
+            logprobs.append(position_logprobs)
             self.next_position += 1
         if ready:
-            self._queue.put_nowait(StreamEvent(ready, reason))
+            self._queue.put_nowait(StreamEvent(ready, reason, logprobs if any(logprobs) else []))
         if reason:
             self.finished = True
 
@@ -97,6 +110,13 @@ class RequestStream:
             yield event
             if event.finish_reason:
                 return
+
+
+def _logprobs_at(delta: p.TokenDelta, i: int) -> PositionLogprobs | None:
+    if not delta.logprobs:
+        return None
+    top = list(zip(delta.top_token_ids[i], delta.top_logprobs[i])) if delta.top_token_ids else []
+    return PositionLogprobs(delta.logprobs[i], top)
 
 
 class BusClient:

@@ -12,6 +12,13 @@ A decode worker that dies mid-stream is reported ``resumable``: the gateway resu
 plus the tokens the client already has, at the next position, so the client's stream continues
 with no duplicated or missing token (the resubmission policy: ``resubmit.Submissions``). Leaving
 early (client gone, error) always cancels upstream.
+
+Logprobs: a request that asks (``GenerationRequest.logprobs`` >= 0) sends ``sampling["logprobs"]``
+with every submission, a resumed one too, so each token's chunk carries its position's logprobs
+(:class:`~omnirelay.gateway.bus.PositionLogprobs`); positions delivered before a resume keep the
+ones they came with. A token that arrives without them (a worker older than the field ignores it)
+fails the request rather than answer with holes. :func:`token_text` is the text a renderer shows
+for a token id.
 """
 
 from __future__ import annotations
@@ -23,9 +30,9 @@ import uuid
 from typing import AsyncIterator
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest, Unprocessable
+from omnirelay.errors import BadRequest, OmniError, Unprocessable
 
-from .bus import BusClient
+from .bus import BusClient, PositionLogprobs
 from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
 from .resubmit import Submissions
@@ -37,6 +44,7 @@ class TextChunk:
     text: str
     token_ids: list[int]
     finish_reason: str = ""
+    logprobs: list[PositionLogprobs] = dataclasses.field(default_factory=list)   # per token id, when asked
 
 
 @dataclasses.dataclass
@@ -108,7 +116,8 @@ def _sampling(gen: Generation, generated: int) -> dict:
         seed = random.getrandbits(63)
     return {"max_tokens": gen.max_tokens - generated, "temperature": req.temperature, "top_p": req.top_p,
             "top_k": req.top_k, "seed": seed, "ignore_eos": req.ignore_eos,
-            "stop_token_ids": list(req.stop_token_ids)}
+            "stop_token_ids": list(req.stop_token_ids),
+            **({"logprobs": req.logprobs} if req.logprobs >= 0 else {})}
 
 
 async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator[TextChunk]:
@@ -130,20 +139,39 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                                   position_offset=len(generated), inputs=gen.inputs)
                 stream = await bus.submit(submit)
                 async for event in stream.events():
+                    logprobs = _checked_logprobs(gen, event.tokens, event.logprobs)
                     generated.extend(event.tokens)
                     gen.completion_tokens = len(generated)
                     detok.add(event.tokens, final=bool(event.finish_reason))
                     if detok.stopped:
                         submissions.finish()
                         await bus.cancel(upstream_id, "stop string")
-                        yield TextChunk(detok.take(final=True), event.tokens, "stop")
+                        yield TextChunk(detok.take(final=True), event.tokens, "stop", logprobs)
                         return
                     if event.finish_reason:
                         submissions.finish()
-                        yield TextChunk(detok.take(final=True), event.tokens, event.finish_reason)
+                        yield TextChunk(detok.take(final=True), event.tokens, event.finish_reason, logprobs)
                         return
-                    yield TextChunk(detok.take(), event.tokens)
+                    yield TextChunk(detok.take(), event.tokens, logprobs=logprobs)
             gen.resumes = submissions.resumes
+
+
+def _checked_logprobs(gen: Generation, tokens: list[int],
+                      logprobs: list[PositionLogprobs | None]) -> list[PositionLogprobs]:
+    """The event's logprobs when the request asked (every token must have them), else []."""
+    if gen.request.logprobs < 0:
+        return []
+    if len(logprobs) != len(tokens) or any(lp is None for lp in logprobs):
+        raise OmniError("a worker sent tokens without the logprobs this request asked for "
+                        "(is it older than the gateway?)", request_id=gen.request_id)
+    return logprobs
+
+
+def token_text(gen: Generation, token_id: int) -> str:
+    """A token's text as the logprobs answer shows it: the id decoded on its own, as vLLM does
+    (``convert_ids_to_tokens`` would give byte-level BPE symbols such as ``Ġthe``). A token that
+    holds part of a multi-byte character decodes to U+FFFD."""
+    return gen.model.tokenizer.decode([token_id])
 
 
 def now() -> int:

@@ -21,6 +21,7 @@ from omnirelay import __version__
 from omnirelay import image_params as img
 from omnirelay import speech_params as sp
 from omnirelay import video_params as vid
+from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +297,32 @@ _MESSAGE_AUDIO = {"type": "object", "nullable": True, "required": ["id", "data",
                   "description": "the spoken answer (modalities with audio); content is null then"}
 
 
+# Logprobs (schema.py; app.py renders them): chat asks with logprobs/top_logprobs, completions with
+# logprobs: k. A chat top_logprobs without logprobs: true is a 400, which no schema here rules out.
+_CHAT_LOGPROBS_REQUEST = {
+    "logprobs": {"type": "boolean", "nullable": True,
+                 "description": "each generated token's log-probability under the model's raw distribution "
+                                "(before temperature, top_p, top_k); 422 with audio output"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True,
+                     "description": "also the most likely tokens of each position; needs logprobs: true (400)"}}
+_COMPLETION_LOGPROBS_REQUEST = {
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True,
+                 "description": "each generated token's raw log-probability and the k most likely tokens"}}
+_TOKEN_LOGPROB = {"type": "object", "required": ["token", "logprob", "bytes"], "properties": {
+    "token": {"type": "string"}, "logprob": {"type": "number"},
+    "bytes": {"type": "array", "items": {"type": "integer"}, "nullable": True}}}
+_CHAT_LOGPROBS = {"type": "object", "nullable": True, "required": ["content"], "properties": {
+    "content": {"type": "array", "nullable": True, "items": {**_TOKEN_LOGPROB, "required": [
+        "token", "logprob", "bytes", "top_logprobs"], "properties": {
+        **_TOKEN_LOGPROB["properties"], "top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}}}}}
+_COMPLETION_LOGPROBS = {"type": "object", "nullable": True, "properties": {
+    "tokens": {"type": "array", "items": {"type": "string"}},
+    "token_logprobs": {"type": "array", "items": {"type": "number"}},
+    "top_logprobs": {"type": "array", "nullable": True,
+                     "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+    "text_offset": {"type": "array", "items": {"type": "integer"}}}}
+
+
 def build_openapi(max_model_len: int, models: list[str], video_models: list[str] | None = None, *,
                   image_models: list[str] | None = None, speech: SpeechDoc | None = None,
                   vocab_size: int | None = None) -> dict:
@@ -312,20 +339,22 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                 "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
     }}
     chat_request = {"type": "object", "required": ["model", "messages"], "properties": {
-        **sampling, "messages": {"type": "array", "minItems": 1, "items": message}, **_chat_output(speech)}}
+        **sampling, "messages": {"type": "array", "minItems": 1, "items": message}, **_chat_output(speech),
+        **_CHAT_LOGPROBS_REQUEST}}
     completion_request = {"type": "object", "required": ["model", "prompt"], "properties": {
         **sampling, "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                                          {"type": "array", "minItems": 1, "items": {
                                              "type": "integer", "minimum": 0,
                                              **({"maximum": vocab_size - 1} if vocab_size else {})}}]},
-        "echo": {"type": "boolean", "enum": [False], "nullable": True}}}
+        "echo": {"type": "boolean", "enum": [False], "nullable": True}, **_COMPLETION_LOGPROBS_REQUEST}}
     chat_choice = {"type": "object", "properties": {
         "index": {"type": "integer"}, "finish_reason": {"type": "string", "nullable": True},
+        "logprobs": _CHAT_LOGPROBS,
         "message": {"type": "object", "properties": {"role": {"type": "string"},
                                                      "content": {"type": "string", "nullable": True},
                                                      "audio": _MESSAGE_AUDIO}}}}
     text_choice = {"type": "object", "properties": {
-        "index": {"type": "integer"}, "text": {"type": "string"},
+        "index": {"type": "integer"}, "text": {"type": "string"}, "logprobs": _COMPLETION_LOGPROBS,
         "finish_reason": {"type": "string", "nullable": True}}}
     json_body = lambda schema: {"required": True, "content": {"application/json": {"schema": schema}}}  # noqa: E731
     error_ref = {"$ref": "#/components/schemas/Error"}

@@ -3,8 +3,13 @@
 Every check raises :class:`~omnirelay.errors.BadRequest` (400) naming the offending ``param``, so a
 bad request gets an OpenAI-style body before anything is submitted. A well-formed request for
 something we do not do yet gets :class:`~omnirelay.errors.Unprocessable` (422) when it would change
-the answer (``n`` > 1, ``logprobs``, ``echo``, non-text content); hints (``user``, ``metadata``)
-are ignored.
+the answer (``n`` > 1, ``echo``, non-text content, logprobs of a spoken answer); hints (``user``,
+``metadata``) are ignored.
+
+Logprobs, as OpenAI spells them: chat takes ``logprobs: true`` and optionally ``top_logprobs``
+(0 … :data:`MAX_TOP_LOGPROBS`, only with ``logprobs: true``); completions take ``logprobs: k``
+(0 … :data:`MAX_TOP_LOGPROBS`). Both become :attr:`GenerationRequest.logprobs` (-1: off; k: the
+chosen token's and the top k), which travels as ``sampling["logprobs"]`` (broker/protocol.py).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
 from omnirelay.errors import BadRequest, Unprocessable
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -37,6 +43,7 @@ class GenerationRequest:
     return_token_ids: bool
     modalities: tuple[str, ...] = ("text",)   # chat: ("text", "audio") asks for speech too
     audio: dict | None = None                 # chat with audio: {"voice": str, "format": wav|pcm16|flac}
+    logprobs: int = -1                        # -1: none; k >= 0: each token's logprob and the top k
 
 
 # Chat audio formats (OpenAI's names) → the speech worker's encodings; mp3/opus/aac need an encoder
@@ -181,8 +188,6 @@ def _common(body: dict) -> dict:
         raise BadRequest("'model' must be a non-empty string", param="model")
     if _integer(body, "n", 1, 1) != 1:
         raise Unprocessable("only n=1 is supported", param="n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise Unprocessable("logprobs are not supported yet", param="logprobs")
     max_tokens = _integer(body, "max_completion_tokens", None, 1)
     max_tokens = _integer(body, "max_tokens", max_tokens, 1)
     stream_options = body.get("stream_options")
@@ -203,16 +208,42 @@ def _common(body: dict) -> dict:
         return_token_ids=_boolean(body, "return_token_ids"))
 
 
+def _top_logprobs_count(body: dict, name: str) -> int | None:
+    value = _integer(body, name, None, 0)
+    if value is not None and value > MAX_TOP_LOGPROBS:
+        raise BadRequest(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}, got {value}", param=name)
+    return value
+
+
+def _chat_logprobs(body: dict) -> int:
+    """``logprobs: true`` (+ ``top_logprobs``) → the count of alternatives; -1 when not asked."""
+    top = _top_logprobs_count(body, "top_logprobs")
+    if not _boolean(body, "logprobs"):
+        if top is not None:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return -1
+    return top or 0
+
+
 def parse_chat(body: Any) -> GenerationRequest:
     common = _common(body)
+    logprobs = _chat_logprobs(body)
+    audio = _chat_audio(body)
+    if logprobs >= 0 and "audio" in audio["modalities"]:
+        raise Unprocessable("logprobs are not available for a spoken answer (modalities with audio)",
+                            param="logprobs")
     return GenerationRequest(kind="chat", messages=_messages(body), prompt=None, prompt_token_ids=None, **common,
-                             **_chat_audio(body))
+                             **audio, logprobs=logprobs)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
     common = _common(body)
     if body.get("echo"):
         raise Unprocessable("echo is not supported", param="echo")
+    if body.get("top_logprobs") is not None:
+        raise BadRequest("'top_logprobs' is a chat parameter; completions take 'logprobs': k", param="top_logprobs")
+    logprobs = _top_logprobs_count(body, "logprobs")
+    common["logprobs"] = -1 if logprobs is None else logprobs
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]   # a batch of one

@@ -64,7 +64,7 @@ def test_413_body_too_large(limited):
 
 def test_422_for_what_we_do_not_do(limited):
     _assert_error(_post(limited.url, _chat("hi", n=2)), 422, "unprocessable")
-    _assert_error(_post(limited.url, _chat("hi", logprobs=True)), 422, "unprocessable")
+    _assert_error(_post(limited.url, _chat([{"type": "file", "file": {"file_id": "f"}}])), 422, "unprocessable")
 
 
 def test_507_when_decode_runs_out_of_kv_and_the_worker_keeps_serving(limited):
