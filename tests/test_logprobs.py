@@ -186,3 +186,23 @@ def test_request_stream_keeps_logprobs_with_their_positions():
     plain = RequestStream("r", deadline=1e12)
     plain.on_delta(p.TokenDelta("r", 0, [5]))
     assert plain._queue.get_nowait().logprobs == []
+
+
+def test_tensor_parallel_workers_report_the_same_logprobs(tiny_model, tmp_path, hf_logprobs):
+    """TP=2 prefill and decode: rank 0 samples from the gathered logits and reports the logprobs."""
+    from conftest import ServeProcess
+
+    serve = ServeProcess(tiny_model, "--served-model-name", MODEL, "--tensor-parallel-size", "2",
+                         log_path=str(tmp_path / "serve.log"))
+    try:
+        tp_client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        choice = _chat(tp_client, max_tokens=8, logprobs=True, top_logprobs=2,
+                       extra_body={"return_token_ids": True}).choices[0]
+        token_ids = choice.model_extra["token_ids"]
+        reference = hf_logprobs(choice.model_extra["prompt_token_ids"], token_ids)
+        assert len(choice.logprobs.content) == len(token_ids)
+        for position, (entry, token_id) in enumerate(zip(choice.logprobs.content, token_ids)):
+            assert abs(entry.logprob - reference[position, token_id].item()) < TOLERANCE
+            assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == entry.logprob
+    finally:
+        serve.stop()
