@@ -90,7 +90,24 @@ def strategy_for(hint: Any) -> st.SearchStrategy:
 
 def messages_of(cls) -> st.SearchStrategy:
     hints = typing.get_type_hints(cls)
-    return st.builds(cls, **{name: strategy_for(hints[name]) for name, _, _ in cls._checks})
+    fields = {name: strategy_for(hints[name]) for name, _, _ in cls._checks}
+    if cls is p.TokenDelta:   # its logprob lists line up with token_ids (or are all empty)
+        return token_deltas(fields)
+    return st.builds(cls, **fields)
+
+
+@st.composite
+def token_deltas(draw, fields: dict) -> p.TokenDelta:
+    values = {name: draw(strategy) for name, strategy in fields.items()
+              if name not in ("logprobs", "top_token_ids", "top_logprobs")}
+    n, k = len(values["token_ids"]), draw(st.integers(0, p.MAX_TOP_LOGPROBS))
+    if draw(st.booleans()):
+        values["logprobs"] = draw(st.lists(st.floats(allow_nan=False), min_size=n, max_size=n))
+        if k:
+            values["top_token_ids"] = [draw(st.lists(fields["start"], min_size=k, max_size=k)) for _ in range(n)]
+            values["top_logprobs"] = [draw(st.lists(st.floats(allow_nan=False), min_size=k, max_size=k))
+                                      for _ in range(n)]
+    return p.TokenDelta(**values)
 
 
 ANY_MESSAGE = st.one_of(*(messages_of(cls) for cls in CLASSES))
