@@ -116,6 +116,12 @@ def step_until(engine: DecodeEngine, outputs: dict, done, max_steps: int = 500) 
     raise AssertionError("the engine did not get there")
 
 
+def assert_transformers_outputs_and_no_key_left(outputs, prompts, reference, tmp_path) -> None:
+    for i, ids in enumerate(prompts):
+        assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
+    assert shm_keys(tmp_path) == []
+
+
 def test_running_sequence_keeps_stepping_while_another_kv_import_is_held(model, tok, reference, connector, tmp_path):
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
     prefilled = prefill(model, connector, prompts)
@@ -147,9 +153,7 @@ def test_running_sequence_keeps_stepping_while_another_kv_import_is_held(model, 
         held.let_through()
         engine.close()
     assert engine.stats["kv_loads"] == 2 and engine.stats["kv_imports_inflight"] == 0
-    for i, ids in enumerate(prompts):
-        assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
-    assert shm_keys(tmp_path) == []
+    assert_transformers_outputs_and_no_key_left(outputs, prompts, reference, tmp_path)
     assert not any(t.is_alive() for t in held.threads)   # close() joined the import threads
 
 
@@ -179,9 +183,7 @@ def test_greedy_output_with_a_held_import_equals_transformers(model, tok, refere
     finally:
         held.let_through()
         engine.close()
-    for i, ids in enumerate(prompts):
-        assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
-    assert shm_keys(tmp_path) == []
+    assert_transformers_outputs_and_no_key_left(outputs, prompts, reference, tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["whole", "layerwise"])
@@ -307,9 +309,7 @@ def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connecto
     finally:
         held.let_through()
         engine.close()
-    for i, ids in enumerate(prompts):
-        assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]
-    assert shm_keys(tmp_path) == []
+    assert_transformers_outputs_and_no_key_left(outputs, prompts, reference, tmp_path)
 
 
 def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connector, tmp_path):
