@@ -39,6 +39,20 @@ Buffers and ownership
     only once they are gone. Writes into them stay private to the caller. Since they pin backend
     memory, the caller copies what it keeps (into its KV cache) and drops them.
 
+Writing in place (``reserve`` → ``put_reserved``)
+    A producer that builds a tensor only to hand it over (the prefill's KV gather) can build it
+    straight in the memory the backend transfers from and skip ``put``'s copy: ``reserve({name:
+    (shape, dtype)})`` returns a :class:`Reservation` whose ``tensors`` are writable, contiguous and
+    uninitialised; the producer fills them (``torch.index_select(..., out=...)``) and calls
+    ``put_reserved(key, reservation, extra)``, which publishes exactly what ``put(key,
+    {**reservation.tensors, **extra})`` would, with the same blocking, handle and lifetime. From
+    that call on the tensors belong to the connector: the producer drops them and never writes
+    them again (a consumer may be reading that memory). A reservation that will not be published
+    goes back with ``release(reservation)``; ``put_reserved`` releases it itself when it fails.
+    Reserve, fill and publish on one thread; a reservation is used once. Backends without memory
+    of their own to lend (``redis``, ``mooncake_store``) hand out ordinary tensors and copy them on
+    ``put_reserved``, so a caller writes one code path for every backend.
+
 When a key dies
     1. The consumer deletes it after a successful ``get`` (consumer-acknowledged delete) — the normal
        path.
@@ -56,17 +70,63 @@ When a key dies
 from __future__ import annotations
 
 import abc
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 Payload = dict[str, Any]
 Handle = dict[str, Any]
+Layout = dict[str, tuple[Sequence[int], torch.dtype]]
 
 DEFAULT_GET_TIMEOUT_S = 30.0
 DEFAULT_TTL_S = 300.0
 
 
+@dataclasses.dataclass(eq=False)
+class Reservation:
+    """Tensors lent by :meth:`Connector.reserve`, to be filled and published once.
+
+    ``tensors``: name → writable contiguous tensor, in the order of the layout. ``memory``: the
+    backend's own record of where they live (None when they are ordinary tensors)."""
+
+    tensors: dict[str, torch.Tensor]
+    memory: Any = None
+    done: bool = False
+
+
+def check_layout(layout: Layout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``layout`` with shapes as int tuples; ValueError naming the first bad entry."""
+    checked = {}
+    for name, spec in layout.items():
+        if not isinstance(name, str):
+            raise ValueError(f"reserve: tensor names must be str, got {type(name).__name__}")
+        try:
+            shape, dtype = spec
+            shape = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"reserve: {name}: expected (shape, dtype), got {spec!r}") from None
+        if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
+            raise ValueError(f"reserve: {name}: bad shape or dtype {spec!r}")
+        checked[name] = (shape, dtype)
+    return checked
+
+
+def reserved_payload(reservation: Reservation, extra: Payload | None) -> Payload:
+    """The payload a reservation publishes: its tensors, then ``extra`` (names must not clash)."""
+    if reservation.done:
+        raise ValueError("put_reserved: this reservation was already published or released")
+    extra = extra or {}
+    clash = reservation.tensors.keys() & extra.keys()
+    if clash:
+        raise ValueError(f"put_reserved: extra repeats reserved names {sorted(clash)}")
+    return {**reservation.tensors, **extra}
+
+
 class Connector(abc.ABC):
-    """Abstract base of every backend. Keep this surface small: five methods."""
+    """Abstract base of every backend. Keep this surface small: five methods, plus the in-place
+    trio (``reserve``, ``put_reserved``, ``release``) whose defaults copy like ``put``."""
 
     name: str = ""
 
@@ -89,6 +149,23 @@ class Connector(abc.ABC):
     @abc.abstractmethod
     def health(self) -> dict:
         """Non-blocking status: ``{"backend", "ok", …counters such as bytes_put/bytes_got}``."""
+
+    def reserve(self, layout: Layout) -> Reservation:
+        """Writable tensors of ``layout`` (``{name: (shape, dtype)}``) for :meth:`put_reserved`.
+        This default lends ordinary tensors; backends with transfer memory override it."""
+        return Reservation({name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in check_layout(layout).items()})
+
+    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
+        """Publish a filled reservation (plus ``extra`` items) under ``key``, as ``put`` would."""
+        try:
+            return self.put(key, reserved_payload(reservation, extra))
+        finally:
+            self.release(reservation)
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back a reservation that will not be published (idempotent)."""
+        reservation.done = True
+        reservation.tensors = {}
 
     def __enter__(self) -> "Connector":
         return self

@@ -63,44 +63,43 @@ def _pack(obj) -> bytes:
     return packer.pack(obj)
 
 
-def plan(payload: dict[str, Any]) -> EncodePlan:
-    entries, pending = [], []
-    for name, value in payload.items():
-        if not isinstance(name, str):
-            raise CodecError(f"payload keys must be str, got {type(name).__name__}")
-        if isinstance(value, torch.Tensor):
-            if value.dtype not in _DTYPE_NAMES:
-                raise CodecError(f"{name}: unsupported dtype {value.dtype}")
-            # Each step is skipped when it would be a no-op: on the hot path (a contiguous CPU
-            # tensor) a torch call costs about as much as packing the header.
-            tensor = value.detach() if value.requires_grad else value
-            if not tensor.is_cpu:
-                tensor = tensor.cpu()
-            if tensor.is_conj() or tensor.is_neg():
-                tensor = tensor.resolve_conj().resolve_neg()
-            tensor = tensor.contiguous()
-            nbytes = tensor.nbytes
-            entries.append({"n": name, "k": "t", "dt": _DTYPE_NAMES[tensor.dtype],
-                            "sh": list(tensor.shape), "nb": nbytes})
-            pending.append(tensor)
-        elif isinstance(value, (bytes, bytearray, memoryview)):
-            data = memoryview(value)
-            data = data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
-            entries.append({"n": name, "k": "b", "nb": data.nbytes})
-            pending.append(data)
-        else:
-            entries.append({"n": name, "k": "v", "val": value})
-            pending.append(None)
-    # Offsets depend on the header length, and the header holds the offsets: fix the header size
-    # first with placeholder offsets of the widest msgpack int encoding, then fill them in.
-    for entry in entries:
-        if entry["k"] != "v":
-            entry["o"] = 2**63 - 1
+_PLACEHOLDER_OFFSET = 2**63 - 1   # the widest msgpack int: a header never grows when real offsets replace it
+EXTRA_HEADER_ROOM = 1024          # header bytes a reservation keeps for the items put_reserved adds
+
+
+def _item(name, value) -> tuple[dict, Any]:
+    """A payload item's header entry (offset still unset) and the data to write (None: inline)."""
+    if not isinstance(name, str):
+        raise CodecError(f"payload keys must be str, got {type(name).__name__}")
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _DTYPE_NAMES:
+            raise CodecError(f"{name}: unsupported dtype {value.dtype}")
+        # Each step is skipped when it would be a no-op: on the hot path (a contiguous CPU
+        # tensor) a torch call costs about as much as packing the header.
+        tensor = value.detach() if value.requires_grad else value
+        if not tensor.is_cpu:
+            tensor = tensor.cpu()
+        if tensor.is_conj() or tensor.is_neg():
+            tensor = tensor.resolve_conj().resolve_neg()
+        tensor = tensor.contiguous()
+        return {"n": name, "k": "t", "dt": _DTYPE_NAMES[tensor.dtype], "sh": list(tensor.shape),
+                "nb": tensor.nbytes}, tensor
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = memoryview(value)
+        data = data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
+        return {"n": name, "k": "b", "nb": data.nbytes}, data
+    return {"n": name, "k": "v", "val": value}, None
+
+
+def _packed_len(entries: list[dict]) -> int:
     try:
-        header_len = len(_pack({"v": 1, "entries": entries}))
+        return len(_pack({"v": 1, "entries": entries}))
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError(f"payload value is not msgpack-able: {exc}") from None
-    offset = _align(_LEN.size + header_len)
+
+
+def _place(entries: list[dict], pending: list, offset: int) -> tuple[list, int]:
+    """Give every non-inline entry an offset from ``offset`` on (64-aligned); (writes, end)."""
     writes = []
     for entry, data in zip(entries, pending):
         if entry["k"] == "v":
@@ -108,9 +107,82 @@ def plan(payload: dict[str, Any]) -> EncodePlan:
         entry["o"] = offset
         writes.append((offset, data))
         offset = _align(offset + entry["nb"])
-    header = _pack({"v": 1, "entries": entries})  # real offsets: never longer
-    return EncodePlan(header=_LEN.pack(len(header)) + header, size=max(offset, _align(_LEN.size + header_len)),
-                      writes=tuple(writes))
+    return writes, offset
+
+
+def plan(payload: dict[str, Any]) -> EncodePlan:
+    entries, pending = [], []
+    for name, value in payload.items():
+        entry, data = _item(name, value)
+        entries.append(entry)
+        pending.append(data)
+    # Offsets depend on the header length, and the header holds the offsets: fix the header size
+    # first with placeholder offsets, then fill them in.
+    for entry in entries:
+        if entry["k"] != "v":
+            entry["o"] = _PLACEHOLDER_OFFSET
+    start = _align(_LEN.size + _packed_len(entries))
+    writes, end = _place(entries, pending, start)
+    header = _pack({"v": 1, "entries": entries})
+    return EncodePlan(header=_LEN.pack(len(header)) + header, size=max(end, start), writes=tuple(writes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReservedLayout:
+    """Where :func:`reserve_layout` put a reservation's tensors in an encoded buffer: header room
+    first, then each tensor 64-aligned (``entries`` are their finished header entries)."""
+
+    entries: tuple[dict, ...]
+    start: int   # bytes kept for the length prefix and the header
+    end: int     # end of the reserved tensors; items added at publish time go after it
+
+
+def reserve_layout(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> ReservedLayout:
+    """Lay out tensors to be written in place before the rest of the payload is known."""
+    entries = []
+    for name, (shape, dtype) in layout.items():
+        if dtype not in _DTYPE_NAMES:
+            raise CodecError(f"{name}: unsupported dtype {dtype}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        entries.append({"n": name, "k": "t", "dt": _DTYPE_NAMES[dtype], "sh": list(shape),
+                        "nb": numel * dtype.itemsize, "o": _PLACEHOLDER_OFFSET})
+    start = _align(_LEN.size + _packed_len(entries) + EXTRA_HEADER_ROOM)
+    _, end = _place(entries, [None] * len(entries), start)
+    return ReservedLayout(entries=tuple(entries), start=start, end=end)
+
+
+def reserved_views(buf: memoryview, reserved: ReservedLayout) -> dict[str, torch.Tensor]:
+    """The reservation's tensors as writable views of ``buf`` (which holds the encoded payload)."""
+    out = {}
+    for entry in reserved.entries:
+        dtype, shape = _DTYPES[entry["dt"]], entry["sh"]
+        if entry["nb"] == 0:
+            out[entry["n"]] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(buf, dtype=dtype, count=entry["nb"] // dtype.itemsize, offset=entry["o"])
+        out[entry["n"]] = flat.view(shape)
+    return out
+
+
+def plan_reserved(reserved: ReservedLayout, extra: dict[str, Any]) -> EncodePlan | None:
+    """The plan that completes a reservation filled in place: the header (reserved tensors at their
+    fixed offsets, then ``extra``'s items) and writes for ``extra``'s data only, placed after the
+    tensors. None when the header does not fit the room kept for it (publish by copying instead)."""
+    entries = [dict(e) for e in reserved.entries]
+    added, added_data = [], []
+    for name, value in extra.items():
+        entry, data = _item(name, value)
+        added.append(entry)
+        added_data.append(data)
+    writes, end = _place(added, added_data, reserved.end)
+    entries += added
+    _packed_len(entries)   # a clear CodecError for a value msgpack cannot take
+    header = _pack({"v": 1, "entries": entries})
+    if _LEN.size + len(header) > reserved.start:
+        return None
+    return EncodePlan(header=_LEN.pack(len(header)) + header, size=max(end, reserved.start), writes=tuple(writes))
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
