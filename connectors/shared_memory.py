@@ -33,6 +33,10 @@ the range reads the segment again (:mod:`omnirelay.connectors.shm_mappings`). A 
 the segment afresh). A cached mapping keeps the memory of a segment its producer unlinked until
 this connector's next get, delete or close notices (at most once a second) and unmaps it.
 
+``reserve`` takes a segment exactly as a put does (state WRITING, exclusively locked) and lends its
+payload area as tensors; ``put_reserved`` writes only the header (and any added items) and publishes
+it, so the tensors' bytes are written once, by the producer, where the consumer maps them.
+
 ``delete`` unlinks the key entry; the producer notices and recycles the segment. While a producer
 connector is open it holds an exclusive ``flock`` on its **owner file** ``omnirelay-<pid>-c<n>-owner``;
 a ``delete`` whose segment has no live owner (the connector was closed, or the process died) unlinks
@@ -72,7 +76,8 @@ import time
 from omnirelay.errors import TransferFailed
 
 from . import codec
-from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Payload
+from .base import (DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Payload, Reservation,
+                   check_layout, reserved_payload)
 from .shm_mappings import MappingCache
 
 PREFIX = "omnirelay-"
@@ -146,6 +151,13 @@ class _Segment:
     target: str = ""                      # that entry's expected symlink target
     published_at: float = 0.0
     freed_at: float = 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Reserved:
+    """A reservation's segment (locked for writing) and where its tensors lie in it."""
+    segment: _Segment
+    layout: codec.ReservedLayout
 
 
 def _parse_target(target: str) -> tuple[str, int, int] | None:
@@ -227,14 +239,74 @@ class SharedMemoryConnector(Connector):
         if self._closed:
             raise TransferFailed("shared_memory connector is closed")
         encode_plan = codec.plan(payload)
-        size = encode_plan.size
-        segment = self._acquire(size)
+        segment = self._acquire(encode_plan.size)
+        self._write(segment, encode_plan)
+        return self._publish(key, segment, encode_plan.size)
+
+    def reserve(self, layout: Layout) -> Reservation:
+        """The tensors are views of a segment locked for writing, as a put's would be; it is
+        published by :meth:`put_reserved` without a copy, or freed by :meth:`release`."""
+        if self._closed:
+            raise TransferFailed("shared_memory connector is closed")
+        reserved = codec.reserve_layout(check_layout(layout))
+        segment = self._acquire(reserved.end)
         try:
-            if segment.allocated < size:
-                # Reserve the pages now: on a full /dev/shm this raises ENOSPC here instead of
-                # killing the process with SIGBUS while we write.
-                os.posix_fallocate(segment.fd, segment.allocated, size - segment.allocated)
-                segment.allocated = size
+            self._allocate_pages(segment, reserved.end)
+            tensors = codec.reserved_views(memoryview(segment.mapping), reserved)
+        except BaseException as exc:
+            self._discard(segment)
+            if isinstance(exc, OSError):
+                raise TransferFailed(f"shared_memory: cannot reserve {reserved.end} bytes in {self.shm_dir}: "
+                                     f"{exc}") from exc
+            raise
+        with self._lock:
+            self._stats["reservations"] += 1
+        return Reservation(tensors, memory=_Reserved(segment, reserved))
+
+    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
+        if not isinstance(reservation.memory, _Reserved):   # lent by another connector
+            return super().put_reserved(key, reservation, extra)
+        try:
+            payload = reserved_payload(reservation, extra)
+            if self._closed:
+                raise TransferFailed("shared_memory connector is closed")
+            segment, reserved = reservation.memory.segment, reservation.memory.layout
+            encode_plan = codec.plan_reserved(reserved, {name: payload[name] for name in extra or {}})
+            if encode_plan is None or encode_plan.size > segment.capacity:
+                return self.put(key, payload)   # the added items do not fit: copy like any put
+            reservation.done, reservation.tensors, reservation.memory = True, {}, None
+            self._write(segment, encode_plan)
+            with self._lock:
+                self._stats["puts_in_place"] += 1
+            return self._publish(key, segment, encode_plan.size)
+        finally:
+            self.release(reservation)
+
+    def release(self, reservation: Reservation) -> None:
+        memory = reservation.memory
+        reservation.done, reservation.tensors, reservation.memory = True, {}, None
+        if not isinstance(memory, _Reserved):
+            return
+        with self._lock:
+            segment = memory.segment
+            if self._closed or segment not in self._segments or segment.state is not SegmentState.WRITING:
+                return
+            fcntl.flock(segment.fd, fcntl.LOCK_UN)
+            self._set_free(segment)
+
+    def _allocate_pages(self, segment: _Segment, size: int) -> None:
+        if segment.allocated < size:
+            # Reserve the pages now: on a full /dev/shm this raises ENOSPC here instead of
+            # killing the process with SIGBUS while we write.
+            os.posix_fallocate(segment.fd, segment.allocated, size - segment.allocated)
+            segment.allocated = size
+
+    def _write(self, segment: _Segment, encode_plan: codec.EncodePlan) -> None:
+        """Write an encoded payload (or what a reservation lacks) into a segment locked for
+        writing, then unlock it; a failure discards the segment."""
+        size = encode_plan.size
+        try:
+            self._allocate_pages(segment, size)
             view = memoryview(segment.mapping)[:size]
             try:
                 codec.write_into(view, encode_plan)
@@ -246,6 +318,9 @@ class SharedMemoryConnector(Connector):
             if isinstance(exc, OSError):
                 raise TransferFailed(f"shared_memory: cannot write {size} bytes to {self.shm_dir}: {exc}") from exc
             raise
+
+    def _publish(self, key: str, segment: _Segment, size: int) -> Handle:
+        """Point the key's entry at a written, unlocked segment; the payload is readable from here."""
         gen = next(self._gens)
         entry = self._entry_path(key)
         target = f"{segment.name}@{gen}@{size}"
