@@ -21,7 +21,7 @@ import time
 
 from omnirelay.errors import TransferFailed
 
-from .base import DEFAULT_GET_TIMEOUT_S, Connector, Handle, Payload
+from .base import DEFAULT_GET_TIMEOUT_S, Connector, Handle, Layout, Payload, Reservation
 from .registry import create_connector
 
 
@@ -58,6 +58,20 @@ class FaultInjectionConnector(Connector):
     def put(self, key: str, payload: Payload) -> Handle:
         self._fault("put", self.put_delay_s, self.fail_every_nth_put)
         return self.inner.put(key, payload)
+
+    def reserve(self, layout: Layout) -> Reservation:
+        return self.inner.reserve(layout)
+
+    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
+        try:
+            self._fault("put", self.put_delay_s, self.fail_every_nth_put)
+        except BaseException:
+            self.inner.release(reservation)
+            raise
+        return self.inner.put_reserved(key, reservation, extra)
+
+    def release(self, reservation: Reservation) -> None:
+        self.inner.release(reservation)
 
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
         self._fault("get", self.get_delay_s, self.fail_every_nth_get)

@@ -1,4 +1,4 @@
-"""Transfer timing as a wrapper, not inside any backend: every ``put`` and ``get`` is timed and the
+"""Transfer timing as a wrapper, not inside any backend: every ``put`` (``put_reserved`` too) and ``get`` is timed and the
 totals join the wrapped backend's :meth:`health` (``put_us_total``/``get_us_total``, microseconds),
 which workers report in their heartbeats and the gateway exports as connector transfer latency."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .base import DEFAULT_GET_TIMEOUT_S, Connector, Handle, Payload
+from .base import DEFAULT_GET_TIMEOUT_S, Connector, Handle, Layout, Payload, Reservation
 
 
 class TimedConnector(Connector):
@@ -27,6 +27,19 @@ class TimedConnector(Connector):
             return self.inner.put(key, payload)
         finally:
             self._add("put", started)
+
+    def reserve(self, layout: Layout) -> Reservation:
+        return self.inner.reserve(layout)
+
+    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
+        started = time.perf_counter()   # counted as a put: it is one, less the copy
+        try:
+            return self.inner.put_reserved(key, reservation, extra)
+        finally:
+            self._add("put", started)
+
+    def release(self, reservation: Reservation) -> None:
+        self.inner.release(reservation)
 
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
         started = time.perf_counter()

@@ -29,6 +29,9 @@ def test_batched_chunked_prefill_and_decode_equal_transformers(model, tok, refer
     assert prefill.stats["prefill_tokens"] == sum(map(len, prompts))
     assert prefill.stats["prefill_steps"] == -(-sum(map(len, prompts)) // 24)
     assert prefill.allocator.free == prefill.runner.num_blocks - 1      # every block came back
+    # Each KV was gathered straight into a shared memory segment: no put copied it.
+    health = connector.health()
+    assert health["puts_in_place"] == health["puts"] == len(prompts)
     outputs = run_decode(decode_engine(model, connector, num_blocks=256), prompts, prefilled)
     for i, ids in enumerate(prompts):
         assert outputs[f"r{i}"] == reference(ids), QUESTIONS[i]

@@ -89,13 +89,22 @@ class PagedKVCache:
         for layer in range(kv.shape[0]):
             self.write(layer, slots, kv[layer, 0], kv[layer, 1])
 
-    def read_sequence(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+    def sequence_spec(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of :meth:`read_sequence`'s tensor."""
+        return (len(self.keys), 2, num_tokens, *self.keys[0].shape[2:]), self.keys[0].dtype
+
+    def read_sequence(self, blocks: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The first ``num_tokens`` of a sequence as one contiguous ``[layers, 2, seq, kv_heads,
-        head_dim]`` tensor (the connector payload)."""
+        head_dim]`` tensor (the connector payload), written into ``out`` when given (a tensor of
+        :meth:`sequence_spec` on this cache's device)."""
         index = torch.tensor(blocks[: self.blocks_needed(num_tokens)], dtype=torch.long, device=self.device)
         layers = len(self.keys)
-        out = torch.empty(layers, 2, num_tokens, *self.keys[0].shape[2:], dtype=self.keys[0].dtype,
-                          device=self.device)
+        shape, dtype = self.sequence_spec(num_tokens)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+        elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"read_sequence: out must be a contiguous {dtype} tensor of shape {shape}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
         for layer in range(layers):
             keys, values = self.gather(layer, index, 1)
             out[layer, 0], out[layer, 1] = keys[0, :num_tokens], values[0, :num_tokens]

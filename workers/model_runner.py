@@ -41,8 +41,13 @@ class ModelRunner(Protocol):
         """Logits ``[B, vocab]`` (float32, on rank 0's device) of each sequence's last new token;
         writes the new tokens' KV. ``batch`` may be on the CPU."""
 
-    def read_kv(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
-        """A sequence's KV, all heads, as one contiguous CPU tensor."""
+    def kv_spec(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of :meth:`read_kv`'s tensor for ``num_tokens`` tokens."""
+
+    def read_kv(self, blocks: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A sequence's KV, all heads, as one contiguous CPU tensor; written into ``out`` (a
+        contiguous CPU tensor of :meth:`kv_spec`, e.g. connector memory lent by ``reserve``) and
+        returned when given."""
 
     def write_kv(self, blocks: list[int], kv: torch.Tensor, start: int = 0) -> None:
         """Store a full-head KV tensor (any device) into ``blocks`` from sequence position ``start``."""
@@ -64,8 +69,15 @@ class LocalRunner:
         on other ranks, so the prefill exports a group's KV whole)."""
         return self.model.forward(batch.to(self.model.device), self.cache, on_layer=on_layer)
 
-    def read_kv(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
-        return self.cache.read_sequence(blocks, num_tokens).cpu()
+    def kv_spec(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.cache.sequence_spec(num_tokens)
+
+    def read_kv(self, blocks: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return self.cache.read_sequence(blocks, num_tokens).cpu()
+        if out.device == self.cache.device:
+            return self.cache.read_sequence(blocks, num_tokens, out=out)
+        return out.copy_(self.cache.read_sequence(blocks, num_tokens))   # device → host, straight into out
 
     def write_kv(self, blocks: list[int], kv: torch.Tensor, start: int = 0) -> None:
         self.cache.write_sequence(blocks, kv, start)

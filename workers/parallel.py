@@ -264,13 +264,18 @@ class GroupRunner:
         dist.recv(logits, src=self._last)
         return logits
 
-    def read_kv(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+    def kv_spec(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
+        cfg = self.config
+        return (cfg.num_layers, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim), self._rank.model.dtype
+
+    def read_kv(self, blocks: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _send_header(self._rank.commands, READ_KV, len(blocks), num_tokens)
         dist.broadcast(torch.tensor(blocks, dtype=torch.long), src=0)
         cfg, group = self.config, self.group
         device = self._rank.device
-        full = torch.empty(cfg.num_layers, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=self._rank.model.dtype,
-                           device=device)
+        shape, dtype = self.kv_spec(num_tokens)
+        on_device = out is not None and out.device == device
+        full = out if on_device else torch.empty(shape, dtype=dtype, device=device)
         ranges = layer_ranges(cfg.num_layers, group.pp_size)
         heads = cfg.num_kv_heads // group.tp_size
         for rank in range(group.world):
@@ -282,7 +287,9 @@ class GroupRunner:
                 part = torch.empty(len(layers), 2, num_tokens, heads, cfg.head_dim, dtype=full.dtype, device=device)
                 dist.recv(part, src=rank)
             full[layers.start:layers.stop, :, :, h0:h0 + heads] = part
-        return full.cpu()   # one copy to the host, for the connector
+        if on_device:
+            return full
+        return full.cpu() if out is None else out.copy_(full)   # one copy to the host, for the connector
 
     def write_kv(self, blocks: list[int], kv: torch.Tensor, start: int = 0) -> None:
         _send_header(self._rank.commands, WRITE_KV, len(blocks), kv.shape[2], start)

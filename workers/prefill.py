@@ -424,9 +424,8 @@ class PrefillEngine:
                     handle = exported
                     self.stats["kv_layerwise_handoffs"] += 1
                 else:
-                    kv = self.runner.read_kv(seq.blocks, n)
                     try:
-                        handle = self.connector.put(key, {"kv": kv, "num_tokens": n})
+                        handle = self._export_kv(key, seq.blocks, n)
                     except OmniError as exc:
                         return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
                 self.stats["kv_handoffs"] += 1
@@ -436,6 +435,17 @@ class PrefillEngine:
             return result
         finally:
             self._retire(seq)
+
+    def _export_kv(self, key: str, blocks: list[int], num_tokens: int) -> dict:
+        """Gather the sequence's KV straight into connector memory and publish it (one copy fewer
+        than gathering into a tensor for ``put`` to copy out)."""
+        reservation = self.connector.reserve({"kv": self.runner.kv_spec(num_tokens)})
+        try:
+            self.runner.read_kv(blocks, num_tokens, out=reservation.tensors["kv"])
+        except BaseException:
+            self.connector.release(reservation)
+            raise
+        return self.connector.put_reserved(key, reservation, {"num_tokens": num_tokens})
 
     def _retire(self, seq: _Running) -> None:
         self.running.remove(seq)
