@@ -24,6 +24,10 @@ consumer process, repeatedly:
   ``mooncake_transfer_engine`` connector rides on); ``raw Mooncake store`` (``upsert_from``, then
   ``get_into`` between warm registered buffers, then ``remove``). Like the connectors, the raw
   rows use a fresh key per iteration and run between two processes.
+* Rows ``…, in place (reserve → put_reserved)``: the producer builds the payload in memory the
+  connector lends (as the prefill gathers its KV), so ``put`` is ``reserve`` + ``put_reserved``
+  and no copy; the producer's own write of the bytes is not timed (it replaces the write that
+  produced the tensor, not an extra one).
 
 ``--rounds N`` repeats the whole measurement N times, interleaved (every row of a size, then the
 next size, then the next round), and reports per row the median over the rounds of its best-of-
@@ -186,7 +190,17 @@ def _child(role: str, kind: str, options: dict) -> int:
                 say({"dt": dt})
         else:
             conn = state["conn"]
-            if op == "put":
+            if op == "put" and cmd.get("in_place"):
+                # The producer builds its tensor in connector memory: reserve and publish are
+                # timed; its own write of the bytes (which produces them) is not.
+                t0 = time.perf_counter()
+                reservation = conn.reserve({"t": ((size,), torch.uint8)})
+                dt = time.perf_counter() - t0
+                reservation.tensors["t"].copy_(data)
+                t0 = time.perf_counter()
+                handle = conn.put_reserved(cmd["key"], reservation)
+                say({"dt": dt + time.perf_counter() - t0, "handle": handle})
+            elif op == "put":
                 t0 = time.perf_counter()
                 handle = conn.put(cmd["key"], {"t": data})
                 say({"dt": time.perf_counter() - t0, "handle": handle})
@@ -289,14 +303,15 @@ def measure_tcp(size: int, iters: int, warmup: int) -> float:
         receiver.close()
 
 
-def measure_pair(kind: str, options: dict, size: int, iters: int, warmup: int, touch: bool = False) -> dict:
+def measure_pair(kind: str, options: dict, size: int, iters: int, warmup: int, touch: bool = False,
+                 in_place: bool = False) -> dict:
     producer = Child("producer", kind, options)
     consumer = Child("consumer", kind, options)
     try:
         pairs = []
         for i in range(warmup + iters):
             key = f"bench/{uuid.uuid4().hex[:8]}"
-            put = producer.call({"op": "put", "key": key, "size": size})
+            put = producer.call({"op": "put", "key": key, "size": size, "in_place": in_place})
             got = consumer.call({"op": "get", "key": key, "size": size, "handle": put["handle"], "touch": touch})
             if i >= warmup:
                 pairs.append((put["dt"] + got["dt"], put["dt"], got["dt"]))
@@ -527,11 +542,16 @@ def main(argv: list[str] | None = None) -> int:
             "shared_memory, fresh segment per put (pool_mb: 0)": ("shared_memory", {"shm_dir": shm_dir, "pool_mb": 0},
                                                                   {}, cold),
         }
+        configs["shared_memory, in place (reserve → put_reserved)"] = ("shared_memory", {"shm_dir": shm_dir},
+                                                                       {"in_place": True}, cold)
         if redis_server:
             configs["redis"] = ("redis", {"url": redis_server[1], "pool_mb": pool_mb}, {}, ("raw Redis SET/GET",))
         if master:
             configs["mooncake_transfer_engine"] = ("mooncake_transfer_engine", {"directory": te_dir, "pool_mb": pool_mb},
                                                    {}, ("raw Mooncake TE",))
+            configs["mooncake_transfer_engine, in place (reserve → put_reserved)"] = (
+                "mooncake_transfer_engine", {"directory": te_dir, "pool_mb": pool_mb}, {"in_place": True},
+                ("raw Mooncake TE",))
             configs["mooncake_store"] = ("mooncake_store", {"master": master[1], "pool_mb": pool_mb,
                                                             "segment_mb": pool_mb}, {}, ("raw Mooncake store",))
         if args.baseline:
