@@ -78,6 +78,21 @@ def same_payload(got: dict, want: dict) -> list[str]:
     return bad
 
 
+def put_reserved(conn, key: str, payload: dict) -> dict:
+    """Publish ``payload`` the in-place way: reserve its tensors' layout (contiguous tensors of the
+    same shapes and dtypes), fill them from the payload, and hand the other items over as ``extra``."""
+    tensors = {name: value for name, value in payload.items() if isinstance(value, torch.Tensor)}
+    extra = {name: value for name, value in payload.items() if not isinstance(value, torch.Tensor)}
+    reservation = conn.reserve({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+    try:
+        for name, t in tensors.items():
+            reservation.tensors[name].copy_(t)
+    except BaseException:
+        conn.release(reservation)
+        raise
+    return conn.put_reserved(key, reservation, extra)
+
+
 def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -89,6 +104,8 @@ def handle(conn, command: dict, streams: dict) -> dict:
     op = command["op"]
     if op == "put":
         return {"handle": conn.put(command["key"], make_payload(command["seed"], command.get("big_mb", 0.0)))}
+    if op == "put_reserved":   # the same payload as "put", written in place (reserve → put_reserved)
+        return {"handle": put_reserved(conn, command["key"], make_payload(command["seed"], command.get("big_mb", 0.0)))}
     if op == "get":
         t0 = time.monotonic()
         try:

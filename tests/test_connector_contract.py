@@ -4,7 +4,9 @@ Producer and consumer sit in different processes: this test process is one side,
 peers (``tests/connector_peer.py``) are the other. Redis and the Mooncake master are real servers
 started on free ports of 127.0.0.1 by the fixtures below and stopped by PID. Each backend's
 section ends by checking it left nothing behind: no shared memory file, Redis key, directory entry
-or Mooncake object.
+or Mooncake object. The in-place path (``reserve`` → ``put_reserved`` → ``release``) runs through
+the same checks, in both directions, and its tests also watch the health counters that describe
+held memory (a reservation given back must leave them where they were).
 
 A backend whose library or server cannot run here is skipped with the precise reason.
 """
@@ -23,7 +25,7 @@ import msgpack
 import pytest
 import torch
 
-from connector_peer import make_payload, same_payload
+from connector_peer import make_payload, put_reserved, same_payload
 from connector_servers import MooncakeMaster, Peer, RedisServer
 from omnirelay.connectors import available_connectors, create_connector
 from omnirelay.connectors.chunked import ChunkedConsumer, ChunkedProducer, StreamState, chunk_key, read_all
@@ -408,6 +410,192 @@ def test_payload_larger_than_the_pool(backend):
         handle = producer.put(key, make_payload(600, 4))
         assert_same(consumer.get(key, handle, timeout=10), make_payload(600, 4))
         consumer.delete(key)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+# ------------------------------------------------------------------------- writing in place
+
+
+def held_memory(conn) -> dict[str, int]:
+    """The health counters that describe memory a connector holds: its shared memory segments
+    (bytes, and how many: pending ones plus free ones), its pool's bytes in use, payloads
+    published and not yet consumed, and reservations not yet published or released. Every
+    backend reports at least one of them."""
+    health = conn.health()
+    held = {k: health[k] for k in ("segment_bytes", "segments_pending", "payloads_pending", "keys_put_pending",
+                                   "pool_in_use", "reservations_open") if k in health}
+    if "segments_free" in health:
+        held["segments"] = health["segments_free"] + health["segments_pending"]
+    assert held, f"{health['backend']} reports no held-memory counter: {sorted(health)}"
+    return held
+
+
+def assert_no_growth(before: dict[str, int], after: dict[str, int]) -> None:
+    assert {k: (before[k], after[k]) for k in before if after[k] > before[k]} == {}
+
+
+def warm_up(conn, *layouts) -> None:
+    """Reserve and release each layout until the backend's pool holds what it needs: a pool may
+    hand out each of its free buffers in turn (shared memory: free segments of one size, first in
+    first out), growing each one once to the size asked."""
+    for layout in layouts:
+        for _ in range(conn.health().get("segments_free", 0) + 1):
+            conn.release(conn.reserve(layout))
+
+
+def reserve_filled(conn, tensors: dict[str, torch.Tensor]):
+    reservation = conn.reserve({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+    for name, t in tensors.items():
+        reservation.tensors[name].copy_(t)
+    return reservation
+
+
+KV_SMALL = {"kv": ((2, 64, 1024), torch.bfloat16)}                                    # 256 KiB
+KV_LARGE = {"kv": ((4, 128, 1024), torch.bfloat16), "ids": ((128,), torch.int64)}     # 1 MiB
+
+
+def test_reserve_lends_contiguous_writable_tensors_of_the_layout(backend):
+    want = {name: value for name, value in make_payload(700).items() if isinstance(value, torch.Tensor)}
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in want.items()}
+    reservation = backend.conn.reserve(layout)
+    try:
+        assert list(reservation.tensors) == list(layout)
+        for name, t in reservation.tensors.items():
+            assert (tuple(t.shape), t.dtype) == layout[name] and t.is_contiguous(), name
+        for name, t in want.items():
+            reservation.tensors[name].copy_(t)
+        # Every tensor kept what was written into it: none overlaps another.
+        assert same_payload(reservation.tensors, want) == []
+    finally:
+        backend.conn.release(reservation)
+    for bad in ({"x": ((-1, 2), torch.float32)}, {"x": ((2,), "float32")}, {"x": torch.float32}):
+        with pytest.raises(ValueError):
+            backend.conn.reserve(bad)
+
+
+def test_peer_puts_in_place_then_get_with_handle_and_key_only(backend):
+    key = backend.key("inplace")
+    handle = backend.peers[0].call({"op": "put_reserved", "key": key, "seed": 701, "big_mb": 3})["handle"]
+    assert isinstance(handle, dict) and len(msgpack.packb(handle)) < 512
+    assert_same(backend.conn.get(key, handle, timeout=10), make_payload(701, 3))
+    assert_same(backend.conn.get(key, timeout=10), make_payload(701, 3))
+    backend.conn.delete(key)
+
+
+def test_put_in_place_here_get_in_other_process(backend):
+    key = backend.key("inplace")
+    handle = put_reserved(backend.conn, key, make_payload(702, 1))
+    consumer = backend.peers[1]
+    assert consumer.call({"op": "get", "key": key, "handle": handle, "seed": 702, "big_mb": 1})["bad"] == []
+    assert consumer.call({"op": "get", "key": key, "seed": 702, "big_mb": 1})["bad"] == []   # key only
+    consumer.call({"op": "delete", "key": key})
+    assert "TransferFailed" in consumer.call({"op": "get", "key": key, "handle": handle, "timeout": 0.2})["error"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"meta": {"text": "x" * 5000, "ids": list(range(500))}},   # more header than a reservation keeps room for
+    {"blob": bytes(range(256)) * 8192, "ids": torch.arange(1 << 18)},   # 2 MiB + 2 MiB after the tensors
+], ids=["long_header", "large_data"])
+def test_put_reserved_with_extras_beyond_the_reserved_room(backend, extra):
+    """A backend that cannot complete the payload where it was reserved still publishes exactly
+    what ``put`` would (by copying)."""
+    key = backend.key("inplace-extra")
+    tensors = {"kv": torch.randn(2, 16, 64).to(torch.bfloat16), "mask": torch.arange(50) % 3 == 0}
+    handle = backend.conn.put_reserved(key, reserve_filled(backend.conn, tensors), extra)
+    assert_same(backend.conn.get(key, handle, timeout=5), {**tensors, **extra})
+    assert_same(backend.conn.get(key, timeout=5), {**tensors, **extra})
+    backend.conn.delete(key)
+
+
+def test_tensors_got_stay_valid_while_the_producer_writes_in_place_again(backend):
+    key = backend.key("valid-inplace")
+    handle = backend.peers[0].call({"op": "put_reserved", "key": key, "seed": 704, "big_mb": 1})["handle"]
+    got = backend.conn.get(key, handle, timeout=5)
+    backend.conn.delete(key)
+    for seed in (705, 706, 707):   # the producer reserves again, and again, while `got` is held
+        handle = backend.peers[0].call({"op": "put_reserved", "key": key, "seed": seed, "big_mb": 1})["handle"]
+        assert_same(backend.conn.get(key, handle, timeout=5), make_payload(seed, 1))
+        backend.conn.delete(key)
+    assert_same(got, make_payload(704, 1))
+
+
+@pytest.mark.parametrize("extra", [{"kv": 1}, {"ok": 1, "bad": object()}], ids=["name_clash", "not_msgpack"])
+def test_put_reserved_that_fails_releases_the_reservation(backend, extra):
+    tensors = {"kv": torch.arange(4096, dtype=torch.float32)}
+    warm_up(backend.conn, {"kv": ((4096,), torch.float32)})
+    before = held_memory(backend.conn)
+    key = backend.key("clash")
+    reservation = reserve_filled(backend.conn, tensors)
+    with pytest.raises(ValueError):
+        backend.conn.put_reserved(key, reservation, extra)
+    with pytest.raises(ValueError):   # put_reserved released it: it cannot be published now
+        backend.conn.put_reserved(key, reservation, {"ok": 1})
+    backend.conn.release(reservation)   # idempotent
+    assert_no_growth(before, held_memory(backend.conn))
+    with pytest.raises(TransferFailed):
+        backend.conn.get(key, timeout=0)
+
+
+def test_a_reservation_is_used_once(backend):
+    key, again, after_release = backend.key("once"), backend.key("once-again"), backend.key("once-released")
+    want = {"kv": torch.arange(1000, dtype=torch.int32).reshape(10, 100), "n": 7}
+    reservation = reserve_filled(backend.conn, {"kv": want["kv"]})
+    handle = backend.conn.put_reserved(key, reservation, {"n": 7})
+    with pytest.raises(ValueError):
+        backend.conn.put_reserved(again, reservation, {"n": 8})
+    backend.conn.release(reservation)   # after a publish: a no-op
+    with pytest.raises(ValueError):
+        backend.conn.put_reserved(again, reservation)
+    assert_same(backend.conn.get(key, handle, timeout=5), want)   # the publish stands
+
+    released = reserve_filled(backend.conn, {"kv": want["kv"]})
+    backend.conn.release(released)
+    backend.conn.release(released)
+    with pytest.raises(ValueError):
+        backend.conn.put_reserved(after_release, released, {"n": 7})
+    for k in (again, after_release):
+        with pytest.raises(TransferFailed):
+            backend.conn.get(k, timeout=0)
+    backend.conn.delete(key)
+
+
+def test_reserve_and_release_in_a_loop_holds_no_more_memory(backend):
+    conn = backend.conn
+    warm_up(conn, KV_SMALL, KV_LARGE)
+    before = held_memory(conn)
+    for i in range(200):
+        reservation = conn.reserve(KV_SMALL if i % 2 else KV_LARGE)
+        reservation.tensors["kv"][0, 0].fill_(i)
+        conn.release(reservation)
+    assert_no_growth(before, held_memory(conn))
+    # The memory given back serves the next publish.
+    key = backend.key("after-loop")
+    want = {"kv": torch.full((4, 128, 1024), 3.0, dtype=torch.bfloat16), "ids": torch.arange(128)}
+    handle = conn.put_reserved(key, reserve_filled(conn, want))
+    assert backend.peers[0].call({"op": "get", "key": key, "handle": handle, "timeout": 5}).get("error") is None
+    assert_same(conn.get(key, handle, timeout=5), want)
+    conn.delete(key)
+
+
+def test_reservation_larger_than_the_pool(backend):
+    """A reservation bigger than the reusable buffers takes a one-off buffer instead of failing,
+    and gives it back when released."""
+    small = {**backend.options, "pool_mb": 1}
+    producer, consumer = create_connector(backend.name, small), create_connector(backend.name, small)
+    try:
+        key = backend.key("big-inplace")
+        handle = put_reserved(producer, key, make_payload(703, 4))
+        assert_same(consumer.get(key, handle, timeout=10), make_payload(703, 4))
+        assert_same(consumer.get(key, timeout=10), make_payload(703, 4))
+        consumer.delete(key)
+        big = {"big": (((3 << 20) // 4,), torch.int32)}   # 3 MiB
+        warm_up(producer, big)
+        before = held_memory(producer)
+        for _ in range(3):
+            producer.release(producer.reserve(big))
+        assert_no_growth(before, held_memory(producer))
     finally:
         consumer.close()
         producer.close()
