@@ -82,6 +82,10 @@ def test_long_chunked_prompt_with_prefix_hit_exports_the_whole_sequence(model, c
         assert out["layerwise", rid].shape[2] == len(ids)
         assert torch.equal(out["layerwise", rid], out["whole", rid])
     assert shm_keys(tmp_path) == []
+    # Every layer piece and whole KV was gathered in place; only the two manifests were copied.
+    health = connector.health()
+    assert health["puts"] - health["puts_in_place"] == 2
+    assert health["puts_in_place"] == 2 * len(model.layers) + 2
 
 
 def test_first_token_that_ends_the_request_leaves_no_piece(model, tok, connector, tmp_path):
@@ -112,17 +116,31 @@ def test_failed_put_mid_stream_fails_the_request_and_deletes_every_piece(model, 
 
 
 class _GatedConnector:
-    """Forwards to a real connector; every put waits for the test to open the gate once."""
+    """Forwards to a real connector; every put (in place or not) waits for the test to open the
+    gate once."""
 
     def __init__(self, inner):
         self.inner = inner
         self.gate = threading.Semaphore(0)
         self.puts = 0
 
-    def put(self, key, payload):
+    def _pass_gate(self):
         assert self.gate.acquire(timeout=10), "test never let the put through"
         self.puts += 1
+
+    def put(self, key, payload):
+        self._pass_gate()
         return self.inner.put(key, payload)
+
+    def reserve(self, layout):
+        return self.inner.reserve(layout)
+
+    def put_reserved(self, key, reservation, extra=None):
+        self._pass_gate()
+        return self.inner.put_reserved(key, reservation, extra)
+
+    def release(self, reservation):
+        self.inner.release(reservation)
 
     def get(self, key, handle=None, timeout=30.0):
         return self.inner.get(key, handle, timeout)

@@ -9,7 +9,8 @@ layer's KV as soon as the forward has written it into the pool:
 Life of one step's export (:class:`LayerwiseExport`, owned by the prefill step that made it)::
 
     forward: layer i's K/V written to the pool ──layer_done(i)──▶ bounded queue (layer ids)
-    transfer thread: layer i ──gather the sequence's blocks──▶ put ``<key>/layer/<i>`` (per sequence)
+    transfer thread: layer i ──gather the sequence's blocks into connector memory (reserve)──▶
+        put_reserved ``<key>/layer/<i>`` (per sequence)
     after the forward: complete(keep) ──join the thread──▶ for each kept sequence, the manifest is
         put under ``<key>`` itself, last; every other piece (a sequence whose first token ended it,
         or any sequence of a failed transfer) is deleted
@@ -120,12 +121,13 @@ class LayerwiseExport:
         self._side_stream = torch.cuda.Stream(cache.device) if self._cuda else None
         self._index = {id(s): torch.tensor(s.blocks[: -(-s.num_tokens // cache.block_size)], dtype=torch.long,
                                            device=cache.device) for s in sequences}
-        # One gather buffer per sequence, reused for every layer (the put copies it out before the
-        # next layer): fresh pages cost a first touch each time, reused ones do not.
+        # On CUDA, one device gather buffer per sequence, reused for every layer (the copy to the
+        # host empties it before the next layer). On the CPU the gather writes straight into the
+        # connector's memory (reserve → put_reserved), so there is no buffer to keep.
         row = cache.keys[0][0].numel()
         self._buffers = {id(s): (torch.empty(len(i), row, dtype=cache.keys[0].dtype, device=cache.device),
                                  torch.empty(len(i), row, dtype=cache.keys[0].dtype, device=cache.device))
-                         for s in sequences for i in [self._index[id(s)]]}
+                         for s in sequences for i in [self._index[id(s)]]} if self._cuda else {}
         self._thread = threading.Thread(target=self._run, name="kv-export", daemon=True)
         self._thread.start()
 
@@ -206,24 +208,46 @@ class LayerwiseExport:
                 self.error = exc
 
     def _put_layer(self, layer: int, event) -> None:
+        cache = self.cache
+        spec = ((0, *cache.keys[layer].shape[2:]), cache.keys[layer].dtype)
         for seq in self.sequences:
             if self._stop.is_set():
                 return
-            if self._cuda:
-                with torch.cuda.stream(self._side_stream):
-                    self._side_stream.wait_event(event)
-                    keys, values = self._read(layer, seq)
-                    keys, values = keys.cpu(), values.cpu()
-            else:
-                keys, values = self._read(layer, seq)
+            shape = (seq.num_tokens, *spec[0][1:])
+            reservation = self.connector.reserve({"k": (shape, spec[1]), "v": (shape, spec[1])})
+            try:
+                if self._cuda:
+                    with torch.cuda.stream(self._side_stream):
+                        self._side_stream.wait_event(event)
+                        keys, values = self._read(layer, seq)
+                        reservation.tensors["k"].copy_(keys)
+                        reservation.tensors["v"].copy_(values)
+                else:
+                    self._read_into(layer, seq, reservation.tensors)
+            except BaseException:
+                self.connector.release(reservation)
+                raise
             key = piece_key(seq.key, layer)
             # Recorded before the put returns: a put that fails half way may still have written.
             seq.put_keys.append(key)
-            seq.handles.append(self.connector.put(key, {"k": keys, "v": values}))
+            seq.handles.append(self.connector.put_reserved(key, reservation))
+
+    def _read_into(self, layer: int, seq: ExportSequence, out: dict[str, torch.Tensor]) -> None:
+        """Write layer ``layer``'s keys and values of the sequence into ``out["k"]``/``out["v"]``
+        (``[seq, kv_heads, head_dim]``, host memory): whole blocks as rows in one ``index_select``,
+        then the used part of a partly filled last block."""
+        cache, block_size = self.cache, self.cache.block_size
+        full, rest = divmod(seq.num_tokens, block_size)
+        for pool, dst in ((cache.keys[layer], out["k"]), (cache.values[layer], out["v"])):
+            if full:
+                torch.index_select(pool.view(cache.num_blocks, -1), 0, self._index[id(seq)][:full],
+                                   out=dst[: full * block_size].view(full, -1))
+            if rest:
+                dst[full * block_size:].copy_(pool[seq.blocks[full]][:rest])
 
     def _read(self, layer: int, seq: ExportSequence) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s keys and values of the sequence, ``[seq, kv_heads, head_dim]`` each
-        (views of the sequence's gather buffers, whole blocks copied as rows; the put copies them out)."""
+        """Layer ``layer``'s keys and values of the sequence, ``[seq, kv_heads, head_dim]`` each, on
+        the device (views of the sequence's gather buffers, whole blocks copied as rows)."""
         index, (keys, values) = self._index[id(seq)], self._buffers[id(seq)]
         cache = self.cache
         torch.index_select(cache.keys[layer].view(cache.num_blocks, -1), 0, index, out=keys)
