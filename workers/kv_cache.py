@@ -106,9 +106,26 @@ class PagedKVCache:
             raise ValueError(f"read_sequence: out must be a contiguous {dtype} tensor of shape {shape}, "
                              f"got {out.dtype} {tuple(out.shape)}")
         for layer in range(layers):
-            keys, values = self.gather(layer, index, 1)
-            out[layer, 0], out[layer, 1] = keys[0, :num_tokens], values[0, :num_tokens]
+            self.read_layer_into(layer, blocks, index, num_tokens, out[layer, 0], out[layer, 1])
         return out
+
+    def read_layer_into(self, layer: int, blocks: list[int], index: torch.Tensor, num_tokens: int,
+                        keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """Copy a sequence's first ``num_tokens`` keys and values of ``layer`` into contiguous
+        ``[num_tokens, kv_heads, head_dim]`` tensors (on any device): the whole blocks (``index``:
+        the sequence's block ids as a tensor on this device) in one ``index_select`` each, written
+        in place, then the used part of a partly filled last block. No intermediate tensor."""
+        full, rest = divmod(num_tokens, self.block_size)
+        for pool, dst in ((self.keys[layer], keys_out), (self.values[layer], values_out)):
+            if full:
+                if dst.device == self.device:
+                    torch.index_select(pool.view(self.num_blocks, -1), 0, index[:full],
+                                       out=dst[: full * self.block_size].view(full, -1))
+                else:   # the pool is on an accelerator: gather there, one copy to the host
+                    dst[: full * self.block_size].copy_(
+                        pool.view(self.num_blocks, -1).index_select(0, index[:full]).view(-1, *pool.shape[2:]))
+            if rest:
+                dst[full * self.block_size:].copy_(pool[blocks[full]][:rest])
 
     def gather(self, layer: int, flat_tables: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flattened block tables [B * W] → keys, values [B, W * block_size, kv_heads, head_dim].

@@ -223,7 +223,8 @@ class LayerwiseExport:
                         reservation.tensors["k"].copy_(keys)
                         reservation.tensors["v"].copy_(values)
                 else:
-                    self._read_into(layer, seq, reservation.tensors)
+                    self.cache.read_layer_into(layer, seq.blocks, self._index[id(seq)], seq.num_tokens,
+                                               reservation.tensors["k"], reservation.tensors["v"])
             except BaseException:
                 self.connector.release(reservation)
                 raise
@@ -231,19 +232,6 @@ class LayerwiseExport:
             # Recorded before the put returns: a put that fails half way may still have written.
             seq.put_keys.append(key)
             seq.handles.append(self.connector.put_reserved(key, reservation))
-
-    def _read_into(self, layer: int, seq: ExportSequence, out: dict[str, torch.Tensor]) -> None:
-        """Write layer ``layer``'s keys and values of the sequence into ``out["k"]``/``out["v"]``
-        (``[seq, kv_heads, head_dim]``, host memory): whole blocks as rows in one ``index_select``,
-        then the used part of a partly filled last block."""
-        cache, block_size = self.cache, self.cache.block_size
-        full, rest = divmod(seq.num_tokens, block_size)
-        for pool, dst in ((cache.keys[layer], out["k"]), (cache.values[layer], out["v"])):
-            if full:
-                torch.index_select(pool.view(cache.num_blocks, -1), 0, self._index[id(seq)][:full],
-                                   out=dst[: full * block_size].view(full, -1))
-            if rest:
-                dst[full * block_size:].copy_(pool[seq.blocks[full]][:rest])
 
     def _read(self, layer: int, seq: ExportSequence) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values of the sequence, ``[seq, kv_heads, head_dim]`` each, on
