@@ -9,14 +9,25 @@ The life of one payload::
 
     producer put:  encode into a pool block behind a 64-byte header → publish (header generation,
                    directory entry) → handle {"peer", "addr", "size", "gen"}
-    consumer get:  read header + payload from (peer, addr) into its own pool block → check the
-                   header (magic, generation, not yet acknowledged) → read the generation again
-                   (a seqlock: a block the producer recycled meanwhile is detected) → decode views
+    (or in place:  reserve → the caller fills tensor views of a pool block → put_reserved writes
+                   the header and the extra items around them → the same publish)
+    consumer get:  read header + payload from (peer, addr) into its own pool block, timing the
+                   read → check the header (magic, generation, not yet acknowledged) → if the read
+                   took ``QUARANTINE_S / 2`` or longer, read the generation again (a seqlock: a
+                   block the producer recycled meanwhile is detected) → decode views
     consumer delete: write the generation into the header's ``acked`` word on the producer
-    producer (next put): recycle acknowledged blocks and blocks older than ``ttl_s``
+    producer (next put): free acknowledged blocks and blocks older than ``ttl_s``: zero their
+                   generation at once, return them to the pool ``QUARANTINE_S`` later
+
+Why one read is enough when it is quick: a torn read needs some payload byte read after the
+block was recycled (time r), while the header bytes of the same read showed the valid,
+unacknowledged generation, so were read before the producer zeroed it (time z). Recycling waits
+out the quarantine, r ≥ z + Q, so that read lasted longer than Q. A read the reader timed at under
+Q/2 (a factor 2 for clock-rate error and timer granularity) cannot be torn; a longer one pays the
+second round trip. Both sides take Q from this module: producer and consumer must run the same one.
 
 Header layout (little-endian): ``magic u64 | gen u64 | size u64 | acked u64 | key hash 16 B``.
-``gen`` is 0 while the block is being written or after it was recycled.
+``gen`` is 0 while the block is being written (or filled in place), and from the moment it is freed.
 
 Key-only retrieval uses a **directory** of entries, ``<directory>/omnirelay-<pid>-<key hash>``:
 symlinks that are never followed, whose target text ``<peer>@<addr>@<size>@<gen>`` is the handle
@@ -25,11 +36,12 @@ against a colliding name. A directory on the local tmpfs serves one host; a shar
 the handles the broker carries, serve several. Entries of dead producers are swept when a
 connector starts and when it closes.
 
-Per-transfer costs kept small: a put recycles acknowledged blocks *before* it allocates, so the
-block just freed is written again while it is still in the cache; checking the ``acked`` words
-costs one memory read per payload in flight, so with many in flight that check runs once per
-``n // 8`` puts (and whenever the pool runs out); a consumer's delete finds the producer's entry
-from the handle (it names the producer's ``pid``) instead of scanning the directory.
+Per-transfer costs kept small: a put frees acknowledged blocks *before* it allocates; checking
+the ``acked`` words costs one memory read per payload in flight, so with many in flight that check
+runs once per ``n // 8`` puts (and whenever the pool runs out); a consumer's delete finds the
+producer's entry from the handle (it names the producer's ``pid``) instead of scanning the
+directory. Quarantined blocks wait in a FIFO and go back to the pool on the first allocation after
+their time; a pool with nothing free falls back to a one-off region rather than recycle early.
 
 The payload lives in the producer's memory: once the producer's connector is closed (or its
 process dies), payloads nobody fetched are gone and a ``get`` fails with ``TransferFailed``.
@@ -60,7 +72,8 @@ import time
 from omnirelay.errors import TransferFailed
 
 from . import codec
-from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Payload
+from .base import (DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Payload, Reservation,
+                   check_layout, reserved_payload)
 from .buffers import Block, Region
 from .mooncake_pool import RegisteredPool
 
@@ -75,6 +88,19 @@ MAGIC = 0x594C4552494E4D4F               # "OMNIRELY"
 _GEN_AT, _ACKED_AT = 8, 24
 DEFAULT_DIRECTORY = "/dev/shm/omnirelay-mooncake"
 PREFIX = "omnirelay-"
+
+# How long a freed block waits before the pool hands it out again. What it buys: a get whose single
+# read took under half of it skips the second header read (55–300 µs over TCP). A read that takes
+# longer moves megabytes (~10 MB at TCP's 1 GB/s), so the round trip it keeps costs it a few
+# percent at most. What it costs: throughput × Q of pool memory parked in quarantine, 20 MB at
+# 1 GB/s, under a tenth of the default 256 MB pool, and a put no longer rewrites the block freed
+# just before it while that is still in the cache. A longer Q saves nothing more and parks more.
+QUARANTINE_S = 0.02
+
+# Block room a reservation keeps after its tensors for the data of ``put_reserved``'s bytes items:
+# small ones (token ids, a short blob) then go in place too, for one page per reservation; larger
+# ones fall back to a copy.
+EXTRA_DATA_ROOM = 4096
 
 
 def _key_hash(key: str) -> bytes:
@@ -115,6 +141,13 @@ class _Published:
     put_at: float
 
 
+@dataclasses.dataclass(eq=False)
+class _Lent:
+    """A reservation's memory: the pool block its tensors are views of, and where they lie in it."""
+    memory: Block | Region
+    layout: codec.ReservedLayout
+
+
 class MooncakeTEConnector(Connector):
     name = "mooncake_transfer_engine"
 
@@ -148,6 +181,8 @@ class MooncakeTEConnector(Connector):
         self._recent: collections.OrderedDict[str, dict] = collections.OrderedDict()  # key → handle got
         self._stats = collections.Counter()
         self._since_reclaim = 0
+        self._quarantine: collections.deque[tuple[float, Block | Region]] = collections.deque()  # (ready at, block)
+        self._reservations_open = 0
         self._closed = False
 
     # ------------------------------------------------------------------------------ memory
@@ -156,43 +191,97 @@ class MooncakeTEConnector(Connector):
         block = self._pool.allocate(size)
         if block is not None:
             return block
-        self._reclaim(time.monotonic(), force=True)   # acknowledged blocks may free enough
+        self._reclaim(time.monotonic(), force=True)   # blocks out of quarantine may free enough
         return self._memory.allocate(size)
 
     def _entry_path(self, key: str, pid: int | None = None) -> str:
         return os.path.join(self.directory, f"{PREFIX}{pid or self._pid}-{_key_hash(key).hex()}")
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferFailed("mooncake_transfer_engine connector is closed")
+
     # ------------------------------------------------------------------------------ producer
 
     def put(self, key: str, payload: Payload) -> Handle:
-        if self._closed:
-            raise TransferFailed("mooncake_transfer_engine connector is closed")
+        self._check_open()
         encode_plan = codec.plan(payload)
-        size = encode_plan.size
         self._reclaim(time.monotonic())
-        memory = self._allocate(HEADER.size + size)
+        memory = self._allocate(HEADER.size + encode_plan.size)
+        try:
+            return self._publish(key, memory, encode_plan)
+        except BaseException:
+            memory.release()
+            raise
+
+    def reserve(self, layout: Layout) -> Reservation:
+        """Tensors that are views of a pool block, laid out as ``put_reserved`` will publish them."""
+        self._check_open()
+        reserved = codec.reserve_layout(check_layout(layout))
+        self._reclaim(time.monotonic())
+        memory = self._allocate(HEADER.size + reserved.end + EXTRA_DATA_ROOM)
+        try:
+            view = memory.view(HEADER.size + reserved.end)
+            # The block may hold an old header (a payload received into it): gen 0 keeps a stale
+            # reader from taking it for a payload while the caller fills the tensors.
+            view[:HEADER.size] = bytes(HEADER.size)
+            tensors = codec.reserved_views(view[HEADER.size:], reserved)
+        except BaseException:
+            memory.release()
+            raise
+        with self._lock:
+            self._reservations_open += 1
+        return Reservation(tensors, memory=_Lent(memory, reserved))
+
+    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
+        lent = reservation.memory
+        published = False
+        try:
+            payload = reserved_payload(reservation, extra)   # ValueError: used already, or names clash
+            self._check_open()
+            encode_plan = codec.plan_reserved(lent.layout, extra or {})
+            if encode_plan is None or HEADER.size + encode_plan.size > lent.memory.size:
+                with self._lock:
+                    self._stats["reserved_copied"] += 1   # header room or block too small for the extras
+                return self.put(key, payload)
+            handle = self._publish(key, lent.memory, encode_plan)
+            published = True
+            return handle
+        finally:
+            if published:
+                self._close_reservation(reservation)   # the block now belongs to the payload
+            else:
+                self.release(reservation)
+
+    def release(self, reservation: Reservation) -> None:
+        if reservation.done:
+            return
+        self._close_reservation(reservation)
+        # Never published, so no reader has its generation: no quarantine needed.
+        reservation.memory.memory.release()
+
+    def _close_reservation(self, reservation: Reservation) -> None:
+        reservation.done = True
+        reservation.tensors = {}
+        with self._lock:
+            self._reservations_open -= 1
+
+    def _publish(self, key: str, memory: Block | Region, encode_plan: codec.EncodePlan) -> Handle:
+        """Complete the payload in ``memory`` (header, then ``encode_plan``'s writes), make it
+        readable and publish it under ``key``. The caller releases ``memory`` if this raises."""
+        size = encode_plan.size
         view = memory.view(HEADER.size + size)
         try:
             HEADER.pack_into(view, 0, MAGIC, 0, size, 0, _key_hash(key))
             codec.write_into(view[HEADER.size:], encode_plan)
             gen = next(self._gens)
             struct.pack_into("<Q", view, _GEN_AT, gen)   # readable from here on
-        except BaseException:
+        finally:
             view.release()
-            memory.release()
-            raise
-        view.release()
         handle = {"peer": self.peer, "addr": memory.address, "size": size, "gen": gen, "pid": self._pid}
         entry = self._entry_path(key)
-        target = _entry_target(handle)
         with self._lock:
-            try:
-                os.symlink(target, entry)   # the usual case: the key is new
-            except FileExistsError:         # put again: replace the entry atomically
-                tmp = f"{entry}.{threading.get_ident()}.tmp"
-                _unlink(tmp)
-                os.symlink(target, tmp)
-                os.rename(tmp, entry)
+            _link_entry(entry, _entry_target(handle))
             previous = self._by_key.get(key)
             if previous is not None:
                 self._free(self._published.pop(previous), unlink=False)
@@ -203,21 +292,29 @@ class MooncakeTEConnector(Connector):
         return handle
 
     def _free(self, item: _Published, *, unlink: bool) -> None:
-        """Recycle a published block (caller holds the lock). Zeroing ``gen`` first makes any
-        reader that still has the handle fail its check instead of reading the next payload."""
+        """Retire a published block (caller holds the lock). Zeroing ``gen`` first makes any
+        reader that still has the handle fail its check instead of reading the next payload; the
+        quarantine lets a quick reader trust its single read (module docstring)."""
         view = item.memory.view(HEADER.size)
         struct.pack_into("<Q", view, _GEN_AT, 0)
         view.release()
-        item.memory.release()
+        self._quarantine.append((time.monotonic() + QUARANTINE_S, item.memory))
         if self._by_key.get(item.key) == item.gen:
             del self._by_key[item.key]
             if unlink:
                 _remove_entry(item.entry, {"peer": self.peer, "gen": item.gen})
 
+    def _end_quarantine(self, now: float) -> None:
+        """Return the blocks whose quarantine is over to the pool (caller holds the lock)."""
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self._quarantine.popleft()[1].release()
+
     def _reclaim(self, now: float, force: bool = False) -> None:
-        """Recycle payloads their consumer acknowledged, and those older than the TTL. With many
-        payloads in flight, only every ``n // 8`` calls unless ``force`` (amortised cost)."""
+        """End due quarantines; retire payloads their consumer acknowledged, and those older than
+        the TTL. With many payloads in flight, the scan runs only every ``n // 8`` calls unless
+        ``force`` (amortised cost)."""
         with self._lock:
+            self._end_quarantine(now)
             self._since_reclaim += 1
             if not force and len(self._published) > 8 and self._since_reclaim * 8 < len(self._published):
                 return
@@ -255,8 +352,7 @@ class MooncakeTEConnector(Connector):
         return entries[0][1] if entries else None
 
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
-        if self._closed:
-            raise TransferFailed("mooncake_transfer_engine connector is closed")
+        self._check_open()
         deadline = time.monotonic() + timeout
         current = handle if _valid_handle(handle) else None
         delay, last_problem = 0.0005, ""
@@ -284,26 +380,13 @@ class MooncakeTEConnector(Connector):
 
     def _read(self, key: str, handle: dict) -> Payload | str:
         """The payload, or a string saying why this handle did not work."""
-        peer, addr, size, gen = handle["peer"], handle["addr"], handle["size"], handle["gen"]
-        total = HEADER.size + size
-        memory = self._allocate(total)
+        size = handle["size"]
+        memory = self._allocate(HEADER.size + size)
         leased = False
         try:
-            if self._engine.transfer_sync_read(peer, memory.address, addr, total) != 0:
-                return f"read from {peer} failed (peer gone or payload recycled)"
-            view = memory.view(HEADER.size)
-            magic, got_gen, got_size, acked, key_hash = HEADER.unpack_from(view, 0)
-            view.release()
-            if magic != MAGIC or got_gen != gen or got_size != size or acked == gen or key_hash != _key_hash(key):
-                return "payload was deleted or replaced"
-            # Seqlock: the generation must not have changed while we copied the payload.
-            if self._engine.transfer_sync_read(peer, memory.address, addr, HEADER.size) != 0:
-                return f"read from {peer} failed"
-            view = memory.view(HEADER.size)
-            still = struct.unpack_from("<Q", view, _GEN_AT)[0]
-            view.release()
-            if still != gen:
-                return "payload was recycled during the read"
+            problem = self._copy_consistent(key, handle, memory)
+            if problem:
+                return problem
             if isinstance(memory, Block):
                 payload_bytes = self._pool.lease(memory, HEADER.size, size)
             else:
@@ -317,6 +400,31 @@ class MooncakeTEConnector(Connector):
         finally:
             if not leased:
                 memory.release()
+
+    def _copy_consistent(self, key: str, handle: dict, memory: Block | Region) -> str | None:
+        """Copy header + payload into ``memory``: None when the copy is the whole payload the
+        handle names, untorn; otherwise why not."""
+        peer, addr, size, gen = handle["peer"], handle["addr"], handle["size"], handle["gen"]
+        started = time.monotonic()
+        if self._engine.transfer_sync_read(peer, memory.address, addr, HEADER.size + size) != 0:
+            return f"read from {peer} failed (peer gone or payload recycled)"
+        took = time.monotonic() - started
+        view = memory.view(HEADER.size)
+        magic, got_gen, got_size, acked, key_hash = HEADER.unpack_from(view, 0)
+        view.release()
+        if magic != MAGIC or got_gen != gen or got_size != size or acked == gen or key_hash != _key_hash(key):
+            return "payload was deleted or replaced"
+        if took < QUARANTINE_S / 2:
+            return None   # too quick to span a quarantine: the block was not recycled meanwhile
+        with self._lock:
+            self._stats["reads_rechecked"] += 1
+        # Seqlock: the generation must not have changed while we copied the payload.
+        if self._engine.transfer_sync_read(peer, memory.address, addr, HEADER.size) != 0:
+            return f"read from {peer} failed"
+        view = memory.view(HEADER.size)
+        still = struct.unpack_from("<Q", view, _GEN_AT)[0]
+        view.release()
+        return None if still == gen else "payload was recycled during the read"
 
     def delete(self, key: str) -> None:
         with self._lock:
@@ -366,6 +474,7 @@ class MooncakeTEConnector(Connector):
             for item in list(self._published.values()):
                 self._free(item, unlink=True)
             self._published.clear()
+            self._end_quarantine(float("inf"))   # no reader can reach the pool once it is unregistered below
         self._memory.close()
         self._engine = None   # the engine's destructor stops its threads and closes its sockets
         sweep_directory(self.directory)
@@ -374,8 +483,10 @@ class MooncakeTEConnector(Connector):
         with self._lock:
             stats = {k: int(v) for k, v in self._stats.items()}
             pending = len(self._published)
-        return {"backend": self.name, "ok": not self._closed, "peer": self.peer,
-                "payloads_pending": pending, **self._pool.stats(), **stats}
+            quarantined = len(self._quarantine)
+            reservations = self._reservations_open
+        return {"backend": self.name, "ok": not self._closed, "peer": self.peer, "payloads_pending": pending,
+                "blocks_quarantined": quarantined, "reservations_open": reservations, **self._pool.stats(), **stats}
 
 
 def _valid_handle(handle) -> bool:
@@ -402,6 +513,17 @@ def _read_entry(path: str) -> dict | None:
         return None
     handle = {"peer": parts[0], "addr": addr, "size": size, "gen": gen, "pid": pid}
     return handle if _valid_handle(handle) else None
+
+
+def _link_entry(entry: str, target: str) -> None:
+    """Point the directory entry at ``target``, replacing an older one atomically (put again)."""
+    try:
+        os.symlink(target, entry)   # the usual case: the key is new
+    except FileExistsError:
+        tmp = f"{entry}.{threading.get_ident()}.tmp"
+        _unlink(tmp)
+        os.symlink(target, tmp)
+        os.rename(tmp, entry)
 
 
 def _unlink(path: str) -> None:
