@@ -17,7 +17,10 @@ consumer process, repeatedly:
   50, measured before and after the backends); ``memcpy, cold cache`` (the same after writing a
   256 MiB scratch buffer: in the two-process rows the payload was not just touched by the same
   core, so at 1 and 16 MiB, which fit the L3 cache, plain ``memcpy`` is the optimistic bound and
-  the cold copy the realistic one); ``raw TCP`` (one ``sendall`` over loopback into a warm
+  the cold copy the realistic one); ``raw shared memory`` (the floor of any shared-memory
+  hand-off between two processes: the producer copies into a segment both keep mapped, the
+  consumer makes one tensor view of it — no lookup, lease, header or publication, so not a usable
+  protocol: a reader could see the next write); ``raw TCP`` (one ``sendall`` over loopback into a warm
   ``recv_into`` buffer, timed from the first byte sent to the last byte received); ``raw Redis``
   (redis-py with hiredis: ``SET`` of the bytes, ``GET``, ``DEL``); ``raw Mooncake TE`` (one
   ``transfer_sync_read`` of N bytes between two warm registered buffers: the transport the
@@ -105,6 +108,10 @@ def _child(role: str, kind: str, options: dict) -> int:
         config.preferred_segment = store.get_hostname()
         state["store"], state["config"] = store, config
         say({"ready": 0})
+    elif kind == "raw_shm":
+        import mmap
+        state["maps"] = {}   # size → (path, mapping), one warm segment per size, mapped once
+        say({"ready": 0})
     elif kind.startswith("baseline:"):   # the connector as it was at --baseline REV
         import importlib
         from omnirelay.connectors import registry
@@ -163,6 +170,24 @@ def _child(role: str, kind: str, options: dict) -> int:
                 assert value is not None and len(value) == size
                 del value
                 r.delete(cmd["key"])
+                say({"dt": dt})
+        elif kind == "raw_shm":   # no protocol: one copy into a mapped segment, one view of it
+            path = os.path.join(options["shm_dir"], f"raw-{size}")
+            if size not in state["maps"]:
+                fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+                os.ftruncate(fd, size)
+                state["maps"][size] = mmap.mmap(fd, size)
+                os.close(fd)
+            mapping = state["maps"][size]
+            if op == "put":
+                t0 = time.perf_counter()
+                memoryview(mapping)[:] = memoryview(data.numpy())
+                say({"dt": time.perf_counter() - t0, "handle": None})
+            else:
+                t0 = time.perf_counter()
+                view = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+                dt = time.perf_counter() - t0
+                del view
                 say({"dt": dt})
         elif kind == "raw_te":   # the data sits in the producer's registered buffer; the consumer reads it
             if op == "put":
@@ -424,8 +449,8 @@ def render(results: dict, sizes: list[int], command: str, refs: dict) -> str:
               "memory: of memcpy / of the cold-cache memcpy):"), "",
              "| | " + " | ".join(f"{s // MIB} MiB" for s in sizes) + " | reference |",
              "|---|" + "---|" * len(sizes) + "---|"]
-    for name in ("memcpy", "memcpy, cold cache", "raw TCP", "raw Redis SET/GET", "raw Mooncake TE",
-                 "raw Mooncake store"):
+    for name in ("memcpy", "memcpy, cold cache", "raw shared memory", "raw TCP", "raw Redis SET/GET",
+                 "raw Mooncake TE", "raw Mooncake store"):
         lines.append(f"| {name} | " + " | ".join(cell(name, s) for s in sizes) + " | |")
     for name, ref_names in refs.items():
         cells = []
@@ -447,7 +472,7 @@ def render(results: dict, sizes: list[int], command: str, refs: dict) -> str:
     lines += ["", ("The best iteration's put / get in ms, and the median iteration's put+get GB/s (each the "
                    "median over the rounds):"), "",
               "| | " + " | ".join(f"{s // MIB} MiB" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for name in ["raw Redis SET/GET", "raw Mooncake TE", "raw Mooncake store", *refs]:
+    for name in ["raw shared memory", "raw Redis SET/GET", "raw Mooncake TE", "raw Mooncake store", *refs]:
         row = []
         for s in sizes:
             r = results.get(name, {}).get(s)
@@ -567,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"-- round {round_index + 1}/{args.rounds}, {size // MIB} MiB", flush=True)
                 row: dict = {"memcpy": measure_memcpy(size, 50), "memcpy, cold cache": measure_memcpy_cold(size, 20),
                              "raw TCP": measure_tcp(size, iters, args.warmup)}
+                if "shared_memory" in args.backends:
+                    row["raw shared memory"] = measure_pair("raw_shm", {"shm_dir": shm_dir}, size, iters, args.warmup)
                 if redis_server:
                     row["raw Redis SET/GET"] = measure_pair("raw_redis", {"url": redis_server[1]}, size, iters,
                                                             args.warmup)

@@ -235,6 +235,8 @@ class MooncakeTEConnector(Connector):
 
     def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
         lent = reservation.memory
+        if not isinstance(lent, _Lent):   # ordinary tensors (lent by another connector): copy them
+            return super().put_reserved(key, reservation, extra)
         published = False
         try:
             payload = reserved_payload(reservation, extra)   # ValueError: used already, or names clash
@@ -254,15 +256,18 @@ class MooncakeTEConnector(Connector):
                 self.release(reservation)
 
     def release(self, reservation: Reservation) -> None:
-        if reservation.done:
+        lent = reservation.memory
+        if reservation.done or not isinstance(lent, _Lent):
+            super().release(reservation)
             return
         self._close_reservation(reservation)
         # Never published, so no reader has its generation: no quarantine needed.
-        reservation.memory.memory.release()
+        lent.memory.release()
 
     def _close_reservation(self, reservation: Reservation) -> None:
         reservation.done = True
         reservation.tensors = {}
+        reservation.memory = None
         with self._lock:
             self._reservations_open -= 1
 

@@ -27,7 +27,7 @@ import torch
 
 from connector_peer import make_payload, put_reserved, same_payload
 from connector_servers import MooncakeMaster, Peer, RedisServer
-from omnirelay.connectors import available_connectors, create_connector
+from omnirelay.connectors import Connector, available_connectors, create_connector
 from omnirelay.connectors.chunked import ChunkedConsumer, ChunkedProducer, StreamState, chunk_key, read_all
 from omnirelay.errors import TransferFailed
 
@@ -559,6 +559,22 @@ def test_a_reservation_is_used_once(backend):
         with pytest.raises(TransferFailed):
             backend.conn.get(k, timeout=0)
     backend.conn.delete(key)
+
+
+def test_ordinary_tensors_reserved_elsewhere_are_published_by_copy(backend):
+    """A reservation of ordinary tensors (the base class's, as a wrapper or another connector lends
+    them) goes through any backend's put_reserved and release: copied, never mistaken for its own."""
+    key = backend.key("foreign")
+    want = {"kv": torch.arange(600, dtype=torch.float32).reshape(6, 100), "n": 3}
+    reservation = Connector.reserve(backend.conn, {"kv": ((6, 100), torch.float32)})
+    reservation.tensors["kv"].copy_(want["kv"])
+    handle = backend.conn.put_reserved(key, reservation, {"n": 3})
+    assert reservation.done and reservation.tensors == {}
+    assert_same(backend.conn.get(key, handle, timeout=5), want)
+    backend.conn.delete(key)
+    unused = Connector.reserve(backend.conn, {"kv": ((2, 2), torch.int8)})
+    backend.conn.release(unused)
+    assert unused.done
 
 
 def test_reserve_and_release_in_a_loop_holds_no_more_memory(backend):
