@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import struct
 import threading
 from typing import Any
@@ -135,12 +136,19 @@ class ReservedLayout:
     entries: tuple[dict, ...]
     start: int   # bytes kept for the length prefix and the header
     end: int     # end of the reserved tensors; items added at publish time go after it
+    bare_header: bytes = b""   # the length-prefixed header when nothing is added at publish time
 
 
 def reserve_layout(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> ReservedLayout:
-    """Lay out tensors to be written in place before the rest of the payload is known."""
+    """Lay out tensors to be written in place before the rest of the payload is known. Memoised:
+    a producer reserves the same few layouts over and over (a KV layer per sequence length)."""
+    return _reserve_layout(tuple((name, tuple(shape), dtype) for name, (shape, dtype) in layout.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _reserve_layout(layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> ReservedLayout:
     entries = []
-    for name, (shape, dtype) in layout.items():
+    for name, shape, dtype in layout:
         if dtype not in _DTYPE_NAMES:
             raise CodecError(f"{name}: unsupported dtype {dtype}")
         numel = 1
@@ -150,7 +158,8 @@ def reserve_layout(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Re
                         "nb": numel * dtype.itemsize, "o": _PLACEHOLDER_OFFSET})
     start = _align(_LEN.size + _packed_len(entries) + EXTRA_HEADER_ROOM)
     _, end = _place(entries, [None] * len(entries), start)
-    return ReservedLayout(entries=tuple(entries), start=start, end=end)
+    header = _pack({"v": 1, "entries": entries})
+    return ReservedLayout(entries=tuple(entries), start=start, end=end, bare_header=_LEN.pack(len(header)) + header)
 
 
 def reserved_views(buf: memoryview, reserved: ReservedLayout) -> dict[str, torch.Tensor]:
@@ -170,6 +179,8 @@ def plan_reserved(reserved: ReservedLayout, extra: dict[str, Any]) -> EncodePlan
     """The plan that completes a reservation filled in place: the header (reserved tensors at their
     fixed offsets, then ``extra``'s items) and writes for ``extra``'s data only, placed after the
     tensors. None when the header does not fit the room kept for it (publish by copying instead)."""
+    if not extra:
+        return EncodePlan(header=reserved.bare_header, size=max(reserved.end, reserved.start), writes=())
     entries = [dict(e) for e in reserved.entries]
     added, added_data = [], []
     for name, value in extra.items():

@@ -382,8 +382,9 @@ class SharedMemoryConnector(Connector):
         return segment
 
     def _lock_free_segment(self, size: int) -> _Segment | None:
-        """Best fit among free segments that no consumer still leases. Caller holds the lock."""
-        for segment in sorted((s for s in self._free if s.capacity >= size), key=lambda s: s.capacity):
+        """Best fit among free segments that no consumer still leases, the most recently freed
+        first: its pages are the likeliest to be in the cache still. Caller holds the lock."""
+        for segment in sorted((s for s in self._free if s.capacity >= size), key=lambda s: (s.capacity, -s.freed_at)):
             try:
                 fcntl.flock(segment.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
