@@ -338,6 +338,35 @@ def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connecto
     engine.close()   # idempotent
 
 
+def test_close_does_not_wait_out_a_blocked_release_of_a_queued_import(model, tok, connector, tmp_path):
+    """Releasing a queued import's keys is a connector call that can block (a store that went
+    down); close() still returns within CLOSE_JOIN_S, and the release finishes when the call returns."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
+    prefilled = prefill(model, connector, prompts)
+    keys = [prefilled[f"r{i}"].outputs["kv_key"] for i in range(2)]
+    held = _HeldGets(connector)
+    held.hold(keys[0])
+    held.hold(keys[1])   # the release's get of r1's key blocks too
+    engine = make_decode(model, held, max_num_seqs=1)
+    try:
+        engine.add(task("r0", prompts[0], prefilled["r0"]))
+        engine.add(task("r1", prompts[1], prefilled["r1"]))
+        engine.step()
+        held.wait_entered(keys[0])
+        started = time.monotonic()
+        engine.close()
+        waited = time.monotonic() - started
+        assert KVPrefetcher.CLOSE_JOIN_S * 0.9 <= waited < KVPrefetcher.CLOSE_JOIN_S + 2
+        held.wait_entered(keys[1])   # the release had started: it was waiting in its get
+        assert waiting_seq(engine, "r1").kv_import.state is ImportState.CANCELLED
+    finally:
+        held.let_through()
+    for thread in list(held.threads):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert shm_keys(tmp_path) == []
+
+
 def test_close_does_not_wait_out_a_get_in_progress(model, tok, tmp_path, connector):
     """close() joins for at most CLOSE_JOIN_S; the thread still inside a get is left to it and, once
     the get returns, only releases the import's keys (the connector closed meanwhile) and ends."""

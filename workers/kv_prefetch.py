@@ -189,7 +189,10 @@ class KVPrefetcher:
     def close(self) -> None:
         """Cancel queued and in-flight imports and join every thread, waiting at most
         :attr:`CLOSE_JOIN_S` in all: a get in progress runs out its own timeout, so a thread still
-        inside one is logged and left to end when it returns (releasing that import's keys). Idempotent."""
+        inside one is logged and left to end when it returns (releasing that import's keys). The
+        queued imports' keys are released on a thread of their own under the same bound (a
+        release is a connector call too: during a Redis outage each can block for the socket
+        timeout). Idempotent."""
         with self._cond:
             self._closed = True
             queued = list(self._queue)
@@ -198,8 +201,10 @@ class KVPrefetcher:
                 ticket.state = ImportState.CANCELLED
             self._cond.notify_all()
             workers = list(self._workers)
-        for ticket in queued:
-            release_kv(self.connector, ticket.key, ticket.handle)
+        if queued:
+            releaser = threading.Thread(target=self._release_all, args=(queued,), name="kv-release", daemon=True)
+            releaser.start()
+            workers.append(releaser)
         deadline = time.monotonic() + self.CLOSE_JOIN_S
         for worker in workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -207,9 +212,13 @@ class KVPrefetcher:
             self._workers = [w for w in workers if w.is_alive()]
             stuck = sorted(ticket.key for ticket in self._importing)
         if self._workers:
-            log.warning("closing with %d KV import thread(s) still inside a connector get after %.0f s (%s): "
-                        "each ends when its get returns, releasing that import's keys",
+            log.warning("closing with %d KV import thread(s) still inside a connector call after %.0f s (%s): "
+                        "each ends when its call returns, releasing that import's keys",
                         len(self._workers), self.CLOSE_JOIN_S, ", ".join(stuck) or "finishing")
+
+    def _release_all(self, tickets: list[KVImport]) -> None:
+        for ticket in tickets:
+            self._release_quietly(ticket)
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
 
