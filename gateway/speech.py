@@ -345,9 +345,10 @@ async def audio_speech(request: web.Request) -> web.Response:
         await items.aclose()
         timer.finish(len(ids), 0, outcome)
         if not config.disable_log_requests:
-            log.info("request %s model=%s stages=%s input_tokens=%d voice=%s format=%s seed=%d stream_format=%s "
-                     "outcome=%s e2e=%.3fs", request_id, model.name, "+".join(stages), len(reply), params.voice, fmt,
-                     params.seed, stream_format, outcome, timer.elapsed())
+            # input_tokens as usage counts them (the whole speech prompt); text_tokens: the input text.
+            log.info("request %s model=%s stages=%s input_tokens=%d text_tokens=%d voice=%s format=%s seed=%d "
+                     "stream_format=%s outcome=%s e2e=%.3fs", request_id, model.name, "+".join(stages), len(ids),
+                     len(reply), params.voice, fmt, params.seed, stream_format, outcome, timer.elapsed())
     return web.Response(body=b"".join(parts), content_type=MIMES[fmt], headers={"X-Request-Id": request_id})
 
 
