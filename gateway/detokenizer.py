@@ -42,6 +42,19 @@ class IncrementalDetokenizer:
             self.text = self.text[:min(hits)]
             self.stopped = True
 
+    def add_until_stop(self, token_ids: list[int], final: bool = False) -> int:
+        """:meth:`add` that tells how many of ``token_ids`` the text used: through the token that
+        completed a stop string, or all of them. With stop strings the tokens go in one at a time
+        (a step's tokens past the stop belong to no answer: no logprobs, not counted)."""
+        if not self._stop or len(token_ids) <= 1:
+            self.add(token_ids, final)
+            return len(token_ids)
+        for taken, token_id in enumerate(token_ids, start=1):
+            self.add([token_id], final and taken == len(token_ids))
+            if self.stopped:
+                return taken
+        return len(token_ids)
+
     def take(self, final: bool = False) -> str:
         """Text not handed out yet; unless ``final``, keep back a possible stop-string prefix."""
         end = len(self.text) if (final or self.stopped) else max(self._emitted, len(self.text) - self._hold)

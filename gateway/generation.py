@@ -140,13 +140,13 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                 stream = await bus.submit(submit)
                 async for event in stream.events():
                     logprobs = _checked_logprobs(gen, event.tokens, event.logprobs)
-                    generated.extend(event.tokens)
+                    taken = detok.add_until_stop(event.tokens, final=bool(event.finish_reason))
+                    generated.extend(event.tokens[:taken])
                     gen.completion_tokens = len(generated)
-                    detok.add(event.tokens, final=bool(event.finish_reason))
                     if detok.stopped:
                         submissions.finish()
                         await bus.cancel(upstream_id, "stop string")
-                        yield TextChunk(detok.take(final=True), event.tokens, "stop", logprobs)
+                        yield TextChunk(detok.take(final=True), event.tokens[:taken], "stop", logprobs[:taken])
                         return
                     if event.finish_reason:
                         submissions.finish()

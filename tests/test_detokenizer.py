@@ -42,3 +42,21 @@ def test_stop_string_truncates_and_is_never_streamed(tokenizer):
     assert detok.stopped
     assert streamed == "alpha beta "
     assert "STOP" not in streamed and "gamma" not in streamed
+
+
+@pytest.mark.parametrize("step", [1, 4, 64])
+def test_tokens_used_end_with_the_one_that_completed_the_stop(tokenizer, step):
+    """A step's tokens past a stop string belong to no answer: add_until_stop says how many the
+    text used, the same whatever the grouping of tokens into steps."""
+    ids = tokenizer.encode("alpha beta STOP gamma delta epsilon")
+    needed = next(n for n in range(1, len(ids) + 1) if "STOP" in tokenizer.decode(ids[:n]))
+    detok = IncrementalDetokenizer(tokenizer, stop=("STOP",))
+    used = 0
+    for i in range(0, len(ids), step):
+        chunk = ids[i: i + step]
+        taken = detok.add_until_stop(chunk, final=i + step >= len(ids))
+        used += taken
+        if detok.stopped:
+            break
+        assert taken == len(chunk)
+    assert detok.stopped and used == needed and detok.take(final=True) == "alpha beta "

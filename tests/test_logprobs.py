@@ -88,6 +88,36 @@ def test_stream_logprobs_equal_non_stream(client):
         assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_string_ends_the_logprobs_with_the_token_that_completed_it(client, tiny_model, stream):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    free = _chat(client, logprobs=True, extra_body={"return_token_ids": True}).choices[0]
+    ids, text = free.model_extra["token_ids"], free.message.content
+    # A stop string that first shows up in the middle of the greedy answer.
+    stop = next(text[at: at + 3] for at in range(len(text) // 3, len(text) - 3)
+                if text[at: at + 3].strip() and "\ufffd" not in text[at: at + 3] and text.find(text[at: at + 3]) == at)
+    needed = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n], skip_special_tokens=True))
+    if stream:
+        content, entries = "", []
+        for chunk in _chat(client, logprobs=True, stop=[stop], stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                content += chunk.choices[0].delta.content or ""
+                entries += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+            if chunk.usage:
+                completion_tokens = chunk.usage.completion_tokens
+    else:
+        response = _chat(client, logprobs=True, stop=[stop])
+        content, entries = response.choices[0].message.content, response.choices[0].logprobs.content
+        completion_tokens = response.usage.completion_tokens
+    assert content == text[: text.find(stop)]
+    assert len(entries) == completion_tokens == needed
+    assert [e.token for e in entries] == [e.token for e in free.logprobs.content[:needed]]
+    for a, b in zip(entries, free.logprobs.content):
+        assert abs(a.logprob - b.logprob) < TOLERANCE
+
+
 def test_chat_without_logprobs_answers_null(client):
     assert _chat(client, max_tokens=4).choices[0].logprobs is None
     assert _chat(client, max_tokens=4, logprobs=True).choices[0].logprobs.content[0].top_logprobs == []
