@@ -7,6 +7,9 @@ store and registers one :class:`BufferPool` for zero-copy ``put_from`` / ``get_i
 * ``put``: encode into a pool block, ``upsert_from(key, block)`` (replaces an older value of the
   key), preferring this client's own segment (``prefer_local``) so the write is a local copy and
   the consumer pulls the bytes over the transfer engine. Handle: ``{"size": bytes}``.
+* In place: ``reserve`` lends tensors that are views of such a registered block (with room after
+  them for small added items); ``put_reserved`` writes the header and the added items around them,
+  upserts the block as ``put`` does and frees it (the store has its own copy by then).
 * ``get``: ``get_size`` (skipped when the handle gives the size) until the key exists or the
   timeout passes, then ``get_into`` a pool block; tensors are views into that block, which is
   recycled when they die. Key-only retrieval is native: the master knows every key.
@@ -27,14 +30,16 @@ connector's zero-copy paths), ``pool_mb`` (256), ``ttl_s`` (300), ``prefer_local
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 
 from omnirelay.errors import TransferFailed
 
 from . import codec
-from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Payload
-from .buffers import Block
+from .base import (DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Payload, Reservation,
+                   check_layout, reserved_payload)
+from .buffers import Block, Region
 from .mooncake_pool import RegisteredPool
 
 try:
@@ -44,6 +49,18 @@ except ImportError as exc:  # pragma: no cover - depends on the optional extra
                       "pip install 'omnirelay[mooncake]' (and Debian libibverbs1)") from exc
 
 OBJECT_NOT_FOUND = -704   # Mooncake's error code for a key the master does not know
+
+# Block room a reservation keeps after its tensors for the data of ``put_reserved``'s bytes items:
+# small ones (token ids, a short blob) then go in place too, for one page per reservation; larger
+# ones fall back to a copy.
+EXTRA_DATA_ROOM = 4096
+
+
+@dataclasses.dataclass(eq=False)
+class _Lent:
+    """A reservation's memory: the registered block its tensors are views of, and where they lie in it."""
+    memory: Block | Region
+    layout: codec.ReservedLayout
 
 
 class MooncakeStoreConnector(Connector):
@@ -84,27 +101,72 @@ class MooncakeStoreConnector(Connector):
         self._lock = threading.Lock()
         self._put_at: collections.OrderedDict[str, float] = collections.OrderedDict()  # keys we put, oldest first
         self._stats = collections.Counter()
+        self._reservations_open = 0
         self._last_error: str | None = None
         self._closed = False
 
     # ------------------------------------------------------------------------------ producer
 
-    def put(self, key: str, payload: Payload) -> Handle:
+    def _check_open(self) -> None:
         if self._closed:
             raise TransferFailed("mooncake_store connector is closed")
-        self._expire(time.monotonic())
+
+    def put(self, key: str, payload: Payload) -> Handle:
+        self._check_open()
         encode_plan = codec.plan(payload)
-        size = encode_plan.size
-        block = self._memory.allocate(size)
+        block = self._memory.allocate(encode_plan.size)
         try:
-            view = block.view(size)
-            try:
-                codec.write_into(view, encode_plan)
-            finally:
-                view.release()
-            rc = self._store.upsert_from(key, block.address, size, self._replicate)
+            _write_into(block, encode_plan)
+            return self._upsert(key, block, encode_plan.size)
         finally:
             block.release()
+
+    def reserve(self, layout: Layout) -> Reservation:
+        """Tensors that are views of a registered block, laid out as ``put_reserved`` will store them."""
+        self._check_open()
+        reserved = codec.reserve_layout(check_layout(layout))
+        memory = self._memory.allocate(reserved.end + EXTRA_DATA_ROOM)
+        try:
+            tensors = codec.reserved_views(memory.view(reserved.end), reserved)
+        except BaseException:
+            memory.release()
+            raise
+        with self._lock:
+            self._reservations_open += 1
+        return Reservation(tensors, memory=_Lent(memory, reserved))
+
+    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
+        lent = reservation.memory
+        if not isinstance(lent, _Lent):   # ordinary tensors (lent by another connector): copy them
+            return super().put_reserved(key, reservation, extra)
+        try:
+            payload = reserved_payload(reservation, extra)   # ValueError: used already, or names clash
+            self._check_open()
+            encode_plan = codec.plan_reserved(lent.layout, extra or {})
+            if encode_plan is None or encode_plan.size > lent.memory.size:
+                self._count("reserved_copied")   # header room or block too small for the extras
+                return self.put(key, payload)
+            _write_into(lent.memory, encode_plan)
+            handle = self._upsert(key, lent.memory, encode_plan.size)
+            self._count("puts_in_place")
+            return handle
+        finally:
+            self.release(reservation)   # after the upsert returned: the store no longer reads the block
+
+    def release(self, reservation: Reservation) -> None:
+        lent = reservation.memory
+        reservation.done, reservation.tensors, reservation.memory = True, {}, None
+        if not isinstance(lent, _Lent):
+            return
+        with self._lock:
+            self._reservations_open -= 1
+        lent.memory.release()
+
+    def _upsert(self, key: str, memory: Block | Region, size: int) -> Handle:
+        """Store the first ``size`` bytes of ``memory`` (an encoded payload) under ``key``. The
+        store has copied them when this returns; the caller frees ``memory`` only then."""
+        self._expire(time.monotonic())
+        rc = self._store.upsert_from(key, memory.address, size, self._replicate)
         if rc != 0:
             raise self._failed(f"put of {key!r} ({size} bytes) failed with Mooncake error {rc}")
         with self._lock:
@@ -114,6 +176,10 @@ class MooncakeStoreConnector(Connector):
             self._stats["bytes_put"] += size
         self._last_error = None
         return {"size": size}
+
+    def _count(self, event: str) -> None:
+        with self._lock:
+            self._stats[event] += 1
 
     def _expire(self, now: float) -> None:
         expired = []
@@ -131,8 +197,7 @@ class MooncakeStoreConnector(Connector):
     # ------------------------------------------------------------------------------ consumer
 
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
-        if self._closed:
-            raise TransferFailed("mooncake_store connector is closed")
+        self._check_open()
         deadline = time.monotonic() + timeout
         size = handle.get("size") if isinstance(handle, dict) else None
         size = size if isinstance(size, int) and size > 0 else None
@@ -204,5 +269,16 @@ class MooncakeStoreConnector(Connector):
         with self._lock:
             stats = {k: int(v) for k, v in self._stats.items()}
             pending = len(self._put_at)
+            reservations = self._reservations_open
         return {"backend": self.name, "ok": not self._closed and self._last_error is None, "master": self.master,
-                "last_error": self._last_error, "keys_put_pending": pending, **self._pool.stats(), **stats}
+                "last_error": self._last_error, "keys_put_pending": pending, "reservations_open": reservations,
+                **self._pool.stats(), **stats}
+
+
+def _write_into(memory: Block | Region, encode_plan: codec.EncodePlan) -> None:
+    """Write an encoded payload (or what a reservation lacks) into the start of ``memory``."""
+    view = memory.view(encode_plan.size)
+    try:
+        codec.write_into(view, encode_plan)
+    finally:
+        view.release()

@@ -13,6 +13,10 @@ same key never tears a concurrent reader's payload (the old chunks are unlinked 
 key gets the TTL (``ttl_s``), so a payload whose consumer never came, or whose producer died
 mid-write, expires on its own.
 
+In place: ``reserve`` lends tensors that are views of such an encode buffer (with room after them
+for small added items); ``put_reserved`` writes only the header and the added items around them and
+sends the buffer exactly as ``put`` does, so the tensors' bytes are copied once, onto the socket.
+
 A ``get`` reads the meta (or takes it from the handle), fetches every chunk in one pipeline and
 assembles them into a pooled buffer; the tensors it returns are views into that buffer, which is
 recycled when they die. ``delete`` unlinks the meta and the chunks.
@@ -32,6 +36,7 @@ Options: ``url`` (default ``redis://127.0.0.1:6379/0``), ``prefix`` (``omnirelay
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -44,10 +49,16 @@ from redis.retry import Retry
 from omnirelay.errors import TransferFailed
 
 from . import codec
-from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Payload
-from .buffers import BufferPool
+from .base import (DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Payload, Reservation,
+                   check_layout, reserved_payload)
+from .buffers import Block, BufferPool
 
 _CUTOFF = 6000   # arguments longer than this are sent as their own buffer, never copied
+
+# Buffer room a reservation keeps after its tensors for the data of ``put_reserved``'s bytes items:
+# small ones (token ids, a short blob) then go in place too, for one page per reservation; larger
+# ones fall back to a copy.
+EXTRA_DATA_ROOM = 4096
 
 
 class _ZeroCopyPacker:
@@ -86,6 +97,15 @@ class _ZeroCopyPacker:
         return output
 
 
+@dataclasses.dataclass(eq=False)
+class _Lent:
+    """A reservation's encode buffer (its pool block; None for a one-off buffer), the writable view
+    its tensors are views of, and where they lie in it."""
+    block: Block | None
+    view: memoryview
+    layout: codec.ReservedLayout
+
+
 class RedisConnector(Connector):
     name = "redis"
 
@@ -112,6 +132,7 @@ class RedisConnector(Connector):
         self._gen = 0
         self._lock = threading.Lock()
         self._stats = collections.Counter()
+        self._reservations_open = 0
         self._last_error: str | None = None
         self._closed = False
 
@@ -139,31 +160,87 @@ class RedisConnector(Connector):
 
     # ------------------------------------------------------------------------------ producer
 
-    def put(self, key: str, payload: Payload) -> Handle:
+    def _check_open(self) -> None:
         if self._closed:
             raise TransferFailed("redis connector is closed")
-        encode_plan = codec.plan(payload)
-        size = encode_plan.size
+
+    def _encode_buffer(self, size: int) -> tuple[Block | None, memoryview]:
+        """A writable buffer of ``size`` bytes to encode into: a pool block, or a fresh bytearray
+        (block None) when there is no pool or it is full."""
         block = self._pool.allocate(size) if self._pool is not None else None
+        return block, block.view(size) if block is not None else memoryview(bytearray(size))
+
+    def put(self, key: str, payload: Payload) -> Handle:
+        self._check_open()
+        encode_plan = codec.plan(payload)
+        block, view = self._encode_buffer(encode_plan.size)
         try:
-            view = block.view(size) if block is not None else memoryview(bytearray(size))
             codec.write_into(view, encode_plan)
-            gen = self._next_gen()
-            n = max(1, -(-size // self.chunk_bytes))
-            meta = msgpack.packb({"g": gen, "n": n, "s": size})
-            pipe = self._client.pipeline(transaction=False)
-            for i, chunk_key in enumerate(self._chunk_keys(key, gen, n)):
-                pipe.set(chunk_key, view[i * self.chunk_bytes: (i + 1) * self.chunk_bytes], px=self.ttl_ms)
-            pipe.set(self._meta_key(key), meta, px=self.ttl_ms, get=True)
-            try:
-                replies = pipe.execute()
-            except redis.RedisError as exc:
-                raise self._failed(f"put of {key!r}", exc) from None
-            finally:
-                view.release()
+            return self._send(key, view)
         finally:
+            view.release()
             if block is not None:
                 block.release()
+
+    def reserve(self, layout: Layout) -> Reservation:
+        """Tensors that are views of an encode buffer, laid out as ``put_reserved`` will send them."""
+        self._check_open()
+        reserved = codec.reserve_layout(check_layout(layout))
+        block, view = self._encode_buffer(reserved.end + EXTRA_DATA_ROOM)
+        try:
+            tensors = codec.reserved_views(view, reserved)
+        except BaseException:
+            if block is not None:
+                block.release()
+            raise
+        with self._lock:
+            self._reservations_open += 1
+        return Reservation(tensors, memory=_Lent(block, view, reserved))
+
+    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
+        lent = reservation.memory
+        if not isinstance(lent, _Lent):   # ordinary tensors (lent by another connector): copy them
+            return super().put_reserved(key, reservation, extra)
+        try:
+            payload = reserved_payload(reservation, extra)   # ValueError: used already, or names clash
+            self._check_open()
+            encode_plan = codec.plan_reserved(lent.layout, extra or {})
+            if encode_plan is None or encode_plan.size > lent.view.nbytes:
+                self._count("reserved_copied")   # header room or buffer too small for the extras
+                return self.put(key, payload)
+            codec.write_into(lent.view, encode_plan)
+            handle = self._send(key, lent.view[:encode_plan.size])
+            self._count("puts_in_place")
+            return handle
+        finally:
+            self.release(reservation)   # sent (Redis holds its own copy) or failed: the buffer is free
+
+    def release(self, reservation: Reservation) -> None:
+        lent = reservation.memory
+        reservation.done, reservation.tensors, reservation.memory = True, {}, None
+        if not isinstance(lent, _Lent):
+            return
+        with self._lock:
+            self._reservations_open -= 1
+        # The view stays as it is: tensors the caller has not dropped yet still export it.
+        if lent.block is not None:
+            lent.block.release()
+
+    def _send(self, key: str, encoded: memoryview) -> Handle:
+        """Send an encoded payload as chunks, then its meta, in one pipeline; unlink the chunks of
+        the value it replaced. ``encoded`` is only read, and only until this returns."""
+        size = encoded.nbytes
+        gen = self._next_gen()
+        n = max(1, -(-size // self.chunk_bytes))
+        meta = msgpack.packb({"g": gen, "n": n, "s": size})
+        pipe = self._client.pipeline(transaction=False)
+        for i, chunk_key in enumerate(self._chunk_keys(key, gen, n)):
+            pipe.set(chunk_key, encoded[i * self.chunk_bytes: (i + 1) * self.chunk_bytes], px=self.ttl_ms)
+        pipe.set(self._meta_key(key), meta, px=self.ttl_ms, get=True)
+        try:
+            replies = pipe.execute()
+        except redis.RedisError as exc:
+            raise self._failed(f"put of {key!r}", exc) from None
         self._ok()
         previous = replies[-1]
         if previous:
@@ -172,6 +249,10 @@ class RedisConnector(Connector):
             self._stats["puts"] += 1
             self._stats["bytes_put"] += size
         return {"g": gen, "n": n, "s": size}
+
+    def _count(self, event: str) -> None:
+        with self._lock:
+            self._stats[event] += 1
 
     def _unlink_chunks(self, key: str, meta_bytes: bytes, keep_gen: str | None = None) -> None:
         """Best effort: the TTL collects whatever this misses."""
@@ -270,8 +351,9 @@ class RedisConnector(Connector):
         """Never touches the network: ``ok`` reflects the last operation's outcome."""
         with self._lock:
             stats = {k: int(v) for k, v in self._stats.items()}
+            reservations = self._reservations_open
         return {"backend": self.name, "ok": not self._closed and self._last_error is None,
-                "server": self._where, "last_error": self._last_error,
+                "server": self._where, "last_error": self._last_error, "reservations_open": reservations,
                 **(self._pool.stats() if self._pool is not None else {}), **stats}
 
 
