@@ -49,9 +49,11 @@ Writing in place (``reserve`` → ``put_reserved``)
     that call on the tensors belong to the connector: the producer drops them and never writes
     them again (a consumer may be reading that memory). A reservation that will not be published
     goes back with ``release(reservation)``; ``put_reserved`` releases it itself when it fails.
-    Reserve, fill and publish on one thread; a reservation is used once. Backends without memory
-    of their own to lend (``redis``, ``mooncake_store``) hand out ordinary tensors and copy them on
-    ``put_reserved``, so a caller writes one code path for every backend.
+    Reserve, fill and publish on one thread; a reservation is used once. Every backend lends the
+    memory its ``put`` would encode into (a shared memory segment, a registered pool block, the
+    Redis send buffer), so ``put_reserved`` writes only the header and the ``extra`` items; the
+    defaults here lend ordinary tensors and copy, so a wrapper or a new backend works unchanged, and
+    a backend handed another's reservation copies it.
 
 When a key dies
     1. The consumer deletes it after a successful ``get`` (consumer-acknowledged delete) — the normal

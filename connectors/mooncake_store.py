@@ -192,7 +192,8 @@ class MooncakeStoreConnector(Connector):
                 expired.append(key)
         for key in expired:
             if self._store.remove(key, True) == 0:
-                self._stats["expired"] += 1
+                with self._lock:
+                    self._stats["expired"] += 1
 
     # ------------------------------------------------------------------------------ consumer
 
