@@ -12,19 +12,21 @@ The life of one payload::
     (or in place:  reserve → the caller fills tensor views of a pool block → put_reserved writes
                    the header and the extra items around them → the same publish)
     consumer get:  read header + payload from (peer, addr) into its own pool block, timing the
-                   read → check the header (magic, generation, not yet acknowledged) → if the read
-                   took ``QUARANTINE_S / 2`` or longer, read the generation again (a seqlock: a
-                   block the producer recycled meanwhile is detected) → decode views
+                   read → check the header (magic, generation, not yet acknowledged) → read the
+                   generation again (a seqlock: a block the producer recycled meanwhile is
+                   detected), unless the producer quarantines freed blocks (``quarantine_ms``,
+                   named in the handle as ``q``) and the read took less than half of that → decode
     consumer delete: write the generation into the header's ``acked`` word on the producer
     producer (next put): free acknowledged blocks and blocks older than ``ttl_s``: zero their
-                   generation at once, return them to the pool ``QUARANTINE_S`` later
+                   generation at once, return them to the pool (``quarantine_ms`` later)
 
 Why one read is enough when it is quick: a torn read needs some payload byte read after the
 block was recycled (time r), while the header bytes of the same read showed the valid,
 unacknowledged generation, so were read before the producer zeroed it (time z). Recycling waits
 out the quarantine, r ≥ z + Q, so that read lasted longer than Q. A read the reader timed at under
 Q/2 (a factor 2 for clock-rate error and timer granularity) cannot be torn; a longer one pays the
-second round trip. Both sides take Q from this module: producer and consumer must run the same one.
+second round trip. The reader takes Q from the handle, so it never trusts more than the producer
+guarantees; a key-only get (the directory entry carries no Q) always reads twice.
 
 Header layout (little-endian): ``magic u64 | gen u64 | size u64 | acked u64 | key hash 16 B``.
 ``gen`` is 0 while the block is being written (or filled in place), and from the moment it is freed.
@@ -54,7 +56,7 @@ firewall its ports; payloads are not authenticated beyond the key-hash check in 
 Options: ``local_hostname`` (default 127.0.0.1: the address peers use to reach this process),
 ``metadata_server`` (``P2PHANDSHAKE``), ``protocol`` (``tcp``; ``rdma`` with ``device_name``),
 ``device_name`` (""), ``pool_mb`` (256), ``ttl_s`` (300), ``directory``
-(``/dev/shm/omnirelay-mooncake``).
+(``/dev/shm/omnirelay-mooncake``), ``quarantine_ms`` (0: off; see :data:`DEFAULT_QUARANTINE_MS`).
 """
 
 from __future__ import annotations
@@ -89,13 +91,13 @@ _GEN_AT, _ACKED_AT = 8, 24
 DEFAULT_DIRECTORY = "/dev/shm/omnirelay-mooncake"
 PREFIX = "omnirelay-"
 
-# How long a freed block waits before the pool hands it out again. What it buys: a get whose single
-# read took under half of it skips the second header read (55–300 µs over TCP). A read that takes
-# longer moves megabytes (~10 MB at TCP's 1 GB/s), so the round trip it keeps costs it a few
-# percent at most. What it costs: throughput × Q of pool memory parked in quarantine, 20 MB at
-# 1 GB/s, under a tenth of the default 256 MB pool, and a put no longer rewrites the block freed
-# just before it while that is still in the cache. A longer Q saves nothing more and parks more.
-QUARANTINE_S = 0.02
+# The ``quarantine_ms`` option: how long a freed block waits before the pool hands it out again.
+# What it buys: a get whose single read took under half of it skips the second header read (one
+# more round trip: 55–300 µs over loopback TCP, more between hosts). What it costs: throughput × Q
+# of pool memory parked, and a put no longer rewrites the block freed just before it while that is
+# still in the cache. Off by default: on loopback the colder put cost more than the saved round
+# trip (BENCHMARKS.md, "Connectors"); a link with a long round trip is where it pays.
+DEFAULT_QUARANTINE_MS = 0.0
 
 # Block room a reservation keeps after its tensors for the data of ``put_reserved``'s bytes items:
 # small ones (token ids, a short blob) then go in place too, for one page per reservation; larger
@@ -160,6 +162,9 @@ class MooncakeTEConnector(Connector):
         pool_bytes = int(float(config.pop("pool_mb", 256)) * (1 << 20))
         self.ttl_s = float(config.pop("ttl_s", DEFAULT_TTL_S))
         self.directory = str(config.pop("directory", DEFAULT_DIRECTORY))
+        self.quarantine_s = float(config.pop("quarantine_ms", DEFAULT_QUARANTINE_MS)) / 1000
+        if not 0 <= self.quarantine_s <= 60:
+            raise ValueError("mooncake_transfer_engine connector: quarantine_ms must be between 0 and 60000")
         if config:
             raise ValueError(f"mooncake_transfer_engine connector: unknown options {sorted(config)}")
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -284,6 +289,8 @@ class MooncakeTEConnector(Connector):
         finally:
             view.release()
         handle = {"peer": self.peer, "addr": memory.address, "size": size, "gen": gen, "pid": self._pid}
+        if self.quarantine_s:
+            handle["q"] = self.quarantine_s   # the reader may trust a read quicker than q / 2
         entry = self._entry_path(key)
         with self._lock:
             _link_entry(entry, _entry_target(handle))
@@ -303,7 +310,10 @@ class MooncakeTEConnector(Connector):
         view = item.memory.view(HEADER.size)
         struct.pack_into("<Q", view, _GEN_AT, 0)
         view.release()
-        self._quarantine.append((time.monotonic() + QUARANTINE_S, item.memory))
+        if self.quarantine_s:
+            self._quarantine.append((time.monotonic() + self.quarantine_s, item.memory))
+        else:
+            item.memory.release()
         if self._by_key.get(item.key) == item.gen:
             del self._by_key[item.key]
             if unlink:
@@ -419,8 +429,9 @@ class MooncakeTEConnector(Connector):
         view.release()
         if magic != MAGIC or got_gen != gen or got_size != size or acked == gen or key_hash != _key_hash(key):
             return "payload was deleted or replaced"
-        if took < QUARANTINE_S / 2:
-            return None   # too quick to span a quarantine: the block was not recycled meanwhile
+        quarantine = handle.get("q", 0.0)
+        if isinstance(quarantine, float) and took < quarantine / 2:
+            return None   # too quick to span the producer's quarantine: the block was not recycled meanwhile
         with self._lock:
             self._stats["reads_rechecked"] += 1
         # Seqlock: the generation must not have changed while we copied the payload.

@@ -217,16 +217,16 @@ def test_extras_that_do_not_fit_fall_back_to_a_copy(producer, consumer, extra):
 
 def test_acknowledged_block_is_not_reused_before_its_quarantine_ends(fresh_producer, consumer, te, monkeypatch):
     producer = fresh_producer
-    monkeypatch.setattr(te, "QUARANTINE_S", 0.5)
+    monkeypatch.setattr(producer, "quarantine_s", 0.5)
     first = producer.put("q/0", small_payload(0))
     consumer.get("q/0", first, timeout=5)
     consumer.delete("q/0")                       # acknowledges: the producer retires it on its next put
     acked_at = time.monotonic()
     during = [producer.put(f"q/{i}", small_payload(i))["addr"] for i in (1, 2)]
-    assert time.monotonic() - acked_at < te.QUARANTINE_S, "machine too slow for this check"
+    assert time.monotonic() - acked_at < producer.quarantine_s, "machine too slow for this check"
     assert first["addr"] not in during
     assert producer.health()["blocks_quarantined"] == 1
-    time.sleep(te.QUARANTINE_S)
+    time.sleep(producer.quarantine_s)
     assert producer.put("q/3", small_payload(3))["addr"] == first["addr"]   # first fit: back in the pool
     for i in (1, 2, 3):
         producer.delete(f"q/{i}")
@@ -235,7 +235,7 @@ def test_acknowledged_block_is_not_reused_before_its_quarantine_ends(fresh_produ
 def test_exhausted_pool_takes_a_one_off_region_rather_than_recycle_early(fresh_producer, consumer, te,
                                                                          monkeypatch):
     producer = fresh_producer
-    monkeypatch.setattr(te, "QUARANTINE_S", 30.0)
+    monkeypatch.setattr(producer, "quarantine_s", 30.0)
     capacity = producer.health()["pool_bytes"]
     first = producer.put("q/big", small_payload(0, 200 << 10))   # the pool's first block: its start
     producer.delete("q/big")
@@ -249,8 +249,9 @@ def test_exhausted_pool_takes_a_one_off_region_rather_than_recycle_early(fresh_p
 
 
 def test_quick_read_is_trusted_without_a_second_header_read(producer, consumer, te, monkeypatch):
-    monkeypatch.setattr(te, "QUARANTINE_S", 10.0)
+    monkeypatch.setattr(producer, "quarantine_s", 10.0)
     handle = producer.put("r/quick", small_payload(5))
+    assert handle["q"] == 10.0
     with spying(consumer, te) as spy:
         assert same_payload(consumer.get("r/quick", handle, timeout=5), small_payload(5)) == []
     assert spy.reads == [te.HEADER.size + handle["size"]]
@@ -258,7 +259,7 @@ def test_quick_read_is_trusted_without_a_second_header_read(producer, consumer, 
 
 
 def test_slow_read_reads_the_generation_again(producer, consumer, te, monkeypatch):
-    monkeypatch.setattr(te, "QUARANTINE_S", 0.02)
+    monkeypatch.setattr(producer, "quarantine_s", 0.02)
     handle = producer.put("r/slow", small_payload(6))
     rechecked = counter(consumer, "reads_rechecked")
     with spying(consumer, te, delay_s=0.02) as spy:
@@ -269,12 +270,12 @@ def test_slow_read_reads_the_generation_again(producer, consumer, te, monkeypatc
 
 
 def test_block_recycled_during_a_slow_read_is_detected(fresh_producer, consumer, te, monkeypatch):
-    """No quarantine: while the consumer's payload read is in flight the producer puts the key
+    """No quarantine (the default): while the consumer's payload read is in flight the producer puts the key
     again and hands the old block to another payload. The second header read sees a different
     generation, so the get looks the key up again and returns the new payload."""
     producer = fresh_producer
-    monkeypatch.setattr(te, "QUARANTINE_S", 0.0)
     old = producer.put("r/recycled", small_payload(1))
+    assert "q" not in old   # the default: no quarantine, every read is checked twice
     reused = {}
 
     def recycle():
