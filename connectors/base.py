@@ -78,6 +78,8 @@ from typing import Any
 
 import torch
 
+from . import codec
+
 Payload = dict[str, Any]
 Handle = dict[str, Any]
 Layout = dict[str, tuple[Sequence[int], torch.dtype]]
@@ -87,14 +89,26 @@ DEFAULT_TTL_S = 300.0
 
 
 @dataclasses.dataclass(eq=False)
+class Lent:
+    """Where a backend's reservation lives: ``memory`` is the backend's own (a segment, a pool
+    block, a send buffer), ``layout`` where the tensors lie in the encoded payload, ``room`` how
+    many bytes the whole encoded payload may take there."""
+
+    owner: "Connector"
+    memory: Any
+    layout: codec.ReservedLayout
+    room: int
+
+
+@dataclasses.dataclass(eq=False)
 class Reservation:
     """Tensors lent by :meth:`Connector.reserve`, to be filled and published once.
 
     ``tensors``: name → writable contiguous tensor, in the order of the layout. ``memory``: the
-    backend's own record of where they live (None when they are ordinary tensors)."""
+    lending backend's :class:`Lent` (None when they are ordinary tensors)."""
 
     tensors: dict[str, torch.Tensor]
-    memory: Any = None
+    memory: Lent | None = None
     done: bool = False
 
 
@@ -154,20 +168,55 @@ class Connector(abc.ABC):
 
     def reserve(self, layout: Layout) -> Reservation:
         """Writable tensors of ``layout`` (``{name: (shape, dtype)}``) for :meth:`put_reserved`.
-        This default lends ordinary tensors; backends with transfer memory override it."""
+        This default lends ordinary tensors; a backend lends its own memory by overriding this
+        (placing the tensors with :func:`codec.reserve_layout`, returning a :class:`Lent`) and
+        :meth:`_put_lent` / :meth:`_return_lent`."""
         return Reservation({name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in check_layout(layout).items()})
 
     def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
-        """Publish a filled reservation (plus ``extra`` items) under ``key``, as ``put`` would."""
+        """Publish a filled reservation (plus ``extra`` items) under ``key``, as ``put`` would:
+        in place when this connector lent the memory and the added items fit it, else by copying.
+        The reservation is over when this returns or raises."""
+        lent = reservation.memory
+        if not (isinstance(lent, Lent) and lent.owner is self):   # ordinary tensors, or another's
+            try:
+                return self.put(key, reserved_payload(reservation, extra))
+            finally:
+                self.release(reservation)
+        kept = False
         try:
-            return self.put(key, reserved_payload(reservation, extra))
+            payload = reserved_payload(reservation, extra)   # ValueError: used already, or names clash
+            encode_plan = codec.plan_reserved(lent.layout, extra or {})
+            if encode_plan is None or encode_plan.size > lent.room:
+                self._count("reserved_copied")   # the added items do not fit: copy like any put
+                return self.put(key, payload)
+            handle, kept = self._put_lent(key, lent, encode_plan)
+            self._count("puts_in_place")
+            return handle
         finally:
-            self.release(reservation)
+            reservation.done, reservation.tensors, reservation.memory = True, {}, None
+            self._return_lent(lent, kept=kept)
 
     def release(self, reservation: Reservation) -> None:
         """Give back a reservation that will not be published (idempotent)."""
-        reservation.done = True
-        reservation.tensors = {}
+        lent = reservation.memory
+        reservation.done, reservation.tensors, reservation.memory = True, {}, None
+        if isinstance(lent, Lent) and lent.owner is self:
+            self._return_lent(lent, kept=False)
+
+    # Hooks of a backend that lends its own memory (see reserve).
+
+    def _put_lent(self, key: str, lent: Lent, encode_plan: codec.EncodePlan) -> tuple[Handle, bool]:
+        """Write ``encode_plan`` (the header and the added items) around the filled tensors and
+        publish under ``key``: (the handle, whether the payload now keeps ``lent.memory``)."""
+        raise NotImplementedError(f"{type(self).__name__} lends memory but cannot publish it in place")
+
+    def _return_lent(self, lent: Lent, kept: bool) -> None:
+        """A reservation of ours ended: free ``lent.memory`` unless the payload ``kept`` it (also
+        called after a failed publish, with ``kept`` False)."""
+
+    def _count(self, event: str) -> None:
+        """Add one to the ``health()`` counter ``event``."""
 
     def __enter__(self) -> "Connector":
         return self

@@ -30,15 +30,13 @@ connector's zero-copy paths), ``pool_mb`` (256), ``ttl_s`` (300), ``prefer_local
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 
 from omnirelay.errors import TransferFailed
 
 from . import codec
-from .base import (DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Payload, Reservation,
-                   check_layout, reserved_payload)
+from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Lent, Payload, Reservation, check_layout
 from .buffers import Block, Region
 from .mooncake_pool import RegisteredPool
 
@@ -54,13 +52,6 @@ OBJECT_NOT_FOUND = -704   # Mooncake's error code for a key the master does not 
 # small ones (token ids, a short blob) then go in place too, for one page per reservation; larger
 # ones fall back to a copy.
 EXTRA_DATA_ROOM = 4096
-
-
-@dataclasses.dataclass(eq=False)
-class _Lent:
-    """A reservation's memory: the registered block its tensors are views of, and where they lie in it."""
-    memory: Block | Region
-    layout: codec.ReservedLayout
 
 
 class MooncakeStoreConnector(Connector):
@@ -133,31 +124,15 @@ class MooncakeStoreConnector(Connector):
             raise
         with self._lock:
             self._reservations_open += 1
-        return Reservation(tensors, memory=_Lent(memory, reserved))
+        return Reservation(tensors, memory=Lent(self, memory, reserved, room=memory.size))
 
-    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
-        lent = reservation.memory
-        if not isinstance(lent, _Lent):   # ordinary tensors (lent by another connector): copy them
-            return super().put_reserved(key, reservation, extra)
-        try:
-            payload = reserved_payload(reservation, extra)   # ValueError: used already, or names clash
-            self._check_open()
-            encode_plan = codec.plan_reserved(lent.layout, extra or {})
-            if encode_plan is None or encode_plan.size > lent.memory.size:
-                self._count("reserved_copied")   # header room or block too small for the extras
-                return self.put(key, payload)
-            _write_into(lent.memory, encode_plan)
-            handle = self._upsert(key, lent.memory, encode_plan.size)
-            self._count("puts_in_place")
-            return handle
-        finally:
-            self.release(reservation)   # after the upsert returned: the store no longer reads the block
+    def _put_lent(self, key: str, lent: Lent, encode_plan: codec.EncodePlan) -> tuple[Handle, bool]:
+        self._check_open()
+        _write_into(lent.memory, encode_plan)
+        # The store copied the block when upsert_from returned: _return_lent may free it then.
+        return self._upsert(key, lent.memory, encode_plan.size), False
 
-    def release(self, reservation: Reservation) -> None:
-        lent = reservation.memory
-        reservation.done, reservation.tensors, reservation.memory = True, {}, None
-        if not isinstance(lent, _Lent):
-            return
+    def _return_lent(self, lent: Lent, kept: bool) -> None:
         with self._lock:
             self._reservations_open -= 1
         lent.memory.release()

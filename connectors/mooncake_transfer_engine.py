@@ -74,8 +74,7 @@ import time
 from omnirelay.errors import TransferFailed
 
 from . import codec
-from .base import (DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Payload, Reservation,
-                   check_layout, reserved_payload)
+from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Lent, Payload, Reservation, check_layout
 from .buffers import Block, Region
 from .mooncake_pool import RegisteredPool
 
@@ -141,13 +140,6 @@ class _Published:
     memory: Block | Region
     entry: str
     put_at: float
-
-
-@dataclasses.dataclass(eq=False)
-class _Lent:
-    """A reservation's memory: the pool block its tensors are views of, and where they lie in it."""
-    memory: Block | Region
-    layout: codec.ReservedLayout
 
 
 class MooncakeTEConnector(Connector):
@@ -236,45 +228,21 @@ class MooncakeTEConnector(Connector):
             raise
         with self._lock:
             self._reservations_open += 1
-        return Reservation(tensors, memory=_Lent(memory, reserved))
+        return Reservation(tensors, memory=Lent(self, memory, reserved, room=memory.size - HEADER.size))
 
-    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
-        lent = reservation.memory
-        if not isinstance(lent, _Lent):   # ordinary tensors (lent by another connector): copy them
-            return super().put_reserved(key, reservation, extra)
-        published = False
-        try:
-            payload = reserved_payload(reservation, extra)   # ValueError: used already, or names clash
-            self._check_open()
-            encode_plan = codec.plan_reserved(lent.layout, extra or {})
-            if encode_plan is None or HEADER.size + encode_plan.size > lent.memory.size:
-                with self._lock:
-                    self._stats["reserved_copied"] += 1   # header room or block too small for the extras
-                return self.put(key, payload)
-            handle = self._publish(key, lent.memory, encode_plan)
-            published = True
-            return handle
-        finally:
-            if published:
-                self._close_reservation(reservation)   # the block now belongs to the payload
-            else:
-                self.release(reservation)
+    def _put_lent(self, key: str, lent: Lent, encode_plan: codec.EncodePlan) -> tuple[Handle, bool]:
+        self._check_open()
+        return self._publish(key, lent.memory, encode_plan), True
 
-    def release(self, reservation: Reservation) -> None:
-        lent = reservation.memory
-        if reservation.done or not isinstance(lent, _Lent):
-            super().release(reservation)
-            return
-        self._close_reservation(reservation)
-        # Never published, so no reader has its generation: no quarantine needed.
-        lent.memory.release()
-
-    def _close_reservation(self, reservation: Reservation) -> None:
-        reservation.done = True
-        reservation.tensors = {}
-        reservation.memory = None
+    def _return_lent(self, lent: Lent, kept: bool) -> None:
         with self._lock:
             self._reservations_open -= 1
+        if not kept:
+            lent.memory.release()   # never published, so no reader has its generation: no quarantine
+
+    def _count(self, event: str) -> None:
+        with self._lock:
+            self._stats[event] += 1
 
     def _publish(self, key: str, memory: Block | Region, encode_plan: codec.EncodePlan) -> Handle:
         """Complete the payload in ``memory`` (header, then ``encode_plan``'s writes), make it

@@ -49,8 +49,7 @@ from redis.retry import Retry
 from omnirelay.errors import TransferFailed
 
 from . import codec
-from .base import (DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Payload, Reservation,
-                   check_layout, reserved_payload)
+from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Lent, Payload, Reservation, check_layout
 from .buffers import Block, BufferPool
 
 _CUTOFF = 6000   # arguments longer than this are sent as their own buffer, never copied
@@ -98,12 +97,11 @@ class _ZeroCopyPacker:
 
 
 @dataclasses.dataclass(eq=False)
-class _Lent:
-    """A reservation's encode buffer (its pool block; None for a one-off buffer), the writable view
-    its tensors are views of, and where they lie in it."""
+class _EncodeBuffer:
+    """A reservation's encode buffer: its pool block (None for a one-off buffer) and the writable
+    view its tensors are views of."""
     block: Block | None
     view: memoryview
-    layout: codec.ReservedLayout
 
 
 class RedisConnector(Connector):
@@ -195,36 +193,20 @@ class RedisConnector(Connector):
             raise
         with self._lock:
             self._reservations_open += 1
-        return Reservation(tensors, memory=_Lent(block, view, reserved))
+        return Reservation(tensors, memory=Lent(self, _EncodeBuffer(block, view), reserved, room=view.nbytes))
 
-    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
-        lent = reservation.memory
-        if not isinstance(lent, _Lent):   # ordinary tensors (lent by another connector): copy them
-            return super().put_reserved(key, reservation, extra)
-        try:
-            payload = reserved_payload(reservation, extra)   # ValueError: used already, or names clash
-            self._check_open()
-            encode_plan = codec.plan_reserved(lent.layout, extra or {})
-            if encode_plan is None or encode_plan.size > lent.view.nbytes:
-                self._count("reserved_copied")   # header room or buffer too small for the extras
-                return self.put(key, payload)
-            codec.write_into(lent.view, encode_plan)
-            handle = self._send(key, lent.view[:encode_plan.size])
-            self._count("puts_in_place")
-            return handle
-        finally:
-            self.release(reservation)   # sent (Redis holds its own copy) or failed: the buffer is free
+    def _put_lent(self, key: str, lent: Lent, encode_plan: codec.EncodePlan) -> tuple[Handle, bool]:
+        self._check_open()
+        view = lent.memory.view
+        codec.write_into(view, encode_plan)
+        return self._send(key, view[:encode_plan.size]), False   # Redis holds its own copy now
 
-    def release(self, reservation: Reservation) -> None:
-        lent = reservation.memory
-        reservation.done, reservation.tensors, reservation.memory = True, {}, None
-        if not isinstance(lent, _Lent):
-            return
+    def _return_lent(self, lent: Lent, kept: bool) -> None:
         with self._lock:
             self._reservations_open -= 1
         # The view stays as it is: tensors the caller has not dropped yet still export it.
-        if lent.block is not None:
-            lent.block.release()
+        if lent.memory.block is not None:
+            lent.memory.block.release()
 
     def _send(self, key: str, encoded: memoryview) -> Handle:
         """Send an encoded payload as chunks, then its meta, in one pipeline; unlink the chunks of

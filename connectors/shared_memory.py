@@ -76,8 +76,7 @@ import time
 from omnirelay.errors import TransferFailed
 
 from . import codec
-from .base import (DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Payload, Reservation,
-                   check_layout, reserved_payload)
+from .base import DEFAULT_GET_TIMEOUT_S, DEFAULT_TTL_S, Connector, Handle, Layout, Lent, Payload, Reservation, check_layout
 from .shm_mappings import MappingCache
 
 PREFIX = "omnirelay-"
@@ -151,13 +150,6 @@ class _Segment:
     target: str = ""                      # that entry's expected symlink target
     published_at: float = 0.0
     freed_at: float = 0.0
-
-
-@dataclasses.dataclass(eq=False)
-class _Reserved:
-    """A reservation's segment (locked for writing) and where its tensors lie in it."""
-    segment: _Segment
-    layout: codec.ReservedLayout
 
 
 def _parse_target(target: str) -> tuple[str, int, int] | None:
@@ -259,40 +251,26 @@ class SharedMemoryConnector(Connector):
                 raise TransferFailed(f"shared_memory: cannot reserve {reserved.end} bytes in {self.shm_dir}: "
                                      f"{exc}") from exc
             raise
-        with self._lock:
-            self._stats["reservations"] += 1
-        return Reservation(tensors, memory=_Reserved(segment, reserved))
+        self._count("reservations")
+        return Reservation(tensors, memory=Lent(self, segment, reserved, room=segment.capacity))
 
-    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
-        if not isinstance(reservation.memory, _Reserved):   # lent by another connector
-            return super().put_reserved(key, reservation, extra)
-        try:
-            payload = reserved_payload(reservation, extra)
-            if self._closed:
-                raise TransferFailed("shared_memory connector is closed")
-            segment, reserved = reservation.memory.segment, reservation.memory.layout
-            encode_plan = codec.plan_reserved(reserved, {name: payload[name] for name in extra or {}})
-            if encode_plan is None or encode_plan.size > segment.capacity:
-                return self.put(key, payload)   # the added items do not fit: copy like any put
-            reservation.done, reservation.tensors, reservation.memory = True, {}, None
-            self._write(segment, encode_plan)
-            with self._lock:
-                self._stats["puts_in_place"] += 1
-            return self._publish(key, segment, encode_plan.size)
-        finally:
-            self.release(reservation)
+    def _put_lent(self, key: str, lent: Lent, encode_plan: codec.EncodePlan) -> tuple[Handle, bool]:
+        if self._closed:
+            raise TransferFailed("shared_memory connector is closed")
+        self._write(lent.memory, encode_plan)
+        return self._publish(key, lent.memory, encode_plan.size), True
 
-    def release(self, reservation: Reservation) -> None:
-        memory = reservation.memory
-        reservation.done, reservation.tensors, reservation.memory = True, {}, None
-        if not isinstance(memory, _Reserved):
-            return
+    def _return_lent(self, lent: Lent, kept: bool) -> None:
+        segment = lent.memory
         with self._lock:
-            segment = memory.segment
-            if self._closed or segment not in self._segments or segment.state is not SegmentState.WRITING:
-                return
+            if kept or self._closed or segment not in self._segments or segment.state is not SegmentState.WRITING:
+                return   # published, discarded by a failed write, or closed with the connector
             fcntl.flock(segment.fd, fcntl.LOCK_UN)
             self._set_free(segment)
+
+    def _count(self, event: str) -> None:
+        with self._lock:
+            self._stats[event] += 1
 
     def _allocate_pages(self, segment: _Segment, size: int) -> None:
         if segment.allocated < size:
