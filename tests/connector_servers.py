@@ -13,6 +13,7 @@ transfer, driven by JSON lines over its stdin/stdout.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import selectors
@@ -140,6 +141,49 @@ class RedisServer(ManagedProcess):
             if left:
                 LEFTOVER_REDIS_KEYS[f"redis-server :{self.port} (stopped by {test})"] = left
         super().stop(sig, timeout)
+
+
+def mooncake_skip_reason(*modules: str) -> str | None:
+    """Why the Mooncake backends cannot run here, or None: a module of ``modules`` (default: the
+    transfer engine and the store) that does not import, or whose shared library does not load."""
+    try:
+        for module in modules or ("mooncake.engine", "mooncake.store"):
+            importlib.import_module(module)
+    except ImportError as exc:
+        return f"mooncake unavailable: import failed: {exc} (pip install 'omnirelay[mooncake]'; Debian libibverbs1)"
+    except OSError as exc:
+        return f"mooncake unavailable: shared library failed to load: {exc} (Debian: apt-get install libibverbs1)"
+    return None
+
+
+def started_redis(workdir: Path) -> "RedisServer":
+    """A running ``redis-server`` for a test (the caller stops it), or the test skipped with the
+    precise reason."""
+    import pytest
+
+    pytest.importorskip("redis", reason="redis backend unavailable: redis-py not installed "
+                                        "(pip install 'omnirelay[redis]')")
+    try:
+        server = RedisServer(workdir)
+        server.start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        pytest.skip(f"redis backend unavailable: {exc}")
+    return server
+
+
+def started_mooncake_master(workdir: Path) -> "MooncakeMaster":
+    """A running ``mooncake_master`` (the caller stops it), or the test skipped with the reason."""
+    import pytest
+
+    reason = mooncake_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        master = MooncakeMaster(workdir)
+        master.start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        pytest.skip(f"mooncake_store unavailable: mooncake_master failed to start: {exc}")
+    return master
 
 
 def mooncake_master_binary() -> str | None:

@@ -14,7 +14,6 @@ A backend whose library or server cannot run here is skipped with the precise re
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import os
 import shutil
 import threading
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 from connector_peer import make_payload, put_reserved, same_payload
-from connector_servers import MooncakeMaster, Peer, RedisServer
+from connector_servers import Peer, mooncake_skip_reason, started_mooncake_master, started_redis
 from omnirelay.connectors import Connector, available_connectors, create_connector
 from omnirelay.connectors.chunked import ChunkedConsumer, ChunkedProducer, StreamState, chunk_key, read_all
 from omnirelay.errors import TransferFailed
@@ -41,40 +40,14 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    try:
-        import redis  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"redis backend unavailable: redis-py not installed ({exc}); pip install 'omnirelay[redis]'")
-    try:
-        server = RedisServer(tmp_path_factory.mktemp("redis"))
-        server.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"redis backend unavailable: {exc}")
+    server = started_redis(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
 
 
-def _mooncake_skip_reason() -> str | None:
-    try:
-        importlib.import_module("mooncake.engine")
-        importlib.import_module("mooncake.store")
-    except ImportError as exc:
-        return f"mooncake unavailable: import failed: {exc} (pip install 'omnirelay[mooncake]'; Debian libibverbs1)"
-    except OSError as exc:
-        return f"mooncake unavailable: shared library failed to load: {exc} (Debian: apt-get install libibverbs1)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def mooncake_master(tmp_path_factory):
-    reason = _mooncake_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    try:
-        master = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
-        master.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"mooncake_store unavailable: mooncake_master failed to start: {exc}")
+    master = started_mooncake_master(tmp_path_factory.mktemp("mooncake"))
     yield master
     master.stop()
 
@@ -142,7 +115,7 @@ def backend(request, peers):
         yield b
         left = b.close()
     elif name == "mooncake_transfer_engine":
-        reason = _mooncake_skip_reason()
+        reason = mooncake_skip_reason()
         if reason:
             pytest.skip(reason)
         directory = f"/dev/shm/ortest-te-{uuid.uuid4().hex}"

@@ -17,7 +17,7 @@ import requests
 import yaml
 
 from conftest import ServeProcess
-from connector_servers import MooncakeMaster, RedisServer
+from connector_servers import mooncake_skip_reason, started_mooncake_master, started_redis
 
 PROMPTS = ["What is the capital of France?", "Tell me a short story about a cat and a dog."]
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -28,24 +28,17 @@ def kv_connector(request, tmp_path):
     """(type, options) for the pipeline's kv edge, with its server running."""
     name = request.param
     if name == "redis":
-        pytest.importorskip("redis", reason="redis-py not installed (pip install 'omnirelay[redis]')")
-        try:
-            server = RedisServer(tmp_path)
-            server.start()
-        except (FileNotFoundError, RuntimeError) as exc:
-            pytest.skip(f"redis-server unavailable: {exc}")
+        server = started_redis(tmp_path)
         yield name, {"url": server.url, "prefix": f"ortest-{uuid.uuid4().hex[:8]}:"}
         server.stop()
         return
-    pytest.importorskip("mooncake.engine", reason="mooncake not installed (pip install 'omnirelay[mooncake]')")
     if name == "mooncake_transfer_engine":
+        reason = mooncake_skip_reason("mooncake.engine")
+        if reason:
+            pytest.skip(reason)
         yield name, {"directory": str(tmp_path / "te-directory"), "pool_mb": 64}
         return
-    try:
-        master = MooncakeMaster(tmp_path)
-        master.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"mooncake_master failed to start: {exc}")
+    master = started_mooncake_master(tmp_path)
     yield name, {"master": master.address, "segment_mb": 64, "pool_mb": 64}
     master.stop()
 

@@ -12,14 +12,13 @@ run here is skipped with the precise reason.
 
 from __future__ import annotations
 
-import importlib
 import uuid
 
 import pytest
 import torch
 
 from connector_peer import make_payload, put_reserved, same_payload
-from connector_servers import MooncakeMaster, RedisServer, free_port
+from connector_servers import MooncakeMaster, RedisServer, free_port, started_mooncake_master, started_redis
 from omnirelay.connectors import codec, create_connector
 from omnirelay.errors import TransferFailed
 
@@ -29,30 +28,12 @@ BIG_MB = 1   # the payload's largest tensor: what a copy would write, and an in-
 
 
 def _start_redis(workdir) -> tuple[RedisServer, dict]:
-    pytest.importorskip("redis", reason="redis backend unavailable: redis-py not installed "
-                                        "(pip install 'omnirelay[redis]')")
-    try:
-        server = RedisServer(workdir)
-        server.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"redis backend unavailable: {exc}")
+    server = started_redis(workdir)
     return server, {"url": server.url, "prefix": f"ortest-inplace-{uuid.uuid4().hex[:8]}:", "pool_mb": 8}
 
 
 def _start_mooncake_master(workdir) -> tuple[MooncakeMaster, dict]:
-    try:
-        importlib.import_module("mooncake.store")
-    except ImportError as exc:
-        pytest.skip(f"mooncake unavailable: import failed: {exc} (pip install 'omnirelay[mooncake]'; "
-                    "Debian libibverbs1)")
-    except OSError as exc:
-        pytest.skip(f"mooncake unavailable: shared library failed to load: {exc} "
-                    "(Debian: apt-get install libibverbs1)")
-    try:
-        master = MooncakeMaster(workdir)
-        master.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"mooncake_store unavailable: mooncake_master failed to start: {exc}")
+    master = started_mooncake_master(workdir)
     return master, {"master": master.address, "segment_mb": 64, "pool_mb": 8}
 
 

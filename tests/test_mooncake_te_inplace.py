@@ -20,21 +20,12 @@ import pytest
 import torch
 
 from connector_peer import make_payload, same_payload
+from connector_servers import mooncake_skip_reason
 from omnirelay.connectors import create_connector
 from omnirelay.errors import TransferFailed
 
 
-def _mooncake_skip_reason() -> str | None:
-    try:
-        importlib.import_module("mooncake.engine")
-    except ImportError as exc:
-        return f"mooncake unavailable: import failed: {exc} (pip install 'omnirelay[mooncake]'; Debian libibverbs1)"
-    except OSError as exc:
-        return f"mooncake unavailable: shared library failed to load: {exc} (Debian: apt-get install libibverbs1)"
-    return None
-
-
-SKIP_REASON = _mooncake_skip_reason()
+SKIP_REASON = mooncake_skip_reason("mooncake.engine")
 pytestmark = [pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or ""), pytest.mark.timeout(60)]
 
 
