@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from connector_peer import make_payload, same_payload
-from connector_servers import Peer, RedisServer
+from connector_servers import Peer, started_redis
 from omnirelay.connectors import create_connector
 from omnirelay.connectors.shared_memory import SharedMemoryConnector, sweep_orphans
 from omnirelay.errors import TransferFailed
@@ -99,15 +99,7 @@ def test_shm_kill_9_consumer_releases_its_lease(shm_dir):
 
 @pytest.fixture
 def redis_server(tmp_path):
-    try:
-        import redis  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"redis-py not installed ({exc}); pip install 'omnirelay[redis]'")
-    try:
-        server = RedisServer(tmp_path)
-        server.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"redis-server unavailable: {exc}")
+    server = started_redis(tmp_path)
     yield server
     server.stop()
 

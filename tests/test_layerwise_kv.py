@@ -21,7 +21,7 @@ from omnirelay.workers.model_runner import local_runner
 from omnirelay.workers.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.sampling import SamplingParams
 
-from connector_servers import RedisServer
+from connector_servers import started_redis
 from engine_support import (  # noqa: F401  (fixtures)
     GREEDY, QUESTIONS, chat_ids, connector, decode_engine, model, reference, run_decode, run_prefill,
     shm_keys, tok)
@@ -202,12 +202,7 @@ def test_missing_piece_fails_the_import_and_deletes_the_rest(model, tok, connect
 
 
 def test_layerwise_over_redis_equals_transformers_and_leaves_no_key(model, tok, reference, tmp_path):
-    pytest.importorskip("redis", reason="redis-py not installed")
-    try:
-        server = RedisServer(tmp_path)
-        server.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"redis-server unavailable: {exc}")
+    server = started_redis(tmp_path)
     conn = create_connector("redis", {"url": server.url, "prefix": f"ortest-{uuid.uuid4().hex[:8]}:"})
     try:
         prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]

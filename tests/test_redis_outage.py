@@ -24,7 +24,7 @@ import uuid
 import pytest
 
 from cluster import Cluster, assert_contract, classify, greedy_chat, run_load
-from connector_servers import RedisServer
+from connector_servers import started_redis
 
 N_REQUESTS, CONCURRENCY, MAX_TOKENS, OUTAGE_S = 32, 8, 24, 3.0
 REQUEST_TIMEOUT_S = 60.0
@@ -34,12 +34,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def redis_cluster(tiny_model, tmp_path):
-    pytest.importorskip("redis", reason="redis-py not installed (pip install 'omnirelay[redis]')")
-    try:
-        server = RedisServer(tmp_path)
-        server.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"redis-server unavailable: {exc}")
+    server = started_redis(tmp_path)
     pipeline = tmp_path / "redis-kv.yaml"
     pipeline.write_text(json.dumps({   # YAML is a superset of JSON
         "stages": [{"name": "prefill", "role": "prefill"}, {"name": "decode", "role": "decode"}],
