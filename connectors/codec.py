@@ -92,9 +92,10 @@ def _item(name, value) -> tuple[dict, Any]:
     return {"n": name, "k": "v", "val": value}, None
 
 
-def _packed_len(entries: list[dict]) -> int:
+def _checked_pack(entries: list[dict]) -> bytes:
+    """The header for ``entries``; CodecError for a value msgpack cannot take."""
     try:
-        return len(_pack({"v": 1, "entries": entries}))
+        return _pack({"v": 1, "entries": entries})
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError(f"payload value is not msgpack-able: {exc}") from None
 
@@ -122,7 +123,7 @@ def plan(payload: dict[str, Any]) -> EncodePlan:
     for entry in entries:
         if entry["k"] != "v":
             entry["o"] = _PLACEHOLDER_OFFSET
-    start = _align(_LEN.size + _packed_len(entries))
+    start = _align(_LEN.size + len(_checked_pack(entries)))
     writes, end = _place(entries, pending, start)
     header = _pack({"v": 1, "entries": entries})
     return EncodePlan(header=_LEN.pack(len(header)) + header, size=max(end, start), writes=tuple(writes))
@@ -156,7 +157,7 @@ def _reserve_layout(layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
             numel *= s
         entries.append({"n": name, "k": "t", "dt": _DTYPE_NAMES[dtype], "sh": list(shape),
                         "nb": numel * dtype.itemsize, "o": _PLACEHOLDER_OFFSET})
-    start = _align(_LEN.size + _packed_len(entries) + EXTRA_HEADER_ROOM)
+    start = _align(_LEN.size + len(_checked_pack(entries)) + EXTRA_HEADER_ROOM)
     _, end = _place(entries, [None] * len(entries), start)
     header = _pack({"v": 1, "entries": entries})
     return ReservedLayout(entries=tuple(entries), start=start, end=end, bare_header=_LEN.pack(len(header)) + header)
@@ -189,8 +190,7 @@ def plan_reserved(reserved: ReservedLayout, extra: dict[str, Any]) -> EncodePlan
         added_data.append(data)
     writes, end = _place(added, added_data, reserved.end)
     entries += added
-    _packed_len(entries)   # a clear CodecError for a value msgpack cannot take
-    header = _pack({"v": 1, "entries": entries})
+    header = _checked_pack(entries)
     if _LEN.size + len(header) > reserved.start:
         return None
     return EncodePlan(header=_LEN.pack(len(header)) + header, size=max(end, reserved.start), writes=tuple(writes))

@@ -4,6 +4,7 @@ which workers report in their heartbeats and the gateway exports as connector tr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -17,36 +18,32 @@ class TimedConnector(Connector):
         self._lock = threading.Lock()
         self._us = {"put": 0, "get": 0}
 
-    def _add(self, op: str, started: float) -> None:
-        with self._lock:
-            self._us[op] += int((time.perf_counter() - started) * 1e6)
-
-    def put(self, key: str, payload: Payload) -> Handle:
+    @contextlib.contextmanager
+    def _timed(self, op: str):
         started = time.perf_counter()
         try:
-            return self.inner.put(key, payload)
+            yield
         finally:
-            self._add("put", started)
+            with self._lock:
+                self._us[op] += int((time.perf_counter() - started) * 1e6)
+
+    def put(self, key: str, payload: Payload) -> Handle:
+        with self._timed("put"):
+            return self.inner.put(key, payload)
 
     def reserve(self, layout: Layout) -> Reservation:
         return self.inner.reserve(layout)
 
     def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
-        started = time.perf_counter()   # counted as a put: it is one, less the copy
-        try:
+        with self._timed("put"):   # a put, less the copy
             return self.inner.put_reserved(key, reservation, extra)
-        finally:
-            self._add("put", started)
 
     def release(self, reservation: Reservation) -> None:
         self.inner.release(reservation)
 
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
-        started = time.perf_counter()
-        try:
+        with self._timed("get"):
             return self.inner.get(key, handle, timeout)
-        finally:
-            self._add("get", started)
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)

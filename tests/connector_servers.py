@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -156,6 +157,19 @@ def mooncake_skip_reason(*modules: str) -> str | None:
     return None
 
 
+def _started(make: "Callable[[], ManagedProcess]", unavailable: str) -> "ManagedProcess":
+    """``make()`` started, or the test skipped: the binary is missing (raised by the constructor)
+    or the server does not come up."""
+    import pytest
+
+    try:
+        server = make()
+        server.start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        pytest.skip(f"{unavailable}: {exc}")
+    return server
+
+
 def started_redis(workdir: Path) -> "RedisServer":
     """A running ``redis-server`` for a test (the caller stops it), or the test skipped with the
     precise reason."""
@@ -163,12 +177,7 @@ def started_redis(workdir: Path) -> "RedisServer":
 
     pytest.importorskip("redis", reason="redis backend unavailable: redis-py not installed "
                                         "(pip install 'omnirelay[redis]')")
-    try:
-        server = RedisServer(workdir)
-        server.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"redis backend unavailable: {exc}")
-    return server
+    return _started(lambda: RedisServer(workdir), "redis backend unavailable")
 
 
 def started_mooncake_master(workdir: Path) -> "MooncakeMaster":
@@ -178,12 +187,7 @@ def started_mooncake_master(workdir: Path) -> "MooncakeMaster":
     reason = mooncake_skip_reason()
     if reason:
         pytest.skip(reason)
-    try:
-        master = MooncakeMaster(workdir)
-        master.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"mooncake_store unavailable: mooncake_master failed to start: {exc}")
-    return master
+    return _started(lambda: MooncakeMaster(workdir), "mooncake_store unavailable: mooncake_master failed to start")
 
 
 def mooncake_master_binary() -> str | None:

@@ -95,8 +95,8 @@ class PagedKVCache:
 
     def read_sequence(self, blocks: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The first ``num_tokens`` of a sequence as one contiguous ``[layers, 2, seq, kv_heads,
-        head_dim]`` tensor (the connector payload), written into ``out`` when given (a tensor of
-        :meth:`sequence_spec` on this cache's device)."""
+        head_dim]`` tensor (the connector payload), written into ``out`` when given (a contiguous
+        tensor of :meth:`sequence_spec`, on this cache's device or the host)."""
         index = torch.tensor(blocks[: self.blocks_needed(num_tokens)], dtype=torch.long, device=self.device)
         layers = len(self.keys)
         shape, dtype = self.sequence_spec(num_tokens)

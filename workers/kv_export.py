@@ -58,6 +58,7 @@ decode side reads is the same either way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import enum
@@ -121,13 +122,6 @@ class LayerwiseExport:
         self._side_stream = torch.cuda.Stream(cache.device) if self._cuda else None
         self._index = {id(s): torch.tensor(s.blocks[: -(-s.num_tokens // cache.block_size)], dtype=torch.long,
                                            device=cache.device) for s in sequences}
-        # On CUDA, one device gather buffer per sequence, reused for every layer (the copy to the
-        # host empties it before the next layer). On the CPU the gather writes straight into the
-        # connector's memory (reserve → put_reserved), so there is no buffer to keep.
-        row = cache.keys[0][0].numel()
-        self._buffers = {id(s): (torch.empty(len(i), row, dtype=cache.keys[0].dtype, device=cache.device),
-                                 torch.empty(len(i), row, dtype=cache.keys[0].dtype, device=cache.device))
-                         for s in sequences for i in [self._index[id(s)]]} if self._cuda else {}
         self._thread = threading.Thread(target=self._run, name="kv-export", daemon=True)
         self._thread.start()
 
@@ -208,21 +202,18 @@ class LayerwiseExport:
                 self.error = exc
 
     def _put_layer(self, layer: int, event) -> None:
-        cache = self.cache
-        spec = ((0, *cache.keys[layer].shape[2:]), cache.keys[layer].dtype)
+        row_shape, dtype = tuple(self.cache.keys[layer].shape[2:]), self.cache.keys[layer].dtype
         for seq in self.sequences:
             if self._stop.is_set():
                 return
-            shape = (seq.num_tokens, *spec[0][1:])
-            reservation = self.connector.reserve({"k": (shape, spec[1]), "v": (shape, spec[1])})
+            shape = (seq.num_tokens, *row_shape)
+            reservation = self.connector.reserve({"k": (shape, dtype), "v": (shape, dtype)})
             try:
-                if self._cuda:
-                    with torch.cuda.stream(self._side_stream):
+                # The gather writes straight into the connector's memory (on CUDA: gathered on a
+                # side stream once layer ``layer``'s write is done, then one copy to the host).
+                with torch.cuda.stream(self._side_stream) if self._cuda else contextlib.nullcontext():
+                    if self._cuda:
                         self._side_stream.wait_event(event)
-                        keys, values = self._read(layer, seq)
-                        reservation.tensors["k"].copy_(keys)
-                        reservation.tensors["v"].copy_(values)
-                else:
                     self.cache.read_layer_into(layer, seq.blocks, self._index[id(seq)], seq.num_tokens,
                                                reservation.tensors["k"], reservation.tensors["v"])
             except BaseException:
@@ -232,16 +223,6 @@ class LayerwiseExport:
             # Recorded before the put returns: a put that fails half way may still have written.
             seq.put_keys.append(key)
             seq.handles.append(self.connector.put_reserved(key, reservation))
-
-    def _read(self, layer: int, seq: ExportSequence) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s keys and values of the sequence, ``[seq, kv_heads, head_dim]`` each, on
-        the device (views of the sequence's gather buffers, whole blocks copied as rows)."""
-        index, (keys, values) = self._index[id(seq)], self._buffers[id(seq)]
-        cache = self.cache
-        torch.index_select(cache.keys[layer].view(cache.num_blocks, -1), 0, index, out=keys)
-        torch.index_select(cache.values[layer].view(cache.num_blocks, -1), 0, index, out=values)
-        shape = (-1, *cache.keys[layer].shape[2:])
-        return keys.view(shape)[: seq.num_tokens], values.view(shape)[: seq.num_tokens]
 
 
 def _as_omni_error(exc: BaseException, key: str) -> OmniError:

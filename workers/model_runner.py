@@ -75,9 +75,7 @@ class LocalRunner:
     def read_kv(self, blocks: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             return self.cache.read_sequence(blocks, num_tokens).cpu()
-        if out.device == self.cache.device:
-            return self.cache.read_sequence(blocks, num_tokens, out=out)
-        return out.copy_(self.cache.read_sequence(blocks, num_tokens))   # device → host, straight into out
+        return self.cache.read_sequence(blocks, num_tokens, out=out)   # from any device's pool into out
 
     def write_kv(self, blocks: list[int], kv: torch.Tensor, start: int = 0) -> None:
         self.cache.write_sequence(blocks, kv, start)
