@@ -9,7 +9,7 @@ Life of a prefix hint::
         longest cached prefix among those with credit and not much busier than the least-loaded
         ──▶ the prompt's keys are added to that worker's set at once (it will hold them after prefill)
 
-A block's name (:mod:`omnirelay.workers.block_hash`) is a chain hash, so equal names mean an equal
+A block's name (:mod:`omnirelay.block_hash`) is a chain hash, so equal names mean an equal
 prompt up to the end of that block; the broker compares the first 8 bytes as an unsigned integer
 (msgpack carries it natively; a collision only costs a route that is not the best, since the worker
 matches its cache with the full 16 bytes). Plain Python and no torch: the gateway imports it too.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 from typing import Iterable, Protocol
 
-from omnirelay.workers.block_hash import block_hashes
+from omnirelay.block_hash import block_hashes
 
 ROUTE_KEY_BYTES = 8
 MAX_PROMPT_BLOCKS = 256   # a Submit carries keys for at most this many leading blocks (4096 tokens at 16)

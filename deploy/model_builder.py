@@ -37,6 +37,8 @@ import shutil
 import sys
 import tempfile
 
+from omnirelay.paths import cache_root
+
 MODEL_KIND = "tiny-llm"
 # Bump when the recipe changes so stale cached builds are not reused.
 RECIPE_VERSION = 1
@@ -271,14 +273,6 @@ def build_tiny_llm(path: str | os.PathLike, seed: int = 0, *, force: bool = Fals
                             what="model")
 
 
-def _cache_root() -> pathlib.Path:
-    if os.environ.get("OMNIRELAY_CACHE_DIR"):
-        return pathlib.Path(os.environ["OMNIRELAY_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return pathlib.Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "omnirelay"
-    return pathlib.Path.home() / ".cache" / "omnirelay"
-
-
 def default_model_dir() -> pathlib.Path:
     """Return the cached default tiny model (seed 0), building it on first use."""
     return cached_model(f"{MODEL_KIND}-v{RECIPE_VERSION}-seed0", lambda tmp: _build_into(tmp, 0), is_complete)
@@ -287,7 +281,7 @@ def default_model_dir() -> pathlib.Path:
 def cached_model(name: str, write, complete) -> pathlib.Path:
     """The directory ``name`` in the cache, written by ``write(tmp_dir)`` on first use. Safe when
     several processes race: each builds into its own temporary directory, the first rename wins."""
-    target = _cache_root() / name
+    target = cache_root() / name
     if complete(target):
         return target
     tmp = _fresh_tmp(target)

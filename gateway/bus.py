@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from omnirelay.broker import protocol as p
+from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 from omnirelay.broker.prefix_index import prompt_route_keys
 from omnirelay.errors import DeadlineExceeded, OmniError, WorkerLost, error_from_type
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
@@ -36,7 +37,7 @@ log = logging.getLogger("omnirelay.gateway")
 
 # Prompt blocks are hashed at omni-worker's default --block-size for prefix-aware routing; the
 # broker uses the hint only with prefill workers whose cache has this block size.
-PREFIX_BLOCK_SIZE = 16
+PREFIX_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 
 
 @dataclasses.dataclass(frozen=True)

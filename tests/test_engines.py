@@ -13,7 +13,7 @@ import torch
 from omnirelay.workers.models.llama import LlamaModel
 from omnirelay.workers.kv_export import import_kv
 from omnirelay.workers.prefill import PrefillEngine
-from omnirelay.workers.block_hash import block_hashes
+from omnirelay.block_hash import block_hashes
 from omnirelay.workers.prefix_cache import PrefixCachingAllocator
 
 from engine_support import (  # noqa: F401  (fixtures)

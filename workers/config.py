@@ -7,6 +7,8 @@ import os
 import socket
 import uuid
 
+from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
+
 ROLES = ("encode", "prefill", "decode", "generate")
 ENGINE_ROLES = ("encode", "prefill", "decode", "generate")   # roles this build can run
 
@@ -57,7 +59,7 @@ class WorkerConfig:
     capacity: int = 0
     max_model_len: int = 0
     kv_cache_bytes: int = 0
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     connector: str = "shared_memory"
     connector_options: dict = dataclasses.field(default_factory=dict)
     heartbeat_interval_s: float = 1.0

@@ -33,6 +33,8 @@ import threading
 
 import torch
 
+from omnirelay.paths import cache_root
+
 log = logging.getLogger("omnirelay.worker")
 
 SOURCE = r"""
@@ -113,8 +115,7 @@ _loaded: dict[str, "PagedDecodeAttention | None"] = {}
 
 
 def _cache_dir() -> pathlib.Path:
-    from omnirelay.deploy.model_builder import _cache_root
-    return _cache_root() / "kernels"
+    return cache_root() / "kernels"
 
 
 class PagedDecodeAttention:

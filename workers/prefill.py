@@ -48,7 +48,7 @@ import torch
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
 
-from .block_hash import block_hashes
+from omnirelay.block_hash import block_hashes
 from .forward_batch import ForwardBatch
 from .kv_export import (LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport, delete_quietly,
                         release_kv)

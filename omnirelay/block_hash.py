@@ -12,6 +12,10 @@ import hashlib
 import struct
 
 HASH_BYTES = 16
+# Tokens per KV block: the default of every worker's paged cache (WorkerConfig.block_size) and the
+# block size gateways hash prompts with for prefix-aware routing (the broker uses a hint only for
+# workers whose cache has the hint's block size, so a worker configured otherwise is never misrouted).
+DEFAULT_BLOCK_SIZE = 16
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
