@@ -3,13 +3,19 @@
 Every check raises :class:`~omnirelay.errors.BadRequest` (400) naming the offending ``param``, so a
 bad request gets an OpenAI-style body before anything is submitted. A well-formed request for
 something we do not do yet gets :class:`~omnirelay.errors.Unprocessable` (422) when it would change
-the answer (``n`` > 1, ``echo``, non-text content, logprobs of a spoken answer); hints (``user``,
-``metadata``) are ignored.
+the answer (non-text content, logprobs of a spoken answer, ``echo`` with logprobs, ``n`` > 1 with a
+spoken answer, and every option of :data:`NOT_SERVED`), never a 200 that ignored it. Hints that cannot change the answer's tokens
+(``user``, ``metadata``, ``store``, ``service_tier``, ``prediction``, ``prompt_cache_key``,
+``safety_identifier``, ``priority``) are accepted and ignored.
 
 Logprobs, as OpenAI spells them: chat takes ``logprobs: true`` and optionally ``top_logprobs``
 (0 … :data:`MAX_TOP_LOGPROBS`, only with ``logprobs: true``); completions take ``logprobs: k``
 (0 … :data:`MAX_TOP_LOGPROBS`). Both become :attr:`GenerationRequest.logprobs` (-1: off; k: the
 chosen token's and the top k), which travels as ``sampling["logprobs"]`` (broker/protocol.py).
+
+Choices: ``n`` (1 … :data:`MAX_CHOICES`) per prompt; ``/v1/completions`` takes ``prompt`` as vLLM
+does — a string, a list of token ids, or a list of several of either (one set of ``n`` choices per
+prompt, at most :data:`MAX_CHOICES` choices in all) — and ``echo``. gateway/choices.py serves them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
 from omnirelay.errors import BadRequest, Unprocessable
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_CHOICES = 128   # choices in one request: n, times the prompts of a batched /v1/completions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +51,10 @@ class GenerationRequest:
     modalities: tuple[str, ...] = ("text",)   # chat: ("text", "audio") asks for speech too
     audio: dict | None = None                 # chat with audio: {"voice": str, "format": wav|pcm16|flac}
     logprobs: int = -1                        # -1: none; k >= 0: each token's logprob and the top k
+    n: int = 1                                # choices per prompt (gateway/choices.py fans them out)
+    echo: bool = False                        # completions: the prompt's text before each choice's
+    prompts: tuple[str | tuple[int, ...], ...] = ()   # completions given several prompts (prompt/
+                                                      # prompt_token_ids then hold the first)
 
 
 # Chat audio formats (OpenAI's names) → the speech worker's encodings; mp3/opus/aac need an encoder
@@ -71,6 +82,64 @@ def _chat_audio(body: dict) -> dict:
         raise BadRequest(f"audio.format {fmt!r} is not supported; use one of {', '.join(CHAT_AUDIO_FORMATS)}",
                          param="audio.format")
     return {"modalities": ("text", "audio"), "audio": {"voice": audio["voice"], "format": fmt}}
+
+
+# Options of OpenAI's or vLLM's request that would change the answer but that this build does not
+# serve (yet): name → the values that change nothing, accepted like an absent option or null. Any
+# other value answers 422 naming the option. Implementing one means removing its entry here.
+NOT_SERVED: dict[str, tuple] = {
+    # sampling
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "logits_processors": ([],),
+    # structured outputs and tools
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none",),
+    # what the prompt or the answer's text is made of
+    "prompt_logprobs": (),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "suffix": ("",),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "return_tokens_as_token_ids": (False,),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
+
+
+def _not_served(body: dict) -> None:
+    """422 for the first :data:`NOT_SERVED` option ``body`` sets to a value that changes the answer.
+    A harmless value must match in type too (``False`` is not ``0``)."""
+    for name, harmless in NOT_SERVED.items():
+        value = body.get(name)
+        if value is None or any(type(value) is type(h) and value == h for h in harmless):
+            continue
+        raise Unprocessable(f"'{name}' is not supported by this server", param=name)
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -186,8 +255,10 @@ def _common(body: dict) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
-    if _integer(body, "n", 1, 1) != 1:
-        raise Unprocessable("only n=1 is supported", param="n")
+    _not_served(body)
+    n = _integer(body, "n", 1, 1)
+    if n > MAX_CHOICES:
+        raise BadRequest(f"'n' must be at most {MAX_CHOICES}, got {n}", param="n")
     max_tokens = _integer(body, "max_completion_tokens", None, 1)
     max_tokens = _integer(body, "max_tokens", max_tokens, 1)
     stream_options = body.get("stream_options")
@@ -205,7 +276,7 @@ def _common(body: dict) -> dict:
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
         ignore_eos=_boolean(body, "ignore_eos"), stream=stream,
         include_usage=bool(stream_options and _boolean(stream_options, "include_usage")),
-        return_token_ids=_boolean(body, "return_token_ids"))
+        return_token_ids=_boolean(body, "return_token_ids"), n=n)
 
 
 def _top_logprobs_count(body: dict, name: str) -> int | None:
@@ -232,27 +303,46 @@ def parse_chat(body: Any) -> GenerationRequest:
     if logprobs >= 0 and "audio" in audio["modalities"]:
         raise Unprocessable("logprobs are not available for a spoken answer (modalities with audio)",
                             param="logprobs")
+    if common["n"] > 1 and "audio" in audio["modalities"]:
+        raise Unprocessable("a spoken answer (modalities with audio) has one choice: n must be 1", param="n")
     return GenerationRequest(kind="chat", messages=_messages(body), prompt=None, prompt_token_ids=None, **common,
                              **audio, logprobs=logprobs)
 
 
+def _prompts(body: dict) -> list[str | tuple[int, ...]]:
+    """``prompt`` as vLLM takes it: a string, a list of token ids, or a list of several of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list))):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string, a list of token ids, or a list of those",
+                         param="prompt")
+    prompts: list[str | tuple[int, ...]] = []
+    for i, one in enumerate(prompt):
+        param = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        if isinstance(one, str) and one:
+            prompts.append(one)
+        elif isinstance(one, list) and one:
+            prompts.append(_token_ids(one, param))
+        else:
+            raise BadRequest(f"'{param}' must be a non-empty string or a non-empty list of token ids", param=param)
+    return prompts
+
+
 def parse_completion(body: Any) -> GenerationRequest:
     common = _common(body)
-    if body.get("echo"):
-        raise Unprocessable("echo is not supported", param="echo")
     if body.get("top_logprobs") is not None:
         raise BadRequest("'top_logprobs' is a chat parameter; completions take 'logprobs': k", param="top_logprobs")
     logprobs = _top_logprobs_count(body, "logprobs")
     common["logprobs"] = -1 if logprobs is None else logprobs
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]   # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("'prompt' must not be empty", param="prompt")
-        return GenerationRequest(kind="completion", messages=None, prompt=prompt, prompt_token_ids=None, **common)
-    if isinstance(prompt, list) and prompt:
-        return GenerationRequest(kind="completion", messages=None, prompt=None,
-                                 prompt_token_ids=list(_token_ids(prompt, "prompt")), **common)
-    raise BadRequest("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
-                     param="prompt")
+    common["echo"] = _boolean(body, "echo")
+    if common["echo"] and common["logprobs"] >= 0:
+        raise Unprocessable("echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                            param="echo")
+    prompts = _prompts(body)
+    if len(prompts) * common["n"] > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts × n={common['n']} exceeds {MAX_CHOICES} choices", param="prompt")
+    first = prompts[0]
+    return GenerationRequest(kind="completion", messages=None, prompt=first if isinstance(first, str) else None,
+                             prompt_token_ids=None if isinstance(first, str) else list(first),
+                             prompts=tuple(prompts) if len(prompts) > 1 else (), **common)
