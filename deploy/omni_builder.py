@@ -254,14 +254,11 @@ def load_full_model(path: str | os.PathLike, **kwargs):
 
 
 def load_speakers(path: str | os.PathLike) -> dict[str, dict]:
-    """The speaker table in transformers' ``speaker_map`` shape: name -> {cond, ref_mel, bos_token}."""
-    from safetensors.torch import load_file
+    """The speaker table in transformers' ``speaker_map`` shape: name -> {cond, ref_mel, bos_token},
+    read the way the speech worker reads it."""
+    from omnirelay.workers.generate_speech import load_speakers as read_speaker_table
 
-    root = pathlib.Path(path)
-    tensors = load_file(str(root / "spk_dict.safetensors"))
-    meta = json.loads((root / "spk_dict.json").read_text())
-    return {name: {"cond": tensors[f"{name}.cond"], "ref_mel": tensors[f"{name}.ref_mel"],
-                   "bos_token": int(info["bos_token"])} for name, info in meta.items()}
+    return read_speaker_table(pathlib.Path(path))
 
 
 def _write_processor(out: pathlib.Path) -> None:

@@ -422,8 +422,12 @@ def load_speakers(root: Path) -> dict[str, dict]:
     ``spk_dict.safetensors`` + ``spk_dict.json`` (what ``omni-make-model`` writes). A real checkpoint's
     ``spk_dict.pt`` is a pickle, which we never load: convert it once to those two files."""
     if (root / "spk_dict.safetensors").is_file():
-        from omnirelay.deploy.omni_builder import load_speakers as load_safetensors_speakers
-        return load_safetensors_speakers(root)
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(root / "spk_dict.safetensors"))
+        meta = json.loads((root / "spk_dict.json").read_text())
+        return {name: {"cond": tensors[f"{name}.cond"], "ref_mel": tensors[f"{name}.ref_mel"],
+                       "bos_token": int(info["bos_token"])} for name, info in meta.items()}
     raise FileNotFoundError(f"{root} has no speaker table spk_dict.safetensors + spk_dict.json (a pickled "
                             "spk_dict.pt is not loaded: convert it to those two files)")
 
