@@ -1,4 +1,4 @@
-"""A compact Llama/Qwen2 causal LM that reads the Hugging Face directory directly.
+"""A compact Llama/Qwen2/Qwen3/Qwen3-MoE causal LM that reads the Hugging Face directory directly.
 
 Why our own: the engines keep KV in a paged block pool and batch sequences of different lengths
 (and prompt chunks next to decode tokens) in one pass; transformers' modules assume one contiguous
@@ -25,6 +25,14 @@ Device: the model lives on one device (``device``: the CPU, or the rank's ``cuda
 are read from safetensors and moved there once, the rotary tables are built there, and a batch must
 already be there (the runner moves it). The native decode kernel and oneDNN weight packing are
 CPU-only and are off on any other device; logits come back on the model's device.
+
+Qwen3 (``Qwen3ForCausalLM``): the same layer plus a per-head RMSNorm of q and k (``q_norm``,
+``k_norm`` over ``head_dim``, before rotary) and an explicit ``head_dim``; no q/k/v biases.
+Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3 attention, and in its sparse layers the MLP is a routed
+mixture of experts (:mod:`.moe`: router, top-k, batched experts; under tensor parallelism either
+every expert's intermediate slice per rank or, with ``Shard.expert_parallel``, whole experts per
+rank reached by all-to-all, :mod:`omnirelay.workers.expert_parallel`). Sliding-window attention
+(``use_sliding_window``) is refused at load.
 
 Qwen2.5-Omni: the thinker's language model is this same Qwen2 (weights under ``thinker.model.*`` and
 ``thinker.lm_head``; its encoders, talker and vocoder are not loaded here). Two optional batch
@@ -54,8 +62,12 @@ from ..load_progress import LoadProgress
 
 from .. import native_attention
 from ..forward_batch import ForwardBatch
+from ..expert_parallel import expert_range
+from .moe import MoeConfig, SparseMoE, load_moe
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Per-head q/k RMSNorm before rotary (Qwen3 and Qwen3-MoE).
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Qwen2.5-Omni: the thinker's language model is a Qwen2 with M-RoPE, stored under "thinker.".
 OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration")
 
@@ -77,6 +89,8 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...]
     weight_prefix: str = ""              # "thinker." for Qwen2.5-Omni checkpoints
     mrope_section: tuple[int, ...] = ()  # M-RoPE sections over head_dim / 2 (temporal, height, width)
+    qk_norm: bool = False                # Qwen3: RMSNorm of each q and k head before rotary
+    moe: MoeConfig | None = None         # Qwen3-MoE: the experts of the sparse layers
 
     @classmethod
     def from_dir(cls, path: Path) -> "LlamaConfig":
@@ -95,6 +109,8 @@ class LlamaConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{path}: architecture {arch} is not supported by the compact engine "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if raw.get("use_sliding_window"):
+            raise ValueError(f"{path}: sliding-window attention is not supported by the compact engine")
         rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -112,7 +128,9 @@ class LlamaConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-            eos_token_ids=eos, weight_prefix=prefix, mrope_section=mrope)
+            eos_token_ids=eos, weight_prefix=prefix, mrope_section=mrope,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            moe=MoeConfig.from_raw(raw) if arch == "Qwen3MoeForCausalLM" else None)
 
 
 def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
@@ -128,19 +146,24 @@ def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """The part of the model one rank holds. ``last_layer`` is exclusive; None means the end."""
+    """The part of the model one rank holds. ``last_layer`` is exclusive; None means the end.
+    ``expert_parallel``: the MoE blocks place whole experts on the tensor ranks (contiguous blocks,
+    :func:`~omnirelay.workers.expert_parallel.expert_range`) instead of slicing every expert."""
 
     tp_rank: int = 0
     tp_size: int = 1
     first_layer: int = 0
     last_layer: int | None = None
+    expert_parallel: bool = False
 
     def layer_range(self, num_layers: int) -> range:
         return range(self.first_layer, num_layers if self.last_layer is None else self.last_layer)
 
 
 class Collective(Protocol):
-    """Sums a tensor in place across the tensor-parallel ranks (gloo on CPU, NCCL on GPU)."""
+    """Sums a tensor in place across the tensor-parallel ranks (gloo on CPU, NCCL on GPU). Under
+    expert parallelism it must also be an
+    :class:`~omnirelay.workers.expert_parallel.ExpertCollective` (``all_to_all``)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> None: ...
 
@@ -149,6 +172,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     if x.dtype == torch.float32:
         # One fused kernel; bitwise equal to the float32 formula below on the CPU build.
         return F.rms_norm(x, weight.shape, weight, eps)
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head of ``x [T, heads, D]`` with ``weight [heads, D]``: transformers'
+    Qwen3 RMSNorm formula (float32 statistics, weight applied in the input dtype)."""
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -193,8 +225,10 @@ class _Layer:
     o: _Linear            # this rank's input columns (row-parallel); a bias only on rank 0, so the
     #                       all-reduce counts it once
     post_norm: torch.Tensor
-    gate_up: _Linear      # [gate; up] rows of this rank's intermediate slice
-    down: _Linear         # this rank's input columns (row-parallel)
+    gate_up: _Linear | None   # [gate; up] rows of this rank's intermediate slice (dense MLP layers)
+    down: _Linear | None      # this rank's input columns (row-parallel)
+    moe: SparseMoE | None = None           # instead of gate_up/down in a Qwen3-MoE sparse layer
+    qk_norm: torch.Tensor | None = None    # [q heads + kv heads, head_dim]: q_norm rows, then k_norm
 
 
 class _Weights:
@@ -253,6 +287,10 @@ class LlamaModel:
                              f"({cfg.num_kv_heads}) and intermediate size ({cfg.intermediate_size})")
         if tp > 1 and comm is None:
             raise ValueError("tensor parallelism needs a collective for the all-reduce")
+        if shard.expert_parallel:   # refused before any weight is read
+            if cfg.moe is None:
+                raise ValueError(f"{self.path}: --enable-expert-parallel needs a mixture-of-experts model")
+            expert_range(cfg.moe.num_experts, tp, rank)
         self.layer_ids = shard.layer_range(cfg.num_layers)
         if not 0 <= self.layer_ids.start < self.layer_ids.stop <= cfg.num_layers:
             raise ValueError(f"layer range {self.layer_ids} outside the model's {cfg.num_layers} layers")
@@ -302,13 +340,26 @@ class LlamaModel:
             bias = torch.cat([w.get(n + ".bias", 0, rank, tp) for n in names])
         o_bias = w.get(att + "o_proj.bias") if w.has(att + "o_proj.bias") and rank == 0 else None
         mlp = pre + "mlp."
-        gate_up = torch.cat([w.get(mlp + "gate_proj.weight", 0, rank, tp), w.get(mlp + "up_proj.weight", 0, rank, tp)])
         packed = self._packed
+        qk_norm = None
+        if self.config.qk_norm:   # one weight row per head this rank holds: q heads, then KV heads
+            qk_norm = torch.cat((w.get(att + "q_norm.weight").expand(self.num_heads, -1),
+                                 w.get(att + "k_norm.weight").expand(self.num_kv_heads, -1)))
+        moe = self.config.moe
+        if moe is not None and moe.is_sparse(i):
+            block = load_moe(w, mlp, moe, rank=rank, size=tp, expert_parallel=self.shard.expert_parallel,
+                             comm=self.comm)
+            gate_up = down = None
+        else:
+            block = None
+            gate_up = _Linear(torch.cat([w.get(mlp + "gate_proj.weight", 0, rank, tp),
+                                         w.get(mlp + "up_proj.weight", 0, rank, tp)]), None, packed)
+            down = _Linear(w.get(mlp + "down_proj.weight", 1, rank, tp), None, packed)
         return _Layer(
             input_norm=w.get(pre + "input_layernorm.weight"), qkv=_Linear(qkv, bias, packed),
             o=_Linear(w.get(att + "o_proj.weight", 1, rank, tp), o_bias, packed),
             post_norm=w.get(pre + "post_attention_layernorm.weight"),
-            gate_up=_Linear(gate_up, None, packed), down=_Linear(w.get(mlp + "down_proj.weight", 1, rank, tp), None, packed))
+            gate_up=gate_up, down=down, moe=block, qk_norm=qk_norm)
 
     # ------------------------------------------------------------------ one layer
 
@@ -319,6 +370,8 @@ class LlamaModel:
         qkv = layer.qkv(_rms_norm(h, layer.input_norm, cfg.rms_norm_eps))
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : heads * d].view(t, heads, d)
+        if layer.qk_norm is not None:
+            qk = _head_norm(qk, layer.qk_norm, cfg.rms_norm_eps)
         qk = qk * cos + _rotate_half(qk) * sin
         v = qkv[:, heads * d:].view(t, self.num_kv_heads, d)
         return qk[:, : self.num_heads], qk[:, self.num_heads:], v
@@ -331,6 +384,8 @@ class LlamaModel:
     def _finish_layer(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         h = h + self._reduce(layer.o(attn))
         x = _rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+        if layer.moe is not None:
+            return h + layer.moe(x)   # the block reduces (TP) or combines (EP) by itself
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
         return h + self._reduce(layer.down(F.silu(gate) * up))
 
