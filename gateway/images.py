@@ -36,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from omnirelay.broker import protocol as p
+from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest, OmniError, Unprocessable, WorkerLost
 from omnirelay.image_params import MAX_SEED, ImageParams
 
@@ -55,15 +56,32 @@ def is_image_pipeline(path: str) -> bool:
 
 
 class ImageModel(PipelineModel):
-    """A served text-to-image pipeline."""
+    """A served text-to-image pipeline; ``family`` is its row of :mod:`omnirelay.dit_families`
+    (Z-Image), or None."""
 
     noun, makes, pipeline_file = "image", "images", "deploy/pipelines/text_to_image.yaml"
+
+    def __init__(self, served):
+        super().__init__(served)
+        self.family = family_of_dir(served.path)
+
+    def resolve(self, request: "ImageRequest") -> ImageParams:
+        """The request's parameters with this model's family defaults (steps, guidance) for what it
+        did not give; 400 (``size``) for a size the family's transformer cannot patch."""
+        params, family = request.params, self.family
+        if family is None:
+            return params
+        if params.width:
+            family.check_size(params.width, params.height)
+        defaults = {"num_inference_steps": family.default_steps, "guidance_scale": family.default_guidance}
+        return dataclasses.replace(params, **{k: v for k, v in defaults.items() if k not in request.given})
 
 
 @dataclasses.dataclass(frozen=True)
 class ImageRequest:
     model: str | None
     params: ImageParams
+    given: frozenset[str] = frozenset()     # the optional fields the body set
 
 
 def parse_image_request(body: Any) -> ImageRequest:
@@ -95,7 +113,10 @@ def parse_image_request(body: Any) -> ImageRequest:
     for name in ("n", "negative_prompt", "num_inference_steps", "guidance_scale", "seed"):
         if body.get(name) is not None:
             fields[name] = body[name]
-    return ImageRequest(model=model, params=ImageParams(**fields))
+    steps = fields.get("num_inference_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps <= 0:   # 0 on the wire means "default"
+        raise BadRequest(f"'num_inference_steps' must be at least 1, got {steps}", param="num_inference_steps")
+    return ImageRequest(model=model, params=ImageParams(**fields), given=frozenset(fields))
 
 
 def _size(value: Any) -> tuple[int, int]:
@@ -160,7 +181,7 @@ async def generate(bus: BusClient, model: ImageModel, params: ImageParams, deadl
 async def image_generations(request: web.Request) -> web.Response:
     parsed = parse_image_request(await _json_body(request))
     model = ImageModel.find(request.app[MODELS], parsed.model)
-    params = parsed.params
+    params = model.resolve(parsed)
     if params.seed is None:
         params = dataclasses.replace(params, seed=random.randrange(MAX_SEED - params.n))
     request_id = f"img-{uuid.uuid4().hex}"

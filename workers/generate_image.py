@@ -26,7 +26,10 @@ Runners: Stable Diffusion pipelines (:class:`StableDiffusionPipeline` — a UNet
 and a CLIP text encoder) are driven step by step (:class:`StepwiseRunner`). Any other diffusers
 text-to-image pipeline runs through its own ``__call__`` in one engine step
 (:class:`WholeCallRunner`); the worker then does not heartbeat for the length of one batch, so a
-slow pipeline needs a broker liveness longer than a generation.
+slow pipeline needs a broker liveness longer than a generation. ``ZImagePipeline`` (Z-Image-Turbo)
+is one of those: its scheduler and few-step default, its size multiple (VAE factor × patch) and its
+native size come from the family table (:mod:`omnirelay.dit_families`), which the gateway reads too;
+a batch of its requests is one ``__call__`` over a list of prompts with one generator per image.
 
 Sequence parallelism (``--sequence-parallel-size N``, a diffusion-transformer pipeline such as SD3):
 the pipeline's transformer runs over N ranks (:mod:`.sequence_parallel_group`); the runner is the
@@ -52,6 +55,7 @@ from typing import Callable
 
 import torch
 
+from omnirelay.dit_families import family_of_pipeline
 from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
 
@@ -304,6 +308,12 @@ class GenerateImageEngine:
         max_patches = denoiser.config.get("pos_embed_max_size") if denoiser is not None else None
         self.max_side = max_patches * self.patch_size * self.vae_scale_factor if max_patches else None
         self.default_width, self.default_height = _native_size(pipe, self.vae_scale_factor)
+        self.default_steps = DEFAULT_STEPS
+        family = family_of_pipeline(pipe)   # Z-Image: its own patching, native size and step count
+        if family is not None:
+            self.patch_size = family.size_multiple // self.vae_scale_factor
+            self.default_width, self.default_height = family.native_size
+            self.default_steps = family.default_steps
         self.waiting: collections.deque[ImageItem] = collections.deque()
         self.batch: Batch | None = None
         self.requests: dict[str, _RequestState] = {}
@@ -343,7 +353,7 @@ class GenerateImageEngine:
                              f"{width}x{height}", param="size")
         if self.sequence_parallel is not None:
             self.sequence_parallel.check_size(width, height, self.vae_scale_factor)
-        steps = params.num_inference_steps or DEFAULT_STEPS
+        steps = params.num_inference_steps or self.default_steps
         self.requests[task.request_id] = _RequestState(task, remaining=params.n)
         for index in range(params.n):
             self.waiting.append(ImageItem(task.request_id, index, params.prompt, params.negative_prompt, width,
@@ -462,7 +472,7 @@ class GenerateImageEngine:
 def _native_size(pipe, scale: int) -> tuple[int, int]:
     """The pipeline's default resolution: its denoiser's sample size times the VAE factor."""
     denoiser = pipe.components.get("unet") or pipe.components.get("transformer")
-    size = denoiser.config.sample_size if denoiser is not None else 64
+    size = denoiser.config.get("sample_size", 64) if denoiser is not None else 64
     if isinstance(size, int):
         return size * scale, size * scale
     height, width = size

@@ -1,0 +1,87 @@
+"""Build a tiny random-weight Z-Image text-to-image pipeline (``omni-make-model tiny-zimage DIR``).
+
+The result is an ordinary diffusers directory shaped like ``Tongyi-MAI/Z-Image-Turbo``, loadable
+offline with ``DiffusionPipeline.from_pretrained(DIR)`` (it resolves to ``ZImagePipeline``)::
+
+    DIR/model_index.json       the pipeline class and its components
+    DIR/transformer/           ZImageTransformer2DModel: single-stream DiT, 2 layers + 1 refiner layer
+                               each side, 4 heads × 16, patch 2, 3-axis RoPE (4 + 6 + 6)
+    DIR/vae/                   AutoencoderKL: 16 latent channels (Flux's VAE shape), 4 levels, so 8
+                               pixels per latent; Flux's scaling and shift factors
+    DIR/scheduler/             FlowMatchEulerDiscreteScheduler (shift 3, as Z-Image-Turbo)
+    DIR/text_encoder/          Qwen3Model: 3 layers, 64 wide (the pipeline reads its second-to-last
+                               hidden states, so the transformer's caption width is 64)
+    DIR/tokenizer/             a byte-level BPE tokenizer with a ChatML template (the pipeline wraps
+                               each prompt in a chat turn), trained offline by
+                               :func:`omnirelay.deploy.model_builder._build_tokenizer`
+
+Sizes: the VAE's 8 pixels per latent times the transformer's 2×2 patches make images in multiples
+of 16 pixels (what ``ZImagePipeline`` itself demands). A 64×64 image is a 8×8 latent, 16 image
+tokens; the caption adds its own tokens (padded to a multiple of 32 inside the transformer).
+
+Weights are a pure function of ``seed`` (each component under its own seeded RNG; the caller's
+global RNG is untouched), and the VAE decoder's output layer is widened so that images are not a
+flat grey. Everything is written into a temporary sibling directory and renamed into place, as in
+:mod:`omnirelay.deploy.model_builder`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from .tiny_diffusers import VAE_OUT_STD
+
+MODEL_KIND = "tiny-zimage"
+REQUIRED_FILES = ("model_index.json", "transformer/config.json", "vae/config.json",
+                  "scheduler/scheduler_config.json", "text_encoder/config.json", "tokenizer/tokenizer.json")
+TEXT_WIDTH = 64
+LATENT_CHANNELS = 16
+
+
+def _build_into(out: pathlib.Path, seed: int) -> None:
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from .model_builder import _build_tokenizer
+
+    tokenizer = _build_tokenizer(out / "tokenizer")
+    text_config = Qwen3Config(
+        vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=TEXT_WIDTH, intermediate_size=2 * TEXT_WIDTH,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        text_encoder = Qwen3Model(text_config).eval()
+        torch.manual_seed(seed + 1)
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS, dim=64, n_layers=2,
+            n_refiner_layers=1, n_heads=4, n_kv_heads=4, cap_feat_dim=TEXT_WIDTH, rope_theta=256.0,
+            t_scale=1000.0, axes_dims=[4, 6, 6], axes_lens=[1024, 128, 128]).eval()
+        torch.manual_seed(seed + 2)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS, layers_per_block=1,
+            block_out_channels=(16, 16, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=8, sample_size=64,
+            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False).eval()
+        vae.decoder.conv_out.weight.normal_(0.0, VAE_OUT_STD, generator=torch.Generator().manual_seed(seed + 3))
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                          transformer=transformer)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    # mkdtemp made the dir private; a model dir is shared data.
+    for path in [out, *out.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    root = pathlib.Path(path)
+    return all((root / name).is_file() for name in REQUIRED_FILES)
+
+
+def build_tiny_zimage(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
+    """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
+    from .model_builder import build_atomically
+    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
+                            what="pipeline")
