@@ -5,6 +5,7 @@ Usage::
     omni-make-model tiny-llm DIR [--seed N] [--force]
     omni-make-model tiny-sd DIR [--seed N] [--force]     # diffusers text-to-image (diffusion_builder.py)
     omni-make-model tiny-omni DIR [--seed N] [--force]   # Qwen2.5-Omni (omni_builder.py)
+    omni-make-model tiny-qwen3-omni DIR [--seed N] [--force]   # Qwen3-Omni (qwen3_omni_builder.py)
     omni-make-model tiny-video DIR [--seed N] [--force]  # diffusers text-to-video (video_builder.py)
     omni-make-model tiny-dit DIR [--seed N] [--force]    # diffusers text-to-image, SD3 transformer (dit_builder.py)
     omni-make-model tiny-zimage DIR [--seed N] [--force] # Z-Image (ZImagePipeline, zimage_builder.py)
@@ -303,13 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="omni-make-model", description="Write a tiny random-weight model directory."
     )
-    parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd", "tiny-video", "tiny-omni", "tiny-dit",
+    parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd", "tiny-video", "tiny-omni", "tiny-qwen3-omni", "tiny-dit",
                                          "tiny-zimage"],
                         help="which model to build (tiny-sd: a diffusers text-to-image pipeline; "
                              "tiny-dit: the same around a diffusion transformer (SD3); "
                              "tiny-zimage: Z-Image (ZImagePipeline, Qwen3 text encoder); "
                              "tiny-video: a diffusers text-to-video pipeline; "
-                             "tiny-omni: Qwen2.5-Omni thinker + talker + token2wav)")
+                             "tiny-omni: Qwen2.5-Omni thinker + talker + token2wav; "
+                             "tiny-qwen3-omni: Qwen3-Omni MoE thinker + talker + code2wav)")
     parser.add_argument("dir", help="output directory (created atomically)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="replace an existing directory")
@@ -338,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.kind == "tiny-omni":
             from .omni_builder import build_tiny_omni
             out = build_tiny_omni(args.dir, seed=args.seed, force=args.force)
+        elif args.kind == "tiny-qwen3-omni":
+            from .qwen3_omni_builder import build_tiny_qwen3_omni
+            out = build_tiny_qwen3_omni(args.dir, seed=args.seed, force=args.force)
         else:
             out = build_tiny_llm(args.dir, seed=args.seed, force=args.force)
     except FileExistsError as exc:
