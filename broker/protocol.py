@@ -63,6 +63,10 @@ id, the k most likely ids and their logprobs, most likely first): raw logprobs, 
 and top-p. Both stay empty, and so off the wire, for a request that did not ask, so a gateway that
 knows nothing of them keeps working as long as nobody asks. A gateway that asks must check that
 they came: a worker older than this field ignores ``"logprobs"`` in ``sampling``.
+
+Structured outputs. ``sampling`` may hold ``"structured"``: a :class:`StructuredOutput` map
+(``{"kind", "spec"}``) that the sampling worker enforces with a grammar; a worker that cannot
+parse it fails the task as ``bad_request``.
 """
 
 from __future__ import annotations
@@ -80,6 +84,43 @@ MAX_TOP_LOGPROBS = 5               # sampling["logprobs"] asks for at most this 
 
 class ProtocolError(ValueError):
     """A frame sequence that is not a valid message of this protocol version."""
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``Submit.sampling["structured"]`` (copied into ``Task.sampling``): the output must match a
+    grammar. ``kind``: ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any
+    JSON object; ``spec`` empty), ``regex`` or ``grammar`` (xgrammar's EBNF, root rule ``root``).
+    The gateway checks the spec compiles before it submits (400 otherwise); the worker that
+    samples compiles it again for its tokenizer (workers/structured_output.py). Hashable: the
+    workers' compile cache is keyed by it."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured kind must be one of {', '.join(STRUCTURED_KINDS)}")
+        if (self.kind == "json_object") != (not self.spec) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(f"structured {self.kind}: spec must be {'empty' if self.kind == 'json_object' else 'a non-empty string'}"
+                             f" of at most {MAX_STRUCTURED_SPEC_CHARS} characters")
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "StructuredOutput | None":
+        """The spec of a ``sampling`` map's ``"structured"`` value (None: absent); ``ValueError``
+        for anything else than a map of exactly these fields with these types."""
+        if raw is None:
+            return None
+        try:
+            return msgspec.convert(raw, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid sampling.structured: {exc}") from None
+
+    def to_wire(self) -> dict[str, str]:
+        return {"kind": self.kind, "spec": self.spec}
 
 
 _REGISTRY: dict[bytes, type["Message"]] = {}

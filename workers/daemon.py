@@ -42,12 +42,13 @@ from .generate_video_role import build_generate_video_role
 from .model_runner import ModelRunner, local_runner
 from .models.llama import LlamaModel
 from .mrope import MropeSpec
-from .parallel import GroupConfig, GroupRunner
+from .parallel import GroupConfig, GroupRunner, ParallelGroupLost
 from .prefill import PrefillEngine
 from .roles import DecodeRole, PrefillRole
 from .runtime import WorkerRuntime
 from .sequence_parallel_group import SequenceParallelGroupLost
 from .speech_role import build_speech_role
+from .structured_output import GrammarCompilerCache, GrammarSampler
 
 log = logging.getLogger("omnirelay.worker")
 
@@ -80,11 +81,14 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {model_cfg.max_position_embeddings}")
     connector = TimedConnector(create_connector(config.connector, config.connector_options))
+    # Structured outputs: one compile cache per worker over the model's tokenizer (loaded on first use).
+    grammars = GrammarSampler(GrammarCompilerCache(config.model_path, model_cfg.vocab_size, model_cfg.eos_token_ids))
     if config.role == "prefill":
         engine = PrefillEngine(runner, connector, max_model_len=max_model_len,
                                max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
                                kv_transfer=config.kv_transfer,
-                               mrope=MropeSpec.from_config(json.loads((Path(config.model_path) / "config.json").read_text())))
+                               mrope=MropeSpec.from_config(json.loads((Path(config.model_path) / "config.json").read_text())),
+                               grammars=grammars)
         role = PrefillRole(config.worker_id, engine)
         closes_first: tuple = ()
 
@@ -94,7 +98,8 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
                     "prefix_cached_blocks": engine.allocator.num_cached, **engine.stats,
                     **_connector_stats(connector)}
     else:
-        engine = DecodeEngine(runner, None, connector, max_num_seqs=config.capacity, max_model_len=max_model_len)
+        engine = DecodeEngine(runner, None, connector, max_num_seqs=config.capacity, max_model_len=max_model_len,
+                              grammars=grammars)
         role = DecodeRole(config.worker_id, engine)
         closes_first = (engine,)   # joins its KV import threads, which use the connector
 
@@ -118,7 +123,7 @@ def _model_runner(config: WorkerConfig) -> ModelRunner:
     group = GroupConfig(config.model_path, tp_size=config.tensor_parallel_size,
                         pp_size=config.pipeline_parallel_size, dtype=config.dtype, block_size=config.block_size,
                         threads=config.threads, devices=devices, kv_cache_bytes=config.kv_cache_bytes,
-                        gpu_memory_utilization=config.gpu_memory_utilization)
+                        gpu_memory_utilization=config.gpu_memory_utilization, expert_parallel=config.expert_parallel)
     return GroupRunner(group)
 
 
@@ -170,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per rank)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks splitting heads and MLP")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="ranks splitting the layers")
+    parser.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                        help="MoE models: the tensor-parallel ranks hold whole experts (contiguous blocks) and "
+                             "exchange tokens by all-to-all (default: the stage's engine_args.enable_expert_parallel)")
     parser.add_argument("--sequence-parallel-size", type=int, default=None,
                         help="generate: ranks splitting a diffusion transformer's image tokens "
                              "(default: the stage's engine_args.sequence_parallel_size, else 1)")
@@ -210,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             devices=parse_device_ids(args.devices) if args.devices is not None else (),
             gpu_memory_utilization=args.gpu_memory_utilization,
             sequence_parallel_size=(stage.sequence_parallel_size if args.sequence_parallel_size is None
-                                    else args.sequence_parallel_size))
+                                    else args.sequence_parallel_size),
+            expert_parallel=bool(args.enable_expert_parallel or stage.enable_expert_parallel))
         devices = _resolve_worker_devices(config)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker)
@@ -235,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s worker %s could not start: %s", config.role, config.worker_id, exc)
         return 1
     print(f"omni-worker {config.role} ready: {config.worker_id}", flush=True)
-    runtime.run()
+    try:
+        runtime.run()   # a lost rank: the runtime already failed what it held as worker_lost
+    except ParallelGroupLost as exc:
+        log.error("%s worker %s stopped: %s; exiting with status 1", config.role, config.worker_id, exc)
+        return 1
     if fatal:
         log.error("%s worker %s stopped: %s; exiting with status 1", config.role, config.worker_id, fatal[0])
         return 1

@@ -33,6 +33,12 @@ finished/failed requests to the runtime. Its owner calls :meth:`DecodeEngine.clo
 the connector; it joins the import threads for at most ``KVPrefetcher.CLOSE_JOIN_S`` (one still
 inside a get ends by itself when the get returns, touching the connector only to release its keys).
 A failed request's speech prompt key, like a cancelled one's, is deleted: it will never be read.
+
+Structured output (``DecodeTask.structured``): every token is sampled under the request's grammar
+(:mod:`~omnirelay.workers.structured_output`). Its matcher is built when the sequence is first
+checked (before its KV import) by replaying what was already emitted: a resumed stream's tokens at
+the end of the prompt, then prefill's first token; it survives preemption and is dropped when the
+sequence leaves. A sequence whose grammar completes finishes with ``stop``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import time
 
 import torch
 
+from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
 
@@ -54,6 +61,7 @@ from .model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from .models.llama import LlamaModel
 from .sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from .stopping import finish_reason_for
+from .structured_output import GrammarSampler
 
 
 @dataclasses.dataclass
@@ -74,6 +82,7 @@ class DecodeTask:
     # Speech out (Qwen2.5-Omni): prefill's handles of the prompt's hidden states, passed on to the
     # generate stage with ours (each reply token's state); None: a text-only request.
     speech_inputs: dict | None = None
+    structured: StructuredOutput | None = None   # the output must match this grammar
 
 
 @dataclasses.dataclass
@@ -117,14 +126,16 @@ class DecodeEngine:
     """``model`` and ``cache``: a :class:`LlamaModel` and its local pool, or a :class:`ModelRunner`
     (e.g. rank 0 of a tensor-parallel group, whose ranks hold the pools) and ``cache=None``.
     ``kv_import_threads``: the threads importing new requests' KVs (see
-    :mod:`~omnirelay.workers.kv_prefetch`); at most ``max_num_seqs`` imported KVs wait for admission."""
+    :mod:`~omnirelay.workers.kv_prefetch`); at most ``max_num_seqs`` imported KVs wait for admission.
+    ``grammars``: structured output support (None: a request that asks for it fails as ``bad_request``)."""
 
     # A step with nothing running sleeps at most this long for an import to finish: bounds how late
     # the runtime, which polls the bus between steps, sees a new task or a cancel meanwhile.
     IDLE_WAIT_S = 0.02
 
     def __init__(self, model: LlamaModel | ModelRunner, cache: PagedKVCache | None, connector: Connector, *,
-                 max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0, kv_import_threads: int = 2):
+                 max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0, kv_import_threads: int = 2,
+                 grammars: GrammarSampler | None = None):
         if isinstance(model, LlamaModel):
             self.runner: ModelRunner = LocalRunner(model, cache)
             self.allocator = cache.allocator
@@ -142,6 +153,7 @@ class DecodeEngine:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.stats = collections.Counter()
+        self.grammars = grammars
 
     @property
     def num_requests(self) -> int:
@@ -160,6 +172,7 @@ class DecodeEngine:
                 self.waiting.remove(seq)
                 self._drop_kv_key(seq)
                 self._drop_speech_key(seq)
+                self._release_grammar(seq)
                 self.stats["cancelled"] += 1
                 return True
         for seq in self.running:
@@ -225,11 +238,14 @@ class DecodeEngine:
         elif seq.task.speech_inputs is not None and not isinstance(self.runner, LocalRunner):
             error = ("bad_request", "speech output needs a single-process decode worker "
                      "(tensor and pipeline parallel size 1)")
+        elif grammar_error := self._grammar_error(seq):
+            error = ("bad_request", grammar_error)
         else:
             return False
         self.waiting.remove(seq)
         self._drop_kv_key(seq)
         self._drop_speech_key(seq)
+        self._release_grammar(seq)
         out.failed.append((seq.request_id, seq.task.reply_to, *error))
         return True
 
@@ -324,6 +340,30 @@ class DecodeEngine:
         self.running.remove(seq)
         self.allocator.release(seq.blocks)
         seq.blocks = []
+        self._release_grammar(seq)
+
+    def _grammar_row(self, seq: Sequence):
+        if self.grammars is None:
+            return None
+        return self.grammars.row(seq.request_id, seq.task.structured, seq.task.prompt_token_ids,
+                                 seq.task.position_offset, seq.generated)
+
+    def _grammar_error(self, seq: Sequence) -> str:
+        """Why ``seq``'s grammar cannot be enforced here ("" when it can, or it has none); builds
+        its matcher (replaying the tokens emitted so far) on first call."""
+        if seq.task.structured is None:
+            return ""
+        if self.grammars is None:
+            return "this decode worker has no structured output support"
+        try:
+            self.grammars.prepare(self._grammar_row(seq))
+        except ValueError as exc:
+            return str(exc)
+        return ""
+
+    def _release_grammar(self, seq: Sequence) -> None:
+        if self.grammars is not None:
+            self.grammars.release(seq.request_id)
 
     def _forward(self, out: StepOutput) -> None:
         batch = self.running
@@ -339,15 +379,18 @@ class DecodeEngine:
         out_positions = [s.task.position_offset + len(s.generated) for s in batch]
         params = [s.task.params for s in batch]
         logits = logits_for_sampling(logits, params)
-        tokens = sample(logits, params, out_positions)
+        grammar_rows = [self._grammar_row(s) for s in batch]
+        tokens = sample(self.grammars.mask(logits, grammar_rows) if self.grammars else logits, params, out_positions)
+        grammar_ended = self.grammars.accept(grammar_rows, tokens) if self.grammars else [False] * len(batch)
         logprobs = chosen_logprobs(logits, params, tokens)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(batch)
-        for seq, token, position, token_logprobs in zip(list(batch), tokens, out_positions, logprobs):
+        for seq, token, position, token_logprobs, ended in zip(list(batch), tokens, out_positions, logprobs,
+                                                               grammar_ended):
             seq.num_cached += 1
             seq.generated.append(token)
-            reason = finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
-                                       self.eos_token_ids, self.max_model_len)
+            reason = "stop" if ended else finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
+                                                            self.eos_token_ids, self.max_model_len)
             outputs = None
             if reason and seq.task.speech_inputs is not None:
                 try:

@@ -26,6 +26,10 @@ embeddings at the placeholder rows and the 3-row rotary positions. Such a prompt
 prefix cache (its placeholder token ids say nothing about the media behind them), and the rope
 delta travels to decode in the outputs. Text-only prompts take exactly the text path.
 
+Structured output (``PrefillTask.structured``): the first token is sampled under the request's
+grammar (:mod:`~omnirelay.workers.structured_output`; the matcher is built at admission, a resumed
+stream's emitted tokens replayed, and dropped when the request leaves: decode rebuilds its own).
+
 A request whose first token already ends it (EOS, a stop token, ``max_tokens == 1``) finishes here:
 no KV is handed off and the decode stage is skipped. ``cancel`` drops a waiting or running request
 and frees its blocks. A request waits (never fails) while the pool is short; only a prompt larger
@@ -45,6 +49,7 @@ import time
 
 import torch
 
+from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
 
@@ -58,6 +63,7 @@ from .mrope import MropeSpec, mrope_positions
 from .prefix_cache import PrefixCachingAllocator
 from .sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from .stopping import finish_reason_for
+from .structured_output import GrammarSampler
 
 DEFAULT_KV_BYTES = 256 * 1024 * 1024
 
@@ -74,6 +80,7 @@ class PrefillTask:
     # Speech out (Qwen2.5-Omni): "" none; "reply": decode speaks its reply after us; "prompt": the
     # prompt's tail is the text to speak (/v1/audio/speech), so generate follows even if we finish.
     speech: str = ""
+    structured: StructuredOutput | None = None   # the output must match this grammar
 
 
 @dataclasses.dataclass
@@ -113,13 +120,14 @@ class _Running:
 
 class PrefillEngine:
     """``model``: a :class:`LlamaModel` (a local pool of ``kv_cache_bytes`` is made for it) or a
-    :class:`ModelRunner` (e.g. rank 0 of a tensor-parallel group)."""
+    :class:`ModelRunner` (e.g. rank 0 of a tensor-parallel group). ``grammars``: structured
+    output support (None: a request that asks for it fails as ``bad_request``)."""
 
     def __init__(self, model: LlamaModel | ModelRunner, connector: Connector, *, max_model_len: int,
                  max_batch: int = 16, max_batched_tokens: int = 256, kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  block_size: int = 16, prefix_caching: bool = True, mrope: MropeSpec | None = None,
                  transfer_timeout_s: float = 30.0, kv_transfer: str = "auto",
-                 layerwise_min_bytes: int = LAYERWISE_MIN_BYTES):
+                 layerwise_min_bytes: int = LAYERWISE_MIN_BYTES, grammars: GrammarSampler | None = None):
         if kv_transfer not in TRANSFER_MODES:
             raise ValueError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got {kv_transfer!r}")
         self.runner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
@@ -139,6 +147,8 @@ class PrefillEngine:
         self.waiting: collections.deque[PrefillTask] = collections.deque()
         self.running: list[_Running] = []
         self.stats = collections.Counter()
+        self.grammars = grammars
+        self._grammar_complete: set[str] = set()   # requests whose first token completed their grammar
 
     @property
     def num_requests(self) -> int:
@@ -217,6 +227,11 @@ class PrefillEngine:
                 results.append(PrefillResult(task.request_id, error_type="bad_request",
                                              message="speech output needs a single-process prefill worker "
                                                      "(tensor and pipeline parallel size 1)"))
+                continue
+            grammar_error = self._grammar_error(task)
+            if grammar_error:
+                self.waiting.popleft()
+                results.append(PrefillResult(task.request_id, error_type="bad_request", message=grammar_error))
                 continue
             total = -(-n // self.block_size)
             if total > self.runner.num_blocks - 1:
@@ -328,7 +343,12 @@ class PrefillEngine:
                 return
             params = [s.task.params for s in done]
             done_logits = logits_for_sampling(logits[done_rows], params)
-            tokens = sample(done_logits, params, [s.task.position_offset for s in done])
+            grammar_rows = [self._grammar_row(s.task) for s in done]
+            sample_logits = self.grammars.mask(done_logits, grammar_rows) if self.grammars else done_logits
+            tokens = sample(sample_logits, params, [s.task.position_offset for s in done])
+            if self.grammars:
+                self._grammar_complete = {s.task.request_id for s, ended
+                                          in zip(done, self.grammars.accept(grammar_rows, tokens)) if ended}
             logprobs = chosen_logprobs(done_logits, params, tokens)
             exported = {}
             if export is not None:   # manifests for the sequences that go on to decode; the rest deleted
@@ -357,7 +377,26 @@ class PrefillEngine:
     def _kv_key(task: PrefillTask) -> str:
         return f"kv/{task.request_id}/{task.attempt}"
 
+    def _grammar_error(self, task: PrefillTask) -> str:
+        """Why ``task``'s grammar cannot be enforced here ("" when it can, or it has none)."""
+        if task.structured is None:
+            return ""
+        if self.grammars is None:
+            return "this prefill worker has no structured output support"
+        try:
+            self.grammars.prepare(self._grammar_row(task))
+        except ValueError as exc:
+            return str(exc)
+        return ""
+
+    def _grammar_row(self, task: PrefillTask):
+        if self.grammars is None:
+            return None
+        return self.grammars.row(task.request_id, task.structured, task.prompt_token_ids, task.position_offset)
+
     def _finish_reason(self, seq: _Running, token: int) -> str:
+        if seq.task.request_id in self._grammar_complete:
+            return "stop"
         n = len(seq.task.prompt_token_ids)
         return finish_reason_for(token, 1, n + 1, seq.task.params, self.runner.config.eos_token_ids,
                                  self.max_model_len)
@@ -449,6 +488,8 @@ class PrefillEngine:
 
     def _retire(self, seq: _Running) -> None:
         self.running.remove(seq)
+        if self.grammars is not None:
+            self.grammars.release(seq.task.request_id)
         self.allocator.release(seq.blocks)
         if seq.media is not None:
             delete_quietly(self.connector, seq.media.key)

@@ -69,13 +69,15 @@ class PrefillRole(RoleAdapter):
     def accept(self, task: p.Task) -> list[Outbound]:
         try:
             params = SamplingParams.from_wire(task.sampling)
+            structured = p.StructuredOutput.from_wire(task.sampling.get("structured"))
         except (TypeError, ValueError) as exc:
             return [self.failure(task.request_id, task.stage, "bad_request", f"invalid sampling: {exc}")]
         self._reply_to[task.request_id] = task.reply_to
         self._attempts[task.request_id] = task.attempt
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset, speech=_speech_mode(task.sampling),
-                                    media=dict(task.inputs) if "mm_key" in task.inputs else None))
+                                    media=dict(task.inputs) if "mm_key" in task.inputs else None,
+                                    structured=structured))
         return []
 
     def cancel(self, request_id: str) -> None:
@@ -119,7 +121,8 @@ class DecodeRole(RoleAdapter):
                 first_token=int(inputs["first_token"]), params=params, deadline=task.deadline,
                 reply_to=task.reply_to, kv_key=str(inputs["kv_key"]), kv_handle=dict(inputs["kv_handle"]),
                 position_offset=task.position_offset, speech_inputs=_speech_inputs(task),
-                rope_delta=int(inputs.get("rope_delta", 0)), has_media=bool(inputs.get("has_media", False)))
+                rope_delta=int(inputs.get("rope_delta", 0)), has_media=bool(inputs.get("has_media", False)),
+                structured=p.StructuredOutput.from_wire(task.sampling.get("structured")))
         except (KeyError, TypeError, ValueError) as exc:
             return [self.failure(task.request_id, task.stage, "bad_request", f"invalid decode task: {exc!r}")]
         self._attempts[task.request_id] = task.attempt

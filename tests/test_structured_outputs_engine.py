@@ -1,0 +1,150 @@
+"""Structured outputs in the engines, in one process: xgrammar's bitmask applied by prefill (first
+token) and decode (the rest), the matcher rebuilt by replay on a hand-off and on a resumed stream,
+one compile per schema, and a bad spec failing its request alone.
+
+The real shared-memory connector carries the KV between the engines, as between worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import pytest
+
+from omnirelay.broker.protocol import StructuredOutput
+from omnirelay.workers.decode import DecodeTask
+from omnirelay.workers.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.sampling import SamplingParams
+from omnirelay.workers.structured_output import GrammarCompilerCache, GrammarSampler
+
+from engine_support import chat_ids, connector, decode_engine, model, tok  # noqa: F401  (fixtures)
+
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                         "sunny": {"type": "boolean"},
+                         "rating": {"type": "integer", "minimum": 1, "maximum": 5}},
+          "required": ["city", "sunny", "rating"], "additionalProperties": False}
+JSON_SPEC = StructuredOutput("json_schema", json.dumps(SCHEMA))
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+
+
+def grammar_sampler(tiny_model, model) -> GrammarSampler:
+    return GrammarSampler(GrammarCompilerCache(tiny_model, model.config.vocab_size, model.config.eos_token_ids))
+
+
+def engines(tiny_model, model, connector):
+    prefill = PrefillEngine(model, connector, max_model_len=2048, block_size=4, kv_cache_bytes=4 << 20,
+                            prefix_caching=False, grammars=grammar_sampler(tiny_model, model))
+    decode = decode_engine(model, connector, num_blocks=256)
+    decode.grammars = grammar_sampler(tiny_model, model)
+    return prefill, decode
+
+
+def generate(prefill, decode, prompts: dict[str, list[int]], spec: dict[str, StructuredOutput | None],
+             params: SamplingParams = GREEDY, offsets: dict[str, int] | None = None) -> dict[str, tuple[list[int], str]]:
+    """Prefill then decode every prompt; → request id: (output tokens, finish reason)."""
+    offsets = offsets or {}
+    for rid, ids in prompts.items():
+        prefill.add(PrefillTask(rid, ids, params, time.time() + 60, position_offset=offsets.get(rid, 0),
+                                structured=spec[rid]))
+    out: dict[str, tuple[list[int], str]] = {}
+    for _ in range(50):
+        for result in prefill.step():
+            assert not result.error_type, result.message
+            if result.finish_reason:
+                out[result.request_id] = ([result.first_token], result.finish_reason)
+                continue
+            decode.add(DecodeTask(result.request_id, prompts[result.request_id], result.first_token, params,
+                                  time.time() + 60, "", result.outputs["kv_key"], result.outputs["kv_handle"],
+                                  position_offset=offsets.get(result.request_id, 0),
+                                  structured=spec[result.request_id]))
+            out[result.request_id] = ([result.first_token], "")
+        if not prefill.has_work:
+            break
+    for _ in range(500):
+        step = decode.step()
+        assert not step.failed, step.failed
+        for token in step.tokens:
+            out[token.request_id][0].append(token.token)
+            if token.finish_reason:
+                out[token.request_id] = (out[token.request_id][0], token.finish_reason)
+        if not decode.has_work:
+            return out
+    raise AssertionError("decode did not finish")
+
+
+def test_json_schema_output_validates_and_leaves_free_rows_alone(tiny_model, model, tok, connector):
+    prefill, decode = engines(tiny_model, model, connector)
+    prompt = chat_ids(tok, "Describe the weather in a city as JSON.")
+    free = generate(prefill, decode, {"free": prompt}, {"free": None})["free"]
+    both = generate(prefill, decode, {"json": prompt, "free": prompt}, {"json": JSON_SPEC, "free": None})
+    tokens, reason = both["json"]
+    assert reason == "stop" and tokens[-1] in model.config.eos_token_ids   # EOS only once the JSON is whole
+    answer = json.loads(tok.decode(tokens, skip_special_tokens=True))
+    jsonschema.validate(answer, SCHEMA)
+    assert both["free"] == free                       # the mask touched only its own row
+    assert tok.decode(free[0], skip_special_tokens=True) != tok.decode(tokens, skip_special_tokens=True)
+    # Compiled once per engine process for all of its requests; every matcher released.
+    assert prefill.grammars.stats["grammar_compiles"] == 1 and decode.grammars.stats["grammar_compiles"] == 1
+    assert "json" not in prefill.grammars and "json" not in decode.grammars
+    # The decode matcher was built by replaying prefill's first token.
+    assert decode.grammars.stats["grammar_replayed_tokens"] == 1
+
+
+def test_compile_cache_is_per_spec(tiny_model, model, tok, connector):
+    prefill, decode = engines(tiny_model, model, connector)
+    prompts = {f"r{i}": chat_ids(tok, q) for i, q in enumerate(["Hi!", "Why?", "Count to three."])}
+    out = generate(prefill, decode, prompts, dict.fromkeys(prompts, JSON_SPEC))
+    for tokens, reason in out.values():
+        jsonschema.validate(json.loads(tok.decode(tokens, skip_special_tokens=True)), SCHEMA)
+    assert decode.grammars.stats["grammar_compiles"] == 1 and decode.grammars.stats["grammar_cache_hits"] >= 2
+
+
+@pytest.mark.parametrize("spec, check", [
+    (StructuredOutput("regex", r"(yes|no), [a-z]{2,6}\."), r"(yes|no), [a-z]{2,6}\."),
+    (StructuredOutput("grammar", 'root ::= "red" | "green" | "blue"'), r"red|green|blue"),
+])
+def test_regex_and_grammar(tiny_model, model, tok, connector, spec, check):
+    import re
+
+    prefill, decode = engines(tiny_model, model, connector)
+    tokens, reason = generate(prefill, decode, {"r": chat_ids(tok, "Answer.")}, {"r": spec})["r"]
+    assert reason == "stop"
+    assert re.fullmatch(check, tok.decode(tokens, skip_special_tokens=True))
+
+
+def test_resumed_stream_replays_its_tokens_into_the_grammar(tiny_model, model, tok, connector):
+    """A stream cut after k tokens and resumed with prompt + those tokens (position_offset k), as
+    the gateway does when a decode worker dies, continues under the same grammar state: the result
+    equals the uninterrupted run and still validates. Sampled (seeded), so the grammar matters."""
+    params = SamplingParams(max_tokens=64, temperature=0.8, seed=7)
+    prompt = chat_ids(tok, "Weather report as JSON, please.")
+    prefill, decode = engines(tiny_model, model, connector)
+    whole, reason = generate(prefill, decode, {"r": prompt}, {"r": JSON_SPEC}, params)["r"]
+    assert reason == "stop" and len(whole) > 8
+    k = 6
+    rest_params = SamplingParams(max_tokens=64 - k, temperature=0.8, seed=7)
+    prefill2, decode2 = engines(tiny_model, model, connector)
+    rest, reason2 = generate(prefill2, decode2, {"r": prompt + whole[:k]}, {"r": JSON_SPEC}, rest_params,
+                             offsets={"r": k})["r"]
+    assert whole[:k] + rest == whole and reason2 == "stop"
+    assert prefill2.grammars.stats["grammar_replayed_tokens"] == k        # prefill replayed the k tokens
+    assert decode2.grammars.stats["grammar_replayed_tokens"] == k + 1     # decode: those and prefill's
+    jsonschema.validate(json.loads(tok.decode(whole, skip_special_tokens=True)), SCHEMA)
+
+
+def test_a_spec_xgrammar_refuses_fails_only_its_request(tiny_model, model, tok, connector):
+    prefill, _ = engines(tiny_model, model, connector)
+    prompt = chat_ids(tok, "Hi!")
+    prefill.add(PrefillTask("bad", prompt, GREEDY, time.time() + 60, structured=StructuredOutput("regex", "(ab")))
+    prefill.add(PrefillTask("good", prompt, GREEDY, time.time() + 60))
+    results = {r.request_id: r for _ in range(5) for r in prefill.step()}
+    assert results["bad"].error_type == "bad_request" and "regex" in results["bad"].message
+    assert not results["good"].error_type
+    # An engine without grammar support refuses such a request instead of ignoring its grammar.
+    plain = PrefillEngine(model, connector, max_model_len=2048, block_size=4, kv_cache_bytes=4 << 20)
+    plain.add(PrefillTask("r", prompt, GREEDY, time.time() + 60, structured=JSON_SPEC))
+    [result] = plain.step()
+    assert result.error_type == "bad_request" and "structured output" in result.message
