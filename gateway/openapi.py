@@ -145,7 +145,8 @@ _VIDEO_JOB = {
 
 
 def _video_paths(models: list[str]) -> dict:
-    """``/v1/videos`` (gateway/videos.py): jobs. Bounds are VideoParams'; the ``openai`` client
+    """``/v1/videos`` (gateway/videos.py): jobs, and ``/v1/videos/sync`` answering with the file.
+    Bounds are VideoParams'; the ``openai`` client
     sends the same fields as a multipart form, which is accepted too (numbers as text)."""
     errors = _errors
     job = {"description": "the video job", "content": {"application/json": {"schema": _VIDEO_JOB}}}
@@ -168,6 +169,9 @@ def _video_paths(models: list[str]) -> dict:
     listing = {"type": "object", "required": ["object", "data", "has_more"], "properties": {
         "object": {"type": "string"}, "data": {"type": "array", "items": _VIDEO_JOB}, "has_more": {"type": "boolean"},
         "first_id": {"type": "string", "nullable": True}, "last_id": {"type": "string", "nullable": True}}}
+    file = {"description": "the file (MP4; animated WebP where the worker has no MP4 encoder)", "content": {
+        "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+        "image/webp": {"schema": {"type": "string", "format": "binary"}}}}
     deleted = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string"}, "deleted": {"type": "boolean"}}}
     return {
@@ -182,6 +186,11 @@ def _video_paths(models: list[str]) -> dict:
                 {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}}],
                 "responses": {"200": {"description": "jobs, newest first by default", "content": {
                     "application/json": {"schema": listing}}}, **errors("400", "401", "404")}}},
+        "/v1/videos/sync": {
+            "post": {"operationId": "createVideoSync", "requestBody": {"required": True, "content": {
+                "application/json": {"schema": create}}},
+                "responses": {"200": file, **errors("400", "401", "404", "408", "413", "422", "429", "500", "502",
+                                                    "503", "504", "507")}}},
         "/v1/videos/{video_id}": {
             "get": {"operationId": "retrieveVideo", "parameters": video_id,
                     "responses": {"200": job, **errors("401", "404")}},
@@ -191,10 +200,7 @@ def _video_paths(models: list[str]) -> dict:
         "/v1/videos/{video_id}/content": {
             "get": {"operationId": "downloadVideoContent", "parameters": video_id + [
                 {"name": "variant", "in": "query", "schema": {"type": "string", "enum": ["video"]}}],
-                "responses": {"200": {"description": "the file", "content": {
-                    "video/mp4": {"schema": {"type": "string", "format": "binary"}},
-                    "image/webp": {"schema": {"type": "string", "format": "binary"}}}},
-                    **errors("401", "404", "422")}}},
+                "responses": {"200": file, **errors("401", "404", "422")}}},
     }
 
 

@@ -15,6 +15,8 @@ Life of a job::
     DELETE /v1/videos/{id}         unfinished: cancels upstream (the worker stops denoising), the
                                    job stays "cancelled" until its TTL; finished: removed (404 after)
     GET /v1/videos                 the jobs, newest first (``limit``, ``after``, ``order``)
+    POST /v1/videos/sync           the same request, answered with the file once it is done (no job
+                                   is kept; a client that disconnects cancels it upstream)
 
 Job object: ``{id, object: "video", status: queued|in_progress|completed|failed|cancelled,
 progress, model, prompt, created_at, completed_at, expires_at, size, seconds, error}`` — OpenAI's
@@ -335,19 +337,40 @@ async def run_job(bus: BusClient, model: VideoModel, job: VideoJob, deadline: fl
     return data, stream.mime
 
 
-async def _job_task(app: web.Application, model: VideoModel, job: VideoJob) -> None:
-    """The life of one job after its 200: run it, then record how it ended."""
-    jobs, config, metrics = app[JOBS], app[CONFIG], app[METRICS]
+async def _generate(app: web.Application, model: VideoModel, job: VideoJob) -> tuple[bytes, str]:
+    """:func:`run_job` under the request's metrics and log line; raises what it raises."""
+    config, metrics = app[CONFIG], app[METRICS]
     timer = metrics.timer(model.name)
-    outcome = "cancelled"
+    outcome, size = "cancelled", 0
     try:
         data, mime = await run_job(app[BUS], model, job, time.time() + config.request_timeout_s)
-        job.content, job.mime = data, mime
-        job.finish("completed", jobs.clock(), jobs.ttl_s)
-        outcome = "ok"
+        outcome, size = "ok", len(data)
+        return data, mime
     except OmniError as exc:
         outcome = exc.error_type
         metrics.errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        outcome = "internal_error"
+        raise
+    finally:
+        timer.finish(0, 0, outcome)
+        if not config.disable_log_requests:
+            params = job.params
+            log.info("video %s model=%s size=%dx%d frames=%d fps=%d steps=%d seed=%d outcome=%s bytes=%d e2e=%.3fs",
+                     job.id, model.name, params.width, params.height, params.num_frames, params.fps,
+                     params.num_inference_steps, params.seed, outcome, size, timer.elapsed())
+
+
+async def _job_task(app: web.Application, model: VideoModel, job: VideoJob) -> None:
+    """The life of one job after its 200: run it, then record how it ended."""
+    jobs = app[JOBS]
+    try:
+        job.content, job.mime = await _generate(app, model, job)
+        job.finish("completed", jobs.clock(), jobs.ttl_s)
+    except OmniError as exc:
         job.finish("failed", jobs.clock(), jobs.ttl_s, exc)
     except asyncio.CancelledError:
         if job.status not in FINISHED:
@@ -355,15 +378,8 @@ async def _job_task(app: web.Application, model: VideoModel, job: VideoJob) -> N
         raise
     except Exception as exc:   # a bug: the job fails visibly instead of staying in_progress forever
         log.exception("video job %s crashed", job.id)
-        outcome = "internal_error"
         job.finish("failed", jobs.clock(), jobs.ttl_s, OmniError(f"internal error: {type(exc).__name__}"))
     finally:
-        timer.finish(0, 0, outcome)
-        if not config.disable_log_requests:
-            params = job.params
-            log.info("video %s model=%s size=%dx%d frames=%d fps=%d steps=%d seed=%d outcome=%s bytes=%d e2e=%.3fs",
-                     job.id, model.name, params.width, params.height, params.num_frames, params.fps,
-                     params.num_inference_steps, params.seed, outcome, len(job.content or b""), timer.elapsed())
         jobs.purge()
 
 
@@ -400,6 +416,25 @@ async def create_video(request: web.Request) -> web.Response:
     return web.json_response(job.to_json(), headers={"X-Request-Id": job.id})
 
 
+async def create_video_sync(request: web.Request) -> web.Response:
+    """``POST /v1/videos/sync``: the same request as ``POST /v1/videos``, answered with the file
+    itself once it is generated (no job is stored). The request deadline bounds it; a client that
+    disconnects cancels the handler (the server runs with handler cancellation), which cancels the
+    request upstream, so the worker stops denoising."""
+    parsed = parse_video_request(await _body(request))
+    model = VideoModel.find(request.app[MODELS], parsed.model)
+    params, seconds = resolve_params(parsed, model)
+    job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=model.name, params=params, seconds=seconds,
+                   created_at=int(time.time()))
+    data, mime = await _generate(request.app, model, job)
+    return web.Response(body=data, content_type=mime, headers={
+        "X-Request-Id": job.id, "Content-Disposition": f'attachment; filename="{job.id}.{_extension(mime)}"'})
+
+
+def _extension(mime: str) -> str:
+    return "mp4" if mime == "video/mp4" else mime.rpartition("/")[2]
+
+
 async def retrieve_video(request: web.Request) -> web.Response:
     return web.json_response(request.app[JOBS].get(request.match_info["video_id"]).to_json())
 
@@ -411,9 +446,8 @@ async def video_content(request: web.Request) -> web.Response:
         raise Unprocessable(f"variant {variant!r} is not available; only 'video'", param="variant")
     if job.status != "completed" or job.content is None:
         raise NotFound(f"video {job.id!r} has no content: it is {job.status}", param="video_id")
-    extension = "mp4" if job.mime == "video/mp4" else job.mime.rpartition("/")[2]
     return web.Response(body=job.content, content_type=job.mime,
-                        headers={"Content-Disposition": f'attachment; filename="{job.id}.{extension}"'})
+                        headers={"Content-Disposition": f'attachment; filename="{job.id}.{_extension(job.mime)}"'})
 
 
 async def delete_video(request: web.Request) -> web.Response:
@@ -462,6 +496,7 @@ async def _jobs_context(app: web.Application):
 def add_video_routes(app: web.Application) -> None:
     app.cleanup_ctx.append(_jobs_context)
     app.router.add_post("/v1/videos", create_video)
+    app.router.add_post("/v1/videos/sync", create_video_sync)
     app.router.add_get("/v1/videos", list_videos)
     app.router.add_get("/v1/videos/{video_id}", retrieve_video)
     app.router.add_get("/v1/videos/{video_id}/content", video_content)

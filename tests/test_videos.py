@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import pathlib
+import socket
 import time
+import urllib.parse
 
 import numpy as np
 import openai
@@ -431,3 +434,46 @@ def test_unknown_videos_are_404_and_json_bodies_work_too(client, cluster):
     assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content"} <= set(doc["paths"])
     create = doc["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert create["properties"]["model"]["enum"] == [MODEL]
+
+
+def test_sync_video_answers_with_the_file_of_the_same_job(client, cluster):
+    """POST /v1/videos/sync: the same request as a job, answered with the same bytes, and no job kept."""
+    job = _wait(client, _create(client, size="32x32", num_frames=4, seed=11, num_inference_steps=2).id)
+    expected = client.videos.download_content(job.id).read()
+    response = requests.post(cluster.url + "/v1/videos/sync", timeout=60, data={
+        "model": MODEL, "prompt": PROMPT, "size": "32x32", "num_frames": "4", "seed": "11",
+        "num_inference_steps": "2"})
+    assert response.status_code == 200, response.text
+    assert response.content == expected
+    assert response.headers["content-type"] in ("video/mp4", "image/webp")
+    video_id = response.headers["X-Request-Id"]
+    assert video_id.startswith("video_") and video_id in response.headers["Content-Disposition"]
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(video_id)
+    bad = requests.post(cluster.url + "/v1/videos/sync", timeout=30,
+                        json={"model": MODEL, "prompt": PROMPT, "num_inference_steps": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_inference_steps"
+
+
+def test_sync_video_client_that_leaves_cancels_the_generation(cluster):
+    """A client that closes its connection while its video is being denoised stops the worker."""
+    [before] = cluster.workers()
+    cancelled_before = before["stats"].get("cancelled_running", 0)
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "size": "64x48", "num_frames": 16, "seed": 3,
+                       "num_inference_steps": 150}).encode()
+    host, port = urllib.parse.urlsplit(cluster.url).netloc.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/videos/sync HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while cluster.workers()[0]["running"] == 0:   # leave only once the worker is denoising it
+            assert time.monotonic() < deadline, "the video never started"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 20
+    while True:
+        [worker] = cluster.workers()
+        if worker["running"] + worker["waiting"] == 0 and worker["stats"].get("cancelled_running", 0) > cancelled_before:
+            break
+        assert time.monotonic() < deadline, f"the worker did not stop denoising: {worker}"
+        time.sleep(0.2)
+    assert worker["stats"]["denoise_steps"] - before["stats"].get("denoise_steps", 0) < 150
