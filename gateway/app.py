@@ -1,12 +1,14 @@
 """The aiohttp application: OpenAI-compatible routes over the bus.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as SSE ending
-``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only while every role
-each model needs has a live worker), ``GET /cluster`` (the broker's view: workers, load, counters),
+``data: [DONE]``, or one JSON body; several choices: gateway/choices.py), ``GET /v1/models``,
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's, gateway/tokenization.py), ``GET /health``
+(200 only while every role each model needs has a live worker), ``GET /cluster`` (the broker's view: workers, load, counters),
 ``GET /metrics`` (Prometheus), ``GET /status`` (a live page) and ``GET /openapi.json``.
 
-With an API key configured, every ``/v1`` route needs ``Authorization: Bearer <key>`` (compared in
-constant time); the probes (/health, /metrics, /cluster) stay open unless ``protect_probes``.
+With an API key configured, every ``/v1`` route and the tokenizer routes need ``Authorization:
+Bearer <key>`` (compared in constant time); the probes (/health, /metrics, /cluster) stay open
+unless ``protect_probes``.
 
 State hangs off the app under typed keys; the bus client lives in a cleanup context, so it is
 started only if the app starts and closed exactly once. Every error leaves as an OpenAI-style body
@@ -38,7 +40,7 @@ from .metrics import GatewayMetrics
 from .openapi import SpeechDoc, build_openapi
 from .status_page import STATUS_HTML, StatusHistory
 from .models import ModelRuntime
-from .schema import parse_chat, parse_completion
+from .schema import GenerationRequest, parse_chat, parse_completion
 
 
 # Compiled JSON encoding for the per-token SSE chunks: about 5x cheaper than json.dumps.
@@ -54,6 +56,7 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 HISTORY = web.AppKey("history", StatusHistory)
 STREAMS = web.AppKey("streams_per_client", collections.Counter)
 _PROBES = ("/health", "/metrics", "/cluster", "/status", "/status.json")
+_TOKENIZER_ROUTES = ("/tokenize", "/detokenize")   # vLLM's paths, outside /v1; they cost CPU, so keyed too
 
 
 def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Application:
@@ -61,6 +64,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     from .images import ImageModel, add_image_routes, is_image_pipeline   # images imports this module's keys
     from .videos import VideoModel, add_video_routes
     from .speech import add_speech_routes
+    from .tokenization import add_tokenize_routes
     app = web.Application(middlewares=[_errors, _authenticate], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[KEYS] = keys
@@ -72,6 +76,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    add_tokenize_routes(app)
     add_image_routes(app)
     add_speech_routes(app)
     add_video_routes(app)   # after the bus's cleanup context: its jobs are cancelled while the bus is open
@@ -151,7 +156,8 @@ async def _answer_and_close(request: web.Request, error: OmniError) -> web.Strea
 @web.middleware
 async def _authenticate(request: web.Request, handler):
     config = request.app[CONFIG]
-    if config.api_key and (request.path.startswith("/v1/") or (config.protect_probes and request.path in _PROBES)):
+    if config.api_key and (request.path.startswith("/v1/") or request.path in _TOKENIZER_ROUTES
+                           or (config.protect_probes and request.path in _PROBES)):
         supplied = request.headers.get("Authorization", "")
         expected = f"Bearer {config.api_key}"
         if not hmac.compare_digest(supplied.encode(), expected.encode()):
@@ -193,14 +199,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if "audio" in parsed.modalities:   # spoken answer too: talker + token2wav after decode (gateway/speech.py)
         from .speech import chat_with_audio
         return await chat_with_audio(request, parsed, body)
+    if parsed.n > 1:
+        return await _respond_choices(request, parsed, "chatcmpl", _ChatFormat())
     gen = generation.prepare(_model(request, parsed.model), parsed, "chatcmpl")
     return await _respond(request, gen, _ChatFormat())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await _json_body(request))
+    if parsed.n > 1 or parsed.prompts or parsed.echo:
+        return await _respond_choices(request, parsed, "cmpl", _CompletionFormat())
     gen = generation.prepare(_model(request, parsed.model), parsed, "cmpl")
     return await _respond(request, gen, _CompletionFormat())
+
+
+async def _respond_choices(request: web.Request, parsed: GenerationRequest, prefix: str, fmt) -> web.StreamResponse:
+    """Several choices (n > 1, a list of prompts) or echo: gateway/choices.py fans them out."""
+    from . import choices   # imports this module's keys
+    return await choices.respond(request, choices.plan(_model(request, parsed.model), parsed, prefix), fmt)
 
 
 # Logprobs answers (request asked: GenerationRequest.logprobs >= 0). Each format's ``logprobs``

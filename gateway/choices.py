@@ -1,0 +1,289 @@
+"""Requests of several choices: ``n`` > 1, a list of prompts in one ``/v1/completions``, ``echo``.
+
+Life of such a request through the gateway::
+
+    GenerationRequest (n, prompts, echo) ──plan: each prompt tokenized and checked once──▶
+        one Generation per choice, index = prompt_index * n + j (vLLM's order), each with its own
+        upstream request id (``<id>-<index>``) and its own random stream: with a ``seed``, choice j
+        of a prompt samples with ``seed + j`` (as vLLM seeds the children of an n > 1 request);
+        without one, each choice draws its own seed (generation._sampling)
+    ──▶ per prompt, choice 0 is submitted first and choices 1 … n-1 once choice 0 has its first
+        token: its prefill is then done, its full prompt blocks are named in the prefill worker's
+        prefix cache, and the broker's prefix index (updated when choice 0 was dispatched) sends
+        the siblings to that worker, which reuses the blocks instead of computing the prefix again
+        (only the block holding the last prompt token is computed per choice). The cost: the
+        siblings' first tokens come one prefill later than choice 0's.
+    ──▶ :func:`interleave`: every choice's TextChunks, tagged with their index, as they arrive
+    ──▶ one JSON body (choices in index order) or one SSE stream (chunks of all choices
+        interleaved, each carrying its index, one ``data: [DONE]``)
+
+Usage counts each prompt once and sums every choice's completion tokens (as vLLM and OpenAI do).
+Errors: the first choice to fail fails the whole request with the structured error body (before
+the stream starts: its status; after: the last event); leaving early (client gone, an error, a
+deadline) cancels every choice upstream — :func:`interleave` owns one task per choice and cancels
+and joins them all when it ends, however it ends.
+
+``echo`` (completions) puts the prompt's text before each choice's text (the first chunk of each
+choice when streaming). Echo with logprobs needs the prompt's logprobs, which prefill does not
+compute: schema answers 422 for that pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from omnirelay.errors import OmniError, Overloaded
+
+from . import generation
+from .app import BUS, CONFIG, METRICS, STREAMS, _encode_json
+from .bus import BusClient
+from .models import ModelRuntime
+from .schema import GenerationRequest
+
+log = logging.getLogger("omnirelay.gateway")
+
+
+@dataclasses.dataclass
+class Plan:
+    """The choices of one request: ``gens[i]`` is choice ``i``; ``n`` choices per prompt."""
+
+    request_id: str
+    request: GenerationRequest
+    gens: list[generation.Generation]
+    n: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Each prompt counts once, however many choices share it."""
+        return sum(gen.prompt_tokens for gen in self.gens[::self.n])
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(gen.completion_tokens for gen in self.gens)
+
+    @property
+    def resumes(self) -> int:
+        return sum(gen.resumes for gen in self.gens)
+
+
+def plan(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Plan:
+    """Tokenize and check each prompt once (400 naming the param before anything is submitted),
+    then one Generation per choice."""
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    singles = [dataclasses.replace(request, n=1, prompts=(), prompt=p if isinstance(p, str) else None,
+                                   prompt_token_ids=None if isinstance(p, str) else list(p)) for p in request.prompts]
+    gens = []
+    for one in singles or [dataclasses.replace(request, n=1)]:
+        base = generation.prepare(model, one, prefix)
+        for j in range(request.n):
+            seed = None if request.seed is None else request.seed + j
+            gens.append(dataclasses.replace(base, request_id=f"{request_id}-{len(gens)}",
+                                            request=dataclasses.replace(one, seed=seed)))
+    return Plan(request_id, request, gens, request.n)
+
+
+async def interleave(bus: BusClient, plan_: Plan, deadline: float
+                     ) -> AsyncIterator[tuple[int, generation.TextChunk]]:
+    """Every choice's chunks as ``(index, chunk)`` in arrival order; raises the first choice's error.
+
+    One task per choice, owned here: they are cancelled and joined when this generator ends (finished,
+    failed, closed or cancelled), and a cancelled ``generation.run`` cancels its request upstream.
+    Use it under ``contextlib.aclosing`` so an abandoned iteration still ends them at once."""
+    # Bounded: a choice that runs ahead of a slow client waits rather than queue without limit.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=16 * len(plan_.gens))
+
+    async def pump(index: int, gen: generation.Generation, after: asyncio.Event | None,
+                   started: asyncio.Event | None) -> None:
+        try:
+            if after is not None:
+                await after.wait()
+            async for chunk in generation.run(bus, gen, deadline):
+                if started is not None:
+                    started.set()
+                await queue.put((index, chunk))
+            await queue.put((index, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:   # handed to the consumer, which raises it (one error fails the request)
+            await queue.put((index, exc))
+        finally:
+            if started is not None:
+                started.set()   # siblings of a failed first choice start only to be cancelled with it
+
+    tasks = []
+    for start in range(0, len(plan_.gens), plan_.n):
+        first_token = asyncio.Event() if plan_.n > 1 else None
+        for j in range(plan_.n):
+            index = start + j
+            tasks.append(asyncio.create_task(
+                pump(index, plan_.gens[index], None if j == 0 else first_token, first_token if j == 0 else None),
+                name=f"choice-{plan_.gens[index].request_id}"))
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _echo_text(gen: generation.Generation) -> str:
+    request = gen.request
+    return request.prompt if request.prompt is not None else gen.model.tokenizer.decode(gen.prompt_token_ids)
+
+
+def _usage(plan_: Plan) -> dict:
+    prompt, completion = plan_.prompt_tokens, plan_.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def respond(request: web.Request, plan_: Plan, fmt) -> web.StreamResponse:
+    """Answer ``plan_`` with the route's ``fmt`` (app._ChatFormat / app._CompletionFormat)."""
+    model = plan_.gens[0].model
+    timer = request.app[METRICS].timer(model.name)   # one request: TTFT is the first choice's first token
+    outcome = "cancelled"
+    try:
+        if plan_.request.stream:
+            response = await _respond_stream(request, plan_, fmt, timer)
+        else:
+            response = await _respond_full(request, plan_, fmt, timer)
+        outcome = "ok"
+        return response
+    except OmniError as exc:
+        outcome = exc.error_type
+        exc.request_id = exc.request_id or plan_.request_id
+        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        raise
+    finally:
+        timer.finish(plan_.prompt_tokens, plan_.completion_tokens, outcome, plan_.resumes)
+        if not request.app[CONFIG].disable_log_requests:
+            log.info("request %s model=%s choices=%d stages=%s prompt_tokens=%d completion_tokens=%d resumes=%d "
+                     "outcome=%s e2e=%.3fs", plan_.request_id, model.name, len(plan_.gens), "+".join(model.stages),
+                     plan_.prompt_tokens, plan_.completion_tokens, plan_.resumes, outcome, timer.elapsed())
+
+
+async def _respond_full(request: web.Request, plan_: Plan, fmt, timer) -> web.Response:
+    deadline = time.time() + request.app[CONFIG].request_timeout_s
+    count = len(plan_.gens)
+    texts: list[list[str]] = [[] for _ in range(count)]
+    token_ids: list[list[int]] = [[] for _ in range(count)]
+    logprobs: list[list] = [[] for _ in range(count)]
+    finish = ["stop"] * count
+    async with contextlib.aclosing(interleave(request.app[BUS], plan_, deadline)) as chunks:
+        async for index, chunk in chunks:
+            timer.tokens(len(chunk.token_ids))
+            texts[index].append(chunk.text)
+            token_ids[index].extend(chunk.token_ids)
+            logprobs[index].extend(chunk.logprobs)
+            finish[index] = chunk.finish_reason or finish[index]
+    choices = []
+    for index, gen in enumerate(plan_.gens):
+        rendered = fmt.logprobs(gen, token_ids[index], logprobs[index], 0)[0] if gen.request.logprobs >= 0 else None
+        text = "".join(texts[index])
+        if plan_.request.echo:
+            text = _echo_text(gen) + text
+        choice = {**fmt.full(text, finish[index], rendered), "index": index}
+        if plan_.request.return_token_ids:
+            choice["token_ids"] = token_ids[index]
+            choice["prompt_token_ids"] = gen.prompt_token_ids
+        choices.append(choice)
+    body = {"id": plan_.request_id, "created": generation.now(), "model": plan_.gens[0].model.name,
+            "object": fmt.object_full, "choices": choices, "usage": _usage(plan_)}
+    return web.json_response(body, headers={"X-Request-Id": plan_.request_id})
+
+
+@contextlib.contextmanager
+def _stream_slot(request: web.Request):
+    """One of the client's ``max_streams_per_client`` streams (the same count app's streams take)."""
+    config, streams, client = request.app[CONFIG], request.app[STREAMS], request.remote or "?"
+    if streams[client] >= config.max_streams_per_client:
+        raise Overloaded(f"client {client} already holds {streams[client]} streams", retry_after=1)
+    streams[client] += 1
+    try:
+        yield
+    finally:
+        streams[client] -= 1
+        if not streams[client]:
+            del streams[client]
+
+
+async def _respond_stream(request: web.Request, plan_: Plan, fmt, timer) -> web.StreamResponse:
+    with _stream_slot(request):
+        async with contextlib.aclosing(
+                interleave(request.app[BUS], plan_, time.time() + request.app[CONFIG].request_timeout_s)) as chunks:
+            return await _stream(request, plan_, fmt, timer, chunks)
+
+
+async def _stream(request: web.Request, plan_: Plan, fmt, timer, chunks) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": plan_.request_id})
+    include_usage = plan_.request.include_usage
+    chunk_base = {"id": plan_.request_id, "created": generation.now(), "model": plan_.gens[0].model.name,
+                  "object": fmt.object_chunk}
+
+    async def write(data: bytes) -> None:
+        try:
+            async with asyncio.timeout(config.stream_write_timeout_s):
+                await response.write(data)
+        except TimeoutError:
+            raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
+
+    async def send(choices: list, usage: dict | None = None) -> None:
+        payload = {**chunk_base, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        await write(b"data: " + _encode_json(payload) + b"\n\n")
+
+    first = await anext(chunks, None)   # errors before the first token still get a proper status
+    await response.prepare(request)
+    count = len(plan_.gens)
+    offsets = [0] * count                     # text offsets of each choice's logprobs
+    echo = [plan_.request.echo] * count       # choices whose prompt text is still to be sent
+    try:
+        if fmt.first_delta() is not None:
+            for index in range(count):
+                await send([{**fmt.first_delta(), "index": index}])
+        item = first
+        while item is not None:
+            index, chunk = item
+            gen = plan_.gens[index]
+            timer.tokens(len(chunk.token_ids))
+            logprobs = None
+            if gen.request.logprobs >= 0 and chunk.token_ids:
+                logprobs, offsets[index] = fmt.logprobs(gen, chunk.token_ids, chunk.logprobs, offsets[index])
+            text = chunk.text
+            if echo[index]:
+                text, echo[index] = _echo_text(gen) + text, False
+            if text or chunk.finish_reason or logprobs:
+                choice = {**fmt.delta(text, chunk.finish_reason or None, logprobs), "index": index}
+                if plan_.request.return_token_ids:
+                    choice["token_ids"] = chunk.token_ids
+                await send([choice])
+            item = await anext(chunks, None)
+        if include_usage:
+            await send([], _usage(plan_))
+    except OmniError as exc:
+        # Headers are gone: the error travels as the last event, in the same body shape.
+        exc.request_id = exc.request_id or plan_.request_id
+        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        await write(b"data: " + json.dumps(exc.to_body()).encode() + b"\n\n")
+    await write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response

@@ -1,0 +1,103 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer, no worker involved.
+
+Shapes (vLLM's ``TokenizeCompletionRequest`` / ``TokenizeChatRequest`` / ``DetokenizeRequest``)::
+
+    /tokenize    {model?, prompt, add_special_tokens = true, return_token_strs = false}
+                 {model?, messages, add_generation_prompt = true, continue_final_message = false,
+                  add_special_tokens = false, return_token_strs = false}
+              → {count, max_model_len, tokens, token_strs}     (token_strs: null unless asked)
+    /detokenize  {model?, tokens} → {prompt}
+
+``model`` may be left out when the gateway serves exactly one text model (as vLLM serves one).
+A chat body is templated exactly as ``/v1/chat/completions`` templates it, so with the defaults its
+``count`` is that request's ``usage.prompt_tokens``; a ``/v1/completions`` prompt is tokenized
+without special tokens, which ``add_special_tokens: false`` reproduces. Bad input → 400 naming the
+param; an unknown model → 404; options that would change the template (``chat_template``,
+``chat_template_kwargs``, ``tools``) and media parts → 422.
+
+With an API key configured these routes need it like ``/v1`` (app._authenticate): tokenizing costs
+the gateway CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from omnirelay.errors import BadRequest, Unprocessable
+
+from .app import MODELS, _json_body, _model   # app imports this module when it builds its routes
+from .models import ModelRuntime
+from .schema import _boolean, _messages, _token_ids
+
+_UNSERVED_CHAT_OPTIONS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+
+
+def add_tokenize_routes(app: web.Application) -> None:
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+
+
+def _runtime(request: web.Request, body: Any) -> ModelRuntime:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    name = body.get("model")
+    if name is None:
+        text = [n for n, m in request.app[MODELS].items() if isinstance(m, ModelRuntime)]
+        if len(text) != 1:
+            raise BadRequest(f"'model' is required: this server has {len(text)} text models", param="model")
+        name = text[0]
+    if not isinstance(name, str) or not name:
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    return _model(request, name)
+
+
+def tokenize_body(model: ModelRuntime, body: dict) -> dict:
+    """The answer to one ``/tokenize`` body (validated here: 400/422 naming the param)."""
+    if ("prompt" in body) == ("messages" in body):
+        raise BadRequest("give either 'prompt' or 'messages'", param="prompt" if "prompt" in body else "messages")
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise BadRequest("'prompt' must be a string", param="prompt")
+        add_special = _boolean(body, "add_special_tokens", True)
+        tokens = list(model.tokenizer(prompt, add_special_tokens=add_special)["input_ids"]) if prompt else []
+    else:
+        for name in _UNSERVED_CHAT_OPTIONS:
+            if body.get(name) is not None:
+                raise Unprocessable(f"'{name}' is not supported by this server's /tokenize", param=name)
+        messages = _messages(body)
+        for i, message in enumerate(messages):
+            if not isinstance(message["content"], str):
+                raise Unprocessable(f"messages[{i}].content: /tokenize takes text messages",
+                                    param=f"messages[{i}].content")
+        generation_prompt = _boolean(body, "add_generation_prompt", True)
+        continue_final = _boolean(body, "continue_final_message")
+        if generation_prompt and continue_final:
+            raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false",
+                             param="continue_final_message")
+        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                   continue_final_message=continue_final, tokenize=False)
+        tokens = list(model.tokenizer(text, add_special_tokens=_boolean(body, "add_special_tokens"))["input_ids"])
+    strs = model.tokenizer.convert_ids_to_tokens(tokens) if _boolean(body, "return_token_strs") else None
+    return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens, "token_strs": strs}
+
+
+def detokenize_body(model: ModelRuntime, body: dict) -> dict:
+    if not isinstance(body.get("tokens"), list):
+        raise BadRequest("'tokens' must be a list of token ids", param="tokens")
+    tokens = list(_token_ids(body["tokens"], "tokens"))
+    if tokens and max(tokens) >= model.vocab_size:
+        raise BadRequest(f"token id {max(tokens)} is outside the vocabulary ({model.vocab_size})", param="tokens")
+    return {"prompt": model.tokenizer.decode(tokens)}
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    return web.json_response(tokenize_body(_runtime(request, body), body))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    return web.json_response(detokenize_body(_runtime(request, body), body))
