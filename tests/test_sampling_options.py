@@ -79,3 +79,142 @@ def test_not_served_through_the_openai_client(client):
         with pytest.raises(openai.UnprocessableEntityError) as caught:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={name: value})
         assert caught.value.body["param"] == name, caught.value.body
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's logits processors: vectorised == a straightforward per-row reference.
+
+import random  # noqa: E402
+
+import torch  # noqa: E402
+
+from omnirelay.workers.logits_processors import LogitsProcessors, TokenHistory  # noqa: E402
+from omnirelay.workers.sampling import SamplingParams, sample  # noqa: E402
+
+VOCAB = 50
+EOS = (2, 7)
+
+
+def _reference(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    """vLLM's semantics, one row, one token at a time."""
+    raw = logits.float()
+    row = raw.clone()
+    output = history.context[len(history.context) - history.resumed:] + history.generated
+    prompt = history.context[:len(history.context) - history.resumed]
+    if params.allowed_token_ids:
+        for t in range(VOCAB):
+            if t not in params.allowed_token_ids:
+                row[t] = float("-inf")
+    for word in params.bad_words_token_ids:
+        prefix = list(word[:-1])
+        if not prefix or output[len(output) - len(prefix):] == prefix and len(output) >= len(prefix):
+            row[word[-1]] = float("-inf")
+    if len(history.generated) < params.min_tokens:
+        for t in (() if params.ignore_eos else EOS) + params.stop_token_ids:
+            row[t] = float("-inf")
+    for t, b in params.logit_bias:
+        row[t] += b
+    for t in set(prompt) | set(output):
+        row[t] = row[t] / params.repetition_penalty if row[t] > 0 else row[t] * params.repetition_penalty
+    for t in set(output):
+        row[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    if params.min_p > 0 and not params.greedy:
+        probs = torch.softmax(row / params.temperature, dim=-1)
+        row[probs < probs.max() * params.min_p] = float("-inf")
+    if torch.isneginf(row).all():
+        return raw
+    return row
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    pick = lambda p: rng.random() < p  # noqa: E731
+    return SamplingParams(
+        temperature=rng.choice([0.0, 0.7, 1.3]), ignore_eos=pick(0.3),
+        stop_token_ids=tuple(rng.sample(range(VOCAB), 2)) if pick(0.5) else (),
+        presence_penalty=rng.uniform(-2, 2) if pick(0.4) else 0.0,
+        frequency_penalty=rng.uniform(-2, 2) if pick(0.4) else 0.0,
+        repetition_penalty=rng.uniform(0.5, 2) if pick(0.4) else 1.0,
+        logit_bias=tuple((t, rng.uniform(-100, 100)) for t in rng.sample(range(VOCAB), 3)) if pick(0.3) else (),
+        min_p=rng.uniform(0, 0.5) if pick(0.3) else 0.0, min_tokens=rng.choice([0, 0, 2, 5]),
+        bad_words_token_ids=tuple(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 3)))
+                                  for _ in range(rng.randint(1, 4))) if pick(0.4) else (),
+        allowed_token_ids=tuple(rng.sample(range(VOCAB), rng.randint(1, 10))) if pick(0.2) else ())
+
+
+def _random_history(rng: random.Random) -> TokenHistory:
+    # Small alphabets make repeats and bad-word matches likely.
+    context = [rng.randrange(12) for _ in range(rng.randint(1, 12))]
+    return TokenHistory(context, rng.randint(0, len(context) - 1), [rng.randrange(12) for _ in range(rng.randint(0, 8))])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_processors_match_the_reference(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    batch = rng.randint(1, 12)
+    logits = torch.randn(batch, VOCAB) * 3
+    params = [_random_params(rng) for _ in range(batch)]
+    histories = [_random_history(rng) for _ in range(batch)]
+    before = logits.clone()
+    out = LogitsProcessors(EOS).apply(logits, params, histories)
+    assert torch.equal(logits, before), "the raw logits are never written"
+    expected = torch.stack([_reference(logits[i], params[i], histories[i]) for i in range(batch)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_no_options_is_the_input_itself():
+    logits = torch.randn(4, VOCAB)
+    params = [SamplingParams(temperature=t) for t in (0.0, 1.0, 0.5, 0.0)]
+    assert LogitsProcessors(EOS).apply(logits, params, [TokenHistory([1])] * 4) is logits
+
+
+def test_greedy_rows_obey_the_options():
+    logits = torch.ones(3, VOCAB)
+    logits[:, 9] = 5.0
+    greedy = dict(temperature=0.0)
+    params = [SamplingParams(logit_bias=((4, 100.0),), **greedy), SamplingParams(allowed_token_ids=(11, 12), **greedy),
+              SamplingParams(repetition_penalty=10.0, **greedy)]
+    histories = [TokenHistory([1]), TokenHistory([1]), TokenHistory([1, 9])]
+    scores = LogitsProcessors(EOS).apply(logits, params, histories)
+    tokens = sample(scores, params, [0, 0, 0])
+    assert tokens[0] == 4 and tokens[1] in (11, 12) and tokens[2] != 9
+
+
+def test_a_resumed_history_counts_its_resumed_tokens_as_output():
+    """Frequency/presence see output only: the same ids in the prompt part do not count; after a
+    resume the replayed tail of the context does."""
+    logits = torch.zeros(2, VOCAB)
+    params = [SamplingParams(frequency_penalty=1.0)] * 2
+    fresh = TokenHistory([5, 5, 6], resumed=0, generated=[6])
+    resumed = TokenHistory([5, 5, 6], resumed=2, generated=[6])   # output: 5, 6, 6
+    out = LogitsProcessors(EOS).apply(logits, params, [fresh, resumed])
+    assert out[0, 5] == 0 and out[0, 6] == -1
+    assert out[1, 5] == -1 and out[1, 6] == -2
+
+
+def test_a_row_left_without_tokens_keeps_its_input():
+    logits = torch.randn(1, VOCAB)
+    params = [SamplingParams(allowed_token_ids=(EOS[0],), min_tokens=3)]
+    assert torch.equal(LogitsProcessors(EOS).apply(logits, params, [TokenHistory([1])]), logits)
+
+
+@pytest.mark.parametrize("raw, error", [
+    ({"presence_penalty": 3}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": [[1, 200]]}, "logit_bias"), ({"logit_bias": [[-1, 2]]}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"), ({"bad_words_token_ids": [[]]}, "bad_words"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids"), ({"min_p": "0.1"}, "min_p"),
+    ({"frequency_penallty": 1.0}, "unknown sampling keys"),
+])
+def test_sampling_params_reject_what_they_cannot_serve(raw, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        SamplingParams.from_wire(raw)
+
+
+def test_sampling_params_round_trip_and_vocab_check():
+    params = SamplingParams(presence_penalty=0.5, logit_bias=((3, -1.0),), bad_words_token_ids=((1, 2),),
+                            allowed_token_ids=(3, 4), min_tokens=2, min_p=0.1)
+    assert SamplingParams.from_wire(params.to_wire()) == params
+    params.check_vocab(5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        params.check_vocab(4)
+    SamplingParams.from_wire({"audio": {}, "audio_stream": True, "structured": None, "temperature": 0})

@@ -15,6 +15,8 @@ decode worker that takes over a stream after another one died.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import torch
@@ -37,6 +39,15 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = -1        # -1: none; 0: the chosen token's; k: also the top k (k <= MAX_TOP_LOGPROBS)
+    # Logits processing (workers/logits_processors.py, which documents the semantics and order).
+    presence_penalty: float = 0.0       # [-2, 2], over output tokens
+    frequency_penalty: float = 0.0      # [-2, 2], over output tokens
+    repetition_penalty: float = 1.0     # (0, 100], over prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100])
+    min_p: float = 0.0                  # [0, 1]
+    min_tokens: int = 0                 # like max_tokens, counted from this submission's first token
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()   # empty: every token
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -50,6 +61,41 @@ class SamplingParams:
         if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) \
                 or not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be an integer from -1 to {MAX_TOP_LOGPROBS}")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("repetition_penalty", 0.0, 100.0), ("min_p", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not _is_number(value) or not lo <= value <= hi or (name == "repetition_penalty" and value == 0):
+                raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}]"
+                                 + (" and > 0" if name == "repetition_penalty" else ""))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens:
+            raise ValueError("min_tokens must be an integer >= 0")
+        if not all(isinstance(pair, tuple) and len(pair) == 2 and _is_token(pair[0]) and _is_number(pair[1])
+                   and -100 <= pair[1] <= 100 for pair in self.logit_bias):
+            raise ValueError("logit_bias must be (token id, bias in [-100, 100]) pairs")
+        if not all(isinstance(word, tuple) and word and all(_is_token(t) for t in word)
+                   for word in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty sequences of token ids")
+        if not all(_is_token(t) for t in (*self.allowed_token_ids, *self.stop_token_ids)):
+            raise ValueError("allowed_token_ids and stop_token_ids must be token ids")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """``ValueError`` when a token id of the options is outside a vocabulary of ``vocab_size``
+        (the logits processors index the logits with them)."""
+        ids = [*self.allowed_token_ids, *self.stop_token_ids, *(t for t, _ in self.logit_bias),
+               *(t for word in self.bad_words_token_ids for t in word)]
+        if ids and max(ids) >= vocab_size:
+            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({vocab_size})")
+
+    @functools.cached_property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @functools.cached_property
+    def processed(self) -> bool:
+        """Whether any logits processor applies to this request (the engines' fast path skips the
+        pipeline when none of a step's rows is)."""
+        return bool(self.penalized or self.logit_bias or self.min_p > 0 or self.min_tokens > 0
+                    or self.bad_words_token_ids or self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -57,16 +103,50 @@ class SamplingParams:
 
     @classmethod
     def from_wire(cls, raw: dict[str, Any]) -> "SamplingParams":
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in raw.items() if k in known}
-        if "stop_token_ids" in values:
-            values["stop_token_ids"] = tuple(int(t) for t in values["stop_token_ids"] or ())
+        """The params of a ``sampling`` map; ``ValueError`` for a key that is neither a field nor
+        read by another part of the worker (:data:`OTHER_SAMPLING_KEYS`), or a value of the wrong
+        type (``TypeError`` / ``ValueError``), so nothing a gateway asked for is dropped silently."""
+        unknown = set(raw) - _FIELDS - OTHER_SAMPLING_KEYS
+        if unknown:
+            raise ValueError(f"unknown sampling keys {sorted(unknown)}")
+        values = {k: v for k, v in raw.items() if k in _FIELDS}
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if name in values:
+                values[name] = tuple(values[name] or ())
+        if "logit_bias" in values:
+            values["logit_bias"] = tuple(tuple(pair) for pair in values["logit_bias"] or ())
+        if "bad_words_token_ids" in values:
+            values["bad_words_token_ids"] = tuple(tuple(word) for word in values["bad_words_token_ids"] or ())
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if _is_number(values.get(name)):
+                values[name] = float(values[name])
         return cls(**values)
 
     def to_wire(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["allowed_token_ids"] = list(self.allowed_token_ids)
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        out["bad_words_token_ids"] = [list(word) for word in self.bad_words_token_ids]
         return out
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# Keys of a ``sampling`` map that other parts of a worker read: speech out (workers/roles.py,
+# workers/speech_role.py) and structured outputs (workers/structured_output.py).
+OTHER_SAMPLING_KEYS = frozenset({"audio", "audio_stream", "structured"})
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token(value: Any) -> bool:
+    return _is_int(value) and value >= 0
 
 
 def _generator(seed: int, position: int) -> torch.Generator:
