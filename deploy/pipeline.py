@@ -13,6 +13,8 @@ A pipeline file (YAML) looks like::
           tensor_parallel_size: 2   # devices, when given, must number tensor × pipeline × sequence parallel size
           pipeline_parallel_size: 1
           # sequence_parallel_size: 2 (generate stages of a diffusion transformer: ranks splitting image tokens)
+          # enable_expert_parallel: true (prefill/decode of an MoE model: the tensor ranks hold whole
+          #                               experts, contiguous blocks, and exchange tokens by all-to-all)
           # kv_transfer: auto  (prefill stages: layerwise streams each layer's KV while the later layers
           #                     compute; whole puts it after the forward; auto (default) streams a step
           #                     with at least 16 MiB of KV)
@@ -79,6 +81,11 @@ class Stage:
     @property
     def sequence_parallel_size(self) -> int:
         return int(self.engine_args.get("sequence_parallel_size", 1))
+
+    @property
+    def enable_expert_parallel(self) -> bool:
+        """Prefill/decode of a mixture-of-experts model: whole experts per tensor rank, tokens by all-to-all."""
+        return bool(self.engine_args.get("enable_expert_parallel", False))
 
     @property
     def kv_transfer(self) -> str:
@@ -232,6 +239,11 @@ def _parse_native(raw: Any) -> Pipeline:
         if engine_args.get("kv_transfer", "auto") not in ("auto", "layerwise", "whole"):
             raise PipelineError(f"{where}.engine_args.kv_transfer: must be 'auto', 'layerwise' or 'whole', "
                                 f"got {engine_args['kv_transfer']!r}")
+        if not isinstance(engine_args.get("enable_expert_parallel", False), bool):
+            raise PipelineError(f"{where}.engine_args.enable_expert_parallel: must be true or false")
+        if engine_args.get("enable_expert_parallel") and role not in ("prefill", "decode"):
+            raise PipelineError(f"{where}.engine_args.enable_expert_parallel: only prefill and decode stages run a "
+                                f"language model's experts, not {role}")
         if engine_args.get("sequence_parallel_size", 1) != 1 and role != "generate":
             raise PipelineError(f"{where}.engine_args.sequence_parallel_size: only generate stages (diffusion "
                                 f"transformers) run sequence parallelism, not {role}")

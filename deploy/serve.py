@@ -19,7 +19,8 @@ Parallelism flags: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``-
 worker's GPU group) and ``--gpu-memory-utilization`` are checked before anything starts
 (:func:`check_parallel`): devices must number TP × PP (× SP: generate), TP must divide the model's attention and KV
 heads, PP must not exceed its layers, a stage of the pipeline file that sets a size must agree with
-the flag. They reach ``omni-worker`` once it runs GPU groups (:data:`WORKER_RUNS_GROUPS`) and takes
+the flag. ``--enable-expert-parallel`` (or a stage's ``engine_args.enable_expert_parallel``) makes
+the prefill/decode ranks of an MoE model hold whole experts: the model's experts must divide by TP. They reach ``omni-worker`` once it runs GPU groups (:data:`WORKER_RUNS_GROUPS`) and takes
 device lists (:data:`WORKER_TAKES_DEVICES`); until then any size but 1, or a device list, is refused
 with a message saying so. Every worker of this host gets the same ``--devices`` (its GPU group) and
 ``--gpu-memory-utilization`` (the share of each device it may fill, counting memory already in use,
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ranks per worker that split heads and MLP columns (default 1, or the stage's)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=None,
                         help="ranks per worker that split the layers (default 1, or the stage's)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE models: prefill/decode tensor ranks hold whole experts and exchange tokens "
+                             "by all-to-all (the experts must divide by --tensor-parallel-size)")
     parser.add_argument("--devices", default=None, help="device ids of one worker's GPU group, e.g. 0,1")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="CUDA: share of each device's memory a worker fills, memory in use included")
@@ -293,7 +297,8 @@ def _model_shape(model_dir: str) -> dict | None:
     if not isinstance(heads, int):
         return None
     return {"heads": heads, "kv_heads": config.get("num_key_value_heads") or heads,
-            "layers": config.get("num_hidden_layers") or 0}
+            "layers": config.get("num_hidden_layers") or 0,
+            "experts": config.get("num_experts") or config.get("num_local_experts") or 0}
 
 
 def check_parallel(args: argparse.Namespace, plan: ModelPlan) -> dict[str, tuple[int, int]]:
@@ -339,6 +344,13 @@ def check_parallel(args: argparse.Namespace, plan: ModelPlan) -> dict[str, tuple
                               f"and {shape['kv_heads']} KV heads of {plan.path} (its config.json)")
         if shape["layers"] and pp > shape["layers"]:
             raise LaunchError(f"--pipeline-parallel-size {pp} exceeds the {shape['layers']} layers of {plan.path}")
+        if args.enable_expert_parallel or (plan.pipeline_file and stage.enable_expert_parallel):
+            if not shape["experts"]:
+                raise LaunchError(f"--enable-expert-parallel: {plan.path} is not a mixture-of-experts model")
+            if shape["experts"] % tp:
+                raise LaunchError(f"--enable-expert-parallel: the {shape['experts']} experts of {plan.path} do not "
+                                  f"divide over the {role} worker's --tensor-parallel-size {tp} ranks (each rank "
+                                  "owns a contiguous block of experts)")
     if not WORKER_RUNS_GROUPS:
         too_big = {role: size for role, size in groups.items() if size != (1, 1)}
         if too_big:
@@ -379,7 +391,9 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             parallel = []
             if WORKER_RUNS_GROUPS:
                 parallel = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
-                            *(["--sequence-parallel-size", str(sp)] if sp > 1 else [])]
+                            *(["--sequence-parallel-size", str(sp)] if sp > 1 else []),
+                            *(["--enable-expert-parallel"] if args.enable_expert_parallel
+                              and role in ("prefill", "decode") else [])]
             if WORKER_TAKES_DEVICES:
                 parallel += ["--gpu-memory-utilization", f"{utilization:.4g}",
                              *(["--devices", args.devices] if args.devices and not args.ray_address else [])]

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import socket
 import uuid
+from pathlib import Path
 
 from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 
@@ -49,6 +50,10 @@ class WorkerConfig:
                      single-process worker; a TP/PP group always exports whole), ``whole`` after the forward,
                      ``auto`` (default) layerwise only for a step with at least 16 MiB of KV to send.
     threads:         torch intra-op threads of each rank.
+    expert_parallel: prefill/decode of a mixture-of-experts model: the tensor-parallel ranks hold
+                     whole experts (contiguous blocks) and exchange tokens by all-to-all instead of
+                     each holding a slice of every expert (``--enable-expert-parallel``); the
+                     experts must divide by ``tensor_parallel_size`` (checked here, at start-up).
     """
 
     role: str
@@ -75,6 +80,7 @@ class WorkerConfig:
     devices: tuple[int, ...] = ()
     gpu_memory_utilization: float = 0.9
     sequence_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -110,6 +116,13 @@ class WorkerConfig:
                                  "(diffusion transformers) run sequence parallelism")
             from .sequence_parallel_group import check_sequence_parallel   # torch: only when asked for
             check_sequence_parallel(self.model_path, self.sequence_parallel_size)
+        if self.expert_parallel:
+            if self.role not in ("prefill", "decode"):
+                raise ValueError(f"--enable-expert-parallel: only prefill and decode workers run a language model, "
+                                 f"not {self.role}")
+            from .expert_parallel import check_expert_parallel   # torch: only when asked for
+            from .models.llama import LlamaConfig
+            check_expert_parallel(LlamaConfig.from_dir(Path(self.model_path)).moe, self.tensor_parallel_size)
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")

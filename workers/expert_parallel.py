@@ -60,6 +60,14 @@ def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
+def check_expert_parallel(moe, ep_size: int) -> None:
+    """Start-up check of ``--enable-expert-parallel`` for a model whose MoE config is ``moe``
+    (a :class:`~omnirelay.workers.models.moe.MoeConfig`, None for a dense model)."""
+    if moe is None:
+        raise ExpertPlacementError("--enable-expert-parallel: the model has no experts (not a mixture-of-experts model)")
+    expert_range(moe.num_experts, ep_size, 0)
+
+
 def token_chunks(num_tokens: int, parts: int) -> list[int]:
     """Sizes of ``parts`` contiguous chunks of ``num_tokens``, as even as possible, earlier larger."""
     base, extra = divmod(num_tokens, parts)

@@ -32,6 +32,18 @@ the worker has no work, which NCCL would turn into a spinning kernel and a watch
 payload arrives where the prefill planning reads it (host lists) without a device sync. Each rank
 moves the payload to its device once per step.
 
+Expert parallelism (``expert_parallel``, vLLM's ``--enable-expert-parallel``): a Qwen3-MoE stage's
+tensor ranks also form its expert-parallel group; attention stays tensor-parallel, and each rank
+holds a contiguous block of whole experts (:mod:`omnirelay.workers.expert_parallel`), reached by
+all-to-all over the same process group. Experts that do not divide by ``tp_size`` fail every
+rank's start-up with :class:`~omnirelay.workers.expert_parallel.ExpertPlacementError`.
+
+A rank lost mid-step (killed, crashed): the collective on rank 0 raises (gloo sees the closed
+connection at once; NCCL after the group's timeout) and :meth:`GroupRunner.forward` re-raises it as
+:class:`ParallelGroupLost`, which is not a per-request error: it leaves the engine, the worker
+runtime fails every request it holds as ``worker_lost`` (recoverable: another worker may serve
+them) and the worker exits 1 for its supervisor to restart it.
+
 KV pool size: with ``num_blocks`` 0 every rank measures its own budget after loading its weights
 (:func:`~omnirelay.workers.devices.rank_kv_budget`), and the group takes the smallest block count
 (all ranks use the same block ids); too small a pool on any rank fails every rank's start-up.
@@ -55,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from .devices import DEFAULT_GPU_MEMORY_UTILIZATION, KVBudgetError, blocks_in_budget, rank_kv_budget
+from .expert_parallel import check_expert_parallel
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
 from .models.llama import LlamaConfig, LlamaModel, Shard
@@ -89,6 +102,7 @@ class GroupConfig:
     devices: tuple[str, ...] = ()
     kv_cache_bytes: int = 0
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
@@ -107,7 +121,7 @@ class GroupConfig:
     def shard(self, rank: int, num_layers: int) -> Shard:
         layers = layer_ranges(num_layers, self.pp_size)[rank // self.tp_size]
         return Shard(tp_rank=rank % self.tp_size, tp_size=self.tp_size, first_layer=layers.start,
-                     last_layer=layers.stop)
+                     last_layer=layers.stop, expert_parallel=self.expert_parallel)
 
     def argv(self, rank: int) -> list[str]:
         return ["--rank", str(rank), "--model", self.model_path, "--tp", str(self.tp_size), "--pp",
@@ -115,7 +129,8 @@ class GroupConfig:
                 "--num-blocks", str(self.num_blocks), "--threads", str(self.threads),
                 "--init-method", self.init_method, "--devices", ",".join(self.devices),
                 "--kv-cache-bytes", str(self.kv_cache_bytes),
-                "--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+                "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+                *(["--enable-expert-parallel"] if self.expert_parallel else [])]
 
 
 def layer_ranges(num_layers: int, stages: int) -> list[range]:
@@ -131,14 +146,23 @@ def layer_ranges(num_layers: int, stages: int) -> list[range]:
     return out
 
 
+class ParallelGroupLost(RuntimeError):
+    """A rank of the group stopped answering mid-step; the group cannot run another step."""
+
+
 class _TPGroup:
-    """The all-reduce a sharded model calls, over this stage's tensor-parallel ranks."""
+    """The collectives a sharded model calls, over this stage's tensor-parallel ranks: the
+    all-reduce, and the all-to-all of expert parallelism."""
 
     def __init__(self, group):
         self.group = group
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None,
+                   input_splits: list[int] | None) -> None:
+        dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
 
 
 class _Rank:
@@ -230,6 +254,8 @@ class GroupRunner:
         """``budget_bytes``: the KV byte budget when ``config.kv_cache_bytes`` is 0 (kept for callers
         that pass it here)."""
         cfg = LlamaConfig.from_dir(Path(config.model_path))
+        if config.expert_parallel:   # before any rank starts: a placement error is the user's to fix
+            check_expert_parallel(cfg.moe, config.tp_size)
         self._tmp = tempfile.mkdtemp(prefix="omnirelay-group-")
         config = dataclasses.replace(config, kv_cache_bytes=config.kv_cache_bytes or budget_bytes,
                                      init_method=config.init_method or f"file://{self._tmp}/rendezvous")
@@ -251,8 +277,20 @@ class GroupRunner:
         self.num_blocks = self._rank.cache.num_blocks
         self._last = (config.pp_size - 1) * config.tp_size
         self._closed = False
+        self._lost = ""   # why the group cannot run again (a rank died), once it happened
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self._lost:
+            raise ParallelGroupLost(self._lost)
+        try:
+            return self._forward(batch)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            gone = [f"rank {r + 1} (pid {p.pid}, exit {p.poll()})" for r, p in enumerate(self._procs)
+                    if p.poll() is not None]
+            self._lost = f"{', '.join(gone) or 'a rank'} of the parallel group lost mid-step: {exc}"
+            raise ParallelGroupLost(self._lost) from exc
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         width = batch.block_tables.shape[1]
         _send_header(self._rank.commands, FORWARD, batch.num_tokens, batch.num_seqs, width, batch.block_size)
         payload = torch.cat(batch.tensors())
@@ -380,16 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", default="", help="torch device of every rank, comma-separated (empty: CPU)")
     ap.add_argument("--kv-cache-bytes", type=int, default=0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     devices = tuple(d for d in args.devices.split(",") if d)
     config = GroupConfig(args.model, args.tp, args.pp, args.dtype, args.block_size, args.num_blocks, args.threads,
-                         args.init_method, devices, args.kv_cache_bytes, args.gpu_memory_utilization)
+                         args.init_method, devices, args.kv_cache_bytes, args.gpu_memory_utilization,
+                         args.enable_expert_parallel)
     try:
         serve_rank(config, args.rank)
-    except KVBudgetError as exc:   # rank 0 reports it to the user; no traceback from here
+    except (KVBudgetError, ValueError) as exc:   # rank 0 reports it to the user; no traceback from here
         print(f"omnirelay.workers.parallel rank {args.rank}: {exc}", file=sys.stderr)
         return 2
     return 0

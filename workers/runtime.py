@@ -72,12 +72,16 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> None:
+        reason = "worker shut down before the request finished"
         try:
             self._link.start()
             self._register()
             self._serve()
+        except Exception as exc:   # the engine cannot go on (e.g. a rank of its group died): say why
+            reason = f"worker failed: {exc}"
+            raise
         finally:
-            self._abort_remaining()
+            self._abort_remaining(reason)
             self._link.stop(farewell=p.Unregister(self.config.worker_id))
             self.close()
 
@@ -183,10 +187,9 @@ class WorkerRuntime:
                     "prefix_added": route_keys(engine.allocator.names()[-PREFIX_KEYS_PER_HEARTBEAT:])}
         return {"prefix_added": route_keys(added), "prefix_evicted": route_keys(evicted)}
 
-    def _abort_remaining(self) -> None:
+    def _abort_remaining(self, reason: str) -> None:
         for request_id in sorted(self._tasks):
-            report = self.role.failure(request_id, self.role.role, "worker_lost",
-                                       "worker shut down before the request finished")
+            report = self.role.failure(request_id, self.role.role, "worker_lost", reason)
             self.role.cancel(request_id)
             self._send([report])
         self._tasks.clear()

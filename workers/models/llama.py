@@ -62,7 +62,7 @@ from ..load_progress import LoadProgress
 
 from .. import native_attention
 from ..forward_batch import ForwardBatch
-from ..expert_parallel import expert_range
+from ..expert_parallel import check_expert_parallel
 from .moe import MoeConfig, SparseMoE, load_moe
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -288,9 +288,7 @@ class LlamaModel:
         if tp > 1 and comm is None:
             raise ValueError("tensor parallelism needs a collective for the all-reduce")
         if shard.expert_parallel:   # refused before any weight is read
-            if cfg.moe is None:
-                raise ValueError(f"{self.path}: --enable-expert-parallel needs a mixture-of-experts model")
-            expert_range(cfg.moe.num_experts, tp, rank)
+            check_expert_parallel(cfg.moe, tp)
         self.layer_ids = shard.layer_range(cfg.num_layers)
         if not 0 <= self.layer_ids.start < self.layer_ids.stop <= cfg.num_layers:
             raise ValueError(f"layer range {self.layer_ids} outside the model's {cfg.num_layers} layers")
