@@ -2,7 +2,8 @@
 
 A model directory says what it is: a diffusers ``model_index.json`` names a text-to-image or
 text-to-video pipeline class; an HF ``config.json`` with ``model_type: qwen2_5_omni`` is an omni
-model (encode → prefill → decode → generate); anything else is a causal LM (prefill → decode). Each
+model (encode → prefill → decode → generate), ``qwen3_omni_moe`` a Qwen3-Omni one (the same
+stages: its encoders, MoE thinker, talker + code2wav); anything else is a causal LM (prefill → decode). Each
 kind has a stage-pipeline file bundled in ``deploy/pipelines/``; ``--stage-configs-path`` overrides
 it, once for all models or once per model in order.
 
@@ -26,6 +27,7 @@ PIPELINES_BY_KIND = {
     "text-to-image": ("text_to_image.yaml",),
     "text-to-video": ("text_to_video.yaml",),
     "omni": ("omni.yaml", "omni_thinker.yaml"),
+    "qwen3-omni": ("qwen3_omni.yaml", "qwen3_omni_thinker.yaml"),
 }
 
 
@@ -35,7 +37,7 @@ class ModelPlan:
 
     path:           absolute model directory.
     name:           the id clients send in ``model``.
-    kind:           ``llm``, ``omni``, ``text-to-image`` or ``text-to-video`` (see :func:`model_kind`).
+    kind:           ``llm``, ``omni``, ``qwen3-omni``, ``text-to-image`` or ``text-to-video`` (see :func:`model_kind`).
     pipeline:       its stages, connectors and edges.
     pipeline_file:  the YAML its workers and the gateway load (``None``: the default LM pipeline).
     groups:         role → (tensor, pipeline) parallel size of one worker of that role.
@@ -65,6 +67,8 @@ def model_kind(model_dir: str) -> str:
     config = _read_json(os.path.join(model_dir, "config.json")) or {}
     if config.get("model_type") == "qwen2_5_omni":
         return "omni"
+    if config.get("model_type") == "qwen3_omni_moe":
+        return "qwen3-omni"
     return "llm"
 
 

@@ -71,7 +71,8 @@ class MediaProcessor:
     def __init__(self, path: str, limits: MediaLimits):
         root = Path(path)
         pre = json.loads((root / "preprocessor_config.json").read_text())
-        thinker = json.loads((root / "config.json").read_text())["thinker_config"]
+        raw = json.loads((root / "config.json").read_text())
+        thinker = raw["thinker_config"]
         self.limits = limits
         self.patch = int(pre.get("patch_size", 14))
         self.merge = int(pre.get("merge_size", 2))
@@ -80,8 +81,12 @@ class MediaProcessor:
         self.max_pixels = int(size.get("longest_edge", pre.get("max_pixels", 28 * 28 * 1280)))
         self.hop = int(pre.get("hop_length", 160))
         self.max_samples = int(pre.get("n_samples", 30 * SAMPLE_RATE))
-        self.image_token_id = int(thinker["image_token_index"])
-        self.audio_token_id = int(thinker["audio_token_index"])
+        # Qwen2.5-Omni names them *_token_index, Qwen3-Omni *_token_id.
+        self.image_token_id = int(thinker.get("image_token_index", thinker.get("image_token_id")))
+        self.audio_token_id = int(thinker.get("audio_token_index", thinker.get("audio_token_id")))
+        # Qwen3-Omni counts audio tokens per 100-frame chunk; 0 keeps Qwen2.5-Omni's rule.
+        self.audio_n_window = int(thinker["audio_config"].get("n_window", 50)) \
+            if raw.get("model_type") == "qwen3_omni_moe" else 0
 
     # ---------------------------------------------------------------- per request
 
@@ -192,7 +197,7 @@ class MediaProcessor:
         return Media("image", data, (h // self.patch) * (w // self.patch) // self.merge ** 2)
 
     def _audio(self, data: bytes, param: str) -> Media:
-        from omnirelay.workers.mrope import audio_output_length
+        from omnirelay.workers.mrope import audio_output_length, qwen3_audio_output_length
 
         try:
             with wave.open(io.BytesIO(data)) as wav:
@@ -216,7 +221,9 @@ class MediaProcessor:
         if len(pcm) < 4 * self.hop:
             raise BadRequest("audio is too short (under 40 ms)", param=param)
         frames_out = -(-len(pcm) // self.hop)   # Whisper's attention mask: one frame per hop started
-        return Media("audio", pcm.astype("<f4").tobytes(), audio_output_length(frames_out))
+        tokens = qwen3_audio_output_length(frames_out, self.audio_n_window) if self.audio_n_window \
+            else audio_output_length(frames_out)
+        return Media("audio", pcm.astype("<f4").tobytes(), tokens)
 
 
 def _b64(text: str, param: str) -> bytes:

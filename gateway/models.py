@@ -22,7 +22,7 @@ class ModelRuntime:
         self.tokenizer = AutoTokenizer.from_pretrained(served.path)
         config = json.loads((Path(served.path) / "config.json").read_text())
         self.media = None
-        if config.get("model_type") == "qwen2_5_omni":   # the thinker's language model sets the limits
+        if config.get("model_type") in ("qwen2_5_omni", "qwen3_omni_moe"):   # the thinker's LM sets the limits
             limits = media_limits or MediaLimits(allowed_local_dir=served.allowed_local_media_path)
             self.media = MediaProcessor(served.path, limits)
             config = config["thinker_config"]["text_config"]

@@ -16,6 +16,9 @@ this only happens to a client that bypasses the gateway. The cache belongs to th
 worker replica), bounded by bytes, least recently used first out; a hit skips preprocessing and
 the encoder. The engine holds no sockets; the worker runtime feeds it tasks and sends its results.
 
+Qwen3-Omni's encoders (``encode_qwen3.py``) have the same interface; their image encodings carry
+the DeepStack features too, which ``image_payload`` splits out (``image_deepstack``).
+
 Models: the thinker's ``visual`` and ``audio_tower`` only, built with transformers' own modules
 (``Qwen2_5OmniVisionEncoder``, ``Qwen2_5OmniAudioEncoder``) from the checkpoint's config and the
 ``thinker.visual.*`` / ``thinker.audio_tower.*`` tensors -- the language model, talker and vocoder
@@ -31,12 +34,16 @@ import io
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
+
+if TYPE_CHECKING:
+    from .encode_qwen3 import Qwen3OmniEncoders
 
 AUDIO_SAMPLE_RATE = 16000     # the gateway sends audio as float32 little-endian PCM at this rate
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -140,9 +147,13 @@ class OmniEncoders:
                          aftercnn_lens=after_cnn).last_hidden_state
         return list(torch.split(out, out_lens.tolist()))
 
+    def image_payload(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A request's image encodings (prompt order, concatenated) as the prefill reads them."""
+        return {"image_embeds": images}
+
 
 class EncodeEngine:
-    def __init__(self, encoders: OmniEncoders, connector: Connector, *, max_batch: int = 8,
+    def __init__(self, encoders: "OmniEncoders | Qwen3OmniEncoders", connector: Connector, *, max_batch: int = 8,
                  cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.encoders = encoders
         self.connector = connector
@@ -246,7 +257,9 @@ class EncodeEngine:
                 self.stats["encoder_cache_hits"] += 1
             parts[item.kind].append(encoded.embeds)
             (grids if item.kind == "image" else lengths).append(encoded.meta if item.kind == "image" else encoded.meta[0])
-        payload = {name + "_embeds": torch.cat(tensors) for name, tensors in parts.items() if tensors}
+        payload = self.encoders.image_payload(torch.cat(parts["image"])) if parts["image"] else {}
+        if parts["audio"]:
+            payload["audio_embeds"] = torch.cat(parts["audio"])
         key = f"mm/{task.request_id}/{task.attempt}"
         try:
             handle = self.connector.put(key, payload)

@@ -12,8 +12,10 @@ Same interface as the adapters in ``roles.py``; the runtime treats it alike.
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -22,6 +24,9 @@ from omnirelay.broker import protocol as p
 from .config import WorkerConfig
 from .encode import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
 from .roles import Outbound, RoleAdapter
+
+if TYPE_CHECKING:
+    from .encode_qwen3 import Qwen3OmniEncoders
 
 log = logging.getLogger("omnirelay.worker.encode")
 MAX_ITEMS = 64   # far above what the gateway lets through; a bound on what one Task may ask for
@@ -77,9 +82,15 @@ class EncodeRole(RoleAdapter):
 
 
 def build_encode_role(config: WorkerConfig, connector) -> tuple[EncodeRole, Callable[[], dict]]:
-    """The role adapter and heartbeat-stats function of an encode worker for a Qwen2.5-Omni
-    directory; ``config.capacity`` bounds the requests encoded together in one step."""
-    encoders = OmniEncoders(config.model_path, dtype=getattr(torch, config.dtype))
+    """The role adapter and heartbeat-stats function of an encode worker for a Qwen2.5-Omni or
+    Qwen3-Omni directory (by its ``model_type``); ``config.capacity`` bounds the requests encoded together in one step."""
+    dtype = getattr(torch, config.dtype)
+    raw = json.loads((Path(config.model_path) / "config.json").read_text())
+    if raw.get("model_type") == "qwen3_omni_moe":
+        from .encode_qwen3 import Qwen3OmniEncoders
+        encoders: OmniEncoders | Qwen3OmniEncoders = Qwen3OmniEncoders(config.model_path, dtype=dtype)
+    else:
+        encoders = OmniEncoders(config.model_path, dtype=dtype)
     engine = EncodeEngine(encoders, connector, max_batch=max(1, config.capacity))
     log.info("encode worker: %s, batch up to %d requests", config.model_path, engine.max_batch)
 

@@ -36,6 +36,8 @@ class ForwardBatch:
         delta). ``positions`` stays the token's index in the sequence (its KV slot).
     embeds: ``(index [K], values [K, hidden])``: rows of the packed tokens whose input embedding is
         ``values`` (encoder outputs at media placeholders) instead of the token's embedding.
+    deepstack: ``(index [V], values [L, V, hidden])`` (Qwen3-Omni's DeepStack): after decoder layer
+        ``i < L`` the hidden states of rows ``index`` (image tokens) get ``values[i]`` added.
     """
 
     input_ids: torch.Tensor
@@ -47,6 +49,7 @@ class ForwardBatch:
     block_size: int
     rope_positions: torch.Tensor | None = None
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.num_seqs = int(self.query_lens.shape[0])
@@ -70,7 +73,9 @@ class ForwardBatch:
         out = ForwardBatch(*(move(t) for t in (self.input_ids, self.positions, self.slots, self.query_lens,
                                                  self.context_lens, self.block_tables)), self.block_size,
                            rope_positions=move(self.rope_positions),
-                           embeds=None if self.embeds is None else (move(self.embeds[0]), move(self.embeds[1])))
+                           embeds=None if self.embeds is None else (move(self.embeds[0]), move(self.embeds[1])),
+                           deepstack=None if self.deepstack is None else (move(self.deepstack[0]),
+                                                                          move(self.deepstack[1])))
         out._host_lens = self._lens()
         return out
 

@@ -7,7 +7,8 @@ length; the prefill engine calls :func:`mrope_positions` once per prompt to get 
 every later token (decode) sits at ``token index + rope delta`` on all three axes.
 
 The rules are transformers' ``Qwen2_5OmniPreTrainedModelForConditionalGeneration.get_rope_index``
-for images and audio (video is not served): text advances all three axes together; an image's
+for images and audio (video is not served), which Qwen3-Omni's ``get_rope_index`` repeats; only its
+count of audio tokens per clip differs (100-frame chunks of 13 tokens, :meth:`MropeSpec.audio_tokens`): text advances all three axes together; an image's
 tokens sit on a ``grid_h/merge x grid_w/merge`` lattice offset from the position after its
 ``<|vision_bos|>`` (temporal axis ``t * position_id_per_seconds``); an audio clip's tokens are
 consecutive; the next text starts one past the largest position used so far. As in transformers,
@@ -29,6 +30,7 @@ class MropeSpec:
     audio_token_id: int
     spatial_merge_size: int = 2
     position_id_per_seconds: int = 25
+    audio_n_window: int = 0     # Qwen3-Omni: its audio encoder's chunk half-width (0: Qwen2.5-Omni's rule)
 
     @classmethod
     def from_config(cls, raw: dict) -> "MropeSpec | None":
@@ -36,15 +38,32 @@ class MropeSpec:
         thinker = raw.get("thinker_config", raw)
         if "vision_config" not in thinker:
             return None
+        qwen3 = raw.get("model_type") == "qwen3_omni_moe"
         return cls(image_token_id=int(thinker.get("image_token_index", thinker.get("image_token_id"))),
                    audio_token_id=int(thinker.get("audio_token_index", thinker.get("audio_token_id"))),
                    spatial_merge_size=int(thinker["vision_config"].get("spatial_merge_size", 2)),
-                   position_id_per_seconds=int(thinker.get("position_id_per_seconds", 25)))
+                   position_id_per_seconds=int(thinker.get("position_id_per_seconds", 25)),
+                   audio_n_window=int(thinker.get("audio_config", {}).get("n_window", 50)) if qwen3 else 0)
+
+    def audio_tokens(self, feature_len: int) -> int:
+        """Audio placeholder tokens of a clip of ``feature_len`` mel frames, by this model's rule."""
+        if self.audio_n_window:
+            return qwen3_audio_output_length(feature_len, self.audio_n_window)
+        return audio_output_length(feature_len)
 
 
 def audio_output_length(feature_len: int) -> int:
     """Audio encoder outputs (= <|AUDIO|> tokens) for ``feature_len`` mel frames (two stride-2 steps)."""
     return ((feature_len - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def qwen3_audio_output_length(feature_len: int, n_window: int) -> int:
+    """Qwen3-Omni's audio encoder outputs for ``feature_len`` mel frames: each full chunk of
+    ``2 * n_window`` frames gives 13, the remainder three stride-2 convolutions' worth
+    (transformers' ``_get_feat_extract_output_lengths`` of Qwen3-Omni)."""
+    chunk = n_window * 2
+    after = (feature_len % chunk - 1) // 2 + 1
+    return ((after - 1) // 2 + 1 - 1) // 2 + 1 + (feature_len // chunk) * 13
 
 
 def mrope_positions(token_ids: list[int], spec: MropeSpec, image_grids: list[list[int]],
@@ -77,7 +96,7 @@ def mrope_positions(token_ids: list[int], spec: MropeSpec, image_grids: list[lis
         text(ed - st - 1)   # text before the media's bos token
         text(1)             # its bos token
         if ed == ed_audio:
-            length = audio_output_length(audio_lengths[audio_idx])
+            length = spec.audio_tokens(audio_lengths[audio_idx])
             text(length)    # audio tokens advance like text
             audio_idx += 1
         else:

@@ -92,6 +92,10 @@ class _Media:
     index: torch.Tensor          # [K] prompt rows taking an encoder output, ascending
     embeds: torch.Tensor         # [K, hidden] in the same order
     key: str                     # the encoder outputs' connector key, deleted when the prefill ends
+    # Qwen3-Omni's DeepStack: the image rows (ascending) and the features added to them after the
+    # first decoder layers, [L, V, hidden]; None for other models and prompts without images.
+    deep_index: torch.Tensor | None = None
+    deep: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -289,8 +293,13 @@ class PrefillEngine:
         index = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
         order = torch.argsort(index)
         embeds = torch.cat(values)[order] if values else torch.empty(0, self.runner.config.hidden_size)
+        deep_index, deep = None, payload.get("image_deepstack")
+        if deep is not None:
+            deep_index = torch.nonzero(ids == self.mrope.image_token_id).flatten()
+            if deep.dim() != 3 or deep.shape[1] != len(deep_index):
+                raise ValueError(f"DeepStack features {tuple(deep.shape)} for {len(deep_index)} image tokens")
         self.stats["media_prompts"] += 1
-        return _Media(rope, delta, index[order], embeds, str(media["mm_key"]))
+        return _Media(rope, delta, index[order], embeds, str(media["mm_key"]), deep_index, deep)
 
     def _media_fields(self, chunks: list[tuple["_Running", int]]) -> dict:
         """ForwardBatch extras for a step with multimodal prompts: 3-row rotary positions for every
@@ -298,6 +307,7 @@ class PrefillEngine:
         if not any(seq.media is not None for seq, _ in chunks):
             return {}
         rope, index, values, offset = [], [], [], 0
+        deep_rows, deep_values = [], []
         for seq, n in chunks:
             lo, hi = seq.computed, seq.computed + n
             if seq.media is None:
@@ -307,10 +317,16 @@ class PrefillEngine:
                 inside = (seq.media.index >= lo) & (seq.media.index < hi)
                 index.append(seq.media.index[inside] - lo + offset)
                 values.append(seq.media.embeds[inside])
+                if seq.media.deep is not None:
+                    inside = (seq.media.deep_index >= lo) & (seq.media.deep_index < hi)
+                    deep_rows.append(seq.media.deep_index[inside] - lo + offset)
+                    deep_values.append(seq.media.deep[:, inside])
             offset += n
         fields = {"rope_positions": torch.cat(rope, dim=1)}
         if index:
             fields["embeds"] = (torch.cat(index), torch.cat(values))
+        if deep_rows:
+            fields["deepstack"] = (torch.cat(deep_rows), torch.cat(deep_values, dim=1))
         return fields
 
     def _forward(self, results: list[PrefillResult]) -> None:

@@ -42,6 +42,12 @@ there is the prompt's merged input embedding), and ``rope_positions`` gives 3-ro
 (each rotary column takes the axis of its ``mrope_section``) or, in decode, index + rope delta.
 Without them a batch runs exactly the text path.
 
+Qwen3-Omni: the thinker's language model is a Qwen3-MoE under the same ``thinker.`` prefix, with
+two differences: its M-RoPE interleaves the axes (height on rotary columns 1, 4, 7, .., width on
+2, 5, 8, .., temporal on the rest, instead of three contiguous sections), and DeepStack: the batch's
+``deepstack`` field carries the vision encoder's extra features, which are added to the image
+tokens' hidden states after the first decoder layers (feature ``i`` after layer ``i``).
+
 :meth:`LlamaModel.prefill` is the cache-free convenience path (one sequence → logits and the whole
 KV as ``[layers, 2, seq, kv_heads, head_dim]``) kept for callers that want contiguous KV.
 """
@@ -70,6 +76,8 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCaus
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Qwen2.5-Omni: the thinker's language model is a Qwen2 with M-RoPE, stored under "thinker.".
 OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration")
+# Qwen3-Omni: the thinker's language model is a Qwen3-MoE with interleaved M-RoPE and DeepStack.
+QWEN3_OMNI_ARCHITECTURES = ("Qwen3OmniMoeForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +97,7 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...]
     weight_prefix: str = ""              # "thinker." for Qwen2.5-Omni checkpoints
     mrope_section: tuple[int, ...] = ()  # M-RoPE sections over head_dim / 2 (temporal, height, width)
+    mrope_interleaved: bool = False      # Qwen3-Omni: H and W take every third rotary column (see _mrope_axis)
     qk_norm: bool = False                # Qwen3: RMSNorm of each q and k head before rotary
     moe: MoeConfig | None = None         # Qwen3-MoE: the experts of the sparse layers
 
@@ -96,16 +105,22 @@ class LlamaConfig:
     def from_dir(cls, path: Path) -> "LlamaConfig":
         raw = json.loads((path / "config.json").read_text())
         arch = (raw.get("architectures") or ["?"])[0]
-        prefix, mrope = "", ()
-        if arch in OMNI_ARCHITECTURES:
+        prefix, mrope, interleaved = "", (), False
+        if arch in OMNI_ARCHITECTURES or arch in QWEN3_OMNI_ARCHITECTURES:
             thinker = raw.get("thinker_config", raw)
             text = thinker["text_config"]
             rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
             mrope = tuple(rope.get("mrope_section") or ())
             prefix = "thinker." if "thinker_config" in raw else ""
-            raw = {**text, "architectures": ["Qwen2ForCausalLM"],
+            # Qwen3-Omni's thinker is a Qwen3-MoE (a dense Qwen3 without experts) whose rotary
+            # embedding always interleaves the M-RoPE axes (transformers' recomposition_frequencies).
+            interleaved = arch in QWEN3_OMNI_ARCHITECTURES
+            text_arch = "Qwen2ForCausalLM"
+            if interleaved:
+                text_arch = "Qwen3MoeForCausalLM" if text.get("num_experts") else "Qwen3ForCausalLM"
+            raw = {**text, "architectures": [text_arch],
                    "eos_token_id": thinker.get("eos_token_id", text.get("eos_token_id"))}
-            arch = "Qwen2ForCausalLM"
+            arch = text_arch
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{path}: architecture {arch} is not supported by the compact engine "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -128,7 +143,7 @@ class LlamaConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-            eos_token_ids=eos, weight_prefix=prefix, mrope_section=mrope,
+            eos_token_ids=eos, weight_prefix=prefix, mrope_section=mrope, mrope_interleaved=interleaved,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             moe=MoeConfig.from_raw(raw) if arch == "Qwen3MoeForCausalLM" else None)
 
@@ -316,8 +331,15 @@ class LlamaModel:
         self._cos, self._sin = emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype)
         # M-RoPE: rotary column c takes its angle from position axis _mrope_axis[c] (0 temporal,
         # 1 height, 2 width), the sections repeating over both halves as transformers lays them out.
+        # Interleaved (Qwen3-Omni): column c is height for c = 1, 4, .. < 3 * sections[1], width
+        # for c = 2, 5, .. < 3 * sections[2], temporal otherwise.
         self._mrope_axis = None
-        if cfg.mrope_section:
+        if cfg.mrope_section and cfg.mrope_interleaved:
+            axis = torch.zeros(cfg.head_dim // 2, dtype=torch.long)
+            axis[1: 3 * cfg.mrope_section[1]: 3] = 1
+            axis[2: 3 * cfg.mrope_section[2]: 3] = 2
+            self._mrope_axis = torch.cat((axis, axis)).to(self.device)
+        elif cfg.mrope_section:
             axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(cfg.mrope_section)])
             self._mrope_axis = torch.cat((axis, axis)).to(self.device)
         self._native = native_attention.load() if attention == "auto" and dtype == torch.float32 and on_cpu else None
@@ -443,6 +465,7 @@ class LlamaModel:
         if batch.embeds is not None and self.first_stage:
             index, values = batch.embeds   # encoder outputs at media placeholders (prompt embeddings)
             h[index] = values.to(h.dtype)
+        deep_rows, deep_values = batch.deepstack if batch.deepstack is not None else (None, None)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, cos, sin)
             cache.write(index, batch.slots, k, v)
@@ -453,6 +476,9 @@ class LlamaModel:
             else:
                 attn = self._prefill_attention(q, k, v, index, cache, batch)
             h = self._finish_layer(layer, h, attn)
+            layer_id = self.layer_ids[index]
+            if deep_values is not None and layer_id < deep_values.shape[0]:
+                h[deep_rows] += deep_values[layer_id].to(h.dtype)   # DeepStack: image features into layer i's output
         if not self.last_stage:
             return h
         if self.capture_hidden:
