@@ -8,6 +8,8 @@ Usage::
     omni-make-model tiny-qwen3-omni DIR [--seed N] [--force]   # Qwen3-Omni (qwen3_omni_builder.py)
     omni-make-model tiny-video DIR [--seed N] [--force]  # diffusers text-to-video (video_builder.py)
     omni-make-model tiny-dit DIR [--seed N] [--force]    # diffusers text-to-image, SD3 transformer (dit_builder.py)
+    omni-make-model tiny-qwen3 DIR [--seed N] [--force]      # Qwen3 (q/k norm; qwen3_builder.py)
+    omni-make-model tiny-qwen3-moe DIR [--seed N] [--force]  # Qwen3-MoE, 8 experts top 2 (qwen3_builder.py)
     omni-make-model tiny-zimage DIR [--seed N] [--force] # Z-Image (ZImagePipeline, zimage_builder.py)
 
 The result is an ordinary Hugging Face model directory, loadable offline with
@@ -305,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="omni-make-model", description="Write a tiny random-weight model directory."
     )
     parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd", "tiny-video", "tiny-omni", "tiny-qwen3-omni", "tiny-dit",
+                                         "tiny-qwen3", "tiny-qwen3-moe",
                                          "tiny-zimage"],
                         help="which model to build (tiny-sd: a diffusers text-to-image pipeline; "
                              "tiny-dit: the same around a diffusion transformer (SD3); "
+                             "tiny-qwen3 / tiny-qwen3-moe: random-weight Qwen3 / Qwen3-MoE causal LMs; "
                              "tiny-zimage: Z-Image (ZImagePipeline, Qwen3 text encoder); "
                              "tiny-video: a diffusers text-to-video pipeline; "
                              "tiny-omni: Qwen2.5-Omni thinker + talker + token2wav; "
@@ -331,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.kind == "tiny-video":
             from .video_builder import build_tiny_text_to_video
             out = build_tiny_text_to_video(args.dir, seed=args.seed, force=args.force)
+        elif args.kind in ("tiny-qwen3", "tiny-qwen3-moe"):
+            from .qwen3_builder import build_tiny_qwen3
+            out = build_tiny_qwen3(args.dir, seed=args.seed, moe=args.kind == "tiny-qwen3-moe", force=args.force)
         elif args.kind == "tiny-dit":
             from .dit_builder import build_tiny_dit
             out = build_tiny_dit(args.dir, seed=args.seed, force=args.force)

@@ -1,0 +1,107 @@
+"""``omni-plan profile``: measure a :class:`~omnirelay.fleet.planner.Profile` against a running gateway.
+
+Short runs through the official ``openai`` client (streamed chat completions, greedy, ``ignore_eos``
+so every request produces ``--output-len`` tokens), with the fleet's size read from ``/cluster``:
+
+1. prefill latency: the median time to first token of ``--samples`` requests sent one at a time;
+2. prefill throughput per worker: a burst of ``--burst`` one-token requests at a concurrency of twice
+   the prefill fleet's capacity, completions per second / prefill workers;
+3. decode: the ITL p90 (gaps between streamed chunks, as ``vllm bench serve`` counts them) with one
+   stream per decode worker and with each worker full (its capacity), fitted to itl(B) = a + b·B.
+
+Encode and generate figures are not measured here (the bundled tiny LLM has neither role); give
+them in the JSON by hand for a pipeline that has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import openai
+
+from .planner import Profile
+from .signals import GatewayProbe
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+async def _stream(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    """(TTFT, chunk arrival times) of one streamed request."""
+    start = time.perf_counter()
+    times: list[float] = []
+    stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                  temperature=0, max_tokens=max_tokens, stream=True,
+                                                  extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("a profiling request produced no tokens")
+    return times[0] - start, times
+
+
+async def _concurrent(client, model: str, prompt: str, max_tokens: int, n: int, concurrency: int):
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(i: int):
+        async with semaphore:
+            return await _stream(client, model, f"{prompt} ({i})", max_tokens)
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def measure(url: str, model: str, input_len: int, output_len: int, samples: int, burst: int,
+                  api_key: str | None = None) -> Profile:
+    workers = GatewayProbe(url, api_key).cluster()["workers"]
+    prefill = [w for w in workers if w["model"] == model and w["role"] == "prefill"]
+    decode = [w for w in workers if w["model"] == model and w["role"] == "decode"]
+    if not prefill or not decode:
+        raise RuntimeError(f"{url} has no prefill or no decode worker for {model!r}")
+    capacity = min(w["capacity"] for w in decode)
+    prompt = " ".join(["word"] * max(1, input_len - 8))
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0,
+                                  timeout=300) as client:
+        await _concurrent(client, model, prompt, 4, 2, 1)     # warm-up: compile paths, caches
+        ttfts = [ttft for ttft, _ in await _concurrent(client, model, prompt, 2, samples, 1)]
+        prefill_capacity = sum(w["capacity"] for w in prefill)
+        start = time.perf_counter()
+        await _concurrent(client, model, prompt, 1, burst, 2 * prefill_capacity)
+        prefill_rps = burst / (time.perf_counter() - start) / len(prefill)
+        itl = {}
+        for per_worker in sorted({1, capacity}):
+            streams = per_worker * len(decode)
+            runs = await _concurrent(client, model, prompt, output_len, max(streams, 2 * streams), streams)
+            gaps = [b - a for _, times in runs for a, b in zip(times, times[1:])]
+            itl[per_worker] = _p90(gaps)
+    slope = (itl[capacity] - itl[1]) / (capacity - 1) if capacity > 1 else 0.0
+    slope = max(0.0, slope)
+    return Profile(prefill_rps=prefill_rps, prefill_s=statistics.median(ttfts), itl_base_s=max(1e-6, itl[1] - slope),
+                   itl_per_seq_s=slope, decode_capacity=capacity)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-plan profile", description=__doc__.split("\n")[0])
+    parser.add_argument("--gateway", required=True)
+    parser.add_argument("--model", required=True, help="served model name")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--input-len", type=int, default=64, help="prompt length in words (~tokens)")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--burst", type=int, default=32)
+    parser.add_argument("--out", default="-", help="where the profile JSON goes (default: stdout)")
+    args = parser.parse_args(argv)
+    profile = asyncio.run(measure(args.gateway, args.model, args.input_len, args.output_len, args.samples,
+                                  args.burst, args.api_key))
+    text = json.dumps({k: v for k, v in profile.__dict__.items() if k != "cost"}, indent=1)
+    if args.out == "-":
+        print(text)
+    else:
+        with open(args.out, "w") as handle:
+            handle.write(text + "\n")
+    return 0
