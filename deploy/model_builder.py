@@ -11,6 +11,7 @@ Usage::
     omni-make-model tiny-qwen3 DIR [--seed N] [--force]      # Qwen3 (q/k norm; qwen3_builder.py)
     omni-make-model tiny-qwen3-moe DIR [--seed N] [--force]  # Qwen3-MoE, 8 experts top 2 (qwen3_builder.py)
     omni-make-model tiny-zimage DIR [--seed N] [--force] # Z-Image (ZImagePipeline, zimage_builder.py)
+    omni-make-model tiny-wan DIR [--seed N] [--force]    # Wan 2.2 text-to-video (WanPipeline, wan_builder.py)
 
 The result is an ordinary Hugging Face model directory, loadable offline with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``:
@@ -308,11 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd", "tiny-video", "tiny-omni", "tiny-qwen3-omni", "tiny-dit",
                                          "tiny-qwen3", "tiny-qwen3-moe",
-                                         "tiny-zimage"],
+                                         "tiny-zimage", "tiny-wan"],
                         help="which model to build (tiny-sd: a diffusers text-to-image pipeline; "
                              "tiny-dit: the same around a diffusion transformer (SD3); "
                              "tiny-qwen3 / tiny-qwen3-moe: random-weight Qwen3 / Qwen3-MoE causal LMs; "
                              "tiny-zimage: Z-Image (ZImagePipeline, Qwen3 text encoder); "
+                             "tiny-wan: Wan 2.2 text-to-video (WanPipeline, two experts, UMT5); "
                              "tiny-video: a diffusers text-to-video pipeline; "
                              "tiny-omni: Qwen2.5-Omni thinker + talker + token2wav; "
                              "tiny-qwen3-omni: Qwen3-Omni MoE thinker + talker + code2wav)")
@@ -344,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.kind == "tiny-zimage":
             from .zimage_builder import build_tiny_zimage
             out = build_tiny_zimage(args.dir, seed=args.seed, force=args.force)
+        elif args.kind == "tiny-wan":
+            from .wan_builder import build_tiny_wan
+            out = build_tiny_wan(args.dir, seed=args.seed, force=args.force)
         elif args.kind == "tiny-omni":
             from .omni_builder import build_tiny_omni
             out = build_tiny_omni(args.dir, seed=args.seed, force=args.force)

@@ -19,6 +19,8 @@ import json
 import os
 from pathlib import Path
 
+from omnirelay.video_params import is_video_class
+
 from .pipeline import Pipeline, PipelineError, default_llm_pipeline, load_pipeline
 
 BUNDLED = Path(__file__).resolve().parent / "pipelines"
@@ -63,7 +65,7 @@ def model_kind(model_dir: str) -> str:
     index = _read_json(os.path.join(model_dir, "model_index.json"))
     if index is not None:
         name = str(index.get("_class_name", ""))
-        return "text-to-video" if "Video" in name or "video" in name else "text-to-image"
+        return "text-to-video" if is_video_class(name) else "text-to-image"
     config = _read_json(os.path.join(model_dir, "config.json")) or {}
     if config.get("model_type") == "qwen2_5_omni":
         return "omni"

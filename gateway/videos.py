@@ -50,6 +50,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from omnirelay.broker import protocol as p
+from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import (BadRequest, NotFound, OmniError, Overloaded, PayloadTooLarge, Unprocessable,
                               WorkerLost)
 from omnirelay.video_params import (DEFAULT_FPS, MAX_FRAMES, MAX_SECONDS, MAX_SEED, MAX_VIDEO_BYTES, PROGRESS_MIME,
@@ -71,13 +72,15 @@ FINISHED = ("completed", "failed", "cancelled")
 
 
 class VideoModel(PipelineModel):
-    """A served text-to-video pipeline, with the native size it makes."""
+    """A served text-to-video pipeline, with the native size it makes and its row of
+    :mod:`omnirelay.dit_families` (Wan), or None."""
 
     what, noun, makes, pipeline_file = "video pipeline", "video", "video", "deploy/pipelines/text_to_video.yaml"
 
     def __init__(self, served: ServedModel):
         super().__init__(served)
-        self.native_size = native_size(served.path)
+        self.family = family_of_dir(served.path)
+        self.native_size = native_size(served.path) or (self.family.native_size if self.family else None)
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -152,13 +155,23 @@ def resolve_params(request: VideoRequest, model: VideoModel) -> tuple[VideoParam
     if not width:
         raise BadRequest(f"model {model.name!r} does not state its native size; give 'size'", param="size")
     fields = dict(request.fields)
+    family = model.family
+    if family is not None:   # Wan: its own fps, steps and guidance; sizes and frames its patching takes
+        family.check_size(width, height)
+        for name, value in (("fps", family.default_fps), ("num_inference_steps", family.default_steps),
+                            ("guidance_scale", family.default_guidance)):
+            fields.setdefault(name, value)
     fps = fields.setdefault("fps", DEFAULT_FPS)
     check_int(fps, "fps", 1, 60)
     if "num_frames" not in fields:
         frames = round(float(request.seconds or DEFAULT_SECONDS) * fps)
+        if family is not None:
+            frames = family.round_frames(frames)
         if not 1 <= frames <= MAX_FRAMES:
             raise BadRequest(f"'seconds' × 'fps' is {frames} frames; the limit is 1 to {MAX_FRAMES}", param="seconds")
         fields["num_frames"] = frames
+    elif family is not None and isinstance(fields["num_frames"], int):
+        family.check_frames(fields["num_frames"])
     if "seed" not in fields:
         fields["seed"] = random.randrange(MAX_SEED)
     params = VideoParams(prompt=request.prompt, width=width, height=height, **fields)

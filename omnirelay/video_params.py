@@ -120,16 +120,24 @@ def check_int(value: Any, name: str, lo: int, hi: int, param: str | None = None)
         raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=param or name)
 
 
+# Video pipelines whose class name does not say "video".
+VIDEO_PIPELINE_CLASSES = frozenset({"WanPipeline"})
+
+
+def is_video_class(name: str) -> bool:
+    """Whether a diffusers pipeline class makes video: its name says "video", or it is Wan's."""
+    return "video" in name.lower() or name in VIDEO_PIPELINE_CLASSES
+
+
 def is_video_pipeline(path: str | os.PathLike) -> bool:
-    """A diffusers directory whose pipeline class makes video (the rule ``deploy/served_models``
-    uses too: the class name says "Video")."""
+    """A diffusers directory whose pipeline class makes video (:func:`is_video_class`, the rule
+    ``deploy/served_models`` uses too)."""
     try:
         with open(os.path.join(path, "model_index.json")) as handle:
             index = json.load(handle)
     except (OSError, ValueError):
         return False
-    name = str(index.get("_class_name", "")) if isinstance(index, dict) else ""
-    return "video" in name.lower()
+    return is_video_class(str(index.get("_class_name", "")) if isinstance(index, dict) else "")
 
 
 def native_size(path: str | os.PathLike) -> tuple[int, int] | None:

@@ -29,7 +29,10 @@ rounding).
 Runners: :class:`TextToVideoSDPipeline` (a UNet3D, a per-frame VAE, a scheduler and a CLIP text
 encoder) is driven step by step (:class:`StepwiseVideoRunner`); any other diffusers text-to-video
 pipeline runs through its own ``__call__`` in one engine step (:class:`WholeCallVideoRunner`), so
-it reports no progress in between and is not cancelled mid-denoise.
+it reports no progress in between and is not cancelled mid-denoise. ``WanPipeline`` (Wan 2.2, its
+two experts switched at ``boundary_ratio``, UniPC over flow sigmas) is one of those; its sizes
+(multiples of VAE factor × patch) and frame counts (4k + 1) come from :mod:`omnirelay.dit_families`,
+which the gateway checks first.
 
 File format (:func:`encode_video`): H.264 in MP4 (``video/mp4``, yuv420p, CRF 18) through PyAV
 when it is installed — the format OpenAI's video API returns; without PyAV, a lossless animated
@@ -53,6 +56,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from omnirelay.dit_families import family_of_pipeline
 from omnirelay.errors import BadRequest
 from omnirelay.video_params import VideoParams
 
@@ -279,7 +283,10 @@ class GenerateVideoEngine:
         self.runner = runner or runner_for(pipe)
         self.encoder = encoder or video_encoder()
         self.clock = clock
-        self.vae_scale_factor = int(pipe.vae_scale_factor)
+        # Wan: sizes in multiples of VAE factor × patch, frames 4k + 1 (omnirelay.dit_families)
+        self.family = family_of_pipeline(pipe)
+        self.vae_scale_factor = int(pipe.vae_scale_factor_spatial if self.family else pipe.vae_scale_factor)
+        self.patch_size = self.family.size_multiple // self.vae_scale_factor if self.family else 1
         self.waiting: collections.deque[VideoTask] = collections.deque()
         self.job: VideoJob | None = None
         self.stats: collections.Counter[str] = collections.Counter()
@@ -308,10 +315,12 @@ class GenerateVideoEngine:
         ValueError for a request id already held."""
         if self.holds(task.request_id):
             raise ValueError(f"request {task.request_id} is already held")
-        multiple = self.vae_scale_factor
+        multiple = self.vae_scale_factor * self.patch_size
         if task.params.width % multiple or task.params.height % multiple:
             raise BadRequest(f"this model makes video in multiples of {multiple} pixels, got "
                              f"{task.params.width}x{task.params.height}", param="size")
+        if self.family is not None:
+            self.family.check_frames(task.params.num_frames)
         self.waiting.append(task)
 
     def cancel(self, request_id: str) -> bool:

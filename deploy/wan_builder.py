@@ -1,0 +1,91 @@
+"""Build a tiny random-weight Wan 2.2 text-to-video pipeline (``omni-make-model tiny-wan DIR``).
+
+The result is an ordinary diffusers directory shaped like ``Wan-AI/Wan2.2-T2V-A14B-Diffusers``,
+loadable offline with ``DiffusionPipeline.from_pretrained(DIR)`` (it resolves to ``WanPipeline``)::
+
+    DIR/model_index.json       the pipeline class, its components and boundary_ratio 0.875
+    DIR/transformer/           WanTransformer3DModel (the high-noise expert): 2 blocks, 2 heads × 16,
+                               patch (1, 2, 2), 3-axis RoPE, cross-attention on the prompt
+    DIR/transformer_2/         the same shape, other weights (the low-noise expert: A14B switches
+                               to it once the timestep falls below boundary_ratio × 1000)
+    DIR/vae/                   AutoencoderKLWan: causal 3D VAE, 8 pixels and 4 frames per latent
+    DIR/scheduler/             UniPCMultistepScheduler over flow sigmas (flow_shift 3, as Wan 480p)
+    DIR/text_encoder/          UMT5EncoderModel: 2 layers, 32 wide
+    DIR/tokenizer/             byte-level BPE tokenizer (any ids the UMT5 vocabulary holds),
+                               trained offline by :func:`omnirelay.deploy.model_builder._build_tokenizer`
+
+Sizes: 8 pixels per latent times the 2×2 patch make sides in multiples of 16; frames come as
+4·k + 1 (the VAE keeps the first frame and packs 4 per latent after it). A 64×64, 9-frame clip is
+a 3 × 8 × 8 latent, 48 video tokens.
+
+The transformers pin their norms and embeddings to float32 (``_keep_in_fp32_modules``); diffusers
+loads them without ``accelerate`` as well. Weights are a pure function of ``seed`` (each component
+under its own seeded RNG; the caller's global RNG is untouched). The VAE's decoder output is
+widened so that frames are not a flat grey. Written into a temporary sibling directory and renamed
+into place, as in :mod:`omnirelay.deploy.model_builder`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+MODEL_KIND = "tiny-wan"
+REQUIRED_FILES = ("model_index.json", "transformer/config.json", "transformer_2/config.json", "vae/config.json",
+                  "scheduler/scheduler_config.json", "text_encoder/config.json", "tokenizer/tokenizer.json")
+TEXT_WIDTH = 32
+VAE_OUT_STD = 0.5
+
+
+def _transformer():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+        text_dim=TEXT_WIDTH, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=256).eval()
+
+
+def _build_into(out: pathlib.Path, seed: int) -> None:
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from .model_builder import _build_tokenizer
+
+    tokenizer = _build_tokenizer(out / "tokenizer")
+    text_config = UMT5Config(
+        vocab_size=-(-len(tokenizer) // 64) * 64, d_model=TEXT_WIDTH, d_kv=8, d_ff=2 * TEXT_WIDTH, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=64,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(text_config).eval()
+        torch.manual_seed(seed + 1)
+        transformer = _transformer()
+        torch.manual_seed(seed + 2)
+        transformer_2 = _transformer()
+        torch.manual_seed(seed + 3)
+        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                               temperal_downsample=[False, True, True]).eval()
+        vae.decoder.conv_out.weight.normal_(0.0, VAE_OUT_STD, generator=torch.Generator().manual_seed(seed + 4))
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                        num_train_timesteps=1000)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer, transformer_2=transformer_2, boundary_ratio=0.875)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    # mkdtemp made the dir private; a model dir is shared data.
+    for path in [out, *out.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    root = pathlib.Path(path)
+    return all((root / name).is_file() for name in REQUIRED_FILES)
+
+
+def build_tiny_wan(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
+    """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
+    from .model_builder import build_atomically
+    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
+                            what="pipeline")
