@@ -4,14 +4,17 @@ Tokens arrive a few at a time; text must be emitted as soon as it is final. A by
 may end in the middle of a UTF-8 character, so we decode a short window (from ``prefix_offset``) and
 emit only once the window's text grows without a trailing replacement character. Stop strings are
 matched on the text; while a stop string could still be forming at the end, that tail is held
-back so the stream never shows text the final answer does not contain.
+back so the stream never shows text the final answer does not contain. With ``min_tokens`` (vLLM's
+rule) a stop string ends the text only once more than ``min_tokens`` tokens came: one completed
+earlier is part of the answer.
 """
 
 from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, min_tokens: int = 0):
+        self._min_tokens = min_tokens
         self._decode_ids = _fast_decode(tokenizer)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
@@ -38,7 +41,7 @@ class IncrementalDetokenizer:
         self.text += window[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         hits = [at for stop in self._stop if (at := self.text.find(stop, searched_from)) >= 0]
-        if hits:
+        if hits and len(self.token_ids) > self._min_tokens:
             self.text = self.text[:min(hits)]
             self.stopped = True
 

@@ -36,6 +36,7 @@ from .bus import BusClient, PositionLogprobs
 from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
 from .resubmit import Submissions
+from .sampling_options import submission_min_tokens, wire_options
 from .schema import GenerationRequest
 
 
@@ -58,6 +59,7 @@ class Generation:
     resumes: int = 0
     stages: tuple[str, ...] = ()
     inputs: dict = dataclasses.field(default_factory=dict)   # the first stage's (media for encode)
+    sampling_options: dict = dataclasses.field(default_factory=dict)   # sampling_options.wire_options
 
     @property
     def prompt_tokens(self) -> int:
@@ -103,8 +105,11 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
                          f"context length {model.max_model_len}", param="max_tokens")
     if request.kind != "chat":
         stages = tuple(s for s in stages if s != "encode")
+    options = wire_options(request.options, vocab_size=model.vocab_size, tokenizer=model.tokenizer,
+                           max_tokens=max_tokens)
     return Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=model, request=request,
-                      prompt_token_ids=prompt_ids, max_tokens=max_tokens, stages=stages, inputs=inputs)
+                      prompt_token_ids=prompt_ids, max_tokens=max_tokens, stages=stages, inputs=inputs,
+                      sampling_options=options)
 
 
 def _sampling(gen: Generation, generated: int) -> dict:
@@ -116,13 +121,14 @@ def _sampling(gen: Generation, generated: int) -> dict:
         seed = random.getrandbits(63)
     return {"max_tokens": gen.max_tokens - generated, "temperature": req.temperature, "top_p": req.top_p,
             "top_k": req.top_k, "seed": seed, "ignore_eos": req.ignore_eos,
-            "stop_token_ids": list(req.stop_token_ids),
+            "stop_token_ids": list(req.stop_token_ids), **gen.sampling_options,
+            **submission_min_tokens(req.options, generated),
             **({"logprobs": req.logprobs} if req.logprobs >= 0 else {})}
 
 
 async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator[TextChunk]:
     """Yield text chunks until the generation finishes; cancels upstream if the caller stops early."""
-    detok = IncrementalDetokenizer(gen.model.tokenizer, gen.request.stop)
+    detok = IncrementalDetokenizer(gen.model.tokenizer, gen.request.stop, min_tokens=gen.request.options.min_tokens)
     generated: list[int] = []
     sampling = _sampling(gen, 0)
     # A pause for a role briefly without workers (a restart in progress) is not a resume.
@@ -134,7 +140,8 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                 submit = p.Submit(request_id=upstream_id, model=gen.model.name,
                                   stages=list(gen.stages or gen.model.stages),
                                   prompt_token_ids=gen.prompt_token_ids + generated,
-                                  sampling={**sampling, "max_tokens": gen.max_tokens - len(generated)},
+                                  sampling={**sampling, "max_tokens": gen.max_tokens - len(generated),
+                                            **submission_min_tokens(gen.request.options, len(generated))},
                                   deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
                                   position_offset=len(generated), inputs=gen.inputs)
                 stream = await bus.submit(submit)

@@ -26,6 +26,8 @@ from typing import Any
 from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
 from omnirelay.errors import BadRequest, Unprocessable
 
+from .sampling_options import SamplingOptions, parse_options
+
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_CHOICES = 128   # choices in one request: n, times the prompts of a batched /v1/completions
 
@@ -51,6 +53,7 @@ class GenerationRequest:
     modalities: tuple[str, ...] = ("text",)   # chat: ("text", "audio") asks for speech too
     audio: dict | None = None                 # chat with audio: {"voice": str, "format": wav|pcm16|flac}
     logprobs: int = -1                        # -1: none; k >= 0: each token's logprob and the top k
+    options: SamplingOptions = SamplingOptions()   # penalties, logit_bias, min_p/min_tokens, … (sampling_options.py)
     n: int = 1                                # choices per prompt (gateway/choices.py fans them out)
     echo: bool = False                        # completions: the prompt's text before each choice's
     prompts: tuple[str | tuple[int, ...], ...] = ()   # completions given several prompts (prompt/
@@ -88,15 +91,7 @@ def _chat_audio(body: dict) -> dict:
 # serve (yet): name → the values that change nothing, accepted like an absent option or null. Any
 # other value answers 422 naming the option. Implementing one means removing its entry here.
 NOT_SERVED: dict[str, tuple] = {
-    # sampling
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
-    "bad_words": ([],),
-    "allowed_token_ids": (),
+    # sampling (the served options: sampling_options.py)
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
@@ -269,7 +264,7 @@ def _common(body: dict) -> dict:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer", param="seed")
     return dict(
-        model=model, max_tokens=max_tokens,
+        model=model, max_tokens=max_tokens, options=parse_options(body),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=_integer(body, "top_k", 0, -1), seed=seed, stop=_stop(body),

@@ -1,11 +1,15 @@
 """Request options that change the answer: each is either served or refused (422 naming it), never
-a 200 that ignored it. Through the official ``openai`` client against a real ``omni-serve``.
+a 200 that ignored it. The served sampling options (penalties, logit_bias, min_p, min_tokens,
+bad_words, allowed_token_ids) are checked twice: the worker's vectorised logits processors against
+a per-row reference, and end to end through the official ``openai`` client against a real
+``omni-serve`` (and a cluster whose decode worker is killed mid-stream).
 """
 
 from __future__ import annotations
 
 import openai
 import pytest
+import requests
 
 from omnirelay.errors import Unprocessable
 from omnirelay.gateway.schema import NOT_SERVED, parse_chat, parse_completion
@@ -218,3 +222,128 @@ def test_sampling_params_round_trip_and_vocab_check():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         params.check_vocab(4)
     SamplingParams.from_wire({"audio": {}, "audio_stream": True, "structured": None, "temperature": 0})
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: each option changes the answer the way it should.
+
+PROMPT = "The weather today is"
+EOS_ID = 2   # tiny-llm's generation_config: eos_token_id [2, 0]
+
+
+def _complete(client, max_tokens: int = 24, **options) -> tuple[list[int], str, str]:
+    """Greedy completion: (token ids, text, finish_reason)."""
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                         extra_body={"return_token_ids": True, **options})
+    choice = response.choices[0]
+    assert response.usage.completion_tokens == len(choice.token_ids)
+    return choice.token_ids, choice.text, choice.finish_reason
+
+
+def _first_repeat(tokens: list[int]) -> int:
+    return next(i for i, t in enumerate(tokens) if t in tokens[:i])
+
+
+def test_a_penalty_breaks_a_greedy_repetition(client):
+    plain, _, _ = _complete(client)
+    repeat = _first_repeat(plain)   # the greedy answer of this random model repeats itself
+    for options in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        penalised, _, _ = _complete(client, **options)
+        assert penalised[:repeat] == plain[:repeat], options          # nothing to penalise before
+        assert penalised[repeat] not in penalised[:repeat], options    # the repeat is gone
+    # repetition_penalty counts the prompt too: the answer changes, and the repeat is not taken.
+    penalised, _, _ = _complete(client, repetition_penalty=2.0)
+    assert penalised != plain and plain[repeat] not in penalised[repeat:repeat + 1]
+
+
+def test_logit_bias_forces_and_bans_tokens(client):
+    plain, _, _ = _complete(client, max_tokens=8)
+    forced, _, _ = _complete(client, max_tokens=8, logit_bias={"42": 100})
+    assert forced == [42] * 8
+    banned, _, _ = _complete(client, max_tokens=8, logit_bias={str(plain[0]): -100})
+    assert banned[0] != plain[0]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={"42": 100})
+    assert chat.choices[0].message.content == "HHHH"   # token 42 is "H"
+
+
+def test_min_tokens_outlasts_eos_a_stop_token_and_a_stop_string(client):
+    eos = {"logit_bias": {str(EOS_ID): 100}}
+    tokens, _, finish = _complete(client, **eos)
+    assert (tokens, finish) == ([EOS_ID], "stop")
+    tokens, _, finish = _complete(client, min_tokens=5, **eos)
+    assert finish == "stop" and len(tokens) == 6 and tokens[-1] == EOS_ID and EOS_ID not in tokens[:5]
+
+    plain, text, _ = _complete(client)
+    stop_token = plain[2]
+    tokens, _, finish = _complete(client, stop_token_ids=[stop_token])
+    assert (len(tokens), finish) == (3, "stop")
+    tokens, _, finish = _complete(client, stop_token_ids=[stop_token], min_tokens=10)
+    assert len(tokens) > 10 and stop_token not in tokens[:10]
+
+    stop = text[len(text) // 4:len(text) // 4 + 2]     # a stop string the plain answer reaches early
+    early = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    late = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                     extra_body={"min_tokens": 20})
+    assert early.usage.completion_tokens < 20 <= late.usage.completion_tokens
+    assert late.choices[0].text.startswith(early.choices[0].text + stop)
+
+
+def test_allowed_token_ids_bad_words_and_min_p(client):
+    allowed = [40, 41, 42]
+    tokens, _, _ = _complete(client, allowed_token_ids=allowed)
+    assert set(tokens) <= set(allowed)
+
+    plain, text, _ = _complete(client)
+    banned_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0).choices[0].text
+    tokens, _, _ = _complete(client, bad_words=[banned_text])
+    assert tokens[0] != plain[0]
+
+    # min_p = 1 keeps only the most likely token: sampling at any temperature is then greedy.
+    sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.5, seed=7,
+                                        extra_body={"return_token_ids": True, "min_p": 1.0})
+    assert sampled.choices[0].token_ids == plain
+
+
+def test_stream_equals_non_stream_with_options(client):
+    options = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_tokens": 6,
+               "logit_bias": {"42": 3.5}, "bad_words": ["the"], "return_token_ids": True}
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body=options)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=options))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] \
+        == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=16, temperature=0,
+                presence_penalty=1.0, frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2, "min_p": 0.2})
+    full = client.chat.completions.create(**chat)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
+                       if c.choices)
+    assert streamed == full.choices[0].message.content
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"logit_bias": {"99999": 5}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 30, "max_tokens": 10}, "min_tokens"),
+    ({"bad_words": "the"}, "bad_words"), ({"bad_words": [""]}, "bad_words"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [5, 99999]}, "allowed_token_ids"),
+])
+def test_bad_options_are_400s_naming_the_param(client, server, options, param):
+    before = _submitted(server)
+    body = {"max_tokens": 4, **options}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body=body)
+    assert caught.value.body["param"] == param, caught.value.body
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body=body)
+    assert caught.value.body["param"] == param, caught.value.body
+    assert _submitted(server) == before, "a bad request reached the broker"
+
+
+def _submitted(server) -> int:
+    """Requests the broker admitted so far (its counters, through the gateway's /cluster)."""
+    return requests.get(server.url + "/cluster", timeout=10).json()["broker"].get("requests_admitted", 0)

@@ -57,6 +57,7 @@ from .forward_batch import ForwardBatch
 from .kv_cache import BlockAllocator, PagedKVCache
 from .kv_export import delete_quietly, release_kv
 from .kv_prefetch import ImportState, KVImport, KVPrefetcher
+from .logits_processors import LogitsProcessors, TokenHistory
 from .model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from .models.llama import LlamaModel
 from .sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
@@ -95,6 +96,10 @@ class Sequence:
     swapped: torch.Tensor | None = None   # preempted media sequence: its KV, kept in host memory
     kv_import: KVImport | None = None     # the prefill's KV on its way; owns task.kv_key once started
     hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm state of each fed token
+
+    def __post_init__(self) -> None:
+        # What the logits processors see: prompt, the resumed output at its end, ``generated`` (shared).
+        self.history = TokenHistory(self.task.prompt_token_ids, self.task.position_offset, self.generated)
 
     @property
     def request_id(self) -> str:
@@ -154,6 +159,7 @@ class DecodeEngine:
         self.running: list[Sequence] = []
         self.stats = collections.Counter()
         self.grammars = grammars
+        self.processors = LogitsProcessors(self.eos_token_ids)
 
     @property
     def num_requests(self) -> int:
@@ -380,7 +386,8 @@ class DecodeEngine:
         params = [s.task.params for s in batch]
         logits = logits_for_sampling(logits, params)
         grammar_rows = [self._grammar_row(s) for s in batch]
-        tokens = sample(self.grammars.mask(logits, grammar_rows) if self.grammars else logits, params, out_positions)
+        masked = self.grammars.mask(logits, grammar_rows) if self.grammars else logits
+        tokens = sample(self.processors.apply(masked, params, [s.history for s in batch]), params, out_positions)
         grammar_ended = self.grammars.accept(grammar_rows, tokens) if self.grammars else [False] * len(batch)
         logprobs = chosen_logprobs(logits, params, tokens)
         self.stats["decode_steps"] += 1

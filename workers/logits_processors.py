@@ -112,8 +112,10 @@ class LogitsProcessors:
         return out.index_copy_(0, index, keep)
 
     def _min_tokens(self, out: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+        vocab = out.shape[-1]
         pairs = [(i, t) for i in rows for t in
-                 (params[i].stop_token_ids if params[i].ignore_eos else self.eos_token_ids + params[i].stop_token_ids)]
+                 (params[i].stop_token_ids if params[i].ignore_eos else self.eos_token_ids + params[i].stop_token_ids)
+                 if t < vocab]
         _fill(out, pairs, _NEG_INF)
 
 

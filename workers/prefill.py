@@ -57,6 +57,7 @@ from omnirelay.block_hash import block_hashes
 from .forward_batch import ForwardBatch
 from .kv_export import (LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport, delete_quietly,
                         release_kv)
+from .logits_processors import LogitsProcessors, TokenHistory
 from .model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sampling
 from .models.llama import LlamaModel
 from .mrope import MropeSpec, mrope_positions
@@ -152,6 +153,7 @@ class PrefillEngine:
         self.running: list[_Running] = []
         self.stats = collections.Counter()
         self.grammars = grammars
+        self.processors = LogitsProcessors(self.runner.config.eos_token_ids)
         self._grammar_complete: set[str] = set()   # requests whose first token completed their grammar
 
     @property
@@ -361,7 +363,9 @@ class PrefillEngine:
             done_logits = logits_for_sampling(logits[done_rows], params)
             grammar_rows = [self._grammar_row(s.task) for s in done]
             sample_logits = self.grammars.mask(done_logits, grammar_rows) if self.grammars else done_logits
-            tokens = sample(sample_logits, params, [s.task.position_offset for s in done])
+            histories = [TokenHistory(s.task.prompt_token_ids, s.task.position_offset) for s in done]
+            tokens = sample(self.processors.apply(sample_logits, params, histories), params,
+                            [s.task.position_offset for s in done])
             if self.grammars:
                 self._grammar_complete = {s.task.request_id for s, ended
                                           in zip(done, self.grammars.accept(grammar_rows, tokens)) if ended}

@@ -69,6 +69,7 @@ class PrefillRole(RoleAdapter):
     def accept(self, task: p.Task) -> list[Outbound]:
         try:
             params = SamplingParams.from_wire(task.sampling)
+            _check_token_ids(params, self.engine)
             structured = p.StructuredOutput.from_wire(task.sampling.get("structured"))
         except (TypeError, ValueError) as exc:
             return [self.failure(task.request_id, task.stage, "bad_request", f"invalid sampling: {exc}")]
@@ -116,6 +117,7 @@ class DecodeRole(RoleAdapter):
         inputs = task.inputs
         try:
             params = SamplingParams.from_wire(task.sampling)
+            _check_token_ids(params, self.engine)
             decode_task = DecodeTask(
                 request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
                 first_token=int(inputs["first_token"]), params=params, deadline=task.deadline,
@@ -173,6 +175,13 @@ def _delta(t: TokenOut, worker_id: str = "") -> p.TokenDelta:
     return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
                         logprobs=[t.logprobs.logprob], top_token_ids=[[i for i, _ in top]] if top else [],
                         top_logprobs=[[v for _, v in top]] if top else [])
+
+
+def _check_token_ids(params: SamplingParams, engine: PrefillEngine | DecodeEngine) -> None:
+    """``ValueError`` for a token id of the logits processors outside the model's vocabulary (the
+    gateway checks too; a worker never indexes the logits out of range)."""
+    if params.max_token_id >= 0:
+        params.check_vocab(engine.runner.config.vocab_size)
 
 
 def _speech_mode(sampling: dict) -> str:

@@ -78,13 +78,18 @@ class SamplingParams:
         if not all(_is_token(t) for t in (*self.allowed_token_ids, *self.stop_token_ids)):
             raise ValueError("allowed_token_ids and stop_token_ids must be token ids")
 
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest token id the logits processors index the logits with (-1: none). Not
+        ``stop_token_ids``: an id outside the vocabulary there just never matches (and the
+        ``min_tokens`` step skips it)."""
+        return max((*self.allowed_token_ids, *(t for t, _ in self.logit_bias),
+                    *(t for word in self.bad_words_token_ids for t in word)), default=-1)
+
     def check_vocab(self, vocab_size: int) -> None:
-        """``ValueError`` when a token id of the options is outside a vocabulary of ``vocab_size``
-        (the logits processors index the logits with them)."""
-        ids = [*self.allowed_token_ids, *self.stop_token_ids, *(t for t, _ in self.logit_bias),
-               *(t for word in self.bad_words_token_ids for t in word)]
-        if ids and max(ids) >= vocab_size:
-            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({vocab_size})")
+        """``ValueError`` when :attr:`max_token_id` is outside a vocabulary of ``vocab_size``."""
+        if self.max_token_id >= vocab_size:
+            raise ValueError(f"token id {self.max_token_id} is outside the vocabulary ({vocab_size})")
 
     @functools.cached_property
     def penalized(self) -> bool:
