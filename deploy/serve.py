@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "model in order (default: the bundled pipeline of each model's kind)")
     parser.add_argument("--stage-init-timeout", type=float, default=300.0)
     parser.add_argument("--drain-timeout", type=float, default=5.0)
+    parser.add_argument("--autoscale", action="append", default=None, metavar="ROLE=MIN:MAX",
+                        help="add and drain extra workers of ROLE (MIN to MAX beyond --num-ROLE) from the "
+                             "broker's queues and the gateway's latency (omnirelay.fleet; repeat per role)")
     parser.add_argument("--broker", default=None,
                         help="endpoint the broker binds, so workers on other hosts can join (default: a "
                              "private ipc:// socket); off loopback it needs --curve-keys")
@@ -253,7 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             served = ", ".join(f"{plan.name!r} ({plan.path})" for plan in plans)
             print(f"omni-serve ready: {url} (models {served})", flush=True)
-            exit_code = _supervise(children, shutdown)
+            scaler = None
+            if args.autoscale:
+                from omnirelay.fleet.serve_hook import start as start_autoscaler
+                scaler = start_autoscaler(args, plans, broker, url)
+            try:
+                exit_code = _supervise(children, shutdown)
+            finally:
+                if scaler is not None:
+                    scaler.close()   # drains the extra workers before the fixed fleet stops
     finally:
         _stop_all(children, args.drain_timeout)
         sweep_orphans()   # every child is gone now: this takes all of their segments

@@ -208,3 +208,24 @@ def test_autoscaler_adds_a_decode_worker_under_load_and_drains_one_after(tiny_mo
         if actuator is not None:
             actuator.close()
         cluster.stop()
+
+
+def test_omni_serve_autoscale_hook_uses_the_roles_worker_command(tiny_model):
+    """omni-serve --autoscale: each model's autoscaler gets the role's own worker command line and
+    bounds; its loop runs on a thread that close() joins (no worker starts: MIN is 0 and the
+    gateway URL answers nothing, so every pass is skipped and logged)."""
+    from omnirelay.deploy.served_models import plan_models
+    from omnirelay.deploy.serve import build_parser, worker_commands
+    from omnirelay.fleet import serve_hook
+
+    args = build_parser().parse_args([tiny_model, "--autoscale", "decode=0:3"])
+    plans = plan_models([(tiny_model, "tiny-llm")], None, args.connector)
+    handle = serve_hook.start(args, plans, "ipc:///tmp/none.sock", "http://127.0.0.1:9")
+    try:
+        (actuator,) = handle.actuators
+        assert [t.is_alive() for t in handle.threads] == [True]
+        expected = next(c.argv for c in worker_commands(args, plans, "ipc:///tmp/none.sock") if c.role == "decode")
+        assert actuator._argv("decode", 0) == list(expected) and actuator.active("decode") == 0
+    finally:
+        handle.close()
+    assert not any(t.is_alive() for t in handle.threads)
