@@ -3,8 +3,9 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as SSE ending
 ``data: [DONE]``, or one JSON body; several choices: gateway/choices.py), ``GET /v1/models``,
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's, gateway/tokenization.py), ``GET /health``
-(200 only while every role each model needs has a live worker), ``GET /cluster`` (the broker's view: workers, load, counters),
-``GET /metrics`` (Prometheus), ``GET /status`` (a live page) and ``GET /openapi.json``.
+(200 only while every role each model needs has a live worker), ``GET /cluster`` (the broker's
+view: workers, load, counters), ``GET /metrics`` (Prometheus), ``GET /status`` (a live page) and
+``GET /openapi.json``.
 
 With an API key configured, every ``/v1`` route and the tokenizer routes need ``Authorization:
 Bearer <key>`` (compared in constant time); the probes (/health, /metrics, /cluster) stay open
@@ -200,7 +201,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         from .speech import chat_with_audio
         return await chat_with_audio(request, parsed, body)
     if parsed.n > 1:
-        return await _respond_choices(request, parsed, "chatcmpl", _ChatFormat())
+        return await _respond_choices(request, parsed, "chatcmpl", _ChatFormat)
     gen = generation.prepare(_model(request, parsed.model), parsed, "chatcmpl")
     return await _respond(request, gen, _ChatFormat())
 
@@ -208,15 +209,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await _json_body(request))
     if parsed.n > 1 or parsed.prompts or parsed.echo:
-        return await _respond_choices(request, parsed, "cmpl", _CompletionFormat())
+        return await _respond_choices(request, parsed, "cmpl", _CompletionFormat)
     gen = generation.prepare(_model(request, parsed.model), parsed, "cmpl")
     return await _respond(request, gen, _CompletionFormat())
 
 
-async def _respond_choices(request: web.Request, parsed: GenerationRequest, prefix: str, fmt) -> web.StreamResponse:
-    """Several choices (n > 1, a list of prompts) or echo: gateway/choices.py fans them out."""
+async def _respond_choices(request: web.Request, parsed: GenerationRequest, prefix: str,
+                           make_format) -> web.StreamResponse:
+    """Several choices (n > 1, a list of prompts) or echo: gateway/choices.py fans them out, rendering
+    each choice with its own ``make_format()``."""
     from . import choices   # imports this module's keys
-    return await choices.respond(request, choices.plan(_model(request, parsed.model), parsed, prefix), fmt)
+    return await choices.respond(request, choices.plan(_model(request, parsed.model), parsed, prefix), make_format)
 
 
 # Logprobs answers (request asked: GenerationRequest.logprobs >= 0). Each format's ``logprobs``

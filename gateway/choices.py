@@ -37,7 +37,7 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -110,14 +110,13 @@ async def interleave(bus: BusClient, plan_: Plan, deadline: float
                 if started is not None:
                     started.set()
                 await queue.put((index, chunk))
+            if started is not None:
+                started.set()
             await queue.put((index, None))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:   # handed to the consumer, which raises it (one error fails the request)
-            await queue.put((index, exc))
-        finally:
-            if started is not None:
-                started.set()   # siblings of a failed first choice start only to be cancelled with it
+        except Exception as exc:   # handed to the consumer, which raises it (one error fails the request);
+            await queue.put((index, exc))   # siblings still waiting for this choice never start
 
     tasks = []
     for start in range(0, len(plan_.gens), plan_.n):
@@ -153,16 +152,18 @@ def _usage(plan_: Plan) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def respond(request: web.Request, plan_: Plan, fmt) -> web.StreamResponse:
-    """Answer ``plan_`` with the route's ``fmt`` (app._ChatFormat / app._CompletionFormat)."""
+async def respond(request: web.Request, plan_: Plan, make_format: Callable[[], Any]) -> web.StreamResponse:
+    """Answer ``plan_``; ``make_format()`` gives one choice's renderer (app._ChatFormat,
+    app._CompletionFormat or a stateful wrapper of them, such as tool_calls.chat_format's): one each."""
+    fmts = [make_format() for _ in plan_.gens]
     model = plan_.gens[0].model
     timer = request.app[METRICS].timer(model.name)   # one request: TTFT is the first choice's first token
     outcome = "cancelled"
     try:
         if plan_.request.stream:
-            response = await _respond_stream(request, plan_, fmt, timer)
+            response = await _respond_stream(request, plan_, fmts, timer)
         else:
-            response = await _respond_full(request, plan_, fmt, timer)
+            response = await _respond_full(request, plan_, fmts, timer)
         outcome = "ok"
         return response
     except OmniError as exc:
@@ -178,7 +179,7 @@ async def respond(request: web.Request, plan_: Plan, fmt) -> web.StreamResponse:
                      plan_.prompt_tokens, plan_.completion_tokens, plan_.resumes, outcome, timer.elapsed())
 
 
-async def _respond_full(request: web.Request, plan_: Plan, fmt, timer) -> web.Response:
+async def _respond_full(request: web.Request, plan_: Plan, fmts: list, timer) -> web.Response:
     deadline = time.time() + request.app[CONFIG].request_timeout_s
     count = len(plan_.gens)
     texts: list[list[str]] = [[] for _ in range(count)]
@@ -194,6 +195,7 @@ async def _respond_full(request: web.Request, plan_: Plan, fmt, timer) -> web.Re
             finish[index] = chunk.finish_reason or finish[index]
     choices = []
     for index, gen in enumerate(plan_.gens):
+        fmt = fmts[index]
         rendered = fmt.logprobs(gen, token_ids[index], logprobs[index], 0)[0] if gen.request.logprobs >= 0 else None
         text = "".join(texts[index])
         if plan_.request.echo:
@@ -204,7 +206,7 @@ async def _respond_full(request: web.Request, plan_: Plan, fmt, timer) -> web.Re
             choice["prompt_token_ids"] = gen.prompt_token_ids
         choices.append(choice)
     body = {"id": plan_.request_id, "created": generation.now(), "model": plan_.gens[0].model.name,
-            "object": fmt.object_full, "choices": choices, "usage": _usage(plan_)}
+            "object": fmts[0].object_full, "choices": choices, "usage": _usage(plan_)}
     return web.json_response(body, headers={"X-Request-Id": plan_.request_id})
 
 
@@ -223,20 +225,20 @@ def _stream_slot(request: web.Request):
             del streams[client]
 
 
-async def _respond_stream(request: web.Request, plan_: Plan, fmt, timer) -> web.StreamResponse:
+async def _respond_stream(request: web.Request, plan_: Plan, fmts: list, timer) -> web.StreamResponse:
     with _stream_slot(request):
         async with contextlib.aclosing(
                 interleave(request.app[BUS], plan_, time.time() + request.app[CONFIG].request_timeout_s)) as chunks:
-            return await _stream(request, plan_, fmt, timer, chunks)
+            return await _stream(request, plan_, fmts, timer, chunks)
 
 
-async def _stream(request: web.Request, plan_: Plan, fmt, timer, chunks) -> web.StreamResponse:
+async def _stream(request: web.Request, plan_: Plan, fmts: list, timer, chunks) -> web.StreamResponse:
     config = request.app[CONFIG]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": plan_.request_id})
     include_usage = plan_.request.include_usage
     chunk_base = {"id": plan_.request_id, "created": generation.now(), "model": plan_.gens[0].model.name,
-                  "object": fmt.object_chunk}
+                  "object": fmts[0].object_chunk}
 
     async def write(data: bytes) -> None:
         try:
@@ -257,13 +259,13 @@ async def _stream(request: web.Request, plan_: Plan, fmt, timer, chunks) -> web.
     offsets = [0] * count                     # text offsets of each choice's logprobs
     echo = [plan_.request.echo] * count       # choices whose prompt text is still to be sent
     try:
-        if fmt.first_delta() is not None:
-            for index in range(count):
+        for index, fmt in enumerate(fmts):
+            if fmt.first_delta() is not None:
                 await send([{**fmt.first_delta(), "index": index}])
         item = first
         while item is not None:
             index, chunk = item
-            gen = plan_.gens[index]
+            gen, fmt = plan_.gens[index], fmts[index]
             timer.tokens(len(chunk.token_ids))
             logprobs = None
             if gen.request.logprobs >= 0 and chunk.token_ids:

@@ -22,6 +22,7 @@ from omnirelay import image_params as img
 from omnirelay import speech_params as sp
 from omnirelay import video_params as vid
 from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
+from omnirelay.gateway.schema import MAX_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,9 @@ def _sampling(max_model_len: int, models: list[str]) -> dict:
         "stop_token_ids": {**_TOKEN_IDS, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "return_token_ids": {"type": "boolean", "nullable": True},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": True},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
+              "description": "choices per prompt; with a seed, choice j samples with seed + j (vLLM's children); "
+                             "usage counts the prompt once and sums the choices' tokens"},
         "stream": {"type": "boolean", "nullable": True},
         "stream_options": {"type": "object", "nullable": True,
                            "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
@@ -115,6 +118,42 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
 
 def _errors(*statuses: str) -> dict:
     return {status: _ERROR_RESPONSE for status in statuses}
+
+
+def _tokenizer_paths(models: list[str], vocab_size: int | None) -> dict:
+    """vLLM's /tokenize and /detokenize (gateway/tokenization.py): the served model's tokenizer."""
+    model = {"type": "string", "enum": models, "description": "optional when one language model is served"}
+    flag = {"type": "boolean", "nullable": True}
+    text_message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
+        "content": {"type": "string", "nullable": True}}}
+    tokenize_request = {"oneOf": [
+        {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+            "model": model, "prompt": {"type": "string"},
+            "add_special_tokens": {**flag, "description": "default true"}, "return_token_strs": flag}},
+        {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+            "model": model, "messages": {"type": "array", "minItems": 1, "items": text_message},
+            "add_generation_prompt": {**flag, "description": "default true; the count is then the chat "
+                                                             "request's usage.prompt_tokens"},
+            "continue_final_message": {**flag, "description": "default false; only without a generation prompt"},
+            "add_special_tokens": {**flag, "description": "default false"}, "return_token_strs": flag}}]}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                      **({"maximum": vocab_size - 1} if vocab_size else {})}}
+    tokenize_answer = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+        "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"}, "tokens": ids,
+        "token_strs": {"type": "array", "items": {"type": "string"}, "nullable": True}}}
+    detokenize_answer = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+
+    def operation(name: str, request: dict, answer: dict) -> dict:
+        return {"post": {"operationId": name,
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                         "responses": {"200": {"description": name, "content": {"application/json": {
+                             "schema": answer}}}, **_errors("400", "401", "404", "408", "413", "422")}}}
+
+    return {"/tokenize": operation("tokenize", tokenize_request, tokenize_answer),
+            "/detokenize": operation("detokenize", {
+                "type": "object", "required": ["tokens"], "additionalProperties": False,
+                "properties": {"model": model, "tokens": ids}}, detokenize_answer)}
 
 
 def _size_pattern(max_side: int, multiple: int, auto: bool) -> str:
@@ -337,6 +376,9 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
     (a gateway without one answers such requests 400/404/422). ``max_model_len`` and ``vocab_size``:
     the smallest of the language models (token ids at or above it are 400)."""
     sampling = _sampling(max_model_len, models)
+    text_prompt = {"type": "string", "minLength": 1}
+    token_prompt = {"type": "array", "minItems": 1, "items": {
+        "type": "integer", "minimum": 0, **({"maximum": vocab_size - 1} if vocab_size else {})}}
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
         "content": {"nullable": True, "oneOf": [
@@ -348,11 +390,15 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
         **sampling, "messages": {"type": "array", "minItems": 1, "items": message}, **_chat_output(speech),
         **_CHAT_LOGPROBS_REQUEST}}
     completion_request = {"type": "object", "required": ["model", "prompt"], "properties": {
-        **sampling, "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                                         {"type": "array", "minItems": 1, "items": {
-                                             "type": "integer", "minimum": 0,
-                                             **({"maximum": vocab_size - 1} if vocab_size else {})}}]},
-        "echo": {"type": "boolean", "enum": [False], "nullable": True}, **_COMPLETION_LOGPROBS_REQUEST}}
+        **sampling, "prompt": {"oneOf": [text_prompt, token_prompt,
+                                         {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
+                                          "items": {"oneOf": [text_prompt, token_prompt]}}],
+                               "description": "one prompt, or a list of prompts: n choices each, choice "
+                                              "index = prompt index × n + j (at most "
+                                              f"{MAX_CHOICES} choices in all)"},
+        "echo": {"type": "boolean", "nullable": True,
+                 "description": "the prompt's text before each choice's text (not with logprobs: 422)"},
+        **_COMPLETION_LOGPROBS_REQUEST}}
     chat_choice = {"type": "object", "properties": {
         "index": {"type": "integer"}, "finish_reason": {"type": "string", "nullable": True},
         "logprobs": _CHAT_LOGPROBS,
@@ -376,6 +422,7 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                                              "requestBody": json_body(completion_request),
                                              "responses": _responses(_completion_response(text_choice))}}}
                if models else {}),
+            **(_tokenizer_paths(models, vocab_size) if models else {}),
             "/v1/models": {"get": {"operationId": "listModels", "responses": {
                 "200": {"description": "served models", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["object", "data"], "properties": {

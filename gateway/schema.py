@@ -29,7 +29,9 @@ from omnirelay.errors import BadRequest, Unprocessable
 from .sampling_options import SamplingOptions, parse_options
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-MAX_CHOICES = 128   # choices in one request: n, times the prompts of a batched /v1/completions
+# Choices in one request (n, times the prompts of a batched /v1/completions): each holds a decode slot
+# and its KV, so one request cannot take a whole decode batch.
+MAX_CHOICES = 16
 
 
 @dataclasses.dataclass(frozen=True)

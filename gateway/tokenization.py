@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 
 from omnirelay.errors import BadRequest, Unprocessable
 
@@ -56,7 +57,7 @@ def _runtime(request: web.Request, body: Any) -> ModelRuntime:
 def tokenize_body(model: ModelRuntime, body: dict) -> dict:
     """The answer to one ``/tokenize`` body (validated here: 400/422 naming the param)."""
     if ("prompt" in body) == ("messages" in body):
-        raise BadRequest("give either 'prompt' or 'messages'", param="prompt" if "prompt" in body else "messages")
+        raise BadRequest("give either 'prompt' or 'messages' (exactly one)", param="prompt")
     if "prompt" in body:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
@@ -77,8 +78,11 @@ def tokenize_body(model: ModelRuntime, body: dict) -> dict:
         if generation_prompt and continue_final:
             raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false",
                              param="continue_final_message")
-        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                   continue_final_message=continue_final, tokenize=False)
+        try:
+            text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                       continue_final_message=continue_final, tokenize=False)
+        except (ValueError, TemplateError) as exc:   # the template refused these messages
+            raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages") from None
         tokens = list(model.tokenizer(text, add_special_tokens=_boolean(body, "add_special_tokens"))["input_ids"])
     strs = model.tokenizer.convert_ids_to_tokens(tokens) if _boolean(body, "return_token_strs") else None
     return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens, "token_strs": strs}

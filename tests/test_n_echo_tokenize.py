@@ -8,6 +8,7 @@ heartbeats) show the prompt's full blocks computed once, not n times.
 
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -189,15 +190,114 @@ def test_echo_puts_the_prompt_first(client):
 def test_bad_choice_requests_are_refused_before_any_work(client):
     cases = [
         (dict(prompt="x", n=0), 400, "n"),
-        (dict(prompt="x", n=129), 400, "n"),
+        (dict(prompt="x", n=MAX_CHOICES + 1), 400, "n"),
         (dict(prompt=["a", ""]), 400, "prompt[1]"),
         (dict(prompt=["a", [1, -2]]), 400, "prompt[1]"),
         (dict(prompt=[]), 400, "prompt"),
-        (dict(prompt=["a"] * 65, n=2), 400, "prompt"),
+        (dict(prompt=["a"] * (MAX_CHOICES // 2 + 1), n=2), 400, "prompt"),
         (dict(prompt="x", echo=True, logprobs=1), 422, "echo"),
+        (dict(prompt=["a", "word " * 5000], n=2), 400, "prompt"),   # too long for the context: nothing runs
     ]
     for kwargs, status, param in cases:
         with pytest.raises(openai.APIStatusError) as info:
             client.completions.create(model=MODEL, max_tokens=2, **kwargs)
         assert info.value.status_code == status, kwargs
         assert info.value.body["param"] == param, (kwargs, info.value.body)
+    with pytest.raises(openai.APIStatusError) as info:
+        _chat(client, "hi", n=2, modalities=["text", "audio"], audio={"voice": "a", "format": "wav"})
+    assert (info.value.status_code, info.value.body["param"]) == (422, "n")
+
+
+def _decode_worker(server) -> dict:
+    decode = [w for w in requests.get(server.url + "/cluster", timeout=10).json()["workers"] if w["role"] == "decode"]
+    assert len(decode) == 1, decode
+    return decode[0]
+
+
+def test_a_client_leaving_cancels_every_choice_upstream(server):
+    time.sleep(1.5)   # a heartbeat carries the effects of the earlier tests
+    cancelled_before = _decode_worker(server)["stats"].get("cancelled", 0)
+    body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0.5, "n": 3, "stream": True}
+    seen: set[int] = set()
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(b"data: {"):
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+            if seen == {0, 1, 2}:
+                break   # every choice is decoding: hang up
+    deadline = time.monotonic() + 20
+    while True:
+        decode = _decode_worker(server)
+        cancelled = decode["stats"].get("cancelled", 0) - cancelled_before
+        if (cancelled >= 3 and decode["running"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert cancelled == 3 and decode["running"] == 0, decode   # stopped by the hang-up, not by 400 tokens
+
+
+# ------------------------------------------------------------------------------------ /tokenize, /detokenize
+
+
+def test_tokenize_and_detokenize_round_trip_equals_the_tokenizer(server, tiny_model, client):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    text = "Hello there, how are you today? Ünïcödé too."
+    answer = requests.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=10).json()
+    assert answer["tokens"] == tokenizer(text)["input_ids"] and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+    assert answer["token_strs"] is None
+    plain = requests.post(server.url + "/tokenize", timeout=10, json={
+        "prompt": text, "add_special_tokens": False, "return_token_strs": True}).json()   # model: the only one
+    assert plain["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert plain["token_strs"] == tokenizer.convert_ids_to_tokens(plain["tokens"])
+    back = requests.post(server.url + "/detokenize", json={"model": MODEL, "tokens": plain["tokens"]}, timeout=10)
+    assert back.json() == {"prompt": tokenizer.decode(plain["tokens"])} and back.json()["prompt"] == text
+    # A chat body is templated as /v1/chat/completions templates it: its count is that request's usage.
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    chat = requests.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=10).json()
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert chat["count"] == reply.usage.prompt_tokens
+    assert chat["tokens"] == tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=False),
+                                       add_special_tokens=False)["input_ids"]
+    bare = requests.post(server.url + "/tokenize", timeout=10, json={
+        "model": MODEL, "messages": messages, "add_generation_prompt": False}).json()
+    assert bare["count"] < chat["count"] and chat["tokens"][:bare["count"]] == bare["tokens"]
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/tokenize", {"model": MODEL}, 400, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": "x", "messages": []}, 400, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": 3}, 400, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+     400, "continue_final_message"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"},
+     422, "chat_template"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}, 422, "messages[0].content"),
+    ("/detokenize", {"model": MODEL}, 400, "tokens"),
+    ("/detokenize", {"model": MODEL, "tokens": [1, -1]}, 400, "tokens"),
+    ("/detokenize", {"model": MODEL, "tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),
+])
+def test_bad_tokenizer_requests_name_their_param(server, path, body, status, param):
+    response = requests.post(server.url + path, json=body, timeout=10)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_openapi_documents_choices_and_the_tokenizer_routes(server):
+    from omnirelay.gateway.schema import MAX_CHOICES
+    doc = requests.get(server.url + "/openapi.json", timeout=10).json()
+    assert {"/tokenize", "/detokenize"} <= set(doc["paths"])
+    schema = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["properties"]["n"]["maximum"] == MAX_CHOICES
+    assert schema["properties"]["echo"]["type"] == "boolean" and "enum" not in schema["properties"]["echo"]
+    assert len(schema["properties"]["prompt"]["oneOf"]) == 3   # text, token ids, a list of either
+    tokenize = doc["paths"]["/tokenize"]["post"]
+    assert {"400", "404", "422"} <= set(tokenize["responses"])
