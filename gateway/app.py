@@ -42,6 +42,7 @@ from .openapi import SpeechDoc, build_openapi
 from .status_page import STATUS_HTML, StatusHistory
 from .models import ModelRuntime
 from .schema import GenerationRequest, parse_chat, parse_completion
+from .tool_calls import chat_format
 
 
 # Compiled JSON encoding for the per-token SSE chunks: about 5x cheaper than json.dumps.
@@ -203,7 +204,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if parsed.n > 1:
         return await _respond_choices(request, parsed, "chatcmpl", _ChatFormat)
     gen = generation.prepare(_model(request, parsed.model), parsed, "chatcmpl")
-    return await _respond(request, gen, _ChatFormat())
+    return await _respond(request, gen, chat_format(_ChatFormat(), parsed.tools))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -21,12 +21,14 @@ prompt, at most :data:`MAX_CHOICES` choices in all) — and ``echo``. gateway/ch
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
-from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
+from omnirelay.broker.protocol import MAX_TOP_LOGPROBS, StructuredOutput
 from omnirelay.errors import BadRequest, Unprocessable
 
 from .sampling_options import SamplingOptions, parse_options
+from .structured import ToolsRequest, parse_structured
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 # Choices in one request (n, times the prompts of a batched /v1/completions): each holds a decode slot
@@ -60,6 +62,8 @@ class GenerationRequest:
     echo: bool = False                        # completions: the prompt's text before each choice's
     prompts: tuple[str | tuple[int, ...], ...] = ()   # completions given several prompts (prompt/
                                                       # prompt_token_ids then hold the first)
+    structured: StructuredOutput | None = None   # the answer must match this grammar (gateway/structured.py)
+    tools: ToolsRequest | None = None             # chat: tools, tool_choice (gateway/tool_calls.py)
 
 
 # Chat audio formats (OpenAI's names) → the speech worker's encodings; mp3/opus/aac need an encoder
@@ -98,17 +102,7 @@ NOT_SERVED: dict[str, tuple] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "logits_processors": ([],),
-    # structured outputs and tools
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True,),
+    # structured outputs and tools: served (gateway/structured.py) but for the deprecated functions API
     "functions": ([],),
     "function_call": ("none",),
     # what the prompt or the answer's text is made of
@@ -242,7 +236,35 @@ def _messages(body: dict) -> list[dict]:
         role = message.get("role")
         if role not in _ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}", param=f"messages[{i}].role")
-        out.append({"role": role, "content": _content_text(message.get("content"), i)})
+        out.append({"role": role, "content": _content_text(message.get("content"), i), **_tool_fields(message, i)})
+    return out
+
+
+def _tool_fields(message: dict, index: int) -> dict:
+    """An assistant message's ``tool_calls`` (arguments parsed: chat templates render objects) and
+    a tool message's ``tool_call_id``/``name``, as the chat template takes them."""
+    out: dict = {}
+    calls = message.get("tool_calls")
+    if calls is not None and message["role"] == "assistant":
+        param = f"messages[{index}].tool_calls"
+        if not isinstance(calls, list):
+            raise BadRequest(f"{param} must be a list", param=param)
+        out["tool_calls"] = []
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                    or not isinstance(function.get("arguments", "{}"), str):
+                raise BadRequest(f"{param}: each call needs function.name and function.arguments (a JSON string)",
+                                 param=param)
+            try:
+                arguments = json.loads(function.get("arguments") or "{}")
+            except ValueError:
+                raise BadRequest(f"{param}: function.arguments is not valid JSON", param=param) from None
+            out["tool_calls"].append({"id": str(call.get("id", "")), "type": "function",
+                                      "function": {"name": function["name"], "arguments": arguments}})
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
     return out
 
 
@@ -302,8 +324,12 @@ def parse_chat(body: Any) -> GenerationRequest:
                             param="logprobs")
     if common["n"] > 1 and "audio" in audio["modalities"]:
         raise Unprocessable("a spoken answer (modalities with audio) has one choice: n must be 1", param="n")
+    structured, tools = parse_structured(body, "chat")
+    if (structured or tools) and ("audio" in audio["modalities"] or common["n"] > 1):
+        raise Unprocessable("structured outputs and tools are served for one text choice (n=1, no audio)",
+                            param="tools" if tools else "response_format")
     return GenerationRequest(kind="chat", messages=_messages(body), prompt=None, prompt_token_ids=None, **common,
-                             **audio, logprobs=logprobs)
+                             **audio, logprobs=logprobs, structured=structured, tools=tools)
 
 
 def _prompts(body: dict) -> list[str | tuple[int, ...]]:
@@ -340,6 +366,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     if len(prompts) * common["n"] > MAX_CHOICES:
         raise BadRequest(f"{len(prompts)} prompts × n={common['n']} exceeds {MAX_CHOICES} choices", param="prompt")
     first = prompts[0]
+    structured, _ = parse_structured(body, "completion")
     return GenerationRequest(kind="completion", messages=None, prompt=first if isinstance(first, str) else None,
                              prompt_token_ids=None if isinstance(first, str) else list(first),
-                             prompts=tuple(prompts) if len(prompts) > 1 else (), **common)
+                             prompts=tuple(prompts) if len(prompts) > 1 else (), **common, structured=structured)
