@@ -20,6 +20,7 @@ from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest
 from omnirelay.video_params import VideoParams, is_video_pipeline
 from omnirelay.workers.generate_video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner, to_uint8
+from omnirelay.workers.generate_wan import StepwiseWanRunner
 
 from cluster import Cluster
 from test_videos import decode_frames
@@ -67,16 +68,17 @@ def test_tiny_wan_is_a_wan_2_2_directory_served_as_video(tiny_wan, pipe):
 
 def test_engine_equals_the_pipeline_call_and_refuses_what_wan_cannot_make(pipe):
     engine = GenerateVideoEngine(pipe, encoder="webp")
-    assert isinstance(engine.runner, WholeCallVideoRunner)
+    assert isinstance(engine.runner, StepwiseWanRunner)
     for bad, param in (({"width": 72}, "size"), ({"num_frames": 8}, "num_frames")):
         with pytest.raises(BadRequest) as info:
             engine.add(VideoTask("bad", _params(**bad), time.time() + 60))
         assert info.value.param == param
     engine.add(VideoTask("a", _params(negative_prompt="blurry"), time.time() + 120))
-    frames = None
+    frames, progress = None, []
     for _ in range(10):
         out = engine.step()
         assert not out.failed
+        progress += [p.percent for p in out.progress]
         if out.videos:
             [video] = out.videos
             frames, _ = decode_frames(video.data, video.mime)   # lossless WebP: the frames themselves
@@ -85,6 +87,21 @@ def test_engine_equals_the_pipeline_call_and_refuses_what_wan_cannot_make(pipe):
     reference = pipe(PROMPT, negative_prompt="blurry", width=64, height=48, num_frames=9, num_inference_steps=3,
                      guidance_scale=4.0, generator=torch.Generator().manual_seed(3), output_type="np").frames[0]
     assert np.array_equal(np.stack(frames), np.stack(to_uint8(np.asarray(reference))))
+    # one engine step per phase and denoising step (prompt, 3 steps, decode, mux), progress after each
+    assert engine.stats["denoise_steps"] == 3 and len(progress) == 5 and progress == sorted(progress)
+    # the whole-call runner makes the same frames in one step
+    whole = GenerateVideoEngine(pipe, runner=WholeCallVideoRunner(pipe), encoder="webp")
+    whole.add(VideoTask("w", _params(negative_prompt="blurry"), time.time() + 120))
+    videos = [v for _ in range(3) for v in whole.step().videos]
+    assert np.array_equal(np.stack(decode_frames(videos[0].data, videos[0].mime)[0]), np.stack(frames))
+
+
+def test_cancel_stops_a_wan_job_between_denoising_steps(pipe):
+    engine = GenerateVideoEngine(pipe, encoder="webp")
+    engine.add(VideoTask("long", _params(num_inference_steps=50), time.time() + 120))
+    for _ in range(3):
+        engine.step()
+    assert engine.cancel("long") and not engine.has_work and engine.stats["denoise_steps"] == 2
 
 
 # ------------------------------------------------------------------------------------ end to end

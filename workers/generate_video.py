@@ -30,7 +30,8 @@ Runners: :class:`TextToVideoSDPipeline` (a UNet3D, a per-frame VAE, a scheduler 
 encoder) is driven step by step (:class:`StepwiseVideoRunner`); any other diffusers text-to-video
 pipeline runs through its own ``__call__`` in one engine step (:class:`WholeCallVideoRunner`), so
 it reports no progress in between and is not cancelled mid-denoise. ``WanPipeline`` (Wan 2.2, its
-two experts switched at ``boundary_ratio``, UniPC over flow sigmas) is one of those; its sizes
+two experts switched at ``boundary_ratio``, UniPC over flow sigmas) is driven step by step too
+(:class:`~.generate_wan.StepwiseWanRunner`, the whole clip decoded in one step); its sizes
 (multiples of VAE factor × patch) and frame counts (4k + 1) come from :mod:`omnirelay.dit_families`,
 which the gateway checks first.
 
@@ -214,11 +215,15 @@ class WholeCallVideoRunner:
         job.phase = JobPhase.MUX
 
 
-def runner_for(pipe) -> StepwiseVideoRunner | WholeCallVideoRunner:
-    from diffusers import TextToVideoSDPipeline
+def runner_for(pipe):
+    """The stepwise runner of a pipeline we can drive step by step, else the whole-call one."""
+    from diffusers import TextToVideoSDPipeline, WanPipeline
 
     if isinstance(pipe, TextToVideoSDPipeline):
         return StepwiseVideoRunner(pipe)
+    if isinstance(pipe, WanPipeline) and not pipe.config.expand_timesteps:
+        from .generate_wan import StepwiseWanRunner   # imports this module's job types
+        return StepwiseWanRunner(pipe)
     return WholeCallVideoRunner(pipe)
 
 
