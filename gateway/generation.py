@@ -80,7 +80,7 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
         items = []
         if media_param is not None:
             messages, items = model.media.extract(messages)
-        prompt_ids = model.encode_chat(messages)
+        prompt_ids = model.encode_chat(messages, request.tools.template_tools() if request.tools else None)
         if items:
             prompt_ids = model.media.expand(prompt_ids, items)
             inputs = {"media": [{"kind": m.kind, "data": m.data} for m in items]}
@@ -123,7 +123,8 @@ def _sampling(gen: Generation, generated: int) -> dict:
             "top_k": req.top_k, "seed": seed, "ignore_eos": req.ignore_eos,
             "stop_token_ids": list(req.stop_token_ids), **gen.sampling_options,
             **submission_min_tokens(req.options, generated),
-            **({"logprobs": req.logprobs} if req.logprobs >= 0 else {})}
+            **({"logprobs": req.logprobs} if req.logprobs >= 0 else {}),
+            **({"structured": req.structured.to_wire()} if req.structured else {})}
 
 
 async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator[TextChunk]:

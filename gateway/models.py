@@ -31,8 +31,9 @@ class ModelRuntime:
         self.max_model_len = min(served.max_model_len or model_max, model_max)
         self.created = int(Path(served.path).stat().st_mtime)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """``tools``: OpenAI function tools, rendered by the model's chat template."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self.encode_text(text)
 
     def encode_text(self, text: str) -> list[int]:

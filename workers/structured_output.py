@@ -104,11 +104,13 @@ class GrammarCompilerCache:
 
 def compile_spec(compiler, spec: StructuredOutput):
     """``spec`` compiled by an ``xgrammar.GrammarCompiler``. JSON is compact (no free whitespace):
-    a model may otherwise spend its whole budget on blanks between tokens that the grammar allows."""
+    a model may otherwise spend its whole budget on blanks between tokens that the grammar allows
+    (xgrammar's builtin JSON grammar does, and also allows a bare value where OpenAI's
+    ``json_object`` promises an object)."""
     if spec.kind == "json_schema":
         return compiler.compile_json_schema(spec.spec, any_whitespace=False)
-    if spec.kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+    if spec.kind == "json_object":   # OpenAI's json_object is an object, any keys (not strict)
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if spec.kind == "regex":
         return compiler.compile_regex(spec.spec)
     return compiler.compile_grammar(spec.spec)

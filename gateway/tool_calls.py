@@ -1,0 +1,175 @@
+"""Tool calls in a chat answer: the model's text → OpenAI's ``message.tool_calls`` and stream deltas.
+
+:func:`chat_format` wraps the chat renderer of gateway/app.py for a request with tools
+(gateway/structured.py :class:`~omnirelay.gateway.structured.ToolsRequest`); its ``delta`` (one per
+streamed text piece) and ``full`` (the whole text) run the same incremental parser, so a streamed
+answer carries the same content and calls as the whole one:
+
+* ``auto``: Hermes/Qwen markup, ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``. Text
+  outside the markup is ``content`` (streamed as it comes, holding back only what could be the start
+  of ``<tool_call>``); each complete call becomes one ``tool_calls`` entry, streamed as one delta
+  when its closing tag arrives. Markup that does not hold a call to one of the tools (bad JSON, an
+  unknown name) or is never closed stays content. ``parallel_tool_calls: false`` keeps the first call.
+* ``required``: the answer was constrained to ``{"name", "arguments"}``: one call, sent whole at the end.
+* named: the answer was constrained to the arguments: the call's first delta names the function
+  and each later text piece extends its ``arguments``.
+
+Arguments are a JSON string, as OpenAI sends them (``auto``/``required``: the parsed object
+re-serialised; named: the model's text as generated). An answer with calls finishes with
+``"tool_calls"`` (a truncated one keeps ``"length"``); ``content`` is null when only whitespace
+surrounds the calls.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from .structured import ToolsRequest
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_call(text: str, names: set[str]) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of a call object's text, or None if it is not a call to a tool."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in names:
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):   # some templates emit the arguments already serialised
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+class ToolCallParser:
+    """Incremental: :meth:`feed` text pieces, then :meth:`finish`; each returns ``(content, calls)``
+    with ``calls`` as OpenAI's stream entries (``index``, ``id``, ``type``, ``function``)."""
+
+    def __init__(self, tools: ToolsRequest):
+        self.tools = tools
+        self.names = {t["function"]["name"] for t in tools.tools}
+        self.num_calls = 0
+        self._pending = ""      # auto: text not yet given out; required: everything so far
+        self._named_id = ""
+
+    def _call(self, name: str, arguments: str) -> dict:
+        entry = {"index": self.num_calls, "id": _call_id(), "type": "function",
+                 "function": {"name": name, "arguments": arguments}}
+        self.num_calls += 1
+        return entry
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.tools.choice == "named":
+            if not self._named_id:
+                self._named_id = _call_id()
+                self.num_calls = 1
+                return "", [{"index": 0, "id": self._named_id, "type": "function",
+                             "function": {"name": self.tools.name, "arguments": text}}]
+            return "", ([{"index": 0, "function": {"arguments": text}}] if text else [])
+        self._pending += text
+        if self.tools.choice == "required":
+            return "", []
+        content, calls = [], []
+        while True:
+            start = self._pending.find(OPEN)
+            if start < 0:
+                # Hold back a tail that may be the start of the opening tag.
+                keep = next((k for k in range(min(len(OPEN) - 1, len(self._pending)), 0, -1)
+                             if OPEN.startswith(self._pending[-k:])), 0)
+                content.append(self._pending[:len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep:]
+                break
+            end = self._pending.find(CLOSE, start)
+            if end < 0:
+                content.append(self._pending[:start])
+                self._pending = self._pending[start:]
+                break
+            body = self._pending[start + len(OPEN):end]
+            parsed = parse_call(body.strip(), self.names)
+            if parsed is None:
+                content.append(self._pending[:end + len(CLOSE)])
+            else:
+                content.append(self._pending[:start])
+                if self.tools.parallel or not self.num_calls:
+                    calls.append(self._call(*parsed))
+            self._pending = self._pending[end + len(CLOSE):]
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The rest at the end of the answer: an unclosed call stays content."""
+        if self.tools.choice == "named":
+            return "", ([] if self._named_id else self.feed("")[1])
+        rest, self._pending = self._pending, ""
+        if self.tools.choice == "required":
+            try:
+                call = json.loads(rest)
+            except ValueError:
+                return rest, []
+            parsed = parse_call(rest, self.names) if isinstance(call, dict) else None
+            return ("", [self._call(*parsed)]) if parsed else (rest, [])
+        return rest, []
+
+
+class ToolCallFormat:
+    """gateway/app.py's chat format for a request with tools: the same ``first_delta``, ``delta``,
+    ``full`` and ``logprobs`` as the plain one, with content and calls split by a
+    :class:`ToolCallParser`. One instance per request (the stream's parser lives in it)."""
+
+    def __init__(self, base, tools: ToolsRequest):
+        self.base = base
+        self.tools = tools
+        self.object_full, self.object_chunk = base.object_full, base.object_chunk
+        self.logprobs = base.logprobs
+        self._stream = ToolCallParser(tools)
+
+    def first_delta(self) -> dict | None:
+        return self.base.first_delta()
+
+    @staticmethod
+    def _finish(finish: str | None, num_calls: int) -> str | None:
+        return "tool_calls" if finish == "stop" and num_calls else finish
+
+    def delta(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        content, calls = self._stream.feed(text)
+        if finish is not None:
+            tail, more = self._stream.finish()
+            content, calls = content + tail, calls + more
+        delta: dict = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return {"index": 0, "delta": delta, "logprobs": logprobs,
+                "finish_reason": self._finish(finish, self._stream.num_calls)}
+
+    def full(self, text: str, finish: str, logprobs: dict | None = None) -> dict:
+        parser = ToolCallParser(self.tools)
+        content, calls = parser.feed(text)
+        tail, more = parser.finish()
+        content, calls = content + tail, calls + more
+        message: dict = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+            if not content.strip():
+                message["content"] = None
+        return {"index": 0, "message": message, "logprobs": logprobs,
+                "finish_reason": self._finish(finish, len(calls))}
+
+
+def chat_format(base, tools: ToolsRequest | None):
+    """``base`` for a request without tools (or ``tool_choice: "none"``), else its tool-call form."""
+    if tools is None or tools.choice == "none":
+        return base
+    return ToolCallFormat(base, tools)
