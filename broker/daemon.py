@@ -164,6 +164,9 @@ def make_parser() -> argparse.ArgumentParser:
                              "further attempt (0: restart at once; default %(default)s)")
     parser.add_argument("--retry-backoff-max", type=float, default=BrokerConfig.retry_backoff_max_s,
                         metavar="SECONDS", help="cap of that wait (default %(default)s)")
+    parser.add_argument("--standby-of", default=None, metavar="ENDPOINT",
+                        help="start as the standby of the broker at ENDPOINT: bind --endpoint and serve only once "
+                             "that one has been silent for --liveness (workers and gateways get --broker ACTIVE,STANDBY)")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=False)
     return parser
@@ -185,7 +188,16 @@ def main(argv: list[str] | None = None) -> int:
         keys = keys_from_args(args)
         if keys is not None and not keys.authorized_dir:
             raise SecurityError("the broker needs --curve-authorized-keys with --curve-secret-key")
-        daemon = BrokerDaemon(config, Shutdown().install(), keys)
+        if args.standby_of and keys is not None:
+            raise SecurityError("--standby-of: the standby's watch of the active broker runs without CURVE in "
+                                "this build; use it on loopback or a private network")
+        shutdown = Shutdown().install()
+        if args.standby_of:
+            from .standby import wait_for_takeover
+            print(f"omni-broker standby of {args.standby_of}", flush=True)
+            if not wait_for_takeover(args.standby_of, config, lambda: shutdown.requested):
+                return 0
+        daemon = BrokerDaemon(config, shutdown, keys)
     except ValueError as exc:   # SecurityError included
         parser.error(str(exc))
     print(f"omni-broker ready on {daemon.endpoint}", flush=True)

@@ -136,7 +136,13 @@ class BusClient:
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.setsockopt(zmq.RECONNECT_IVL, 100)
         self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._dealer.connect(broker_endpoint)
+        endpoints = broker_endpoint.split(",")
+        if len(endpoints) > 1:
+            # An active broker and its standby (broker/standby.py): only one is bound at a time, and
+            # IMMEDIATE sends only to a connected one, never into the dead one's pipe.
+            self._dealer.setsockopt(zmq.IMMEDIATE, 1)
+        for endpoint in endpoints:
+            self._dealer.connect(endpoint)
         self._pull = self._ctx.socket(zmq.PULL)
         self.reply_key = ""
         if keys and keys.authorized_dir:

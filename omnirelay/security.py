@@ -33,6 +33,8 @@ class SecurityError(ValueError):
 
 
 def is_loopback(endpoint: str) -> bool:
+    if "," in endpoint:   # an active broker and its standby (``--broker A,B``): loopback only if both are
+        return all(is_loopback(part) for part in endpoint.split(","))
     if endpoint.startswith(("ipc://", "inproc://")):
         return True
     if not endpoint.startswith("tcp://"):

@@ -181,7 +181,13 @@ class BrokerLink:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            sock.connect(self._endpoint)
+            endpoints = self._endpoint.split(",")
+            if len(endpoints) > 1:
+                # An active broker and its standby (broker/standby.py): only one is bound at a time.
+                # IMMEDIATE queues messages only to a connected broker, never to the dead one's pipe.
+                sock.setsockopt(zmq.IMMEDIATE, 1)
+            for endpoint in endpoints:
+                sock.connect(endpoint)
         except BaseException:
             sock.close(0)   # an open socket would keep the context from terminating
             raise
