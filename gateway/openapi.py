@@ -65,6 +65,33 @@ _ERROR = {
 _STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}],
          "nullable": True}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+# gateway/structured.py: at most one constraint per request; a spec xgrammar cannot compile is a 400.
+_STRUCTURED = {
+    "response_format": {"type": "object", "nullable": True, "description":
+                        "{\"type\": \"text\" | \"json_object\" | \"json_schema\"}; json_schema takes "
+                        "\"json_schema\": {\"name\", \"schema\"}: the answer matches the schema"},
+    "structured_outputs": {"type": "object", "nullable": True, "description":
+                           "vLLM's: exactly one of json (a schema), json_object (true), regex, choice "
+                           "(strings), grammar (xgrammar EBNF, rule root)"},
+    **{name: {"nullable": True, "description": f"vLLM's older spelling of structured_outputs.{key}"}
+       for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                         ("guided_grammar", "grammar"))},
+    "guided_decoding_backend": {"type": "string", "nullable": True,
+                                "description": "xgrammar or auto (anything else: 422)"},
+}
+_TOOLS = {
+    "tools": {"type": "array", "nullable": True, "items": {"type": "object", "description":
+              "{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}"}},
+    "tool_choice": {"nullable": True, "description": "none | auto (default with tools: <tool_call> markup "
+                    "parsed into tool_calls) | required (one call, grammar-constrained) | "
+                    "{\"type\": \"function\", \"function\": {\"name\"}} (its arguments, grammar-constrained; "
+                    "a name not in tools: 400)"},
+    "parallel_tool_calls": {"type": "boolean", "nullable": True, "description": "false: auto keeps the first call"},
+}
+_TOOL_CALLS = {"type": "array", "nullable": True, "items": {"type": "object", "properties": {
+    "index": {"type": "integer"}, "id": {"type": "string"}, "type": {"type": "string"},
+    "function": {"type": "object", "properties": {"name": {"type": "string"},
+                                                  "arguments": {"type": "string"}}}}}}
 
 
 def _sampling(max_model_len: int, models: list[str]) -> dict:
@@ -385,10 +412,11 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
             {"type": "string"},
             {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
                 "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
+        "tool_calls": _TOOL_CALLS, "tool_call_id": {"type": "string", "nullable": True},
     }}
     chat_request = {"type": "object", "required": ["model", "messages"], "properties": {
         **sampling, "messages": {"type": "array", "minItems": 1, "items": message}, **_chat_output(speech),
-        **_CHAT_LOGPROBS_REQUEST}}
+        **_CHAT_LOGPROBS_REQUEST, **_STRUCTURED, **_TOOLS}}
     completion_request = {"type": "object", "required": ["model", "prompt"], "properties": {
         **sampling, "prompt": {"oneOf": [text_prompt, token_prompt,
                                          {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
@@ -398,13 +426,14 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                                               f"{MAX_CHOICES} choices in all)"},
         "echo": {"type": "boolean", "nullable": True,
                  "description": "the prompt's text before each choice's text (not with logprobs: 422)"},
-        **_COMPLETION_LOGPROBS_REQUEST}}
+        **_COMPLETION_LOGPROBS_REQUEST, **_STRUCTURED}}
     chat_choice = {"type": "object", "properties": {
         "index": {"type": "integer"}, "finish_reason": {"type": "string", "nullable": True},
         "logprobs": _CHAT_LOGPROBS,
         "message": {"type": "object", "properties": {"role": {"type": "string"},
                                                      "content": {"type": "string", "nullable": True},
-                                                     "audio": _MESSAGE_AUDIO}}}}
+                                                     "audio": _MESSAGE_AUDIO,
+                                                     "tool_calls": _TOOL_CALLS}}}}
     text_choice = {"type": "object", "properties": {
         "index": {"type": "integer"}, "text": {"type": "string"}, "logprobs": _COMPLETION_LOGPROBS,
         "finish_reason": {"type": "string", "nullable": True}}}

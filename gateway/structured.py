@@ -74,8 +74,8 @@ def check_spec(kind: str, spec: str) -> str:
             xgr.Grammar.from_regex(spec)
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(spec)
-    except RuntimeError as exc:   # xgrammar's parse errors: "[time] file:line: message"
-        return str(exc).split(": ", 1)[-1].strip().splitlines()[0][:300]
+    except Exception as exc:   # xgrammar's parse errors (RuntimeError: "[time] file:line: message") and any other
+        return (str(exc).split(": ", 1)[-1].strip().splitlines() or [type(exc).__name__])[0][:300]
     return ""
 
 
@@ -103,6 +103,8 @@ def _schema(value: Any, param: str) -> StructuredOutput:
         jsonschema.validators.validator_for(value).check_schema(value)
     except jsonschema.SchemaError as exc:
         raise BadRequest(f"'{param}' is not a valid JSON schema: {exc.message}", param=param) from None
+    except Exception as exc:   # a metaschema it cannot resolve, …: not a schema this server can use
+        raise BadRequest(f"'{param}' is not a usable JSON schema: {exc}"[:400], param=param) from None
     # Key order kept: xgrammar emits the properties in the schema's order.
     return _checked("json_schema", json.dumps(value, separators=(",", ":")), param)
 

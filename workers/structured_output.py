@@ -93,7 +93,7 @@ class GrammarCompilerCache:
             compiler = self._get_compiler()
             try:
                 compiled = compile_spec(compiler, spec)
-            except RuntimeError as exc:   # xgrammar reports bad input as RuntimeError
+            except Exception as exc:   # xgrammar reports bad input as RuntimeError (others: the same to us)
                 raise ValueError(f"structured output {spec.kind}: {exc}") from None
             self.stats["grammar_compiles"] += 1
             self._cache[spec] = compiled
