@@ -180,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="served model name the workers serve")
     parser.add_argument("--role", action="append", type=parse_role_bounds, required=True, metavar="ROLE=MIN:MAX",
                         help="a role to scale and its bounds (repeat per role)")
-    parser.add_argument("--actuator", choices=["local", "systemd"], default="local")
+    parser.add_argument("--actuator", choices=["local", "systemd", "ray"], default="local")
+    parser.add_argument("--ray-address", default=None, help="ray: the cluster's head (host:port)")
     parser.add_argument("--worker-args", default="",
-                        help="local: arguments of omnirelay.workers.daemon besides --role (shell-quoted), e.g. "
+                        help="local, ray: arguments of omnirelay.workers.daemon besides --role (shell-quoted), e.g. "
                              "'--model DIR --served-model-name NAME --broker tcp://…'")
     parser.add_argument("--systemctl", default="systemctl", help="systemd: the systemctl command (may be 'sudo systemctl')")
     parser.add_argument("--interval", type=float, default=2.0)
@@ -204,12 +205,17 @@ def main(argv: list[str] | None = None) -> int:
                                  down_utilisation=args.down_utilisation, up_cooldown_s=args.up_cooldown,
                                  down_cooldown_s=args.down_cooldown, latency_slo_s=slos.get(role))
                 for role, low, high in args.role}
+    extra = shlex.split(args.worker_args)
+    argv = lambda role, index: ["omnirelay.workers.daemon", "--role", role, *extra]  # noqa: E731
     if args.actuator == "systemd":
         actuator: Actuator = SystemdActuator(systemctl=shlex.split(args.systemctl))
+    elif args.actuator == "ray":
+        import ray
+        ray.init(address=args.ray_address)
+        from .actuators import RayActuator
+        actuator = RayActuator(argv)
     else:
-        extra = shlex.split(args.worker_args)
-        actuator = LocalProcessActuator(lambda role, index: ["omnirelay.workers.daemon", "--role", role, *extra],
-                                        log_dir=args.log_dir)
+        actuator = LocalProcessActuator(argv, log_dir=args.log_dir)
     from omnirelay.lifecycle import Shutdown
     shutdown = Shutdown().install()
     scaler = Autoscaler(args.model, policies, actuator, GatewayProbe(args.gateway, args.api_key), args.interval)
