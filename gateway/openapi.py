@@ -328,8 +328,8 @@ def _image_paths(models: list[str]) -> dict:
         "output_format": {"type": "string", "enum": ["png"], "nullable": True},
         "stream": {"type": "boolean", "enum": [False], "nullable": True},
         "negative_prompt": {"type": "string", "maxLength": img.MAX_PROMPT_CHARS, "nullable": True},
-        "num_inference_steps": {"type": "integer", "minimum": 0, "maximum": img.MAX_STEPS, "nullable": True,
-                                "description": "0 or absent: the pipeline's default"},
+        "num_inference_steps": {"type": "integer", "minimum": 1, "maximum": img.MAX_STEPS, "nullable": True,
+                                "description": "absent: the pipeline's default (Z-Image-Turbo: 9)"},
         "guidance_scale": {"type": "number", "minimum": 0, "maximum": img.MAX_GUIDANCE, "nullable": True},
         "seed": {"type": "integer", "minimum": 0, "maximum": img.MAX_SEED - img.MAX_IMAGES, "nullable": True,
                  "description": "image k uses seed + k (default: chosen per request)"}}}
