@@ -202,7 +202,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         from .speech import chat_with_audio
         return await chat_with_audio(request, parsed, body)
     if parsed.n > 1:
-        return await _respond_choices(request, parsed, "chatcmpl", _ChatFormat)
+        return await _respond_choices(request, parsed, "chatcmpl", lambda: chat_format(_ChatFormat(), parsed.tools))
     gen = generation.prepare(_model(request, parsed.model), parsed, "chatcmpl")
     return await _respond(request, gen, chat_format(_ChatFormat(), parsed.tools))
 

@@ -325,8 +325,8 @@ def parse_chat(body: Any) -> GenerationRequest:
     if common["n"] > 1 and "audio" in audio["modalities"]:
         raise Unprocessable("a spoken answer (modalities with audio) has one choice: n must be 1", param="n")
     structured, tools = parse_structured(body, "chat")
-    if (structured or tools) and ("audio" in audio["modalities"] or common["n"] > 1):
-        raise Unprocessable("structured outputs and tools are served for one text choice (n=1, no audio)",
+    if (structured or tools) and "audio" in audio["modalities"]:
+        raise Unprocessable("structured outputs and tools are served for text answers (no audio)",
                             param="tools" if tools else "response_format")
     return GenerationRequest(kind="chat", messages=_messages(body), prompt=None, prompt_token_ids=None, **common,
                              **audio, logprobs=logprobs, structured=structured, tools=tools)

@@ -207,6 +207,18 @@ def test_unserved_shapes_are_422(client):
     with pytest.raises(openai.UnprocessableEntityError) as caught:
         chat(client, extra_body={"guided_decoding_backend": "outlines", "guided_regex": "a+"})
     assert caught.value.body["param"] == "guided_decoding_backend"
-    with pytest.raises(openai.UnprocessableEntityError) as caught:
-        chat(client, n=2, tools=TOOLS, tool_choice="required")
-    assert caught.value.body["param"] == "tools"
+
+
+def test_every_choice_is_constrained_and_parsed(client):
+    """n choices, sampled: each one under the grammar, each one's tool call parsed on its own."""
+    full = chat(client, n=3, temperature=1.0, seed=5, tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert len(full.choices) == 3
+    for choice in full.choices:
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and choice.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    full = chat(client, n=2, temperature=1.0, seed=5,
+                response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}})
+    for choice in full.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
