@@ -46,6 +46,10 @@ class GatewayConfig:
                          that sends it byte by byte, or never, gets a 408 and its connection closed.
                          Nothing is submitted before the body is complete, so such a client never holds a
                          worker's KV cache or a stream slot.
+    max_websocket_sessions: WebSocket sessions (``/v1/realtime``, ``/v1/audio/speech/stream``) this
+                         gateway holds at once; the next upgrade request gets a 503.
+    websocket_idle_timeout_s: a WebSocket session with nothing in flight that receives no event for this
+                         long is closed.
     """
 
     models: tuple[ServedModel, ...]
@@ -64,6 +68,8 @@ class GatewayConfig:
     stream_write_timeout_s: float = 30.0
     header_timeout_s: float = 75.0
     read_timeout_s: float = 60.0
+    max_websocket_sessions: int = 256
+    websocket_idle_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -80,3 +86,5 @@ class GatewayConfig:
             raise ValueError("request_timeout_s and max_body_bytes must be positive")
         if self.header_timeout_s <= 0 or self.read_timeout_s <= 0 or self.stream_write_timeout_s <= 0:
             raise ValueError("header_timeout_s, read_timeout_s and stream_write_timeout_s must be positive")
+        if self.max_websocket_sessions < 0 or self.websocket_idle_timeout_s <= 0:
+            raise ValueError("max_websocket_sessions must be >= 0 and websocket_idle_timeout_s positive")

@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                              "between requests) before it is closed")
     parser.add_argument("--read-timeout", type=float, default=GatewayConfig.read_timeout_s,
                         help="seconds a request body may take to arrive after its head (408 beyond)")
+    parser.add_argument("--max-websocket-sessions", type=int, default=GatewayConfig.max_websocket_sessions,
+                        help="WebSocket sessions (/v1/realtime, /v1/audio/speech/stream) held at once; 503 beyond")
+    parser.add_argument("--websocket-idle-timeout", type=float, default=GatewayConfig.websocket_idle_timeout_s,
+                        help="close a WebSocket session that sends no event for this long with nothing in flight")
     parser.add_argument("--stage-configs-path", action="append", default=None,
                         help="stage-pipeline YAML, one per --model or one for all (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
             max_streams_per_client=args.max_streams_per_client, stream_write_timeout_s=args.stream_write_timeout,
-            max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout)
+            max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,
+            max_websocket_sessions=args.max_websocket_sessions, websocket_idle_timeout_s=args.websocket_idle_timeout)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
     except ValueError as exc:   # PipelineError and SecurityError included

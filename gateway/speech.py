@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import random
@@ -76,7 +77,7 @@ from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
 from .resubmit import Submissions
 from .schema import CHAT_AUDIO_FORMATS
-from .speech_responses import SpokenAudio, speech_body_stream, speech_event_stream
+from .speech_responses import CODES_PER_SECOND, SpokenAudio, speech_body_stream, speech_event_stream
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -98,8 +99,11 @@ def flac_available() -> bool:
 
 
 def voices(model: ModelRuntime) -> list[str] | None:
-    """The model's speaker names from ``spk_dict.json`` (None when only a pickled table exists:
-    the worker then checks the voice)."""
+    """The model's speaker names: Qwen3-TTS's ``talker_config.spk_id``, else ``spk_dict.json``
+    (None when only a pickled table exists: the worker then checks the voice)."""
+    speakers = qwen3_tts_speakers(model.path)
+    if speakers is not None:
+        return speakers
     try:
         return sorted(json.loads((Path(model.path) / "spk_dict.json").read_text()))
     except (OSError, ValueError):
@@ -138,9 +142,35 @@ def _speech_model(models: dict, name: Any) -> ModelRuntime:
 
 
 def has_speakers(model: ModelRuntime) -> bool:
-    """Whether the model directory has a speaker table (a Qwen2.5-Omni with its talker)."""
+    """Whether the model directory has a speaker table (a Qwen2.5-Omni with its talker, a Qwen3-TTS)."""
     root = Path(model.path)
-    return (root / "spk_dict.json").is_file() or (root / "spk_dict.pt").is_file()
+    return ((root / "spk_dict.json").is_file() or (root / "spk_dict.pt").is_file()
+            or bool(qwen3_tts_speakers(model.path)))
+
+
+def qwen3_tts_speakers(path: str) -> list[str] | None:
+    """A Qwen3-TTS model's speaker names (its ``config.json``); None for any other model. Its
+    generate worker takes the same request as a Qwen2.5-Omni's and speaks the text after
+    ``reply_start`` (workers/qwen3_tts_role.py); the chat prompt before it goes unused."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("model_type") != "qwen3_tts":
+        return None
+    return sorted((config.get("talker_config") or {}).get("spk_id") or {})
+
+
+def codes_per_second(model: ModelRuntime) -> float:
+    """The talker's codes per second of audio (``usage.output_tokens`` of a streamed answer): a
+    Qwen3-TTS codec frame is ``decode_upsample_rate`` samples (12.5 a second), Qwen2.5-Omni's 50."""
+    if qwen3_tts_speakers(model.path) is None:
+        return CODES_PER_SECOND
+    try:
+        codec = json.loads((Path(model.path) / "speech_tokenizer" / "config.json").read_text())
+        return float(codec["output_sample_rate"]) / float(codec["decode_upsample_rate"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return CODES_PER_SECOND
 
 
 # ---------------------------------------------------------------------- the bus side
@@ -280,24 +310,31 @@ def _reply_end_token(model: ModelRuntime) -> int:
     return token if isinstance(token, int) and token >= 0 else int(model.tokenizer.eos_token_id)
 
 
-async def audio_speech(request: web.Request) -> web.Response:
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    model = _speech_model(request.app[MODELS], body.get("model"))
+@dataclasses.dataclass
+class SpeechJob:
+    """A validated speech request (``input`` → audio), ready to submit: ``prompt_token_ids`` hold the
+    chat prompt plus the teacher-forced reply; ``text_tokens`` how many of them are the text."""
+
+    model: ModelRuntime
+    fmt: str
+    params: SpeechParams
+    prompt_token_ids: list[int]
+    text_tokens: int
+    stages: tuple[str, ...]
+    sampling: dict
+    request_id: str = dataclasses.field(default_factory=lambda: f"speech-{uuid.uuid4().hex}")
+
+
+def prepare_speech(models: dict, body: dict, *, streamed: bool) -> SpeechJob:
+    """Validate ``{model, input, voice, response_format, speed, seed, max_audio_tokens}`` (400 naming
+    the param) into a :class:`SpeechJob`; ``streamed`` asks the worker for incremental synthesis."""
+    model = _speech_model(models, body.get("model"))
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise BadRequest("'input' must be a non-empty string", param="input")
     if len(text) > MAX_INPUT_CHARS:
         raise BadRequest(f"'input' is longer than {MAX_INPUT_CHARS} characters", param="input")
     fmt = _speech_format(body)
-    if body.get("instructions"):
-        raise Unprocessable("'instructions' are not supported: this model's voices take no style prompt",
-                            param="instructions")
-    stream_format = body.get("stream_format")
-    if stream_format is not None and stream_format not in STREAM_FORMATS:
-        raise Unprocessable(f"stream_format {stream_format!r} is not supported; 'audio' streams the file as the "
-                            "response body, 'sse' as speech.audio.delta events", param="stream_format")
     speed = body.get("speed", 1.0)
     prompt = model.encode_chat([{"role": "user", "content": text}])
     reply = model.encode_text(text) + [_reply_end_token(model)]
@@ -308,23 +345,45 @@ async def audio_speech(request: web.Request) -> web.Response:
                          f"{model.max_model_len}", param="input")
     # Prefill samples one token nobody reads; greedy keeps it out of any random stream.
     sampling = {"max_tokens": 1, "temperature": 0.0, "audio": params.to_wire()}
-    stages = tuple(s for s in model.stages if s in ("prefill", "generate"))
-    request_id = f"speech-{uuid.uuid4().hex}"
-    config = request.app[CONFIG]
-    timer = request.app[METRICS].timer(model.name)
-    streamed = stream_format is not None
     if streamed:
         sampling[AUDIO_STREAM_KEY] = True
-    items = speak(request.app[BUS], model=model.name, stages=stages, prompt_token_ids=ids, sampling=sampling,
-                  inputs={}, mime=MIMES[fmt], deadline=time.time() + config.request_timeout_s,
-                  request_id=request_id, text_expected=False)
+    stages = tuple(s for s in model.stages if s in ("prefill", "generate"))
+    return SpeechJob(model, fmt, params, ids, len(reply), stages, sampling)
+
+
+def speech_items(bus: BusClient, job: SpeechJob, deadline: float) -> AsyncIterator[StreamEvent | AudioChunk]:
+    """The audio chunks of ``job`` as they arrive (see :func:`speak`)."""
+    return speak(bus, model=job.model.name, stages=job.stages, prompt_token_ids=job.prompt_token_ids,
+                 sampling=job.sampling, inputs={}, mime=MIMES[job.fmt], deadline=deadline,
+                 request_id=job.request_id, text_expected=False)
+
+
+async def audio_speech(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if body.get("instructions"):
+        raise Unprocessable("'instructions' are not supported: this model's voices take no style prompt",
+                            param="instructions")
+    stream_format = body.get("stream_format")
+    if stream_format is not None and stream_format not in STREAM_FORMATS:
+        raise Unprocessable(f"stream_format {stream_format!r} is not supported; 'audio' streams the file as the "
+                            "response body, 'sse' as speech.audio.delta events", param="stream_format")
+    streamed = stream_format is not None
+    job = prepare_speech(request.app[MODELS], body, streamed=streamed)
+    model, fmt, params, ids, request_id = job.model, job.fmt, job.params, job.prompt_token_ids, job.request_id
+    stages = job.stages
+    config = request.app[CONFIG]
+    timer = request.app[METRICS].timer(model.name)
+    items = speech_items(request.app[BUS], job, time.time() + config.request_timeout_s)
     outcome, parts = "cancelled", []
     try:
         if streamed:
             if stream_format == "audio":
                 response, error = await speech_body_stream(request, items, MIMES[fmt], request_id)
             else:
-                response, error = await speech_event_stream(request, items, SpokenAudio(fmt, params.speed),
+                spoken = SpokenAudio(fmt, params.speed, codes_per_second(model))
+                response, error = await speech_event_stream(request, items, spoken,
                                                             len(ids), request_id)
             if error is not None:   # after the 200 went out: the connection was broken instead
                 outcome = error.error_type
@@ -348,30 +407,51 @@ async def audio_speech(request: web.Request) -> web.Response:
             # input_tokens as usage counts them (the whole speech prompt); text_tokens: the input text.
             log.info("request %s model=%s stages=%s input_tokens=%d text_tokens=%d voice=%s format=%s seed=%d "
                      "stream_format=%s outcome=%s e2e=%.3fs", request_id, model.name, "+".join(stages), len(ids),
-                     len(reply), params.voice, fmt, params.seed, stream_format, outcome, timer.elapsed())
+                     job.text_tokens, params.voice, fmt, params.seed, stream_format, outcome, timer.elapsed())
     return web.Response(body=b"".join(parts), content_type=MIMES[fmt], headers={"X-Request-Id": request_id})
 
 
 # ---------------------------------------------------------------------- chat with audio out
 
 
-async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.StreamResponse:
-    """A chat completion whose answer is spoken too (``modalities: ["text", "audio"]``)."""
-    model = _speech_model(request.app[MODELS], parsed.model)
+@dataclasses.dataclass
+class SpokenChat:
+    """A chat request with a spoken answer, submitted: ``items`` yields its token events (the
+    transcript) and audio chunks; closing it cancels the request upstream."""
+
+    gen: generation.Generation
+    fmt: str
+    params: SpeechParams
+    items: AsyncIterator[StreamEvent | AudioChunk]
+
+
+def start_spoken_chat(app: web.Application, parsed, body: dict, *, streamed: bool, prefix: str = "chatcmpl",
+                      deadline: float | None = None) -> SpokenChat:
+    """Validate a chat request with ``modalities`` holding audio and start it (nothing is sent before
+    the first item is awaited). ``streamed`` asks for incremental synthesis."""
+    model = _speech_model(app[MODELS], parsed.model)
     if parsed.stop:
         raise Unprocessable("'stop' strings are not supported with audio output", param="stop")
-    gen = generation.prepare(model, parsed, "chatcmpl")
+    gen = generation.prepare(model, parsed, prefix)
     if gen.max_tokens < 2 or "decode" not in gen.stages:
         raise BadRequest("audio output needs a reply of at least 2 tokens: set max_tokens >= 2", param="max_tokens")
     fmt = CHAT_AUDIO_FORMATS[parsed.audio["format"]]
     params = _speech_params(model, parsed.audio["voice"], fmt, body)
     sampling = {**generation._sampling(gen, 0), "audio": params.to_wire()}
-    if parsed.stream:
+    if streamed:
         sampling[AUDIO_STREAM_KEY] = True
+    deadline = deadline if deadline is not None else time.time() + app[CONFIG].request_timeout_s
+    items = speak(app[BUS], model=model.name, stages=gen.stages, prompt_token_ids=gen.prompt_token_ids,
+                  sampling=sampling, inputs=gen.inputs, mime=MIMES[fmt], deadline=deadline,
+                  request_id=gen.request_id, text_expected=True)
+    return SpokenChat(gen, fmt, params, items)
+
+
+async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.StreamResponse:
+    """A chat completion whose answer is spoken too (``modalities: ["text", "audio"]``)."""
+    chat = start_spoken_chat(request.app, parsed, body, streamed=parsed.stream)
+    gen, fmt, params, items, model = chat.gen, chat.fmt, chat.params, chat.items, chat.gen.model
     config = request.app[CONFIG]
-    items = speak(request.app[BUS], model=model.name, stages=gen.stages, prompt_token_ids=gen.prompt_token_ids,
-                  sampling=sampling, inputs=gen.inputs, mime=MIMES[fmt],
-                  deadline=time.time() + config.request_timeout_s, request_id=gen.request_id, text_expected=True)
     audio_id = f"audio_{uuid.uuid4().hex}"
     timer = request.app[METRICS].timer(model.name)
     outcome = "cancelled"

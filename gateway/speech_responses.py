@@ -77,8 +77,9 @@ class SpokenAudio:
     resampled answer rounds each piece's length by up to half a sample, which a long one at high
     speed can add up to a code or two."""
 
-    def __init__(self, fmt: str, speed: float):
+    def __init__(self, fmt: str, speed: float, codes_per_second: float = CODES_PER_SECOND):
         self.fmt, self.speed = fmt, speed
+        self.codes_per_second = codes_per_second   # Qwen3-TTS: 12.5 frames a second (gateway/speech.py)
         self.audio_bytes = 0
         self.flac_samples = 0
 
@@ -96,7 +97,7 @@ class SpokenAudio:
             samples = self.flac_samples
         else:
             samples = max(0, self.audio_bytes - (WAV_HEADER_BYTES if self.fmt == "wav" else 0)) // 2
-        return round(samples * self.speed * CODES_PER_SECOND / SAMPLE_RATE)
+        return round(samples * self.speed * self.codes_per_second / SAMPLE_RATE)
 
 
 async def speech_event_stream(request: web.Request, items: AsyncIterator, spoken: SpokenAudio,
