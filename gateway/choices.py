@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from omnirelay.errors import OmniError, Overloaded
+from omnirelay.errors import BadRequest, OmniError, Overloaded
 
 from . import generation
 from .app import BUS, CONFIG, METRICS, STREAMS, _encode_json
@@ -82,8 +82,13 @@ def plan(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Plan:
     singles = [dataclasses.replace(request, n=1, prompts=(), prompt=p if isinstance(p, str) else None,
                                    prompt_token_ids=None if isinstance(p, str) else list(p)) for p in request.prompts]
     gens = []
-    for one in singles or [dataclasses.replace(request, n=1)]:
-        base = generation.prepare(model, one, prefix)
+    for i, one in enumerate(singles or [dataclasses.replace(request, n=1)]):
+        try:
+            base = generation.prepare(model, one, prefix)
+        except BadRequest as exc:
+            if singles and exc.param == "prompt":
+                exc.param = f"prompt[{i}]"   # which prompt of the list
+            raise
         for j in range(request.n):
             seed = None if request.seed is None else request.seed + j
             gens.append(dataclasses.replace(base, request_id=f"{request_id}-{len(gens)}",
@@ -106,10 +111,12 @@ async def interleave(bus: BusClient, plan_: Plan, deadline: float
         try:
             if after is not None:
                 await after.wait()
-            async for chunk in generation.run(bus, gen, deadline):
-                if started is not None:
-                    started.set()
-                await queue.put((index, chunk))
+            # Closed here, not left to the garbage collector: its close cancels the choice upstream.
+            async with contextlib.aclosing(generation.run(bus, gen, deadline)) as chunks:
+                async for chunk in chunks:
+                    if started is not None:
+                        started.set()
+                    await queue.put((index, chunk))
             if started is not None:
                 started.set()
             await queue.put((index, None))
