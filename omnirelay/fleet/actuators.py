@@ -49,8 +49,9 @@ class LocalProcessActuator:
     ``close_grace_s``; only a worker still alive after that (a hung drain at shutdown) is killed."""
 
     def __init__(self, argv: Callable[[str, int], Sequence[str]], log_dir: str | None = None,
-                 close_grace_s: float = 60.0):
-        self._argv, self._log_dir, self._grace = argv, log_dir, close_grace_s
+                 close_grace_s: float = 60.0, preexec_fn: Callable[[], None] | None = None):
+        """``preexec_fn``: run in each child before exec (omni-serve passes its die-with-parent)."""
+        self._argv, self._log_dir, self._grace, self._preexec = argv, log_dir, close_grace_s, preexec_fn
         self._running: dict[str, list[tuple[str, subprocess.Popen]]] = collections.defaultdict(list)
         self._draining: list[tuple[str, subprocess.Popen]] = []
         self._index = collections.Counter()
@@ -64,7 +65,8 @@ class LocalProcessActuator:
         out = open(os.path.join(self._log_dir, f"{name}.log"), "a") if self._log_dir else subprocess.DEVNULL
         try:
             proc = subprocess.Popen([sys.executable, "-m", *self._argv(role, index)], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=self._preexec)
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()   # the child holds its own descriptor

@@ -158,7 +158,7 @@ class Autoscaler:
         while not stop.is_set():
             try:
                 self.step()
-            except OSError as exc:   # the gateway restarting, a scrape timing out
+            except (OSError, ValueError) as exc:   # the gateway restarting, a scrape timing out, a bad body
                 log.warning("autoscaler pass skipped: %s", exc)
             stop.wait(self.interval_s)
 

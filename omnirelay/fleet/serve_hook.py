@@ -6,7 +6,7 @@ omni-serve starts its fixed fleet as usual; once the gateway is ready, :func:`st
 local-process actuator starts extra workers with the same command line omni-serve gives that role
 (:func:`omnirelay.deploy.serve.worker_commands`) and drains them when load falls. MIN and MAX bound
 the *extra* workers (usually 0:N). :meth:`AutoscaleHandle.close` (omni-serve's shutdown) stops the
-threads and drains every extra worker before omni-serve stops its own children.
+threads, each of which drains its extra workers, before omni-serve stops its own children.
 """
 
 from __future__ import annotations
@@ -26,15 +26,24 @@ class AutoscaleHandle:
         self.actuators: list[LocalProcessActuator] = []
 
     def close(self) -> None:
+        """Stop the loops; each drains its workers on its own thread before it ends (see _serve)."""
         self.stop.set()
         for thread in self.threads:
-            thread.join(30)
-        for actuator in self.actuators:
-            actuator.close()
+            thread.join(90)
+
+
+def _serve(scaler: Autoscaler, actuator: LocalProcessActuator, stop: threading.Event) -> None:
+    """The autoscaler's thread. Its workers get PR_SET_PDEATHSIG, which Linux fires when the *thread*
+    that started them ends: so this thread drains them (actuator.close) before it returns."""
+    try:
+        scaler.ensure_minimum()
+        scaler.run(stop)
+    finally:
+        actuator.close()
 
 
 def start(args: argparse.Namespace, plans: list, broker: str, url: str) -> AutoscaleHandle:
-    from omnirelay.deploy.serve import worker_commands
+    from omnirelay.deploy.serve import _die_with_parent, worker_commands
 
     bounds = [parse_role_bounds(text) for text in args.autoscale]
     handle = AutoscaleHandle()
@@ -49,10 +58,10 @@ def start(args: argparse.Namespace, plans: list, broker: str, url: str) -> Autos
                     if role in templates}
         if not policies:
             continue
-        actuator = LocalProcessActuator(lambda role, index, t=templates: list(t[role]))
+        # Like omni-serve's own children, an extra worker dies with omni-serve (PR_SET_PDEATHSIG).
+        actuator = LocalProcessActuator(lambda role, index, t=templates: list(t[role]), preexec_fn=_die_with_parent)
         scaler = Autoscaler(plan.name, policies, actuator, GatewayProbe(url, args.api_key))
-        scaler.ensure_minimum()
-        thread = threading.Thread(target=scaler.run, args=(handle.stop,), name=f"autoscale-{number}")
+        thread = threading.Thread(target=_serve, args=(scaler, actuator, handle.stop), name=f"autoscale-{number}")
         thread.start()
         handle.threads.append(thread)
         handle.actuators.append(actuator)
