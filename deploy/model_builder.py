@@ -11,6 +11,7 @@ Usage::
     omni-make-model tiny-qwen3 DIR [--seed N] [--force]      # Qwen3 (q/k norm; qwen3_builder.py)
     omni-make-model tiny-qwen3-moe DIR [--seed N] [--force]  # Qwen3-MoE, 8 experts top 2 (qwen3_builder.py)
     omni-make-model tiny-zimage DIR [--seed N] [--force] # Z-Image (ZImagePipeline, zimage_builder.py)
+    omni-make-model tiny-qwen3-tts DIR [--seed N] [--force]   # Qwen3-TTS 12 Hz CustomVoice (qwen3_tts_builder.py)
     omni-make-model tiny-wan DIR [--seed N] [--force]    # Wan 2.2 text-to-video (WanPipeline, wan_builder.py)
 
 The result is an ordinary Hugging Face model directory, loadable offline with
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd", "tiny-video", "tiny-omni", "tiny-qwen3-omni", "tiny-dit",
                                          "tiny-qwen3", "tiny-qwen3-moe",
-                                         "tiny-zimage", "tiny-wan"],
+                                         "tiny-zimage", "tiny-wan", "tiny-qwen3-tts"],
                         help="which model to build (tiny-sd: a diffusers text-to-image pipeline; "
                              "tiny-dit: the same around a diffusion transformer (SD3); "
                              "tiny-qwen3 / tiny-qwen3-moe: random-weight Qwen3 / Qwen3-MoE causal LMs; "
@@ -334,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                              "tiny-wan: Wan 2.2 text-to-video (WanPipeline, two experts, UMT5); "
                              "tiny-video: a diffusers text-to-video pipeline; "
                              "tiny-omni: Qwen2.5-Omni thinker + talker + token2wav; "
-                             "tiny-qwen3-omni: Qwen3-Omni MoE thinker + talker + code2wav)")
+                             "tiny-qwen3-omni: Qwen3-Omni MoE thinker + talker + code2wav; "
+                             "tiny-qwen3-tts: Qwen3-TTS 12 Hz CustomVoice, needs the qwen_tts package)")
     parser.add_argument("dir", help="output directory (created atomically)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="replace an existing directory")
@@ -369,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.kind == "tiny-omni":
             from .omni_builder import build_tiny_omni
             out = build_tiny_omni(args.dir, seed=args.seed, force=args.force)
+        elif args.kind == "tiny-qwen3-tts":
+            from .qwen3_tts_builder import build_tiny_qwen3_tts
+            out = build_tiny_qwen3_tts(args.dir, seed=args.seed, force=args.force)
         elif args.kind == "tiny-qwen3-omni":
             from .qwen3_omni_builder import build_tiny_qwen3_omni
             out = build_tiny_qwen3_omni(args.dir, seed=args.seed, force=args.force)

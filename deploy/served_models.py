@@ -3,7 +3,8 @@
 A model directory says what it is: a diffusers ``model_index.json`` names a text-to-image or
 text-to-video pipeline class; an HF ``config.json`` with ``model_type: qwen2_5_omni`` is an omni
 model (encode → prefill → decode → generate), ``qwen3_omni_moe`` a Qwen3-Omni one (the same
-stages: its encoders, MoE thinker, talker + code2wav); anything else is a causal LM (prefill → decode). Each
+stages: its encoders, MoE thinker, talker + code2wav), ``qwen3_tts`` a Qwen3-TTS speech model (one
+generate stage: text in, audio out); anything else is a causal LM (prefill → decode). Each
 kind has a stage-pipeline file bundled in ``deploy/pipelines/``; ``--stage-configs-path`` overrides
 it, once for all models or once per model in order.
 
@@ -30,6 +31,7 @@ PIPELINES_BY_KIND = {
     "text-to-video": ("text_to_video.yaml",),
     "omni": ("omni.yaml", "omni_thinker.yaml"),
     "qwen3-omni": ("qwen3_omni.yaml", "qwen3_omni_thinker.yaml"),
+    "qwen3-tts": ("qwen3_tts.yaml",),
 }
 
 
@@ -39,7 +41,7 @@ class ModelPlan:
 
     path:           absolute model directory.
     name:           the id clients send in ``model``.
-    kind:           ``llm``, ``omni``, ``qwen3-omni``, ``text-to-image`` or ``text-to-video`` (see :func:`model_kind`).
+    kind:           ``llm``, ``omni``, ``qwen3-omni``, ``qwen3-tts``, ``text-to-image`` or ``text-to-video`` (see :func:`model_kind`).
     pipeline:       its stages, connectors and edges.
     pipeline_file:  the YAML its workers and the gateway load (``None``: the default LM pipeline).
     groups:         role → (tensor, pipeline) parallel size of one worker of that role.
@@ -71,6 +73,8 @@ def model_kind(model_dir: str) -> str:
         return "omni"
     if config.get("model_type") == "qwen3_omni_moe":
         return "qwen3-omni"
+    if config.get("model_type") == "qwen3_tts":
+        return "qwen3-tts"
     return "llm"
 
 

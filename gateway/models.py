@@ -26,6 +26,10 @@ class ModelRuntime:
             limits = media_limits or MediaLimits(allowed_local_dir=served.allowed_local_media_path)
             self.media = MediaProcessor(served.path, limits)
             config = config["thinker_config"]["text_config"]
+        elif config.get("model_type") == "qwen3_tts":   # speech only: the text vocabulary, the talker's context
+            talker = config["talker_config"]
+            config = {"vocab_size": talker["text_vocab_size"],
+                      "max_position_embeddings": talker.get("max_position_embeddings", 2048)}
         self.vocab_size = int(config["vocab_size"])
         model_max = int(config.get("max_position_embeddings", 2048))
         self.max_model_len = min(served.max_model_len or model_max, model_max)

@@ -36,6 +36,7 @@ from .config import WorkerConfig
 from .decode import DecodeEngine
 from .devices import KVBudgetError, parse_device_ids, resolve_devices
 from .encode_role import build_encode_role
+from .generate_qwen3_tts import is_qwen3_tts_model
 from .generate_role import build_generate_role
 from .generate_speech import is_omni_model
 from .generate_video_role import build_generate_video_role
@@ -44,6 +45,7 @@ from .models.llama import LlamaModel
 from .mrope import MropeSpec
 from .parallel import GroupConfig, GroupRunner, ParallelGroupLost
 from .prefill import PrefillEngine
+from .qwen3_tts_role import build_qwen3_tts_role
 from .roles import DecodeRole, PrefillRole
 from .runtime import WorkerRuntime
 from .sequence_parallel_group import SequenceParallelGroupLost
@@ -61,6 +63,9 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         connector = TimedConnector(create_connector(config.connector, config.connector_options))
         role, stats = build_encode_role(config, connector)
         return WorkerRuntime(config, role, stats, shutdown, keys, owned=(connector,))
+    if config.role == "generate" and is_qwen3_tts_model(config.model_path):   # Qwen3-TTS: text in, no connector
+        role, stats = build_qwen3_tts_role(config)
+        return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine,))
     if config.role == "generate" and is_omni_model(config.model_path):   # Qwen2.5-Omni: talker + token2wav
         connector = TimedConnector(create_connector(config.connector, config.connector_options))
         role, stats = build_speech_role(config, connector)

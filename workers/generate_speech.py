@@ -161,9 +161,14 @@ class GenerateSpeechEngine:
         self.speakers = speakers
         self.config = config
         self.device = torch.device(device)
-        self.max_batch_size = max_batch_size
         thinker = config.thinker_config
         self.media_token_ids = (thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index)
+        self._init_queue(max_batch_size)
+
+    def _init_queue(self, max_batch_size: int) -> None:
+        """The queue, synthesis thread and counters that step()/cancel()/close() run on (shared with
+        the Qwen3-TTS engine, generate_qwen3_tts.py, which synthesises differently)."""
+        self.max_batch_size = max_batch_size
         self.waiting: collections.deque[SpeechTask] = collections.deque()
         self.running: tuple[SpeechTask, concurrent.futures.Future] | None = None
         self._dropped: set[str] = set()   # cancelled while running: their result is discarded
