@@ -278,3 +278,27 @@ def _children(pid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue
     return found
+
+
+def test_fused_expert_layout_loads_like_the_hub_layout(moe_model, tmp_path):
+    """transformers 5's fused ``experts.gate_up_proj``/``down_proj`` tensors read as the per-expert ones."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    fused = tmp_path / "fused"
+    shutil.copytree(moe_model, fused)
+    tensors = load_file(str(fused / "model.safetensors"))
+    config = LlamaModel(moe_model).config.moe
+    for layer in (i for i in range(4) if config.is_sparse(i)):
+        pre = f"model.layers.{layer}.mlp.experts."
+        experts = range(config.num_experts)
+        tensors[pre + "gate_up_proj"] = torch.stack([torch.cat((tensors.pop(f"{pre}{e}.gate_proj.weight"),
+                                                                tensors.pop(f"{pre}{e}.up_proj.weight")))
+                                                     for e in experts])
+        tensors[pre + "down_proj"] = torch.stack([tensors.pop(f"{pre}{e}.down_proj.weight") for e in experts])
+    save_file(tensors, str(fused / "model.safetensors"))
+    ids = list(range(5, 40))
+    hub_logits, hub_kv = LlamaModel(moe_model).prefill(ids)
+    fused_logits, fused_kv = LlamaModel(str(fused)).prefill(ids)
+    assert torch.equal(hub_logits, fused_logits) and torch.equal(hub_kv, fused_kv)

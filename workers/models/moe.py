@@ -25,6 +25,7 @@ experts of its contiguous block and tokens travel to them by all-to-all
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,15 @@ class SparseMoE:
         return out
 
 
-def load_moe(w, prefix: str, config: MoeConfig, *, rank: int, size: int, expert_parallel: bool,
+class WeightSource(Protocol):
+    """What :func:`load_moe` reads from (the compact model's safetensors reader)."""
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str, dim: int | None = None, rank: int = 0, parts: int = 1) -> torch.Tensor: ...
+
+
+def load_moe(w: WeightSource, prefix: str, config: MoeConfig, *, rank: int, size: int, expert_parallel: bool,
              comm: ExpertCollective | None) -> SparseMoE:
     """Read a sparse block under ``prefix`` (``model.layers.<i>.mlp.``) from a ``_Weights``: the
     hub layout (``experts.<e>.{gate,up,down}_proj.weight``) or transformers 5's fused one
