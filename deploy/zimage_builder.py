@@ -39,9 +39,18 @@ TEXT_WIDTH = 64
 LATENT_CHANNELS = 16
 
 
+def _transformer():
+    from diffusers import ZImageTransformer2DModel
+
+    return ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS, dim=64, n_layers=2,
+        n_refiner_layers=1, n_heads=4, n_kv_heads=4, cap_feat_dim=TEXT_WIDTH, rope_theta=256.0,
+        t_scale=1000.0, axes_dims=[4, 6, 6], axes_lens=[1024, 128, 128]).eval()
+
+
 def _build_into(out: pathlib.Path, seed: int) -> None:
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
     from transformers import Qwen3Config, Qwen3Model
 
     from .model_builder import _build_tokenizer
@@ -55,10 +64,7 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
         torch.manual_seed(seed)
         text_encoder = Qwen3Model(text_config).eval()
         torch.manual_seed(seed + 1)
-        transformer = ZImageTransformer2DModel(
-            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS, dim=64, n_layers=2,
-            n_refiner_layers=1, n_heads=4, n_kv_heads=4, cap_feat_dim=TEXT_WIDTH, rope_theta=256.0,
-            t_scale=1000.0, axes_dims=[4, 6, 6], axes_lens=[1024, 128, 128]).eval()
+        transformer = _transformer()
         torch.manual_seed(seed + 2)
         vae = AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS, layers_per_block=1,

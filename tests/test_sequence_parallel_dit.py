@@ -1,6 +1,7 @@
-"""Sequence parallelism for the Wan video transformer (both experts of Wan 2.2 are this class):
-two ranks over gloo, each holding half of the video tokens, make the same noise prediction as one
-rank running the whole model (the kernel of :mod:`omnirelay.workers.sequence_parallel_wan`)."""
+"""Sequence parallelism for the diffusion transformers of Wan (both experts of Wan 2.2 are one
+class) and Z-Image: ranks over gloo, each holding its share of the tokens, make the same noise
+prediction as one rank running the whole model (the kernels of
+:mod:`omnirelay.workers.sequence_parallel_wan` and :mod:`omnirelay.workers.sequence_parallel_zimage`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from omnirelay.workers.sequence_parallel_wan import wan_sequence_parallel_forward
+from omnirelay.workers.sequence_parallel_zimage import zimage_sequence_parallel_forward
 
 
 def _tiny_wan():
@@ -34,18 +36,69 @@ def _inputs():
             torch.randn(2, 11, 32, generator=generator))
 
 
-def _rank(rank: int, world: int, port: int, result_dir: str) -> None:
+def _tiny_zimage():
+    from omnirelay.deploy.zimage_builder import _transformer
+
+    torch.manual_seed(0)
+    model = _transformer()
+    with torch.no_grad():   # the zero-initialised modulations and output would hide errors in the layers
+        generator = torch.Generator().manual_seed(2)
+        for name, param in model.named_parameters():
+            if "adaLN_modulation" in name or "final_layer" in name:
+                param.normal_(0.0, 0.2, generator=generator)
+    return model
+
+
+def _zimage_inputs():
+    generator = torch.Generator().manual_seed(1)
+    # 2 images of 8×10 latents (20 tokens each); captions of 7 and 40 tokens (padded to 32 and 64
+    # inside the model, so the two sequences differ in length and attention needs its key mask)
+    latents = [torch.randn(16, 1, 8, 10, generator=generator) for _ in range(2)]
+    captions = [torch.randn(n, 64, generator=generator) for n in (7, 40)]
+    return latents, torch.tensor([0.9, 0.3]), captions
+
+
+def _zimage_forward(model, group=None):
+    latents, timestep, captions = _zimage_inputs()
+    if group is False:
+        return torch.stack(model(latents, timestep, captions, return_dict=False)[0])
+    return torch.stack(zimage_sequence_parallel_forward(model, latents, timestep, captions))
+
+
+def _processor_types(model) -> dict[str, type]:
+    return {name: type(module.processor) for name, module in model.named_modules() if "processor" in vars(module)}
+
+
+def _rank(rank: int, world: int, port: int, result_dir: str, which: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = _tiny_wan()
-        latents, timestep, text = _inputs()
-        before = {name: type(proc) for name, proc in model.attn_processors.items()}
-        out = wan_sequence_parallel_forward(model, latents, timestep, text)
-        assert {name: type(proc) for name, proc in model.attn_processors.items()} == before
+        model = _tiny_wan() if which == "wan" else _tiny_zimage()
+        before = _processor_types(model)
+        if which == "wan":
+            latents, timestep, text = _inputs()
+            out = wan_sequence_parallel_forward(model, latents, timestep, text)
+        else:
+            out = _zimage_forward(model)
+        assert _processor_types(model) == before      # the kernel put the model's own processors back
         save_file({"out": out.contiguous()}, os.path.join(result_dir, f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()
+
+
+def _run_ranks(world: int, tmp_path, which: str) -> list[torch.Tensor]:
+    port = _free_port()
+    ranks = [subprocess.Popen([sys.executable, __file__, str(rank), str(world), str(port), str(tmp_path), which])
+             for rank in range(world)]
+    try:
+        codes = [proc.wait(timeout=240) for proc in ranks]
+    finally:
+        for proc in ranks:    # only on a timeout: a rank stuck in a collective
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert codes == [0] * world
+    return [load_file(tmp_path / f"rank{r}.safetensors")["out"] for r in range(world)]
 
 
 def _free_port() -> int:
@@ -62,22 +115,21 @@ def test_wan_sequence_parallel_equals_one_rank(world, tmp_path):
     with torch.inference_mode():
         reference = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
                           return_dict=False)[0]
-    port = _free_port()
-    ranks = [subprocess.Popen([sys.executable, __file__, str(rank), str(world), str(port), str(tmp_path)])
-             for rank in range(world)]
-    try:
-        codes = [proc.wait(timeout=240) for proc in ranks]
-    finally:
-        for proc in ranks:    # only on a timeout: a rank stuck in a collective
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert codes == [0] * world
-    for r in range(world):
-        out = load_file(tmp_path / f"rank{r}.safetensors")["out"]
+    for out in _run_ranks(world, tmp_path, "wan"):
         assert out.shape == reference.shape == latents.shape
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     assert reference.std() > 0.1   # a real prediction, not zeros
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])   # 3: 120 tokens pad to 123
+def test_zimage_sequence_parallel_equals_one_rank(world, tmp_path):
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        reference = _zimage_forward(_tiny_zimage(), group=False)
+    for out in _run_ranks(world, tmp_path, "zimage"):
+        assert out.shape == reference.shape == (2, 16, 1, 8, 10)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    assert reference.std() > 0.1
 
 
 def test_wan_sequence_parallel_refuses_per_token_timesteps():
@@ -87,4 +139,4 @@ def test_wan_sequence_parallel_refuses_per_token_timesteps():
 
 
 if __name__ == "__main__":
-    _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
