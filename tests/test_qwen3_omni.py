@@ -12,6 +12,7 @@ Served by ``omni-serve DIR`` alone: the directory's kind (``qwen3-omni``) picks 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import os
 import wave
@@ -137,6 +138,78 @@ def test_compact_thinker_greedy_equals_transformers(tiny, hf):
         assert out == expected
 
 
+def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tiny, hf, tmp_path):
+    """No network: encode → prefill in chunks of 8 (cutting through the image and the audio, next to a
+    text prompt in the same steps, so DeepStack rows are placed per chunk) → decode == transformers."""
+    import json
+    import time
+
+    from omnirelay.connectors import create_connector
+    from omnirelay.gateway.media import MediaLimits, MediaProcessor
+    from omnirelay.workers.decode import DecodeEngine, DecodeTask
+    from omnirelay.workers.encode import EncodeEngine, EncodeTask, MediaItem
+    from omnirelay.workers.encode_qwen3 import Qwen3OmniEncoders
+    from omnirelay.workers.kv_cache import PagedKVCache
+    from omnirelay.workers.models.llama import LlamaModel
+    from omnirelay.workers.mrope import MropeSpec
+    from omnirelay.workers.prefill import PrefillEngine, PrefillTask
+    from omnirelay.workers.sampling import SamplingParams
+
+    png, pcm = _png(5), _tone(660.0, 0.5)
+    media_content = [{"type": "text", "text": "See"}, _image_part(png), _audio_part(_wav(pcm)),
+                     {"type": "text", "text": "and tell."}]
+    text = "Tell me a story about the river."
+    tok = hf.tokenizer
+    media = MediaProcessor(tiny, MediaLimits())
+    messages, items = media.extract([{"role": "user", "content": media_content}])
+    ids = media.expand(tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)["input_ids"], items)
+    text_ids = tok(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False), add_special_tokens=False)["input_ids"]
+    connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
+    try:
+        encode = EncodeEngine(Qwen3OmniEncoders(tiny), connector)
+        encode.add(EncodeTask("m", [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
+        (encoded,) = encode.step()
+        assert not encoded.error_type, encoded.message
+        model = LlamaModel(tiny)
+        config = json.loads(open(os.path.join(tiny, "config.json")).read())
+        prefill = PrefillEngine(model, connector, max_model_len=4096, max_batched_tokens=8, block_size=4,
+                                mrope=MropeSpec.from_config(config))
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        prefill.add(PrefillTask("m", ids, greedy, time.time() + 60, media=encoded.outputs))
+        prefill.add(PrefillTask("t", text_ids, greedy, time.time() + 60))
+        done = {}
+        for _ in range(200):
+            for result in prefill.step():
+                assert not result.error_type, result.message
+                done[result.request_id] = result
+            if not prefill.has_work:
+                break
+        assert prefill.stats["prefill_steps"] > (len(ids) + len(text_ids)) // 8   # really chunked
+        cfg = model.config
+        cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=4, num_blocks=64)
+        decode = DecodeEngine(model, cache, connector, max_num_seqs=4, max_model_len=4096, transfer_timeout_s=5)
+        outputs = {}
+        for rid, prompt in (("t", text_ids), ("m", ids)):
+            out = done[rid].outputs
+            outputs[rid] = [done[rid].first_token]
+            decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out["kv_key"],
+                                  out["kv_handle"], rope_delta=out.get("rope_delta", 0),
+                                  has_media=out.get("has_media", False)))
+        for _ in range(500):
+            step = decode.step()
+            assert not step.failed, step.failed
+            for token in step.tokens:
+                outputs[token.request_id].append(token.token)
+            if not decode.has_work:
+                break
+        assert outputs["m"] == hf(media_content, png=png, pcm=pcm)
+        assert outputs["t"] == hf([{"type": "text", "text": text}])
+    finally:
+        connector.close()
+
+
 @pytest.fixture(scope="module")
 def thinker_server(tiny, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("serve-qwen3-omni") / "omni-serve.log")
@@ -181,3 +254,131 @@ def test_audio_and_text_in_text_out_equal_transformers(thinker_client, hf):
     assert _chat(thinker_client, both).choices[0].token_ids == hf(both, png=_png(2), pcm=pcm)
     text = [{"type": "text", "text": "What is the weather like today?"}]
     assert _chat(thinker_client, text).choices[0].token_ids == hf(text)
+
+
+# ------------------------------------------------------------------------------------ speech out
+
+SEED, MAX_CODES = 11, 16
+SAMPLE_RATE = 24000
+
+
+def _reference_speech(model, tokenizer, content: list, png: bytes | None = None) -> tuple[list[int], torch.Tensor]:
+    """transformers' Qwen3-Omni generate as documented: greedy thinker, the talker's default sampling, seeded."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    media = {}
+    if png is not None:
+        images = Qwen2VLImageProcessorPil.from_pretrained(model.name_or_path)
+        image = images(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
+        n = int(image["image_grid_thw"][0].prod()) // images.merge_size ** 2
+        text = text.replace(tokenizer.image_token, tokenizer.image_token * n)
+        media = {"pixel_values": image["pixel_values"], "image_grid_thw": image["image_grid_thw"]}
+    ids = tokenizer(text, return_tensors="pt")
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        sequences, wav = model.generate(**ids, **media, speaker="Ethan", thinker_max_new_tokens=MAX_TOKENS,
+                                        thinker_eos_token_id=eos, talker_max_new_tokens=MAX_CODES)
+    return sequences[0, ids["input_ids"].shape[1]:].tolist(), wav.reshape(-1).float()
+
+
+@pytest.fixture(scope="module")
+def full_model(tiny):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    torch.set_num_threads(1)
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny, dtype=torch.float32).eval()
+
+
+def _int16(wav: torch.Tensor) -> np.ndarray:
+    return (wav.clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+
+
+def _wav_samples(data: bytes) -> np.ndarray:
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
+        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+
+
+def test_speech_engine_matches_transformers_talker_and_code2wav(tiny, hf, full_model):
+    """Talker prompt, code predictor and code2wav, seeded: the waveform of transformers' generate."""
+    import time
+
+    from omnirelay.speech_params import SpeechParams
+    from omnirelay.workers.generate_speech import SpeechTask
+    from omnirelay.workers.generate_speech_qwen3 import Qwen3SpeechEngine
+
+    content = [{"type": "text", "text": "Tell me about the harbor town."}]
+    reply, expected = _reference_speech(full_model, hf.tokenizer, content)
+    text = hf.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=False)
+    ids = hf.tokenizer(text)["input_ids"]
+    engine = Qwen3SpeechEngine.from_pretrained(tiny)
+    try:
+        assert engine.voices == ["Chelsie", "Ethan"]
+        hidden = torch.zeros(len(ids), 256)
+        task = SpeechTask("r", ids, hidden, reply, torch.zeros(len(reply) - 1, 256),
+                          SpeechParams(voice="Ethan", seed=SEED, max_codes=MAX_CODES), deadline=time.time() + 300)
+        wav, codes = engine.synthesize(task)
+        assert codes > 0 and torch.equal(wav, expected)
+        assert wav.pow(2).mean().sqrt() > 0.01   # not silence
+        other, _ = engine.synthesize(dataclasses.replace(task, params=SpeechParams(voice="Chelsie", seed=SEED,
+                                                                                   max_codes=MAX_CODES)))
+        assert not torch.equal(other, wav)      # the voice is the speaker's codec id: it changes the speech
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def speech_server(tiny, tmp_path_factory):
+    """``omni-serve DIR`` alone: the kind picks deploy/pipelines/qwen3_omni.yaml (all four roles)."""
+    log_path = str(tmp_path_factory.mktemp("serve-qwen3-omni-speech") / "omni-serve.log")
+    serve = ServeProcess(tiny, "--served-model-name", MODEL, "--log-level", "WARNING", log_path=log_path)
+    yield serve
+    serve.stop()
+
+
+@pytest.fixture(scope="module")
+def speech_client(speech_server):
+    return openai.OpenAI(base_url=speech_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.mark.slow
+def test_chat_with_an_image_in_and_audio_out_matches_transformers(speech_client, hf, full_model):
+    """encode → prefill → decode → generate: the talker reads the thinker's layer states at the
+    image tokens (prefill's capture) and follows the image's M-RoPE grid, as in transformers."""
+    png = _png(3)
+    content = [{"type": "text", "text": "Look:"}, _image_part(png), {"type": "text", "text": "say something."}]
+    reply, expected = _reference_speech(full_model, hf.tokenizer, content, png=png)
+    response = speech_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "wav"}, max_tokens=MAX_TOKENS, temperature=0, seed=SEED,
+        extra_body={"max_audio_tokens": MAX_CODES})
+    audio = response.choices[0].message.audio
+    assert audio.transcript == hf.tokenizer.decode(reply, skip_special_tokens=True)
+    samples = _wav_samples(base64.b64decode(audio.data))
+    assert np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01          # not silent
+    assert samples.shape == _int16(expected).shape
+    assert np.abs(samples.astype(np.int32) - _int16(expected).astype(np.int32)).max() <= 1
+
+
+@pytest.mark.slow
+def test_chat_text_in_audio_out_and_the_speech_endpoint(speech_client, hf, full_model):
+    content = [{"type": "text", "text": "Tell me about the harbor town."}]
+    reply, expected = _reference_speech(full_model, hf.tokenizer, content)
+    response = speech_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "wav"}, max_tokens=MAX_TOKENS, temperature=0, seed=SEED,
+        extra_body={"max_audio_tokens": MAX_CODES})
+    samples = _wav_samples(base64.b64decode(response.choices[0].message.audio.data))
+    assert np.abs(samples.astype(np.int32) - _int16(expected).astype(np.int32)).max() <= 1
+    kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.",
+                  extra_body={"seed": 7, "max_audio_tokens": 12})
+    wav = _wav_samples(speech_client.audio.speech.create(response_format="wav", **kwargs).content)
+    assert len(wav) > SAMPLE_RATE // 10 and np.sqrt(np.mean((wav / 32767.0) ** 2)) > 0.01
+    pcm = speech_client.audio.speech.create(response_format="pcm", **kwargs)
+    assert np.array_equal(np.frombuffer(pcm.content, dtype="<i2"), wav)   # same seed: the same speech
+    with pytest.raises(openai.BadRequestError):
+        speech_client.audio.speech.create(model=MODEL, voice="Nobody", input="Hi.", response_format="wav")

@@ -76,12 +76,13 @@ TALKER_SAMPLING = {"do_sample": True, "top_k": 40, "top_p": 0.8, "temperature": 
 
 
 def is_omni_model(path: str) -> bool:
-    """A Qwen2.5-Omni directory (thinker + talker + token2wav)."""
+    """An omni directory that speaks: Qwen2.5-Omni (thinker + talker + token2wav) or Qwen3-Omni
+    (thinker + talker + code2wav, ``generate_speech_qwen3.py``)."""
     config = Path(path) / "config.json"
     if not config.is_file():
         return False
     try:
-        return json.loads(config.read_text()).get("model_type") == "qwen2_5_omni"
+        return json.loads(config.read_text()).get("model_type") in ("qwen2_5_omni", "qwen3_omni_moe")
     except (OSError, json.JSONDecodeError):
         return False
 
@@ -161,8 +162,7 @@ class GenerateSpeechEngine:
         self.speakers = speakers
         self.config = config
         self.device = torch.device(device)
-        thinker = config.thinker_config
-        self.media_token_ids = (thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index)
+        self.media_token_ids = self._media_token_ids(config.thinker_config)
         self._init_queue(max_batch_size)
 
     def _init_queue(self, max_batch_size: int) -> None:
@@ -178,6 +178,11 @@ class GenerateSpeechEngine:
         self._first_chunk_codes: dict[str, int] = {}
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speech-synth")
         self.stats = collections.Counter()
+
+    @staticmethod
+    def _media_token_ids(thinker) -> tuple[int, int, int]:
+        """The thinker's audio, image and video placeholder ids (Qwen2.5-Omni names them *_index)."""
+        return thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -1,4 +1,5 @@
-"""The generate role for speech (Qwen2.5-Omni), between the bus and :class:`GenerateSpeechEngine`.
+"""The generate role for speech (Qwen2.5-Omni; Qwen3-Omni through its :class:`Qwen3SpeechEngine`, the
+same interface), between the bus and :class:`GenerateSpeechEngine`.
 
 Life of a request through this adapter::
 
@@ -53,6 +54,7 @@ from omnirelay.speech_params import SpeechParams
 
 from .config import WorkerConfig
 from .generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, SpeechTask
+from .generate_speech_qwen3 import Qwen3SpeechEngine, is_qwen3_omni_model
 from .roles import Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker.speech")
@@ -252,10 +254,11 @@ def _tensor(payload: dict, name: str) -> torch.Tensor:
 
 def build_speech_role(config: WorkerConfig, connector: Connector) -> tuple[GenerateSpeechRole, Callable[[], dict]]:
     """The role adapter and heartbeat-stats function of a speech generate worker: ``config.model_path``
-    is a Qwen2.5-Omni directory; the talker and token2wav run on the first CUDA device when there is one."""
+    is a Qwen2.5-Omni or Qwen3-Omni directory (each with its own engine); the talker and token2wav run on the first CUDA device when there is one."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = GenerateSpeechEngine.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
-                                                  device=device, max_batch_size=config.capacity)
+    kind = Qwen3SpeechEngine if is_qwen3_omni_model(config.model_path) else GenerateSpeechEngine
+    engine = kind.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
+                                  device=device, max_batch_size=config.capacity)
     log.info("speech generate worker: %s on %s, voices %s", config.model_path, device, ", ".join(engine.voices))
 
     def stats() -> dict:

@@ -46,7 +46,9 @@ Qwen3-Omni: the thinker's language model is a Qwen3-MoE under the same ``thinker
 two differences: its M-RoPE interleaves the axes (height on rotary columns 1, 4, 7, .., width on
 2, 5, 8, .., temporal on the rest, instead of three contiguous sections), and DeepStack: the batch's
 ``deepstack`` field carries the vision encoder's extra features, which are added to the image
-tokens' hidden states after the first decoder layers (feature ``i`` after layer ``i``).
+tokens' hidden states after the first decoder layers (feature ``i`` after layer ``i``). Its talker
+reads the thinker's states at layer ``accept_hidden_layer`` (``LlamaConfig.capture_layer``), so for
+it ``capture_hidden`` keeps that layer's output instead of the final-norm states.
 
 :meth:`LlamaModel.prefill` is the cache-free convenience path (one sequence → logits and the whole
 KV as ``[layers, 2, seq, kv_heads, head_dim]``) kept for callers that want contiguous KV.
@@ -98,6 +100,9 @@ class LlamaConfig:
     weight_prefix: str = ""              # "thinker." for Qwen2.5-Omni checkpoints
     mrope_section: tuple[int, ...] = ()  # M-RoPE sections over head_dim / 2 (temporal, height, width)
     mrope_interleaved: bool = False      # Qwen3-Omni: H and W take every third rotary column (see _mrope_axis)
+    # Speech capture (``LlamaModel.capture_hidden``): 0 keeps the final-norm states (Qwen2.5-Omni's
+    # talker reads those); k > 0 the output of decoder layer k - 1 (Qwen3-Omni's accept_hidden_layer).
+    capture_layer: int = 0
     qk_norm: bool = False                # Qwen3: RMSNorm of each q and k head before rotary
     moe: MoeConfig | None = None         # Qwen3-MoE: the experts of the sparse layers
 
@@ -105,7 +110,7 @@ class LlamaConfig:
     def from_dir(cls, path: Path) -> "LlamaConfig":
         raw = json.loads((path / "config.json").read_text())
         arch = (raw.get("architectures") or ["?"])[0]
-        prefix, mrope, interleaved = "", (), False
+        prefix, mrope, interleaved, capture = "", (), False, 0
         if arch in OMNI_ARCHITECTURES or arch in QWEN3_OMNI_ARCHITECTURES:
             thinker = raw.get("thinker_config", raw)
             text = thinker["text_config"]
@@ -115,6 +120,8 @@ class LlamaConfig:
             # Qwen3-Omni's thinker is a Qwen3-MoE (a dense Qwen3 without experts) whose rotary
             # embedding always interleaves the M-RoPE axes (transformers' recomposition_frequencies).
             interleaved = arch in QWEN3_OMNI_ARCHITECTURES
+            if interleaved and "talker_config" in raw:
+                capture = int(raw["talker_config"].get("accept_hidden_layer", 0))
             text_arch = "Qwen2ForCausalLM"
             if interleaved:
                 text_arch = "Qwen3MoeForCausalLM" if text.get("num_experts") else "Qwen3ForCausalLM"
@@ -144,6 +151,7 @@ class LlamaConfig:
             # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             eos_token_ids=eos, weight_prefix=prefix, mrope_section=mrope, mrope_interleaved=interleaved,
+            capture_layer=capture,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             moe=MoeConfig.from_raw(raw) if arch == "Qwen3MoeForCausalLM" else None)
 
@@ -477,11 +485,14 @@ class LlamaModel:
                 attn = self._prefill_attention(q, k, v, index, cache, batch)
             h = self._finish_layer(layer, h, attn)
             layer_id = self.layer_ids[index]
+            if self.capture_hidden and layer_id == self.config.capture_layer - 1:
+                # The layer's own output, before DeepStack, as transformers records hidden_states.
+                self.captured_hidden = h.to("cpu", copy=True)
             if deep_values is not None and layer_id < deep_values.shape[0]:
                 h[deep_rows] += deep_values[layer_id].to(h.dtype)   # DeepStack: image features into layer i's output
         if not self.last_stage:
             return h
-        if self.capture_hidden:
+        if self.capture_hidden and not self.config.capture_layer:
             # On the host: these states only leave through a connector (speech requests only).
             self.captured_hidden = _rms_norm(h, self.norm, self.config.rms_norm_eps).cpu()
         return self._logits(h.index_select(0, batch.last_index))
