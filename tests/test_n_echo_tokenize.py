@@ -15,6 +15,8 @@ import openai
 import pytest
 import requests
 
+from omnirelay.gateway.schema import MAX_CHOICES
+
 MODEL = "tiny-llm"
 BLOCK = 16   # omni-worker's default --block-size
 LONG_PROMPT = "The archive holds records of " + " ".join(f"item{i} filed" for i in range(40))
@@ -145,13 +147,15 @@ def test_n_choices_prefill_the_shared_prompt_once(client, server):
     reply = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=3, temperature=0.7, seed=11, n=n)
     assert len(reply.choices) == n and reply.usage.prompt_tokens == prompt_tokens
     after = _settled_prefill_stats(server, before)
-    computed = after["prefill_tokens"] - before["prefill_tokens"]
+    computed = after["prefill_tokens"] - before.get("prefill_tokens", 0)
     reused = after.get("prefix_cached_tokens", 0) - before.get("prefix_cached_tokens", 0)
     # Choice 0 computes the whole prompt (or less, if an earlier test left its blocks cached); each
     # sibling reuses every full block and computes only the tail.
     assert computed <= prompt_tokens + (n - 1) * (prompt_tokens - full_blocks * BLOCK), (computed, before, after)
     assert reused >= (n - 1) * full_blocks * BLOCK, (reused, before, after)
     assert computed + reused == n * prompt_tokens
+    print(f"\nn={n} choices of a {prompt_tokens}-token prompt: prefill computed {computed} tokens and reused "
+          f"{reused} from its prefix cache (without sharing: {n * prompt_tokens} computed)")
 
 
 # ------------------------------------------------------------------------------------ prompt lists and echo
@@ -196,7 +200,7 @@ def test_bad_choice_requests_are_refused_before_any_work(client):
         (dict(prompt=[]), 400, "prompt"),
         (dict(prompt=["a"] * (MAX_CHOICES // 2 + 1), n=2), 400, "prompt"),
         (dict(prompt="x", echo=True, logprobs=1), 422, "echo"),
-        (dict(prompt=["a", "word " * 5000], n=2), 400, "prompt"),   # too long for the context: nothing runs
+        (dict(prompt=["a", "word " * 5000], n=2), 400, "prompt[1]"),   # too long for the context: nothing runs
     ]
     for kwargs, status, param in cases:
         with pytest.raises(openai.APIStatusError) as info:
@@ -292,7 +296,6 @@ def test_bad_tokenizer_requests_name_their_param(server, path, body, status, par
 
 
 def test_openapi_documents_choices_and_the_tokenizer_routes(server):
-    from omnirelay.gateway.schema import MAX_CHOICES
     doc = requests.get(server.url + "/openapi.json", timeout=10).json()
     assert {"/tokenize", "/detokenize"} <= set(doc["paths"])
     schema = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -301,3 +304,120 @@ def test_openapi_documents_choices_and_the_tokenizer_routes(server):
     assert len(schema["properties"]["prompt"]["oneOf"]) == 3   # text, token ids, a list of either
     tokenize = doc["paths"]["/tokenize"]["post"]
     assert {"400", "404", "422"} <= set(tokenize["responses"])
+
+
+# ------------------------------------------------------------------------------------ two prefill workers
+
+
+@pytest.fixture
+def two_prefill_cluster(tiny_model, tmp_path):
+    from cluster import Cluster
+    cluster = Cluster(model=tiny_model, model_name=MODEL, log_dir=str(tmp_path))
+    try:
+        cluster.start_broker()
+        cluster.start_worker("prefill", "--worker-id", "prefill-a")
+        cluster.start_worker("prefill", "--worker-id", "prefill-b")
+        cluster.start_worker("decode")
+        cluster.start_gateway()
+        cluster.wait_healthy()
+        deadline = time.monotonic() + 120
+        while sum(w["role"] == "prefill" for w in cluster.workers()) < 2:
+            assert time.monotonic() < deadline, "two prefill workers never registered"
+            time.sleep(0.2)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_the_choices_of_a_prompt_land_on_the_prefill_worker_that_holds_it(two_prefill_cluster):
+    """Two prefill workers: the n choices of one prompt all go to the worker that prefilled the first
+    (the broker routes the siblings for their cached prefix), which reuses the prompt's blocks."""
+    cluster = two_prefill_cluster
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    n = 3
+    reply = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2, temperature=0.7, seed=5, n=n)
+    assert len(reply.choices) == n
+    deadline = time.monotonic() + 15
+    while True:   # the engines' counters travel in heartbeats
+        prefill = sorted((w for w in cluster.workers() if w["role"] == "prefill"),
+                         key=lambda w: w["dispatched"], reverse=True)
+        hits = [w["stats"].get("prefix_hit_requests", 0) for w in prefill]
+        if hits == [n - 1, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert [w["dispatched"] for w in prefill] == [n, 0], prefill
+    assert [w["prefix_routed"] for w in prefill] == [n - 1, 0], prefill
+    assert hits == [n - 1, 0], prefill
+    assert prefill[0]["stats"]["prefix_cached_tokens"] >= (n - 1) * 4 * BLOCK, prefill
+
+
+@pytest.fixture
+def failing_store(tiny_model, tmp_path):
+    """Decode cannot fetch any KV: every choice fails once the broker's restarts are spent."""
+    from cluster import Cluster
+    pipeline = tmp_path / "failing.yaml"
+    pipeline.write_text(json.dumps({   # YAML is a superset of JSON
+        "stages": [{"name": "prefill", "role": "prefill"}, {"name": "decode", "role": "decode"}],
+        "connectors": {"kv": {"type": "fault_injection", "options": {"inner": "shared_memory",
+                                                                      "fail_every_nth_get": 1}}},
+        "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
+    cluster = Cluster(model=tiny_model, model_name=MODEL, log_dir=str(tmp_path))
+    try:
+        cluster.start_broker()
+        cluster.start_worker("prefill", "--stage-configs-path", str(pipeline))
+        cluster.start_worker("decode", "--stage-configs-path", str(pipeline))
+        cluster.start_gateway()
+        cluster.wait_healthy()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_a_failing_choice_fails_the_request_with_the_error_contract(failing_store):
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "temperature": 0.5, "n": 2}
+    whole = requests.post(failing_store.url + "/v1/completions", json=body, timeout=60)
+    assert whole.status_code == 502, whole.text
+    error = whole.json()
+    assert error["error"]["code"] == "transfer_failed" and error["request_id"].startswith("cmpl-")
+    assert error["stage"] == "decode" and int(whole.headers["Retry-After"]) >= 1
+    # Streamed: the first token (from prefill) opens the stream; the failure is its last event.
+    with requests.post(failing_store.url + "/v1/completions", json={**body, "stream": True}, stream=True,
+                       timeout=60) as streamed:
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith(b"data: ")]
+    if streamed.status_code == 200:
+        assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1, events
+        last = json.loads(events[-2])
+        assert last["error"]["code"] == "transfer_failed" and last["request_id"].startswith("cmpl-"), events
+    else:   # failed before its first token
+        assert streamed.status_code == 502
+    deadline = time.monotonic() + 15
+    while True:   # nothing left running anywhere: the sibling was cancelled with the failed choice
+        workers = failing_store.workers()
+        if all(w["running"] == 0 for w in workers) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert all(w["running"] == 0 for w in workers), workers
+
+
+@pytest.fixture
+def keyed_gateway(tiny_model, tmp_path):
+    """A broker and a gateway with an API key, no worker: the tokenizer routes need none."""
+    from cluster import Cluster
+    cluster = Cluster(model=tiny_model, model_name=MODEL, log_dir=str(tmp_path))
+    try:
+        cluster.start_broker()
+        cluster.start_gateway("--api-key", "s3cret")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_the_tokenizer_routes_need_the_api_key_and_no_worker(keyed_gateway):
+    for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2]})):
+        refused = requests.post(keyed_gateway.url + path, json=body, timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized", refused.text
+        served = requests.post(keyed_gateway.url + path, json=body, timeout=10,
+                               headers={"Authorization": "Bearer s3cret"})
+        assert served.status_code == 200, served.text
