@@ -28,8 +28,8 @@ What the talker reads, for a prompt of ``n`` tokens and a reply ``t0 … t(m-1)`
 Determinism: ``torch.manual_seed(seed)`` then the talker's sampling, as transformers' ``generate``
 with a greedy thinker consumes the stream, so a request's codes equal transformers' for the same
 seed (the tests check it). Streamed requests (``SpeechTask.stream``) are synthesised whole and sent
-as one final piece: code2wav could run per chunk, but the talker's residual codebooks come out of
-``generate`` only at its end.
+as one final piece (not yet incremental: a streamer sees only the first codebook, so running code2wav
+per chunk needs the residual codes from a hook on the talker's forward).
 """
 
 from __future__ import annotations

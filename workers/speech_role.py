@@ -254,7 +254,8 @@ def _tensor(payload: dict, name: str) -> torch.Tensor:
 
 def build_speech_role(config: WorkerConfig, connector: Connector) -> tuple[GenerateSpeechRole, Callable[[], dict]]:
     """The role adapter and heartbeat-stats function of a speech generate worker: ``config.model_path``
-    is a Qwen2.5-Omni or Qwen3-Omni directory (each with its own engine); the talker and token2wav run on the first CUDA device when there is one."""
+    is a Qwen2.5-Omni or Qwen3-Omni directory (each with its own engine); the talker and token2wav
+    (code2wav) run on the first CUDA device when there is one."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kind = Qwen3SpeechEngine if is_qwen3_omni_model(config.model_path) else GenerateSpeechEngine
     engine = kind.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
