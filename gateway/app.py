@@ -66,6 +66,9 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     from .images import ImageModel, add_image_routes, is_image_pipeline   # images imports this module's keys
     from .videos import VideoModel, add_video_routes
     from .speech import add_speech_routes
+    from .speech_ws import add_speech_stream_routes
+    from .realtime import add_realtime_routes
+    from .voices import add_voice_routes
     from .tokenization import add_tokenize_routes
     app = web.Application(middlewares=[_errors, _authenticate], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
@@ -81,6 +84,9 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     add_tokenize_routes(app)
     add_image_routes(app)
     add_speech_routes(app)
+    add_speech_stream_routes(app)
+    add_realtime_routes(app)
+    add_voice_routes(app)
     add_video_routes(app)   # after the bus's cleanup context: its jobs are cancelled while the bus is open
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)

@@ -298,7 +298,36 @@ def _speech_paths(speech: SpeechDoc) -> dict:
     return {"/v1/audio/speech": {"post": {
         "operationId": "createSpeech",
         "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-        "responses": {"200": audio, **_errors(*_GENERATION_ERRORS)}}}}
+        "responses": {"200": audio, **_errors(*_GENERATION_ERRORS)}}}, **_voice_paths(speech)}
+
+
+def _voice_paths(speech: SpeechDoc) -> dict:
+    """``/v1/audio/voices`` (gateway/voices.py). The served families clone no voice: a well-formed
+    upload is a 422 naming ``model``, and a preset voice cannot be deleted (422)."""
+    voice = {"type": "object", "required": ["id", "object", "name", "model", "type"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string"}, "name": {"type": "string"},
+        "model": {"type": "string"}, "type": {"type": "string", "enum": ["preset"]}}}
+    listing = {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"type": "string"}, "data": {"type": "array", "items": voice}}}
+    upload = {"type": "object", "required": ["model", "name", "file"], "properties": {
+        "model": {"type": "string", "enum": speech.models},
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "file": {"type": "string", "format": "binary", "description": "a WAV reference clip, at most 60 s"},
+        "transcript": {"type": "string", "description": "what the clip says"}}}
+    return {
+        "/v1/audio/voices": {
+            "get": {"operationId": "listVoices", "parameters": [
+                {"name": "model", "in": "query", "schema": {"type": "string", "enum": speech.models}}],
+                "responses": {"200": {"description": "the voices of each speech model", "content": {
+                    "application/json": {"schema": listing}}}, **_errors("401", "404")}},
+            "post": {"operationId": "createVoice", "requestBody": {"required": True, "content": {
+                "multipart/form-data": {"schema": upload}}},
+                "responses": _errors("400", "401", "404", "413", "422")}},
+        "/v1/audio/voices/{name}": {
+            "delete": {"operationId": "deleteVoice", "parameters": [
+                {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": _errors("401", "404", "422")}},
+    }
 
 
 _SPEECH_EVENTS = (

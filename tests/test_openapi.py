@@ -106,6 +106,11 @@ enabled = true
 expected-statuses = ["2xx", "404", "503", "504"]   # 404: a video id that does not exist
 
 [[operations]]
+include-path-regex = "^/v1/audio/voices"
+# The served families clone no voice: a valid upload is a 422 by design, a preset voice is not deleted.
+checks.positive_data_acceptance.enabled = false
+
+[[operations]]
 include-path-regex = "^/v1/(chat/)?completions$"
 # A prompt longer than the context is a 400 the document cannot rule out (it depends on tokenization).
 checks.positive_data_acceptance.enabled = false
