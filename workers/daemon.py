@@ -100,7 +100,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         def stats() -> dict:
             return {"running": len(engine.running), "waiting": len(engine.waiting),
                     "free_kv_blocks": engine.allocator.free, "kv_blocks_total": runner.num_blocks - 1,
-                    "prefix_cached_blocks": engine.allocator.num_cached, **engine.stats,
+                    "prefix_cached_blocks": engine.allocator.num_cached, **engine.stats, **grammars.stats,
                     **_connector_stats(connector)}
     else:
         engine = DecodeEngine(runner, None, connector, max_num_seqs=config.capacity, max_model_len=max_model_len,
@@ -111,7 +111,7 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         def stats() -> dict:
             return {"running": len(engine.running), "waiting": len(engine.waiting),
                     "free_kv_blocks": engine.allocator.free, "kv_blocks_total": runner.num_blocks - 1,
-                    **engine.stats, **_connector_stats(connector)}
+                    **engine.stats, **grammars.stats, **_connector_stats(connector)}
     log.info("%s worker %s ready: model %s (%s), max_model_len %d", config.role, config.worker_id,
              config.model_path, config.dtype, max_model_len)
     # The runner is owned too: closing it stops ranks 1..N-1 of a parallel group.
