@@ -149,6 +149,18 @@ def test_unknown_voice_is_a_400_naming_voice(client, cluster):
     assert r.status_code == 400 and r.json()["error"]["param"] == "voice" and {"request_id", "stage"} <= set(r.json())
 
 
+def test_chat_with_the_speech_model_is_refused(client):
+    """A TTS model does not chat: a spoken chat answer needs a thinker (400), a plain one too (4xx
+    with the error contract's body), never a hang."""
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       modalities=["text", "audio"], audio={"voice": "vivian", "format": "wav"})
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       timeout=60)
+    assert 400 <= caught.value.status_code < 500, caught.value
+
+
 async def _speech(client: openai.AsyncOpenAI, i: int) -> bytes:
     response = await client.audio.speech.create(model=MODEL, voice=("vivian", "ryan")[i % 2], input=f"{TEXT} {i}",
                                                 response_format="pcm",
@@ -162,6 +174,7 @@ def test_generate_worker_killed_mid_job(cluster):
     n = 6
     baseline = [audio for _, audio in asyncio.run(run_load(cluster.url, _speech, n, concurrency=2, timeout_s=240))]
     assert all(isinstance(audio, bytes) and audio for audio in baseline)
+    retries_before = cluster.broker_counters().get("stage_retries", 0)
     killed = {}
 
     def kill_the_busy_worker() -> None:
@@ -177,6 +190,10 @@ def test_generate_worker_killed_mid_job(cluster):
     print(f"\nkill -9 Qwen3-TTS generate: {counts} (victim held {killed.get('busy')} by its last heartbeat)")
     assert_contract(counts, results)
     assert not killed["proc"].alive()
-    assert "missed heartbeats; dropping it" in cluster.logs()
+    logs = cluster.logs()
+    assert "missed heartbeats; dropping it" in logs
+    retried = cluster.broker_counters().get("stage_retries", 0) - retries_before
+    print(f"kill -9 Qwen3-TTS generate: {retried} stage(s) re-dispatched, {logs.count('resubmitting')} resubmitted")
+    assert retried + logs.count("resubmitting") >= 1, "the kill hit no request in flight"
     survivor = asyncio.run(run_load(cluster.url, _speech, 1, concurrency=1, timeout_s=240))
     assert survivor == [("completed", baseline[0])]

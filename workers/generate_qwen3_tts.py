@@ -48,7 +48,7 @@ import torch
 from omnirelay.errors import BadRequest
 from omnirelay.speech_params import MAX_CODES, SpeechParams
 
-from .generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, _change_speed
+from .generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, _change_speed, _load_prefixed
 from .qwen3_tts_package import check_supported, load_classes
 from .speech_stream import SynthesisCancelled
 
@@ -86,15 +86,15 @@ class TTSTask:
         return self.params.max_codes or min(MAX_CODES, FRAMES_PER_TOKEN * max(1, text) + FRAMES_MARGIN)
 
 
-def _load_state(module: torch.nn.Module, path: Path, prefix: str = "") -> None:
-    from safetensors import safe_open
-    with safe_open(str(path), framework="pt") as f:
-        state = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+def _load_state(module: torch.nn.Module, root: Path, prefix: str = "") -> None:
+    """``module``'s tensors from the safetensors checkpoint in ``root`` (sharded or not), those whose
+    names start with ``prefix`` (stripped); every parameter must be there."""
+    state = {k[len(prefix):]: v for k, v in _load_prefixed(root, (prefix,)).items()}
     missing, unexpected = module.load_state_dict(state, strict=False)
     # Non-persistent buffers (rotary frequencies) are rebuilt by the constructor, never saved.
     missing = [k for k in missing if not k.endswith(("inv_freq", "original_inv_freq"))]
     if missing or unexpected:
-        raise ValueError(f"{path} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"{root} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 class Qwen3TTSEngine(GenerateSpeechEngine):
@@ -141,13 +141,13 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         if "pad_token_id" not in predictor.__dict__:
             predictor.pad_token_id = None   # transformers 5 no longer defaults it (qwen3_tts_package.py)
         model = classes.model._from_config(config)
-        _load_state(model, root / "model.safetensors")
+        _load_state(model, root)
         model.load_generate_config(json.loads((root / "generation_config.json").read_text()))
         codec = classes.tokenizer_config.from_pretrained(str(root / "speech_tokenizer"))
         if codec.output_sample_rate != SAMPLE_RATE:
             raise ValueError(f"the codec outputs {codec.output_sample_rate} Hz; this server encodes {SAMPLE_RATE} Hz")
         decoder = classes.codec_decoder._from_config(codec.decoder_config)
-        _load_state(decoder, root / "speech_tokenizer" / "model.safetensors", "decoder.")
+        _load_state(decoder, root / "speech_tokenizer", "decoder.")
         model = model.to(device=device, dtype=dtype).eval()
         decoder = decoder.to(device=device).float().eval()   # the waveform in float32, as the package decodes
         from transformers import AutoTokenizer

@@ -66,7 +66,6 @@ class Qwen3TTSClasses:
     model: Any               # qwen_tts Qwen3TTSForConditionalGeneration
     tokenizer_config: Any    # Qwen3TTSTokenizerV2Config (12 Hz)
     codec_decoder: Any       # Qwen3TTSTokenizerV2Decoder (12 Hz codes → 24 kHz waveform)
-    wrapper: Any             # qwen_tts Qwen3TTSModel: from_pretrained of a whole model directory
 
 
 def _placeholder(name: str) -> types.ModuleType:
@@ -131,12 +130,11 @@ def load_classes() -> Qwen3TTSClasses:
                     Qwen3TTSTokenizerV2Config)
                 from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
                     Qwen3TTSTokenizerV2Decoder)
-                from qwen_tts.inference.qwen3_tts_model import Qwen3TTSModel
         except Exception as exc:   # e.g. the official 0.1.1 under transformers 5 (see the module docstring)
             raise Qwen3TTSUnavailable(f"the installed qwen_tts package does not load with this transformers "
                                       f"({type(exc).__name__}: {exc}); {PACKAGE_HINT}") from exc
         _classes = Qwen3TTSClasses(Qwen3TTSConfig, Qwen3TTSForConditionalGeneration, Qwen3TTSTokenizerV2Config,
-                                   Qwen3TTSTokenizerV2Decoder, Qwen3TTSModel)
+                                   Qwen3TTSTokenizerV2Decoder)
         return _classes
 
 
