@@ -64,6 +64,14 @@ and top-p. Both stay empty, and so off the wire, for a request that did not ask,
 knows nothing of them keeps working as long as nobody asks. A gateway that asks must check that
 they came: a worker older than this field ignores ``"logprobs"`` in ``sampling``.
 
+Sampling options. ``sampling`` may hold ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``min_p`` (floats), ``min_tokens`` (int, counted from this submission's first
+token like ``max_tokens``), ``logit_bias`` (``[[token id, bias], …]``), ``bad_words_token_ids``
+(``[[token id, …], …]``) and ``allowed_token_ids`` (``[token id, …]``); absent means off. The worker
+validates them (workers/sampling.py ``SamplingParams.from_wire``, which also rejects a key nobody
+reads) and fails the task as ``bad_request`` otherwise. A gateway sends only the options a request
+set; a worker older than these keys drops them silently, so workers are upgraded before gateways.
+
 Structured outputs. ``sampling`` may hold ``"structured"``: a :class:`StructuredOutput` map
 (``{"kind", "spec"}``) that the sampling worker enforces with a grammar; a worker that cannot
 parse it fails the task as ``bad_request``.

@@ -22,7 +22,9 @@ from omnirelay import image_params as img
 from omnirelay import speech_params as sp
 from omnirelay import video_params as vid
 from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
+from omnirelay.gateway.sampling_options import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from omnirelay.gateway.schema import MAX_CHOICES
+from omnirelay.gateway.schema import NOT_SERVED   # options known but not served: 422
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,31 @@ _TOOL_CALLS = {"type": "array", "nullable": True, "items": {"type": "object", "p
     "index": {"type": "integer"}, "id": {"type": "string"}, "type": {"type": "string"},
     "function": {"type": "object", "properties": {"name": {"type": "string"},
                                                   "arguments": {"type": "string"}}}}}}
+# gateway/sampling_options.py; semantics and order: workers/logits_processors.py (vLLM's).
+_SAMPLING_OPTIONS = {
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True,
+                         "description": "subtracted from the logit of every token already in the output"},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True,
+                          "description": "times a token's count in the output, subtracted from its logit"},
+    "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True,
+                           "maximum": MAX_REPETITION_PENALTY, "nullable": True,
+                           "description": "divides the positive and multiplies the negative logits of every "
+                                          "token of the prompt or the output (1: off)"},
+    "logit_bias": {"type": "object", "nullable": True,
+                   "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+                   "description": "token id (a string of digits; outside the vocabulary: 400) → added to its logit"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True,
+              "description": "drops tokens less likely than min_p × the most likely one (after temperature)"},
+    "min_tokens": {"type": "integer", "minimum": 0, "nullable": True,
+                   "description": "EOS, stop_token_ids and stop strings do not end the answer before this many "
+                                  "tokens (more than max_tokens: 400)"},
+    "bad_words": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_BAD_WORDS,
+                  "nullable": True, "description": "words the answer never contains (tokenized as vLLM does)"},
+    "allowed_token_ids": {**_TOKEN_IDS, "minItems": 1, "nullable": True,
+                          "description": "the only tokens the answer may contain (outside the vocabulary: 400)"},
+}
+_NOT_SERVED_NOTE = ("Options this server knows but does not serve answer 422 naming the option (never a 200 "
+                    "that ignored it), unless set to a value that changes nothing: " + ", ".join(sorted(NOT_SERVED)))
 
 
 def _sampling(max_model_len: int, models: list[str]) -> dict:
@@ -108,6 +135,7 @@ def _sampling(max_model_len: int, models: list[str]) -> dict:
         "stop_token_ids": {**_TOKEN_IDS, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "return_token_ids": {"type": "boolean", "nullable": True},
+        **_SAMPLING_OPTIONS,
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
               "description": "choices per prompt; with a seed, choice j samples with seed + j (vLLM's children); "
                              "usage counts the prompt once and sums the choices' tokens"},
@@ -473,10 +501,10 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
         "info": {"title": "omnirelay gateway", "version": __version__,
                  "description": "OpenAI-compatible API of an omnirelay cluster."},
         "paths": {
-            **({"/v1/chat/completions": {"post": {"operationId": "createChatCompletion",
+            **({"/v1/chat/completions": {"post": {"operationId": "createChatCompletion", "description": _NOT_SERVED_NOTE,
                                                   "requestBody": json_body(chat_request),
                                                   "responses": _responses(_completion_response(chat_choice))}},
-                "/v1/completions": {"post": {"operationId": "createCompletion",
+                "/v1/completions": {"post": {"operationId": "createCompletion", "description": _NOT_SERVED_NOTE,
                                              "requestBody": json_body(completion_request),
                                              "responses": _responses(_completion_response(text_choice))}}}
                if models else {}),

@@ -59,7 +59,6 @@ class TokenHistory:
     context: list[int]
     resumed: int = 0
     generated: list[int] = dataclasses.field(default_factory=list)
-    _context_ids: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_generated(self) -> int:
@@ -77,12 +76,6 @@ class TokenHistory:
             return self.generated[len(self.generated) - n:]
         start = max(len(self.context) - self.resumed, len(self.context) - (n - len(self.generated)))
         return self.context[start:] + self.generated
-
-    def context_ids(self) -> torch.Tensor:
-        """``context`` as a tensor, built once: it never changes while the sequence lives."""
-        if self._context_ids is None:
-            self._context_ids = torch.tensor(self.context, dtype=torch.long)
-        return self._context_ids
 
 
 class LogitsProcessors:
@@ -106,10 +99,15 @@ class LogitsProcessors:
         _logit_bias(out, [i for i in rows if params[i].logit_bias], params, device)
         _penalties(out, [i for i in rows if params[i].penalized], params, histories, device)
         _min_p(out, [i for i in rows if params[i].min_p > 0 and not params[i].greedy], params, device)
-        index = torch.tensor(rows, dtype=torch.long, device=device)
-        dead = torch.isneginf(out.index_select(0, index).amax(dim=-1))
-        keep = torch.where(dead[:, None], logits.index_select(0, index).float(), out.index_select(0, index))
-        return out.index_copy_(0, index, keep)
+        # Only masking options can leave a row without tokens (penalties and biases stay finite).
+        masking = [i for i in rows if params[i].allowed_token_ids or params[i].bad_words_token_ids
+                   or params[i].min_tokens or params[i].min_p > 0]
+        if masking:
+            index = torch.tensor(masking, dtype=torch.long, device=device)
+            dead = torch.isneginf(out.index_select(0, index).amax(dim=-1))
+            keep = torch.where(dead[:, None], logits.index_select(0, index).float(), out.index_select(0, index))
+            out.index_copy_(0, index, keep)
+        return out
 
     def _min_tokens(self, out: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
         vocab = out.shape[-1]
@@ -130,10 +128,10 @@ def _allowed(out: torch.Tensor, rows: list[int], params: list[SamplingParams], d
     """Rows with ``allowed_token_ids``: -inf everywhere but those tokens (one mask, one fill)."""
     if not rows:
         return
-    local = [(j, t) for j, i in enumerate(rows) for t in params[i].allowed_token_ids]
-    pairs = torch.tensor(local, dtype=torch.long, device=device).T
+    ids = [params[i].allowed_ids for i in rows]
+    local = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(t) for t in ids])).to(device)
     banned = torch.ones(len(rows), out.shape[-1], dtype=torch.bool, device=device)
-    banned.index_put_((pairs[0], pairs[1]), torch.tensor(False, device=device))
+    banned.index_put_((local, torch.cat(ids).to(device)), torch.tensor(False, device=device))
     index = torch.tensor(rows, dtype=torch.long, device=device)
     out.index_copy_(0, index, out.index_select(0, index).masked_fill_(banned, _NEG_INF))
 
@@ -162,10 +160,11 @@ def _bad_words(out: torch.Tensor, rows: list[int], params: list[SamplingParams],
 def _logit_bias(out: torch.Tensor, rows: list[int], params: list[SamplingParams], device: torch.device) -> None:
     if not rows:
         return
-    bias = [(i, t, b) for i in rows for t, b in params[i].logit_bias]
-    index = torch.tensor([(i, t) for i, t, _ in bias], dtype=torch.long, device=device).T
-    values = torch.tensor([b for _, _, b in bias], dtype=out.dtype, device=device)
-    out.index_put_((index[0], index[1]), values, accumulate=True)
+    tensors = [params[i].logit_bias_tensors for i in rows]
+    row = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(t) for t, _ in tensors])).to(device)
+    tokens = torch.cat([t for t, _ in tensors]).to(device)
+    values = torch.cat([b for _, b in tensors]).to(device=device, dtype=out.dtype)
+    out.index_put_((row, tokens), values, accumulate=True)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -175,32 +174,27 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 def _penalties(out: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[TokenHistory],
                device: torch.device) -> None:
-    """vLLM's ``apply_penalties`` over the rows that set any penalty: output counts and the
-    prompt-or-output mask built by one scatter each, then three elementwise updates."""
-    if not rows:
-        return
+    """vLLM's ``apply_penalties`` over the rows that set any penalty, computed only where it can
+    change anything: at the distinct (row, token) pairs of the rows' prompts and outputs (a few
+    hundred per row, not the vocabulary). One ``unique`` finds the pairs and each token's output
+    count, one gather reads their logits, three elementwise updates and one scatter write them back."""
     vocab = out.shape[-1]
-    generated = [histories[i].generated for i in rows]
-    contexts = [histories[i].context_ids() for i in rows]
-    resumed = [histories[i].resumed for i in rows]
-    # Output ids: the context's resumed tail, then this worker's tokens.
-    outputs = [torch.cat([c[len(c) - r:], torch.tensor(g, dtype=torch.long)]) for c, r, g in zip(contexts, resumed, generated)]
-    out_ids = torch.cat(outputs).to(device)
-    out_rows = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(o) for o in outputs])).to(device)
-    counts = torch.zeros(len(rows), vocab, dtype=out.dtype, device=device)
-    counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=out.dtype), accumulate=True)
-    ctx_ids = torch.cat(contexts).to(device)
-    ctx_rows = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(c) for c in contexts])).to(device)
-    seen = counts > 0
-    seen.index_put_((ctx_rows, ctx_ids), torch.tensor(True, device=device))
-    repetition = _column([params[i].repetition_penalty for i in rows], out)
-    frequency = _column([params[i].frequency_penalty for i in rows], out)
-    presence = _column([params[i].presence_penalty for i in rows], out)
-    index = torch.tensor(rows, dtype=torch.long, device=device)
-    scores = out.index_select(0, index)
-    penalised = torch.where(scores > 0, scores / repetition, scores * repetition)
-    scores = torch.where(seen, penalised, scores) - frequency * counts - presence * (counts > 0).to(out.dtype)
-    out.index_copy_(0, index, scores)
+    outputs = [histories[i].output() for i in rows]
+    prompts = [histories[i].context[:len(histories[i].context) - histories[i].resumed] for i in rows]
+    out_keys = torch.tensor([j * vocab + t for j, ids in enumerate(outputs) for t in ids], dtype=torch.long)
+    prompt_keys = torch.tensor([j * vocab + t for j, ids in enumerate(prompts) for t in ids], dtype=torch.long)
+    keys, inverse = torch.unique(torch.cat([out_keys, prompt_keys]), return_inverse=True)
+    counts = torch.zeros(len(keys), dtype=out.dtype).index_add_(
+        0, inverse[:len(out_keys)], torch.ones(len(out_keys), dtype=out.dtype))
+    keys, counts = keys.to(device), counts.to(device)
+    local, token = keys // vocab, keys % vocab
+    row = torch.tensor(rows, dtype=torch.long, device=device)[local]
+    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=out.dtype, device=device)[local]
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=out.dtype, device=device)[local]
+    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=out.dtype, device=device)[local]
+    values = out[row, token]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    out[row, token] = values - frequency * counts - presence * (counts > 0).to(out.dtype)
 
 
 def _min_p(out: torch.Tensor, rows: list[int], params: list[SamplingParams], device: torch.device) -> None:

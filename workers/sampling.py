@@ -86,6 +86,17 @@ class SamplingParams:
         return max((*self.allowed_token_ids, *(t for t, _ in self.logit_bias),
                     *(t for word in self.bad_words_token_ids for t in word)), default=-1)
 
+    @functools.cached_property
+    def allowed_ids(self) -> torch.Tensor:
+        """``allowed_token_ids`` as a tensor, built once per request (the list may be long)."""
+        return torch.tensor(self.allowed_token_ids, dtype=torch.long)
+
+    @functools.cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as (token ids, biases) tensors, built once per request."""
+        return (torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long),
+                torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32))
+
     def check_vocab(self, vocab_size: int) -> None:
         """``ValueError`` when :attr:`max_token_id` is outside a vocabulary of ``vocab_size``."""
         if self.max_token_id >= vocab_size:

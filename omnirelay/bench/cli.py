@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM's field)")
+    sampling.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
+                          help='fields added to every request body, e.g. \'{"presence_penalty": 0.5}\'')
     out = p.add_argument_group("output")
     out.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                      help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (milliseconds)")
@@ -128,6 +130,16 @@ def print_summary(run: dict, stream=sys.stdout) -> None:
     stream.flush()
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or asyncio.run(_model_id(args))
         target = Target(url=args.base_url.rstrip("/") + (args.endpoint or ENDPOINT_PATHS[args.endpoint_type]),
                         model=model, endpoint_type=args.endpoint_type, temperature=args.temperature,
-                        ignore_eos=args.ignore_eos, api_key=args.api_key)
+                        ignore_eos=args.ignore_eos, api_key=args.api_key, extra_body=args.extra_body)
         config = RunConfig(target=target,
                            concurrencies=args.sweep_concurrency or (args.max_concurrency,),
                            request_rate=args.request_rate, num_warmups=args.num_warmups,
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             "dataset_path": args.dataset_path,
             "random_input_len": args.random_input_len if args.dataset_name == "random" else None,
             "output_len": args.output_len, "num_warmups": args.num_warmups, "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos, "seed": args.seed, "timeout": args.timeout}
+            "ignore_eos": args.ignore_eos, "seed": args.seed, "timeout": args.timeout, "extra_body": args.extra_body}
     if args.result_file:
         result = {**meta, **runs[0]} if not args.sweep_concurrency else {**meta, "runs": runs}
         with open(args.result_file, "w") as handle:

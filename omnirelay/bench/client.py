@@ -42,6 +42,7 @@ class Target:
     temperature: float = 0.0
     ignore_eos: bool = False
     api_key: str | None = None
+    extra_body: dict = dataclasses.field(default_factory=dict, hash=False)   # merged into every request body
 
     def __post_init__(self):
         if self.endpoint_type not in ENDPOINT_PATHS:
@@ -56,7 +57,7 @@ class Target:
             body["prompt"] = prompt.text
         if self.ignore_eos:
             body["ignore_eos"] = True       # vLLM's extension; only sent when asked for
-        return body
+        return {**body, **self.extra_body}
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
