@@ -42,6 +42,7 @@ from omnirelay.image_params import MAX_SEED, ImageParams
 
 from .app import BUS, CONFIG, METRICS, MODELS, _json_body
 from .bus import BusClient, RequestStream, StreamEvent
+from .config import ServedModel
 from .pipeline_model import PipelineModel
 from .resubmit import submit_until_done
 
@@ -61,7 +62,7 @@ class ImageModel(PipelineModel):
 
     noun, makes, pipeline_file = "image", "images", "deploy/pipelines/text_to_image.yaml"
 
-    def __init__(self, served):
+    def __init__(self, served: ServedModel):
         super().__init__(served)
         self.family = family_of_dir(served.path)
 
