@@ -324,6 +324,8 @@ def parse_chat(body: Any) -> GenerationRequest:
                             param="logprobs")
     if common["n"] > 1 and "audio" in audio["modalities"]:
         raise Unprocessable("a spoken answer (modalities with audio) has one choice: n must be 1", param="n")
+    if _boolean(body, "echo"):   # vLLM's chat echo (the last message again) is not served; completions' is
+        raise Unprocessable("echo is served by /v1/completions, not chat", param="echo")
     structured, tools = parse_structured(body, "chat")
     if (structured or tools) and "audio" in audio["modalities"]:
         raise Unprocessable("structured outputs and tools are served for text answers (no audio)",

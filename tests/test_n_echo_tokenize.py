@@ -210,6 +210,9 @@ def test_bad_choice_requests_are_refused_before_any_work(client):
     with pytest.raises(openai.APIStatusError) as info:
         _chat(client, "hi", n=2, modalities=["text", "audio"], audio={"voice": "a", "format": "wav"})
     assert (info.value.status_code, info.value.body["param"]) == (422, "n")
+    with pytest.raises(openai.APIStatusError) as info:
+        _chat(client, "hi", max_tokens=2, extra_body={"echo": True})   # vLLM's chat echo: not served
+    assert (info.value.status_code, info.value.body["param"]) == (422, "echo")
 
 
 def _decode_worker(server) -> dict:
