@@ -347,3 +347,55 @@ def test_bad_options_are_400s_naming_the_param(client, server, options, param):
 def _submitted(server) -> int:
     """Requests the broker admitted so far (its counters, through the gateway's /cluster)."""
     return requests.get(server.url + "/cluster", timeout=10).json()["broker"].get("requests_admitted", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A decode resumed on another worker keeps the options.
+
+RESUME_OPTIONS = {"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.3, "min_tokens": 40,
+                  "bad_words": ["the", "and"], "logit_bias": {"42": 2.0}}
+RESUME_MAX_TOKENS = 600
+
+
+@pytest.fixture
+def two_decoders(tiny_model, tmp_path):
+    from cluster import Cluster
+    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
+    try:
+        cluster.start_broker()
+        cluster.start_worker("prefill")
+        cluster.start_worker("decode")
+        cluster.start_worker("decode")
+        cluster.start_gateway()
+        cluster.wait_healthy()
+        cluster.wait_for_workers(3)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_a_resumed_decode_keeps_its_penalties(two_decoders):
+    """The same greedy request with penalties, whole on an intact cluster, then streamed while the
+    decode worker running it is killed: the survivor continues from prompt + tokens sent and, the
+    options binding over the resumed output as over its own, the tokens are the same."""
+    cluster = two_decoders
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=RESUME_MAX_TOKENS, temperature=0,
+                   extra_body={**RESUME_OPTIONS, "ignore_eos": True})
+    reference = client.completions.create(**request).choices[0].text
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=RESUME_MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert reference != plain   # the options shape this answer
+
+    streamed, killed = [], None
+    for chunk in client.completions.create(**request, stream=True):
+        streamed += [chunk.choices[0].text] if chunk.choices else []
+        if killed is None and len(streamed) >= 8:
+            busy = [w for w in cluster.workers() if w["role"] == "decode" and w["assigned"] > 0]
+            assert len(busy) == 1, busy
+            killed = next(proc for proc in cluster.procs if proc.pid == busy[0]["pid"])
+            killed.kill9()
+    assert killed is not None and not killed.alive()
+    assert "resuming at position" in cluster.logs()
+    assert "".join(streamed) == reference
