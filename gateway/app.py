@@ -69,6 +69,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     from .speech_ws import add_speech_stream_routes
     from .realtime import add_realtime_routes
     from .voices import add_voice_routes
+    from .image_edits import add_image_edit_routes
     from .tokenization import add_tokenize_routes
     app = web.Application(middlewares=[_errors, _authenticate], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
@@ -83,6 +84,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app.router.add_get("/v1/models", list_models)
     add_tokenize_routes(app)
     add_image_routes(app)
+    add_image_edit_routes(app)
     add_speech_routes(app)
     add_speech_stream_routes(app)
     add_realtime_routes(app)

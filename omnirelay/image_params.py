@@ -28,6 +28,12 @@ SIZE_MULTIPLE = 8               # Stable Diffusion's VAE: one latent per 8×8 pi
 MAX_STEPS = 150
 MAX_GUIDANCE = 50.0
 MAX_SEED = 2**63 - 1
+# An edit's input image and mask travel in the request's bus message as base64 PNG at the output size
+# (re-encoded by the gateway), so together they stay well inside one message (MAX_BODY_BYTES, 8 MiB).
+MAX_EDIT_IMAGE_CHARS = 6 * 1024 * 1024
+# Text-to-image classes (model_index.json's ``_class_name``) whose components diffusers also runs as
+# image-to-image and inpainting pipelines: the models that serve edits.
+EDITABLE_PIPELINES = frozenset({"StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +43,11 @@ class ImageParams:
     width/height: pixels, multiples of 8 (0: the model's default); num_inference_steps: denoising
     steps (0: default); guidance_scale: classifier-free guidance weight (≤ 1 turns guidance off);
     seed: the random seed of image 0 (None: the gateway picks one, so a retried stage redraws the
-    same images)."""
+    same images). An edit (``POST /v1/images/edits``) also has ``image``, base64 PNG of the input at
+    the output size, and optionally ``mask``, base64 PNG of a grey mask of the same size (white:
+    repaint, black: keep; the gateway turns OpenAI's transparent areas into white); ``strength``
+    is how far the input is noised before denoising (0: the pipeline's default, 0.8 for an
+    image-to-image edit and 1.0 for an inpainting one)."""
 
     prompt: str
     negative_prompt: str = ""
@@ -47,6 +57,9 @@ class ImageParams:
     num_inference_steps: int = 0
     guidance_scale: float = 7.5
     seed: int | None = None
+    image: str = ""
+    mask: str = ""
+    strength: float = 0.0
 
     def __post_init__(self) -> None:
         _check_type(self.prompt, str, "prompt")
@@ -74,6 +87,17 @@ class ImageParams:
         object.__setattr__(self, "guidance_scale", float(self.guidance_scale))
         if self.seed is not None:
             _check_int(self.seed, "seed", 0, MAX_SEED - MAX_IMAGES)
+        _check_type(self.image, str, "image")
+        _check_type(self.mask, str, "mask")
+        if len(self.image) + len(self.mask) > MAX_EDIT_IMAGE_CHARS:
+            raise BadRequest(f"the image and mask take more than {MAX_EDIT_IMAGE_CHARS} base64 characters",
+                             param="image")
+        if self.mask and not self.image:
+            raise BadRequest("a mask needs an image", param="mask")
+        if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) \
+                or not math.isfinite(self.strength) or not 0 <= self.strength <= 1:
+            raise BadRequest("'strength' must be a number between 0 and 1", param="strength")
+        object.__setattr__(self, "strength", float(self.strength))
 
     def image_seed(self, index: int) -> int:
         """The seed of image ``index`` (requires a seed: the gateway always sets one)."""

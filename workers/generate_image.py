@@ -31,6 +31,10 @@ is one of those: its scheduler and few-step default, its size multiple (VAE fact
 native size come from the family table (:mod:`omnirelay.dit_families`), which the gateway reads too;
 a batch of its requests is one ``__call__`` over a list of prompts with one generator per image.
 
+Edits (``POST /v1/images/edits``): an item with an input image runs through
+:class:`~omnirelay.workers.image_edit.EditRunner`, the same components as diffusers' image-to-image
+or (with a mask) inpainting pipeline; a batch holds edits or generations, never both.
+
 Sequence parallelism (``--sequence-parallel-size N``, a diffusion-transformer pipeline such as SD3):
 the pipeline's transformer runs over N ranks (:mod:`.sequence_parallel_group`); the runner is the
 same — the pipeline's own loop drives the group — and :meth:`GenerateImageEngine.add` refuses sizes
@@ -59,6 +63,7 @@ from omnirelay.dit_families import family_of_pipeline
 from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
 
+from .image_edit import EditRunner
 from .sequence_parallel_group import SequenceParallelGroupLost
 
 log = logging.getLogger("omnirelay.worker.generate")
@@ -88,6 +93,9 @@ class ImageItem:
     steps: int
     guidance_scale: float
     seed: int
+    image: str = ""            # an edit: the input image (base64 PNG at width × height)
+    mask: str = ""             # … and its mask (white: repaint)
+    strength: float = 0.0      # … how far the input is noised (0: the pipeline's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +139,7 @@ class Batch:
     generators: list[torch.Generator] = dataclasses.field(default_factory=list)
     scheduler: object = None
     step_index: int = 0
+    runner: object = None               # the runner that advances it (edits have their own)
 
     @property
     def guided(self) -> bool:
@@ -318,6 +327,7 @@ class GenerateImageEngine:
         self.batch: Batch | None = None
         self.requests: dict[str, _RequestState] = {}
         self.stats: collections.Counter[str] = collections.Counter()
+        self._edit_runner: EditRunner | None = None   # built on the first edit
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -354,10 +364,16 @@ class GenerateImageEngine:
         if self.sequence_parallel is not None:
             self.sequence_parallel.check_size(width, height, self.vae_scale_factor)
         steps = params.num_inference_steps or self.default_steps
+        if params.image:
+            if self._edit_runner is None:
+                self._edit_runner = EditRunner(self.pipe)   # BadRequest: this pipeline cannot edit
+            if self.sequence_parallel is not None:
+                raise BadRequest("image edits are not served by a sequence-parallel worker", param="model")
         self.requests[task.request_id] = _RequestState(task, remaining=params.n)
         for index in range(params.n):
             self.waiting.append(ImageItem(task.request_id, index, params.prompt, params.negative_prompt, width,
-                                          height, steps, params.guidance_scale, params.image_seed(index)))
+                                          height, steps, params.guidance_scale, params.image_seed(index),
+                                          params.image, params.mask, params.strength))
 
     def cancel(self, request_id: str) -> None:
         """Forget a request wherever it is; unknown ids are ignored."""
@@ -371,7 +387,7 @@ class GenerateImageEngine:
         if batch is not None and any(it.request_id == request_id for it in batch.items):
             rows = [i for i, it in enumerate(batch.items) if it.request_id != request_id]
             if rows:
-                self.runner.keep_rows(batch, rows)
+                batch.runner.keep_rows(batch, rows)
             else:
                 self.batch = None
 
@@ -392,7 +408,7 @@ class GenerateImageEngine:
         batch = self.batch
         phase = batch.phase
         try:
-            images = self.runner.advance(batch)
+            images = batch.runner.advance(batch)
         except torch.OutOfMemoryError as exc:
             self._fail_batch(batch, out, "out_of_memory", f"out of memory generating images: {exc}")
             return out
@@ -423,16 +439,20 @@ class GenerateImageEngine:
         if not self.waiting:
             return None
         head = self.waiting.popleft()
-        key = self.runner.batch_key(head)
+        runner = self._runner(head)
+        key = runner.batch_key(head)
         items, rest = [head], collections.deque()
         while self.waiting:
             item = self.waiting.popleft()
-            if len(items) < self.max_batch_size and self.runner.batch_key(item) == key:
+            if len(items) < self.max_batch_size and self._runner(item) is runner and runner.batch_key(item) == key:
                 items.append(item)
             else:
                 rest.append(item)
         self.waiting = rest
-        return Batch(items)
+        return Batch(items, runner=runner)
+
+    def _runner(self, item: ImageItem):
+        return self._edit_runner if item.image else self.runner
 
     def _expire(self, out: StepOutput) -> None:
         now = self.clock()
