@@ -394,11 +394,24 @@ def _image_paths(models: list[str]) -> dict:
         "created": {"type": "integer"}, "output_format": {"type": "string", "enum": ["png"]},
         "data": {"type": "array", "items": {"type": "object", "required": ["b64_json"], "properties": {
             "b64_json": {"type": "string", "description": "a PNG, base64"}}}}}}
+    edit = {"type": "object", "required": ["image", "prompt"], "properties": {
+        **{k: v for k, v in request["properties"].items() if k not in ("stream", "output_format")},
+        "image": {"type": "string", "format": "binary", "description": "the image to edit: PNG, JPEG or WebP"},
+        "mask": {"type": "string", "format": "binary",
+                 "description": "a PNG with alpha, the image's size: its transparent pixels are repainted"},
+        "strength": {"type": "number", "minimum": 0, "maximum": 1,
+                     "description": "how far the input is noised (default 0.8; with a mask 1)"}}}
+    images = {"description": "the images", "content": {"application/json": {"schema": response}}}
     return {"/v1/images/generations": {"post": {
         "operationId": "createImage",
         "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-        "responses": {"200": {"description": "the images", "content": {"application/json": {"schema": response}}},
-                      **_errors(*_GENERATION_ERRORS)}}}}
+        "responses": {"200": images, **_errors(*_GENERATION_ERRORS)}}},
+        "/v1/images/edits": {"post": {
+            "operationId": "createImageEdit",
+            "description": "Stable Diffusion pipelines only (422 for a model that cannot edit); size defaults to "
+                           "the input's, rounded down to the model's size multiple",
+            "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": edit}}},
+            "responses": {"200": images, **_errors(*_GENERATION_ERRORS)}}}}
 
 
 def _chat_output(speech: SpeechDoc | None) -> dict:
