@@ -190,8 +190,11 @@ def _tokenizer_paths(models: list[str], vocab_size: int | None) -> dict:
             "model": model, "messages": {"type": "array", "minItems": 1, "items": text_message},
             "add_generation_prompt": {**flag, "description": "default true; the count is then the chat "
                                                              "request's usage.prompt_tokens"},
-            "continue_final_message": {**flag, "description": "default false; only without a generation prompt"},
-            "add_special_tokens": {**flag, "description": "default false"}, "return_token_strs": flag}}]}
+            "continue_final_message": {**flag, "description": "default false; only without a generation prompt "
+                                                              "(which it then turns off by default)"},
+            "add_special_tokens": {**flag, "description": "default false"}, "return_token_strs": flag},
+         "not": {"required": ["add_generation_prompt", "continue_final_message"], "properties": {
+             "add_generation_prompt": {"enum": [True]}, "continue_final_message": {"enum": [True]}}}}]}
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0,
                                       **({"maximum": vocab_size - 1} if vocab_size else {})}}
     tokenize_answer = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {

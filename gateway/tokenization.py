@@ -73,8 +73,9 @@ def tokenize_body(model: ModelRuntime, body: dict) -> dict:
             if not isinstance(message["content"], str):
                 raise Unprocessable(f"messages[{i}].content: /tokenize takes text messages",
                                     param=f"messages[{i}].content")
-        generation_prompt = _boolean(body, "add_generation_prompt", True)
         continue_final = _boolean(body, "continue_final_message")
+        # Continuing the last message leaves no room for a generation prompt: that is the default then.
+        generation_prompt = _boolean(body, "add_generation_prompt", not continue_final)
         if generation_prompt and continue_final:
             raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false",
                              param="continue_final_message")
