@@ -139,11 +139,12 @@ def _run(runner_or_model, connector, prompts):  # noqa: F811
     return run_decode(engine, prompts, prefilled)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2"])
-def test_moe_group_equals_single_process(moe_model, connector, prompts, expert_parallel):  # noqa: F811
+@pytest.mark.parametrize("tp,pp,expert_parallel", [(2, 1, False), (2, 1, True), (1, 2, False)],
+                         ids=["tp2", "tp2-ep2", "pp2"])
+def test_moe_group_equals_single_process(moe_model, connector, prompts, tp, pp, expert_parallel):  # noqa: F811
     torch.set_num_threads(1)
     expected = _run(LlamaModel(moe_model), connector, prompts)
-    runner = GroupRunner(GroupConfig(moe_model, tp_size=2, block_size=16, num_blocks=128,
+    runner = GroupRunner(GroupConfig(moe_model, tp_size=tp, pp_size=pp, block_size=16, num_blocks=128,
                                      expert_parallel=expert_parallel))
     try:
         assert runner._rank.model.layers[0].moe.gate_up.shape[0] == (4 if expert_parallel else 8)
