@@ -196,6 +196,19 @@ def test_a_resumed_history_counts_its_resumed_tokens_as_output():
     assert out[1, 5] == -1 and out[1, 6] == -2
 
 
+def test_a_tiny_repetition_penalty_leaves_finite_scores_a_sampler_can_draw_from():
+    """Found by schemathesis: repetition_penalty 5e-324 turned seen positive logits into +inf and
+    the sampler's softmax into NaN, which killed the worker."""
+    logits = torch.randn(2, VOCAB).abs() + 1
+    logits[1, 3] = float("-inf")   # masked upstream (a grammar): stays masked
+    params = [SamplingParams(repetition_penalty=5e-324, temperature=t) for t in (1.0, 0.0)]
+    histories = [TokenHistory([1, 2, 3, 4]), TokenHistory([1, 2, 3, 4])]
+    scores = LogitsProcessors(EOS).apply(logits, params, histories)
+    assert not torch.isposinf(scores).any() and not torch.isnan(scores).any() and scores[1, 3] == float("-inf")
+    tokens = sample(scores, params, [0, 0])
+    assert tokens[0] in (1, 2, 3, 4) and tokens[1] in (1, 2, 4)
+
+
 def test_a_row_left_without_tokens_keeps_its_input():
     logits = torch.randn(1, VOCAB)
     params = [SamplingParams(allowed_token_ids=(EOS[0],), min_tokens=3)]

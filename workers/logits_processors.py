@@ -48,6 +48,7 @@ import torch
 from .sampling import SamplingParams
 
 _NEG_INF = float("-inf")
+MAX_LOGIT = 1e4   # the largest score a penalty may leave (see _penalties)
 
 
 @dataclasses.dataclass
@@ -189,11 +190,15 @@ def _penalties(out: torch.Tensor, rows: list[int], params: list[SamplingParams],
     keys, counts = keys.to(device), counts.to(device)
     local, token = keys // vocab, keys % vocab
     row = torch.tensor(rows, dtype=torch.long, device=device)[local]
-    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=out.dtype, device=device)[local]
+    # (float32 has no 5e-324: kept above zero, or -inf × 0 would be NaN)
+    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=out.dtype,
+                              device=device).clamp_(min=torch.finfo(out.dtype).tiny)[local]
     frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=out.dtype, device=device)[local]
     presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=out.dtype, device=device)[local]
     values = out[row, token]
-    values = torch.where(values > 0, values / repetition, values * repetition)
+    # A tiny repetition_penalty would divide a positive logit past the float range: +inf there makes
+    # the sampler's softmax NaN. Capped (ties among such tokens are the only cost); -inf stays -inf.
+    values = torch.where(values > 0, values / repetition, values * repetition).clamp_(max=MAX_LOGIT)
     out[row, token] = values - frequency * counts - presence * (counts > 0).to(out.dtype)
 
 
