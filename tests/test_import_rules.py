@@ -6,7 +6,7 @@ The layers, bottom up: the shared core (``omnirelay/*.py``: errors, security, li
 parameter types, the block-hash contract, paths) imports none of the others; ``broker`` and
 ``connectors`` use only the core; ``workers`` and ``gateway`` use the core, the wire protocol and
 the prefix-routing keys of ``broker``, and (workers) the connectors; ``deploy`` (launchers and model
-builders) sits on top and may use anything. Nothing below ``deploy`` imports it, except the modules
+builders) and ``omnirelay.fleet`` (planner, autoscaler) sit on top and may use the rest. Nothing below ``deploy`` imports it, except the modules
 named in :data:`PENDING`, each a known debt with the reason it is still there.
 """
 
@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Source folder → the package it is installed as (pyproject's package-dir).
 FOLDERS = {"broker": "omnirelay.broker", "connectors": "omnirelay.connectors", "gateway": "omnirelay.gateway",
-           "workers": "omnirelay.workers", "deploy": "omnirelay.deploy", "omnirelay/bench": "omnirelay.bench"}
+           "workers": "omnirelay.workers", "deploy": "omnirelay.deploy", "omnirelay/bench": "omnirelay.bench",
+           "omnirelay/fleet": "omnirelay.fleet"}
 CORE = "omnirelay"   # omnirelay/*.py, the shared core
 
 WIRE = ("omnirelay.broker.protocol", "omnirelay.broker.prefix_index")
@@ -31,7 +32,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "omnirelay.workers": WIRE + ("omnirelay.connectors",),
     "omnirelay.gateway": WIRE,
     "omnirelay.deploy": ("omnirelay.broker", "omnirelay.connectors", "omnirelay.gateway", "omnirelay.workers",
-                         "omnirelay.bench"),
+                         "omnirelay.bench", "omnirelay.fleet"),
+    # The planner and autoscaler operate a deployment: they launch and drain what deploy starts.
+    "omnirelay.fleet": ("omnirelay.broker", "omnirelay.gateway", "omnirelay.deploy", "omnirelay.bench"),
 }
 
 # (importing file, imported module): debts, each to be paid by moving the shared piece into the core.
