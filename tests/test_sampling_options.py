@@ -209,6 +209,11 @@ def test_a_tiny_repetition_penalty_leaves_finite_scores_a_sampler_can_draw_from(
     assert tokens[0] in (1, 2, 3, 4) and tokens[1] in (1, 2, 4)
 
 
+def test_a_temperature_below_vllms_epsilon_is_greedy():
+    logits = torch.randn(1, VOCAB) * 5
+    assert sample(logits, [SamplingParams(temperature=1e-300)], [0]) == [int(logits.argmax())]
+
+
 def test_a_row_left_without_tokens_keeps_its_input():
     logits = torch.randn(1, VOCAB)
     params = [SamplingParams(allowed_token_ids=(EOS[0],), min_tokens=3)]

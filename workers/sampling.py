@@ -24,6 +24,7 @@ import torch
 from omnirelay.broker.protocol import MAX_TOP_LOGPROBS   # the most alternatives per position (OpenAI's limit)
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+_SAMPLING_EPS = 1e-5
 _MASK64 = (1 << 63) - 1
 
 
@@ -115,7 +116,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # vLLM's rule: a temperature below _SAMPLING_EPS is greedy (dividing by 1e-300 would turn
+        # the logits into inf and the softmax into NaN, killing the worker in multinomial).
+        return self.temperature < _SAMPLING_EPS or self.top_k == 1
 
     @classmethod
     def from_wire(cls, raw: dict[str, Any]) -> "SamplingParams":
