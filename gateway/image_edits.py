@@ -22,22 +22,18 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
-import logging
 import random
-import time
 import uuid
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from omnirelay.errors import BadRequest, OmniError, PayloadTooLarge, Unprocessable
+from omnirelay.errors import BadRequest, PayloadTooLarge, Unprocessable
 from omnirelay.image_params import EDITABLE_PIPELINES, MAX_SEED, MAX_SIDE, SIZE_MULTIPLE
 
-from .app import BUS, CONFIG, METRICS, MODELS
-from .images import ImageModel, generate, parse_image_request
-
-log = logging.getLogger("omnirelay.gateway")
+from .app import CONFIG, MODELS
+from .images import ImageModel, answer_images, parse_image_request
 
 MAX_INPUT_PIXELS = 4096 * 4096          # a bigger upload is refused before it is decoded
 _FORMATS = ("PNG", "JPEG", "WEBP")
@@ -142,25 +138,7 @@ async def image_edits(request: web.Request) -> web.Response:
     params = prepare_edit(model, fields, files)
     if params.seed is None:
         params = dataclasses.replace(params, seed=random.randrange(MAX_SEED - params.n))
-    request_id = f"imgedit-{uuid.uuid4().hex}"
-    config, metrics = request.app[CONFIG], request.app[METRICS]
-    timer = metrics.timer(model.name)
-    outcome = "cancelled"
-    try:
-        images = await generate(request.app[BUS], model, params, time.time() + config.request_timeout_s, request_id)
-        outcome = "ok"
-    except OmniError as exc:
-        outcome = exc.error_type
-        metrics.errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        raise
-    finally:
-        timer.finish(0, 0, outcome)
-        if not config.disable_log_requests:
-            log.info("request %s model=%s edit images=%d size=%dx%d masked=%s steps=%d seed=%d outcome=%s e2e=%.3fs",
-                     request_id, model.name, params.n, params.width, params.height, bool(params.mask),
-                     params.num_inference_steps, params.seed, outcome, timer.elapsed())
-    body = {"created": int(time.time()), "data": [{"b64_json": data} for data in images], "output_format": "png"}
-    return web.json_response(body, headers={"X-Request-Id": request_id})
+    return await answer_images(request, model, params, f"imgedit-{uuid.uuid4().hex}")
 
 
 def add_image_edit_routes(app: web.Application) -> None:

@@ -185,7 +185,13 @@ async def image_generations(request: web.Request) -> web.Response:
     params = model.resolve(parsed)
     if params.seed is None:
         params = dataclasses.replace(params, seed=random.randrange(MAX_SEED - params.n))
-    request_id = f"img-{uuid.uuid4().hex}"
+    return await answer_images(request, model, params, f"img-{uuid.uuid4().hex}")
+
+
+async def answer_images(request: web.Request, model: ImageModel, params: ImageParams,
+                        request_id: str) -> web.Response:
+    """Generate ``params`` (a generation or an edit) under the request's metrics and log line and
+    answer with OpenAI's images body."""
     config = request.app[CONFIG]
     metrics = request.app[METRICS]
     timer = metrics.timer(model.name)
@@ -201,9 +207,10 @@ async def image_generations(request: web.Request) -> web.Response:
     finally:
         timer.finish(0, 0, outcome)
         if not config.disable_log_requests:
-            log.info("request %s model=%s stages=%s images=%d size=%dx%d steps=%d seed=%d outcome=%s e2e=%.3fs",
-                     request_id, model.name, "+".join(model.stages), params.n, params.width, params.height,
-                     params.num_inference_steps, params.seed, outcome, timer.elapsed())
+            log.info("request %s model=%s stages=%s images=%d size=%dx%d steps=%d seed=%d edit=%s outcome=%s "
+                     "e2e=%.3fs", request_id, model.name, "+".join(model.stages), params.n, params.width,
+                     params.height, params.num_inference_steps, params.seed,
+                     ("masked" if params.mask else "whole") if params.image else "no", outcome, timer.elapsed())
     body = {"created": int(time.time()), "data": [{"b64_json": data} for data in images], "output_format": "png"}
     return web.json_response(body, headers={"X-Request-Id": request_id})
 

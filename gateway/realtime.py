@@ -224,18 +224,7 @@ class RealtimeSession:
                     "conversation.item.create": self._item_create, "response.create": self._response_create,
                     "response.cancel": self._response_cancel}
         try:
-            while True:
-                event = None
-                try:
-                    event = await self.socket.receive(busy=self._responding())
-                    if event is None:
-                        return
-                    handler = handlers.get(event["type"])
-                    if handler is None:
-                        raise BadRequest(f"unknown event type {event['type']!r}", param="type")
-                    await handler(event)
-                except OmniError as exc:
-                    await self.socket.send_error(exc, event.get("event_id") if isinstance(event, dict) else None)
+            await self.socket.serve(handlers, busy=self._responding)
         except SessionClosed:
             return
         finally:

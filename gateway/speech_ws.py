@@ -92,20 +92,9 @@ class SpeechStreamSession:
         handlers = {"session.update": self._session_update, "input_text.append": self._append,
                     "input_text.flush": self._flush, "input_text.end": self._end}
         try:
-            while not self.ending:
-                event = None
-                try:
-                    event = await self.socket.receive(busy=self.queued_chars > 0)
-                    if event is None:
-                        return
-                    handler = handlers.get(event["type"])
-                    if handler is None:
-                        raise BadRequest(f"unknown event type {event['type']!r}", param="type")
-                    await handler(event)
-                except OmniError as exc:
-                    await self.socket.send_error(exc, event.get("event_id") if isinstance(event, dict) else None)
-            await self.queue.put(None)           # input_text.end: speak what is queued, then stop
-            await asyncio.shield(self.speaker)
+            if await self.socket.serve(handlers, busy=lambda: self.queued_chars > 0, until=lambda: self.ending):
+                await self.queue.put(None)           # input_text.end: speak what is queued, then stop
+                await asyncio.shield(self.speaker)
         except SessionClosed:
             return
         finally:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import WSMsgType, web
 
@@ -77,6 +77,25 @@ class EventSocket:
         await self.send({"type": "error", "error": {"type": body["type"], "code": body["code"],
                                                      "message": body["message"], "param": body["param"],
                                                      "event_id": client_event_id}})
+
+    async def serve(self, handlers: dict[str, Callable[[dict], Awaitable[None]]], busy: Callable[[], bool],
+                    until: Callable[[], bool] = lambda: False) -> bool:
+        """Hand each client event to ``handlers[event["type"]]`` until ``until()`` holds (True) or the
+        client leaves or idles out (False; ``busy()`` says whether the idle clock is off). An event's
+        OmniError (an unknown type included) becomes an error event and the session goes on."""
+        while not until():
+            event = None
+            try:
+                event = await self.receive(busy=busy())
+                if event is None:
+                    return False
+                handler = handlers.get(event["type"])
+                if handler is None:
+                    raise BadRequest(f"unknown event type {event['type']!r}", param="type")
+                await handler(event)
+            except OmniError as exc:
+                await self.send_error(exc, event.get("event_id") if isinstance(event, dict) else None)
+        return True
 
     async def receive(self, busy: bool) -> dict | None:
         """The next client event as a dict, or None when the session is over (closed by the client,
