@@ -63,7 +63,8 @@ def test_413_body_too_large(limited):
 
 
 def test_422_for_what_we_do_not_do(limited):
-    _assert_error(_post(limited.url, _chat("hi", n=2)), 422, "unprocessable")
+    body = _assert_error(_post(limited.url, _chat("hi", use_beam_search=True)), 422, "unprocessable")
+    assert body["error"]["param"] == "use_beam_search"
     _assert_error(_post(limited.url, _chat([{"type": "file", "file": {"file_id": "f"}}])), 422, "unprocessable")
 
 

@@ -14,7 +14,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import json
 import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 import wave
 
 import numpy as np
@@ -263,6 +268,22 @@ SAMPLE_RATE = 24000
 
 
 def _reference_speech(model, tokenizer, content: list, png: bytes | None = None) -> tuple[list[int], torch.Tensor]:
+    """transformers' Qwen3-Omni generate (:func:`_reference_speech_here`), run in a fresh interpreter on
+    ``model``'s directory. In the long slow-tier process the talker's sampling in transformers' own
+    generate came out NaN after earlier modules had run (the same call passes in a process of its own
+    and with this module alone); the reference must not depend on what ran before it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = pathlib.Path(tmp) / "spec.json", pathlib.Path(tmp) / "out.npz"
+        spec.write_text(json.dumps({"path": model.name_or_path, "content": content,
+                                    "png": base64.b64encode(png).decode() if png is not None else None}))
+        done = subprocess.run([sys.executable, __file__, str(spec), str(out)], capture_output=True, text=True,
+                              timeout=600, cwd=os.path.dirname(__file__))
+        assert done.returncode == 0, done.stderr[-4000:]
+        with np.load(out, allow_pickle=False) as result:
+            return result["reply"].tolist(), torch.from_numpy(result["wav"])
+
+
+def _reference_speech_here(model, tokenizer, content: list, png: bytes | None = None) -> tuple[list[int], torch.Tensor]:
     """transformers' Qwen3-Omni generate as documented: greedy thinker, the talker's default sampling, seeded."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -390,3 +411,14 @@ def test_chat_text_in_audio_out_and_the_speech_endpoint(speech_client, hf, full_
     assert np.array_equal(np.frombuffer(pcm.content, dtype="<i2"), wav)   # same seed: the same speech
     with pytest.raises(openai.BadRequestError):
         speech_client.audio.speech.create(model=MODEL, voice="Nobody", input="Hi.", response_format="wav")
+
+
+if __name__ == "__main__":   # the child of _reference_speech: spec.json in, out.npz with reply ids and waveform
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    torch.set_num_threads(1)
+    _spec = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    _model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(_spec["path"], dtype=torch.float32).eval()
+    _reply, _waveform = _reference_speech_here(_model, AutoTokenizer.from_pretrained(_spec["path"]), _spec["content"],
+                                               base64.b64decode(_spec["png"]) if _spec["png"] else None)
+    np.savez(sys.argv[2], reply=np.array(_reply, dtype=np.int64), wav=_waveform.numpy())
