@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -44,7 +43,8 @@ from aiohttp import web
 from omnirelay.errors import BadRequest, OmniError, Overloaded
 
 from . import generation
-from .app import BUS, CONFIG, METRICS, STREAMS, _encode_json
+from .app import BUS, CONFIG, METRICS, STREAMS
+from .sse import SseWriter
 from .bus import BusClient
 from .models import ModelRuntime
 from .schema import GenerationRequest
@@ -244,21 +244,10 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, timer, chunks) 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": plan_.request_id})
     include_usage = plan_.request.include_usage
-    chunk_base = {"id": plan_.request_id, "created": generation.now(), "model": plan_.gens[0].model.name,
-                  "object": fmts[0].object_chunk}
-
-    async def write(data: bytes) -> None:
-        try:
-            async with asyncio.timeout(config.stream_write_timeout_s):
-                await response.write(data)
-        except TimeoutError:
-            raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
-
-    async def send(choices: list, usage: dict | None = None) -> None:
-        payload = {**chunk_base, "choices": choices}
-        if include_usage:
-            payload["usage"] = usage
-        await write(b"data: " + _encode_json(payload) + b"\n\n")
+    sse = SseWriter(response, {"id": plan_.request_id, "created": generation.now(),
+                               "model": plan_.gens[0].model.name, "object": fmts[0].object_chunk},
+                    include_usage, config.stream_write_timeout_s)
+    write, send = sse.write, sse.send
 
     first = await anext(chunks, None)   # errors before the first token still get a proper status
     await response.prepare(request)
@@ -292,7 +281,7 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, timer, chunks) 
         # Headers are gone: the error travels as the last event, in the same body shape.
         exc.request_id = exc.request_id or plan_.request_id
         request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        await write(b"data: " + json.dumps(exc.to_body()).encode() + b"\n\n")
+        await sse.send_error(exc)
     await write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -1,0 +1,46 @@
+"""The writer of one Server-Sent-Events answer (chat and completion streams, one choice or several).
+
+Every write waits for the client for at most ``stream_write_timeout_s``: a client that stops reading
+gets ConnectionResetError, so its worker slot and KV go back instead of waiting on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+from aiohttp import web
+
+from omnirelay.errors import OmniError
+
+# Compiled JSON encoding for the per-token chunks: about 5x cheaper than json.dumps.
+_encode_json = msgspec.json.Encoder().encode
+
+
+class SseWriter:
+    """``data:`` events of chunks built on ``base`` (id, created, model, object) to ``response``."""
+
+    def __init__(self, response: web.StreamResponse, base: dict, include_usage: bool, write_timeout_s: float):
+        self.response = response
+        self.base = base
+        self.include_usage = include_usage
+        self.write_timeout_s = write_timeout_s
+
+    async def write(self, data: bytes) -> None:
+        try:
+            # asyncio.timeout, not wait_for: no task is created per write (one per token per stream).
+            async with asyncio.timeout(self.write_timeout_s):
+                await self.response.write(data)
+        except TimeoutError:
+            raise ConnectionResetError(f"client did not read for {self.write_timeout_s:.0f}s") from None
+
+    async def send(self, choices: list, usage: dict | None = None) -> None:
+        payload = {**self.base, "choices": choices}
+        if self.include_usage:
+            payload["usage"] = usage
+        await self.write(b"data: " + _encode_json(payload) + b"\n\n")
+
+    async def send_error(self, error: OmniError) -> None:
+        """Headers are gone: the error travels as the last event, in the error contract's body."""
+        await self.write(b"data: " + json.dumps(error.to_body()).encode() + b"\n\n")
