@@ -46,7 +46,8 @@ Weights are a pure function of ``seed`` (the caller's RNG is untouched); the thi
 per-module init (``model_builder.INIT_STD``, the experts like the dense MLP, routers wide enough that
 tokens pick different experts) so greedy text is non-degenerate; the encoders' output projections are
 scaled up so an image or audio clip visibly changes the answer; code2wav's convolutions keep PyTorch's
-own init scale so its waveform is not silence.
+own init scale so its waveform is not silence. Every parameter is written from ``seed``: the talker's
+experts, which transformers' init skips, are drawn here too (tests/test_builders_deterministic.py).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ MIN_PIXELS, MAX_PIXELS = 64 * 64, 256 * 256   # 2x2 .. 8x8 merged tokens per ima
 AUDIO_CHUNK_SECONDS = 30
 ENCODER_OUT_STD = 0.5
 ROUTER_STD = 0.5
+TALKER_EXPERT_STD = 0.02     # transformers' initializer_range, which its init leaves out for these
 NUM_CODE_GROUPS = 4
 CODEBOOK = 2048
 TALKER_VOCAB = 3072               # codec ids 0..2047, specials above; generate() suppresses 2048..3071 but EOS
@@ -211,6 +213,11 @@ def _init_speech(model, gen) -> None:
     outputs near-silence; PyTorch's own conv init (``reset_parameters``' bound) keeps the scale."""
     import torch
 
+    # transformers' _init_weights (5.x) covers the thinker's batched experts but not the talker's: they stay
+    # torch.empty, i.e. whatever memory held before (zeros on a fresh heap, NaN-producing garbage elsewhere).
+    for name, param in model.talker.named_parameters():
+        if ".experts." in f".{name}":
+            param.normal_(0.0, TALKER_EXPERT_STD, generator=gen)
     for module in model.code2wav.modules():
         if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
             bound = 1.0 / (module.weight.shape[1] * module.weight.shape[2]) ** 0.5
