@@ -50,7 +50,7 @@ import urllib.request
 from typing import NamedTuple
 
 from omnirelay.connectors.shared_memory import sweep_orphans
-from omnirelay.deploy.pipeline import PipelineError
+from omnirelay.pipeline import PipelineError
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
 from omnirelay.gateway.config import GatewayConfig
 from omnirelay.lifecycle import Shutdown

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omnirelay.video_params import is_video_class
 
-from .pipeline import Pipeline, PipelineError, default_llm_pipeline, load_pipeline
+from omnirelay.pipeline import Pipeline, PipelineError, default_llm_pipeline, load_pipeline
 
 BUNDLED = Path(__file__).resolve().parent / "pipelines"
 # Bundled pipeline per model kind, best first: a kind may have a richer pipeline that a build lacks.

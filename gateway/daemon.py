@@ -9,7 +9,7 @@ import signal
 
 from aiohttp import web
 
-from omnirelay.deploy.pipeline import default_llm_pipeline, load_pipeline
+from omnirelay.pipeline import default_llm_pipeline, load_pipeline
 from omnirelay.lifecycle import add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 

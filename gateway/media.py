@@ -197,7 +197,7 @@ class MediaProcessor:
         return Media("image", data, (h // self.patch) * (w // self.patch) // self.merge ** 2)
 
     def _audio(self, data: bytes, param: str) -> Media:
-        from omnirelay.workers.mrope import audio_output_length, qwen3_audio_output_length
+        from omnirelay.mrope import audio_output_length, qwen3_audio_output_length
 
         try:
             with wave.open(io.BytesIO(data)) as wav:

@@ -18,8 +18,8 @@ import requests
 
 from conftest import ServeProcess
 
-from omnirelay.deploy.legacy_stages import translate_legacy
-from omnirelay.deploy.pipeline import PipelineError, load_pipeline, parse_pipeline
+from omnirelay.legacy_stages import translate_legacy
+from omnirelay.pipeline import PipelineError, load_pipeline, parse_pipeline
 from omnirelay.deploy.serve import main as serve_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

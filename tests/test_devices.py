@@ -164,7 +164,7 @@ def test_group_ranks_agree_on_the_smallest_pool(tiny_model):
 
 def test_omni_serve_passes_devices_and_utilization_to_every_worker():
     from omnirelay.deploy import serve
-    from omnirelay.deploy.pipeline import default_llm_pipeline
+    from omnirelay.pipeline import default_llm_pipeline
     from omnirelay.deploy.served_models import ModelPlan
 
     assert serve.WORKER_TAKES_DEVICES

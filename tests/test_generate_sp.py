@@ -35,7 +35,7 @@ import yaml
 from PIL import Image
 
 from omnirelay.deploy.model_builder import main as make_model
-from omnirelay.deploy.pipeline import PipelineError, parse_pipeline
+from omnirelay.pipeline import PipelineError, parse_pipeline
 from omnirelay.deploy.serve import build_parser, check_parallel, worker_commands
 from omnirelay.deploy.served_models import plan_models
 from omnirelay.workers.sequence_parallel_group import (SequenceParallelDenoiser, SequenceParallelError,

@@ -38,13 +38,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 
 # (importing file, imported module): debts, each to be paid by moving the shared piece into the core.
-PENDING = {
-    # The stage-pipeline schema is read by the worker and gateway daemons; it belongs in the core.
-    ("workers/daemon.py", "omnirelay.deploy.pipeline"),
-    ("gateway/daemon.py", "omnirelay.deploy.pipeline"),
-    # The number of audio placeholder tokens per clip is a gateway/encoder contract kept in workers.
-    ("gateway/media.py", "omnirelay.workers.mrope"),
-}
+PENDING: set[tuple[str, str]] = set()
 
 
 def _package_of(path: pathlib.Path) -> str:

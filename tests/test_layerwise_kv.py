@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from omnirelay.connectors import create_connector
-from omnirelay.deploy.pipeline import PipelineError, parse_pipeline
+from omnirelay.pipeline import PipelineError, parse_pipeline
 from omnirelay.workers.kv_export import ExportSequence, ExportState, LayerwiseExport, import_kv, piece_key, release_kv
 from omnirelay.workers.model_runner import local_runner
 from omnirelay.workers.prefill import PrefillEngine, PrefillTask

@@ -281,7 +281,7 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
     from omnirelay.workers.encode import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
     from omnirelay.workers.kv_cache import PagedKVCache
     from omnirelay.workers.models.llama import LlamaModel
-    from omnirelay.workers.mrope import MropeSpec
+    from omnirelay.mrope import MropeSpec
     from omnirelay.workers.prefill import PrefillEngine, PrefillTask
     from omnirelay.workers.sampling import SamplingParams
 

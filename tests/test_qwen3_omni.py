@@ -156,7 +156,7 @@ def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tin
     from omnirelay.workers.encode_qwen3 import Qwen3OmniEncoders
     from omnirelay.workers.kv_cache import PagedKVCache
     from omnirelay.workers.models.llama import LlamaModel
-    from omnirelay.workers.mrope import MropeSpec
+    from omnirelay.mrope import MropeSpec
     from omnirelay.workers.prefill import PrefillEngine, PrefillTask
     from omnirelay.workers.sampling import SamplingParams
 

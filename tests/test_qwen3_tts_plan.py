@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from omnirelay.deploy.pipeline import load_pipeline
+from omnirelay.pipeline import load_pipeline
 from omnirelay.deploy.served_models import bundled_pipeline, model_kind
 from omnirelay.gateway.speech import qwen3_tts_speakers
 from omnirelay.workers.generate_qwen3_tts import is_qwen3_tts_model

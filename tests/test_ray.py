@@ -239,7 +239,7 @@ def _serve_args(**overrides):
 def test_off_loopback_head_needs_curve_keys_and_ships_them(tmp_path):
     from omnirelay.deploy.ray_launcher import RayLaunchError, build_specs
     from omnirelay.security import keygen_main
-    from omnirelay.deploy.pipeline import default_llm_pipeline
+    from omnirelay.pipeline import default_llm_pipeline
     from omnirelay.deploy.served_models import ModelPlan
     plans = [ModelPlan(path="/srv/m", name="m", kind="llm", pipeline=default_llm_pipeline(), pipeline_file=None,
                        groups={"prefill": (1, 1), "decode": (2, 1)})]

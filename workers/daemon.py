@@ -26,7 +26,7 @@ import torch
 
 from omnirelay.connectors import create_connector
 from omnirelay.connectors.timing import TimedConnector
-from omnirelay.deploy.pipeline import (ConnectorSpec, PipelineError, default_llm_pipeline, load_pipeline,
+from omnirelay.pipeline import (ConnectorSpec, PipelineError, default_llm_pipeline, load_pipeline,
                                        parse_pipeline)
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
@@ -42,7 +42,7 @@ from .generate_speech import is_omni_model
 from .generate_video_role import build_generate_video_role
 from .model_runner import ModelRunner, local_runner
 from .models.llama import LlamaModel
-from .mrope import MropeSpec
+from omnirelay.mrope import MropeSpec
 from .parallel import GroupConfig, GroupRunner, ParallelGroupLost
 from .prefill import PrefillEngine
 from .qwen3_tts_role import build_qwen3_tts_role

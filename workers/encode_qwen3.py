@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .mrope import qwen3_audio_output_length
+from omnirelay.mrope import qwen3_audio_output_length
 
 AUDIO_SAMPLE_RATE = 16000
 

@@ -21,7 +21,7 @@ Decode reads either format.
 A multimodal request (Qwen2.5-Omni) arrives with the encode stage's handles: at admission its
 image/audio embeddings are fetched from the connector (the key is deleted when the prefill ends,
 finished or cancelled, so a retry after this worker died still finds it) and its M-RoPE positions
-and rope delta computed (:mod:`~omnirelay.workers.mrope`); each chunk's forward then takes the
+and rope delta computed (:mod:`~omnirelay.mrope`); each chunk's forward then takes the
 embeddings at the placeholder rows and the 3-row rotary positions. Such a prompt bypasses the
 prefix cache (its placeholder token ids say nothing about the media behind them), and the rope
 delta travels to decode in the outputs. Text-only prompts take exactly the text path.
@@ -60,7 +60,7 @@ from .kv_export import (LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, Lay
 from .logits_processors import LogitsProcessors, TokenHistory
 from .model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sampling
 from .models.llama import LlamaModel
-from .mrope import MropeSpec, mrope_positions
+from omnirelay.mrope import MropeSpec, mrope_positions
 from .prefix_cache import PrefixCachingAllocator
 from .sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from .stopping import finish_reason_for
