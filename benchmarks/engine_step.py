@@ -7,8 +7,8 @@ What is measured (interleaved, ``--repeats`` times; minimum and median reported)
   torch path (``attention="torch"``);
 * prefill: the same 16 prompts in one packed :meth:`LlamaModel.forward`.
 
-``--baseline-rev REV`` adds the same two measurements for ``workers/models/llama.py`` and
-``workers/kv_cache.py`` as they were at git revision REV (e.g. ``e72d9c0``, the first vertical slice:
+``--baseline-rev REV`` adds the same two measurements for ``workers/llm/models/llama.py`` and
+``workers/kv/cache.py`` as they were at git revision REV (e.g. ``e72d9c0``, the first vertical slice:
 prefill one prompt at a time into a contiguous KV, decode gathering blocks with advanced indexing),
 loaded from ``git show`` into a temporary directory.
 
@@ -35,7 +35,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def _load_baseline(rev: str, tmp: pathlib.Path):
     """The model and cache modules at ``rev`` (both import only torch, safetensors and the stdlib)."""
     mods = {}
-    for name, path in (("base_llama", "workers/models/llama.py"), ("base_kv_cache", "workers/kv_cache.py")):
+    for name, path in (("base_llama", "workers/llm/models/llama.py"), ("base_kv_cache", "workers/kv/cache.py")):
         src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True, capture_output=True,
                              text=True).stdout
         file = tmp / f"{name}.py"
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from omnirelay.workers.forward_batch import ForwardBatch
-    from omnirelay.workers.kv_cache import PagedKVCache
-    from omnirelay.workers.models.llama import LlamaModel
+    from omnirelay.workers.llm.forward_batch import ForwardBatch
+    from omnirelay.workers.kv.cache import PagedKVCache
+    from omnirelay.workers.llm.models.llama import LlamaModel
     if args.model is None:
         from omnirelay.deploy.model_builder import default_model_dir
         args.model = default_model_dir()

@@ -64,7 +64,7 @@ import sys, time, torch
 from transformers import AutoModelForCausalLM
 from omnirelay.deploy.model_builder import default_model_dir
 from omnirelay.deploy.qwen3_builder import cached_qwen3
-from omnirelay.workers.models.llama import LlamaModel
+from omnirelay.workers.llm.models.llama import LlamaModel
 kind, device = sys.argv[1], ("cuda:0" if sys.argv[2] == "cuda" else "cpu")
 path = str(default_model_dir() if kind == "qwen2" else cached_qwen3(moe=False))
 ours = LlamaModel(path, device=device)
@@ -94,11 +94,11 @@ sys.path.insert(0, "tests")
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from omnirelay.connectors import create_connector
 from omnirelay.deploy.qwen3_builder import cached_qwen3
-from omnirelay.workers.decode import DecodeEngine
-from omnirelay.workers.kv_export import import_kv
-from omnirelay.workers.model_runner import local_runner
-from omnirelay.workers.models.llama import LlamaModel
-from omnirelay.workers.prefill import PrefillEngine
+from omnirelay.workers.llm.decode import DecodeEngine
+from omnirelay.workers.kv.export import import_kv
+from omnirelay.workers.llm.model_runner import local_runner
+from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.prefill import PrefillEngine
 from engine_support import NEW_TOKENS, QUESTIONS, chat_ids, run_decode, run_prefill
 kind, device, shm = sys.argv[1], ("cuda:0" if sys.argv[2] == "cuda" else "cpu"), sys.argv[3]
 path = str(cached_qwen3(moe=kind == "qwen3-moe"))

@@ -28,8 +28,8 @@ import uuid
 import torch
 
 from omnirelay.connectors import create_connector
-from omnirelay.workers.model_runner import LocalRunner, local_runner
-from omnirelay.workers.models.llama import LlamaModel
+from omnirelay.workers.llm.model_runner import LocalRunner, local_runner
+from omnirelay.workers.llm.models.llama import LlamaModel
 
 BLOCK = 16
 

@@ -40,11 +40,11 @@ import uuid
 import torch
 
 from omnirelay.connectors import create_connector
-from omnirelay.workers.decode import DecodeEngine, DecodeTask
-from omnirelay.workers.kv_cache import PagedKVCache
-from omnirelay.workers.models.llama import LlamaModel
-from omnirelay.workers.prefill import PrefillEngine, PrefillTask
-from omnirelay.workers.sampling import SamplingParams
+from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.kv.cache import PagedKVCache
+from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.sampling import SamplingParams
 
 MODES = ("whole", "layerwise")
 PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)   # first token + one decode token

@@ -34,7 +34,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _batches(vocab: int, prompts: int, prompt_len: int, block_size: int):
-    from omnirelay.workers.forward_batch import ForwardBatch
+    from omnirelay.workers.llm.forward_batch import ForwardBatch
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab - 64, (prompts, prompt_len), generator=gen).tolist()
@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from omnirelay.deploy.qwen3_builder import cached_qwen3
-    from omnirelay.workers.kv_cache import PagedKVCache
-    from omnirelay.workers.model_runner import LocalRunner
-    from omnirelay.workers.models.llama import LlamaModel
-    from omnirelay.workers.parallel import GroupConfig, GroupRunner
+    from omnirelay.workers.kv.cache import PagedKVCache
+    from omnirelay.workers.llm.model_runner import LocalRunner
+    from omnirelay.workers.llm.models.llama import LlamaModel
+    from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
 
     model_dir = str(args.model or cached_qwen3(moe=True))
     cuda = args.devices == "cuda"

@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from omnirelay.workers.logits_processors import LogitsProcessors, TokenHistory
-from omnirelay.workers.sampling import SamplingParams, sample
+from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
+from omnirelay.workers.llm.sampling import SamplingParams, sample
 
 
 def _cases(vocab: int) -> dict[str, SamplingParams]:

@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     from omnirelay.connectors import create_connector
     from omnirelay.deploy.model_builder import default_model_dir
     from omnirelay.gateway.structured import check_spec
-    from omnirelay.workers.decode import DecodeEngine, DecodeTask
-    from omnirelay.workers.kv_cache import PagedKVCache
-    from omnirelay.workers.models.llama import LlamaModel
-    from omnirelay.workers.prefill import PrefillEngine, PrefillTask
-    from omnirelay.workers.sampling import SamplingParams
-    from omnirelay.workers.structured_output import GrammarCompilerCache, GrammarSampler
+    from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+    from omnirelay.workers.kv.cache import PagedKVCache
+    from omnirelay.workers.llm.models.llama import LlamaModel
+    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+    from omnirelay.workers.llm.sampling import SamplingParams
+    from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
     path = str(args.model or default_model_dir())
     tok = AutoTokenizer.from_pretrained(path)

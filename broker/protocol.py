@@ -56,7 +56,7 @@ all bound for the same gateway): the receiver handles each as if it had come alo
 
 Log-probabilities. ``Submit.sampling`` (copied into ``Task.sampling``) may hold ``"logprobs"``, an
 int: -1 or absent, none; 0, the chosen token's; k (1 … :data:`MAX_TOP_LOGPROBS`), also the k most
-likely tokens of each position (workers/sampling.py validates it; anything else fails the task as
+likely tokens of each position (workers/llm/sampling.py validates it; anything else fails the task as
 ``bad_request``). The worker that samples a token then fills ``TokenDelta.logprobs`` (one float per
 token id) and, for k > 0, ``TokenDelta.top_token_ids`` and ``TokenDelta.top_logprobs`` (per token
 id, the k most likely ids and their logprobs, most likely first): raw logprobs, ``log_softmax`` of the logits before temperature, top-k
@@ -68,7 +68,7 @@ Sampling options. ``sampling`` may hold ``presence_penalty``, ``frequency_penalt
 ``repetition_penalty``, ``min_p`` (floats), ``min_tokens`` (int, counted from this submission's first
 token like ``max_tokens``), ``logit_bias`` (``[[token id, bias], …]``), ``bad_words_token_ids``
 (``[[token id, …], …]``) and ``allowed_token_ids`` (``[token id, …]``); absent means off. The worker
-validates them (workers/sampling.py ``SamplingParams.from_wire``, which also rejects a key nobody
+validates them (workers/llm/sampling.py ``SamplingParams.from_wire``, which also rejects a key nobody
 reads) and fails the task as ``bad_request`` otherwise. A gateway sends only the options a request
 set; a worker older than these keys drops them silently, so workers are upgraded before gateways.
 
@@ -103,7 +103,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grammar. ``kind``: ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any
     JSON object; ``spec`` empty), ``regex`` or ``grammar`` (xgrammar's EBNF, root rule ``root``).
     The gateway checks the spec compiles before it submits (400 otherwise); the worker that
-    samples compiles it again for its tokenizer (workers/structured_output.py). Hashable: the
+    samples compiles it again for its tokenizer (workers/llm/structured_output.py). Hashable: the
     workers' compile cache is keyed by it."""
 
     kind: str

@@ -12,7 +12,7 @@ The result is an ordinary diffusers directory, loadable offline with
     DIR/tokenizer/, _2/, _3/          the same CLIP tokenizer files, built offline by :mod:`.tiny_diffusers`
 
 Why this pipeline: it is the diffusers text-to-image pipeline around a diffusion *transformer*
-whose attention the sequence-parallel kernel (:mod:`omnirelay.workers.sequence_parallel`) splits,
+whose attention the sequence-parallel kernel (:mod:`omnirelay.workers.generate.sequence_parallel`) splits,
 and it runs on a CPU-only install without ``accelerate``. SD3 has three text encoders: two CLIPs
 and a T5. All three use the CLIP tokenizer the SD builder trains offline (the T5 encoder reads any
 token ids of its vocabulary; a T5 sentencepiece tokenizer would need a download or sentencepiece

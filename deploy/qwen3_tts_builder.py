@@ -1,7 +1,7 @@
 """Build a tiny random-weight Qwen3-TTS 12 Hz CustomVoice directory (``omni-make-model tiny-qwen3-tts DIR``).
 
 The layout is the real ``Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice``'s, written with the ``qwen_tts``
-package's own classes (``workers/qwen3_tts_package.py`` says which package and why), so the worker
+package's own classes (``workers/speech/qwen3_tts_package.py`` says which package and why), so the worker
 loads it with the package's ``Qwen3TTSModel.from_pretrained`` exactly as it would load the real one::
 
     DIR/config.json, model.safetensors          Qwen3TTSConfig (model_type qwen3_tts, tts_model_type
@@ -130,7 +130,7 @@ def _save_codec(classes, out: pathlib.Path) -> None:
     """The 12 Hz codec's config and checkpoint, with the keys of the real one (``encoder.*``: transformers'
     Mimi model without its decoder half, as the package's ``Qwen3TTSTokenizerV2Encoder`` keeps it;
     ``decoder.*``: ``Qwen3TTSTokenizerV2Decoder``). Built part by part: the package's whole
-    ``Qwen3TTSTokenizerV2Model`` cannot be constructed under transformers 5 (workers/qwen3_tts_package.py)."""
+    ``Qwen3TTSTokenizerV2Model`` cannot be constructed under transformers 5 (workers/speech/qwen3_tts_package.py)."""
     import torch
     from safetensors.torch import save_file
     from transformers import MimiModel
@@ -164,7 +164,7 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
     import torch
     from transformers import EncodecFeatureExtractor
 
-    from omnirelay.workers.qwen3_tts_package import load_classes
+    from omnirelay.workers.speech.qwen3_tts_package import load_classes
 
     classes = load_classes()
     tok = _build_tokenizer(out)

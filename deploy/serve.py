@@ -26,7 +26,7 @@ with a message saying so. Every worker of this host gets the same ``--devices`` 
 ``--gpu-memory-utilization`` (the share of each device it may fill, counting memory already in use,
 so workers sharing a group need shares that leave each other room); ``--kv-cache-bytes`` left at 0
 lets the utilization size the KV pool on CUDA (256 MiB on the CPU), a value caps it
-(:mod:`omnirelay.workers.devices`).
+(:mod:`omnirelay.workers.runtime.devices`).
 
 ``--ray-address ADDR`` places the same daemons on a Ray cluster instead of this host (see
 :mod:`omnirelay.deploy.ray_launcher`).
@@ -61,7 +61,7 @@ from omnirelay.security import is_loopback
 WORKER_RUNS_GROUPS = True
 # omni-worker places rank i of a prefill/decode group on the i-th listed device (NCCL between them)
 # and sizes its KV pool from --gpu-memory-utilization; without --devices it picks cuda:0..N-1, or the
-# CPU on a host without CUDA (omnirelay.workers.devices).
+# CPU on a host without CUDA (omnirelay.workers.runtime.devices).
 WORKER_TAKES_DEVICES = True
 
 _PR_SET_PDEATHSIG = 1

@@ -94,7 +94,7 @@ _TOOL_CALLS = {"type": "array", "nullable": True, "items": {"type": "object", "p
     "index": {"type": "integer"}, "id": {"type": "string"}, "type": {"type": "string"},
     "function": {"type": "object", "properties": {"name": {"type": "string"},
                                                   "arguments": {"type": "string"}}}}}}
-# gateway/sampling_options.py; semantics and order: workers/logits_processors.py (vLLM's).
+# gateway/sampling_options.py; semantics and order: workers/llm/logits_processors.py (vLLM's).
 _SAMPLING_OPTIONS = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True,
                          "description": "subtracted from the logit of every token already in the output"},

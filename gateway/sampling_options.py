@@ -2,7 +2,7 @@
 against the model (vocabulary, tokenizer) and turned into ``sampling`` keys for the workers.
 
 Options (vLLM's names and semantics; the worker side and the order they apply in are documented
-in workers/logits_processors.py):
+in workers/llm/logits_processors.py):
 
 =====================  =================================================  ========================
 option                 accepted                                           wire key (``sampling``)

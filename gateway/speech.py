@@ -17,7 +17,7 @@ first audio chunk leaves while the talker is still speaking, instead of after th
 Such audio is PCM as it comes (``pcm16``), or a WAV whose header says "unknown length" (0xFFFFFFFF;
 readers take the data to the end); FLAC is still synthesised whole. Streamed samples differ slightly
 from a non-streamed answer with the same seed (token2wav runs per window of codes with its own noise:
-``workers/speech_stream.py``) but are the same on every run and every worker, so a resubmitted stream
+``workers/speech/stream.py``) but are the same on every run and every worker, so a resubmitted stream
 still resumes by chunk index.
 
 Life of ``POST /v1/audio/speech``::
@@ -85,7 +85,7 @@ MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
 AUDIO_TTL_S = 3600               # ``expires_at``: nothing is stored, but clients read the field
 MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 UNSUPPORTED_FORMATS = ("mp3", "opus", "aac")
-# The sampling key asking the speech worker to stream (workers/speech_role.py's STREAM_KEY).
+# The sampling key asking the speech worker to stream (workers/speech/role.py's STREAM_KEY).
 AUDIO_STREAM_KEY = "audio_stream"
 STREAM_FORMATS = ("sse", "audio")
 
@@ -151,7 +151,7 @@ def has_speakers(model: ModelRuntime) -> bool:
 def qwen3_tts_speakers(path: str) -> list[str] | None:
     """A Qwen3-TTS model's speaker names (its ``config.json``); None for any other model. Its
     generate worker takes the same request as a Qwen2.5-Omni's and speaks the text after
-    ``reply_start`` (workers/qwen3_tts_role.py); the chat prompt before it goes unused."""
+    ``reply_start`` (workers/speech/qwen3_tts_role.py); the chat prompt before it goes unused."""
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):

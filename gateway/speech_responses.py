@@ -37,7 +37,7 @@ log = logging.getLogger("omnirelay.gateway")
 
 # Qwen2.5-Omni's codec runs at 50 codes a second: token2wav turns each code into 480 samples at 24 kHz.
 CODES_PER_SECOND, SAMPLE_RATE = 50, 24000
-WAV_HEADER_BYTES = 44   # the one-shot's and the streamed header (workers/speech_role.py) alike
+WAV_HEADER_BYTES = 44   # the one-shot's and the streamed header (workers/speech/role.py) alike
 
 
 async def speech_body_stream(request: web.Request, items: AsyncIterator, mime: str,

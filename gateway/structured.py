@@ -15,7 +15,7 @@ Every spec is checked before anything is submitted: a JSON schema against its me
 (``jsonschema``) and then converted by xgrammar, a regex and an EBNF grammar parsed by xgrammar.
 What xgrammar refuses is a 400 naming the param; the outcome is cached per spec text
 (:func:`check_spec`), so a schema sent with every request is checked once. The full compilation
-against a tokenizer happens on the sampling worker (workers/structured_output.py), once per spec.
+against a tokenizer happens on the sampling worker (workers/llm/structured_output.py), once per spec.
 The result travels as ``sampling["structured"]`` (broker/protocol.py :class:`StructuredOutput`).
 
 Tools (chat): ``tools`` is a list of ``{"type": "function", "function": {"name", "description"?,

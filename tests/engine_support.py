@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omnirelay.connectors import create_connector
-from omnirelay.workers.decode import DecodeEngine, DecodeTask
-from omnirelay.workers.kv_cache import PagedKVCache
-from omnirelay.workers.models.llama import LlamaModel
-from omnirelay.workers.prefill import PrefillEngine, PrefillTask
-from omnirelay.workers.sampling import SamplingParams
+from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.kv.cache import PagedKVCache
+from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.sampling import SamplingParams
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -7,7 +7,7 @@ Through a gateway whose deadline is shorter than that delay, 16 requests at conc
 get a structured 504 in time (deadline + slack) — none hangs, none is lost; through a second gateway
 with a deadline the link can meet, the same cluster answers every request: no 503, because the
 prefill worker stays registered all along (its broker link heartbeats while the step runs,
-:mod:`omnirelay.workers.broker_link`). Afterwards the decode worker is idle with its whole KV pool
+:mod:`omnirelay.workers.runtime.broker_link`). Afterwards the decode worker is idle with its whole KV pool
 free and the late puts were deleted rather than left for their TTL. Counts are printed per phase.
 (The single-request version, with the exact timing of one 504, is ``test_fault_injection.py``.)
 
@@ -30,7 +30,7 @@ import zmq
 
 from cluster import Cluster
 from omnirelay.broker import protocol as p
-from omnirelay.workers.broker_link import KEEPALIVE_AFTER, BrokerLink
+from omnirelay.workers.runtime.broker_link import KEEPALIVE_AFTER, BrokerLink
 
 PUT_DELAY_S, SHORT_DEADLINE_S = 1.5, 1.0
 N_REQUESTS, CONCURRENCY = 16, 8

@@ -1,4 +1,4 @@
-"""Decode's KV prefetch (workers/kv_prefetch.py): a slow KV import no longer stalls the running batch.
+"""Decode's KV prefetch (workers/kv/prefetch.py): a slow KV import no longer stalls the running batch.
 
 No network: real prefill and decode engines in this process, the real shared-memory connector in a
 private directory between them. The decode side reads through :class:`_HeldGets`, which forwards to
@@ -17,11 +17,11 @@ import torch
 
 from omnirelay.connectors import Connector, create_connector
 from omnirelay.errors import TransferFailed
-from omnirelay.workers.decode import DecodeEngine, DecodeTask
-from omnirelay.workers.kv_cache import PagedKVCache
-from omnirelay.workers.kv_export import piece_key
-from omnirelay.workers.kv_prefetch import ImportState, KVPrefetcher
-from omnirelay.workers.prefill import PrefillEngine
+from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.kv.cache import PagedKVCache
+from omnirelay.workers.kv.export import piece_key
+from omnirelay.workers.kv.prefetch import ImportState, KVPrefetcher
+from omnirelay.workers.llm.prefill import PrefillEngine
 
 from engine_support import (  # noqa: F401  (fixtures)
     GREEDY, QUESTIONS, chat_ids, connector, model, reference, run_prefill, shm_keys, tok)

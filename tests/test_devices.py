@@ -1,7 +1,7 @@
 """Device placement and KV sizing of the prefill/decode engines (``--devices``,
 ``--gpu-memory-utilization``, ``--kv-cache-bytes``).
 
-On this CPU-only CI: the pure rules (:mod:`omnirelay.workers.devices`), the fail-fast errors of the
+On this CPU-only CI: the pure rules (:mod:`omnirelay.workers.runtime.devices`), the fail-fast errors of the
 real ``omni-worker`` process (exit status 2, a message, no traceback), omni-serve passing the flags
 through, and the CPU side of the device plumbing. The tests marked ``cuda`` run only where torch sees
 GPUs; they say what a GPU run verifies (see :func:`test_cuda_placement_and_tp2_equals_tp1`).
@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from omnirelay.workers.config import WorkerConfig
-from omnirelay.workers.devices import (DEFAULT_CPU_KV_BYTES, KVBudgetError, blocks_in_budget, kv_cache_budget,
+from omnirelay.workers.runtime.config import WorkerConfig
+from omnirelay.workers.runtime.devices import (DEFAULT_CPU_KV_BYTES, KVBudgetError, blocks_in_budget, kv_cache_budget,
                                        parse_device_ids, rank_kv_budget, resolve_devices)
 
 from engine_support import QUESTIONS, chat_ids, run_decode, run_prefill, tok  # noqa: F401
@@ -143,9 +143,9 @@ def test_omni_worker_refuses_a_kv_pool_of_less_than_two_blocks(tiny_model):
 def test_group_ranks_agree_on_the_smallest_pool(tiny_model):
     """PP=2 on the CPU, sized from a byte budget on each rank: the ranks agree on the count the
     stage with the most layers can hold, and a pool too small on a rank fails the group's start."""
-    from omnirelay.workers.kv_cache import PagedKVCache
-    from omnirelay.workers.models.llama import LlamaConfig
-    from omnirelay.workers.parallel import GroupConfig, GroupRunner, layer_ranges
+    from omnirelay.workers.kv.cache import PagedKVCache
+    from omnirelay.workers.llm.models.llama import LlamaConfig
+    from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner, layer_ranges
 
     cfg = LlamaConfig.from_dir(__import__("pathlib").Path(tiny_model))
     layers = max(len(r) for r in layer_ranges(cfg.num_layers, 2))
@@ -186,9 +186,9 @@ def test_omni_serve_passes_devices_and_utilization_to_every_worker():
 # ------------------------------------------------------------------ CPU side of the device plumbing
 
 def test_runner_hands_kv_to_connectors_on_the_host(tiny_model):
-    from omnirelay.workers.forward_batch import ForwardBatch
-    from omnirelay.workers.model_runner import local_runner
-    from omnirelay.workers.models.llama import LlamaModel
+    from omnirelay.workers.llm.forward_batch import ForwardBatch
+    from omnirelay.workers.llm.model_runner import local_runner
+    from omnirelay.workers.llm.models.llama import LlamaModel
 
     runner = local_runner(LlamaModel(tiny_model), block_size=16, budget_bytes=1 << 20)
     batch = ForwardBatch.build([([1, 2, 3], 0, [1])], 16)
@@ -209,11 +209,11 @@ def test_cuda_placement_and_tp2_equals_tp1(tiny_model, tok, tmp_path):  # noqa: 
     each prompt on cuda equals the CPU's (whole sequences may part at a near-tie: different kernels),
     and TP=2 over NCCL (two devices) gives the same greedy output as TP=1 on cuda."""
     from omnirelay.connectors import create_connector
-    from omnirelay.workers.decode import DecodeEngine
-    from omnirelay.workers.model_runner import local_runner
-    from omnirelay.workers.models.llama import LlamaModel
-    from omnirelay.workers.parallel import GroupConfig, GroupRunner
-    from omnirelay.workers.prefill import PrefillEngine
+    from omnirelay.workers.llm.decode import DecodeEngine
+    from omnirelay.workers.llm.model_runner import local_runner
+    from omnirelay.workers.llm.models.llama import LlamaModel
+    from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
+    from omnirelay.workers.llm.prefill import PrefillEngine
 
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     conn = create_connector("shared_memory", {"shm_dir": str(tmp_path)})

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnirelay.workers.models.llama import LlamaModel
-from omnirelay.workers.kv_export import import_kv
-from omnirelay.workers.prefill import PrefillEngine
+from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.kv.export import import_kv
+from omnirelay.workers.llm.prefill import PrefillEngine
 from omnirelay.block_hash import block_hashes
-from omnirelay.workers.prefix_cache import PrefixCachingAllocator
+from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
 
 from engine_support import (  # noqa: F401  (fixtures)
     QUESTIONS, SYSTEM, chat_ids, connector, decode_engine, model, reference, run_decode, run_prefill, tok)
@@ -119,7 +119,7 @@ def test_preemption_when_blocks_run_out(model, tok, reference, connector):
 
 
 def test_native_decode_attention_matches_torch(tiny_model, model, tok, connector):
-    from omnirelay.workers import native_attention
+    from omnirelay.workers.llm import native_attention
     if native_attention.load() is None:
         pytest.skip("no C compiler here: the torch path is the only one")
     assert model._native is not None
@@ -138,7 +138,7 @@ def test_native_decode_attention_matches_torch(tiny_model, model, tok, connector
             blocks = engine.allocator.allocate(engine.blocks_needed(len(ids) + 1))
             engine.runner.write_kv(blocks, kv)
             outs.append((engine, blocks))
-    from omnirelay.workers.forward_batch import ForwardBatch
+    from omnirelay.workers.llm.forward_batch import ForwardBatch
     width = max(len(b) for _, b in outs)
     logits = []
     for engine in engines:

@@ -63,7 +63,7 @@ def test_generate_worker_holds_bfloat16_weights_and_still_makes_images(bf16_clus
 
     # The same request in float32, in this process: close (same weights, same seed) but not the
     # same bytes — the worker really computed in bfloat16.
-    from omnirelay.workers.generate_image import load_pipeline
+    from omnirelay.workers.generate.image import load_pipeline
     torch.set_num_threads(1)
     pipe = load_pipeline(tiny_sd)
     reference = pipe(PROMPT, width=64, height=64, num_inference_steps=3,
@@ -93,7 +93,7 @@ def test_sd3_pipeline_loads_every_component_in_bfloat16_and_runs(tiny_dit):
     # The transformer used to stay float32 (diffusers' plain loader assigns the file's tensors when
     # the state dict's first entry, SD3's float32 position table, already matches them) while the
     # VAE and text encoders became bfloat16, and the first denoising forward failed.
-    from omnirelay.workers.generate_image import load_pipeline
+    from omnirelay.workers.generate.image import load_pipeline
     torch.set_num_threads(1)
     pipe = load_pipeline(tiny_dit, torch.bfloat16)
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}

@@ -38,7 +38,7 @@ from omnirelay.deploy.model_builder import main as make_model
 from omnirelay.pipeline import PipelineError, parse_pipeline
 from omnirelay.deploy.serve import build_parser, check_parallel, worker_commands
 from omnirelay.deploy.served_models import plan_models
-from omnirelay.workers.sequence_parallel_group import (SequenceParallelDenoiser, SequenceParallelError,
+from omnirelay.workers.generate.sequence_parallel_group import (SequenceParallelDenoiser, SequenceParallelError,
                                                       SequenceParallelGroupLost, check_sequence_parallel)
 
 from cluster import Cluster, is_structured_error
@@ -98,7 +98,7 @@ def _sp_ranks(pid: int) -> dict[int, int]:
             argv = pathlib.Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "omnirelay.workers.sequence_parallel_group" in argv:
+        if "omnirelay.workers.generate.sequence_parallel_group" in argv:
             ranks[int(argv[argv.index("--rank") + 1])] = child
     return ranks
 
@@ -351,7 +351,7 @@ def test_devices_for_a_sequence_parallel_worker_fail_fast(tiny_dit, monkeypatch)
         assert "--devices 0,1: this host has no CUDA device" in proc.stderr
     # With CUDA the list is right, but the group runs on the CPU (gloo): refused, not ignored.
     from omnirelay.workers import daemon
-    from omnirelay.workers.config import WorkerConfig
+    from omnirelay.workers.runtime.config import WorkerConfig
     config = WorkerConfig(role="generate", model_path=tiny_dit, model_name=MODEL, devices=(0, 1),
                           sequence_parallel_size=2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

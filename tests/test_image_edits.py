@@ -22,7 +22,7 @@ from omnirelay.gateway.config import ServedModel
 from omnirelay.gateway.image_edits import prepare_edit
 from omnirelay.gateway.images import ImageModel
 from omnirelay.image_params import ImageParams
-from omnirelay.workers.generate_image import GenerateImageEngine, ImageTask, encode_png
+from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, encode_png
 
 from cluster import Cluster
 
@@ -39,7 +39,7 @@ def tiny_sd(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def pipe(tiny_sd):
     torch.set_num_threads(1)
-    from omnirelay.workers.generate_image import load_pipeline
+    from omnirelay.workers.generate.image import load_pipeline
     return load_pipeline(tiny_sd)
 
 

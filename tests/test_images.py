@@ -22,8 +22,8 @@ from omnirelay.broker import protocol as p
 from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.image_params import ImageParams
-from omnirelay.workers.generate_image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
-from omnirelay.workers.generate_role import GenerateImageRole
+from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
+from omnirelay.workers.generate.image_role import GenerateImageRole
 
 from cluster import Cluster
 
@@ -42,7 +42,7 @@ def tiny_sd(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def pipe(tiny_sd):
     torch.set_num_threads(1)
-    from omnirelay.workers.generate_image import load_pipeline
+    from omnirelay.workers.generate.image import load_pipeline
     return load_pipeline(tiny_sd)
 
 

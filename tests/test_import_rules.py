@@ -126,9 +126,9 @@ def test_pending_debts_are_still_real() -> None:
 
 def test_the_checker_sees_a_violation(tmp_path: pathlib.Path) -> None:
     """The rule engine itself: a broker module importing a worker module is reported."""
-    tree = ast.parse("from omnirelay.workers import kv_cache\nimport omnirelay.gateway.app\n")
+    tree = ast.parse("from omnirelay.workers.kv import cache\nimport omnirelay.gateway.app\n")
     modules = _imported_modules(tree, "omnirelay.broker")
-    assert modules == ["omnirelay.workers.kv_cache", "omnirelay.gateway.app"]
+    assert modules == ["omnirelay.workers.kv.cache", "omnirelay.gateway.app"]
     assert not any(_allowed("omnirelay.broker", m) for m in modules)
     assert _allowed("omnirelay.workers", "omnirelay.broker.protocol")
     assert not _allowed("omnirelay.workers", "omnirelay.broker.core")

@@ -16,10 +16,10 @@ import torch
 
 from omnirelay.connectors import create_connector
 from omnirelay.pipeline import PipelineError, parse_pipeline
-from omnirelay.workers.kv_export import ExportSequence, ExportState, LayerwiseExport, import_kv, piece_key, release_kv
-from omnirelay.workers.model_runner import local_runner
-from omnirelay.workers.prefill import PrefillEngine, PrefillTask
-from omnirelay.workers.sampling import SamplingParams
+from omnirelay.workers.kv.export import ExportSequence, ExportState, LayerwiseExport, import_kv, piece_key, release_kv
+from omnirelay.workers.llm.model_runner import local_runner
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.sampling import SamplingParams
 
 from connector_servers import started_redis
 from engine_support import (  # noqa: F401  (fixtures)
@@ -183,7 +183,7 @@ def test_decode_cancel_before_admission_deletes_the_pieces(model, tok, connector
     prompts = [chat_ids(tok, QUESTIONS[0])]
     prefilled = run_prefill(prefill_engine(model, connector, "layerwise"), prompts)
     decode = decode_engine(model, connector, num_blocks=64)
-    from omnirelay.workers.decode import DecodeTask
+    from omnirelay.workers.llm.decode import DecodeTask
     r = prefilled["r0"]
     decode.add(DecodeTask("r0", prompts[0], r.first_token, GREEDY, time.time() + 60, "", r.outputs["kv_key"],
                           r.outputs["kv_handle"]))
@@ -234,8 +234,8 @@ def test_pipeline_yaml_kv_transfer_option():
 
 def test_layerwise_prefill_to_a_tp2_decode_reshards_by_heads(model, tok, reference, tiny_model, connector, tmp_path):
     """Pieces carry all KV heads of their layer: a TP=2 decode splits the assembled KV by heads."""
-    from omnirelay.workers.decode import DecodeEngine
-    from omnirelay.workers.parallel import GroupConfig, GroupRunner
+    from omnirelay.workers.llm.decode import DecodeEngine
+    from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
 
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
     prefilled = run_prefill(prefill_engine(model, connector, "layerwise"), prompts)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import logging
 
-from omnirelay.workers.load_progress import LoadProgress
-from omnirelay.workers.models.llama import LlamaModel
+from omnirelay.workers.runtime.load_progress import LoadProgress
+from omnirelay.workers.llm.models.llama import LlamaModel
 
 
 class _Terminal(io.StringIO):

@@ -15,7 +15,7 @@ import torch
 
 from omnirelay.broker import protocol as p
 from omnirelay.gateway.bus import RequestStream
-from omnirelay.workers.sampling import SamplingParams, chosen_logprobs, sample
+from omnirelay.workers.llm.sampling import SamplingParams, chosen_logprobs, sample
 
 MODEL = "tiny-llm"
 PROMPT = "Tell me a short story about a cat and a dog."

@@ -35,8 +35,8 @@ from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model
 from omnirelay.errors import BadRequest, TransferFailed
 from omnirelay.speech_params import SpeechParams
-from omnirelay.workers.generate_speech import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
-from omnirelay.workers.speech_role import encode_audio, flac_available
+from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
+from omnirelay.workers.speech.role import encode_audio, flac_available
 
 from cluster import Cluster
 
@@ -242,7 +242,7 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
     A voice the model lacks is a StageFailed(bad_request) that also frees the keys."""
     from omnirelay.broker import protocol as p
     from omnirelay.connectors import create_connector
-    from omnirelay.workers.speech_role import STREAM_KEY, WAV_STREAM_HEADER, GenerateSpeechRole
+    from omnirelay.workers.speech.role import STREAM_KEY, WAV_STREAM_HEADER, GenerateSpeechRole
 
     connector = create_connector("shared_memory", {})
     engine = GenerateSpeechEngine.from_pretrained(tiny_omni)

@@ -277,13 +277,13 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
 
     from omnirelay.connectors import create_connector
     from omnirelay.gateway.media import MediaLimits, MediaProcessor
-    from omnirelay.workers.decode import DecodeEngine, DecodeTask
-    from omnirelay.workers.encode import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
-    from omnirelay.workers.kv_cache import PagedKVCache
-    from omnirelay.workers.models.llama import LlamaModel
+    from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+    from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
+    from omnirelay.workers.kv.cache import PagedKVCache
+    from omnirelay.workers.llm.models.llama import LlamaModel
     from omnirelay.mrope import MropeSpec
-    from omnirelay.workers.prefill import PrefillEngine, PrefillTask
-    from omnirelay.workers.sampling import SamplingParams
+    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+    from omnirelay.workers.llm.sampling import SamplingParams
 
     png, pcm = _png(5), _tone(660.0, 0.5)
     media_content = [{"type": "text", "text": "See"}, _image_part(png), _audio_part(_wav(pcm)),

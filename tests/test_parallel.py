@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from omnirelay.workers.decode import DecodeEngine
-from omnirelay.workers.models.llama import LlamaModel
-from omnirelay.workers.parallel import GroupConfig, GroupRunner, layer_ranges
-from omnirelay.workers.prefill import PrefillEngine
+from omnirelay.workers.llm.decode import DecodeEngine
+from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner, layer_ranges
+from omnirelay.workers.llm.prefill import PrefillEngine
 
 from engine_support import QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill, tok  # noqa: F401
 
@@ -102,7 +102,7 @@ def test_layer_ranges_and_config_validation(tiny_model):
     shard = dataclasses.replace(GroupConfig(tiny_model, tp_size=2, pp_size=2)).shard(3, 4)
     assert (shard.tp_rank, shard.first_layer, shard.last_layer) == (1, 2, 4)
     with pytest.raises(ValueError, match="must divide"):
-        from omnirelay.workers.models.llama import Shard
+        from omnirelay.workers.llm.models.llama import Shard
         LlamaModel(tiny_model, shard=Shard(tp_rank=0, tp_size=3), comm=object())
 
 

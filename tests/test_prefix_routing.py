@@ -21,7 +21,7 @@ from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.broker.prefix_index import PrefixSet, prompt_route_keys, route_keys
 from omnirelay.block_hash import block_hashes
-from omnirelay.workers.prefix_cache import PrefixCachingAllocator
+from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
 
 MODEL = "tiny"
 GW = b"gw"

@@ -21,11 +21,11 @@ import torch
 
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.qwen3_builder import cached_qwen3
-from omnirelay.workers.expert_parallel import ExpertPlacementError, expert_range, token_chunks
-from omnirelay.workers.models.llama import LlamaModel
-from omnirelay.workers.models.moe import MoeConfig, SparseMoE, route
-from omnirelay.workers.parallel import GroupConfig, GroupRunner
-from omnirelay.workers.prefill import PrefillEngine
+from omnirelay.workers.llm.expert_parallel import ExpertPlacementError, expert_range, token_chunks
+from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE, route
+from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
+from omnirelay.workers.llm.prefill import PrefillEngine
 
 from engine_support import QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill  # noqa: F401
 
@@ -130,7 +130,7 @@ def prompts(moe_model):
 
 
 def _run(runner_or_model, connector, prompts):  # noqa: F811
-    from omnirelay.workers.decode import DecodeEngine
+    from omnirelay.workers.llm.decode import DecodeEngine
 
     prefilled = run_prefill(PrefillEngine(runner_or_model, connector, max_model_len=2048, max_batched_tokens=64),
                             prompts)
@@ -173,9 +173,9 @@ def test_qwen3_dense_engines_match_transformers(dense_model, connector):  # noqa
 
 _RANK = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
-    from omnirelay.workers.expert_parallel import ExpertDispatch
-    from omnirelay.workers.models.moe import MoeConfig, SparseMoE
-    from omnirelay.workers.parallel import _TPGroup
+    from omnirelay.workers.llm.expert_parallel import ExpertDispatch
+    from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE
+    from omnirelay.workers.runtime.parallel import _TPGroup
 
     rank, rendezvous, die_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)

@@ -124,7 +124,7 @@ def test_builder_writes_a_loadable_qwen3_omni_of_its_own_kind(tiny):
 
 def test_compact_thinker_greedy_equals_transformers(tiny, hf):
     """The compact MoE thinker (q/k norm, experts, interleaved M-RoPE) without a server."""
-    from omnirelay.workers.models.llama import LlamaModel
+    from omnirelay.workers.llm.models.llama import LlamaModel
 
     model = LlamaModel(tiny)
     assert model.config.moe is not None and model.config.qk_norm and model.config.mrope_interleaved
@@ -151,14 +151,14 @@ def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tin
 
     from omnirelay.connectors import create_connector
     from omnirelay.gateway.media import MediaLimits, MediaProcessor
-    from omnirelay.workers.decode import DecodeEngine, DecodeTask
-    from omnirelay.workers.encode import EncodeEngine, EncodeTask, MediaItem
-    from omnirelay.workers.encode_qwen3 import Qwen3OmniEncoders
-    from omnirelay.workers.kv_cache import PagedKVCache
-    from omnirelay.workers.models.llama import LlamaModel
+    from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+    from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem
+    from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
+    from omnirelay.workers.kv.cache import PagedKVCache
+    from omnirelay.workers.llm.models.llama import LlamaModel
     from omnirelay.mrope import MropeSpec
-    from omnirelay.workers.prefill import PrefillEngine, PrefillTask
-    from omnirelay.workers.sampling import SamplingParams
+    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+    from omnirelay.workers.llm.sampling import SamplingParams
 
     png, pcm = _png(5), _tone(660.0, 0.5)
     media_content = [{"type": "text", "text": "See"}, _image_part(png), _audio_part(_wav(pcm)),
@@ -328,8 +328,8 @@ def test_speech_engine_matches_transformers_talker_and_code2wav(tiny, hf, full_m
     import time
 
     from omnirelay.speech_params import SpeechParams
-    from omnirelay.workers.generate_speech import SpeechTask
-    from omnirelay.workers.generate_speech_qwen3 import Qwen3SpeechEngine
+    from omnirelay.workers.speech.engine import SpeechTask
+    from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
 
     content = [{"type": "text", "text": "Tell me about the harbor town."}]
     reply, expected = _reference_speech(full_model, hf.tokenizer, content)

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from omnirelay.deploy.qwen3_builder import cached_qwen3
-from omnirelay.workers.models.llama import LlamaConfig
+from omnirelay.workers.llm.models.llama import LlamaConfig
 
 from conftest import ServeProcess, hf_chat_greedy
 

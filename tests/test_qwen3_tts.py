@@ -1,6 +1,6 @@
 """Qwen3-TTS (12 Hz CustomVoice) served behind ``POST /v1/audio/speech``: the tiny random model that
 ``omni-make-model tiny-qwen3-tts`` writes, loaded by a real generate worker with the ``qwen_tts``
-package's classes (workers/qwen3_tts_package.py), in a real cluster (broker, two generate workers,
+package's classes (workers/speech/qwen3_tts_package.py), in a real cluster (broker, two generate workers,
 gateway as separate processes), driven through the official ``openai`` client.
 
 What is checked: the model's kind and bundled one-stage pipeline; its voices in the OpenAPI
@@ -30,7 +30,7 @@ import pytest
 import requests
 
 from cluster import Cluster, assert_contract, classify, run_load
-from omnirelay.workers.qwen3_tts_package import PACKAGE_HINT, ONLY_25HZ_MODULES, load_classes
+from omnirelay.workers.speech.qwen3_tts_package import PACKAGE_HINT, ONLY_25HZ_MODULES, load_classes
 
 # find_spec, not an import: collecting this module must stay cheap when the slow tier is not run.
 pytestmark = [pytest.mark.slow,

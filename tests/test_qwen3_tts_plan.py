@@ -11,8 +11,8 @@ import pytest
 from omnirelay.pipeline import load_pipeline
 from omnirelay.deploy.served_models import bundled_pipeline, model_kind
 from omnirelay.gateway.speech import qwen3_tts_speakers
-from omnirelay.workers.generate_qwen3_tts import is_qwen3_tts_model
-from omnirelay.workers.qwen3_tts_package import check_supported
+from omnirelay.workers.speech.qwen3_tts import is_qwen3_tts_model
+from omnirelay.workers.speech.qwen3_tts_package import check_supported
 
 CONFIG = {"model_type": "qwen3_tts", "tokenizer_type": "qwen3_tts_tokenizer_12hz", "tts_model_type": "custom_voice",
           "talker_config": {"spk_id": {"vivian": 3000, "aiden": 3001}, "text_vocab_size": 151936}}

@@ -92,8 +92,8 @@ import random  # noqa: E402
 
 import torch  # noqa: E402
 
-from omnirelay.workers.logits_processors import LogitsProcessors, TokenHistory  # noqa: E402
-from omnirelay.workers.sampling import SamplingParams, sample  # noqa: E402
+from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory  # noqa: E402
+from omnirelay.workers.llm.sampling import SamplingParams, sample  # noqa: E402
 
 VOCAB = 50
 EOS = (2, 7)

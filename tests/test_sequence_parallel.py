@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from omnirelay.workers.sequence_parallel import sequence_parallel_forward
+from omnirelay.workers.generate.sequence_parallel import sequence_parallel_forward
 
 
 def _tiny_transformer():

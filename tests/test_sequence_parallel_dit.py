@@ -1,7 +1,7 @@
 """Sequence parallelism for the diffusion transformers of Wan (both experts of Wan 2.2 are one
 class) and Z-Image: ranks over gloo, each holding its share of the tokens, make the same noise
 prediction as one rank running the whole model (the kernels of
-:mod:`omnirelay.workers.sequence_parallel_wan` and :mod:`omnirelay.workers.sequence_parallel_zimage`)."""
+:mod:`omnirelay.workers.generate.sequence_parallel_wan` and :mod:`omnirelay.workers.generate.sequence_parallel_zimage`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from omnirelay.workers.sequence_parallel_wan import wan_sequence_parallel_forward
-from omnirelay.workers.sequence_parallel_zimage import zimage_sequence_parallel_forward
+from omnirelay.workers.generate.sequence_parallel_wan import wan_sequence_parallel_forward
+from omnirelay.workers.generate.sequence_parallel_zimage import zimage_sequence_parallel_forward
 
 
 def _tiny_wan():

@@ -14,10 +14,10 @@ import jsonschema
 import pytest
 
 from omnirelay.broker.protocol import StructuredOutput
-from omnirelay.workers.decode import DecodeTask
-from omnirelay.workers.prefill import PrefillEngine, PrefillTask
-from omnirelay.workers.sampling import SamplingParams
-from omnirelay.workers.structured_output import GrammarCompilerCache, GrammarSampler
+from omnirelay.workers.llm.decode import DecodeTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
 from engine_support import chat_ids, connector, decode_engine, model, tok  # noqa: F401  (fixtures)
 

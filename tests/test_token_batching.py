@@ -15,9 +15,9 @@ import zmq
 
 from omnirelay.broker import protocol as p
 from omnirelay.gateway.bus import BusClient, RequestStream
-from omnirelay.workers.decode import StepOutput, TokenOut
-from omnirelay.workers.prefill import PrefillResult
-from omnirelay.workers.roles import BROKER, DecodeRole, PrefillRole
+from omnirelay.workers.llm.decode import StepOutput, TokenOut
+from omnirelay.workers.llm.prefill import PrefillResult
+from omnirelay.workers.runtime.roles import BROKER, DecodeRole, PrefillRole
 
 GW_A, GW_B = "tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"
 

@@ -25,8 +25,8 @@ from omnirelay.broker import protocol as p
 from omnirelay.deploy.video_builder import build_tiny_text_to_video
 from omnirelay.errors import BadRequest, NotFound, Overloaded, Unprocessable
 from omnirelay.video_params import MAX_CHUNK_CHARS, PROGRESS_MIME, VideoParams
-from omnirelay.workers.generate_video import GenerateVideoEngine, VideoTask, encode_video, video_encoder
-from omnirelay.workers.generate_video_role import GenerateVideoRole
+from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, encode_video, video_encoder
+from omnirelay.workers.generate.video_role import GenerateVideoRole
 
 from cluster import Cluster
 
@@ -47,7 +47,7 @@ def tiny_video(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def pipe(tiny_video):
     torch.set_num_threads(1)
-    from omnirelay.workers.generate_image import load_pipeline
+    from omnirelay.workers.generate.image import load_pipeline
     return load_pipeline(tiny_video)
 
 
@@ -140,7 +140,7 @@ def test_engine_equals_the_pipeline_call_reports_progress_and_is_deterministic(p
 
 
 def test_whole_call_runner_makes_the_same_video_in_one_step(pipe):
-    from omnirelay.workers.generate_video import WholeCallVideoRunner
+    from omnirelay.workers.generate.video import WholeCallVideoRunner
 
     params = _params(num_frames=4, num_inference_steps=2)
     stepwise, _, _ = _run(GenerateVideoEngine(pipe, encoder="webp"), VideoTask("a", params, time.time() + 120))

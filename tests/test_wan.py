@@ -19,8 +19,8 @@ from omnirelay.deploy.wan_builder import build_tiny_wan
 from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest
 from omnirelay.video_params import VideoParams, is_video_pipeline
-from omnirelay.workers.generate_video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner, to_uint8
-from omnirelay.workers.generate_wan import StepwiseWanRunner
+from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner, to_uint8
+from omnirelay.workers.generate.wan import StepwiseWanRunner
 
 from cluster import Cluster
 from test_videos import decode_frames
@@ -40,7 +40,7 @@ def tiny_wan(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def pipe(tiny_wan):
-    from omnirelay.workers.generate_image import load_pipeline
+    from omnirelay.workers.generate.image import load_pipeline
     return load_pipeline(tiny_wan)
 
 

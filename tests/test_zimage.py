@@ -22,7 +22,7 @@ from omnirelay.deploy.zimage_builder import build_tiny_zimage
 from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
-from omnirelay.workers.generate_image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
+from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
 
 from cluster import Cluster
 
@@ -41,7 +41,7 @@ def tiny_zimage(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def pipe(tiny_zimage):
-    from omnirelay.workers.generate_image import load_pipeline
+    from omnirelay.workers.generate.image import load_pipeline
     return load_pipeline(tiny_zimage)
 
 

@@ -4,7 +4,7 @@ Builds the worker's parts in order — config, model, connector, engine, role ad
 runs the runtime until SIGTERM/SIGINT, then drains. Ranks of a GPU group beyond rank 0 never talk
 to the broker (tensor/pipeline parallelism is set up inside the engine).
 
-Devices (:mod:`omnirelay.workers.devices`): ``--devices 0,1`` puts rank i of a prefill/decode group
+Devices (:mod:`omnirelay.workers.runtime.devices`): ``--devices 0,1`` puts rank i of a prefill/decode group
 on ``cuda:<i-th id>``; without it a host with CUDA uses cuda:0..N-1 and a host without runs on the
 CPU. ``--devices`` on a host without CUDA, or a list that does not number TP × PP (× SP for a
 generate worker; its SP group runs on the CPU, so it then refuses any list), exits with status 2
@@ -32,25 +32,25 @@ from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 from omnirelay.video_params import is_video_pipeline
 
-from .config import WorkerConfig
-from .decode import DecodeEngine
-from .devices import KVBudgetError, parse_device_ids, resolve_devices
-from .encode_role import build_encode_role
-from .generate_qwen3_tts import is_qwen3_tts_model
-from .generate_role import build_generate_role
-from .generate_speech import is_omni_model
-from .generate_video_role import build_generate_video_role
-from .model_runner import ModelRunner, local_runner
-from .models.llama import LlamaModel
+from omnirelay.workers.runtime.config import WorkerConfig
+from omnirelay.workers.llm.decode import DecodeEngine
+from omnirelay.workers.runtime.devices import KVBudgetError, parse_device_ids, resolve_devices
+from omnirelay.workers.encode.role import build_encode_role
+from omnirelay.workers.speech.qwen3_tts import is_qwen3_tts_model
+from omnirelay.workers.generate.image_role import build_generate_role
+from omnirelay.workers.speech.engine import is_omni_model
+from omnirelay.workers.generate.video_role import build_generate_video_role
+from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
+from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.mrope import MropeSpec
-from .parallel import GroupConfig, GroupRunner, ParallelGroupLost
-from .prefill import PrefillEngine
-from .qwen3_tts_role import build_qwen3_tts_role
-from .roles import DecodeRole, PrefillRole
-from .runtime import WorkerRuntime
-from .sequence_parallel_group import SequenceParallelGroupLost
-from .speech_role import build_speech_role
-from .structured_output import GrammarCompilerCache, GrammarSampler
+from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner, ParallelGroupLost
+from omnirelay.workers.llm.prefill import PrefillEngine
+from omnirelay.workers.speech.qwen3_tts_role import build_qwen3_tts_role
+from omnirelay.workers.runtime.roles import DecodeRole, PrefillRole
+from omnirelay.workers.runtime.loop import WorkerRuntime
+from omnirelay.workers.generate.sequence_parallel_group import SequenceParallelGroupLost
+from omnirelay.workers.speech.role import build_speech_role
+from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
 log = logging.getLogger("omnirelay.worker")
 

@@ -1,0 +1,1 @@
+"""The encode role: images and audio clips to the thinker's input embeddings."""

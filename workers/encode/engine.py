@@ -1,0 +1,270 @@
+"""Encode engine: a request's images and audio clips → the thinker's input embeddings for them.
+
+Life of a request through this engine::
+
+    add(EncodeTask: media items in prompt order) ──▶ waiting (FIFO)
+        ──step(): up to ``max_batch`` requests leave waiting together──▶ each item is looked up in
+        the encoder cache by (kind, sha256 of its bytes); misses are decoded and preprocessed
+        (Qwen2-VL image processor / Whisper features) ──▶ one vision-encoder forward over every
+        missing image of the step, one audio-encoder forward over every missing clip ──▶ outputs
+        cached ──▶ per request: image embeddings (all its images, prompt order) and audio embeddings
+        (all its clips) ``put`` under ``mm/<request_id>/<attempt>`` ──▶ EncodeResult(handles + the
+        image grids and audio lengths the prefill needs for M-RoPE)
+
+An item that cannot be decoded fails its request (``bad_request``); the gateway validated it, so
+this only happens to a client that bypasses the gateway. The cache belongs to this engine (one per
+worker replica), bounded by bytes, least recently used first out; a hit skips preprocessing and
+the encoder. The engine holds no sockets; the worker runtime feeds it tasks and sends its results.
+
+Qwen3-Omni's encoders (``encode_qwen3.py``) have the same interface; their image encodings carry
+the DeepStack features too, which ``image_payload`` splits out (``image_deepstack``).
+
+Models: the thinker's ``visual`` and ``audio_tower`` only, built with transformers' own modules
+(``Qwen2_5OmniVisionEncoder``, ``Qwen2_5OmniAudioEncoder``) from the checkpoint's config and the
+``thinker.visual.*`` / ``thinker.audio_tower.*`` tensors -- the language model, talker and vocoder
+are never loaded here. Outputs equal what ``Qwen2_5OmniThinkerForConditionalGeneration`` merges.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from omnirelay.connectors import Connector
+from omnirelay.errors import OmniError
+
+if TYPE_CHECKING:
+    from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
+
+AUDIO_SAMPLE_RATE = 16000     # the gateway sends audio as float32 little-endian PCM at this rate
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class MediaItem:
+    kind: str                 # "image" (encoded file bytes: PNG, JPEG, ...) | "audio" (f32le PCM, 16 kHz)
+    data: bytes
+
+    @property
+    def digest(self) -> str:
+        return self.kind + ":" + hashlib.sha256(self.data).hexdigest()
+
+
+@dataclasses.dataclass
+class EncodeTask:
+    request_id: str
+    items: list[MediaItem]
+    deadline: float
+    attempt: int = 0
+
+
+@dataclasses.dataclass
+class EncodeResult:
+    request_id: str
+    outputs: dict = dataclasses.field(default_factory=dict)
+    error_type: str = ""
+    message: str = ""
+
+
+@dataclasses.dataclass
+class _Encoded:
+    embeds: torch.Tensor      # [tokens, hidden]
+    meta: list[int]           # image: its (t, h, w) patch grid; audio: [mel frames]
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.numel() * self.embeds.element_size()
+
+
+class OmniEncoders:
+    """The thinker's vision and audio encoders plus their preprocessors, from a model directory."""
+
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
+        from safetensors import safe_open
+        from transformers import Qwen2_5OmniConfig, WhisperFeatureExtractor
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniAudioEncoder,
+                                                                            Qwen2_5OmniVisionEncoder)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        root = Path(path)
+        raw = json.loads((root / "config.json").read_text())
+        thinker = Qwen2_5OmniConfig(**raw).thinker_config if "thinker_config" in raw else None
+        if thinker is None:
+            raise ValueError(f"{path}: not a Qwen2.5-Omni checkpoint (no thinker_config)")
+        self.dtype = dtype
+        self.visual = Qwen2_5OmniVisionEncoder._from_config(thinker.vision_config).to(dtype).eval()
+        self.audio = Qwen2_5OmniAudioEncoder._from_config(thinker.audio_config).to(dtype).eval()
+        for module, prefix in ((self.visual, "thinker.visual."), (self.audio, "thinker.audio_tower.")):
+            state = {}
+            for file in sorted(root.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as handle:
+                    state.update({k[len(prefix):]: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)})
+            module.load_state_dict(state, strict=True)
+        self.merge = thinker.vision_config.spatial_merge_size
+        self.images = Qwen2VLImageProcessorPil.from_pretrained(path)
+        self.features = WhisperFeatureExtractor.from_pretrained(path)
+
+    # ---------------------------------------------------------------- preprocessing (per item)
+
+    def image_inputs(self, data: bytes) -> tuple[torch.Tensor, list[int]]:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as img:
+            rgb = img.convert("RGB")
+        out = self.images(images=[rgb], return_tensors="pt")
+        return out["pixel_values"], [int(x) for x in out["image_grid_thw"][0]]
+
+    def audio_inputs(self, data: bytes) -> torch.Tensor:
+        """Mel features ``[mels, frames]`` of the clip (padding dropped, as the thinker does)."""
+        pcm = np.frombuffer(data, dtype="<f4")
+        out = self.features([pcm], sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True,
+                            padding="max_length", return_tensors="pt")
+        frames = int(out["attention_mask"][0].sum())
+        return out["input_features"][0, :, :frames]
+
+    # ---------------------------------------------------------------- encoders (batched)
+
+    @torch.inference_mode()
+    def encode_images(self, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
+        grid = torch.tensor(grids, dtype=torch.long)
+        out = self.visual(torch.cat(pixels).to(self.dtype), grid_thw=grid).pooler_output
+        return list(torch.split(out, (grid.prod(-1) // self.merge ** 2).tolist()))
+
+    @torch.inference_mode()
+    def encode_audio(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        lens = torch.tensor([f.shape[1] for f in features], dtype=torch.long)
+        after_cnn, out_lens = self.audio._get_feat_extract_output_lengths(lens)
+        out = self.audio(torch.cat(features, dim=1).to(self.dtype), feature_lens=lens,
+                         aftercnn_lens=after_cnn).last_hidden_state
+        return list(torch.split(out, out_lens.tolist()))
+
+    def image_payload(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A request's image encodings (prompt order, concatenated) as the prefill reads them."""
+        return {"image_embeds": images}
+
+
+class EncodeEngine:
+    def __init__(self, encoders: "OmniEncoders | Qwen3OmniEncoders", connector: Connector, *, max_batch: int = 8,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+        self.encoders = encoders
+        self.connector = connector
+        self.max_batch = max_batch
+        self.cache_bytes = cache_bytes
+        self.cache: collections.OrderedDict[str, _Encoded] = collections.OrderedDict()
+        self._cached_bytes = 0
+        self.waiting: collections.deque[EncodeTask] = collections.deque()
+        self.stats = collections.Counter()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def add(self, task: EncodeTask) -> None:
+        self.waiting.append(task)
+
+    def cancel(self, request_id: str) -> bool:
+        for task in self.waiting:
+            if task.request_id == request_id:
+                self.waiting.remove(task)
+                return True
+        return False
+
+    def step(self) -> list[EncodeResult]:
+        results: list[EncodeResult] = []
+        batch: list[EncodeTask] = []
+        now = time.time()
+        while self.waiting and len(batch) < self.max_batch:
+            task = self.waiting.popleft()
+            if now > task.deadline:
+                results.append(EncodeResult(task.request_id, error_type="deadline_exceeded",
+                                            message="deadline passed before encode"))
+            else:
+                batch.append(task)
+        if batch:
+            results += self._encode(batch)
+        return results
+
+    def _encode(self, batch: list[EncodeTask]) -> list[EncodeResult]:
+        results, failed = [], set()
+        images: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        audio: dict[str, torch.Tensor] = {}
+        for task in batch:
+            for item in task.items:
+                key = item.digest
+                if key in self.cache or key in images or key in audio:
+                    continue
+                try:
+                    if item.kind == "image":
+                        images[key] = self.encoders.image_inputs(item.data)
+                    elif item.kind == "audio":
+                        audio[key] = self.encoders.audio_inputs(item.data)
+                    else:
+                        raise ValueError(f"unknown media kind {item.kind!r}")
+                except Exception as exc:   # PIL/numpy raise many types on bad input
+                    failed.add(task.request_id)
+                    results.append(EncodeResult(task.request_id, error_type="bad_request",
+                                                message=f"cannot decode {item.kind}: {exc}"))
+                    break
+        if images:
+            keys = list(images)
+            embeds = self.encoders.encode_images([images[k][0] for k in keys], [images[k][1] for k in keys])
+            for key, emb in zip(keys, embeds):
+                self._remember(key, _Encoded(emb, images[key][1]))
+        if audio:
+            keys = list(audio)
+            embeds = self.encoders.encode_audio([audio[k] for k in keys])
+            for key, emb in zip(keys, embeds):
+                self._remember(key, _Encoded(emb, [int(audio[key].shape[1])]))
+        self.stats["encoded_images"] += len(images)
+        self.stats["encoded_audio"] += len(audio)
+        self.stats["encode_steps"] += 1
+        for task in batch:
+            if task.request_id not in failed:
+                results.append(self._finish(task, images, audio))
+        return results
+
+    def _remember(self, key: str, encoded: _Encoded) -> None:
+        self.cache[key] = encoded
+        self._cached_bytes += encoded.nbytes
+        while self._cached_bytes > self.cache_bytes and len(self.cache) > 1:
+            _, old = self.cache.popitem(last=False)
+            self._cached_bytes -= old.nbytes
+
+    def _finish(self, task: EncodeTask, fresh_images: dict, fresh_audio: dict) -> EncodeResult:
+        parts = {"image": [], "audio": []}
+        grids, lengths = [], []
+        for item in task.items:
+            key = item.digest
+            encoded = self.cache.get(key)
+            if encoded is None:   # evicted within this step by a larger batch: cannot happen below 1 item
+                return EncodeResult(task.request_id, error_type="out_of_memory",
+                                    message="encoder cache too small for one request's media")
+            self.cache.move_to_end(key)
+            if key not in fresh_images and key not in fresh_audio:
+                self.stats["encoder_cache_hits"] += 1
+            parts[item.kind].append(encoded.embeds)
+            (grids if item.kind == "image" else lengths).append(encoded.meta if item.kind == "image" else encoded.meta[0])
+        payload = self.encoders.image_payload(torch.cat(parts["image"])) if parts["image"] else {}
+        if parts["audio"]:
+            payload["audio_embeds"] = torch.cat(parts["audio"])
+        key = f"mm/{task.request_id}/{task.attempt}"
+        try:
+            handle = self.connector.put(key, payload)
+        except OmniError as exc:
+            return EncodeResult(task.request_id, error_type=exc.error_type, message=str(exc))
+        self.stats["encoded_requests"] += 1
+        return EncodeResult(task.request_id, outputs={"mm_key": key, "mm_handle": handle,
+                                                      "image_grids": grids, "audio_lengths": lengths})

@@ -1,0 +1,485 @@
+"""Sequence parallelism across a generate worker's ranks: the diffusion transformer of a
+text-to-image pipeline runs with its image tokens split over ``size`` processes.
+
+Ranks are real processes, as in :mod:`omnirelay.workers.runtime.parallel`: rank 0 is the worker daemon
+itself (it holds the whole pipeline and is the only one that talks to the bus); it starts ranks
+1..N-1 (``python -m omnirelay.workers.generate.sequence_parallel_group ...``, settings on the command line,
+no pickle), which load only the pipeline's ``transformer/`` from the same directory. Rank 0 owns
+them: :meth:`SequenceParallelDenoiser.close` stops and joins them, and the kernel kills them if
+rank 0 dies (PR_SET_PDEATHSIG).
+
+Start-up: rank 0 starts the ranks first, so that they load the transformer while it loads the
+pipeline; then :meth:`SequenceParallelDenoiser.attach` waits until every rank has loaded, joins the
+group and broadcasts SETUP (the dtype rank 0's transformer ended up in, which the ranks cast to).
+Each rank says "loaded" through a pipe of its own (one byte, ``--ready-fd``) right before it joins.
+Rank 0 waits for those bytes rather than in the rendezvous, because it cannot leave a rendezvous
+early: ``init_process_group`` waits the whole ``_STEP_TIMEOUT`` for a rank that will never come,
+and killing the other ranks does not end that wait. Waiting on the pipes, it checks every
+``_START_POLL_S`` that the ranks still run, so a rank that exits while it starts (a bad model
+directory, an import error, the OOM killer) fails start-up within a fraction of a second, naming
+the rank and its exit status; rank 0 kills the others and raises
+:class:`SequenceParallelGroupLost` (the worker exits 1). Once every rank has loaded, the rendezvous
+itself takes milliseconds; only a rank that dies inside it still costs the bounded timeout.
+
+Life of one denoising forward (rank 0's :meth:`SequenceParallelDenoiser.forward`, installed as the
+pipeline transformer's ``forward``; the other ranks' :func:`serve_rank` loop)::
+
+    rank 0: the pipeline's own loop calls transformer(latents, prompt embeds, pooled, timestep)
+        ──broadcast header [FORWARD, shapes, dtypes] on the command group
+        ──broadcast the four inputs──▶ every rank holds them whole
+    every rank: sequence_parallel_forward (the kernel, workers/generate/sequence_parallel.py): its 1/N of
+        the image tokens through every block, K/V of the image tokens all-gathered per block,
+        the output tokens all-gathered at the end
+    rank 0: returns the noise prediction to the pipeline, which steps its scheduler
+    STOP (close): ranks leave the loop, destroy the process group and exit
+
+A lost group (a rank process exited, or a collective failed or timed out) cannot be resynchronised:
+the ranks would disagree about which forward they are in. Rank 0 then marks the group lost for good
+and says so once through ``on_lost`` — from its watcher thread, which notices a rank that exits
+while the worker is idle, or from the forward whose collective failed. The forward in flight raises
+:class:`SequenceParallelGroupLost` (the engine fails the requests it holds as ``worker_lost``, which
+the broker retries on another worker), and the worker stops taking work and exits non-zero so its
+supervisor restarts it with a fresh group; :meth:`SequenceParallelDenoiser.close` kills the ranks
+that are left rather than waiting for them.
+
+So ranks 1..N-1 follow rank 0's denoising loop call by call, whatever the pipeline's loop is
+(classifier-free guidance doubles the batch; the header carries it). Text encoders, scheduler and
+VAE run on rank 0 only; the pipeline is loaded by ``from_pretrained`` as without SP — only its
+transformer's ``forward`` is replaced on this one instance.
+
+What must hold (:func:`check_sequence_parallel` from the directory's metadata before anything
+loads, :meth:`SequenceParallelDenoiser.check_size` per request): the denoiser is an
+``SD3Transformer2DModel`` without dual-attention layers (the kernel's scope), and the number of
+image tokens, ``(height / vae_scale / patch) · (width / vae_scale / patch)``, divides by the size
+— each rank takes an equal slice. The heads need not divide: ranks split tokens, not heads (every
+rank computes all heads of its own queries against all gathered keys).
+
+Equality: the output equals one rank's up to float rounding (the kernel's attention sums the same
+keys in the same order; only the query batch and the GEMM shapes differ), which
+``tests/test_generate_sp.py`` bounds on whole images.
+
+Device: collectives use gloo and the group runs on the CPU, as the TP/PP group does; the CUDA path
+(NCCL, one device per rank) waits for device lists in omni-worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from omnirelay.errors import BadRequest
+
+from omnirelay.workers.runtime.parallel import reap_ranks
+from omnirelay.workers.generate.sequence_parallel import sequence_parallel_forward
+
+log = logging.getLogger("omnirelay.worker.generate")
+
+SETUP, FORWARD, STOP = 1, 2, 3
+HEADER = 12            # FORWARD: [cmd, batch, channels, height, width, text_tokens, text_dim, pooled_dim,
+                       #           4 dtype codes]; SETUP: [cmd, dtype code of the weights]
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_TRANSFORMERS = ("SD3Transformer2DModel",)
+# Start-up and collectives inside a forward are bounded (a rank that died surfaces as an error) ...
+_STEP_TIMEOUT = datetime.timedelta(seconds=120)
+# ... but idle ranks wait for rank 0's next forward as long as the worker has no work.
+_IDLE_TIMEOUT = datetime.timedelta(days=7)
+# How often rank 0's watcher checks that ranks 1..N-1 are still running (idle ranks are never heard from).
+_WATCH_INTERVAL_S = 0.5
+# How often rank 0 checks, while it waits for the ranks to load, that they are still running.
+_START_POLL_S = 0.1
+
+
+class SequenceParallelError(ValueError):
+    """A sequence-parallel size this model cannot run; the message says why and what would work."""
+
+
+class SequenceParallelGroupLost(RuntimeError):
+    """The group lost a rank or fell out of step; no forward can run on it again (the worker must
+    restart). The message says what happened."""
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as handle:
+            value = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise SequenceParallelError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise SequenceParallelError(f"{path}: expected a JSON object")
+    return value
+
+
+def check_sequence_parallel(model_path: str, size: int) -> None:
+    """Raise :class:`SequenceParallelError` unless the diffusers directory ``model_path`` can run
+    its transformer over ``size`` sequence-parallel ranks at its native resolution. Reads only
+    metadata (``model_index.json``, ``transformer/config.json``, ``vae/config.json``)."""
+    if size < 1:
+        raise SequenceParallelError(f"sequence-parallel size {size}: must be at least 1")
+    if size == 1:
+        return
+    index = _read_json(os.path.join(model_path, "model_index.json"))
+    entry = index.get("transformer")
+    denoiser = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    if denoiser not in KERNEL_TRANSFORMERS:
+        other = index.get("unet")
+        found = denoiser or (f"a UNet ({other[1]})" if isinstance(other, list) and len(other) == 2 else "none")
+        raise SequenceParallelError(
+            f"sequence-parallel size {size}: sequence parallelism splits the image tokens of a diffusion "
+            f"transformer ({', '.join(KERNEL_TRANSFORMERS)}); {model_path} ({index.get('_class_name')}) has "
+            f"{found}; use sequence_parallel_size 1")
+    config = _read_json(os.path.join(model_path, "transformer", "config.json"))
+    if config.get("dual_attention_layers"):
+        raise SequenceParallelError(f"sequence-parallel size {size}: {model_path}'s transformer has dual-attention "
+                                    "layers (SD3.5), which the sequence-parallel kernel does not cover")
+    sample, patch = config.get("sample_size", 128), int(config.get("patch_size", 2))
+    rows, cols = (sample, sample) if isinstance(sample, int) else sample
+    tokens = (rows // patch) * (cols // patch)
+    if tokens % size:
+        scale = 2 ** (len(_read_json(os.path.join(model_path, "vae", "config.json"))
+                          .get("block_out_channels", [0] * 4)) - 1)
+        divisors = [d for d in range(1, tokens + 1) if tokens % d == 0]
+        raise SequenceParallelError(
+            f"sequence-parallel size {size} does not divide the {tokens} image tokens "
+            f"({rows // patch}×{cols // patch} patches of {patch}×{patch} latents) of {model_path}'s native "
+            f"{cols * scale}×{rows * scale} image: each rank takes an equal slice of the tokens; "
+            f"use one of {divisors}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SPGroupConfig:
+    """model_path: the pipeline directory (ranks load its ``transformer/``); size: ranks in the
+    group; threads: torch threads per rank; init_method: torch.distributed rendezvous (a ``file://``
+    path rank 0 makes). The dtype is not here: rank 0 announces the one its transformer holds."""
+
+    model_path: str
+    size: int
+    threads: int = 1
+    init_method: str = ""
+
+    def argv(self, rank: int) -> list[str]:
+        return ["--rank", str(rank), "--model", self.model_path, "--size", str(self.size),
+                "--threads", str(self.threads), "--init-method", self.init_method]
+
+
+def _join_group(config: SPGroupConfig, rank: int):
+    """Join the process group; return the command group (broadcasts that may wait while idle)."""
+    dist.init_process_group("gloo", init_method=config.init_method, rank=rank, world_size=config.size,
+                            timeout=_STEP_TIMEOUT)
+    return dist.new_group(list(range(config.size)), timeout=_IDLE_TIMEOUT)
+
+
+class SequenceParallelDenoiser:
+    """Rank 0's side: starts ranks 1..N-1 and runs the pipeline's transformer with them.
+
+    Two steps, so that the ranks load their transformer while rank 0 loads the pipeline: the
+    constructor starts the ranks; :meth:`attach` waits until they have loaded (and fails at once,
+    having stopped them all, if one exits first), joins the process group, tells the ranks the dtype
+    rank 0's transformer holds, and replaces ``forward`` on that transformer instance
+    (``nn.Module.__call__`` calls ``self.forward``), so the pipeline's own ``__call__`` drives the
+    group unchanged. Not thread-safe: the worker's loop is its one caller (the watcher thread only
+    polls the rank processes and marks the group lost). Once lost (see the module docstring), every
+    forward raises :class:`SequenceParallelGroupLost` at once instead of hanging; ``on_lost(reason)``
+    is called once, from whichever thread noticed, and must only flip flags (the worker's shutdown)."""
+
+    def __init__(self, model_path: str, size: int, threads: int = 1,
+                 on_lost: Callable[[str], None] | None = None):
+        self.size = size
+        self._tmp = tempfile.mkdtemp(prefix="omnirelay-sp-")
+        self.config = SPGroupConfig(os.path.abspath(model_path), size, threads, f"file://{self._tmp}/rendezvous")
+        self.transformer = None
+        self.patch = 0
+        self.stats = {"sp_forwards": 0}
+        self._commands = None
+        self._procs: list[subprocess.Popen] = []
+        self._on_lost = on_lost
+        self._lost: str | None = None
+        self._lost_lock = threading.Lock()   # the watcher and the forward may both find the group lost
+        self._stop_watching = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._closed = False
+        self._original_forward = None
+        self._loading: dict[int, int] = {}   # rank -> read end of its "loaded" pipe, until attach
+        try:
+            for rank in range(1, size):
+                read_end, write_end = os.pipe()   # not inheritable: only this rank holds write_end
+                self._loading[rank] = read_end
+                try:
+                    self._procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "omnirelay.workers.generate.sequence_parallel_group", *self.config.argv(rank),
+                         "--ready-fd", str(write_end)],
+                        preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, pass_fds=(write_end,)))
+                finally:
+                    os.close(write_end)
+        except BaseException:
+            self._reap(0.0)
+            raise
+
+    def attach(self, transformer) -> "SequenceParallelDenoiser":
+        if type(transformer).__name__ not in KERNEL_TRANSFORMERS:
+            raise SequenceParallelError(f"sequence parallelism needs one of {KERNEL_TRANSFORMERS}, "
+                                        f"got {type(transformer).__name__}")
+        self._wait_until_loaded()
+        try:
+            self._commands = _join_group(self.config, 0)
+        except RuntimeError as exc:   # the rendezvous timed out: a rank died inside it, or hangs there
+            dead = self._dead_rank()
+            self._reap(0.0)
+            if dead is None:
+                raise
+            raise SequenceParallelGroupLost(f"sequence-parallel {dead} while the group formed") from exc
+        dtype = next(transformer.parameters()).dtype
+        _send_header(self._commands, SETUP, DTYPES.index(dtype))
+        self.transformer = transformer
+        self.patch = int(transformer.config.patch_size)
+        self._original_forward = transformer.__dict__.get("forward")
+        transformer.forward = self.forward
+        # Owned here: close() stops and joins it before the ranks are stopped (their exit is then expected).
+        self._watcher = threading.Thread(target=self._watch_ranks, name="sp-rank-watcher", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _wait_until_loaded(self) -> None:
+        """Start-up: return once every rank has said it loaded its transformer (and is joining the
+        group). A rank that exits first, or ranks still loading after ``_STEP_TIMEOUT``, raise
+        :class:`SequenceParallelGroupLost` once every rank is stopped."""
+        deadline = time.monotonic() + _STEP_TIMEOUT.total_seconds()
+        exited: set[int] = set()   # closed their pipe without a byte: they are exiting
+        try:
+            while True:
+                # First on every round: a rank that said "loaded" and died right after is still
+                # found here, not in the rendezvous.
+                dead = self._dead_rank()
+                if dead is not None:
+                    raise SequenceParallelGroupLost(
+                        f"sequence-parallel {dead} during start-up, before the group formed (its own "
+                        "output, a traceback if it raised one, went to this worker's stderr)")
+                if not self._loading and not exited:
+                    return
+                if time.monotonic() > deadline:
+                    raise SequenceParallelGroupLost(
+                        f"sequence-parallel rank(s) {', '.join(map(str, sorted({*self._loading, *exited})))} "
+                        f"not loaded {_STEP_TIMEOUT.total_seconds():.0f} s after rank 0 was ready")
+                readable, _, _ = select.select(list(self._loading.values()), [], [], _START_POLL_S)
+                for rank, fd in list(self._loading.items()):
+                    if fd in readable:
+                        if not os.read(fd, 1):   # end of file: the rank exited before it loaded, which
+                            exited.add(rank)     # _dead_rank names once the process can be waited for
+                        os.close(self._loading.pop(rank))
+        except BaseException:
+            self._reap(0.0)
+            raise
+
+    @property
+    def lost(self) -> str | None:
+        """Why the group is lost, or None while it can run forwards."""
+        return self._lost
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._lost_lock:
+            if self._lost is not None:
+                return
+            self._lost = reason
+        log.error("sequence-parallel group lost: %s; the worker stops taking work and exits", reason)
+        if self._on_lost is not None:
+            self._on_lost(reason)
+
+    def _dead_rank(self) -> str | None:
+        """The first rank process that has exited, described; None while all run."""
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = (f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0
+                       else f"exited with status {code}")
+                return f"rank {rank} (pid {proc.pid}) {how}"
+        return None
+
+    def _watch_ranks(self) -> None:
+        """Watcher thread: mark the group lost as soon as a rank exits, so that an idle worker does
+        not wait for its next request to find out."""
+        while not self._stop_watching.wait(_WATCH_INTERVAL_S):
+            dead = self._dead_rank()
+            if dead is not None:
+                self._mark_lost(dead)
+                return
+
+    def check_size(self, width: int, height: int, vae_scale: int) -> None:
+        """Raise :class:`BadRequest` for an image whose token count does not split over the ranks."""
+        unit = vae_scale * self.patch
+        rows, cols = height // unit, width // unit
+        if (rows * cols) % self.size:
+            raise BadRequest(f"this model runs on {self.size} sequence-parallel ranks, so an image's "
+                             f"{unit}×{unit}-pixel patches must divide by {self.size}; {width}x{height} has "
+                             f"{cols}×{rows} = {rows * cols}", param="size")
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                pooled_projections: torch.Tensor = None, timestep: torch.Tensor = None,
+                block_controlnet_hidden_states: list = None, joint_attention_kwargs: dict | None = None,
+                return_dict: bool = True, skip_layers: list[int] | None = None):
+        """``SD3Transformer2DModel.forward``'s signature; what the kernel does not cover is refused."""
+        if block_controlnet_hidden_states is not None or skip_layers or joint_attention_kwargs:
+            raise ValueError("the sequence-parallel transformer takes no ControlNet residuals, skip layers or "
+                             "joint attention kwargs")
+        if self._closed:
+            raise SequenceParallelGroupLost("the sequence-parallel group is closed")
+        dead = self._dead_rank()   # found here before the watcher does: fail now, not in a collective
+        if dead is not None:
+            self._mark_lost(dead)
+        if self._lost:
+            raise SequenceParallelGroupLost(f"the sequence-parallel group is lost ({self._lost})")
+        batch, _, height, width = hidden_states.shape
+        # Checked before anything is broadcast: a rank that raised mid-forward would leave the others
+        # waiting in a collective. (check_size refuses such requests earlier, with a 400.)
+        if (height // self.patch) * (width // self.patch) % self.size:
+            raise ValueError(f"{height // self.patch}×{width // self.patch} image tokens do not split over "
+                             f"{self.size} sequence-parallel ranks")
+        timestep = timestep.reshape(-1).expand(batch) if timestep.numel() == 1 else timestep
+        inputs = [t.contiguous() for t in (hidden_states, encoder_hidden_states, pooled_projections, timestep)]
+        try:
+            _send_header(self._commands, FORWARD, *hidden_states.shape, *encoder_hidden_states.shape[1:],
+                         pooled_projections.shape[1], *(DTYPES.index(t.dtype) for t in inputs))
+            for tensor in inputs:
+                dist.broadcast(tensor, src=0)
+            out = sequence_parallel_forward(self.transformer, *inputs)
+        except RuntimeError as exc:   # a rank died or timed out: the group cannot resync
+            # (A ValueError — the model refusing these inputs — is raised alike on every rank at the
+            # same point, so the group stays in step and only this request fails.)
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            self._mark_lost(self._dead_rank() or f"a collective failed: {first_line}")
+            raise SequenceParallelGroupLost(f"the sequence-parallel group is lost ({self._lost})") from exc
+        self.stats["sp_forwards"] += 1
+        if not return_dict:
+            return (out,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+        return Transformer2DModelOutput(sample=out)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop ranks 1..N-1 and join them; put the transformer's own forward back. Idempotent.
+        Before :meth:`attach` the ranks are still loading or waiting to join, and after the group
+        is lost the rest wait in a collective that will never complete: they are killed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_watching.set()
+        if self._watcher is not None:
+            self._watcher.join()
+        if self._commands is None:
+            self._reap(0.0)
+            return
+        if self._original_forward is None:
+            self.transformer.__dict__.pop("forward", None)
+        else:
+            self.transformer.forward = self._original_forward
+        if self._lost:
+            self._reap(0.0)   # before destroy_process_group, which could wait on them otherwise
+        try:
+            if not self._lost:
+                _send_header(self._commands, STOP)
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError) as exc:
+            log.warning("sequence-parallel group did not stop cleanly: %s", exc)
+        self._reap(timeout_s)
+
+    def _reap(self, timeout_s: float) -> None:
+        while self._loading:   # start-up did not finish: the pipes of ranks still loading
+            os.close(self._loading.popitem()[1])
+        reap_ranks(self._procs, self._tmp, timeout_s)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
+def _send_header(group, cmd: int, *fields: int) -> None:
+    header = torch.zeros(HEADER, dtype=torch.long)
+    header[0] = cmd
+    if fields:
+        header[1:1 + len(fields)] = torch.tensor(fields, dtype=torch.long)
+    dist.broadcast(header, src=0, group=group)
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+
+def _load_transformer(config: SPGroupConfig):
+    """The same weights rank 0's pipeline loads (as stored; :func:`serve_rank` casts them)."""
+    import importlib.util
+
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel.from_pretrained(
+        config.model_path, subfolder="transformer", local_files_only=True,
+        low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None).eval()   # as load_pipeline
+
+
+def serve_rank(config: SPGroupConfig, rank: int, ready_fd: int = -1) -> None:
+    """Ranks 1..N-1: load the transformer, say so to rank 0 (one byte on ``ready_fd``, then closed;
+    -1: no pipe), take rank 0's dtype (SETUP), then run each forward rank 0 announces, until STOP."""
+    model = _load_transformer(config)
+    if ready_fd >= 0:
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+    commands = _join_group(config, rank)
+    header = torch.zeros(HEADER, dtype=torch.long)
+    while True:
+        dist.broadcast(header, src=0, group=commands)
+        cmd, batch, channels, height, width, text_tokens, text_dim, pooled_dim, *codes = header.tolist()
+        if cmd == STOP:
+            break
+        if cmd == SETUP:
+            if model.dtype != DTYPES[batch]:   # the first field carries the dtype code
+                # nn.Module.to: diffusers' override warns about float32 pins this model has none of.
+                model = torch.nn.Module.to(model, DTYPES[batch])
+            continue
+        shapes = [(batch, channels, height, width), (batch, text_tokens, text_dim), (batch, pooled_dim), (batch,)]
+        inputs = [torch.empty(shape, dtype=DTYPES[code]) for shape, code in zip(shapes, codes)]
+        for tensor in inputs:
+            dist.broadcast(tensor, src=0)
+        try:
+            sequence_parallel_forward(model, *inputs)   # rank 0 keeps the whole output; ours is a copy
+        except ValueError as exc:
+            # An input the model refuses (a shape): rank 0 holds the same inputs and weights, so it
+            # failed at the same point, before the same collective; both go on to the next command.
+            log.warning("sequence-parallel rank %d: forward refused its inputs: %s", rank, exc)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omnirelay.workers.generate.sequence_parallel_group",
+                                 description="one sequence-parallel rank of a generate worker")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--ready-fd", type=int, default=-1, help="pipe to rank 0: one byte once the transformer loaded")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING)
+    serve_rank(SPGroupConfig(args.model, args.size, args.threads, args.init_method), args.rank, args.ready_fd)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

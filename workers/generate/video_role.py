@@ -1,0 +1,132 @@
+"""The generate role for video, between the bus and :class:`GenerateVideoEngine`.
+
+``Task`` in (its ``sampling`` map is a :class:`~omnirelay.video_params.VideoParams`), and out,
+straight to the gateway's ``reply_to``:
+
+* a progress :class:`~omnirelay.broker.protocol.MediaResult` (``PROGRESS_MIME``, index -1, the
+  percent as text) after each unit of work, only when the percentage moved;
+* the finished file as base64 in chunks of at most ``MAX_CHUNK_CHARS`` characters, one
+  ``MediaResult`` each (index = chunk number, ``finish`` on the last), so a video larger than one
+  bus message arrives whole instead of failing;
+* then ``StageDone(finished=True)`` to the broker — after the last chunk, so the broker never
+  forgets a request whose bytes are still on their way;
+* or one ``StageFailed`` (``bad_request`` for parameters the model cannot honour,
+  ``deadline_exceeded``, ``out_of_memory``, ``payload_too_large`` for a file over
+  ``MAX_VIDEO_BYTES``).
+
+A ``CancelTask`` reaches :meth:`cancel`, which drops the job between two denoising steps.
+Same interface as the adapters in ``roles.py``; the runtime treats it alike.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Callable
+
+import torch
+
+from omnirelay.broker import protocol as p
+from omnirelay.errors import BadRequest
+from omnirelay.video_params import MAX_CHUNK_CHARS, MAX_VIDEO_BYTES, PROGRESS_INDEX, PROGRESS_MIME, VideoParams
+
+from omnirelay.workers.runtime.config import WorkerConfig
+from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask
+from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
+
+log = logging.getLogger("omnirelay.worker.generate")
+
+
+class GenerateVideoRole(RoleAdapter):
+    role = "generate"
+
+    def __init__(self, worker_id: str, engine: GenerateVideoEngine, *, chunk_chars: int = MAX_CHUNK_CHARS,
+                 max_video_bytes: int = MAX_VIDEO_BYTES):
+        super().__init__(worker_id)
+        if chunk_chars < 4 or chunk_chars % 4 or chunk_chars > MAX_CHUNK_CHARS:
+            raise ValueError(f"chunk_chars must be a positive multiple of 4 up to {MAX_CHUNK_CHARS}")
+        self.engine = engine
+        self.chunk_chars = chunk_chars
+        self.max_video_bytes = max_video_bytes
+        self._reply_to: dict[str, str] = {}
+        self._progress: dict[str, int] = {}
+
+    def accept(self, task: p.Task) -> list[Outbound]:
+        if task.request_id in self._reply_to:
+            self.cancel(task.request_id)   # the broker re-dispatched a request we still hold: the new attempt wins
+        try:
+            params = VideoParams.from_wire(task.sampling)
+            self.engine.add(VideoTask(task.request_id, params, task.deadline))
+        except BadRequest as exc:
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid video request: {exc.message}",
+                                 attempt=task.attempt)]
+        except (TypeError, ValueError) as exc:
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid video request: {exc}",
+                                 attempt=task.attempt)]
+        self._reply_to[task.request_id] = task.reply_to
+        self._attempts[task.request_id] = task.attempt
+        self._progress[task.request_id] = 0
+        return []
+
+    def cancel(self, request_id: str) -> None:
+        if self.engine.cancel(request_id):
+            log.info("video request %s cancelled", request_id)
+        self._forget(request_id)
+        self._attempts.pop(request_id, None)
+
+    def _forget(self, request_id: str) -> None:
+        self._reply_to.pop(request_id, None)
+        self._progress.pop(request_id, None)
+
+    def step(self) -> list[Outbound]:
+        result = self.engine.step()
+        out: list[Outbound] = []
+        for update in result.progress:
+            reply_to = self._reply_to.get(update.request_id)
+            if reply_to is not None and update.percent > self._progress[update.request_id]:
+                self._progress[update.request_id] = update.percent
+                out.append((reply_to, p.MediaResult(update.request_id, PROGRESS_INDEX, PROGRESS_MIME,
+                                                    str(update.percent), worker_id=self.worker_id)))
+        for video in result.videos:
+            reply_to = self._reply_to.get(video.request_id)
+            if reply_to is None:
+                continue
+            self._forget(video.request_id)
+            if len(video.data) > self.max_video_bytes:
+                out.append(self.failure(video.request_id, self.role, "payload_too_large",
+                                        f"the video is {len(video.data)} bytes; this worker sends at most "
+                                        f"{self.max_video_bytes}"))
+                continue
+            out.extend((reply_to, chunk) for chunk in self.chunks(video.request_id, video.data, video.mime))
+            out.append(self._done(video.request_id, {}, True))
+        for failure in result.failed:
+            self._forget(failure.request_id)
+            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
+        return out
+
+    def chunks(self, request_id: str, data: bytes, mime: str) -> list[p.MediaResult]:
+        """The file as base64 chunk messages, each under one bus message's limit."""
+        encoded = base64.b64encode(data).decode("ascii")
+        pieces = [encoded[i:i + self.chunk_chars] for i in range(0, len(encoded), self.chunk_chars)] or [""]
+        return [p.MediaResult(request_id, k, mime, piece, finish=k == len(pieces) - 1, worker_id=self.worker_id)
+                for k, piece in enumerate(pieces)]
+
+
+def build_generate_video_role(config: WorkerConfig) -> tuple[GenerateVideoRole, Callable[[], dict]]:
+    """The role adapter and heartbeat-stats function for a generate worker whose
+    ``config.model_path`` is a diffusers text-to-video pipeline, loaded in ``config.dtype``.
+    ``config.capacity`` bounds the requests held (one is denoised at a time). Runs on the first
+    CUDA device when there is one."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = GenerateVideoEngine.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype), device=device)
+    denoiser = engine.pipe.components.get("unet") or engine.pipe.components.get("transformer")
+    weights = next(denoiser.parameters())
+    log.info("generate worker (video): %s (%s, runner %s) on %s, denoiser weights %s, encoder %s, holds up to %d",
+             config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights.dtype,
+             engine.encoder, config.capacity)
+    weight_bits = weights.element_size() * 8
+
+    def stats() -> dict:
+        return {**engine.load(), **engine.stats, "denoiser_weight_bits": weight_bits}
+
+    return GenerateVideoRole(config.worker_id, engine), stats

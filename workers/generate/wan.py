@@ -1,0 +1,102 @@
+"""Wan text-to-video driven one unit of work per engine step (the video engine's runner for
+``WanPipeline``).
+
+A job crosses the phases of :class:`~.generate_video.VideoJob` as any stepwise video job does::
+
+    PROMPT   UMT5 embeddings of the prompt (and of the negative prompt under guidance), seeded
+             latents (1, C, (F-1)/4 + 1, H/8, W/8), a scheduler of the job's own (UniPC state is per job)
+    DENOISE  one scheduler step per engine step: the high-noise expert (``transformer``) while the
+             timestep is at or above ``boundary_ratio`` × the training steps, the low-noise expert
+             (``transformer_2``) below it (Wan 2.2 A14B; a Wan 2.1 directory has one expert); the
+             conditional and unconditional passes are two calls, as the pipeline makes them
+    DECODE   the causal 3D VAE over the whole clip in one step (its temporal cache runs from the
+             first frame, so it does not decode slices on its own)
+    MUX      the engine's, as for every video
+
+So a Wan job reports progress after every step, a cancel stops it at the next step boundary, and
+the worker's loop heartbeats in between — where ``WanPipeline.__call__`` would hold the loop for
+the whole clip. The result equals ``pipeline(prompt, negative_prompt=…, height, width, num_frames,
+num_inference_steps, guidance_scale, generator=torch.Generator().manual_seed(seed), output_type="np")``
+(same operations in the same order; ``tests/test_wan.py`` checks it bit for bit).
+
+Scope: text to video with ``expand_timesteps`` off (the A14B and 2.1 checkpoints); the TI2V-5B
+layout (per-token timesteps) goes through the pipeline's own call (:func:`.generate_video.runner_for`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnirelay.workers.generate.video import JobPhase, VideoJob, to_uint8
+
+MAX_TEXT_TOKENS = 512    # what WanPipeline.__call__ pads prompts to (encode_prompt's own default is 226)
+
+
+class StepwiseWanRunner:
+    """Drives a ``WanPipeline`` one phase or denoising step per call, reproducing its ``__call__``."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        first = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+        self.device = first.device
+        self.dtype = first.dtype
+        self.in_channels = int(first.config.in_channels)
+
+    @torch.inference_mode()
+    def advance(self, job: VideoJob) -> None:
+        """Do the job's next unit of work; moves ``job.phase`` on (to MUX once the clip is decoded)."""
+        pipe, params = self.pipe, job.params
+        guided = params.guidance_scale > 1.0
+        if job.phase is JobPhase.PROMPT:
+            positive, negative = pipe.encode_prompt(
+                prompt=params.prompt, negative_prompt=params.negative_prompt or None,
+                do_classifier_free_guidance=guided, num_videos_per_prompt=1, device=self.device,
+                max_sequence_length=MAX_TEXT_TOKENS)
+            # row 0: the prompt; row 1 (guided): the negative prompt, run as a call of its own
+            job.prompt_embeds = torch.cat([positive, negative] if guided else [positive]).to(self.dtype)
+            job.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+            job.scheduler.set_timesteps(params.num_inference_steps, device=self.device)
+            job.scheduler.set_begin_index(0)
+            job.generator = torch.Generator().manual_seed(params.seed)
+            job.latents = pipe.prepare_latents(1, self.in_channels, params.height, params.width, params.num_frames,
+                                               torch.float32, self.device, job.generator)
+            job.phase = JobPhase.DENOISE
+        elif job.phase is JobPhase.DENOISE:
+            scheduler = job.scheduler
+            t = scheduler.timesteps[job.step_index]
+            model = self._expert(t, scheduler.config.num_train_timesteps)
+            latents = job.latents
+            inputs = latents.to(self.dtype)
+            timestep = t.expand(latents.shape[0])
+            noise = model(hidden_states=inputs, timestep=timestep, encoder_hidden_states=job.prompt_embeds[:1],
+                          return_dict=False)[0]
+            if guided:
+                uncond = model(hidden_states=inputs, timestep=timestep, encoder_hidden_states=job.prompt_embeds[1:],
+                               return_dict=False)[0]
+                noise = uncond + params.guidance_scale * (noise - uncond)
+            job.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+            job.step_index += 1
+            if job.step_index >= len(scheduler.timesteps):
+                job.phase = JobPhase.DECODE
+        elif job.phase is JobPhase.DECODE:
+            vae = pipe.vae
+            latents = job.latents.to(vae.dtype)
+            shape = (1, vae.config.z_dim, 1, 1, 1)
+            mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+            inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+            video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+            frames = pipe.video_processor.postprocess_video(video, output_type="np")
+            job.frames = to_uint8(frames[0])
+            job.phase = JobPhase.MUX
+            job.latents = job.prompt_embeds = None   # free them before the encoder runs
+        else:
+            raise AssertionError(f"runner asked to advance a job in phase {job.phase}")
+
+    def _expert(self, t: torch.Tensor, train_steps: int):
+        """The transformer for timestep ``t``: Wan 2.2 hands over from the high-noise expert to the
+        low-noise one at ``boundary_ratio``; without a boundary there is one."""
+        pipe = self.pipe
+        boundary = pipe.config.boundary_ratio
+        if boundary is None or t >= boundary * train_steps:
+            return pipe.transformer
+        return pipe.transformer_2

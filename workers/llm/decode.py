@@ -1,0 +1,439 @@
+"""Decode engine: continuous batching over a paged KV cache.
+
+Life of a request through this engine::
+
+    add(DecodeTask) ──▶ waiting ──next step: its KV import starts (KVPrefetcher: connector gets on
+        a background thread, every key deleted)──▶ importing KV ──▶ ready: KV on the host
+        ──admit: blocks free and a batch slot──▶ KV written into its blocks ──▶ running
+        ──step() × n: one token per running sequence──▶ finished (EOS / stop token / max_tokens /
+        context full) → blocks released
+    importing KV ──the import failed──▶ its keys released ──▶ failed with the error's error_type
+        (the broker restarts it from prefill under a new attempt, with new keys, or fails it)
+    waiting / importing / ready ──cancel or deadline──▶ gone: its import dropped and its keys
+        released (an import in flight runs out its own get first, see kv_prefetch)
+
+    running ──blocks ran out──▶ preempted: blocks released, back to the front of waiting; on
+        re-admission its KV is recomputed from prompt + tokens so far (never a failure); a
+        multimodal sequence instead keeps its KV in host memory and gets it back as it was (its
+        media embeddings are not in the token ids), and runs at rotary position index + rope delta
+
+Every ``step()`` first hands new requests' KV imports to the prefetcher, admits waiting sequences
+whose KV is ready (in arrival order; one still importing is passed over, not waited for) and
+re-admits preempted ones, rebuilds the KV of those in one packed forward straight into their new
+blocks, makes room for the running ones (preempting the most recently admitted when the pool is
+short), then runs one batched forward for all running sequences; sequences of any length join and
+leave between steps without copying anyone's blocks. A slow connector (a Redis outage, a layerwise
+KV still arriving) thus delays only the request whose KV it is, never the running batch. A step with
+nothing to run while imports are pending waits briefly for one to finish rather than spin.
+The block allocator lives here; the model and its pool sit behind a
+:class:`~omnirelay.workers.llm.model_runner.ModelRunner` (this process, or a TP/PP group whose pools
+hold head/layer shards of the same block ids): the imports run in this process (rank 0) and only
+the step thread writes into the pool. The engine holds no sockets: it returns token deltas and
+finished/failed requests to the runtime. Its owner calls :meth:`DecodeEngine.close` before closing
+the connector; it joins the import threads for at most ``KVPrefetcher.CLOSE_JOIN_S`` (one still
+inside a get ends by itself when the get returns, touching the connector only to release its keys).
+A failed request's speech prompt key, like a cancelled one's, is deleted: it will never be read.
+
+Structured output (``DecodeTask.structured``): every token is sampled under the request's grammar
+(:mod:`~omnirelay.workers.llm.structured_output`). Its matcher is built when the sequence is first
+checked (before its KV import) by replaying what was already emitted: a resumed stream's tokens at
+the end of the prompt, then prefill's first token; it survives preemption and is dropped when the
+sequence leaves. A sequence whose grammar completes finishes with ``stop``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import torch
+
+from omnirelay.broker.protocol import StructuredOutput
+from omnirelay.connectors import Connector
+from omnirelay.errors import OmniError
+
+from omnirelay.workers.llm.forward_batch import ForwardBatch
+from omnirelay.workers.kv.cache import BlockAllocator, PagedKVCache
+from omnirelay.workers.kv.export import delete_quietly, release_kv
+from omnirelay.workers.kv.prefetch import ImportState, KVImport, KVPrefetcher
+from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
+from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, logits_for_sampling
+from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
+from omnirelay.workers.llm.stopping import finish_reason_for
+from omnirelay.workers.llm.structured_output import GrammarSampler
+
+
+@dataclasses.dataclass
+class DecodeTask:
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    params: SamplingParams
+    deadline: float
+    reply_to: str
+    kv_key: str
+    kv_handle: dict
+    position_offset: int = 0
+    # Multimodal prompt (Qwen2.5-Omni): rotary positions are token index + rope_delta (M-RoPE), and
+    # the prompt's KV cannot be recomputed from its token ids (the media embeddings are gone).
+    rope_delta: int = 0
+    has_media: bool = False
+    # Speech out (Qwen2.5-Omni): prefill's handles of the prompt's hidden states, passed on to the
+    # generate stage with ours (each reply token's state); None: a text-only request.
+    speech_inputs: dict | None = None
+    structured: StructuredOutput | None = None   # the output must match this grammar
+
+
+@dataclasses.dataclass
+class Sequence:
+    task: DecodeTask
+    generated: list[int]
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0            # tokens whose KV is in this sequence's blocks
+    needs_recompute: bool = False  # preempted: KV must be rebuilt from tokens
+    swapped: torch.Tensor | None = None   # preempted media sequence: its KV, kept in host memory
+    kv_import: KVImport | None = None     # the prefill's KV on its way; owns task.kv_key once started
+    hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm state of each fed token
+
+    def __post_init__(self) -> None:
+        # What the logits processors see: prompt, the resumed output at its end, ``generated`` (shared).
+        self.history = TokenHistory(self.task.prompt_token_ids, self.task.position_offset, self.generated)
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request_id
+
+    @property
+    def total_len(self) -> int:
+        return len(self.task.prompt_token_ids) + len(self.generated)
+
+
+@dataclasses.dataclass
+class TokenOut:
+    request_id: str
+    reply_to: str
+    position: int
+    token: int
+    finish_reason: str
+    outputs: dict | None = None   # speech: handles for the generate stage, which runs after this one
+    logprobs: TokenLogprobs | None = None   # the request asked for logprobs (SamplingParams.logprobs)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    tokens: list[TokenOut] = dataclasses.field(default_factory=list)
+    failed: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)  # id, reply_to, type, msg
+
+
+class DecodeEngine:
+    """``model`` and ``cache``: a :class:`LlamaModel` and its local pool, or a :class:`ModelRunner`
+    (e.g. rank 0 of a tensor-parallel group, whose ranks hold the pools) and ``cache=None``.
+    ``kv_import_threads``: the threads importing new requests' KVs (see
+    :mod:`~omnirelay.workers.kv.prefetch`); at most ``max_num_seqs`` imported KVs wait for admission.
+    ``grammars``: structured output support (None: a request that asks for it fails as ``bad_request``)."""
+
+    # A step with nothing running sleeps at most this long for an import to finish: bounds how late
+    # the runtime, which polls the bus between steps, sees a new task or a cancel meanwhile.
+    IDLE_WAIT_S = 0.02
+
+    def __init__(self, model: LlamaModel | ModelRunner, cache: PagedKVCache | None, connector: Connector, *,
+                 max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0, kv_import_threads: int = 2,
+                 grammars: GrammarSampler | None = None):
+        if isinstance(model, LlamaModel):
+            self.runner: ModelRunner = LocalRunner(model, cache)
+            self.allocator = cache.allocator
+        else:
+            self.runner = model
+            self.allocator = BlockAllocator(model.num_blocks)
+        self.block_size = self.runner.block_size
+        self.eos_token_ids = self.runner.config.eos_token_ids
+        self.connector = connector
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.transfer_timeout_s = transfer_timeout_s
+        self._prefetch = KVPrefetcher(connector, timeout_s=transfer_timeout_s, max_held=max_num_seqs,
+                                      threads=kv_import_threads)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.stats = collections.Counter()
+        self.grammars = grammars
+        self.processors = LogitsProcessors(self.eos_token_ids)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)   # waiting includes sequences whose KV is importing
+
+    def add(self, task: DecodeTask) -> None:
+        self.waiting.append(Sequence(task=task, generated=[task.first_token]))
+
+    def cancel(self, request_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._drop_kv_key(seq)
+                self._drop_speech_key(seq)
+                self._release_grammar(seq)
+                self.stats["cancelled"] += 1
+                return True
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._retire(seq)
+                self._drop_speech_key(seq)
+                self.stats["cancelled"] += 1
+                return True
+        return False
+
+    def close(self) -> None:
+        """Stop the KV import threads and join them for at most ``KVPrefetcher.CLOSE_JOIN_S`` (an
+        import in flight runs out its get first; see kv_prefetch). Call before closing the
+        connector. Idempotent."""
+        self._prefetch.close()
+
+    # ------------------------------------------------------------------ one step
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        self._expire(out)
+        self._start_imports(out)
+        self._admit(out)
+        self._recompute()
+        self._make_room(out)
+        if self.running:
+            self._forward(out)
+        # A gauge, not a count: the heartbeat carries the engine's stats.
+        self.stats["kv_imports_inflight"] = pending = self._prefetch.num_pending
+        if pending and not (self.running or out.tokens or out.failed):   # never delays what this step made
+            self._prefetch.wait_for_news(self.IDLE_WAIT_S)
+        return out
+
+    def _expire(self, out: StepOutput) -> None:
+        now = time.time()
+        for seq in [s for s in [*self.waiting, *self.running] if now > s.task.deadline]:
+            self.cancel(seq.request_id)
+            out.failed.append((seq.request_id, seq.task.reply_to, "deadline_exceeded", "deadline passed in decode"))
+
+    def _start_imports(self, out: StepOutput) -> None:
+        """Hand new requests' KVs to the prefetcher (first failing those this worker cannot serve, so
+        their KVs are never read). Done here rather than in add(): a cancel before the first step
+        then releases the keys at once, with no import racing it."""
+        for seq in list(self.waiting):
+            if seq.needs_recompute or seq.kv_import is not None or self._rejected(seq, out):
+                continue
+            key, seq.task.kv_key = seq.task.kv_key, ""
+            seq.kv_import = self._prefetch.submit(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
+                                                  seq.task.deadline)
+
+    def _rejected(self, seq: Sequence, out: StepOutput) -> bool:
+        """Fail (and take out of waiting) a sequence this worker can never run."""
+        cached = seq.total_len - 1
+        if self.blocks_needed(cached + 1) > self.runner.num_blocks - 1:
+            error = ("out_of_memory", f"sequence of {cached + 1} tokens exceeds the whole KV pool")
+        elif (seq.task.has_media or seq.task.rope_delta) and not isinstance(self.runner, LocalRunner):
+            # a parallel group's broadcast carries no rotary offsets
+            error = ("bad_request", "image/audio input needs a single-process decode worker "
+                     "(tensor and pipeline parallel size 1)")
+        elif seq.task.speech_inputs is not None and not isinstance(self.runner, LocalRunner):
+            error = ("bad_request", "speech output needs a single-process decode worker "
+                     "(tensor and pipeline parallel size 1)")
+        elif grammar_error := self._grammar_error(seq):
+            error = ("bad_request", grammar_error)
+        else:
+            return False
+        self.waiting.remove(seq)
+        self._drop_kv_key(seq)
+        self._drop_speech_key(seq)
+        self._release_grammar(seq)
+        out.failed.append((seq.request_id, seq.task.reply_to, *error))
+        return True
+
+    def _admit(self, out: StepOutput) -> None:
+        """Admit waiting sequences in order while slots and blocks last. A new one whose KV is still
+        importing is passed over (a later one may be ready); one that does not fit stops admission,
+        so that a long sequence is not starved by shorter ones behind it."""
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                return
+            if self._rejected(seq, out):   # a preempted sequence that outgrew the pool
+                continue
+            fresh = not seq.needs_recompute
+            if fresh and not seq.kv_import.finished:
+                continue
+            if fresh and seq.kv_import.state is ImportState.FAILED:   # its KV keys were released
+                self.waiting.remove(seq)
+                self._drop_speech_key(seq)
+                error = seq.kv_import.error
+                out.failed.append((seq.request_id, seq.task.reply_to, error.error_type, str(error)))
+                continue
+            # Room for the cached tokens plus the one this step writes.
+            cached = seq.total_len - 1
+            needed = self.blocks_needed(cached + 1)
+            if needed > self.allocator.free:
+                return
+            self.waiting.remove(seq)
+            seq.blocks = self.allocator.allocate(needed)
+            if seq.swapped is not None:   # a preempted media sequence: its KV comes back as it left
+                self.runner.write_kv(seq.blocks, seq.swapped)
+                seq.num_cached, seq.swapped, seq.needs_recompute = seq.swapped.shape[2], None, False
+                self.stats["kv_swapped_in"] += 1
+            elif fresh:
+                with self._prefetch.take(seq.kv_import) as kv:
+                    self.runner.write_kv(seq.blocks, kv)
+                seq.kv_import = None
+                seq.num_cached = cached
+                self.stats["kv_loads"] += 1
+            self.running.append(seq)
+
+    def _recompute(self) -> None:
+        """Rebuild the KV of re-admitted preempted sequences, all in one packed forward, straight
+        into their blocks."""
+        todo = [s for s in self.running if s.needs_recompute]
+        if not todo:
+            return
+        chunks = [(s.task.prompt_token_ids + s.generated[:-1], 0, s.blocks) for s in todo]
+        self.runner.forward(ForwardBatch.build(chunks, self.block_size))
+        for seq, (tokens, _, _) in zip(todo, chunks):
+            seq.num_cached, seq.needs_recompute = len(tokens), False
+            self.stats["recomputed_tokens"] += len(tokens)
+
+    def _drop_kv_key(self, seq: Sequence) -> None:
+        if seq.kv_import is not None:   # the import owns the key: it releases it, now or when it returns
+            self._prefetch.cancel(seq.kv_import)
+            seq.kv_import = None
+        elif seq.task.kv_key:
+            release_kv(self.connector, seq.task.kv_key, seq.task.kv_handle)   # a layerwise KV's pieces too
+            seq.task.kv_key = ""
+
+    def _drop_speech_key(self, seq: Sequence) -> None:
+        """A cancelled or failed speech request: prefill's prompt states will never be read (a
+        restart runs prefill again, under a new attempt's key)."""
+        key = (seq.task.speech_inputs or {}).get("speech_prompt_key")
+        if isinstance(key, str) and key:
+            delete_quietly(self.connector, key)
+
+    def _make_room(self, out: StepOutput) -> None:
+        """Give every running sequence a slot for its next token, preempting the newest when short."""
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below while making room for an earlier one
+            if self.blocks_needed(seq.num_cached + 1) <= len(seq.blocks):
+                continue
+            while self.allocator.free == 0 and len(self.running) > 1:
+                self._preempt(self.running[-1] if self.running[-1] is not seq else self.running[-2])
+            if self.allocator.free == 0:
+                self._preempt(seq)   # alone and still no room: wait for blocks to come back
+                continue
+            seq.blocks += self.allocator.allocate(1)
+
+    def _preempt(self, seq: Sequence) -> None:
+        if seq.task.has_media:   # recomputing from token ids would lose the image/audio embeddings
+            seq.swapped = self.runner.read_kv(seq.blocks, seq.num_cached)
+        self.running.remove(seq)
+        self.allocator.release(seq.blocks)
+        seq.blocks, seq.num_cached, seq.needs_recompute = [], 0, True
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def _retire(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.release(seq.blocks)
+        seq.blocks = []
+        self._release_grammar(seq)
+
+    def _grammar_row(self, seq: Sequence):
+        if self.grammars is None:
+            return None
+        return self.grammars.row(seq.request_id, seq.task.structured, seq.task.prompt_token_ids,
+                                 seq.task.position_offset, seq.generated)
+
+    def _grammar_error(self, seq: Sequence) -> str:
+        """Why ``seq``'s grammar cannot be enforced here ("" when it can, or it has none); builds
+        its matcher (replaying the tokens emitted so far) on first call."""
+        if seq.task.structured is None:
+            return ""
+        if self.grammars is None:
+            return "this decode worker has no structured output support"
+        try:
+            self.grammars.prepare(self._grammar_row(seq))
+        except ValueError as exc:
+            return str(exc)
+        return ""
+
+    def _release_grammar(self, seq: Sequence) -> None:
+        if self.grammars is not None:
+            self.grammars.release(seq.request_id)
+
+    def _forward(self, out: StepOutput) -> None:
+        batch = self.running
+        width = max(len(s.blocks) for s in batch)
+        pad = [PagedKVCache.PAD_BLOCK] * width
+        tables = torch.tensor([s.blocks + pad[len(s.blocks):] for s in batch], dtype=torch.long)
+        input_ids = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
+        positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
+        decode_batch = ForwardBatch.decode(input_ids, positions, tables, self.block_size)
+        if any(s.task.rope_delta for s in batch):
+            decode_batch.rope_positions = positions + torch.tensor([s.task.rope_delta for s in batch])
+        logits = self._forward_batch(decode_batch, batch)
+        out_positions = [s.task.position_offset + len(s.generated) for s in batch]
+        params = [s.task.params for s in batch]
+        logits = logits_for_sampling(logits, params)
+        grammar_rows = [self._grammar_row(s) for s in batch]
+        masked = self.grammars.mask(logits, grammar_rows) if self.grammars else logits
+        tokens = sample(self.processors.apply(masked, params, [s.history for s in batch]), params, out_positions)
+        grammar_ended = self.grammars.accept(grammar_rows, tokens) if self.grammars else [False] * len(batch)
+        logprobs = chosen_logprobs(logits, params, tokens)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(batch)
+        for seq, token, position, token_logprobs, ended in zip(list(batch), tokens, out_positions, logprobs,
+                                                               grammar_ended):
+            seq.num_cached += 1
+            seq.generated.append(token)
+            reason = "stop" if ended else finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
+                                                            self.eos_token_ids, self.max_model_len)
+            outputs = None
+            if reason and seq.task.speech_inputs is not None:
+                try:
+                    outputs = self._put_speech(seq)
+                except OmniError as exc:
+                    self._retire(seq)
+                    self._drop_speech_key(seq)
+                    out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
+                    continue
+            out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, outputs,
+                                       token_logprobs))
+            if reason:
+                self._retire(seq)
+
+    def _forward_batch(self, batch: ForwardBatch, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode forward; for speech requests also keep the fed token's final-norm state."""
+        if all(s.task.speech_inputs is None for s in seqs):
+            return self.runner.forward(batch)
+        model = self.runner.model   # LocalRunner only: DecodeRole refuses speech on a parallel group
+        model.capture_hidden = True
+        try:
+            logits = self.runner.forward(batch)
+            hidden = model.captured_hidden
+        finally:
+            model.capture_hidden, model.captured_hidden = False, None
+        for row, seq in enumerate(seqs):
+            if seq.task.speech_inputs is not None:
+                seq.hidden.append(hidden[row].clone())
+        return logits
+
+    def _put_speech(self, seq: Sequence) -> dict:
+        """The reply for the generate stage: its tokens and the states of all but the last (which
+        was never fed back), next to prefill's prompt states."""
+        prompt_key = str(seq.task.speech_inputs.get("speech_prompt_key", ""))
+        key = (prompt_key.removesuffix("/prompt") or f"speech/{seq.request_id}") + "/reply"   # per attempt
+        hidden = torch.stack(seq.hidden) if seq.hidden else torch.zeros(0, 0)
+        handle = self.connector.put(key, {"hidden": hidden, "token_ids": list(seq.generated)})
+        self.stats["speech_handoffs"] += 1
+        return {**seq.task.speech_inputs, "speech_reply_key": key, "speech_reply_handle": handle}

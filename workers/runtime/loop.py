@@ -1,0 +1,243 @@
+"""The worker process's loop: the only place that touches sockets.
+
+Loop, as a table of contents::
+
+    while running:
+        poll the broker link (no wait while the engine has work, else until the next heartbeat)
+        handle bus messages: Task → engine, CancelTask → engine, Reregister → register again
+        step the engine once and send what it produced (deltas to gateways, stage reports to broker)
+        top up credits: grant the broker as many tasks as the engine has room for
+        heartbeat when due
+
+The broker socket itself lives on the :class:`~omnirelay.workers.runtime.broker_link.BrokerLink` thread,
+which relays this loop's messages and keeps the worker alive at the broker while one step (and the
+connector transfers inside it) takes longer than the broker's liveness period. Gateway sockets
+stay on this thread: only it sends token deltas.
+
+Shutdown (SIGTERM/SIGINT only flip a flag): stop granting credits, keep stepping until the engine
+is empty or ``drain_timeout_s`` passes, report the rest as failed (``worker_lost``, resumable), then
+unregister, stop and join the link, and close the sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import zmq
+
+from omnirelay.broker import protocol as p
+from omnirelay.broker.prefix_index import route_keys
+from omnirelay.lifecycle import Shutdown, ShutdownState
+from omnirelay.security import CurveKeys, is_loopback, require_curve_off_loopback
+
+from omnirelay.workers.runtime.broker_link import BrokerLink
+from omnirelay.workers.runtime.config import WorkerConfig
+from omnirelay.workers.llm.prefill import PrefillEngine
+from omnirelay.workers.runtime.roles import BROKER, Outbound, RoleAdapter
+
+log = logging.getLogger("omnirelay.worker")
+
+# Prefix-cache reports in heartbeats (prefix-aware routing): at most this many block keys per
+# heartbeat, and the whole set every PREFIX_FULL_EVERY heartbeats so a lost delta heals.
+PREFIX_KEYS_PER_HEARTBEAT = 4096
+PREFIX_FULL_EVERY = 30
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig, role: RoleAdapter, engine_stats, shutdown: Shutdown | None = None,
+                 keys: CurveKeys | None = None, owned: tuple = ()):
+        """``engine_stats()`` returns the counters and load figures that go into heartbeats;
+        ``owned`` are resources (connectors) the runtime closes when it stops."""
+        require_curve_off_loopback(keys, config.broker)
+        self.config = config
+        self.role = role
+        self.engine_stats = engine_stats
+        self.shutdown = shutdown or Shutdown()
+        self._keys = keys
+        self._owned = owned
+        self._ctx = zmq.Context()
+        self._link = BrokerLink(self._ctx, config.broker, config.worker_id, config.heartbeat_interval_s, keys,
+                                wedged_after_s=config.wedged_after_s)
+        self._gateways: dict[str, zmq.Socket] = {}
+        self._gateway_keys: dict[str, str] = {}   # reply_to → its CURVE public key (z85)
+        self._credits_outstanding = 0
+        self._tasks: set[str] = set()
+        engine = role.engine
+        self._prefix_engine = engine if isinstance(engine, PrefillEngine) and engine.prefix_caching else None
+        self._beats_to_full_prefix = 0   # 0: the next heartbeat sends the whole prefix set
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        reason = "worker shut down before the request finished"
+        try:
+            self._link.start()
+            self._register()
+            self._serve()
+        except Exception as exc:   # the engine cannot go on (e.g. a rank of its group died): say why
+            reason = f"worker failed: {exc}"
+            raise
+        finally:
+            self._abort_remaining(reason)
+            self._link.stop(farewell=p.Unregister(self.config.worker_id))
+            self.close()
+
+    def _serve(self) -> None:
+        next_heartbeat = 0.0
+        drain_deadline = None
+        while True:
+            if self.shutdown.requested and drain_deadline is None:
+                self.shutdown.state = ShutdownState.STOPPING
+                drain_deadline = time.monotonic() + self.config.drain_timeout_s
+                self._revoke_credits()
+                log.info("draining %d in-flight requests (timeout %.0fs)", len(self._tasks),
+                         self.config.drain_timeout_s)
+            if drain_deadline is not None and (not self.role_has_work() or time.monotonic() > drain_deadline):
+                break
+            now = time.monotonic()
+            wait_ms = 0 if self.role_has_work() else max(0, int((next_heartbeat - now) * 1000))
+            if self._link.poll(min(wait_ms, 200)):
+                self._handle_broker_messages()
+            if self.role_has_work():
+                self._send(self.role.step())
+            if drain_deadline is None:
+                self._top_up_credits()
+            if time.monotonic() >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+
+    def role_has_work(self) -> bool:
+        return self.role.engine.has_work
+
+    def _register(self) -> None:
+        self._credits_outstanding = 0
+        self._beats_to_full_prefix = 0   # a (re)started broker knows nothing of our cache
+        block_size = self._prefix_engine.block_size if self._prefix_engine is not None else 0
+        self._send_broker(p.Register(worker_id=self.config.worker_id, role=self.config.role,
+                                     model=self.config.model_name, capacity=self.config.capacity,
+                                     pid=os.getpid(), host=socket.gethostname(), held=sorted(self._tasks),
+                                     block_size=block_size))
+
+    def _handle_broker_messages(self, budget: int = 256) -> None:
+        for _ in range(budget):
+            frames = self._link.recv()
+            if frames is None:
+                return
+            try:
+                msg = p.decode(frames)
+            except p.ProtocolError as exc:
+                log.warning("dropping malformed message from broker: %s", exc)
+                continue
+            if isinstance(msg, p.Task):
+                self._credits_outstanding -= 1
+                if self.shutdown.requested:
+                    self._send([self.role.failure(msg.request_id, msg.stage, "worker_lost", "worker is draining",
+                                                  attempt=msg.attempt)])
+                    continue
+                self._tasks.add(msg.request_id)
+                if msg.reply_key:
+                    self._gateway_keys[msg.reply_to] = msg.reply_key
+                self._send(self.role.accept(msg))
+            elif isinstance(msg, p.CancelTask):
+                self._tasks.discard(msg.request_id)
+                self.role.cancel(msg.request_id)
+                if msg.inputs:
+                    self.role.release_inputs(msg.inputs)
+            elif isinstance(msg, p.Reregister):
+                log.info("broker asked to re-register (%s)", msg.reason)
+                self._register()
+            elif isinstance(msg, p.ErrorReply):
+                log.warning("broker rejected a message: %s: %s", msg.error_type, msg.message)
+
+    def _top_up_credits(self) -> None:
+        room = self.config.capacity - self.role.engine.num_requests - self._credits_outstanding
+        if room > 0:
+            self._credits_outstanding += room
+            self._send_broker(p.Credit(self.config.worker_id, room))
+
+    def _revoke_credits(self) -> None:
+        """Draining: take back the credits the broker still holds, so it sends no more tasks."""
+        if self._credits_outstanding > 0:
+            self._send_broker(p.Credit(self.config.worker_id, -self._credits_outstanding))
+            self._credits_outstanding = 0
+
+    def _heartbeat(self) -> None:
+        stats = self.engine_stats()
+        stats["keepalives"] = self._link.keepalives   # steps that outlasted a heartbeat interval
+        self._link.send_heartbeat(p.Heartbeat(worker_id=self.config.worker_id, running=stats.pop("running", 0),
+                                              waiting=stats.pop("waiting", 0),
+                                              free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats,
+                                              **self._prefix_report()))
+
+    def _prefix_report(self) -> dict:
+        """Heartbeat fields for prefix-aware routing: the route keys of blocks cached and evicted
+        since the last heartbeat, or the whole (bounded) set after registering, when the changes
+        overflow the bound, and every PREFIX_FULL_EVERY heartbeats."""
+        engine = self._prefix_engine
+        if engine is None:
+            return {}
+        added, evicted = engine.prefix_events()
+        self._beats_to_full_prefix -= 1
+        if self._beats_to_full_prefix < 0 or len(added) + len(evicted) > PREFIX_KEYS_PER_HEARTBEAT:
+            self._beats_to_full_prefix = PREFIX_FULL_EVERY
+            return {"prefix_full": True,
+                    "prefix_added": route_keys(engine.allocator.names()[-PREFIX_KEYS_PER_HEARTBEAT:])}
+        return {"prefix_added": route_keys(added), "prefix_evicted": route_keys(evicted)}
+
+    def _abort_remaining(self, reason: str) -> None:
+        for request_id in sorted(self._tasks):
+            report = self.role.failure(request_id, self.role.role, "worker_lost", reason)
+            self.role.cancel(request_id)
+            self._send([report])
+        self._tasks.clear()
+
+    # ------------------------------------------------------------------ sending
+
+    def _send(self, out: list[Outbound]) -> None:
+        for dest, msg in out:
+            if isinstance(msg, (p.StageDone, p.StageFailed)):
+                self._tasks.discard(msg.request_id)
+            if dest == BROKER:
+                self._send_broker(msg)
+            else:
+                self._send_gateway(dest, msg)
+
+    def _send_broker(self, msg: p.Message) -> None:
+        self._link.send(msg)
+
+    def _send_gateway(self, endpoint: str, msg: p.Message) -> None:
+        if not endpoint:
+            return
+        sock = self._gateways.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            reply_key = self._gateway_keys.get(endpoint)
+            if reply_key and self._keys:
+                self._keys.make_client(sock, server_key=reply_key.encode())
+            elif not is_loopback(endpoint):
+                log.error("refusing to send tokens to %s without CURVE", endpoint)
+                sock.close(0)
+                return
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.connect(endpoint)
+            self._gateways[endpoint] = sock
+        try:
+            sock.send_multipart(p.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("gateway %s is not reading; dropped a token delta", endpoint)
+
+    def close(self) -> None:
+        for resource in self._owned:
+            try:
+                resource.close()
+            except Exception:   # closing one resource must not keep the others open
+                log.exception("closing %s failed", type(resource).__name__)
+        for sock in self._gateways.values():
+            sock.close()
+        self._gateways.clear()
+        self._link.stop()   # already stopped by run(); here for a runtime that never ran
+        self._ctx.term()

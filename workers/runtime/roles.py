@@ -1,0 +1,202 @@
+"""Adapters between bus messages and the engines: ``Task`` in, ``TokenDelta``/``TokenDeltas``/
+``StageDone``/``StageFailed`` out. One adapter per role; the runtime treats them alike.
+
+Each outgoing message is addressed either to :data:`BROKER` or to a gateway's ``reply_to``
+endpoint, so the runtime knows which socket to use without looking inside. The runtime sends a
+step's list in order, so a stage report placed after a token delta is sent after it.
+
+A step's list, for prefill and decode alike: its token deltas first, one message per gateway
+(:func:`token_messages`), then the StageDone reports in the order the requests finished, then the
+failures. So a request's token (prefill: its first token; decode: its last) always leaves before
+its StageDone, which is what makes the broker dispatch the next stage. A token of a request that
+asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_token_ids``/``top_logprobs``, filled from
+``TokenOut.logprobs``, which the engine computed with :func:`~omnirelay.workers.llm.sampling.chosen_logprobs`).
+"""
+
+from __future__ import annotations
+
+from omnirelay.broker import protocol as p
+
+from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask, TokenOut
+from omnirelay.workers.kv.export import delete_quietly, release_kv
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.sampling import SamplingParams
+
+BROKER = ""
+Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
+
+
+class RoleAdapter:
+    role = ""
+    connector = None   # the connector this role reads its inputs from, if any
+
+    def release_inputs(self, inputs: dict) -> None:
+        """Delete connector keys a previous stage produced for a request that died in between."""
+        for name in ("kv_key", "mm_key"):   # KV from prefill; media embeddings from encode
+            key = inputs.get(name)
+            if self.connector is not None and isinstance(key, str) and key:
+                if name == "kv_key":   # a layerwise KV is a manifest and one key per layer
+                    handle = inputs.get("kv_handle")
+                    release_kv(self.connector, key, handle if isinstance(handle, dict) else None)
+                else:
+                    delete_quietly(self.connector, key)
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self._attempts: dict[str, int] = {}   # request → attempt of the task we hold, echoed in reports
+
+    def failure(self, request_id: str, stage: str, error_type: str, message: str,
+                attempt: int | None = None) -> Outbound:
+        """A StageFailed report for the broker (``attempt`` defaults to the held task's)."""
+        held = self._attempts.pop(request_id, 0)
+        return BROKER, p.StageFailed(self.worker_id, request_id, stage, error_type, message,
+                                     attempt=held if attempt is None else attempt)
+
+    def _done(self, request_id: str, outputs: dict, finished: bool) -> Outbound:
+        return BROKER, p.StageDone(self.worker_id, request_id, self.role, outputs, finished=finished,
+                                   attempt=self._attempts.pop(request_id, 0))
+
+
+class PrefillRole(RoleAdapter):
+    role = "prefill"
+
+    def __init__(self, worker_id: str, engine: PrefillEngine):
+        super().__init__(worker_id)
+        self.engine = engine
+        self.connector = engine.connector   # to delete its own output when the request died meanwhile
+        self._reply_to: dict[str, str] = {}
+
+    def accept(self, task: p.Task) -> list[Outbound]:
+        try:
+            params = SamplingParams.from_wire(task.sampling)
+            _check_token_ids(params, self.engine)
+            structured = p.StructuredOutput.from_wire(task.sampling.get("structured"))
+        except (TypeError, ValueError) as exc:
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid sampling: {exc}")]
+        self._reply_to[task.request_id] = task.reply_to
+        self._attempts[task.request_id] = task.attempt
+        self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
+                                    task.attempt, task.position_offset, speech=_speech_mode(task.sampling),
+                                    media=dict(task.inputs) if "mm_key" in task.inputs else None,
+                                    structured=structured))
+        return []
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._reply_to.pop(request_id, None)
+        self._attempts.pop(request_id, None)
+
+    def step(self) -> list[Outbound]:
+        """One engine step: the first tokens, one message per gateway, then the stage reports of the
+        requests prefilled (each after the message with its first token), then the failures."""
+        tokens: list[TokenOut] = []
+        reports: list[Outbound] = []
+        failures: list[Outbound] = []
+        for result in self.engine.step():
+            reply_to = self._reply_to.pop(result.request_id, "")
+            if result.error_type:
+                failures.append(self.failure(result.request_id, self.role, result.error_type, result.message))
+                continue
+            # The first token goes to the gateway at once (time to first token), before decode's.
+            tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
+                                   result.finish_reason, logprobs=result.logprobs))
+            reports.append(self._done(result.request_id, result.outputs,
+                                      bool(result.finish_reason) and not result.speech_next))
+        return token_messages(tokens, self.worker_id) + reports + failures
+
+
+class DecodeRole(RoleAdapter):
+    role = "decode"
+
+    def __init__(self, worker_id: str, engine: DecodeEngine):
+        super().__init__(worker_id)
+        self.engine = engine
+        self.connector = engine.connector
+
+    def accept(self, task: p.Task) -> list[Outbound]:
+        inputs = task.inputs
+        try:
+            params = SamplingParams.from_wire(task.sampling)
+            _check_token_ids(params, self.engine)
+            decode_task = DecodeTask(
+                request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
+                first_token=int(inputs["first_token"]), params=params, deadline=task.deadline,
+                reply_to=task.reply_to, kv_key=str(inputs["kv_key"]), kv_handle=dict(inputs["kv_handle"]),
+                position_offset=task.position_offset, speech_inputs=_speech_inputs(task),
+                rope_delta=int(inputs.get("rope_delta", 0)), has_media=bool(inputs.get("has_media", False)),
+                structured=p.StructuredOutput.from_wire(task.sampling.get("structured")))
+        except (KeyError, TypeError, ValueError) as exc:
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid decode task: {exc!r}")]
+        self._attempts[task.request_id] = task.attempt
+        self.engine.add(decode_task)
+        return []
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._attempts.pop(request_id, None)
+
+    def step(self) -> list[Outbound]:
+        """One engine step: its tokens, one message per gateway, then the stage reports of the
+        requests that finished (each after the message with its last token) and the failures."""
+        result = self.engine.step()
+        reports: list[Outbound] = []
+        for token in result.tokens:   # one token per running request per step
+            if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
+                reports.append(self._done(token.request_id, token.outputs or {}, token.outputs is None))
+        out = token_messages(result.tokens, self.worker_id) + reports
+        for request_id, _reply_to, error_type, message in result.failed:
+            out.append(self.failure(request_id, self.role, error_type, message))
+        return out
+
+
+def token_messages(tokens: list[TokenOut], worker_id: str) -> list[Outbound]:
+    """A step's tokens (one per request) as one message per gateway, in the order each gateway first
+    appears, each gateway's tokens in step order: a worker serving many streams of one gateway would
+    otherwise send (and the gateway receive and decode) a message per stream per step. A lone token
+    goes as a plain TokenDelta: wrapping it saves no send, and a gateway serving a single stream
+    keeps receiving exactly what it did before TokenDeltas existed."""
+    by_gateway: dict[str, list[TokenOut]] = {}
+    for token in tokens:
+        by_gateway.setdefault(token.reply_to, []).append(token)
+    out: list[Outbound] = []
+    for reply_to, group in by_gateway.items():
+        if len(group) == 1:
+            out.append((reply_to, _delta(group[0], worker_id)))
+        else:
+            out.append((reply_to, p.TokenDeltas([_delta(t) for t in group], worker_id)))
+    return out
+
+
+def _delta(t: TokenOut, worker_id: str = "") -> p.TokenDelta:
+    """One token as a delta, with its logprobs when the request asked (``TokenOut.logprobs``)."""
+    if t.logprobs is None:
+        return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id)
+    top = t.logprobs.top
+    return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
+                        logprobs=[t.logprobs.logprob], top_token_ids=[[i for i, _ in top]] if top else [],
+                        top_logprobs=[[v for _, v in top]] if top else [])
+
+
+def _check_token_ids(params: SamplingParams, engine: PrefillEngine | DecodeEngine) -> None:
+    """``ValueError`` for a token id of the logits processors outside the model's vocabulary (the
+    gateway checks too; a worker never indexes the logits out of range)."""
+    if params.max_token_id >= 0:
+        params.check_vocab(engine.runner.config.vocab_size)
+
+
+def _speech_mode(sampling: dict) -> str:
+    """What prefill does for speech out: "" none, "reply" (decode's reply is spoken), "prompt"
+    (``/v1/audio/speech``: the prompt's teacher-forced tail is spoken). See ``omnirelay.speech_params``."""
+    audio = sampling.get("audio")
+    if not isinstance(audio, dict):
+        return ""
+    reply_start = audio.get("reply_start", -1)
+    return "prompt" if isinstance(reply_start, int) and reply_start >= 0 else "reply"
+
+
+def _speech_inputs(task: p.Task) -> dict | None:
+    """Prefill's prompt-state handles a speech request's decode passes on; None for text only."""
+    if not isinstance(task.sampling.get("audio"), dict):
+        return None
+    return {"speech_prompt_key": str(task.inputs["speech_prompt_key"]),
+            "speech_prompt_handle": task.inputs.get("speech_prompt_handle")}

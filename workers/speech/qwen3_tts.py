@@ -1,0 +1,265 @@
+"""Speech engine of the generate role for Qwen3-TTS (12 Hz CustomVoice): text → codec frames → waveform.
+
+Life of a request through this engine::
+
+    add(TTSTask: the text's ids as the package builds them — ``<|im_start|>assistant\\n`` TEXT
+        ``<|im_end|>\\n<|im_start|>assistant\\n`` —, SpeechParams) ──▶ waiting (FIFO)
+        ──step(): the oldest live request, on the synthesis thread──▶
+    talker: the package's ``Qwen3TTSForConditionalGeneration.generate`` (speaker = the voice, language
+        "auto", the checkpoint's ``generation_config.json`` sampling), up to ``frames_for`` codec frames;
+        each frame is NUM_CODE_GROUPS codes (the talker samples the first, its code predictor the rest)
+    ──▶ codec decoder (the package's ``Qwen3TTSTokenizerV2Decoder``, as ``Qwen3TTSTokenizerV2Model.decode``
+        runs it): 1920 samples per frame at 24 kHz ──▶ SpeechOutput to the role adapter
+
+A streamed request (``TTSTask.stream``) runs the same talker with a forward hook on it: the package's
+talker returns each frame's codes from the forward after the one that sampled the frame's first
+code (the same codes its generate collects), so the hook sees every frame as soon as it exists and
+decodes it in chunks: the first after FIRST_CHUNK_FRAMES frames, then every CHUNK_FRAMES, the rest at
+the end, each chunk decoded with up to LEFT_CONTEXT_FRAMES earlier frames before it and the context's
+samples dropped — the package's own ``chunked_decode`` scheme (its decoder is causal: convolutions
+padded on the left, attention over a sliding window), so the pieces differ from a one-shot decode
+only where the decoder would reach further back than the context. The plan is fixed, so a request
+re-synthesised elsewhere with the same seed yields the very same pieces (the gateway resumes a
+stream by chunk index). A cancelled stream stops at its next frame (the hook raises).
+
+Determinism: each request runs under its own seeded random stream (``fork_rng`` + ``manual_seed``),
+so its codes depend on its seed, voice and text only; streamed and one-shot requests sample the
+same codes. Batching: requests are not merged into one ``generate``: the package draws a batch's
+samples from one random stream, so a request's audio would depend on its neighbours — and a stage
+retried elsewhere would no longer speak the same (the same trade-off as the Qwen2.5-Omni engine).
+
+Queue, synthesis thread, cancellation, deadlines and ``close`` are the Qwen2.5-Omni engine's
+(:class:`~omnirelay.workers.speech.engine.GenerateSpeechEngine`, whose step() this engine runs);
+this class only loads the model and synthesises. It holds no sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from omnirelay.errors import BadRequest
+from omnirelay.speech_params import MAX_CODES, SpeechParams
+
+from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, _change_speed, _load_prefixed
+from omnirelay.workers.speech.qwen3_tts_package import check_supported, load_classes
+from omnirelay.workers.speech.stream import SynthesisCancelled
+
+log = logging.getLogger("omnirelay.worker.speech")
+
+FIRST_CHUNK_FRAMES = 4       # ~0.3 s of audio before the first piece goes out
+CHUNK_FRAMES = 12            # ~1 s per piece after that
+LEFT_CONTEXT_FRAMES = 25     # as the package's chunked_decode
+# The automatic frame budget (``max_audio_tokens`` 0): 12.5 frames/s and ~0.3 s per text token, with
+# room; a trained talker ends on its codec EOS well before, an untrained one stops in proportion.
+FRAMES_PER_TOKEN, FRAMES_MARGIN = 5, 12
+PROMPT_HEAD, PROMPT_TAIL = 3, 5   # <|im_start|>assistant\n … <|im_end|>\n<|im_start|>assistant\n
+SAMPLING_KEYS = ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "subtalker_dosample",
+                 "subtalker_top_k", "subtalker_top_p", "subtalker_temperature")
+
+
+def is_qwen3_tts_model(path: str) -> bool:
+    """A Qwen3-TTS directory (``model_type: qwen3_tts``)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "qwen3_tts"
+    except (OSError, ValueError):
+        return False
+
+
+@dataclasses.dataclass
+class TTSTask:
+    request_id: str
+    prompt_token_ids: list[int]       # the text wrapped as the package wraps it (see the module docstring)
+    params: SpeechParams
+    deadline: float
+    stream: bool = False
+
+    def frames_budget(self) -> int:
+        text = len(self.prompt_token_ids) - PROMPT_HEAD - PROMPT_TAIL
+        return self.params.max_codes or min(MAX_CODES, FRAMES_PER_TOKEN * max(1, text) + FRAMES_MARGIN)
+
+
+def _load_state(module: torch.nn.Module, root: Path, prefix: str = "") -> None:
+    """``module``'s tensors from the safetensors checkpoint in ``root`` (sharded or not), those whose
+    names start with ``prefix`` (stripped); every parameter must be there."""
+    state = {k[len(prefix):]: v for k, v in _load_prefixed(root, (prefix,)).items()}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    # Non-persistent buffers (rotary frequencies) are rebuilt by the constructor, never saved.
+    missing = [k for k in missing if not k.endswith(("inv_freq", "original_inv_freq"))]
+    if missing or unexpected:
+        raise ValueError(f"{root} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+class Qwen3TTSEngine(GenerateSpeechEngine):
+    def __init__(self, model: Any, decoder: Any, *, upsample: int, device: str = "cpu", max_batch_size: int = 1):
+        self.model = model
+        self.decoder = decoder
+        self.upsample = upsample
+        self.device = torch.device(device)
+        talker = model.config.talker_config
+        self.speakers = {name.lower(): spk for name, spk in talker.spk_id.items()}
+        self.eos = int(talker.codec_eos_token_id)
+        defaults = model.generate_config or {}
+        self.sampling = {k: defaults[k] for k in SAMPLING_KEYS if k in defaults}
+        self.im_start = int(model.config.im_start_token_id)
+        self.im_end = int(model.config.im_end_token_id)
+        self.head: list[int] = []    # <|im_start|>assistant\n
+        self.tail: list[int] = []    # <|im_end|>\n<|im_start|>assistant\n
+        self._init_queue(max_batch_size)
+
+    def set_template(self, tokenizer: Any) -> None:
+        """The ids around the text, as the package's processor tokenizes its prompt string."""
+        self.head = list(tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+        self.tail = list(tokenizer("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+        if len(self.head) != PROMPT_HEAD or len(self.tail) != PROMPT_TAIL or self.head[0] != self.im_start:
+            raise ValueError(f"the tokenizer does not split the Qwen3-TTS prompt as the model expects "
+                             f"({len(self.head)} + {len(self.tail)} tokens around the text)")
+
+    def wrap(self, text_ids: list[int]) -> list[int]:
+        """The talker's prompt for a text's ids: ``<|im_start|>assistant\\n`` TEXT ``<|im_end|>\\n<|im_start|>assistant\\n``
+        (``Qwen3TTSModel._build_assistant_text``; the text tokenized on its own, as the gateway does)."""
+        return self.head + list(text_ids) + self.tail
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        max_batch_size: int = 1) -> "Qwen3TTSEngine":
+        """Build the package's classes from the directory's configs and load its safetensors (why not
+        the package's own ``from_pretrained``: workers/speech/qwen3_tts_package.py)."""
+        classes = load_classes()
+        root = Path(path)
+        raw = json.loads((root / "config.json").read_text())
+        check_supported(raw)
+        config = classes.config.from_pretrained(str(root))
+        predictor = config.talker_config.code_predictor_config
+        if "pad_token_id" not in predictor.__dict__:
+            predictor.pad_token_id = None   # transformers 5 no longer defaults it (qwen3_tts_package.py)
+        model = classes.model._from_config(config)
+        _load_state(model, root)
+        model.load_generate_config(json.loads((root / "generation_config.json").read_text()))
+        codec = classes.tokenizer_config.from_pretrained(str(root / "speech_tokenizer"))
+        if codec.output_sample_rate != SAMPLE_RATE:
+            raise ValueError(f"the codec outputs {codec.output_sample_rate} Hz; this server encodes {SAMPLE_RATE} Hz")
+        decoder = classes.codec_decoder._from_config(codec.decoder_config)
+        _load_state(decoder, root / "speech_tokenizer", "decoder.")
+        model = model.to(device=device, dtype=dtype).eval()
+        decoder = decoder.to(device=device).float().eval()   # the waveform in float32, as the package decodes
+        from transformers import AutoTokenizer
+        engine = cls(model, decoder, upsample=int(codec.decode_upsample_rate), device=device,
+                     max_batch_size=max_batch_size)
+        engine.set_template(AutoTokenizer.from_pretrained(str(root)))
+        return engine
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.speakers)
+
+    def add(self, task: TTSTask) -> None:  # type: ignore[override]
+        """Validate and queue ``task``; raises :class:`BadRequest` for what this model cannot speak."""
+        if task.params.voice.lower() not in self.speakers:
+            raise BadRequest(f"voice {task.params.voice!r} is not one of this model's speakers: "
+                             f"{', '.join(self.voices)}", param="voice")
+        ids = task.prompt_token_ids
+        if len(ids) < PROMPT_HEAD + PROMPT_TAIL + 1 or ids[0] != self.im_start:
+            raise BadRequest("the prompt must be <|im_start|>assistant\\n TEXT <|im_end|>\\n<|im_start|>assistant\\n "
+                             "with a non-empty TEXT", param="input")
+        self.waiting.append(task)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ synthesis (synthesis thread)
+
+    def _generate(self, task: TTSTask) -> list[torch.Tensor]:
+        ids = torch.tensor([task.prompt_token_ids], dtype=torch.long, device=self.device)
+        codes, _ = self.model.generate(input_ids=[ids], languages=["auto"], speakers=[task.params.voice.lower()],
+                                       non_streaming_mode=True, max_new_tokens=task.frames_budget(), **self.sampling)
+        return codes
+
+    @contextlib.contextmanager
+    def _seeded(self, seed: int) -> Iterator[None]:
+        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(seed)
+            yield
+
+    def decode(self, frames: torch.Tensor) -> torch.Tensor:
+        """``frames`` [n, groups] → float32 waveform [n * upsample] (``Qwen3TTSTokenizerV2Model.decode``)."""
+        if frames.shape[0] == 0:
+            return torch.zeros(0)
+        wav = self.decoder.chunked_decode(frames.clamp(min=0).T[None].to(self.device))
+        return wav.reshape(-1)[: frames.shape[0] * self.upsample].float().cpu()
+
+    @torch.inference_mode()
+    def synthesize(self, task: TTSTask) -> tuple[torch.Tensor, int]:  # type: ignore[override]
+        with self._seeded(task.params.seed):
+            frames = self._generate(task)[0]
+        wav = self.decode(frames)
+        if task.params.speed != 1.0 and wav.numel():
+            wav = _change_speed(wav, task.params.speed)
+        return wav, int(frames.shape[0])
+
+    @torch.inference_mode()
+    def synthesize_stream(self, task: TTSTask, emit: Callable[[SpeechChunk], None],  # type: ignore[override]
+                          cancelled: threading.Event | None = None) -> int:
+        cancelled = cancelled or threading.Event()
+        chunker = _FrameChunker(self, task, emit)
+
+        def tap(_module: Any, _args: Any, output: Any) -> None:
+            if cancelled.is_set():
+                raise SynthesisCancelled()
+            codes = output.hidden_states[-1]   # [1, groups] after the prefill, None at it
+            if codes is not None and int(codes[0, 0]) != self.eos:
+                chunker.add(codes[0])
+
+        hook = self.model.talker.register_forward_hook(tap)
+        try:
+            with self._seeded(task.params.seed):
+                self._generate(task)
+        finally:
+            hook.remove()
+        if cancelled.is_set():
+            raise SynthesisCancelled()
+        chunker.finish()
+        return chunker.count
+
+
+class _FrameChunker:
+    """Collects a streamed request's frames and emits the waveform piece by piece (the fixed plan
+    in the module docstring)."""
+
+    def __init__(self, engine: Qwen3TTSEngine, task: TTSTask, emit: Callable[[SpeechChunk], None]):
+        self.engine, self.task, self.emit = engine, task, emit
+        self.frames: list[torch.Tensor] = []
+        self.sent = 0          # frames whose samples went out
+        self.index = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.frames)
+
+    def add(self, frame: torch.Tensor) -> None:
+        self.frames.append(frame.detach().to("cpu", torch.long))
+        size = FIRST_CHUNK_FRAMES if self.index == 0 else CHUNK_FRAMES
+        if len(self.frames) - self.sent >= size:
+            self._piece(self.sent + size, final=False)
+
+    def finish(self) -> None:
+        self._piece(len(self.frames), final=True)
+
+    def _piece(self, end: int, *, final: bool) -> None:
+        start = self.sent
+        context = min(LEFT_CONTEXT_FRAMES, start)
+        wav = torch.zeros(0)
+        if end > start:
+            window = torch.stack(self.frames[start - context:end])
+            wav = self.engine.decode(window)[context * self.engine.upsample:]
+        if self.task.params.speed != 1.0 and wav.numel():
+            wav = _change_speed(wav, self.task.params.speed)
+        self.emit(SpeechChunk(self.task.request_id, self.index, wav, len(self.frames), final))
+        self.index += 1
+        self.sent = end

@@ -1,0 +1,268 @@
+"""The generate role for speech (Qwen2.5-Omni; Qwen3-Omni through its :class:`Qwen3SpeechEngine`, the
+same interface), between the bus and :class:`GenerateSpeechEngine`.
+
+Life of a request through this adapter::
+
+    Task (sampling["audio"] = SpeechParams; inputs = connector handles of the thinker's hidden states)
+        ──accept: read the prompt states (prefill's) and the reply states (decode's) from the
+          connector, queue a SpeechTask──▶ engine (the keys are deleted once the audio is out, the
+          request failed or was cancelled: a retry after this worker's death still finds them)
+        ──step: the waveform ──encode (wav | pcm | flac)──▶ byte chunks of ≤ CHUNK_BYTES──▶
+    one MediaResult per chunk to the gateway's ``reply_to`` (index = chunk number, ``finish`` on the
+    last one), then StageDone(finished=True) to the broker — after the last chunk, so the broker
+    never forgets a request whose audio is still on its way; or one StageFailed (``bad_request``
+    for an unknown voice or malformed inputs, ``deadline_exceeded``, ``transfer_failed`` …).
+
+Streamed requests (``sampling[STREAM_KEY]``, wav or pcm): the engine hands out waveform pieces while
+the talker still speaks; each piece is sent at once as 16-bit PCM (the first behind a streamed WAV
+header, :data:`WAV_STREAM_HEADER`) in MediaResults of ≤ CHUNK_BYTES, numbered on from the previous
+piece's; ``finish`` on the last of the final piece, then StageDone. A failure mid-stream is one
+StageFailed after the pieces already sent. The pieces follow a fixed plan from the seed, so a retry
+elsewhere sends the same bytes under the same indexes and the gateway skips what it delivered.
+FLAC is not streamed (its header wants the length): such a request is synthesised whole.
+
+What the stages before leave in ``Task.inputs`` (names shared with prefill and decode):
+
+* ``speech_prompt_key``/``speech_prompt_handle``: prefill's ``{"hidden": [n, H], "image_grids",
+  "audio_lengths"}``, the last-layer states of every prompt token and the prompt's media shapes
+  (the talker's M-RoPE positions need them);
+* ``speech_reply_key``/``speech_reply_handle`` (chat only): decode's ``{"hidden": [m-1, H],
+  "token_ids": [m]}``, the reply tokens and the states of all but the last one.
+
+For ``/v1/audio/speech`` (``SpeechParams.reply_start >= 0``) there is no decode stage: the text was
+teacher-forced into the prompt from ``reply_start`` on, so the reply and its states are the prompt's tail.
+
+Chunks: a bus message has a size limit (:data:`~omnirelay.broker.protocol.MAX_BODY_BYTES`), so audio
+of any length travels as several MediaResults; concatenating the chunks' bytes in index order gives
+the encoded file (a WAV/FLAC file, or raw PCM).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import wave
+from typing import Callable
+
+import torch
+
+from omnirelay.broker import protocol as p
+from omnirelay.connectors import Connector
+from omnirelay.errors import BadRequest, OmniError
+from omnirelay.speech_params import SpeechParams
+
+from omnirelay.workers.runtime.config import WorkerConfig
+from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, SpeechTask
+from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine, is_qwen3_omni_model
+from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
+
+log = logging.getLogger("omnirelay.worker.speech")
+
+# Raw bytes per MediaResult: a quarter second of 24 kHz 16-bit mono, the granularity a streaming client
+# receives (16 KiB of base64, far under one bus message).
+CHUNK_BYTES = SAMPLE_RATE // 4 * 2
+# ``sampling[STREAM_KEY] is True``: the client streams (chat ``stream: true``; ``/v1/audio/speech``
+# with ``stream_format: "audio"``), so the audio is
+# synthesised incrementally and sent piece by piece while the talker speaks (see speech_stream.py).
+# Beside "audio", not inside it: prefill/decode ignore unknown sampling keys, SpeechParams refuses them.
+STREAM_KEY = "audio_stream"
+# A streamed WAV's header is sent before the length is known: RIFF and data sizes say 0xFFFFFFFF,
+# the usual "unknown length" of streamed WAV (readers take the data up to the end of the stream).
+WAV_STREAM_HEADER = (b"RIFF" + (0xFFFFFFFF).to_bytes(4, "little") + b"WAVEfmt " + (16).to_bytes(4, "little")
+                     + (1).to_bytes(2, "little") + (1).to_bytes(2, "little") + SAMPLE_RATE.to_bytes(4, "little")
+                     + (SAMPLE_RATE * 2).to_bytes(4, "little") + (2).to_bytes(2, "little")
+                     + (16).to_bytes(2, "little") + b"data" + (0xFFFFFFFF).to_bytes(4, "little"))
+MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+INPUT_KEYS = ("speech_prompt_key", "speech_reply_key")
+
+
+def flac_available() -> bool:
+    """FLAC needs the optional ``soundfile`` package (libsndfile); WAV and PCM need nothing."""
+    try:
+        import soundfile  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def encode_audio(waveform: torch.Tensor, fmt: str, sample_rate: int = SAMPLE_RATE) -> bytes:
+    """``waveform`` (float, [-1, 1]) as a mono 16-bit file: ``wav`` (RIFF), ``pcm`` (raw LE) or ``flac``."""
+    pcm16 = (waveform.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy().astype("<i2")
+    if fmt == "pcm":
+        return pcm16.tobytes()
+    buf = io.BytesIO()
+    if fmt == "wav":
+        with wave.open(buf, "wb") as out:
+            out.setnchannels(1)
+            out.setsampwidth(2)
+            out.setframerate(sample_rate)
+            out.writeframes(pcm16.tobytes())
+        return buf.getvalue()
+    if fmt == "flac":
+        import soundfile
+        soundfile.write(buf, pcm16, sample_rate, format="FLAC", subtype="PCM_16")
+        return buf.getvalue()
+    raise BadRequest(f"unknown audio format {fmt!r}", param="response_format")
+
+
+class GenerateSpeechRole(RoleAdapter):
+    role = "generate"
+
+    def __init__(self, worker_id: str, engine: GenerateSpeechEngine, connector: Connector,
+                 transfer_timeout_s: float = 30.0, chunk_bytes: int = CHUNK_BYTES):
+        super().__init__(worker_id)
+        self.chunk_bytes = chunk_bytes
+        self.engine = engine
+        self.connector = connector
+        self.transfer_timeout_s = transfer_timeout_s
+        self._reply_to: dict[str, str] = {}
+        self._formats: dict[str, str] = {}
+        # The hidden states' keys stay until the request's audio is out (or it fails or is
+        # cancelled): if this worker dies mid-synthesis, the broker's retry elsewhere still finds them.
+        self._inputs: dict[str, dict] = {}
+        self._next_index: dict[str, int] = {}   # streamed request → its next MediaResult index
+
+    def release_inputs(self, inputs: dict) -> None:
+        for name in INPUT_KEYS:
+            key = inputs.get(name)
+            if isinstance(key, str) and key:
+                self.connector.delete(key)
+
+    def accept(self, task: p.Task) -> list[Outbound]:
+        if task.request_id in self._reply_to:   # the broker re-dispatched a request we still hold:
+            self._inputs.pop(task.request_id, None)   # the new attempt wins (and may read the same keys)
+            self.cancel(task.request_id)
+        try:
+            params = SpeechParams.from_wire(task.sampling.get("audio"))
+            if params.format == "flac" and not flac_available():
+                raise BadRequest("flac needs the soundfile package on the generate worker; use wav or pcm",
+                                 param="response_format")
+            speech = self._read_inputs(task, params)
+            speech.stream = task.sampling.get(STREAM_KEY) is True and params.format != "flac"
+            self.engine.add(speech)
+        except BadRequest as exc:
+            self.release_inputs(task.inputs)
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid speech request: {exc.message}",
+                                 attempt=task.attempt)]
+        except OmniError as exc:   # the connector could not deliver the hidden states
+            self.release_inputs(task.inputs)
+            return [self.failure(task.request_id, task.stage, exc.error_type, str(exc), attempt=task.attempt)]
+        except (KeyError, TypeError, ValueError) as exc:
+            self.release_inputs(task.inputs)
+            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid speech task: {exc!r}",
+                                 attempt=task.attempt)]
+        self._reply_to[task.request_id] = task.reply_to
+        self._formats[task.request_id] = params.format
+        self._inputs[task.request_id] = dict(task.inputs)
+        self._attempts[task.request_id] = task.attempt
+        return []
+
+    def _read_inputs(self, task: p.Task, params: SpeechParams) -> SpeechTask:
+        inputs = task.inputs
+        prompt = self._get(inputs, "speech_prompt")
+        hidden = _tensor(prompt, "hidden")
+        ids = list(task.prompt_token_ids)
+        if hidden.shape[0] != len(ids):
+            raise BadRequest(f"prefill sent states of {hidden.shape[0]} tokens for a prompt of {len(ids)}")
+        if params.reply_start >= 0:   # /v1/audio/speech: the reply is the prompt's teacher-forced tail
+            start = params.reply_start
+            if not 0 < start <= len(ids) - 2:
+                raise BadRequest(f"reply_start {start} leaves fewer than 2 reply tokens in a prompt of {len(ids)}")
+            return SpeechTask(task.request_id, ids[:start], hidden[:start], ids[start:], hidden[start:-1], params,
+                              task.deadline)
+        reply = self._get(inputs, "speech_reply")
+        reply_ids = [int(t) for t in reply["token_ids"]]
+        grids = [[int(x) for x in grid] for grid in prompt.get("image_grids") or []]
+        audio_lengths = [int(n) for n in prompt.get("audio_lengths") or []]
+        return SpeechTask(task.request_id, ids, hidden, reply_ids, _tensor(reply, "hidden"), params, task.deadline,
+                          image_grids=grids, audio_lengths=audio_lengths)
+
+    def _get(self, inputs: dict, name: str) -> dict:
+        key = inputs[f"{name}_key"]
+        if not isinstance(key, str) or not key:
+            raise BadRequest(f"no {name} states in the task inputs")
+        return self.connector.get(key, inputs.get(f"{name}_handle"), timeout=self.transfer_timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._reply_to.pop(request_id, None)
+        self._formats.pop(request_id, None)
+        self._next_index.pop(request_id, None)
+        self.release_inputs(self._inputs.pop(request_id, {}))
+        self._attempts.pop(request_id, None)
+
+    def step(self) -> list[Outbound]:
+        result = self.engine.step()
+        out: list[Outbound] = []
+        for speech in result.outputs:
+            reply_to = self._reply_to.pop(speech.request_id, None)
+            fmt = self._formats.pop(speech.request_id, "wav")
+            self.release_inputs(self._inputs.pop(speech.request_id, {}))
+            if reply_to is None:
+                continue   # cancelled while it ran
+            data = encode_audio(speech.waveform, fmt)
+            size = self.chunk_bytes
+            chunks = [data[i:i + size] for i in range(0, len(data), size)] or [b""]
+            for index, chunk in enumerate(chunks):
+                out.append((reply_to, p.MediaResult(speech.request_id, index, MIMES[fmt],
+                                                    base64.b64encode(chunk).decode("ascii"),
+                                                    finish=index == len(chunks) - 1, worker_id=self.worker_id)))
+            out.append(self._done(speech.request_id, {}, True))
+        for chunk in result.chunks:
+            out += self._send_piece(chunk)
+        for failure in result.failed:
+            self._next_index.pop(failure.request_id, None)
+            self._reply_to.pop(failure.request_id, None)
+            self._formats.pop(failure.request_id, None)
+            self.release_inputs(self._inputs.pop(failure.request_id, {}))
+            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
+        return out
+
+    def _send_piece(self, chunk: SpeechChunk) -> list[Outbound]:
+        """One streamed piece as MediaResults (and, after the final one, StageDone)."""
+        reply_to = self._reply_to.get(chunk.request_id)
+        if reply_to is None:
+            return []   # cancelled meanwhile
+        fmt = self._formats.get(chunk.request_id, "wav")
+        data = encode_audio(chunk.waveform, "pcm")
+        if chunk.index == 0 and fmt == "wav":
+            data = WAV_STREAM_HEADER + data
+        size = self.chunk_bytes
+        parts = [data[i:i + size] for i in range(0, len(data), size)] or ([b""] if chunk.final else [])
+        first = self._next_index.get(chunk.request_id, 0)
+        out: list[Outbound] = [
+            (reply_to, p.MediaResult(chunk.request_id, first + k, MIMES[fmt], base64.b64encode(part).decode("ascii"),
+                                     finish=chunk.final and k == len(parts) - 1, worker_id=self.worker_id))
+            for k, part in enumerate(parts)]
+        self._next_index[chunk.request_id] = first + len(parts)
+        if chunk.final:
+            self._reply_to.pop(chunk.request_id, None)
+            self._formats.pop(chunk.request_id, None)
+            self._next_index.pop(chunk.request_id, None)
+            self.release_inputs(self._inputs.pop(chunk.request_id, {}))
+            out.append(self._done(chunk.request_id, {}, True))
+        return out
+
+
+def _tensor(payload: dict, name: str) -> torch.Tensor:
+    value = payload[name]
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        raise BadRequest(f"'{name}' must be a 2-D tensor")
+    return value.clone()   # a connector view pins backend memory while the request waits: keep a copy
+
+
+def build_speech_role(config: WorkerConfig, connector: Connector) -> tuple[GenerateSpeechRole, Callable[[], dict]]:
+    """The role adapter and heartbeat-stats function of a speech generate worker: ``config.model_path``
+    is a Qwen2.5-Omni or Qwen3-Omni directory (each with its own engine); the talker and token2wav
+    (code2wav) run on the first CUDA device when there is one."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = Qwen3SpeechEngine if is_qwen3_omni_model(config.model_path) else GenerateSpeechEngine
+    engine = kind.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
+                                  device=device, max_batch_size=config.capacity)
+    log.info("speech generate worker: %s on %s, voices %s", config.model_path, device, ", ".join(engine.voices))
+
+    def stats() -> dict:
+        return {**engine.load(), **engine.stats}
+
+    return GenerateSpeechRole(config.worker_id, engine, connector), stats
