@@ -99,8 +99,6 @@ def _error(exc: BaseException) -> str:
 
 def handle(conn, command: dict, streams: dict) -> dict:
     """Run one command against ``conn`` and return the reply."""
-    from omnirelay.connectors.chunked import ChunkedProducer
-
     op = command["op"]
     if op == "put":
         return {"handle": conn.put(command["key"], make_payload(command["seed"], command.get("big_mb", 0.0)))}
@@ -133,20 +131,6 @@ def handle(conn, command: dict, streams: dict) -> dict:
                 return [key, _error(exc)]
         with concurrent.futures.ThreadPoolExecutor(command.get("threads", 2)) as pool:
             return {"results": list(pool.map(one, command["items"]))}
-    if op == "stream_open":   # a chunked stream: write chunk 0 only
-        stream = ChunkedProducer(conn, command["key"])
-        streams[command["key"]] = stream
-        stream.put(make_payload(command["seed"]))
-        return {"written": 1}
-    if op == "stream_rest":   # the remaining chunks, then the end marker (or an abort)
-        stream = streams.pop(command["key"])
-        for i in range(1, command["n"]):
-            stream.put(make_payload(command["seed"] + i))
-        if command.get("abort"):
-            stream.abort(command["abort"])
-        else:
-            stream.finish()
-        return {"written": stream.count}
     if op == "get_hold":   # get and keep the payload alive (a consumer still using its tensors)
         streams.setdefault("held", []).append(conn.get(command["key"], command.get("handle"), timeout=10.0))
         return {}

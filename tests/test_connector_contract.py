@@ -27,7 +27,6 @@ import torch
 from connector_peer import make_payload, put_reserved, same_payload
 from connector_servers import Peer, mooncake_skip_reason, started_mooncake_master, started_redis
 from omnirelay.connectors import Connector, available_connectors, create_connector
-from omnirelay.connectors.chunked import ChunkedConsumer, ChunkedProducer, StreamState, chunk_key, read_all
 from omnirelay.errors import TransferFailed
 
 BACKENDS = ["shared_memory", "redis", "mooncake_transfer_engine", "mooncake_store"]
@@ -133,12 +132,11 @@ def backend(request, peers):
             try:
                 left = []
                 for key in sorted(b.keys):
-                    for k in (key, *(chunk_key(key, i) for i in range(12))):
-                        try:
-                            probe.get(k, timeout=0)
-                            left.append(k)
-                        except TransferFailed:
-                            pass
+                    try:
+                        probe.get(key, timeout=0)
+                        left.append(key)
+                    except TransferFailed:
+                        pass
                 return left
             finally:
                 probe.close()
@@ -317,61 +315,6 @@ def test_close_is_idempotent(backend):
     assert extra.health()["ok"] is False
     with pytest.raises(TransferFailed):
         extra.put(backend.key("closed"), {"x": 1})
-
-
-# ---------------------------------------------------------------------------- chunked streams
-
-
-def test_chunked_consumer_starts_before_the_last_chunk_is_written(backend):
-    producer = backend.peers[0]
-    key = backend.key("stream")
-    producer.call({"op": "stream_open", "key": key, "seed": 400})   # chunk 0 only
-    consumer = ChunkedConsumer(backend.conn, key, timeout=20)
-    chunks = iter(consumer)
-    assert_same(next(chunks), make_payload(400))   # received while chunks 1..4 do not exist yet
-    assert consumer.state is StreamState.OPEN
-    producer.send({"op": "stream_rest", "key": key, "seed": 400, "n": 5})
-    rest = list(chunks)
-    assert producer.read()["written"] == 5
-    assert [same_payload(c, make_payload(400 + i)) for i, c in enumerate(rest, 1)] == [[]] * 4
-    assert consumer.state is StreamState.FINISHED and consumer.received == 5
-
-
-def test_chunked_stream_from_this_process(backend):
-    key = backend.key("stream")
-    with ChunkedProducer(backend.conn, key) as stream:
-        for i in range(3):
-            stream.put({"layer": torch.full((4, 8), float(i)), "i": i})
-    assert stream.state is StreamState.FINISHED
-    got = read_all(backend.conn, key, timeout=10)
-    assert [c["i"] for c in got] == [0, 1, 2]
-    assert all(torch.equal(c["layer"], torch.full((4, 8), float(c["i"]))) for c in got)
-
-
-def test_chunked_abort_reaches_the_consumer(backend):
-    producer = backend.peers[1]
-    key = backend.key("stream")
-    producer.call({"op": "stream_open", "key": key, "seed": 500})
-    producer.call({"op": "stream_rest", "key": key, "seed": 500, "n": 2, "abort": "prefill worker lost its GPU"})
-    consumer = ChunkedConsumer(backend.conn, key, timeout=10)
-    received = []
-    with pytest.raises(TransferFailed, match="lost its GPU"):
-        for chunk in consumer:
-            received.append(chunk)
-    assert len(received) == 2 and consumer.state is StreamState.ABORTED
-
-
-def test_chunked_stalled_producer_times_out(backend):
-    key = backend.key("stream")
-    stream = ChunkedProducer(backend.conn, key)
-    stream.put({"x": 1})
-    consumer = ChunkedConsumer(backend.conn, key, timeout=0.3)
-    t0 = time.monotonic()
-    with pytest.raises(TransferFailed, match="chunk 1"):
-        list(consumer)
-    assert time.monotonic() - t0 < 3
-    stream.finish()
-    backend.conn.delete(chunk_key(key, 1))   # the end marker nobody read
 
 
 def test_payload_larger_than_the_pool(backend):

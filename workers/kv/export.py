@@ -27,11 +27,10 @@ stage report that makes the broker dispatch decode) ends when the last piece and
 out, so what remains after the forward is the last layer's put, not the whole KV's read + put. The
 decode side does not overlap with the prefill: it imports a finished KV.
 
-Why not :mod:`omnirelay.connectors.chunked`: its consumer waits for chunk after chunk, which only
-pays when the consumer starts before the producer ends (not the case here: decode starts after the
-stage report), and an aborted stream leaves its chunks behind for the TTL with an error marker,
-where a failed KV export must delete every piece it put. A manifest with the piece handles also lets
-the consumer fetch each piece by handle rather than by key lookup.
+Why pieces plus a manifest, not a chunk stream the consumer follows: a consumer waiting chunk after
+chunk only pays when it starts before the producer ends (not the case here: decode starts after the
+stage report), and a failed KV export must delete every piece it put. The manifest with the piece
+handles also lets the consumer fetch each piece by handle rather than by key lookup.
 
 Consumer contract (:func:`import_kv`, decode's KV import): the key the prefill worker reports is the
 manifest's; it is put after every piece was readable and the stage reports done after that, so a
