@@ -8,6 +8,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from omnirelay.errors import NotFound, Unprocessable
+
 from .config import ServedModel
 from .media import MediaLimits, MediaProcessor
 
@@ -46,3 +48,14 @@ class ModelRuntime:
     def card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",
                 "root": self.path, "max_model_len": self.max_model_len}
+
+
+def text_model(models: dict, name: str) -> ModelRuntime:
+    """The served text model ``name`` (the app's model table): 404 if none, 422 for an image or
+    video pipeline."""
+    model = models.get(name)
+    if model is None:
+        raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
+    if not isinstance(model, ModelRuntime):
+        raise Unprocessable(f"model {name!r} generates images; use POST /v1/images/generations", param="model")
+    return model

@@ -29,8 +29,8 @@ from omnirelay.gateway.schema import NOT_SERVED   # options known but not served
 
 @dataclasses.dataclass(frozen=True)
 class SpeechDoc:
-    """What the served speech models accept, as ``gateway/speech.py`` judges it (the app gathers
-    this: speech.py imports the app, so it cannot be imported here). models: their names; voices:
+    """What the served speech models accept, as ``gateway/routes/speech.py`` judges it (gathered by
+    routes/service.py, so this builder needs no route module). models: their names; voices:
     the speakers all of them have (None: unknown here, the worker checks the voice); formats: the
     ``response_format`` values (``flac`` only with soundfile); max_input_chars: the bound of ``input``."""
 
@@ -176,7 +176,7 @@ def _errors(*statuses: str) -> dict:
 
 
 def _tokenizer_paths(models: list[str], vocab_size: int | None) -> dict:
-    """vLLM's /tokenize and /detokenize (gateway/tokenization.py): the served model's tokenizer."""
+    """vLLM's /tokenize and /detokenize (gateway/routes/tokenization.py): the served model's tokenizer."""
     model = {"type": "string", "enum": models, "description": "optional when one language model is served"}
     flag = {"type": "boolean", "nullable": True}
     text_message = {"type": "object", "required": ["role"], "properties": {
@@ -242,7 +242,7 @@ _VIDEO_JOB = {
 
 
 def _video_paths(models: list[str]) -> dict:
-    """``/v1/videos`` (gateway/videos.py): jobs, and ``/v1/videos/sync`` answering with the file.
+    """``/v1/videos`` (gateway/routes/videos.py): jobs, and ``/v1/videos/sync`` answering with the file.
     Bounds are VideoParams'; the ``openai`` client
     sends the same fields as a multipart form, which is accepted too (numbers as text)."""
     errors = _errors
@@ -302,7 +302,7 @@ def _video_paths(models: list[str]) -> dict:
 
 
 def _speech_paths(speech: SpeechDoc) -> dict:
-    """``POST /v1/audio/speech`` (gateway/speech.py: ``audio_speech``)."""
+    """``POST /v1/audio/speech`` (gateway/routes/speech.py: ``audio_speech``)."""
     request = {"type": "object", "required": ["model", "input", "voice"], "properties": {
         "model": {"type": "string", "enum": speech.models},
         "input": {"type": "string", "minLength": 1, "maxLength": speech.max_input_chars, "pattern": _NOT_BLANK,
@@ -333,7 +333,7 @@ def _speech_paths(speech: SpeechDoc) -> dict:
 
 
 def _voice_paths(speech: SpeechDoc) -> dict:
-    """``/v1/audio/voices`` (gateway/voices.py). The served families clone no voice: a well-formed
+    """``/v1/audio/voices`` (gateway/routes/voices.py). The served families clone no voice: a well-formed
     upload is a 422 naming ``model``, and a preset voice cannot be deleted (422)."""
     voice = {"type": "object", "required": ["id", "object", "name", "model", "type"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string"}, "name": {"type": "string"},
@@ -375,7 +375,7 @@ def _voice(speech: SpeechDoc) -> dict:
 
 
 def _image_paths(models: list[str]) -> dict:
-    """``POST /v1/images/generations`` (gateway/images.py: ``parse_image_request``, ImageParams)."""
+    """``POST /v1/images/generations`` (gateway/routes/images.py: ``parse_image_request``, ImageParams)."""
     request = {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"type": "string", "minLength": 1, "maxLength": img.MAX_PROMPT_CHARS, "pattern": _NOT_BLANK},
         "model": {"type": "string", "enum": models, "description": "optional when one image model is served"},
@@ -442,7 +442,7 @@ _MESSAGE_AUDIO = {"type": "object", "nullable": True, "required": ["id", "data",
                   "description": "the spoken answer (modalities with audio); content is null then"}
 
 
-# Logprobs (schema.py; app.py renders them): chat asks with logprobs/top_logprobs, completions with
+# Logprobs (schema.py; routes/completions.py renders them): chat asks with logprobs/top_logprobs, completions with
 # logprobs: k. A chat top_logprobs without logprobs: true is a 400, which no schema here rules out.
 _CHAT_LOGPROBS_REQUEST = {
     "logprobs": {"type": "boolean", "nullable": True,

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import msgspec
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import OmniError
+from omnirelay.errors import OmniError, Unavailable
 
 from .bus import BusClient, RequestStream
 
@@ -52,7 +52,7 @@ class AdmissionWait:
     async def retry(self, exc: OmniError) -> bool:
         """Whether to submit again after ``exc``; pauses first when so."""
         pause = min(max(exc.retry_after, 0.2), 1.0)
-        if (exc.error_type == "unavailable" and time.monotonic() + pause < self.until
+        if (isinstance(exc, Unavailable) and time.monotonic() + pause < self.until
                 and time.time() + pause < self.deadline):
             await asyncio.sleep(pause)
             return True

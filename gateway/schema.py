@@ -15,7 +15,7 @@ chosen token's and the top k), which travels as ``sampling["logprobs"]`` (broker
 
 Choices: ``n`` (1 … :data:`MAX_CHOICES`) per prompt; ``/v1/completions`` takes ``prompt`` as vLLM
 does — a string, a list of token ids, or a list of several of either (one set of ``n`` choices per
-prompt, at most :data:`MAX_CHOICES` choices in all) — and ``echo``. gateway/choices.py serves them.
+prompt, at most :data:`MAX_CHOICES` choices in all) — and ``echo``. gateway/routes/choices.py serves them.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class GenerationRequest:
     audio: dict | None = None                 # chat with audio: {"voice": str, "format": wav|pcm16|flac}
     logprobs: int = -1                        # -1: none; k >= 0: each token's logprob and the top k
     options: SamplingOptions = SamplingOptions()   # penalties, logit_bias, min_p/min_tokens, … (sampling_options.py)
-    n: int = 1                                # choices per prompt (gateway/choices.py fans them out)
+    n: int = 1                                # choices per prompt (gateway/routes/choices.py fans them out)
     echo: bool = False                        # completions: the prompt's text before each choice's
     prompts: tuple[str | tuple[int, ...], ...] = ()   # completions given several prompts (prompt/
                                                       # prompt_token_ids then hold the first)
@@ -155,7 +155,7 @@ def _integer(body: dict, name: str, default: int | None, lo: int | None = None) 
     return value
 
 
-def _boolean(body: dict, name: str, default: bool = False) -> bool:
+def boolean_field(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -177,7 +177,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
-def _token_ids(value: Any, name: str) -> tuple[int, ...]:
+def token_ids_field(value: Any, name: str) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -225,7 +225,7 @@ def _content_text(content: Any, index: int) -> str | list[dict]:
                      param=f"messages[{index}].content")
 
 
-def _messages(body: dict) -> list[dict]:
+def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
@@ -283,7 +283,7 @@ def _common(body: dict) -> dict:
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    stream = _boolean(body, "stream")
+    stream = boolean_field(body, "stream")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer", param="seed")
@@ -292,10 +292,10 @@ def _common(body: dict) -> dict:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=_integer(body, "top_k", 0, -1), seed=seed, stop=_stop(body),
-        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
-        ignore_eos=_boolean(body, "ignore_eos"), stream=stream,
-        include_usage=bool(stream_options and _boolean(stream_options, "include_usage")),
-        return_token_ids=_boolean(body, "return_token_ids"), n=n)
+        stop_token_ids=token_ids_field(body.get("stop_token_ids"), "stop_token_ids"),
+        ignore_eos=boolean_field(body, "ignore_eos"), stream=stream,
+        include_usage=bool(stream_options and boolean_field(stream_options, "include_usage")),
+        return_token_ids=boolean_field(body, "return_token_ids"), n=n)
 
 
 def _top_logprobs_count(body: dict, name: str) -> int | None:
@@ -308,7 +308,7 @@ def _top_logprobs_count(body: dict, name: str) -> int | None:
 def _chat_logprobs(body: dict) -> int:
     """``logprobs: true`` (+ ``top_logprobs``) → the count of alternatives; -1 when not asked."""
     top = _top_logprobs_count(body, "top_logprobs")
-    if not _boolean(body, "logprobs"):
+    if not boolean_field(body, "logprobs"):
         if top is not None:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         return -1
@@ -324,13 +324,13 @@ def parse_chat(body: Any) -> GenerationRequest:
                             param="logprobs")
     if common["n"] > 1 and "audio" in audio["modalities"]:
         raise Unprocessable("a spoken answer (modalities with audio) has one choice: n must be 1", param="n")
-    if _boolean(body, "echo"):   # vLLM's chat echo (the last message again) is not served; completions' is
+    if boolean_field(body, "echo"):   # vLLM's chat echo (the last message again) is not served; completions' is
         raise Unprocessable("echo is served by /v1/completions, not chat", param="echo")
     structured, tools = parse_structured(body, "chat")
     if (structured or tools) and "audio" in audio["modalities"]:
         raise Unprocessable("structured outputs and tools are served for text answers (no audio)",
                             param="tools" if tools else "response_format")
-    return GenerationRequest(kind="chat", messages=_messages(body), prompt=None, prompt_token_ids=None, **common,
+    return GenerationRequest(kind="chat", messages=chat_messages(body), prompt=None, prompt_token_ids=None, **common,
                              **audio, logprobs=logprobs, structured=structured, tools=tools)
 
 
@@ -348,7 +348,7 @@ def _prompts(body: dict) -> list[str | tuple[int, ...]]:
         if isinstance(one, str) and one:
             prompts.append(one)
         elif isinstance(one, list) and one:
-            prompts.append(_token_ids(one, param))
+            prompts.append(token_ids_field(one, param))
         else:
             raise BadRequest(f"'{param}' must be a non-empty string or a non-empty list of token ids", param=param)
     return prompts
@@ -360,7 +360,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise BadRequest("'top_logprobs' is a chat parameter; completions take 'logprobs': k", param="top_logprobs")
     logprobs = _top_logprobs_count(body, "logprobs")
     common["logprobs"] = -1 if logprobs is None else logprobs
-    common["echo"] = _boolean(body, "echo")
+    common["echo"] = boolean_field(body, "echo")
     if common["echo"] and common["logprobs"] >= 0:
         raise Unprocessable("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                             param="echo")

@@ -1,4 +1,5 @@
-"""The writer of one Server-Sent-Events answer (chat and completion streams, one choice or several).
+"""The writer of one Server-Sent-Events answer (chat and completion streams, one choice or several),
+and the per-client bound on open streams (``max_streams_per_client``) every such stream is held under.
 
 Every write waits for the client for at most ``stream_write_timeout_s``: a client that stops reading
 gets ConnectionResetError, so its worker slot and KV go back instead of waiting on it.
@@ -7,12 +8,15 @@ gets ConnectionResetError, so its worker slot and KV go back instead of waiting 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import msgspec
 from aiohttp import web
 
-from omnirelay.errors import OmniError
+from omnirelay.errors import OmniError, Overloaded
+
+from .app_keys import CONFIG, STREAMS
 
 # Compiled JSON encoding for the per-token chunks: about 5x cheaper than json.dumps.
 _encode_json = msgspec.json.Encoder().encode
@@ -44,3 +48,18 @@ class SseWriter:
     async def send_error(self, error: OmniError) -> None:
         """Headers are gone: the error travels as the last event, in the error contract's body."""
         await self.write(b"data: " + json.dumps(error.to_body()).encode() + b"\n\n")
+
+
+@contextlib.contextmanager
+def stream_slot(request: web.Request):
+    """One of the client's ``max_streams_per_client`` streams; 429 when it holds them all."""
+    config, streams, client = request.app[CONFIG], request.app[STREAMS], request.remote or "?"
+    if streams[client] >= config.max_streams_per_client:
+        raise Overloaded(f"client {client} already holds {streams[client]} streams", retry_after=1)
+    streams[client] += 1
+    try:
+        yield
+    finally:
+        streams[client] -= 1
+        if not streams[client]:
+            del streams[client]

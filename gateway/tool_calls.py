@@ -1,6 +1,6 @@
 """Tool calls in a chat answer: the model's text → OpenAI's ``message.tool_calls`` and stream deltas.
 
-:func:`chat_format` wraps the chat renderer of gateway/app.py for a request with tools
+:func:`chat_format` wraps the chat renderer of gateway/routes/completions.py for a request with tools
 (gateway/structured.py :class:`~omnirelay.gateway.structured.ToolsRequest`); its ``delta`` (one per
 streamed text piece) and ``full`` (the whole text) run the same incremental parser, so a streamed
 answer carries the same content and calls as the whole one:
@@ -123,7 +123,7 @@ class ToolCallParser:
 
 
 class ToolCallFormat:
-    """gateway/app.py's chat format for a request with tools: the same ``first_delta``, ``delta``,
+    """gateway/routes/completions.py's chat format for a request with tools: the same ``first_delta``, ``delta``,
     ``full`` and ``logprobs`` as the plain one, with content and calls split by a
     :class:`ToolCallParser`. One instance per request (the stream's parser lives in it)."""
 

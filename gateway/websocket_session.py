@@ -11,8 +11,9 @@ Life of a connection (``/v1/realtime``, ``/v1/audio/speech/stream``)::
         (which cancels its requests upstream), the socket is closed, the slot freed
 
 A malformed event never closes the connection: the client gets an ``error`` event naming what was
-wrong (OpenAI Realtime's shape: ``{"type": "error", "error": {"type", "code", "message", "param",
-"event_id"}}``) and the session goes on.
+wrong (OpenAI Realtime's shape, ``{"type": "error", "error": {"type", "code", "message", "param",
+"event_id"}}``, with the gateway's ``request_id`` and ``stage`` beside it: gateway/error_answers.py)
+and the session goes on.
 
 Back-pressure: every send waits for the transport to drain, for at most ``stream_write_timeout_s``;
 a client that stops reading is disconnected, which cancels what it asked for, so a slow reader can
@@ -30,7 +31,8 @@ from aiohttp import WSMsgType, web
 
 from omnirelay.errors import BadRequest, OmniError, Unavailable
 
-from .app import CONFIG
+from .app_keys import CONFIG
+from .error_answers import error_event
 
 # Frames larger than this are refused by aiohttp (close code 1009): the largest audio append a
 # client may send in one event (OpenAI's buffer limit is 15 MiB of audio for a whole turn).
@@ -73,10 +75,9 @@ class EventSocket:
             raise SessionClosed(str(exc)) from None
 
     async def send_error(self, error: OmniError, client_event_id: str | None = None) -> None:
-        body = error.to_body()["error"]
-        await self.send({"type": "error", "error": {"type": body["type"], "code": body["code"],
-                                                     "message": body["message"], "param": body["param"],
-                                                     "event_id": client_event_id}})
+        event = error_event(error)
+        event["error"]["event_id"] = client_event_id   # Realtime's: the client event this answers
+        await self.send(event)
 
     async def serve(self, handlers: dict[str, Callable[[dict], Awaitable[None]]], busy: Callable[[], bool],
                     until: Callable[[], bool] = lambda: False) -> bool:

@@ -19,8 +19,8 @@ from PIL import Image
 from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.gateway.config import ServedModel
-from omnirelay.gateway.image_edits import prepare_edit
-from omnirelay.gateway.images import ImageModel
+from omnirelay.gateway.routes.image_edits import prepare_edit
+from omnirelay.gateway.routes.images import ImageModel
 from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, encode_png
 

@@ -300,7 +300,7 @@ def test_client_that_leaves_cancels_the_generation_upstream(client, cluster):
 
 
 def test_parse_rejects_unsupported_formats_before_submitting():
-    from omnirelay.gateway.images import parse_image_request
+    from omnirelay.gateway.routes.images import parse_image_request
 
     with pytest.raises(Unprocessable):
         parse_image_request({"prompt": "x", "output_format": "jpeg"})

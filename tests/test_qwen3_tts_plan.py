@@ -10,7 +10,7 @@ import pytest
 
 from omnirelay.pipeline import load_pipeline
 from omnirelay.deploy.served_models import bundled_pipeline, model_kind
-from omnirelay.gateway.speech import qwen3_tts_speakers
+from omnirelay.gateway.routes.speech import qwen3_tts_speakers
 from omnirelay.workers.speech.qwen3_tts import is_qwen3_tts_model
 from omnirelay.workers.speech.qwen3_tts_package import check_supported
 

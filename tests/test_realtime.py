@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from omnirelay.errors import BadRequest, NotFound, Unprocessable
-from omnirelay.gateway.realtime import SessionConfig, wav_clip
-from omnirelay.gateway.speech_ws import split_sentences
+from omnirelay.gateway.routes.realtime import SessionConfig, wav_clip
+from omnirelay.gateway.routes.speech_ws import split_sentences
 
 from cluster import Cluster
 

@@ -29,7 +29,7 @@ def test_wrongly_typed_fields_are_client_errors(body, param):
 
 @pytest.mark.parametrize("fmt", [{}, ["wav"], 3])
 def test_speech_format_of_the_wrong_type_is_a_400(fmt):
-    from omnirelay.gateway.speech import _speech_format
+    from omnirelay.gateway.routes.speech import _speech_format
     with pytest.raises(OmniError) as caught:
         _speech_format({"response_format": fmt})
     assert caught.value.status == 400 and caught.value.param == "response_format"

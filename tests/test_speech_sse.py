@@ -1,5 +1,5 @@
 """``POST /v1/audio/speech`` with ``stream_format: "sse"`` without a cluster: the event framing of
-``gateway/speech_responses.py``'s ``speech_event_stream`` over a real aiohttp server fed a scripted chunk stream
+``gateway/routes/speech_responses.py``'s ``speech_event_stream`` over a real aiohttp server fed a scripted chunk stream
 (a failure before the first chunk is a JSON error with its status; after it, one last error event
 in the error contract's body), and :class:`SpokenAudio`, the codec-token count of ``usage``.
 The end-to-end path (official client, real workers) is in test_omni_speech.py."""
@@ -19,10 +19,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from omnirelay.errors import OmniError, WorkerLost
-from omnirelay.gateway.app import CONFIG, _errors
+from omnirelay.gateway.app_keys import CONFIG
 from omnirelay.gateway.config import GatewayConfig, ServedModel
-from omnirelay.gateway.speech import AudioChunk
-from omnirelay.gateway.speech_responses import SpokenAudio, speech_event_stream
+from omnirelay.gateway.middleware import errors
+from omnirelay.gateway.routes.speech import AudioChunk
+from omnirelay.gateway.routes.speech_responses import SpokenAudio, speech_event_stream
 
 SAMPLES_PER_CODE = 480
 
@@ -47,7 +48,7 @@ async def _post(tmp_path, chunks: list[bytes], failure: OmniError | None) -> tup
         returned.append(error)
         return response
 
-    app = web.Application(middlewares=[_errors])
+    app = web.Application(middlewares=[errors])
     app[CONFIG] = GatewayConfig(models=(ServedModel("m", str(tmp_path)),))
     app.router.add_post("/speech", handler)
     async with TestServer(app) as server, aiohttp.ClientSession() as session:

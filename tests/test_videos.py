@@ -208,7 +208,7 @@ def _task(request_id: str, sampling: dict, attempt: int = 0) -> p.Task:
 
 
 def test_role_sends_progress_then_chunks_that_the_gateway_joins(pipe):
-    from omnirelay.gateway.videos import VideoJob, VideoStream
+    from omnirelay.gateway.routes.videos import VideoJob, VideoStream
 
     role = GenerateVideoRole("gen-1", GenerateVideoEngine(pipe), chunk_chars=4096)
     [(dest, failure)] = role.accept(_task("bad", {**_params().to_wire(), "width": 12}))
@@ -257,7 +257,7 @@ def test_role_sends_progress_then_chunks_that_the_gateway_joins(pipe):
 
 
 def test_job_store_is_bounded_and_finished_jobs_expire():
-    from omnirelay.gateway.videos import VideoJob, VideoJobs
+    from omnirelay.gateway.routes.videos import VideoJob, VideoJobs
 
     clock = [100.0]
     jobs = VideoJobs(max_jobs=2, ttl_s=60, max_bytes=10, clock=lambda: clock[0])
@@ -284,7 +284,7 @@ def test_job_store_is_bounded_and_finished_jobs_expire():
 
 
 def test_parse_video_request_takes_json_and_form_fields():
-    from omnirelay.gateway.videos import parse_video_request
+    from omnirelay.gateway.routes.videos import parse_video_request
 
     form = parse_video_request({"prompt": "x", "size": "64x48", "seconds": "2", "seed": "7", "guidance_scale": "1.5"})
     assert (form.size, form.seconds, form.fields) == ((64, 48), "2", {"seed": 7, "guidance_scale": 1.5})

@@ -40,9 +40,10 @@ from aiohttp import web
 
 from omnirelay.errors import BadRequest, OmniError
 
-from .app import BUS, CONFIG, MODELS
+from ..app_keys import BUS, CONFIG, MODELS
+from ..error_answers import error_event
 from .speech import prepare_speech, speech_items
-from .websocket_session import EventSocket, SessionClosed, close_event_socket, install, join, open_event_socket
+from ..websocket_session import EventSocket, SessionClosed, close_event_socket, install, join, open_event_socket
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -155,13 +156,13 @@ class SpeechStreamSession:
                 await self._speak(item)
             except OmniError as exc:
                 exc.request_id = exc.request_id or item.id
-                await self.socket.send({"type": "error", "item_id": item.id, "error": exc.to_body()["error"]})
+                await self.socket.send(error_event(exc, item_id=item.id))
             except SessionClosed:
                 raise
             except Exception as exc:   # a bug: reported, and the items after it are still spoken
                 log.exception("speech stream %s: item %s crashed", self.id, item.id)
                 error = OmniError(f"internal error: {type(exc).__name__}", request_id=item.id)
-                await self.socket.send({"type": "error", "item_id": item.id, "error": error.to_body()["error"]})
+                await self.socket.send(error_event(error, item_id=item.id))
             finally:
                 self.queued_chars -= len(item.text)
 

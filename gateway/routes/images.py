@@ -25,7 +25,6 @@ gateway, stages from its pipeline file (``deploy/pipelines/text_to_image.yaml``:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import random
 import re
 import time
@@ -40,13 +39,13 @@ from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest, OmniError, Unprocessable, WorkerLost
 from omnirelay.image_params import MAX_SEED, ImageParams
 
-from .app import BUS, CONFIG, METRICS, MODELS, _json_body
-from .bus import BusClient, RequestStream, StreamEvent
-from .config import ServedModel
-from .pipeline_model import PipelineModel
-from .resubmit import submit_until_done
-
-log = logging.getLogger("omnirelay.gateway")
+from ..app_keys import BUS, CONFIG, MODELS
+from ..bus import BusClient, RequestStream, StreamEvent
+from ..config import ServedModel
+from ..pipeline_model import PipelineModel
+from ..request_body import json_body
+from ..request_record import open_record
+from ..resubmit import submit_until_done
 
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 
@@ -180,7 +179,7 @@ async def generate(bus: BusClient, model: ImageModel, params: ImageParams, deadl
 
 
 async def image_generations(request: web.Request) -> web.Response:
-    parsed = parse_image_request(await _json_body(request))
+    parsed = parse_image_request(await json_body(request))
     model = ImageModel.find(request.app[MODELS], parsed.model)
     params = model.resolve(parsed)
     if params.seed is None:
@@ -192,25 +191,11 @@ async def answer_images(request: web.Request, model: ImageModel, params: ImagePa
                         request_id: str) -> web.Response:
     """Generate ``params`` (a generation or an edit) under the request's metrics and log line and
     answer with OpenAI's images body."""
-    config = request.app[CONFIG]
-    metrics = request.app[METRICS]
-    timer = metrics.timer(model.name)
-    outcome = "cancelled"
-    try:
-        images = await generate(request.app[BUS], model, params, time.time() + config.request_timeout_s,
-                                request_id)
-        outcome = "ok"
-    except OmniError as exc:
-        outcome = exc.error_type
-        metrics.errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        raise
-    finally:
-        timer.finish(0, 0, outcome)
-        if not config.disable_log_requests:
-            log.info("request %s model=%s stages=%s images=%d size=%dx%d steps=%d seed=%d edit=%s outcome=%s "
-                     "e2e=%.3fs", request_id, model.name, "+".join(model.stages), params.n, params.width,
-                     params.height, params.num_inference_steps, params.seed,
-                     ("masked" if params.mask else "whole") if params.image else "no", outcome, timer.elapsed())
+    open_record(request, model.name, request_id, stages="+".join(model.stages), images=params.n,
+                size=f"{params.width}x{params.height}", steps=params.num_inference_steps, seed=params.seed,
+                edit=("masked" if params.mask else "whole") if params.image else "no")
+    images = await generate(request.app[BUS], model, params, time.time() + request.app[CONFIG].request_timeout_s,
+                            request_id)
     body = {"created": int(time.time()), "data": [{"b64_json": data} for data in images], "output_format": "png"}
     return web.json_response(body, headers={"X-Request-Id": request_id})
 

@@ -49,13 +49,13 @@ from aiohttp import web
 
 from omnirelay.errors import BadRequest, NotFound, OmniError, Unprocessable
 
-from . import generation
-from .app import BUS, CONFIG, MODELS
-from .detokenizer import IncrementalDetokenizer
-from .models import ModelRuntime
-from .schema import parse_chat
+from .. import generation
+from ..app_keys import BUS, CONFIG, MODELS
+from ..detokenizer import IncrementalDetokenizer
+from ..models import ModelRuntime
+from ..schema import parse_chat
 from .speech import AudioChunk, has_speakers, start_spoken_chat, voices
-from .websocket_session import EventSocket, SessionClosed, close_event_socket, install, join, open_event_socket
+from ..websocket_session import EventSocket, SessionClosed, close_event_socket, install, join, open_event_socket
 
 ROUTE = "realtime"
 OUTPUT_RATE = 24000                      # the speech worker's PCM: 16-bit mono at 24 kHz

@@ -31,7 +31,8 @@ from aiohttp import web
 
 from omnirelay.errors import OmniError
 
-from .app import CONFIG
+from ..app_keys import CONFIG
+from ..error_answers import error_event
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -79,7 +80,7 @@ class SpokenAudio:
 
     def __init__(self, fmt: str, speed: float, codes_per_second: float = CODES_PER_SECOND):
         self.fmt, self.speed = fmt, speed
-        self.codes_per_second = codes_per_second   # Qwen3-TTS: 12.5 frames a second (gateway/speech.py)
+        self.codes_per_second = codes_per_second   # Qwen3-TTS: 12.5 frames a second (gateway/routes/speech.py)
         self.audio_bytes = 0
         self.flac_samples = 0
 
@@ -133,6 +134,6 @@ async def speech_event_stream(request: web.Request, items: AsyncIterator, spoken
         log.warning("request %s: speech events broken after their status went out: %s", request_id, exc)
         exc.request_id = exc.request_id or request_id
         error = exc
-        await send({"type": "error", **exc.to_body()})
+        await send(error_event(exc))
     await response.write_eof()
     return response, error

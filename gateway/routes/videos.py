@@ -56,11 +56,13 @@ from omnirelay.errors import (BadRequest, NotFound, OmniError, Overloaded, Paylo
 from omnirelay.video_params import (DEFAULT_FPS, MAX_FRAMES, MAX_SECONDS, MAX_SEED, MAX_VIDEO_BYTES, PROGRESS_MIME,
                                     VideoParams, check_int, native_size)
 
-from .app import BUS, CONFIG, METRICS, MODELS, _json_body
-from .bus import BusClient, RequestStream, StreamEvent
-from .config import ServedModel
-from .pipeline_model import PipelineModel
-from .resubmit import submit_until_done
+from ..app_keys import BUS, CONFIG, METRICS, MODELS
+from ..bus import BusClient, RequestStream, StreamEvent
+from ..config import ServedModel
+from ..pipeline_model import PipelineModel
+from ..request_body import json_body
+from ..request_record import RequestRecord
+from ..resubmit import submit_until_done
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -352,29 +354,14 @@ async def run_job(bus: BusClient, model: VideoModel, job: VideoJob, deadline: fl
 
 async def _generate(app: web.Application, model: VideoModel, job: VideoJob) -> tuple[bytes, str]:
     """:func:`run_job` under the request's metrics and log line; raises what it raises."""
-    config, metrics = app[CONFIG], app[METRICS]
-    timer = metrics.timer(model.name)
-    outcome, size = "cancelled", 0
-    try:
+    config, params = app[CONFIG], job.params
+    # The job outlives its HTTP request: the record is finished here, not by the middleware.
+    with RequestRecord(app[METRICS], model.name, job.id, log_requests=not config.disable_log_requests, kind="video",
+                       size=f"{params.width}x{params.height}", frames=params.num_frames, fps=params.fps,
+                       steps=params.num_inference_steps, seed=params.seed, bytes=0) as record:
         data, mime = await run_job(app[BUS], model, job, time.time() + config.request_timeout_s)
-        outcome, size = "ok", len(data)
+        record.fields["bytes"] = len(data)
         return data, mime
-    except OmniError as exc:
-        outcome = exc.error_type
-        metrics.errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        raise
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        outcome = "internal_error"
-        raise
-    finally:
-        timer.finish(0, 0, outcome)
-        if not config.disable_log_requests:
-            params = job.params
-            log.info("video %s model=%s size=%dx%d frames=%d fps=%d steps=%d seed=%d outcome=%s bytes=%d e2e=%.3fs",
-                     job.id, model.name, params.width, params.height, params.num_frames, params.fps,
-                     params.num_inference_steps, params.seed, outcome, size, timer.elapsed())
 
 
 async def _job_task(app: web.Application, model: VideoModel, job: VideoJob) -> None:
@@ -414,7 +401,7 @@ async def _body(request: web.Request) -> dict:
                 raise BadRequest(f"field {key!r} is given twice", param=key)
             fields[key] = value if isinstance(value, str) else "<file>"
         return fields
-    return await _json_body(request)
+    return await json_body(request)
 
 
 async def create_video(request: web.Request) -> web.Response:

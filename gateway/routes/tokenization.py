@@ -15,7 +15,7 @@ without special tokens, which ``add_special_tokens: false`` reproduces. Bad inpu
 param; an unknown model → 404; options that would change the template (``chat_template``,
 ``chat_template_kwargs``, ``tools``) and media parts → 422.
 
-With an API key configured these routes need it like ``/v1`` (app._authenticate): tokenizing costs
+With an API key configured these routes need it like ``/v1`` (gateway/middleware.py ``authenticate``): tokenizing costs
 the gateway CPU.
 """
 
@@ -28,9 +28,10 @@ from jinja2 import TemplateError
 
 from omnirelay.errors import BadRequest, Unprocessable
 
-from .app import MODELS, _json_body, _model   # app imports this module when it builds its routes
-from .models import ModelRuntime
-from .schema import _boolean, _messages, _token_ids
+from ..app_keys import MODELS
+from ..models import ModelRuntime, text_model
+from ..request_body import json_body
+from ..schema import boolean_field, chat_messages, token_ids_field
 
 _UNSERVED_CHAT_OPTIONS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 
@@ -51,7 +52,7 @@ def _runtime(request: web.Request, body: Any) -> ModelRuntime:
         name = text[0]
     if not isinstance(name, str) or not name:
         raise BadRequest("'model' must be a non-empty string", param="model")
-    return _model(request, name)
+    return text_model(request.app[MODELS], name)
 
 
 def tokenize_body(model: ModelRuntime, body: dict) -> dict:
@@ -62,20 +63,20 @@ def tokenize_body(model: ModelRuntime, body: dict) -> dict:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise BadRequest("'prompt' must be a string", param="prompt")
-        add_special = _boolean(body, "add_special_tokens", True)
+        add_special = boolean_field(body, "add_special_tokens", True)
         tokens = list(model.tokenizer(prompt, add_special_tokens=add_special)["input_ids"]) if prompt else []
     else:
         for name in _UNSERVED_CHAT_OPTIONS:
             if body.get(name) is not None:
                 raise Unprocessable(f"'{name}' is not supported by this server's /tokenize", param=name)
-        messages = _messages(body)
+        messages = chat_messages(body)
         for i, message in enumerate(messages):
             if not isinstance(message["content"], str):
                 raise Unprocessable(f"messages[{i}].content: /tokenize takes text messages",
                                     param=f"messages[{i}].content")
-        continue_final = _boolean(body, "continue_final_message")
+        continue_final = boolean_field(body, "continue_final_message")
         # Continuing the last message leaves no room for a generation prompt: that is the default then.
-        generation_prompt = _boolean(body, "add_generation_prompt", not continue_final)
+        generation_prompt = boolean_field(body, "add_generation_prompt", not continue_final)
         if generation_prompt and continue_final:
             raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false",
                              param="continue_final_message")
@@ -84,25 +85,25 @@ def tokenize_body(model: ModelRuntime, body: dict) -> dict:
                                                        continue_final_message=continue_final, tokenize=False)
         except (ValueError, TemplateError) as exc:   # the template refused these messages
             raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages") from None
-        tokens = list(model.tokenizer(text, add_special_tokens=_boolean(body, "add_special_tokens"))["input_ids"])
-    strs = model.tokenizer.convert_ids_to_tokens(tokens) if _boolean(body, "return_token_strs") else None
+        tokens = list(model.tokenizer(text, add_special_tokens=boolean_field(body, "add_special_tokens"))["input_ids"])
+    strs = model.tokenizer.convert_ids_to_tokens(tokens) if boolean_field(body, "return_token_strs") else None
     return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens, "token_strs": strs}
 
 
 def detokenize_body(model: ModelRuntime, body: dict) -> dict:
     if not isinstance(body.get("tokens"), list):
         raise BadRequest("'tokens' must be a list of token ids", param="tokens")
-    tokens = list(_token_ids(body["tokens"], "tokens"))
+    tokens = list(token_ids_field(body["tokens"], "tokens"))
     if tokens and max(tokens) >= model.vocab_size:
         raise BadRequest(f"token id {max(tokens)} is outside the vocabulary ({model.vocab_size})", param="tokens")
     return {"prompt": model.tokenizer.decode(tokens)}
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await json_body(request)
     return web.json_response(tokenize_body(_runtime(request, body), body))
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await json_body(request)
     return web.json_response(detokenize_body(_runtime(request, body), body))

@@ -8,7 +8,7 @@ Life of a request through the gateway::
         ──▶ image: decoded (PNG, JPEG or WebP; 400 otherwise), resized to the output size and sent
             as PNG; mask: a PNG with an alpha channel and the image's size (400 otherwise), whose
             transparent pixels mark what to repaint, sent as a grey mask (white: repaint)
-        ──▶ the same path as a generation (gateway/images.py ``generate``): one Submit, the images
+        ──▶ the same path as a generation (gateway/routes/images.py ``generate``): one Submit, the images
             back as base64 PNGs ──▶ {"created", "data": [{"b64_json"}], "output_format": "png"}
 
 Output size: ``size`` when given, else the input image's size, each side rounded down to the
@@ -32,7 +32,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from omnirelay.errors import BadRequest, PayloadTooLarge, Unprocessable
 from omnirelay.image_params import EDITABLE_PIPELINES, MAX_SEED, MAX_SIDE, SIZE_MULTIPLE
 
-from .app import CONFIG, MODELS
+from ..app_keys import CONFIG, MODELS
 from .images import ImageModel, answer_images, parse_image_request
 
 MAX_INPUT_PIXELS = 4096 * 4096          # a bigger upload is refused before it is decoded

@@ -56,7 +56,6 @@ import asyncio
 import base64
 import dataclasses
 import json
-import logging
 import random
 import time
 import uuid
@@ -70,16 +69,17 @@ from omnirelay.broker import protocol as p
 from omnirelay.errors import BadRequest, DeadlineExceeded, NotFound, OmniError, Unprocessable
 from omnirelay.speech_params import MAX_CODES, MAX_SEED, SpeechParams
 
-from . import generation
-from .app import BUS, CONFIG, METRICS, MODELS, _json_body
-from .bus import BusClient, RequestStream, StreamEvent
-from .detokenizer import IncrementalDetokenizer
-from .models import ModelRuntime
-from .resubmit import Submissions
-from .schema import CHAT_AUDIO_FORMATS
+from .. import generation
+from ..app_keys import BUS, CONFIG, MODELS
+from ..bus import BusClient, RequestStream, StreamEvent
+from ..detokenizer import IncrementalDetokenizer
+from ..models import ModelRuntime
+from ..request_body import json_body
+from ..request_record import RequestRecord, Usage, open_record
+from ..resubmit import Submissions
+from ..schema import CHAT_AUDIO_FORMATS
+from ..sse import SseWriter
 from .speech_responses import CODES_PER_SECOND, SpokenAudio, speech_body_stream, speech_event_stream
-
-log = logging.getLogger("omnirelay.gateway")
 
 MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
 AUDIO_TTL_S = 3600               # ``expires_at``: nothing is stored, but clients read the field
@@ -359,7 +359,7 @@ def speech_items(bus: BusClient, job: SpeechJob, deadline: float) -> AsyncIterat
 
 
 async def audio_speech(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await json_body(request)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if body.get("instructions"):
@@ -373,10 +373,12 @@ async def audio_speech(request: web.Request) -> web.Response:
     job = prepare_speech(request.app[MODELS], body, streamed=streamed)
     model, fmt, params, ids, request_id = job.model, job.fmt, job.params, job.prompt_token_ids, job.request_id
     stages = job.stages
-    config = request.app[CONFIG]
-    timer = request.app[METRICS].timer(model.name)
-    items = speech_items(request.app[BUS], job, time.time() + config.request_timeout_s)
-    outcome, parts = "cancelled", []
+    # input_tokens as usage counts them (the whole speech prompt); text_tokens: the input text.
+    record = open_record(request, model.name, request_id, usage=Usage(prompt_tokens=len(ids)), log_usage=False,
+                         stages="+".join(stages), input_tokens=len(ids), text_tokens=job.text_tokens,
+                         voice=params.voice, format=fmt, seed=params.seed, stream_format=stream_format)
+    items = speech_items(request.app[BUS], job, time.time() + request.app[CONFIG].request_timeout_s)
+    parts = []
     try:
         if streamed:
             if stream_format == "audio":
@@ -386,28 +388,14 @@ async def audio_speech(request: web.Request) -> web.Response:
                 response, error = await speech_event_stream(request, items, spoken,
                                                             len(ids), request_id)
             if error is not None:   # after the 200 went out: the connection was broken instead
-                outcome = error.error_type
-                request.app[METRICS].errors.labels(error.error_type, error.stage or "gateway").inc()
-            else:
-                outcome = "ok"
+                record.failed(error)
             return response
         # The whole file is collected before answering, so a failure still gets its status code;
         # the worker synthesises it whole (no AUDIO_STREAM_KEY), as transformers' generate would.
         async for item in items:
             parts.append(base64.b64decode(item.data))
-        outcome = "ok"
-    except OmniError as exc:
-        outcome = exc.error_type
-        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        raise
     finally:
         await items.aclose()
-        timer.finish(len(ids), 0, outcome)
-        if not config.disable_log_requests:
-            # input_tokens as usage counts them (the whole speech prompt); text_tokens: the input text.
-            log.info("request %s model=%s stages=%s input_tokens=%d text_tokens=%d voice=%s format=%s seed=%d "
-                     "stream_format=%s outcome=%s e2e=%.3fs", request_id, model.name, "+".join(stages), len(ids),
-                     job.text_tokens, params.voice, fmt, params.seed, stream_format, outcome, timer.elapsed())
     return web.Response(body=b"".join(parts), content_type=MIMES[fmt], headers={"X-Request-Id": request_id})
 
 
@@ -451,29 +439,15 @@ async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.Strea
     """A chat completion whose answer is spoken too (``modalities: ["text", "audio"]``)."""
     chat = start_spoken_chat(request.app, parsed, body, streamed=parsed.stream)
     gen, fmt, params, items, model = chat.gen, chat.fmt, chat.params, chat.items, chat.gen.model
-    config = request.app[CONFIG]
     audio_id = f"audio_{uuid.uuid4().hex}"
-    timer = request.app[METRICS].timer(model.name)
-    outcome = "cancelled"
+    record = open_record(request, model.name, gen.request_id, usage=gen, stages="+".join(gen.stages),
+                         voice=params.voice, format=fmt, seed=params.seed)
     try:
         if parsed.stream:
-            response = await _chat_audio_stream(request, gen, items, audio_id, timer)
-        else:
-            response = await _chat_audio_full(gen, items, audio_id, timer)
-        outcome = "ok"
-        return response
-    except OmniError as exc:
-        outcome = exc.error_type
-        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        raise
+            return await _chat_audio_stream(request, gen, items, audio_id, record)
+        return await _chat_audio_full(gen, items, audio_id, record)
     finally:
         await items.aclose()
-        timer.finish(gen.prompt_tokens, gen.completion_tokens, outcome, gen.resumes)
-        if not config.disable_log_requests:
-            log.info("request %s model=%s stages=%s prompt_tokens=%d completion_tokens=%d voice=%s format=%s "
-                     "seed=%d outcome=%s e2e=%.3fs", gen.request_id, model.name, "+".join(gen.stages),
-                     gen.prompt_tokens, gen.completion_tokens, params.voice, fmt, params.seed, outcome,
-                     timer.elapsed())
 
 
 def _usage(gen) -> dict:
@@ -481,14 +455,14 @@ def _usage(gen) -> dict:
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
 
-async def _chat_audio_full(gen, items, audio_id: str, timer) -> web.Response:
+async def _chat_audio_full(gen, items, audio_id: str, record: RequestRecord) -> web.Response:
     detok = IncrementalDetokenizer(gen.model.tokenizer)
     finish, audio = "stop", []
     async for item in items:
         if isinstance(item, AudioChunk):
             audio.append(base64.b64decode(item.data))
             continue
-        timer.tokens(len(item.tokens))
+        record.tokens(len(item.tokens))
         gen.completion_tokens += len(item.tokens)
         detok.add(item.tokens, final=bool(item.finish_reason))
         finish = item.finish_reason or finish
@@ -504,19 +478,15 @@ async def _chat_audio_full(gen, items, audio_id: str, timer) -> web.Response:
     return web.json_response(body, headers={"X-Request-Id": gen.request_id})
 
 
-async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str, timer) -> web.StreamResponse:
-    config = request.app[CONFIG]
+async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str,
+                             record: RequestRecord) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": gen.request_id})
-    base = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
-            "object": "chat.completion.chunk"}
+    sse = SseWriter(response, {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
+                               "object": "chat.completion.chunk"}, False, request.app[CONFIG].stream_write_timeout_s)
 
     async def send(payload: dict) -> None:
-        data = b"data: " + json.dumps({**base, **payload}, separators=(",", ":")).encode() + b"\n\n"
-        try:
-            await asyncio.wait_for(response.write(data), config.stream_write_timeout_s)
-        except asyncio.TimeoutError:
-            raise ConnectionResetError(f"client did not read for {config.stream_write_timeout_s:.0f}s") from None
+        await sse.write(b"data: " + json.dumps({**sse.base, **payload}, separators=(",", ":")).encode() + b"\n\n")
 
     def choice(delta: dict, finish: str | None = None) -> dict:
         return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
@@ -532,7 +502,7 @@ async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str, ti
             if isinstance(item, AudioChunk):
                 await send(choice({"audio": {"id": audio_id, "data": item.data}}))
             else:
-                timer.tokens(len(item.tokens))
+                record.tokens(len(item.tokens))
                 gen.completion_tokens += len(item.tokens)
                 detok.add(item.tokens, final=bool(item.finish_reason))
                 finish = item.finish_reason or finish
@@ -545,9 +515,8 @@ async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str, ti
             await send({"choices": [], "usage": _usage(gen)})
     except OmniError as exc:
         # Headers are gone: the error travels as the last event, in the same body shape.
-        exc.request_id = exc.request_id or gen.request_id
-        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        await response.write(b"data: " + json.dumps(exc.to_body()).encode() + b"\n\n")
+        record.failed(exc)
+        await sse.send_error(exc)
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -25,8 +25,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from omnirelay.errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
 
-from .app import MODELS
-from .models import ModelRuntime
+from ..app_keys import MODELS
+from ..models import ModelRuntime
 from .speech import has_speakers, voices
 
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024

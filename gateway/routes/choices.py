@@ -33,23 +33,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from omnirelay.errors import BadRequest, OmniError, Overloaded
+from omnirelay.errors import BadRequest, OmniError
 
-from . import generation
-from .app import BUS, CONFIG, METRICS, STREAMS
-from .sse import SseWriter
-from .bus import BusClient
-from .models import ModelRuntime
-from .schema import GenerationRequest
-
-log = logging.getLogger("omnirelay.gateway")
+from .. import generation
+from ..app_keys import BUS, CONFIG
+from ..bus import BusClient
+from ..models import ModelRuntime
+from ..request_record import RequestRecord, open_record
+from ..schema import GenerationRequest
+from ..sse import SseWriter, stream_slot
 
 
 @dataclasses.dataclass
@@ -160,33 +158,20 @@ def _usage(plan_: Plan) -> dict:
 
 
 async def respond(request: web.Request, plan_: Plan, make_format: Callable[[], Any]) -> web.StreamResponse:
-    """Answer ``plan_``; ``make_format()`` gives one choice's renderer (app._ChatFormat,
-    app._CompletionFormat or a stateful wrapper of them, such as tool_calls.chat_format's): one each."""
+    """Answer ``plan_``; ``make_format()`` gives one choice's renderer (completions.ChatFormat,
+    completions.CompletionFormat or a stateful wrapper of them, such as tool_calls.chat_format's):
+    one each."""
     fmts = [make_format() for _ in plan_.gens]
     model = plan_.gens[0].model
-    timer = request.app[METRICS].timer(model.name)   # one request: TTFT is the first choice's first token
-    outcome = "cancelled"
-    try:
-        if plan_.request.stream:
-            response = await _respond_stream(request, plan_, fmts, timer)
-        else:
-            response = await _respond_full(request, plan_, fmts, timer)
-        outcome = "ok"
-        return response
-    except OmniError as exc:
-        outcome = exc.error_type
-        exc.request_id = exc.request_id or plan_.request_id
-        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
-        raise
-    finally:
-        timer.finish(plan_.prompt_tokens, plan_.completion_tokens, outcome, plan_.resumes)
-        if not request.app[CONFIG].disable_log_requests:
-            log.info("request %s model=%s choices=%d stages=%s prompt_tokens=%d completion_tokens=%d resumes=%d "
-                     "outcome=%s e2e=%.3fs", plan_.request_id, model.name, len(plan_.gens), "+".join(model.stages),
-                     plan_.prompt_tokens, plan_.completion_tokens, plan_.resumes, outcome, timer.elapsed())
+    # One request: TTFT is the first choice's first token.
+    record = open_record(request, model.name, plan_.request_id, usage=plan_, choices=len(plan_.gens),
+                         stages="+".join(model.stages))
+    if plan_.request.stream:
+        return await _respond_stream(request, plan_, fmts, record)
+    return await _respond_full(request, plan_, fmts, record)
 
 
-async def _respond_full(request: web.Request, plan_: Plan, fmts: list, timer) -> web.Response:
+async def _respond_full(request: web.Request, plan_: Plan, fmts: list, record: RequestRecord) -> web.Response:
     deadline = time.time() + request.app[CONFIG].request_timeout_s
     count = len(plan_.gens)
     texts: list[list[str]] = [[] for _ in range(count)]
@@ -195,7 +180,7 @@ async def _respond_full(request: web.Request, plan_: Plan, fmts: list, timer) ->
     finish = ["stop"] * count
     async with contextlib.aclosing(interleave(request.app[BUS], plan_, deadline)) as chunks:
         async for index, chunk in chunks:
-            timer.tokens(len(chunk.token_ids))
+            record.tokens(len(chunk.token_ids))
             texts[index].append(chunk.text)
             token_ids[index].extend(chunk.token_ids)
             logprobs[index].extend(chunk.logprobs)
@@ -217,29 +202,15 @@ async def _respond_full(request: web.Request, plan_: Plan, fmts: list, timer) ->
     return web.json_response(body, headers={"X-Request-Id": plan_.request_id})
 
 
-@contextlib.contextmanager
-def _stream_slot(request: web.Request):
-    """One of the client's ``max_streams_per_client`` streams (the same count app's streams take)."""
-    config, streams, client = request.app[CONFIG], request.app[STREAMS], request.remote or "?"
-    if streams[client] >= config.max_streams_per_client:
-        raise Overloaded(f"client {client} already holds {streams[client]} streams", retry_after=1)
-    streams[client] += 1
-    try:
-        yield
-    finally:
-        streams[client] -= 1
-        if not streams[client]:
-            del streams[client]
-
-
-async def _respond_stream(request: web.Request, plan_: Plan, fmts: list, timer) -> web.StreamResponse:
-    with _stream_slot(request):
+async def _respond_stream(request: web.Request, plan_: Plan, fmts: list, record: RequestRecord) -> web.StreamResponse:
+    with stream_slot(request):
         async with contextlib.aclosing(
                 interleave(request.app[BUS], plan_, time.time() + request.app[CONFIG].request_timeout_s)) as chunks:
-            return await _stream(request, plan_, fmts, timer, chunks)
+            return await _stream(request, plan_, fmts, record, chunks)
 
 
-async def _stream(request: web.Request, plan_: Plan, fmts: list, timer, chunks) -> web.StreamResponse:
+async def _stream(request: web.Request, plan_: Plan, fmts: list, record: RequestRecord,
+                  chunks) -> web.StreamResponse:
     config = request.app[CONFIG]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": plan_.request_id})
@@ -262,7 +233,7 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, timer, chunks) 
         while item is not None:
             index, chunk = item
             gen, fmt = plan_.gens[index], fmts[index]
-            timer.tokens(len(chunk.token_ids))
+            record.tokens(len(chunk.token_ids))
             logprobs = None
             if gen.request.logprobs >= 0 and chunk.token_ids:
                 logprobs, offsets[index] = fmt.logprobs(gen, chunk.token_ids, chunk.logprobs, offsets[index])
@@ -279,8 +250,7 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, timer, chunks) 
             await send([], _usage(plan_))
     except OmniError as exc:
         # Headers are gone: the error travels as the last event, in the same body shape.
-        exc.request_id = exc.request_id or plan_.request_id
-        request.app[METRICS].errors.labels(exc.error_type, exc.stage or "gateway").inc()
+        record.failed(exc)
         await sse.send_error(exc)
     await write(b"data: [DONE]\n\n")
     await response.write_eof()

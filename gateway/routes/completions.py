@@ -1,0 +1,210 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: streamed as SSE ending ``data:
+[DONE]``, or one JSON body. One choice is answered here; several (``n`` > 1, a list of prompts) or
+echo fan out in gateway/routes/choices.py; a chat asking for audio is spoken
+(gateway/routes/speech.py). The request's metrics and log line: gateway/request_record.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from omnirelay.errors import OmniError
+
+from .. import generation
+from ..app_keys import BUS, CONFIG, MODELS
+from ..models import text_model
+from ..request_body import json_body
+from ..request_record import RequestRecord, open_record
+from ..schema import GenerationRequest, parse_chat, parse_completion
+from ..sse import SseWriter, stream_slot
+from ..tool_calls import chat_format
+from . import choices
+from .speech import chat_with_audio
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await json_body(request)
+    parsed = parse_chat(body)
+    if "audio" in parsed.modalities:   # spoken answer too: talker + token2wav after decode
+        return await chat_with_audio(request, parsed, body)
+    if parsed.n > 1:
+        return await _respond_choices(request, parsed, "chatcmpl", lambda: chat_format(ChatFormat(), parsed.tools))
+    gen = generation.prepare(text_model(request.app[MODELS], parsed.model), parsed, "chatcmpl")
+    return await _respond(request, gen, chat_format(ChatFormat(), parsed.tools))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    parsed = parse_completion(await json_body(request))
+    if parsed.n > 1 or parsed.prompts or parsed.echo:
+        return await _respond_choices(request, parsed, "cmpl", CompletionFormat)
+    gen = generation.prepare(text_model(request.app[MODELS], parsed.model), parsed, "cmpl")
+    return await _respond(request, gen, CompletionFormat())
+
+
+async def _respond_choices(request: web.Request, parsed: GenerationRequest, prefix: str,
+                           make_format) -> web.StreamResponse:
+    """Several choices (n > 1, a list of prompts) or echo: gateway/routes/choices.py fans them out,
+    rendering each choice with its own ``make_format()``."""
+    plan = choices.plan(text_model(request.app[MODELS], parsed.model), parsed, prefix)
+    return await choices.respond(request, plan, make_format)
+
+
+# Logprobs answers (request asked: GenerationRequest.logprobs >= 0). Each format's ``logprobs``
+# renders the tokens of one chunk (stream) or of the whole answer, given the text offset reached so
+# far, and returns the object and the new offset. Token text: generation.token_text (each id decoded
+# on its own); a logprob JSON cannot carry (-inf) becomes -9999.0, OpenAI's "very unlikely".
+_UNLIKELY = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return value if value >= _UNLIKELY else _UNLIKELY
+
+
+class ChatFormat:
+    """``logprobs`` is OpenAI's ``{"content": [{"token", "logprob", "bytes", "top_logprobs": […]}]}``."""
+
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def first_delta(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": finish}
+
+    def full(self, text: str, finish: str, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(gen: generation.Generation, token_ids: list[int], logprobs: list, offset: int) -> tuple[dict, int]:
+        def entry(token_id: int, value: float) -> dict:
+            text = generation.token_text(gen, token_id)
+            return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                   for token_id, lp in zip(token_ids, logprobs)]
+        return {"content": content}, offset
+
+
+class CompletionFormat:
+    """``logprobs`` is the legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``:
+    ``top_logprobs`` maps each position's alternatives' text to its logprob (null for
+    ``logprobs: 0``); ``text_offset`` counts characters into the completion's text (no echo)."""
+
+    object_full = object_chunk = "text_completion"
+
+    def first_delta(self) -> dict | None:
+        return None
+
+    def delta(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def full(self, text: str, finish: str, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(gen: generation.Generation, token_ids: list[int], logprobs: list, offset: int) -> tuple[dict, int]:
+        tokens, offsets = [], []
+        for token_id in token_ids:
+            tokens.append(generation.token_text(gen, token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        top = None
+        if gen.request.logprobs > 0:
+            top = []
+            for lp in logprobs:
+                alternatives: dict[str, float] = {}
+                for token_id, value in lp.top:   # most likely first: of two equal texts, it keeps the likelier
+                    alternatives.setdefault(generation.token_text(gen, token_id), _logprob(value))
+                top.append(alternatives)
+        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs], "top_logprobs": top,
+                "text_offset": offsets}, offset
+
+
+def _usage(gen: generation.Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+
+async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web.StreamResponse:
+    record = open_record(request, gen.model.name, gen.request_id, usage=gen, stages="+".join(gen.model.stages))
+    if gen.request.stream:
+        return await _respond_stream(request, gen, fmt, record)
+    return await _respond_full(request, gen, fmt, record)
+
+
+async def _respond_full(request: web.Request, gen: generation.Generation, fmt,
+                        record: RequestRecord) -> web.Response:
+    deadline = time.time() + request.app[CONFIG].request_timeout_s
+    texts, token_ids, logprobs, finish = [], [], [], "stop"
+    async for chunk in generation.run(request.app[BUS], gen, deadline):
+        record.tokens(len(chunk.token_ids))
+        texts.append(chunk.text)
+        token_ids.extend(chunk.token_ids)
+        logprobs.extend(chunk.logprobs)
+        finish = chunk.finish_reason or finish
+    rendered = fmt.logprobs(gen, token_ids, logprobs, 0)[0] if gen.request.logprobs >= 0 else None
+    choice = fmt.full("".join(texts), finish, rendered)
+    if gen.request.return_token_ids:
+        choice["token_ids"] = token_ids
+        choice["prompt_token_ids"] = gen.prompt_token_ids
+    body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": fmt.object_full,
+            "choices": [choice], "usage": _usage(gen)}
+    return web.json_response(body, headers={"X-Request-Id": gen.request_id})
+
+
+async def _respond_stream(request: web.Request, gen: generation.Generation, fmt,
+                          record: RequestRecord) -> web.StreamResponse:
+    with stream_slot(request):
+        return await _stream(request, gen, fmt, record)
+
+
+async def _stream(request: web.Request, gen: generation.Generation, fmt, record: RequestRecord) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    deadline = time.time() + config.request_timeout_s
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": gen.request_id})
+    include_usage = gen.request.include_usage
+    sse = SseWriter(response, {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
+                               "object": fmt.object_chunk}, include_usage, config.stream_write_timeout_s)
+    write, send = sse.write, sse.send
+
+    stream = generation.run(request.app[BUS], gen, deadline)
+    try:
+        first = await anext(stream)   # errors before the first token still get a proper status
+    except StopAsyncIteration:
+        first = None
+    await response.prepare(request)
+    try:
+        if fmt.first_delta() is not None:
+            await send([fmt.first_delta()])
+        chunk, text_offset = first, 0
+        while chunk is not None:
+            record.tokens(len(chunk.token_ids))
+            logprobs = None   # a chunk whose text is held back still sends its tokens' logprobs
+            if gen.request.logprobs >= 0 and chunk.token_ids:
+                logprobs, text_offset = fmt.logprobs(gen, chunk.token_ids, chunk.logprobs, text_offset)
+            if chunk.text or chunk.finish_reason or logprobs:
+                choice = fmt.delta(chunk.text, chunk.finish_reason or None, logprobs)
+                if gen.request.return_token_ids:
+                    choice["token_ids"] = chunk.token_ids
+                await send([choice])
+            chunk = await anext(stream, None)
+        if include_usage:
+            await send([], _usage(gen))
+    except OmniError as exc:
+        # Headers are gone: the error travels as the last event, in the same body shape.
+        record.failed(exc)
+        await sse.send_error(exc)
+    finally:
+        await stream.aclose()
+    await write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def add_completion_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
