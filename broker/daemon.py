@@ -15,6 +15,7 @@ import logging
 import time
 
 import zmq
+import zmq.auth
 
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
 from omnirelay.security import (CurveKeys, SecurityError, add_curve_arguments, keys_from_args,
@@ -153,6 +154,16 @@ def _tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
+def _require_admits_own_key(keys: CurveKeys) -> None:
+    """A standby watches the active broker as a CURVE client with the pair's shared broker key; the
+    active admits it only if that key's public certificate is authorised. Checked up front: a watch
+    the active refuses looks like a dead active, and the standby would bind next to a live one."""
+    if keys.public in zmq.auth.load_certificates(keys.authorized_dir):   # what the ZAP handler admits
+        return
+    raise SecurityError(f"--standby-of with CURVE: the broker's public certificate is not in {keys.authorized_dir} "
+                        "(both brokers of a pair hold the same broker key, and each must admit the other)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-broker", description="omnirelay control-plane broker")
     parser.add_argument("--endpoint", default=BrokerConfig.endpoint, help="ZeroMQ endpoint to bind")
@@ -166,7 +177,9 @@ def make_parser() -> argparse.ArgumentParser:
                         metavar="SECONDS", help="cap of that wait (default %(default)s)")
     parser.add_argument("--standby-of", default=None, metavar="ENDPOINT",
                         help="start as the standby of the broker at ENDPOINT: bind --endpoint and serve only once "
-                             "that one has been silent for --liveness (workers and gateways get --broker ACTIVE,STANDBY)")
+                             "that one has been silent for --liveness (workers and gateways get --broker ACTIVE,STANDBY). "
+                             "Symmetric: each broker of a pair names the other, and a dead one restarted with its "
+                             "same command line becomes the survivor's standby (broker/standby.py)")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=False)
     return parser
@@ -188,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         keys = keys_from_args(args)
         if keys is not None and not keys.authorized_dir:
             raise SecurityError("the broker needs --curve-authorized-keys with --curve-secret-key")
-        if args.standby_of and keys is not None:
-            raise SecurityError("--standby-of: the standby's watch of the active broker runs without CURVE in "
-                                "this build; use it on loopback or a private network")
+        if args.standby_of:
+            require_curve_off_loopback(keys, args.standby_of)
+            if keys is not None:
+                _require_admits_own_key(keys)
         shutdown = Shutdown().install()
         if args.standby_of:
             from .standby import wait_for_takeover
             print(f"omni-broker standby of {args.standby_of}", flush=True)
-            if not wait_for_takeover(args.standby_of, config, lambda: shutdown.requested):
+            if not wait_for_takeover(args.standby_of, config, lambda: shutdown.requested, keys):
                 return 0
         daemon = BrokerDaemon(config, shutdown, keys)
     except ValueError as exc:   # SecurityError included
