@@ -2,45 +2,53 @@
 
 Life of a request through the engine::
 
-    add(VideoTask) ──▶ waiting (FIFO; one video is denoised at a time)
-        ──admit the head──▶ running VideoJob
-    VideoJob.phase: PROMPT (prompt embeddings, seeded latents, timesteps)
-                ──▶ DENOISE (one scheduler step per engine step)
-                ──▶ DECODE (the VAE, DECODE_FRAMES_PER_STEP frames per engine step)
-                ──▶ MUX (frames → an MP4 file) ──▶ VideoOutput
-    after every unit of work: a VideoProgress (percent of the job's units done)
+    add(VideoTask) ──▶ waiting (FIFO)
+        ──admit: the head plus up to max_batch_size-1 waiting tasks with the same batch key
+          (width, height, frames, steps, guidance scale)──▶ running VideoJob (row i: tasks[i])
+    VideoJob.phase: PROMPT (prompt embeddings of every row, seeded latents, timesteps)
+                ──▶ DENOISE (one scheduler step of the whole batch per engine step)
+                ──▶ DECODE (the VAE, DECODE_FRAMES_PER_STEP frames of every row per engine step)
+                ──▶ MUX (one row's frames → a file per engine step, at that request's fps) ──▶ VideoOutput
+    after every unit of work: a VideoProgress per row (percent of the job's units done)
 
 One call of :meth:`GenerateVideoEngine.step` does one unit of that work, so the worker's loop
-between calls takes new tasks, cancels requests and heartbeats even while a long video is made:
-a cancelled request stops at the next step boundary (its latents are dropped and the next job is
-admitted on the following step); a request past its deadline fails with ``deadline_exceeded``.
+between calls takes new tasks, cancels requests and heartbeats even while a long video is made.
+A cancelled request leaves the running batch at the next step boundary: its rows are cut out of
+the latents, the prompt embeddings and the scheduler's per-sample state (a multistep solver's
+history), and the other rows go on as if it had never been there; a request past its deadline
+fails with ``deadline_exceeded`` the same way. A failure of the batch's pipeline work fails every
+request of the batch (a mux failure only the request being encoded); waiting requests go on.
 
-Batching: none. A video's latents are already a batch of frames, and a diffusion video job is long
-enough that holding one request's frames while another finishes would only add latency; the
-worker's capacity bounds how many requests wait.
+Batching (``runtime.max_batch_size`` of the stage, or the worker's ``--capacity``; default 1):
+requests that can share one denoising loop — same size, frame count, step count and guidance scale
+— run as one batch, each row with its own prompt, negative prompt and seed; requests of other
+shapes wait for the next batch (never mixed, never overtaken by a later request of their own
+key). The fps only matters to the mux, so it is not part of the key.
 
-Determinism: the latents come from a CPU ``torch.Generator`` seeded with the request's seed, so
-the same seed and parameters give the same frames on any worker, and the encoder is run with one
-thread, so the same frames give the same file bytes. The frames equal those of
+Determinism: each request's latents come from its own CPU ``torch.Generator`` seeded with its seed
+(diffusers' list-of-generators form), so the same seed and parameters give the same frames on any
+worker and whatever shares the batch (bit-exact for a batch of one; in a larger batch float
+rounding can move a pixel by one), and the encoder runs with one thread, so the same frames give
+the same file bytes. A batch of one equals
 ``pipeline(prompt, num_frames=…, generator=torch.Generator().manual_seed(seed), output_type="np")``
 (the VAE decodes frame slices instead of all frames at once, which can move a pixel by float
 rounding).
 
 Runners: :class:`TextToVideoSDPipeline` (a UNet3D, a per-frame VAE, a scheduler and a CLIP text
 encoder) is driven step by step (:class:`StepwiseVideoRunner`); any other diffusers text-to-video
-pipeline runs through its own ``__call__`` in one engine step (:class:`WholeCallVideoRunner`), so
-it reports no progress in between and is not cancelled mid-denoise. ``WanPipeline`` (Wan 2.2, its
-two experts switched at ``boundary_ratio``, UniPC over flow sigmas) is driven step by step too
-(:class:`~.generate_wan.StepwiseWanRunner`, the whole clip decoded in one step); its sizes
-(multiples of VAE factor × patch) and frame counts (4k + 1) come from :mod:`omnirelay.dit_families`,
-which the gateway checks first.
+pipeline runs through its own ``__call__`` in one engine step (:class:`WholeCallVideoRunner`, a
+batch as lists of prompts and generators), so it reports no progress in between and is not
+cancelled mid-denoise. ``WanPipeline`` (Wan 2.2, its two experts switched at ``boundary_ratio``,
+UniPC over flow sigmas) is driven step by step too (:class:`~.wan.StepwiseWanRunner`, the whole
+clip decoded in one step); its sizes (multiples of VAE factor × patch) and frame counts (4k + 1)
+come from :mod:`omnirelay.dit_families`, which the gateway checks first.
 
 File format (:func:`encode_video`): H.264 in MP4 (``video/mp4``, yuv420p, CRF 18) through PyAV
 when it is installed — the format OpenAI's video API returns; without PyAV, a lossless animated
 WebP (``image/webp``) through Pillow, so a deployment without the encoder still serves playable
 video. The MIME type travels with the bytes.
 
-No sockets here; the role adapter (``generate_video_role.py``) turns outputs into bus messages.
+No sockets here; the role adapter (``video_role.py``) turns outputs into bus messages.
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ from omnirelay.workers.generate.image import load_pipeline
 
 log = logging.getLogger("omnirelay.worker.generate")
 
-DECODE_FRAMES_PER_STEP = 8     # VAE frames per engine step: bounds the time a cancel waits
+DECODE_FRAMES_PER_STEP = 8     # VAE frames (of every row) per engine step: bounds the time a cancel waits
 MP4_MIME, WEBP_MIME = "video/mp4", "image/webp"
 
 
@@ -113,30 +121,85 @@ class JobPhase(enum.Enum):
     MUX = "mux"
 
 
+def batch_key(params: VideoParams) -> tuple:
+    """What requests must share to run in one denoising loop: the latents' shape, the timesteps
+    and the guidance applied to every row."""
+    return params.width, params.height, params.num_frames, params.num_inference_steps, params.guidance_scale
+
+
 @dataclasses.dataclass
 class VideoJob:
-    """The running request. Tensors belong to the runner; ``frames`` collects decoded uint8 frames
+    """The running batch: row ``i`` of every tensor is ``tasks[i]`` (all of one :func:`batch_key`).
+    Tensors belong to the runner; ``frames[i]`` collects row ``i``'s decoded uint8 frames
     (num_frames × H × W × 3)."""
 
-    task: VideoTask
+    tasks: list[VideoTask]
     phase: JobPhase = JobPhase.PROMPT
     latents: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | None = None
-    generator: torch.Generator | None = None
+    negative_embeds: torch.Tensor | None = None     # under guidance
+    generators: list[torch.Generator] = dataclasses.field(default_factory=list)
     scheduler: object = None
     step_index: int = 0
-    frames: list[np.ndarray] = dataclasses.field(default_factory=list)
+    frames: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
     units_done: int = 0
 
     @property
     def params(self) -> VideoParams:
-        return self.task.params
+        """The head request's parameters: the shape, steps and guidance every row shares (prompts,
+        seeds and fps are per row, in ``tasks``)."""
+        return self.tasks[0].params
+
+    @property
+    def guided(self) -> bool:
+        return self.params.guidance_scale > 1.0
 
     @property
     def units_total(self) -> int:
-        """Prompt + denoising steps + decode slices + mux: the denominator of progress."""
+        """Prompt + denoising steps + decode slices + a row's mux: the denominator of progress."""
         slices = -(-self.params.num_frames // DECODE_FRAMES_PER_STEP)
         return 1 + self.params.num_inference_steps + slices + 1
+
+
+def keep_rows(job: VideoJob, rows: list[int], *, frames_in_scheduler_batch: bool = False) -> None:
+    """Cut every row not in ``rows`` out of a batch in flight: its task, generator, decoded frames,
+    latents, prompt embeddings and the scheduler's per-sample state. ``frames_in_scheduler_batch``:
+    the scheduler steps the latents as ``(rows·frames, C, H, W)`` (a per-frame scheduler) rather
+    than as they are."""
+    latents = job.latents
+    if latents is not None and job.scheduler is not None:
+        frames = latents.shape[2]
+        if frames_in_scheduler_batch:
+            b, c, f, h, w = latents.shape
+            sample_shape = (b * f, c, h, w)
+            sample_rows = [r * frames + k for r in rows for k in range(frames)]
+        else:
+            sample_shape, sample_rows = tuple(latents.shape), rows
+        _cut_scheduler_state(job.scheduler, sample_shape,
+                             torch.tensor(sample_rows, dtype=torch.long, device=latents.device))
+    job.tasks = [job.tasks[i] for i in rows]
+    job.generators = [job.generators[i] for i in rows] if job.generators else []
+    job.frames = [job.frames[i] for i in rows] if job.frames else []
+    for name in ("latents", "prompt_embeds", "negative_embeds"):
+        tensor = getattr(job, name)
+        if tensor is not None:
+            setattr(job, name, tensor.index_select(0, torch.tensor(rows, dtype=torch.long, device=tensor.device)))
+
+
+def _cut_scheduler_state(scheduler, sample_shape: tuple, index: torch.Tensor) -> None:
+    """Keep the ``index`` rows of every tensor the scheduler holds that is shaped as the sample it
+    steps (a multistep solver's past model outputs, UniPC's last sample): their rows are the
+    batch's rows. Tables of the schedule (sigmas, timesteps) never have that shape."""
+    def cut(value):
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == sample_shape:
+            return value.index_select(0, index.to(value.device))
+        return value
+
+    for name, value in list(vars(scheduler).items()):
+        if isinstance(value, torch.Tensor):
+            setattr(scheduler, name, cut(value))
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            setattr(scheduler, name, type(value)(cut(v) for v in value))
 
 
 # ---------------------------------------------------------------------------------------- runners
@@ -144,7 +207,7 @@ class VideoJob:
 
 class StepwiseVideoRunner:
     """Drives a ``TextToVideoSDPipeline`` one phase, denoising step or decode slice per call,
-    reproducing its ``__call__`` (eta 0, no cross-attention kwargs)."""
+    reproducing its ``__call__`` (eta 0, no cross-attention kwargs) over a batch of rows."""
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -153,24 +216,26 @@ class StepwiseVideoRunner:
     @torch.inference_mode()
     def advance(self, job: VideoJob) -> None:
         """Do the job's next unit of work; moves ``job.phase`` on (to MUX once every frame is decoded)."""
-        pipe, params = self.pipe, job.params
-        guided = params.guidance_scale > 1.0
+        pipe, params, guided = self.pipe, job.params, job.guided
         if job.phase is JobPhase.PROMPT:
-            positive, negative = pipe.encode_prompt(params.prompt, self.device, 1, guided,
-                                                    params.negative_prompt or None)
-            job.prompt_embeds = torch.cat([negative, positive]) if guided else positive
-            job.generator = torch.Generator().manual_seed(params.seed)
+            tasks = job.tasks
+            positive, negative = pipe.encode_prompt([t.params.prompt for t in tasks], self.device, 1, guided,
+                                                    [t.params.negative_prompt for t in tasks])
+            job.prompt_embeds, job.negative_embeds = positive, negative
+            job.generators = [torch.Generator().manual_seed(t.params.seed) for t in tasks]
             job.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
             job.scheduler.set_timesteps(params.num_inference_steps, device=self.device)
-            job.latents = pipe.prepare_latents(1, pipe.unet.config.in_channels, params.num_frames, params.height,
-                                               params.width, positive.dtype, self.device, job.generator)
+            job.latents = pipe.prepare_latents(len(tasks), pipe.unet.config.in_channels, params.num_frames,
+                                               params.height, params.width, positive.dtype, self.device,
+                                               job.generators)
             job.phase = JobPhase.DENOISE
         elif job.phase is JobPhase.DENOISE:
             scheduler = job.scheduler
             t = scheduler.timesteps[job.step_index]
             latents = job.latents
             model_input = scheduler.scale_model_input(torch.cat([latents] * 2) if guided else latents, t)
-            noise = pipe.unet(model_input, t, encoder_hidden_states=job.prompt_embeds, return_dict=False)[0]
+            embeds = torch.cat([job.negative_embeds, job.prompt_embeds]) if guided else job.prompt_embeds
+            noise = pipe.unet(model_input, t, encoder_hidden_states=embeds, return_dict=False)[0]
             if guided:
                 uncond, text = noise.chunk(2)
                 noise = uncond + params.guidance_scale * (text - uncond)
@@ -178,41 +243,54 @@ class StepwiseVideoRunner:
             b, c, f, h, w = latents.shape
             flat = latents.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
             noise = noise.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
-            extra = pipe.prepare_extra_step_kwargs(job.generator, 0.0)
+            # eta 0: a deterministic scheduler draws nothing. One that draws (ancestral) gets the head
+            # row's generator, since its draws span every row's frames at once.
+            extra = pipe.prepare_extra_step_kwargs(job.generators[0], 0.0)
             flat = scheduler.step(noise, t, flat, **extra).prev_sample
             job.latents = flat[None, :].reshape(b, f, c, h, w).permute(0, 2, 1, 3, 4)
             job.step_index += 1
             if job.step_index >= len(scheduler.timesteps):
                 job.phase = JobPhase.DECODE
         elif job.phase is JobPhase.DECODE:
-            start = len(job.frames)
+            if not job.frames:
+                job.frames = [[] for _ in job.tasks]
+            start = len(job.frames[0])
             part = job.latents[:, :, start:start + DECODE_FRAMES_PER_STEP]
             video = pipe.video_processor.postprocess_video(video=pipe.decode_latents(part), output_type="np")
-            job.frames.extend(to_uint8(video[0]))
-            if len(job.frames) >= params.num_frames:
+            for row, frames in zip(job.frames, video):
+                row.extend(to_uint8(frames))
+            if len(job.frames[0]) >= params.num_frames:
                 job.phase = JobPhase.MUX
-                job.latents = job.prompt_embeds = None   # free them before the encoder runs
+                job.latents = job.prompt_embeds = job.negative_embeds = None   # free them before the encoder runs
         else:
             raise AssertionError(f"runner asked to advance a job in phase {job.phase}")
 
+    def keep_rows(self, job: VideoJob, rows: list[int]) -> None:
+        keep_rows(job, rows, frames_in_scheduler_batch=True)
+
 
 class WholeCallVideoRunner:
-    """Any text-to-video pipeline: one ``pipeline(...)`` call per job, in one engine step."""
+    """Any text-to-video pipeline: one ``pipeline(...)`` call per batch (lists of prompts and
+    generators), in one engine step."""
 
     def __init__(self, pipe):
         self.pipe = pipe
 
     @torch.inference_mode()
     def advance(self, job: VideoJob) -> None:
-        params = job.params
-        kwargs = dict(prompt=params.prompt, num_frames=params.num_frames, width=params.width, height=params.height,
-                      num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-                      generator=torch.Generator().manual_seed(params.seed), output_type="np")
-        if params.negative_prompt:
-            kwargs["negative_prompt"] = params.negative_prompt
-        frames = self.pipe(**kwargs).frames[0]
-        job.frames = list(to_uint8(np.asarray(frames)))
+        params, tasks = job.params, job.tasks
+        kwargs = dict(prompt=[t.params.prompt for t in tasks], num_frames=params.num_frames, width=params.width,
+                      height=params.height, num_inference_steps=params.num_inference_steps,
+                      guidance_scale=params.guidance_scale,
+                      generator=[torch.Generator().manual_seed(t.params.seed) for t in tasks], output_type="np")
+        if any(t.params.negative_prompt for t in tasks):
+            kwargs["negative_prompt"] = [t.params.negative_prompt for t in tasks]
+        videos = self.pipe(**kwargs).frames
+        job.frames = [to_uint8(np.asarray(frames)) for frames in videos]
         job.phase = JobPhase.MUX
+
+    def keep_rows(self, job: VideoJob, rows: list[int]) -> None:
+        keep_rows(job, rows)
 
 
 def runner_for(pipe):
@@ -280,12 +358,16 @@ def _encode_webp(frames: list[np.ndarray], fps: int) -> bytes:
 
 
 class GenerateVideoEngine:
-    """Owns the pipeline, the waiting tasks and the running job. Not thread-safe: the worker's
+    """Owns the pipeline, the waiting tasks and the running batch. Not thread-safe: the worker's
     loop calls :meth:`add`, :meth:`cancel` and :meth:`step` from one thread."""
 
-    def __init__(self, pipe, *, runner=None, encoder: str | None = None, clock: Callable[[], float] = time.time):
+    def __init__(self, pipe, *, max_batch_size: int = 1, runner=None, encoder: str | None = None,
+                 clock: Callable[[], float] = time.time):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
         self.pipe = pipe
         self.runner = runner or runner_for(pipe)
+        self.max_batch_size = max_batch_size
         self.encoder = encoder or video_encoder()
         self.clock = clock
         # Wan: sizes in multiples of VAE factor × patch, frames 4k + 1 (omnirelay.dit_families)
@@ -294,6 +376,7 @@ class GenerateVideoEngine:
         self.patch_size = self.family.size_multiple // self.vae_scale_factor if self.family else 1
         self.waiting: collections.deque[VideoTask] = collections.deque()
         self.job: VideoJob | None = None
+        # batches / batches_of_<n>: the denoising loops run and how many requests each held
         self.stats: collections.Counter[str] = collections.Counter()
 
     @classmethod
@@ -309,11 +392,13 @@ class GenerateVideoEngine:
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + (self.job is not None)
+        return len(self.waiting) + (len(self.job.tasks) if self.job is not None else 0)
+
+    def _running(self, request_id: str) -> bool:
+        return self.job is not None and any(t.request_id == request_id for t in self.job.tasks)
 
     def holds(self, request_id: str) -> bool:
-        return (self.job is not None and self.job.task.request_id == request_id) or \
-            any(t.request_id == request_id for t in self.waiting)
+        return self._running(request_id) or any(t.request_id == request_id for t in self.waiting)
 
     def add(self, task: VideoTask) -> None:
         """Queue a request. Raises :class:`BadRequest` for a size this model cannot make and
@@ -329,64 +414,107 @@ class GenerateVideoEngine:
         self.waiting.append(task)
 
     def cancel(self, request_id: str) -> bool:
-        """Forget a request wherever it is; returns whether it was held (unknown ids are ignored)."""
+        """Forget a request wherever it is; returns whether it was held (unknown ids are ignored).
+        The other rows of its batch go on."""
         held = self.holds(request_id)
-        self.waiting = collections.deque(t for t in self.waiting if t.request_id != request_id)
-        if self.job is not None and self.job.task.request_id == request_id:
+        if self._running(request_id):
             self.stats["cancelled_running"] += 1
-            self.job = None
+        self._drop(request_id)
         return held
+
+    def _drop(self, request_id: str) -> None:
+        self.waiting = collections.deque(t for t in self.waiting if t.request_id != request_id)
+        job = self.job
+        if job is None or not any(t.request_id == request_id for t in job.tasks):
+            return
+        rows = [i for i, t in enumerate(job.tasks) if t.request_id != request_id]
+        if rows:
+            self.runner.keep_rows(job, rows)
+        else:
+            self.job = None
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> StepOutput:
-        """One unit of work: admit the next job if none runs, then advance it by one unit."""
+        """One unit of work: admit a batch if none runs, then advance it by one unit."""
         out = StepOutput()
         self._expire(out)
         if self.job is None:
-            if not self.waiting:
+            self.job = self._admit()
+            if self.job is None:
                 return out
-            self.job = VideoJob(self.waiting.popleft())
         job = self.job
         phase = job.phase
-        request_id = job.task.request_id
-        try:
-            if phase is JobPhase.MUX:
-                data, mime = encode_video(job.frames, job.params.fps, self.encoder)
-            else:
-                self.runner.advance(job)
-        except torch.OutOfMemoryError as exc:
-            self._fail(out, request_id, "out_of_memory", f"out of memory generating video: {exc}")
+        if phase is JobPhase.MUX:
+            self._mux_one(job, out)
             return out
-        except Exception as exc:   # a bug or a pipeline we cannot drive: fail this request, keep serving
-            log.exception("video job %s failed in phase %s", request_id, phase.value)
-            self._fail(out, request_id, "internal_error", f"video generation failed: {type(exc).__name__}: {exc}")
+        try:
+            self.runner.advance(job)
+        except torch.OutOfMemoryError as exc:
+            self._fail_job(job, out, "out_of_memory", f"out of memory generating video: {exc}")
+            return out
+        except Exception as exc:   # a bug or a pipeline we cannot drive: fail this batch, keep serving
+            log.exception("video batch %s failed in phase %s", [t.request_id for t in job.tasks], phase.value)
+            self._fail_job(job, out, "internal_error", f"video generation failed: {type(exc).__name__}: {exc}")
             return out
         self.stats[f"{phase.value}_steps"] += 1
         job.units_done += 1
-        if phase is not JobPhase.MUX:
-            out.progress.append(VideoProgress(request_id, min(99, 100 * job.units_done // job.units_total)))
-            return out
-        self.job = None
-        self.stats["videos_generated"] += 1
-        self.stats["frames_generated"] += len(job.frames)
-        out.videos.append(VideoOutput(request_id, data, mime, len(job.frames)))
+        percent = min(99, 100 * job.units_done // job.units_total)
+        out.progress.extend(VideoProgress(t.request_id, percent) for t in job.tasks)
         return out
+
+    def _mux_one(self, job: VideoJob, out: StepOutput) -> None:
+        """Encode the batch's first row to a file and let it leave the batch."""
+        task, frames = job.tasks[0], job.frames[0]
+        try:
+            data, mime = encode_video(frames, task.params.fps, self.encoder)
+        except Exception as exc:   # this request's file only; the other rows are encoded on their own
+            log.exception("video %s could not be encoded", task.request_id)
+            self._fail(out, task.request_id, "internal_error", f"video encoding failed: {type(exc).__name__}: {exc}")
+            return
+        self.stats["mux_steps"] += 1
+        self.stats["videos_generated"] += 1
+        self.stats["frames_generated"] += len(frames)
+        self._drop(task.request_id)
+        out.videos.append(VideoOutput(task.request_id, data, mime, len(frames)))
+
+    def _admit(self) -> VideoJob | None:
+        """The head waiting task plus the next waiting ones of its batch key, up to max_batch_size;
+        the others keep their order."""
+        if not self.waiting:
+            return None
+        head = self.waiting.popleft()
+        key = batch_key(head.params)
+        tasks, rest = [head], collections.deque()
+        for task in self.waiting:
+            if len(tasks) < self.max_batch_size and batch_key(task.params) == key:
+                tasks.append(task)
+            else:
+                rest.append(task)
+        self.waiting = rest
+        self.stats["batches"] += 1
+        self.stats[f"batches_of_{len(tasks)}"] += 1
+        return VideoJob(tasks)
 
     def _expire(self, out: StepOutput) -> None:
         now = self.clock()
         for task in [t for t in self.waiting if now > t.deadline]:
             self._fail(out, task.request_id, "deadline_exceeded", "deadline passed while waiting to generate video")
-        if self.job is not None and now > self.job.task.deadline:
-            self._fail(out, self.job.task.request_id, "deadline_exceeded", "deadline passed while generating video")
+        if self.job is not None:
+            for task in [t for t in self.job.tasks if now > t.deadline]:
+                self._fail(out, task.request_id, "deadline_exceeded", "deadline passed while generating video")
+
+    def _fail_job(self, job: VideoJob, out: StepOutput, error_type: str, message: str) -> None:
+        self.job = None
+        for task in job.tasks:
+            self.stats[f"failed_{error_type}"] += 1
+            out.failed.append(VideoFailure(task.request_id, error_type, message))
 
     def _fail(self, out: StepOutput, request_id: str, error_type: str, message: str) -> None:
-        self.waiting = collections.deque(t for t in self.waiting if t.request_id != request_id)
-        if self.job is not None and self.job.task.request_id == request_id:
-            self.job = None
+        self._drop(request_id)
         self.stats[f"failed_{error_type}"] += 1
         out.failed.append(VideoFailure(request_id, error_type, message))
 
     def load(self) -> dict:
-        """Load figures for heartbeats: the running video and those waiting."""
-        return {"running": int(self.job is not None), "waiting": len(self.waiting)}
+        """Load figures for heartbeats: the videos in the running batch and those waiting."""
+        return {"running": len(self.job.tasks) if self.job is not None else 0, "waiting": len(self.waiting)}

@@ -1,39 +1,44 @@
 """Wan text-to-video driven one unit of work per engine step (the video engine's runner for
 ``WanPipeline``).
 
-A job crosses the phases of :class:`~.generate_video.VideoJob` as any stepwise video job does::
+A batch crosses the phases of :class:`~.video.VideoJob` as any stepwise video batch does::
 
-    PROMPT   UMT5 embeddings of the prompt (and of the negative prompt under guidance), seeded
-             latents (1, C, (F-1)/4 + 1, H/8, W/8), a scheduler of the job's own (UniPC state is per job)
+    PROMPT   UMT5 embeddings of every row's prompt (and of its negative prompt under guidance),
+             latents (rows, C, (F-1)/4 + 1, H/8, W/8), row i drawn from its own seeded generator,
+             a scheduler of the batch's own (UniPC state is per batch)
     DENOISE  one scheduler step per engine step: the high-noise expert (``transformer``) while the
              timestep is at or above ``boundary_ratio`` × the training steps, the low-noise expert
              (``transformer_2``) below it (Wan 2.2 A14B; a Wan 2.1 directory has one expert); the
-             conditional and unconditional passes are two calls, as the pipeline makes them
-    DECODE   the causal 3D VAE over the whole clip in one step (its temporal cache runs from the
-             first frame, so it does not decode slices on its own)
+             conditional and unconditional passes are two calls over all rows, as the pipeline
+             makes them
+    DECODE   the causal 3D VAE over the whole clip of every row in one step (its temporal cache
+             runs from the first frame, so it does not decode slices on its own)
     MUX      the engine's, as for every video
 
-So a Wan job reports progress after every step, a cancel stops it at the next step boundary, and
-the worker's loop heartbeats in between — where ``WanPipeline.__call__`` would hold the loop for
-the whole clip. The result equals ``pipeline(prompt, negative_prompt=…, height, width, num_frames,
+So a Wan batch reports progress after every step, a cancel takes its request's row out at the
+next step boundary (:func:`~.video.keep_rows` also cuts the rows of UniPC's history), and the
+worker's loop heartbeats in between — where ``WanPipeline.__call__`` would hold the loop for the
+whole clip. A batch of one equals ``pipeline(prompt, negative_prompt=…, height, width, num_frames,
 num_inference_steps, guidance_scale, generator=torch.Generator().manual_seed(seed), output_type="np")``
-(same operations in the same order; ``tests/test_wan.py`` checks it bit for bit).
+(same operations in the same order; ``tests/test_wan.py`` checks it bit for bit); a larger batch
+gives each row the frames of its batch of one up to float rounding (``tests/test_video_batching.py``).
 
 Scope: text to video with ``expand_timesteps`` off (the A14B and 2.1 checkpoints); the TI2V-5B
-layout (per-token timesteps) goes through the pipeline's own call (:func:`.generate_video.runner_for`).
+layout (per-token timesteps) goes through the pipeline's own call (:func:`.video.runner_for`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from omnirelay.workers.generate.video import JobPhase, VideoJob, to_uint8
+from omnirelay.workers.generate.video import JobPhase, VideoJob, keep_rows, to_uint8
 
 MAX_TEXT_TOKENS = 512    # what WanPipeline.__call__ pads prompts to (encode_prompt's own default is 226)
 
 
 class StepwiseWanRunner:
-    """Drives a ``WanPipeline`` one phase or denoising step per call, reproducing its ``__call__``."""
+    """Drives a ``WanPipeline`` one phase or denoising step per call, reproducing its ``__call__``
+    over a batch of rows."""
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -45,21 +50,21 @@ class StepwiseWanRunner:
     @torch.inference_mode()
     def advance(self, job: VideoJob) -> None:
         """Do the job's next unit of work; moves ``job.phase`` on (to MUX once the clip is decoded)."""
-        pipe, params = self.pipe, job.params
-        guided = params.guidance_scale > 1.0
+        pipe, params, guided = self.pipe, job.params, job.guided
         if job.phase is JobPhase.PROMPT:
+            tasks = job.tasks
             positive, negative = pipe.encode_prompt(
-                prompt=params.prompt, negative_prompt=params.negative_prompt or None,
+                prompt=[t.params.prompt for t in tasks], negative_prompt=[t.params.negative_prompt for t in tasks],
                 do_classifier_free_guidance=guided, num_videos_per_prompt=1, device=self.device,
                 max_sequence_length=MAX_TEXT_TOKENS)
-            # row 0: the prompt; row 1 (guided): the negative prompt, run as a call of its own
-            job.prompt_embeds = torch.cat([positive, negative] if guided else [positive]).to(self.dtype)
+            job.prompt_embeds = positive.to(self.dtype)
+            job.negative_embeds = negative.to(self.dtype) if guided else None
             job.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
             job.scheduler.set_timesteps(params.num_inference_steps, device=self.device)
             job.scheduler.set_begin_index(0)
-            job.generator = torch.Generator().manual_seed(params.seed)
-            job.latents = pipe.prepare_latents(1, self.in_channels, params.height, params.width, params.num_frames,
-                                               torch.float32, self.device, job.generator)
+            job.generators = [torch.Generator().manual_seed(t.params.seed) for t in tasks]
+            job.latents = pipe.prepare_latents(len(tasks), self.in_channels, params.height, params.width,
+                                               params.num_frames, torch.float32, self.device, job.generators)
             job.phase = JobPhase.DENOISE
         elif job.phase is JobPhase.DENOISE:
             scheduler = job.scheduler
@@ -68,10 +73,10 @@ class StepwiseWanRunner:
             latents = job.latents
             inputs = latents.to(self.dtype)
             timestep = t.expand(latents.shape[0])
-            noise = model(hidden_states=inputs, timestep=timestep, encoder_hidden_states=job.prompt_embeds[:1],
+            noise = model(hidden_states=inputs, timestep=timestep, encoder_hidden_states=job.prompt_embeds,
                           return_dict=False)[0]
             if guided:
-                uncond = model(hidden_states=inputs, timestep=timestep, encoder_hidden_states=job.prompt_embeds[1:],
+                uncond = model(hidden_states=inputs, timestep=timestep, encoder_hidden_states=job.negative_embeds,
                                return_dict=False)[0]
                 noise = uncond + params.guidance_scale * (noise - uncond)
             job.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
@@ -85,12 +90,14 @@ class StepwiseWanRunner:
             mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
             inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
             video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
-            frames = pipe.video_processor.postprocess_video(video, output_type="np")
-            job.frames = to_uint8(frames[0])
+            job.frames = [to_uint8(frames) for frames in pipe.video_processor.postprocess_video(video, output_type="np")]
             job.phase = JobPhase.MUX
-            job.latents = job.prompt_embeds = None   # free them before the encoder runs
+            job.latents = job.prompt_embeds = job.negative_embeds = None   # free them before the encoder runs
         else:
             raise AssertionError(f"runner asked to advance a job in phase {job.phase}")
+
+    def keep_rows(self, job: VideoJob, rows: list[int]) -> None:
+        keep_rows(job, rows)   # UniPC steps the latents as they are: its history's rows are the batch's
 
     def _expert(self, t: torch.Tensor, train_steps: int):
         """The transformer for timestep ``t``: Wan 2.2 hands over from the high-noise expert to the
