@@ -115,13 +115,15 @@ class GenerateVideoRole(RoleAdapter):
 def build_generate_video_role(config: WorkerConfig) -> tuple[GenerateVideoRole, Callable[[], dict]]:
     """The role adapter and heartbeat-stats function for a generate worker whose
     ``config.model_path`` is a diffusers text-to-video pipeline, loaded in ``config.dtype``.
-    ``config.capacity`` bounds the requests held (one is denoised at a time). Runs on the first
+    ``config.capacity`` (by default the stage's ``runtime.max_batch_size``, 1 for diffusion) bounds
+    both the requests held and the videos of one shape denoised together. Runs on the first
     CUDA device when there is one."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = GenerateVideoEngine.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype), device=device)
+    engine = GenerateVideoEngine.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype), device=device,
+                                                 max_batch_size=config.capacity)
     denoiser = engine.pipe.components.get("unet") or engine.pipe.components.get("transformer")
     weights = next(denoiser.parameters())
-    log.info("generate worker (video): %s (%s, runner %s) on %s, denoiser weights %s, encoder %s, holds up to %d",
+    log.info("generate worker (video): %s (%s, runner %s) on %s, denoiser weights %s, encoder %s, batch up to %d",
              config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights.dtype,
              engine.encoder, config.capacity)
     weight_bits = weights.element_size() * 8

@@ -90,7 +90,8 @@ class StepwiseWanRunner:
             mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
             inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
             video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
-            job.frames = [to_uint8(frames) for frames in pipe.video_processor.postprocess_video(video, output_type="np")]
+            videos = pipe.video_processor.postprocess_video(video, output_type="np")
+            job.frames = [to_uint8(frames) for frames in videos]
             job.phase = JobPhase.MUX
             job.latents = job.prompt_embeds = job.negative_embeds = None   # free them before the encoder runs
         else:
