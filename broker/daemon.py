@@ -37,11 +37,22 @@ _get_option = zmq.backend.Socket.get
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
+# What a gateway sends: held back during a take-over's warm-up (see BrokerDaemon).
+_GATEWAY_MESSAGES = (p.GatewayHello, p.Submit, p.Cancel)
+
+
 class BrokerDaemon:
-    def __init__(self, config: BrokerConfig, shutdown: Shutdown | None = None, keys: CurveKeys | None = None):
+    def __init__(self, config: BrokerConfig, shutdown: Shutdown | None = None, keys: CurveKeys | None = None,
+                 warm_up_s: float = 0.0):
+        """``warm_up_s``: for this long after binding, hold the gateways' messages back (and then
+        hand them to the core in order) while the workers find this broker and register. A standby
+        that takes over starts with no workers, and would otherwise fail every request resubmitted
+        in its first moments as ``unavailable`` (no live worker) instead of resuming it."""
         require_curve_off_loopback(keys, config.endpoint)
         self.config = config
         self.core = BrokerCore(config)
+        self._warm_until = time.time() + warm_up_s if warm_up_s > 0 else 0.0
+        self._held: list = []
         self.shutdown = shutdown or Shutdown()
         self._ctx = zmq.Context()
         self._auth = start_authenticator(self._ctx, keys) if keys else None
@@ -68,6 +79,8 @@ class BrokerDaemon:
                 if poller.poll(tick_ms):
                     self._drain_socket()
                 now = time.time()
+                if self._warm_until and now >= self._warm_until:
+                    self._end_warm_up(now)
                 if now >= next_tick:
                     try:
                         self._send(self.core.tick(now))
@@ -81,8 +94,22 @@ class BrokerDaemon:
                 self._auth.stop()
             self._ctx.term()
 
+    def _end_warm_up(self, now: float) -> None:
+        held, self._held, self._warm_until = self._held, [], 0.0
+        log.info("warm-up over with %d workers registered: handing on %d held gateway messages",
+                 len(self.core.workers), len(held))
+        out: list = []
+        for identity, msg in held:
+            try:
+                out += self.core.on_message(identity, msg, now)
+            except Exception:   # the same rule as in _drain_socket
+                log.exception("broker failed handling %s", type(msg).__name__)
+                self.core.counters["handler_errors"] += 1
+        self._send(out)
+
     def _drain_socket(self, budget: int = 2048) -> None:
         sock, core, decode, clock = self._sock, self.core, p.decode, time.time
+        warming = self._warm_until > 0
         # Replies wait until the pass has read what is queued: libzmq's I/O thread then writes them
         # out in a few syscalls instead of being woken for every reply or two, and each peer gets
         # its replies in one burst (in the benchmark: half the context switches, ~1.3x the messages
@@ -113,6 +140,9 @@ class BrokerDaemon:
             except p.ProtocolError as exc:
                 core.counters["malformed_messages"] += 1
                 pending.append((identity, p.ErrorReply("malformed_message", str(exc)[:500])))
+                continue
+            if warming and isinstance(msg, _GATEWAY_MESSAGES):
+                self._held.append((identity, msg))
                 continue
             try:
                 pending += core.on_message(identity, msg, clock())
@@ -211,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"omni-broker standby of {args.standby_of}", flush=True)
             if not wait_for_takeover(args.standby_of, config, lambda: shutdown.requested, keys):
                 return 0
-        daemon = BrokerDaemon(config, shutdown, keys)
+        # After a take-over the workers reach us within a reconnect interval (<= 1 s) and register at
+        # their next heartbeat: two heartbeat intervals cover both.
+        daemon = BrokerDaemon(config, shutdown, keys,
+                              warm_up_s=2 * config.heartbeat_interval_s if args.standby_of else 0.0)
     except ValueError as exc:   # SecurityError included
         parser.error(str(exc))
     print(f"omni-broker ready on {daemon.endpoint}", flush=True)

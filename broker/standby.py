@@ -7,7 +7,10 @@ A is up (B is not bound, so never connected), to B once B binds. From there on i
 broker restart today: the new broker knows nobody, so it answers a worker's heartbeat or credit with
 ``Reregister`` and the worker registers again (its ``held`` requests the new broker does not know are
 cancelled), and a gateway's next ``GatewayHello`` gets a ``HelloAck`` with another broker id, which
-makes it resume its open streams on the new broker. Nothing is replicated between the two.
+makes it resume its open streams on the new broker. Nothing is replicated between the two. One
+difference from a restart: the new broker holds the gateways' messages back for two heartbeat
+intervals (``BrokerDaemon(warm_up_s=…)``), so that the streams resumed in its first moments find the
+workers registered instead of failing as ``unavailable``.
 
 Repeated failover: the pair is symmetric. Each broker names the other (``--endpoint A --standby-of
 B`` and ``--endpoint B --standby-of A``), and whichever dies is restarted with its same command line

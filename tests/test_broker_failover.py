@@ -1,6 +1,7 @@
 """Repeated broker failover: a symmetric pair (each broker ``--standby-of`` the other) survives kill -9
 of the active, then, once the dead one has come back with its same command line as the survivor's
-standby, kill -9 of the new active; and the standby's watch works over CURVE.
+standby, kill -9 of the new active; the standby's watch works over CURVE; and a broker that took
+over holds the gateways' messages until its workers have registered.
 
 The load is streamed through the official ``openai`` client (its raw SSE lines, so that an error
 event's whole body, ``request_id`` and ``stage`` included, can be judged). Every request must
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -24,6 +26,9 @@ import zmq
 
 from cluster import TOPICS, Cluster, assert_contract, classify, free_tcp_endpoint, is_structured_error
 from omnirelay.broker import protocol as p
+from omnirelay.broker.config import BrokerConfig
+from omnirelay.broker.daemon import BrokerDaemon
+from omnirelay.lifecycle import Shutdown
 from omnirelay.security import CurveKeys, keygen_main
 
 N_PROMPTS, CONCURRENCY, MAX_TOKENS = 32, 8, 24
@@ -181,7 +186,8 @@ def test_kill9_active_twice_under_streaming_load(tiny_model, tmp_path):
         cluster.wait_for_workers(2)
         assert sorted(w["role"] for w in cluster.workers()) == ["decode", "prefill"]
         gateway = next(proc for proc in cluster.procs if proc.name.endswith("gateway"))
-        assert gateway.output().count("broker restarted; resuming") >= 2   # it followed both take-overs
+        # It followed both take-overs (each time a new broker id: its open streams resumed).
+        assert len(re.findall(r"broker restarted; resuming \d+ open requests", gateway.output())) == 2
         after = asyncio.run(_load(cluster.url, N_PROMPTS))
         assert [r[0] for r in after] == ["completed"] * N_PROMPTS
         assert [r[1] for r in after] == baseline
@@ -243,3 +249,50 @@ def test_standby_with_curve_refuses_a_key_its_active_would_not_admit(tmp_path, c
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "public certificate is not in" in result.stderr
+
+
+def test_a_broker_that_took_over_holds_gateway_messages_until_its_workers_registered(tmp_path):
+    """Right after a take-over the broker knows no worker: a resubmitted request would fail at once
+    as ``unavailable``. During the warm-up the gateway's messages wait (HelloAck included) and then
+    reach the core in order, after the worker that registered meanwhile."""
+    model, far = "m", time.time() + 600
+    shutdown = Shutdown()
+    daemon = BrokerDaemon(BrokerConfig(endpoint=f"ipc://{tmp_path}/broker", liveness_s=60.0), shutdown, warm_up_s=5.0)
+    runner = threading.Thread(target=daemon.run, name="broker-daemon")
+    runner.start()
+    ctx = zmq.Context()
+    socks = []
+
+    def dealer(identity: bytes) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(daemon.endpoint)
+        socks.append(sock)
+        return sock
+
+    def recv(sock: zmq.Socket, timeout_s: float = 30.0):
+        assert sock.poll(int(timeout_s * 1000)), "no reply"
+        return p.decode(sock.recv_multipart())
+
+    try:
+        gateway, worker = dealer(b"gw-1"), dealer(b"w1")
+        gateway.send_multipart(p.encode(p.GatewayHello("gw-1")))
+        gateway.send_multipart(p.encode(p.Submit("r1", model, ["prefill"], [1, 2], {}, far, "ipc://reply")))
+        gateway.send_multipart(p.encode(p.StatusQuery(1)))   # answered at once: the gateway sees no worker yet
+        assert recv(gateway) == p.StatusReply(1, [], {})
+        for msg in (p.Register("w1", "prefill", model, capacity=2), p.Credit("w1", 2), p.StatusQuery(2)):
+            worker.send_multipart(p.encode(msg))
+        assert [w["worker_id"] for w in recv(worker).workers] == ["w1"]
+        assert not gateway.poll(0)   # the hello waits for the warm-up's end
+
+        task = recv(worker)
+        assert isinstance(task, p.Task) and task.request_id == "r1"   # dispatched, not failed as unavailable
+        assert isinstance(recv(gateway), p.HelloAck)
+    finally:
+        shutdown.request()
+        runner.join(30)
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+    assert not runner.is_alive()
