@@ -72,8 +72,10 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         # The engine first: closing it joins its synthesis thread before the connector goes.
         return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine, connector))
     if config.role == "generate" and is_video_pipeline(config.model_path):   # no KV cache, no connector yet
-        role, stats = build_generate_video_role(config)
-        return WorkerRuntime(config, role, stats, shutdown, keys)
+        role, stats = build_generate_video_role(config, on_lost=on_fatal)
+        # Owned: closing the group stops ranks 1..N-1 of a sequence-parallel Wan worker.
+        owned = (role.sequence_parallel,) if role.sequence_parallel is not None else ()
+        return WorkerRuntime(config, role, stats, shutdown, keys, owned=owned)
     if config.role == "generate":   # a text-to-image diffusers pipeline directory
         role, stats = build_generate_role(config, on_lost=on_fatal)
         # The engine is owned: closing it stops ranks 1..N-1 of a sequence-parallel group.
@@ -184,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="MoE models: the tensor-parallel ranks hold whole experts (contiguous blocks) and "
                              "exchange tokens by all-to-all (default: the stage's engine_args.enable_expert_parallel)")
     parser.add_argument("--sequence-parallel-size", type=int, default=None,
-                        help="generate: ranks splitting a diffusion transformer's image tokens "
-                             "(default: the stage's engine_args.sequence_parallel_size, else 1)")
+                        help="generate: ranks splitting a diffusion transformer's image or video tokens "
+                             "(SD3, Z-Image, Wan; default: the stage's engine_args.sequence_parallel_size, else 1)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=WorkerConfig.max_num_batched_tokens,
                         help="prefill tokens per step; longer prompts are chunked")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill recomputes every prompt")

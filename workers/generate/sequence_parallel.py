@@ -16,7 +16,8 @@ same order; only the query batch differs), which ``tests/test_sequence_parallel.
 
 Scope: the MMDiT transformer of Stable Diffusion 3 (:class:`diffusers.SD3Transformer2DModel`,
 joint attention, no dual attention, no skip layers, no ControlNet residuals). The token count
-(``(H/patch)·(W/patch)``) must divide by the group size. This module is the kernel of SP; a
+(``(H/patch)·(W/patch)``) must divide by the group size. This module is the kernel of SP for SD3
+(Z-Image's and Wan's are :mod:`.sequence_parallel_zimage` and :mod:`.sequence_parallel_wan`); a
 generate worker runs it over its ranks with ``--sequence-parallel-size N``
 (:mod:`omnirelay.workers.generate.sequence_parallel_group`: rank 0 broadcasts each forward's inputs to
 ranks 1..N-1, which follow the pipeline's denoising loop call by call).

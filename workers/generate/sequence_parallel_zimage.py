@@ -18,9 +18,9 @@ work — run 1/world of the tokens each. The result equals the single-rank forwa
 rounding, which ``tests/test_sequence_parallel_dit.py`` checks with prompts of different lengths.
 
 Scope: :class:`diffusers.ZImageTransformer2DModel` in text-to-image mode (no Omni/SigLIP inputs, no
-ControlNet residuals). Any token count works: the sequence is padded to split evenly. What is not
-here yet: the generate worker's rank group (:mod:`.sequence_parallel_group`) drives only the SD3
-kernel; running this one over it (a list of latents and captions per forward) is the remaining step.
+ControlNet residuals). Any token count works: the sequence is padded to split evenly. A generate
+worker runs it over its ranks with ``--sequence-parallel-size N`` (:mod:`.sequence_parallel_group`,
+:mod:`.sequence_parallel_kernels`).
 """
 
 from __future__ import annotations
