@@ -84,3 +84,35 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["counts"]["prefill"] >= 3 and data["frontier"]
     assert main(["--profile", str(path), "--rate", "40", "--ttft-p90", "0.01", "--itl-p90", "0.03"]) == 1
+
+
+def test_workers_sharing_a_hosts_cores_follow_the_measured_curve(tmp_path):
+    """Two prefill workers on a 2-core host completed 1.6× one worker's requests, not 2× (the figures
+    are of the kind test_plan_real measures). The planner takes the measured curve: the rate one
+    worker cannot carry needs two, a rate two cannot carry at max_utilisation is infeasible on this
+    host (no third worker: the cores are spent), and the per-request prefill is slowed by the sharing."""
+    shared = Profile(prefill_rps=5.0, prefill_s=0.2, itl_base_s=0.01, itl_per_seq_s=0.002, decode_capacity=8,
+                     prefill_rps_by_workers={1: 5.0, 2: 8.0})
+    independent = Profile(prefill_rps=5.0, prefill_s=0.2, itl_base_s=0.01, itl_per_seq_s=0.002, decode_capacity=8,
+                          prefill_rps_by_workers={1: 5.0})
+    from omnirelay.fleet.planner import _ttft, prefill_throughput
+    assert [prefill_throughput(p, shared) for p in (1, 2, 3, 8)] == [5.0, 8.0, 8.0, 8.0]
+    assert [prefill_throughput(p, independent) for p in (1, 2, 3)] == [5.0, 10.0, 15.0]
+    slo = Slo(ttft_p90_s=2.0, itl_p90_s=0.1)
+    result = plan(shared, Workload(rate=6.0, output_len=8), slo)
+    assert result.counts["prefill"] == 2 and result.bottleneck == "prefill"
+    assert result.utilisation["prefill"] == pytest.approx(6.0 / 8.0, abs=1e-3)
+    # Each of the two serves at 4/s: M/M/2 wait p90 at that rate, plus a prefill slowed by 5/4.
+    assert result.ttft_p90_s == pytest.approx(wait_p90(2, 6.0, 4.0) + 0.2 * 5.0 / 4.0)
+    # The same rate with the linear assumption predicts a faster fleet than the host gives.
+    assert plan(independent, Workload(rate=6.0, output_len=8), slo).ttft_p90_s < result.ttft_p90_s
+    # Past the measured curve more workers only split the cores: TTFT rises with them.
+    workload = Workload(rate=6.0, output_len=8)
+    assert _ttft(0, 3, workload, shared) > _ttft(0, 2, workload, shared)
+    with pytest.raises(Infeasible, match="this host's prefill workers"):
+        plan(shared, Workload(rate=7.5, output_len=8), slo)
+    # The JSON round trip (object keys are strings) and the CLI read the curve back.
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(shared.to_json()))
+    assert Profile.from_json(json.loads(path.read_text())) == shared
+    assert main(["--profile", str(path), "--rate", "7.5", "--ttft-p90", "2", "--itl-p90", "0.1"]) == 1

@@ -11,6 +11,16 @@ least-loaded worker with credit, so a role is one multi-server queue):
   profile's measured throughput of one worker at its batch size). The p90 of the wait comes from
   Erlang C: P(wait > t) = C(c, λ/μ)·exp(−(cμ − λ)t). A role must also stay below ``max_utilisation``
   (an M/M/c near 1 has an unbounded tail, whatever its p90 says at steady state).
+* **workers sharing a host's cores** (prefill): a worker with a GPU (or cores) of its own is an
+  independent server, and p workers complete p·``prefill_rps``. Workers on one host with fewer cores
+  than they can use compete for them, and a second worker adds what the cores left idle, not a
+  worker's worth. ``prefill_rps_by_workers`` holds the measured aggregate throughput of n prefill
+  workers on the host (``omni-plan profile`` against fleets of 1, 2, … prefill workers, ``--merge``
+  to collect the points). With two or more points the planner takes the fleet's throughput from
+  them: linear between measured counts, and flat beyond the largest (the cores are spent: more
+  workers only split them; it does not assume throughput it has not seen). Each of p workers then
+  serves at μ_p = throughput(p)/p and a prefill takes ``prefill_s``·``prefill_rps``/μ_p (slowed by
+  the sharing) — so past the host's saturation adding workers only lengthens TTFT.
 * **TTFT p90** ≈ prefill wait p90 + prefill latency, plus the encode wait p90 + encode latency when at
   least ``media_share`` > 0 (the first token comes from prefill, after the encode of the prompt's media).
 * **decode**: a worker's ITL grows with its batch: itl(B) = ``itl_base_s`` + ``itl_per_seq_s``·B (the
@@ -50,10 +60,41 @@ class Profile:
     generate_rps: float = 0.0
     generate_s: float = 0.0
     cost: dict[str, float] = dataclasses.field(default_factory=lambda: {r: 1.0 for r in ROLES})
+    # n → requests per second n prefill workers complete together on the host (see the module docstring)
+    prefill_rps_by_workers: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        if "prefill_rps_by_workers" in fields:   # JSON object keys are strings
+            fields["prefill_rps_by_workers"] = {int(n): float(v) for n, v in fields["prefill_rps_by_workers"].items()}
+        return cls(**fields)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cost"}
+
+
+def prefill_throughput(p: int, profile: Profile) -> float:
+    """Requests per second ``p`` prefill workers complete together: p·``prefill_rps`` for independent
+    workers; from ``prefill_rps_by_workers`` when it has two or more points (shared cores)."""
+    table = profile.prefill_rps_by_workers
+    if p <= 0:
+        return 0.0
+    if len(table) < 2:
+        return p * profile.prefill_rps
+    if p in table:
+        return table[p]
+    counts = sorted(table)
+    if p > counts[-1]:
+        return table[counts[-1]]
+    lower = max((n for n in counts if n < p), default=0)
+    upper = min(n for n in counts if n > p)
+    low_rps = table.get(lower, 0.0)
+    return low_rps + (table[upper] - low_rps) * (p - lower) / (upper - lower)
+
+
+def _prefill_rps_per_worker(p: int, profile: Profile) -> float:
+    return prefill_throughput(p, profile) / p if p > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +176,10 @@ def _itl(batch: float, profile: Profile) -> float:
 
 
 def _ttft(e: int, p: int, workload: Workload, profile: Profile) -> float:
-    ttft = wait_p90(p, workload.rate, profile.prefill_rps) + profile.prefill_s
+    per_worker = _prefill_rps_per_worker(p, profile)
+    if per_worker <= 0:
+        return math.inf
+    ttft = wait_p90(p, workload.rate, per_worker) + profile.prefill_s * profile.prefill_rps / per_worker
     if workload.media_share > 0:
         ttft += wait_p90(e, workload.rate * workload.media_share, profile.encode_rps) + profile.encode_s
     return ttft
@@ -163,7 +207,14 @@ def plan(profile: Profile, workload: Workload, slo: Slo, limit: int = 512) -> Pl
     # Encode and prefill together: the cheapest stable pair whose TTFT p90 meets the SLO.
     enc_rate = rate * workload.media_share
     e_min = _least(lambda e: enc_rate <= umax * e * profile.encode_rps, limit, "encode") if enc_rate else 0
-    p_min = _least(lambda p: rate <= umax * p * profile.prefill_rps, limit, "prefill")
+    try:
+        p_min = _least(lambda p: rate <= umax * prefill_throughput(p, profile), limit, "prefill")
+    except Infeasible:
+        if len(profile.prefill_rps_by_workers) < 2:
+            raise
+        most = max(profile.prefill_rps_by_workers.values())
+        raise Infeasible(f"{rate:g} requests/s is more than this host's prefill workers complete: at most "
+                         f"{most:.2f}/s measured (at utilisation {umax:g}: {umax * most:.2f}/s); more hosts") from None
     best: tuple[float, int, int] | None = None
     for e in range(e_min, (e_min + 16 if enc_rate else 0) + 1):
         for p in range(p_min, p_min + 64):
@@ -178,7 +229,7 @@ def plan(profile: Profile, workload: Workload, slo: Slo, limit: int = 512) -> Pl
                                                                 if enc_rate else ""))
     counts["encode"], counts["prefill"] = best[1], best[2]
     batch = decode_batch(counts["decode"], workload, profile)
-    utilisation = {"prefill": rate / (counts["prefill"] * profile.prefill_rps),
+    utilisation = {"prefill": rate / prefill_throughput(counts["prefill"], profile),
                    "decode": batch / profile.decode_capacity}
     if counts["encode"]:
         utilisation["encode"] = enc_rate / (counts["encode"] * profile.encode_rps)

@@ -4,8 +4,11 @@ Short runs through the official ``openai`` client (streamed chat completions, gr
 so every request produces ``--output-len`` tokens), with the fleet's size read from ``/cluster``:
 
 1. prefill latency: the median time to first token of ``--samples`` requests sent one at a time;
-2. prefill throughput per worker: a burst of ``--burst`` one-token requests at a concurrency of twice
-   the prefill fleet's capacity, completions per second / prefill workers;
+2. prefill throughput: a burst of ``--burst`` one-token requests at a concurrency of twice the
+   prefill fleet's capacity; completions per second are recorded for the fleet's prefill count in
+   ``prefill_rps_by_workers`` and, divided by it, give ``prefill_rps``. Workers sharing a host's
+   cores do not add up (see :mod:`.planner`): run the profile against 1, 2, … prefill workers with
+   ``--merge`` to give the planner the host's measured curve;
 3. decode: the ITL p90 (gaps between streamed chunks, as ``vllm bench serve`` counts them) with one
    stream per decode worker and with each worker full (its capacity), fitted to itl(B) = a + b·B.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
@@ -56,23 +60,48 @@ async def _concurrent(client, model: str, prompt: str, max_tokens: int, n: int, 
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 
-async def measure(url: str, model: str, input_len: int, output_len: int, samples: int, burst: int,
-                  api_key: str | None = None) -> Profile:
+def _fleet(url: str, model: str, api_key: str | None) -> tuple[list[dict], list[dict]]:
     workers = GatewayProbe(url, api_key).cluster()["workers"]
     prefill = [w for w in workers if w["model"] == model and w["role"] == "prefill"]
     decode = [w for w in workers if w["model"] == model and w["role"] == "decode"]
     if not prefill or not decode:
         raise RuntimeError(f"{url} has no prefill or no decode worker for {model!r}")
+    return prefill, decode
+
+
+def _prompt(input_len: int) -> str:
+    return " ".join(["word"] * max(1, input_len - 8))
+
+
+async def _prefill_burst(client, model: str, prompt: str, burst: int, prefill: list[dict]) -> float:
+    """Completions per second of the whole prefill fleet, kept busy (twice its capacity in flight)."""
+    start = time.perf_counter()
+    await _concurrent(client, model, prompt, 1, burst, 2 * sum(w["capacity"] for w in prefill))
+    return burst / (time.perf_counter() - start)
+
+
+async def measure_prefill_throughput(url: str, model: str, input_len: int, burst: int,
+                                     api_key: str | None = None) -> tuple[int, float]:
+    """(prefill workers, requests per second they complete together): one point of the host's curve."""
+    prefill, _ = _fleet(url, model, api_key)
+    prompt = _prompt(input_len)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0,
+                                  timeout=300) as client:
+        await _concurrent(client, model, prompt, 1, 2 * len(prefill), len(prefill))   # warm-up, every worker
+        return len(prefill), await _prefill_burst(client, model, prompt, burst, prefill)
+
+
+async def measure(url: str, model: str, input_len: int, output_len: int, samples: int, burst: int,
+                  api_key: str | None = None) -> Profile:
+    prefill, decode = _fleet(url, model, api_key)
     capacity = min(w["capacity"] for w in decode)
-    prompt = " ".join(["word"] * max(1, input_len - 8))
+    prompt = _prompt(input_len)
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0,
                                   timeout=300) as client:
         await _concurrent(client, model, prompt, 4, 2, 1)     # warm-up: compile paths, caches
         ttfts = [ttft for ttft, _ in await _concurrent(client, model, prompt, 2, samples, 1)]
-        prefill_capacity = sum(w["capacity"] for w in prefill)
-        start = time.perf_counter()
-        await _concurrent(client, model, prompt, 1, burst, 2 * prefill_capacity)
-        prefill_rps = burst / (time.perf_counter() - start) / len(prefill)
+        fleet_rps = await _prefill_burst(client, model, prompt, burst, prefill)
+        prefill_rps = fleet_rps / len(prefill)
         itl = {}
         for per_worker in sorted({1, capacity}):
             streams = per_worker * len(decode)
@@ -82,7 +111,7 @@ async def measure(url: str, model: str, input_len: int, output_len: int, samples
     slope = (itl[capacity] - itl[1]) / (capacity - 1) if capacity > 1 else 0.0
     slope = max(0.0, slope)
     return Profile(prefill_rps=prefill_rps, prefill_s=statistics.median(ttfts), itl_base_s=max(1e-6, itl[1] - slope),
-                   itl_per_seq_s=slope, decode_capacity=capacity)
+                   itl_per_seq_s=slope, decode_capacity=capacity, prefill_rps_by_workers={len(prefill): fleet_rps})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,11 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--burst", type=int, default=32)
+    parser.add_argument("--merge", default=None, metavar="PROFILE",
+                        help="a profile of the same host with another prefill count: keep its figures and add "
+                             "this fleet's prefill throughput to its prefill_rps_by_workers")
     parser.add_argument("--out", default="-", help="where the profile JSON goes (default: stdout)")
     args = parser.parse_args(argv)
-    profile = asyncio.run(measure(args.gateway, args.model, args.input_len, args.output_len, args.samples,
-                                  args.burst, args.api_key))
-    text = json.dumps({k: v for k, v in profile.__dict__.items() if k != "cost"}, indent=1)
+    if args.merge:
+        with open(args.merge) as handle:
+            profile = Profile.from_json(json.load(handle))
+        workers, rps = asyncio.run(measure_prefill_throughput(args.gateway, args.model, args.input_len, args.burst,
+                                                              args.api_key))
+        profile = dataclasses.replace(profile, prefill_rps_by_workers={**profile.prefill_rps_by_workers,
+                                                                       workers: rps})
+    else:
+        profile = asyncio.run(measure(args.gateway, args.model, args.input_len, args.output_len, args.samples,
+                                      args.burst, args.api_key))
+    text = json.dumps(profile.to_json(), indent=1)
     if args.out == "-":
         print(text)
     else:
