@@ -15,8 +15,10 @@ import time
 
 import openai
 import pytest
+import requests
 
 from cluster import Cluster, greedy_chat
+from conftest import ServeProcess, child_pids, pid_alive
 from omnirelay.fleet.actuators import LocalProcessActuator, SystemdActuator
 from omnirelay.fleet.autoscaler import Autoscaler, RolePolicy
 from omnirelay.fleet.signals import GatewayProbe, LatencyWindow, RoleLoad, quantile, role_loads
@@ -229,3 +231,62 @@ def test_omni_serve_autoscale_hook_uses_the_roles_worker_command(tiny_model):
     finally:
         handle.close()
     assert not any(t.is_alive() for t in handle.threads)
+
+
+def _decode_pids(serve) -> set[int]:
+    """omni-serve's decode worker processes (its fixed one and any the autoscaler started)."""
+    pids = set()
+    for pid in child_pids(serve.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if b"omnirelay.workers.daemon" in argv and argv[argv.index(b"--role") + 1] == b"decode":
+            pids.add(pid)
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_omni_serve_autoscale_adds_a_decode_worker_under_load_and_drains_it_after(tiny_model, tmp_path):
+    """``omni-serve --autoscale decode=0:1``: the autoscaler inside omni-serve (its default policy:
+    a 2 s interval, 2 hot samples to add, 4 cold ones to drain, 10 s / 20 s cool-downs) adds a decode
+    worker when load rises and drains it when load falls, with no request failed. The stage file
+    holds a decode worker to 2 sequences, so 6 streams fill it (utilisation 1, a queue) and 1 stream
+    over two workers (25 %) is cold."""
+    stages = (tmp_path / "llm.yaml")
+    stages.write_text("stages:\n"
+                      "  - {name: prefill, role: prefill, runtime: {max_batch_size: 8}}\n"
+                      "  - {name: decode, role: decode, runtime: {max_batch_size: 2}}\n"
+                      "connectors:\n  kv: {type: shared_memory, options: {ttl_s: 300}}\n"
+                      "edges:\n  - {from: prefill, to: decode, connector: kv}\n")
+    serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--stage-configs-path", str(stages),
+                         "--autoscale", "decode=0:1", "--log-level", "INFO", "--drain-timeout", "30",
+                         log_path=str(tmp_path / "serve.log"))
+    try:
+        fixed = _decode_pids(serve)
+        assert len(fixed) == 1
+
+        def decode_live() -> int:
+            return sum(1 for w in requests.get(serve.url + "/cluster", timeout=10).json()["workers"]
+                       if w["role"] == "decode")
+
+        outcomes: list = []
+        asyncio.run(_load_until(serve.url, 6, lambda: decode_live() == 2, 240, outcomes))
+        assert decode_live() == 2, serve.output()[-4000:]
+        assert "autoscale decode up" in serve.output()
+        (extra,) = _decode_pids(serve) - fixed
+        asyncio.run(_load_until(serve.url, 1, lambda: "autoscale decode down" in serve.output()
+                                and not pid_alive(extra), 240, outcomes))
+        log = serve.output()
+        assert "autoscale decode down" in log and not pid_alive(extra), log[-4000:]
+        assert decode_live() == 1 and _decode_pids(serve) == fixed   # the one it added went, the fixed one stays
+        failed = [o for o in outcomes if o[0] != "ok"]
+        assert not failed and len(outcomes) >= 10, (failed, len(outcomes))
+        # It left by drain: the broker saw it unregister, and never missed its heartbeats.
+        assert "unregistered" in log and "missed heartbeats" not in log
+        print(f"\nomni-serve --autoscale: {len(outcomes)} requests, 0 failed; "
+              + "; ".join(line for line in log.splitlines() if "autoscale decode" in line))
+    finally:
+        assert serve.stop(timeout=90) == 0
