@@ -170,7 +170,7 @@ def test_cancel_stops_denoising_and_the_next_job_runs(pipe):
     engine.add(VideoTask("late", _params(num_inference_steps=2), 1001))
     for _ in range(4):          # prompt + 3 of 50 denoising steps
         engine.step()
-    assert engine.job.task.request_id == "long" and engine.job.step_index == 3
+    assert [t.request_id for t in engine.job.tasks] == ["long"] and engine.job.step_index == 3
     assert engine.cancel("long") and engine.job is None and not engine.cancel("long")
     clock[0] = 1500.0
     videos, _, failed = _run(engine)
