@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 
-from .tiny_diffusers import MAX_TEXT_POSITIONS, VAE_OUT_STD, _write_tokenizer
+from .builder_steps import build_seeded, has_files, save_pipeline, seeded_parts, widen_vae_output
+from .tiny_diffusers import VAE_OUT_STD, clip_text_setup
 
 MODEL_KIND = "tiny-dit"
 REQUIRED_FILES = ("model_index.json", "transformer/config.json", "vae/config.json",
@@ -50,68 +50,42 @@ LATENT_SIZE = 8                  # native latent side: 64×64 pixels
 
 
 def _build_into(out: pathlib.Path, seed: int) -> None:
-    import torch
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    vocab_size = _write_tokenizer(out / "tokenizer")
-    tokenizer = CLIPTokenizer.from_pretrained(str(out / "tokenizer"))
-    text_config = CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=CLIP_WIDTH, intermediate_size=4 * CLIP_WIDTH, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=MAX_TEXT_POSITIONS, projection_dim=CLIP_WIDTH,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
-    t5_config = T5Config(vocab_size=vocab_size, d_model=2 * CLIP_WIDTH, d_kv=16, d_ff=4 * CLIP_WIDTH, num_layers=2,
-                         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=64,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    tokenizer, text_config = clip_text_setup(out, CLIP_WIDTH)
+    t5_config = T5Config(vocab_size=text_config.vocab_size, d_model=2 * CLIP_WIDTH, d_kv=16, d_ff=4 * CLIP_WIDTH,
+                         num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                         relative_attention_max_distance=64, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
     # One seed per component (as in the SD builder): a change to one recipe leaves the others' weights.
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        text_encoder = CLIPTextModelWithProjection(text_config).eval()
-        torch.manual_seed(seed + 1)
-        text_encoder_2 = CLIPTextModelWithProjection(text_config).eval()
-        torch.manual_seed(seed + 2)
-        text_encoder_3 = T5EncoderModel(t5_config).eval()
-        torch.manual_seed(seed + 3)
-        transformer = SD3Transformer2DModel(
+    text_encoder, text_encoder_2, text_encoder_3, transformer, vae = seeded_parts(
+        seed, lambda: CLIPTextModelWithProjection(text_config).eval(),
+        lambda: CLIPTextModelWithProjection(text_config).eval(), lambda: T5EncoderModel(t5_config).eval(),
+        lambda: SD3Transformer2DModel(
             sample_size=LATENT_SIZE, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
             attention_head_dim=8, num_attention_heads=4, joint_attention_dim=2 * CLIP_WIDTH,
             caption_projection_dim=32, pooled_projection_dim=2 * CLIP_WIDTH, pos_embed_max_size=32,
-            qk_norm="rms_norm").eval()
-        torch.manual_seed(seed + 4)
-        vae = AutoencoderKL(
+            qk_norm="rms_norm").eval(),
+        lambda: AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
             block_out_channels=(16, 16, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
             up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=8, sample_size=64,
-            shift_factor=0.0).eval()   # SD3's pipeline shifts latents by it; None would fail there
-        vae.decoder.conv_out.weight.normal_(0.0, VAE_OUT_STD, generator=torch.Generator().manual_seed(seed + 5))
+            shift_factor=0.0).eval())   # SD3's pipeline shifts latents by it; None would fail there
+    widen_vae_output(vae, VAE_OUT_STD, seed + 5)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae,
                                     text_encoder=text_encoder, tokenizer=tokenizer,
                                     text_encoder_2=text_encoder_2, tokenizer_2=tokenizer,
                                     text_encoder_3=text_encoder_3, tokenizer_3=tokenizer)
-    saved_tokenizer = {p.name: p.read_bytes() for p in (out / "tokenizer").iterdir()}
-    pipe.save_pretrained(str(out), safe_serialization=True)
-    # save_pretrained rewrites tokenizers in the library's current format; keep exactly the CLIP
-    # files written above (which every transformers version reads), for both tokenizers.
-    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
-        shutil.rmtree(out / name, ignore_errors=True)
-        (out / name).mkdir()
-        for file_name, data in saved_tokenizer.items():
-            (out / name / file_name).write_bytes(data)
-    # mkdtemp made the dir private; a model dir is shared data.
-    for path in [out, *out.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    save_pipeline(pipe, out, clip_tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3"))
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    root = pathlib.Path(path)
-    return all((root / name).is_file() for name in REQUIRED_FILES)
+    return has_files(path, REQUIRED_FILES)
 
 
 def build_tiny_dit(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
-    from .model_builder import build_atomically
-    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
-                            what="pipeline")
+    return build_seeded(path, _build_into, seed, force=force, complete=is_complete, what="pipeline")

@@ -31,7 +31,7 @@ from types import ModuleType
 
 from typing import Callable
 
-from . import diffusion_builder, model_builder, omni_builder, smollm2, tiny_diffusers, video_builder
+from . import builder_steps, diffusion_builder, model_builder, omni_builder, smollm2, tiny_diffusers, video_builder
 from .model_builder import cached_model
 
 # (served name, the modules whose source is its recipe, its builder); the first module writes it
@@ -39,9 +39,9 @@ from .model_builder import cached_model
 # that one too, so a change there also names a fresh cache entry. The order is that of /v1/models.
 TINY_MODELS: tuple[tuple[str, tuple[ModuleType, ...], Callable], ...] = (
     ("tiny-llm", (model_builder,), model_builder.build_tiny_llm),
-    ("tiny-omni", (omni_builder,), omni_builder.build_tiny_omni),
-    ("tiny-sd", (diffusion_builder, tiny_diffusers), diffusion_builder.build_tiny_text_to_image),
-    ("tiny-video", (video_builder, tiny_diffusers), video_builder.build_tiny_text_to_video),
+    ("tiny-omni", (omni_builder, builder_steps), omni_builder.build_tiny_omni),
+    ("tiny-sd", (diffusion_builder, tiny_diffusers, builder_steps), diffusion_builder.build_tiny_text_to_image),
+    ("tiny-video", (video_builder, tiny_diffusers, builder_steps), video_builder.build_tiny_text_to_video),
 )
 SMOLLM2_NAME = "smollm2"
 

@@ -36,6 +36,8 @@ a half-written model, and concurrent builders of the shared cache can race safel
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import pathlib
@@ -321,13 +323,26 @@ def cached_model(name: str, write, complete) -> pathlib.Path:
     return target
 
 
+# omni-make-model's other kinds: kind -> (module in this package, its builder, the builder's options).
+FAMILY_BUILDERS: dict[str, tuple[str, str, dict]] = {
+    "tiny-sd": ("diffusion_builder", "build_tiny_text_to_image", {}),
+    "tiny-video": ("video_builder", "build_tiny_text_to_video", {}),
+    "tiny-omni": ("omni_builder", "build_tiny_omni", {}),
+    "tiny-qwen3-omni": ("qwen3_omni_builder", "build_tiny_qwen3_omni", {}),
+    "tiny-dit": ("dit_builder", "build_tiny_dit", {}),
+    "tiny-qwen3": ("qwen3_builder", "build_tiny_qwen3", {}),
+    "tiny-qwen3-moe": ("qwen3_builder", "build_tiny_qwen3", {"moe": True}),
+    "tiny-zimage": ("zimage_builder", "build_tiny_zimage", {}),
+    "tiny-wan": ("wan_builder", "build_tiny_wan", {}),
+    "tiny-qwen3-tts": ("qwen3_tts_builder", "build_tiny_qwen3_tts", {}),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="omni-make-model", description="Write a tiny random-weight model directory."
     )
-    parser.add_argument("kind", choices=[MODEL_KIND, "tiny-sd", "tiny-video", "tiny-omni", "tiny-qwen3-omni", "tiny-dit",
-                                         "tiny-qwen3", "tiny-qwen3-moe",
-                                         "tiny-zimage", "tiny-wan", "tiny-qwen3-tts"],
+    parser.add_argument("kind", choices=[MODEL_KIND, *FAMILY_BUILDERS],
                         help="which model to build (tiny-sd: a diffusers text-to-image pipeline; "
                              "tiny-dit: the same around a diffusion transformer (SD3); "
                              "tiny-qwen3 / tiny-qwen3-moe: random-weight Qwen3 / Qwen3-MoE causal LMs; "
@@ -349,36 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     # Single-threaded init keeps the CLI polite on shared CI boxes; not done at import so library
     # users keep their own threading settings.
     torch.set_num_threads(1)
+    if args.kind == MODEL_KIND:
+        build = build_tiny_llm
+    else:
+        # Each family's builder module loads only when asked for: their libraries are heavy.
+        module, function, options = FAMILY_BUILDERS[args.kind]
+        build = functools.partial(getattr(importlib.import_module(f".{module}", __package__), function), **options)
     try:
-        if args.kind == "tiny-sd":
-            from .diffusion_builder import build_tiny_text_to_image
-            out = build_tiny_text_to_image(args.dir, seed=args.seed, force=args.force)
-        elif args.kind == "tiny-video":
-            from .video_builder import build_tiny_text_to_video
-            out = build_tiny_text_to_video(args.dir, seed=args.seed, force=args.force)
-        elif args.kind in ("tiny-qwen3", "tiny-qwen3-moe"):
-            from .qwen3_builder import build_tiny_qwen3
-            out = build_tiny_qwen3(args.dir, seed=args.seed, moe=args.kind == "tiny-qwen3-moe", force=args.force)
-        elif args.kind == "tiny-dit":
-            from .dit_builder import build_tiny_dit
-            out = build_tiny_dit(args.dir, seed=args.seed, force=args.force)
-        elif args.kind == "tiny-zimage":
-            from .zimage_builder import build_tiny_zimage
-            out = build_tiny_zimage(args.dir, seed=args.seed, force=args.force)
-        elif args.kind == "tiny-wan":
-            from .wan_builder import build_tiny_wan
-            out = build_tiny_wan(args.dir, seed=args.seed, force=args.force)
-        elif args.kind == "tiny-omni":
-            from .omni_builder import build_tiny_omni
-            out = build_tiny_omni(args.dir, seed=args.seed, force=args.force)
-        elif args.kind == "tiny-qwen3-tts":
-            from .qwen3_tts_builder import build_tiny_qwen3_tts
-            out = build_tiny_qwen3_tts(args.dir, seed=args.seed, force=args.force)
-        elif args.kind == "tiny-qwen3-omni":
-            from .qwen3_omni_builder import build_tiny_qwen3_omni
-            out = build_tiny_qwen3_omni(args.dir, seed=args.seed, force=args.force)
-        else:
-            out = build_tiny_llm(args.dir, seed=args.seed, force=args.force)
+        out = build(args.dir, seed=args.seed, force=args.force)
     except FileExistsError as exc:
         print(f"omni-make-model: error: {exc}", file=sys.stderr)
         return 2

@@ -68,7 +68,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
+
+from .builder_steps import (build_seeded, has_files, omni_tokenizer, padded_vocab, reset_convs, share_model_dir,
+                            write_omni_model, write_omni_processor)
 
 MODEL_KIND = "tiny-omni"
 RECIPE_VERSION = 1
@@ -113,21 +115,8 @@ SPEAKER_COND_DIM = 192
 
 
 def _build_tokenizer(out: pathlib.Path):
-    from transformers import PreTrainedTokenizerFast
-
-    from .model_builder import _build_tokenizer as build_base
-
-    base = build_base(out)  # the tiny-llm BPE + ChatML tokens; the Omni tokens are appended after it
-    base.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *OMNI_TOKENS, *TTS_TOKENS]},
-                            replace_extra_special_tokens=True)
-    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token=None,
-                                  eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
-                                  additional_special_tokens=["<|im_start|>", *OMNI_TOKENS, *TTS_TOKENS],
-                                  extra_special_tokens=NAMED_TOKENS, clean_up_tokenization_spaces=False,
-                                  model_max_length=4096)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))   # replaces the base tokenizer's files
-    return tok
+    # The tiny-llm BPE + ChatML tokens; the Omni tokens are appended after it.
+    return omni_tokenizer(out, [*OMNI_TOKENS, *TTS_TOKENS], NAMED_TOKENS, CHAT_TEMPLATE)
 
 
 def _config(tok, vocab_size: int):
@@ -215,16 +204,9 @@ def _init_speech(model, gen) -> None:
     exactly 0 and top-k 40 of 8192 random logits never reaches them (the codec EOS ids are among them:
     the talker speaks until ``max_new_tokens``). (2) BigVGAN at HF's 0.02 init outputs ~1e-7, silence
     in 16-bit PCM; PyTorch's own conv init keeps the scale (RMS ~0.1, unclipped)."""
-    import torch
-
     codes = model.config.token2wav_config.dit_config.num_embeds
     model.talker.codec_head.weight[codes:].zero_()
-    for module in model.token2wav.code2wav_bigvgan_model.modules():
-        if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
-            bound = 1.0 / (module.weight.shape[1] * module.weight.shape[2]) ** 0.5   # reset_parameters()' bound
-            module.weight.uniform_(-bound, bound, generator=gen)
-            if module.bias is not None:
-                module.bias.uniform_(-bound, bound, generator=gen)
+    reset_convs(model.token2wav.code2wav_bigvgan_model.modules(), gen)
 
 
 def _write_speakers(out: pathlib.Path, ids: dict, seed: int) -> None:
@@ -262,51 +244,33 @@ def load_speakers(path: str | os.PathLike) -> dict[str, dict]:
 
 
 def _write_processor(out: pathlib.Path) -> None:
-    """One preprocessor_config.json holding both the audio and image settings, as the real checkpoint
-    has it; each class reads its own keys. (No Qwen2_5OmniProcessor object here: its video processor
-    needs torchvision, which the serving path never uses.)"""
-    from transformers import WhisperFeatureExtractor
+    """The audio and image settings in one file, as the real checkpoint has them. (No
+    Qwen2_5OmniProcessor object here: its video processor needs torchvision, which the serving path
+    never uses.)"""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14,
                                      temporal_patch_size=2, merge_size=2)
-    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160,
-                                    chunk_length=AUDIO_CHUNK_SECONDS, n_fft=400, return_attention_mask=True)
-    merged = {**json.loads(image.to_json_string()), **json.loads(audio.to_json_string())}
-    merged.pop("mel_filters", None)   # recomputed from the sizes on load; 100 kB of floats otherwise
-    merged.update(image_processor_type="Qwen2VLImageProcessor", feature_extractor_type="WhisperFeatureExtractor",
-                  processor_class="Qwen2_5OmniProcessor")
-    (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+    write_omni_processor(out, image, "Qwen2_5OmniProcessor", AUDIO_CHUNK_SECONDS)
 
 
 def _build_into(out: pathlib.Path, seed: int) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers import Qwen2_5OmniForConditionalGeneration
 
     tok = _build_tokenizer(out)
-    real_vocab = len(tok)
-    config, ids = _config(tok, -(-real_vocab // 64) * 64)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        model = Qwen2_5OmniForConditionalGeneration(config).to(torch.float32).eval()
-        specials = {i for t, i in ids.items() if t != "<|im_end|>"}
-        _init_weights(model, seed, real_vocab, specials)
-    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=ids["<|endoftext|>"], do_sample=False)
-    model.save_pretrained(str(out), safe_serialization=True)
+    config, ids = _config(tok, padded_vocab(len(tok)))
+    specials = {i for t, i in ids.items() if t != "<|im_end|>"}
+    write_omni_model(out, seed, Qwen2_5OmniForConditionalGeneration, config, ids,
+                     lambda model: _init_weights(model, seed, len(tok), specials))
     _write_processor(out)
     _write_speakers(out, ids, seed)
-    for path in [out, *out.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    share_model_dir(out)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    root = pathlib.Path(path)
-    return all((root / name).is_file() for name in REQUIRED_FILES)
+    return has_files(path, REQUIRED_FILES)
 
 
 def build_tiny_omni(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny Qwen2.5-Omni to ``path`` and return it (atomically, as the LLM builder does)."""
-    from .model_builder import build_atomically
-    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
-                            what="model")
+    return build_seeded(path, _build_into, seed, force=force, complete=is_complete, what="model")

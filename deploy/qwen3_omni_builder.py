@@ -56,6 +56,9 @@ import json
 import os
 import pathlib
 
+from .builder_steps import (build_seeded, has_files, omni_tokenizer, padded_vocab, reset_convs, share_model_dir,
+                            write_omni_model, write_omni_processor)
+
 MODEL_KIND = "tiny-qwen3-omni"
 SPEAKERS = ("Ethan", "Chelsie")      # Ethan first: transformers' default speaker
 ROLE_WORDS = ["user", "assistant", "system"]
@@ -99,21 +102,8 @@ SPEAKER_IDS = {"ethan": 2301, "chelsie": 2302}
 
 
 def _build_tokenizer(out: pathlib.Path):
-    from transformers import PreTrainedTokenizerFast
-
-    from .model_builder import _build_tokenizer as build_base
-
-    base = build_base(out)
-    base.add_tokens(ROLE_WORDS)    # plain (not special) single tokens, as in the real vocabulary
-    base.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *OMNI_TOKENS]},
-                            replace_extra_special_tokens=True)
-    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token=None,
-                                  eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
-                                  additional_special_tokens=["<|im_start|>", *OMNI_TOKENS],
-                                  extra_special_tokens=NAMED_TOKENS, clean_up_tokenization_spaces=False,
-                                  model_max_length=4096)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
+    # The role words are plain (not special) single tokens, as in the real vocabulary.
+    tok = omni_tokenizer(out, OMNI_TOKENS, NAMED_TOKENS, CHAT_TEMPLATE, plain_words=tuple(ROLE_WORDS))
     for word in ROLE_WORDS:
         if len(tok.encode(word, add_special_tokens=False)) != 1:
             raise RuntimeError(f"{word!r} must be one token")
@@ -211,67 +201,41 @@ def _init_weights(model, seed: int, real_vocab: int, special_ids: set[int]) -> N
 def _init_speech(model, gen) -> None:
     """Make the random talker + code2wav speak something a test can hear: code2wav at HF's 0.02 init
     outputs near-silence; PyTorch's own conv init (``reset_parameters``' bound) keeps the scale."""
-    import torch
-
     # transformers' _init_weights (5.x) covers the thinker's batched experts but not the talker's: they stay
     # torch.empty, i.e. whatever memory held before (zeros on a fresh heap, NaN-producing garbage elsewhere).
     for name, param in model.talker.named_parameters():
         if ".experts." in f".{name}":
             param.normal_(0.0, TALKER_EXPERT_STD, generator=gen)
-    for module in model.code2wav.modules():
-        if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
-            bound = 1.0 / (module.weight.shape[1] * module.weight.shape[2]) ** 0.5
-            module.weight.uniform_(-bound, bound, generator=gen)
-            if module.bias is not None:
-                module.bias.uniform_(-bound, bound, generator=gen)
+    reset_convs(model.code2wav.modules(), gen)
 
 
 def _write_processor(out: pathlib.Path) -> None:
-    """One preprocessor_config.json with both the audio and image settings, as the real checkpoint."""
-    from transformers import WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH,
                                      temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5],
                                      image_std=[0.5, 0.5, 0.5])
-    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160,
-                                    chunk_length=AUDIO_CHUNK_SECONDS, n_fft=400, return_attention_mask=True)
-    merged = {**json.loads(image.to_json_string()), **json.loads(audio.to_json_string())}
-    merged.pop("mel_filters", None)
-    merged.update(image_processor_type="Qwen2VLImageProcessor", feature_extractor_type="WhisperFeatureExtractor",
-                  processor_class="Qwen3OmniMoeProcessor")
-    (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+    write_omni_processor(out, image, "Qwen3OmniMoeProcessor", AUDIO_CHUNK_SECONDS)
 
 
 def _build_into(out: pathlib.Path, seed: int) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
+    from transformers import Qwen3OmniMoeForConditionalGeneration
 
     tok = _build_tokenizer(out)
-    real_vocab = len(tok)
-    config, ids = _config(tok, -(-real_vocab // 64) * 64)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        model = Qwen3OmniMoeForConditionalGeneration(config).to(torch.float32).eval()
-        specials = {i for t, i in ids.items() if t not in ("<|im_end|>", *ROLE_WORDS)}
-        _init_weights(model, seed, real_vocab, specials)
-    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=ids["<|endoftext|>"], do_sample=False)
-    model.save_pretrained(str(out), safe_serialization=True)
+    config, ids = _config(tok, padded_vocab(len(tok)))
+    specials = {i for t, i in ids.items() if t not in ("<|im_end|>", *ROLE_WORDS)}
+    write_omni_model(out, seed, Qwen3OmniMoeForConditionalGeneration, config, ids,
+                     lambda model: _init_weights(model, seed, len(tok), specials))
     _write_processor(out)
     voices = {name: {"speaker_id": SPEAKER_IDS[name.lower()]} for name in SPEAKERS}
     (out / "spk_dict.json").write_text(json.dumps(voices, indent=2, sort_keys=True) + "\n")
-    for path in [out, *out.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    share_model_dir(out)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    root = pathlib.Path(path)
-    return all((root / name).is_file() for name in REQUIRED_FILES)
+    return has_files(path, REQUIRED_FILES)
 
 
 def build_tiny_qwen3_omni(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny Qwen3-Omni to ``path`` and return it (atomically, as the LLM builder does)."""
-    from .model_builder import build_atomically
-    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
-                            what="model")
+    return build_seeded(path, _build_into, seed, force=force, complete=is_complete, what="model")

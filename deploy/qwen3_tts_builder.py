@@ -29,6 +29,8 @@ import json
 import os
 import pathlib
 
+from .builder_steps import build_seeded, has_files, padded_vocab, share_model_dir
+
 MODEL_KIND = "tiny-qwen3-tts"
 RECIPE_VERSION = 1
 SPEAKERS = ("vivian", "ryan")
@@ -48,8 +50,7 @@ CODEC_OUT_SCALE = 0.01
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    p = pathlib.Path(path)
-    return all((p / name).is_file() for name in REQUIRED_FILES)
+    return has_files(path, REQUIRED_FILES)
 
 
 def _build_tokenizer(out: pathlib.Path):
@@ -78,7 +79,7 @@ def _build_tokenizer(out: pathlib.Path):
 
 def _tts_config(classes, tok):
     ids = {t: tok.convert_tokens_to_ids(t) for t in ["<|im_start|>", "<|im_end|>", *TTS_TOKENS]}
-    text_vocab = -(-len(tok) // 64) * 64
+    text_vocab = padded_vocab(len(tok))
     predictor = dict(vocab_size=2048, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
                      rope_theta=10000.0, num_code_groups=NUM_CODE_GROUPS, pad_token_id=None)
@@ -191,15 +192,12 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
         {"do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 0.9, "repetition_penalty": 1.05,
          "subtalker_dosample": True, "subtalker_top_k": 50, "subtalker_top_p": 1.0, "subtalker_temperature": 0.9,
          "max_new_tokens": 8192}, indent=2) + "\n")
-    for path in [out, *out.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    share_model_dir(out)
 
 
 def build_tiny_qwen3_tts(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny Qwen3-TTS model to ``path`` (atomically, see ``model_builder.build_atomically``)."""
-    from .model_builder import build_atomically
-    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
-                            what="Qwen3-TTS model")
+    return build_seeded(path, _build_into, seed, force=force, complete=is_complete, what="Qwen3-TTS model")
 
 
 def cached_tiny_qwen3_tts() -> pathlib.Path:

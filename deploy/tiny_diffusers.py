@@ -30,8 +30,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 from typing import Any
+
+from .builder_steps import build_seeded, has_files, save_pipeline, seeded_parts, widen_vae_output
 
 REQUIRED_FILES = ("model_index.json", "unet/config.json", "vae/config.json", "scheduler/scheduler_config.json",
                   "text_encoder/config.json", "tokenizer/vocab.json", "tokenizer/merges.txt")
@@ -123,58 +124,47 @@ UNET_SHAPE = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block
                   cross_attention_dim=TEXT_WIDTH, attention_head_dim=8, norm_num_groups=8)
 
 
-def write_pipeline(out: pathlib.Path, seed: int, unet_class: type, unet_blocks: dict[str, Any],
-                   pipeline_class: type, **pipeline_options: Any) -> None:
-    """Write the whole pipeline into ``out``: a ``unet_class(**UNET_SHAPE, **unet_blocks)`` between
-    the shared components, saved as ``pipeline_class(..., **pipeline_options)``."""
-    import torch
-    from diffusers import AutoencoderKL, DDIMScheduler
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+def clip_text_setup(out: pathlib.Path, width: int):
+    """Write the CLIP tokenizer into ``out/tokenizer``; return it loaded and the config of a 2-layer,
+    ``width``-wide CLIP text encoder over its vocabulary."""
+    from transformers import CLIPTextConfig, CLIPTokenizer
 
     vocab_size = _write_tokenizer(out / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(str(out / "tokenizer"))
     text_config = CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=TEXT_WIDTH, intermediate_size=4 * TEXT_WIDTH, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=MAX_TEXT_POSITIONS, projection_dim=TEXT_WIDTH,
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=MAX_TEXT_POSITIONS, projection_dim=width,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
-    # fork_rng: building must not reseed the caller's global RNG; one seed per component, so
-    # changing one component's recipe does not change the others' weights.
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        text_encoder = CLIPTextModel(text_config).eval()
-        torch.manual_seed(seed + 1)
-        unet = unet_class(**UNET_SHAPE, **unet_blocks).eval()
-        torch.manual_seed(seed + 2)
-        vae = AutoencoderKL(
+    return tokenizer, text_config
+
+
+def write_pipeline(out: pathlib.Path, seed: int, unet_class: type, unet_blocks: dict[str, Any],
+                   pipeline_class: type, **pipeline_options: Any) -> None:
+    """Write the whole pipeline into ``out``: a ``unet_class(**UNET_SHAPE, **unet_blocks)`` between
+    the shared components, saved as ``pipeline_class(..., **pipeline_options)``."""
+    from diffusers import AutoencoderKL, DDIMScheduler
+    from transformers import CLIPTextModel
+
+    tokenizer, text_config = clip_text_setup(out, TEXT_WIDTH)
+    text_encoder, unet, vae = seeded_parts(
+        seed, lambda: CLIPTextModel(text_config).eval(), lambda: unet_class(**UNET_SHAPE, **unet_blocks).eval(),
+        lambda: AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
             block_out_channels=(16, 16, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=8, sample_size=64).eval()
-        vae.decoder.conv_out.weight.normal_(0.0, VAE_OUT_STD, generator=torch.Generator().manual_seed(seed + 3))
+            up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=8, sample_size=64).eval())
+    widen_vae_output(vae, VAE_OUT_STD, seed + 3)
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                               clip_sample=False, set_alpha_to_one=False, steps_offset=1)
     pipe = pipeline_class(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
                           **pipeline_options)
-    saved_tokenizer = {p.name: p.read_bytes() for p in (out / "tokenizer").iterdir()}
-    pipe.save_pretrained(str(out), safe_serialization=True)
-    # save_pretrained rewrites the tokenizer in the library's current format (tokenizer.json);
-    # keep exactly the CLIP files written above, which every transformers version reads.
-    shutil.rmtree(out / "tokenizer")
-    (out / "tokenizer").mkdir()
-    for name, data in saved_tokenizer.items():
-        (out / "tokenizer" / name).write_bytes(data)
-    # mkdtemp made the dir private; a model dir is shared data.
-    for path in [out, *out.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    save_pipeline(pipe, out, clip_tokenizers=("tokenizer",))
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    root = pathlib.Path(path)
-    return all((root / name).is_file() for name in REQUIRED_FILES)
+    return has_files(path, REQUIRED_FILES)
 
 
 def build(path: str | os.PathLike, build_into, seed: int, force: bool) -> pathlib.Path:
     """``build_into(tmp, seed)`` atomically into ``path`` (as the LLM builder does); returns ``path``."""
-    from .model_builder import build_atomically
-    return build_atomically(path, lambda tmp: build_into(tmp, seed), force=force, complete=is_complete,
-                            what="pipeline")
+    return build_seeded(path, build_into, seed, force=force, complete=is_complete, what="pipeline")

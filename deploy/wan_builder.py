@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 import pathlib
 
+from .builder_steps import build_seeded, has_files, padded_vocab, save_pipeline, seeded_parts, widen_vae_output
+
 MODEL_KIND = "tiny-wan"
 REQUIRED_FILES = ("model_index.json", "transformer/config.json", "transformer_2/config.json", "vae/config.json",
                   "scheduler/scheduler_config.json", "text_encoder/config.json", "tokenizer/tokenizer.json")
@@ -47,7 +49,6 @@ def _transformer():
 
 
 def _build_into(out: pathlib.Path, seed: int) -> None:
-    import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -55,37 +56,24 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
 
     tokenizer = _build_tokenizer(out / "tokenizer")
     text_config = UMT5Config(
-        vocab_size=-(-len(tokenizer) // 64) * 64, d_model=TEXT_WIDTH, d_kv=8, d_ff=2 * TEXT_WIDTH, num_layers=2,
+        vocab_size=padded_vocab(len(tokenizer)), d_model=TEXT_WIDTH, d_kv=8, d_ff=2 * TEXT_WIDTH, num_layers=2,
         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=64,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        text_encoder = UMT5EncoderModel(text_config).eval()
-        torch.manual_seed(seed + 1)
-        transformer = _transformer()
-        torch.manual_seed(seed + 2)
-        transformer_2 = _transformer()
-        torch.manual_seed(seed + 3)
-        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                               temperal_downsample=[False, True, True]).eval()
-        vae.decoder.conv_out.weight.normal_(0.0, VAE_OUT_STD, generator=torch.Generator().manual_seed(seed + 4))
+    text_encoder, transformer, transformer_2, vae = seeded_parts(
+        seed, lambda: UMT5EncoderModel(text_config).eval(), _transformer, _transformer,
+        lambda: AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True]).eval())
+    widen_vae_output(vae, VAE_OUT_STD, seed + 4)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
                                         num_train_timesteps=1000)
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, transformer_2=transformer_2, boundary_ratio=0.875)
-    pipe.save_pretrained(str(out), safe_serialization=True)
-    # mkdtemp made the dir private; a model dir is shared data.
-    for path in [out, *out.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    save_pipeline(WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                              transformer=transformer, transformer_2=transformer_2, boundary_ratio=0.875), out)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    root = pathlib.Path(path)
-    return all((root / name).is_file() for name in REQUIRED_FILES)
+    return has_files(path, REQUIRED_FILES)
 
 
 def build_tiny_wan(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
-    from .model_builder import build_atomically
-    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
-                            what="pipeline")
+    return build_seeded(path, _build_into, seed, force=force, complete=is_complete, what="pipeline")

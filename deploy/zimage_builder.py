@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+from .builder_steps import build_seeded, has_files, padded_vocab, save_pipeline, seeded_parts, widen_vae_output
 from .tiny_diffusers import VAE_OUT_STD
 
 MODEL_KIND = "tiny-zimage"
@@ -49,7 +50,6 @@ def _transformer():
 
 
 def _build_into(out: pathlib.Path, seed: int) -> None:
-    import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
     from transformers import Qwen3Config, Qwen3Model
 
@@ -57,37 +57,26 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
 
     tokenizer = _build_tokenizer(out / "tokenizer")
     text_config = Qwen3Config(
-        vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=TEXT_WIDTH, intermediate_size=2 * TEXT_WIDTH,
+        vocab_size=padded_vocab(len(tokenizer)), hidden_size=TEXT_WIDTH, intermediate_size=2 * TEXT_WIDTH,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        text_encoder = Qwen3Model(text_config).eval()
-        torch.manual_seed(seed + 1)
-        transformer = _transformer()
-        torch.manual_seed(seed + 2)
-        vae = AutoencoderKL(
+    text_encoder, transformer, vae = seeded_parts(
+        seed, lambda: Qwen3Model(text_config).eval(), _transformer,
+        lambda: AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS, layers_per_block=1,
             block_out_channels=(16, 16, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
             up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=8, sample_size=64,
-            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False).eval()
-        vae.decoder.conv_out.weight.normal_(0.0, VAE_OUT_STD, generator=torch.Generator().manual_seed(seed + 3))
+            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False).eval())
+    widen_vae_output(vae, VAE_OUT_STD, seed + 3)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                          transformer=transformer)
-    pipe.save_pretrained(str(out), safe_serialization=True)
-    # mkdtemp made the dir private; a model dir is shared data.
-    for path in [out, *out.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    save_pipeline(ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                 transformer=transformer), out)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    root = pathlib.Path(path)
-    return all((root / name).is_file() for name in REQUIRED_FILES)
+    return has_files(path, REQUIRED_FILES)
 
 
 def build_tiny_zimage(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
-    from .model_builder import build_atomically
-    return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
-                            what="pipeline")
+    return build_seeded(path, _build_into, seed, force=force, complete=is_complete, what="pipeline")
