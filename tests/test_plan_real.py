@@ -1,19 +1,28 @@
-"""omni-plan checked against a real run on this host: profile a small fleet through the gateway, plan
+"""omni-plan checked against a real run on this host: profile the fleet through the gateway, plan
 the fleet for a request rate and SLO, start it, and measure: the planned fleet meets the SLO it was
 planned for, and one worker fewer of the bottleneck role does not.
 
 Real broker, gateway and workers; open-loop Poisson arrivals through the official ``openai`` client.
-The rate is chosen above one prefill worker's measured throughput, so the plan needs more than one.
 
-The planner models workers as independent servers (a GPU each in production). Where they share
-too few CPU cores, a second prefill worker adds little throughput and the check would measure the
-host, not the plan: on a 2-core host, TTFT p90 3.4 s against a 2.4 s SLO with the planned two
-prefill workers (2026-12-04). So it runs only with a core for each process it starts."""
+On a host with few cores (2 here and on CI) the workers are not the independent servers the
+planner first assumed: broker, gateway, this client and every worker share the cores, so a second
+prefill worker adds what the first left idle, not a worker's worth. With throughput assumed linear
+(2 × one worker's) the plan was wrong on 2 cores: TTFT p90 3.4 s against a 2.4 s SLO with the
+planned two prefill workers (2026-12-04). So the planner takes the host's *measured* curve: the
+profile measures the prefill throughput with one worker and again with two
+(``prefill_rps_by_workers``), and the planner serves each worker at its share of the measured
+total and assumes no gain beyond the largest count measured (see omnirelay.fleet.planner). The
+rate is then chosen from the measurements: above what one prefill worker completes (so one fewer
+cannot keep up and its queue grows for the whole run), and below what two complete at the planner's
+``max_utilisation``. Each worker runs one torch thread (``OMP_NUM_THREADS=1``), as a CPU deployment
+gives each worker its share of the cores: with torch's default (a thread per core in every worker)
+two workers oversubscribe the cores and a second one adds little."""
 
 from __future__ import annotations
 
 import asyncio
-import os
+import dataclasses
+import math
 import random
 import time
 
@@ -22,16 +31,23 @@ import pytest
 
 from cluster import Cluster
 from omnirelay.fleet.planner import Slo, Workload, plan
-from omnirelay.fleet.profile import measure
+from omnirelay.fleet.profile import measure, measure_prefill_throughput
 
 pytestmark = pytest.mark.slow
 
-INPUT_WORDS, OUTPUT_LEN, RUN_S = 900, 8, 25.0   # ~1,800 prompt tokens: a prefill slow enough that the client keeps up
+# ~1,800 prompt tokens: a prefill slow enough that the client keeps up; two output tokens keep decode
+# (which shares the same cores, and which the planner sizes alone) at one worker and a small batch.
+INPUT_WORDS, OUTPUT_LEN, RUN_S = 900, 2, 30.0
 
 
 def _p90(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def _attained(ttfts: list[float], failed: int, slo_s: float) -> float:
+    """Share of requests whose TTFT met ``slo_s`` (a failed one did not); a p90 SLO needs 90 %."""
+    return sum(t <= slo_s for t in ttfts) / max(1, len(ttfts) + failed)
 
 
 async def _open_loop(url: str, rate: float, duration_s: float) -> tuple[list[float], list[float], int, float]:
@@ -74,14 +90,8 @@ async def _open_loop(url: str, rate: float, duration_s: float) -> tuple[list[flo
     return ttfts, gaps, failures, achieved
 
 
-# broker, gateway, this client, and at least 2 prefill + 1 decode worker
-MIN_CORES = 6
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < MIN_CORES,
-                    reason=f"needs {MIN_CORES} CPU cores: the planner's workers are independent servers, "
-                           "which workers sharing fewer cores are not")
-def test_planned_fleet_meets_its_slo_and_one_fewer_does_not(tiny_model, tmp_path):
+def test_planned_fleet_meets_its_slo_and_one_fewer_does_not(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")     # the workers' torch threads: one core each
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
     try:
         cluster.start_broker()
@@ -90,29 +100,38 @@ def test_planned_fleet_meets_its_slo_and_one_fewer_does_not(tiny_model, tmp_path
         cluster.start_gateway()
         cluster.wait_healthy()
         profile = asyncio.run(measure(cluster.url, "tiny-llm", INPUT_WORDS, OUTPUT_LEN, samples=8, burst=16))
-        rate = 1.3 * profile.prefill_rps           # more than one prefill worker completes
-        slo = Slo(ttft_p90_s=8.0 * profile.prefill_s, itl_p90_s=10.0 * (profile.itl_base_s + profile.itl_per_seq_s * 8))
+        prefill.append(cluster.start_worker("prefill", "--capacity", "1"))
+        cluster.wait_for_workers(3, timeout=120)
+        workers, two = asyncio.run(measure_prefill_throughput(cluster.url, "tiny-llm", INPUT_WORDS, burst=24))
+        assert workers == 2
+        curve = {**profile.prefill_rps_by_workers, 2: two}
+        profile = dataclasses.replace(profile, prefill_rps_by_workers=curve)
+        one, umax = curve[1], Slo.max_utilisation
+        print(f"\nprefill throughput on this host: {curve}")
+        assert umax * two > 1.1 * one, f"a second prefill worker adds too little on this host: {curve}"
+        # More than one worker completes, less than two at max_utilisation: 40 % of the way from one to the
+        # other leaves the planned fleet room for the host's noise, and one fewer a queue that grows
+        # by > 10 % of a worker's throughput every second of the run.
+        rate = one + 0.4 * (umax * two - one)
+        slo = Slo(ttft_p90_s=10.0 * profile.prefill_s, itl_p90_s=10.0 * (profile.itl_base_s + profile.itl_per_seq_s * 8))
         fleet = plan(profile, Workload(rate=rate, input_len=INPUT_WORDS, output_len=OUTPUT_LEN), slo)
-        print(f"\nprofile {profile}\nrate {rate:.2f}/s, SLO TTFT p90 {slo.ttft_p90_s * 1e3:.0f} ms, ITL p90 "
+        print(f"profile {profile}\nrate {rate:.2f}/s, SLO TTFT p90 {slo.ttft_p90_s * 1e3:.0f} ms, ITL p90 "
               f"{slo.itl_p90_s * 1e3:.0f} ms\n{fleet.table()}")
-        assert fleet.bottleneck == "prefill" and fleet.counts["prefill"] >= 2
-        for _ in range(fleet.counts["prefill"] - 1):
-            prefill.append(cluster.start_worker("prefill", "--capacity", "1"))
-        for _ in range(fleet.counts["decode"] - 1):
-            cluster.start_worker("decode", "--capacity", "8")
-        cluster.wait_for_workers(fleet.counts["prefill"] + fleet.counts["decode"], timeout=180)
+        assert fleet.bottleneck == "prefill" and fleet.counts["prefill"] == 2 and fleet.counts["decode"] == 1
         ttfts, gaps, failed, achieved = asyncio.run(_open_loop(cluster.url, rate, RUN_S))
-        planned = (_p90(ttfts), _p90(gaps))
+        planned = (_p90(ttfts + [math.inf] * failed), _p90(gaps))   # a failed request misses the SLO
         print(f"planned fleet: {len(ttfts)} requests at {achieved:.2f}/s, TTFT p90 {planned[0] * 1e3:.0f} ms, "
-              f"ITL p90 {planned[1] * 1e3:.0f} ms, failed {failed}")
+              f"ITL p90 {planned[1] * 1e3:.0f} ms, failed {failed}, "
+              f"{_attained(ttfts, failed, slo.ttft_p90_s):.0%} within the TTFT SLO")
         assert achieved >= 0.9 * rate   # the load generator kept up: the fleet saw the planned rate
         # One prefill worker fewer (drained), the same load.
         prefill.pop().stop()
         time.sleep(2.0)
         ttfts_less, gaps_less, failed_less, achieved_less = asyncio.run(_open_loop(cluster.url, rate, RUN_S))
-        fewer = (_p90(ttfts_less), _p90(gaps_less))
+        fewer = (_p90(ttfts_less + [math.inf] * failed_less), _p90(gaps_less))
         print(f"one prefill fewer: {len(ttfts_less)} requests at {achieved_less:.2f}/s, TTFT p90 "
-              f"{fewer[0] * 1e3:.0f} ms, ITL p90 {fewer[1] * 1e3:.0f} ms, failed {failed_less}")
+              f"{fewer[0] * 1e3:.0f} ms, ITL p90 {fewer[1] * 1e3:.0f} ms, failed {failed_less}, "
+              f"{_attained(ttfts_less, failed_less, slo.ttft_p90_s):.0%} within the TTFT SLO")
         assert achieved_less >= 0.9 * rate
         assert failed == 0 and planned[0] <= slo.ttft_p90_s and planned[1] <= slo.itl_p90_s
         assert fewer[0] > slo.ttft_p90_s
