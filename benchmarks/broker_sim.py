@@ -61,6 +61,7 @@ import time
 from omnirelay.broker import protocol as p
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
+from omnirelay.handoffs import KVHandoff
 
 MODEL = "sim-model"
 PROMPT = [1000 + 37 * i for i in range(8)]
@@ -225,7 +226,7 @@ class Simulation:
     def stage_end(self, t: float, worker: SimWorker, generation: int, task: p.Task) -> None:
         if not worker.alive or worker.generation != generation:
             return
-        outputs = {"kv": {"key": f"kv/{task.request_id}", "bytes": 1 << 20}} if task.stage == "prefill" else {}
+        outputs = KVHandoff(f"kv/{task.request_id}", {"bytes": 1 << 20}, 0) if task.stage == "prefill" else None
         self.send_to_broker(t, worker.identity, p.StageDone(worker.worker_id, task.request_id, task.stage,
                                                             outputs, finished=task.stage == "decode",
                                                             attempt=task.attempt))

@@ -107,7 +107,7 @@ def one_sample(prefill: PrefillEngine, decode: DecodeEngine, prompt: list[int], 
         raise RuntimeError(f"prefill failed: {result.error_type}: {result.message}")
     t1 = time.perf_counter()
     decode.add(DecodeTask(rid, prompt, result.first_token, PARAMS, time.time() + 600, "",
-                          result.outputs["kv_key"], result.outputs["kv_handle"]))
+                          result.outputs.kv_key, result.outputs.kv_handle))
     tokens = []
     while not tokens:
         out = decode.step()

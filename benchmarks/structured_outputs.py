@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                     for result in done:
                         i = int(result.request_id.rsplit("-", 1)[1])
                         decode.add(DecodeTask(result.request_id, prompts[i], result.first_token, params,
-                                              time.time() + 600, "", result.outputs["kv_key"],
-                                              result.outputs["kv_handle"], structured=spec if constrained else None))
+                                              time.time() + 600, "", result.outputs.kv_key,
+                                              result.outputs.kv_handle, structured=spec if constrained else None))
                     decode.step()   # imports and admits every KV, runs the first step (not timed)
                     while len(decode.running) < args.batch:
                         decode.step()

@@ -111,7 +111,7 @@ class RequestState:
     spec: p.Submit
     gateway: bytes
     stage_index: int = 0
-    inputs: dict = dataclasses.field(default_factory=dict)
+    inputs: p.Handoff | None = None   # what this stage reads: carried, never looked inside
     phase: Phase = QUEUED
     worker_id: str | None = None
     attempts: int = 0
@@ -324,7 +324,7 @@ class BrokerCore:
                 if msg.outputs:
                     # The request died while this stage ran (cancel, deadline): nobody will read
                     # what it just wrote, so have its producer delete it now rather than at TTL.
-                    return [(identity, p.CancelTask(msg.request_id, inputs=dict(msg.outputs)))]
+                    return [(identity, p.CancelTask(msg.request_id, inputs=msg.outputs))]
             return []
         worker.tasks.discard(msg.request_id)
         self._offer(worker)

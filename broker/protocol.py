@@ -22,6 +22,13 @@ leaves the new field unused (the receiver rejects fields it does not know). The 
 message type (``TokenDeltas``): receivers are upgraded before senders — broker, then gateways,
 then workers (README, "Upgrading").
 
+Hand-offs. What a stage leaves for the next (``StageDone.outputs`` → ``Task.inputs``; the first
+stage's in ``Submit.inputs``; ``CancelTask.inputs`` to release) is a typed hand-off of
+:mod:`omnirelay.handoffs` (``KVHandoff``, ``EmbedsHandoff``, ``SpeechHandoff``, ``MediaInputs``),
+a msgpack map tagged by its ``"handoff"`` key, validated here like every field; the broker passes it
+on without looking inside. A sender older than typed hand-offs sends the same map untagged: the
+decoder recognises it by its keys and tags it (:func:`_decode_legacy`, the slow path, only then).
+
 Who sends what:
 
 ====================  ======================  ===================================================
@@ -30,7 +37,7 @@ message               direction               meaning
 Register              worker → broker         I serve (model, role) with this capacity
 Credit                worker → broker         I can take ``credits`` more tasks (pull by credit)
 Heartbeat             worker → broker         alive; my load and counters
-StageDone             worker → broker         a stage finished; ``outputs`` are connector handles
+StageDone             worker → broker         a stage finished; ``outputs``: its hand-off
 StageFailed           worker → broker         a stage failed with a structured error
 Unregister            worker → broker         I am leaving (drain finished)
 GatewayHello          gateway → broker        I own requests; also my liveness ping
@@ -80,9 +87,11 @@ parse it fails the task as ``bad_request``.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 import msgspec
+
+from omnirelay.handoffs import TAG_FIELD, Handoff, MediaInputs, tag_legacy
 
 PROTOCOL_VERSION = 1
 VERSION_FRAME = bytes([PROTOCOL_VERSION])
@@ -133,6 +142,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 _REGISTRY: dict[bytes, type["Message"]] = {}
 _DECODERS: dict[bytes, tuple[type["Message"], msgspec.msgpack.Decoder]] = {}
+# Message tag → its fields that carry a hand-off (omnirelay.handoffs), for the legacy fallback.
+_HANDOFF_FIELDS: dict[bytes, tuple[str, ...]] = {}
+_HANDOFF_TYPES = set(get_args(Handoff))
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, gc=False):
@@ -161,6 +173,9 @@ def _register(cls):
     # strict: no str → int coercion and no bool where an int is declared; int is accepted for float.
     _DECODERS[cls.TAG] = (cls, msgspec.msgpack.Decoder(cls, strict=True, ext_hook=_reject_ext))
     cls._checks = tuple((f.name, f.type, f.required) for f in msgspec.structs.fields(cls))
+    handoffs = tuple(name for name, annotation, _ in cls._checks if set(get_args(annotation)) & _HANDOFF_TYPES)
+    if handoffs:
+        _HANDOFF_FIELDS[cls.TAG] = handoffs
     return cls
 
 
@@ -212,11 +227,35 @@ def decode(frames: list[bytes]) -> Message:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
+        if tag in _HANDOFF_FIELDS:
+            legacy = _decode_legacy(cls, _HANDOFF_FIELDS[tag], body)
+            if legacy is not None:
+                return legacy
         raise ProtocolError(_explain(cls, str(exc))) from None
     except ProtocolError:
         raise
     except Exception as exc:  # DecodeError on garbage; RecursionError on absurd nesting
         raise ProtocolError(f"body is not valid msgpack: {type(exc).__name__}") from None
+
+
+def _decode_legacy(cls: type[Message], fields: tuple[str, ...], body: bytes) -> Message | None:
+    """``body`` from a sender older than typed hand-offs (an untagged map where a hand-off goes,
+    see :mod:`omnirelay.handoffs`), decoded with the hand-offs tagged; None when it is not that
+    (the caller reports the typed decoder's error). The slow path: only during a rolling upgrade."""
+    try:
+        raw = msgspec.msgpack.decode(body, ext_hook=_reject_ext)
+    except Exception:
+        return None
+    if not isinstance(raw, dict) or not any(isinstance(raw.get(name), dict) and TAG_FIELD not in raw[name]
+                                            for name in fields):
+        return None
+    for name in fields:
+        if name in raw:
+            raw[name] = tag_legacy(raw[name])
+    try:
+        return msgspec.convert(raw, cls, strict=True)
+    except msgspec.ValidationError as exc:   # a legacy map, malformed: say what is wrong with it
+        raise ProtocolError(_explain(cls, str(exc))) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,13 +306,14 @@ class Heartbeat(Message):
 
 @_register
 class StageDone(Message):
-    """``outputs`` are the connector handles the next stage reads; ``finished`` ends the request."""
+    """``outputs``: the hand-off the next stage reads (connector handles, :mod:`omnirelay.handoffs`;
+    None: nothing); ``finished`` ends the request."""
 
     TAG = b"DONE"
     worker_id: str
     request_id: str
     stage: str
-    outputs: dict[str, Any] = msgspec.field(default_factory=dict)
+    outputs: Handoff | None = None
     finished: bool = False
     attempt: int = 0            # echoes Task.attempt, so a late report of an earlier attempt is ignored
 
@@ -326,7 +366,7 @@ class Submit(Message):
     reply_key: str = ""        # CURVE public key (z85) of the reply_to socket; empty on loopback
     # The first stage's inputs, inline (an omni request's media bytes for encode); bounded by
     # MAX_BODY_BYTES with the rest of the message. Later stages get the previous stage's outputs.
-    inputs: dict[str, Any] = msgspec.field(default_factory=dict)
+    inputs: MediaInputs | None = None
     prefix_hashes: list[int] = msgspec.field(default_factory=list)
     prefix_block_size: int = 0
 
@@ -356,7 +396,7 @@ class Task(Message):
     model: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
-    inputs: dict[str, Any]
+    inputs: Handoff | None      # Submit.inputs for the first stage, else the previous stage's outputs
     reply_to: str
     deadline: float
     attempt: int = 0
@@ -366,13 +406,14 @@ class Task(Message):
 
 @_register
 class CancelTask(Message):
-    """Drop a request. ``inputs`` (connector handles a finished stage produced for this worker's
-    role) are sent when the request dies between stages: the receiver deletes those keys, so a
-    cancelled request's data does not wait for its TTL."""
+    """Drop a request. ``inputs`` (the hand-off a finished stage produced, sent to a worker of the
+    consuming role, or back to its producer when its report came too late) are sent when the
+    request dies between stages: the receiver releases it (``Handoff.release``), so a cancelled
+    request's data does not wait for its TTL."""
 
     TAG = b"CTSK"
     request_id: str
-    inputs: dict[str, Any] = msgspec.field(default_factory=dict)
+    inputs: Handoff | None = None
 
 
 @_register

@@ -31,6 +31,7 @@ from typing import AsyncIterator
 
 from omnirelay.broker import protocol as p
 from omnirelay.errors import BadRequest, OmniError, Unprocessable
+from omnirelay.handoffs import MediaInputs, MediaItem
 
 from .bus import BusClient, PositionLogprobs
 from .detokenizer import IncrementalDetokenizer
@@ -58,7 +59,7 @@ class Generation:
     completion_tokens: int = 0
     resumes: int = 0
     stages: tuple[str, ...] = ()
-    inputs: dict = dataclasses.field(default_factory=dict)   # the first stage's (media for encode)
+    inputs: MediaInputs | None = None   # the first stage's (media for encode)
     sampling_options: dict = dataclasses.field(default_factory=dict)   # sampling_options.wire_options
 
     @property
@@ -68,7 +69,7 @@ class Generation:
 
 def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Generation:
     """Tokenize and check the request against the model's context (400 when it cannot fit)."""
-    stages, inputs = tuple(model.stages), {}
+    stages, inputs = tuple(model.stages), None
     if request.kind == "chat":
         messages = request.messages
         media_param = next((f"messages[{i}].content" for i, m in enumerate(messages) if not isinstance(m["content"], str)),
@@ -83,7 +84,7 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
         prompt_ids = model.encode_chat(messages, request.tools.template_tools() if request.tools else None)
         if items:
             prompt_ids = model.media.expand(prompt_ids, items)
-            inputs = {"media": [{"kind": m.kind, "data": m.data} for m in items]}
+            inputs = MediaInputs([MediaItem(m.kind, m.data) for m in items])
         else:   # nothing to encode: the request starts at prefill
             stages = tuple(s for s in stages if s != "encode")
     elif request.prompt is not None:

@@ -89,7 +89,7 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], prefilled: dict, 
         result = prefilled[f"r{i}"]
         outputs[f"r{i}"] = [result.first_token]
         engine.add(DecodeTask(f"r{i}", ids, result.first_token, GREEDY, time.time() + 60, "",
-                              result.outputs["kv_key"], result.outputs["kv_handle"]))
+                              result.outputs.kv_key, result.outputs.kv_handle))
     for _ in range(max_steps):
         out = engine.step()
         assert not out.failed, out.failed

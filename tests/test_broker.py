@@ -21,6 +21,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.broker.daemon import config_from_args, make_parser
+from omnirelay.handoffs import KVHandoff
 
 MODEL = "tiny"
 GW = b"gw"
@@ -207,7 +208,7 @@ def test_credit_releases_queued_work_as_a_complete_task(core):
     ((ident, task),) = core.on_message(b"w1", p.Credit("w1", 1), 1.0)
     assert ident == b"w1"
     assert task == p.Task(request_id="r1", stage="prefill", model=MODEL, prompt_token_ids=[1, 2, 3],
-                          sampling={"temperature": 0.0}, inputs={}, reply_to="tcp://gw:7000", deadline=FAR,
+                          sampling={"temperature": 0.0}, inputs=None, reply_to="tcp://gw:7000", deadline=FAR,
                           attempt=0, position_offset=0)
 
 
@@ -249,8 +250,9 @@ def test_tasks_go_only_to_workers_of_the_stage_role_and_model(core):
 
 def test_stage_done_hands_outputs_to_the_next_stage(core):
     pipeline(core)
-    ((ident, task),) = done(core, b"pre", "r1", "prefill", outputs={"kv": {"key": "r1/kv"}})
-    assert (ident, task.stage, task.inputs) == (b"dec", "decode", {"kv": {"key": "r1/kv"}})
+    kv = KVHandoff("kv/r1/0", {"segment": "x"}, first_token=5)
+    ((ident, task),) = done(core, b"pre", "r1", "prefill", outputs=kv)
+    assert (ident, task.stage, task.inputs) == (b"dec", "decode", kv)
     assert core.workers["pre"].tasks == set()
 
 
@@ -287,12 +289,12 @@ def test_non_retryable_stage_failure_is_reported_to_the_gateway(core):
 
 def test_retryable_stage_failure_restarts_from_the_first_stage(core):
     pipeline(core, pre_credits=2)
-    done(core, b"pre", "r1", "prefill", outputs={"kv": "lost"})
+    done(core, b"pre", "r1", "prefill", outputs=KVHandoff("kv/r1/0", {}, first_token=5))
     # worker_lost restarts at once; transfer_failed waits first (tests/test_transfer_retry.py).
     out = failed(core, b"dec", "r1", "decode", "worker_lost")
     assert failures(out) == []
     ((ident, task),) = of_type(out, p.Task)
-    assert (ident, task.stage, task.attempt, task.inputs) == (b"pre", "prefill", 1, {})
+    assert (ident, task.stage, task.attempt, task.inputs) == (b"pre", "prefill", 1, None)
 
 
 def test_retryable_failures_stop_after_max_attempts(core):
@@ -551,7 +553,7 @@ def test_non_finite_deadline_is_rejected(core):
 
 def test_cancel_between_stages_tells_a_consumer_to_delete_the_handoff(core):
     pipeline(core, pre_credits=1, dec_credits=0)
-    handles = {"kv_key": "kv/r1/0", "kv_handle": {"segment": "x"}, "first_token": 5}
+    handles = KVHandoff("kv/r1/0", {"segment": "x"}, first_token=5)
     done(core, b"pre", "r1", "prefill", outputs=handles)          # queued for decode, no credit yet
     out = core.on_message(GW, p.Cancel("r1"), 0.0)
     (cancel,) = of_type(out, p.CancelTask)
@@ -561,6 +563,6 @@ def test_cancel_between_stages_tells_a_consumer_to_delete_the_handoff(core):
 def test_stage_done_for_a_dead_request_asks_its_producer_to_delete_the_output(core):
     pipeline(core, pre_credits=1)
     core.on_message(GW, p.Cancel("r1"), 0.0)                       # cancelled while prefill runs
-    outputs = {"kv_key": "kv/r1/0", "kv_handle": {}, "first_token": 3}
+    outputs = KVHandoff("kv/r1/0", {}, first_token=3)
     out = done(core, b"pre", "r1", "prefill", outputs=outputs)
     assert [(ident, msg.inputs) for ident, msg in of_type(out, p.CancelTask)] == [(b"pre", outputs)]

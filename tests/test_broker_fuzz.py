@@ -34,6 +34,7 @@ import types
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -63,7 +64,7 @@ def strategy_for(hint: Any) -> st.SearchStrategy:
     """A strategy of valid values for one field annotation of a message class."""
     if hint is Any:
         return msgpack_values()
-    if isinstance(hint, type) and issubclass(hint, p.Message):   # a struct nested in another (TokenDeltas)
+    if isinstance(hint, type) and issubclass(hint, msgspec.Struct):   # nested: TokenDeltas, a hand-off
         return messages_of(hint)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -78,6 +79,8 @@ def strategy_for(hint: Any) -> st.SearchStrategy:
         return st.floats(allow_nan=False)
     if hint is str:
         return st.text(max_size=24)
+    if hint is bytes:
+        return st.binary(max_size=24)
     if origin is list:
         (item,) = typing.get_args(hint)
         return st.lists(strategy_for(item), max_size=8)
@@ -90,7 +93,7 @@ def strategy_for(hint: Any) -> st.SearchStrategy:
 
 def messages_of(cls) -> st.SearchStrategy:
     hints = typing.get_type_hints(cls)
-    fields = {name: strategy_for(hints[name]) for name, _, _ in cls._checks}
+    fields = {f.name: strategy_for(hints[f.name]) for f in msgspec.structs.fields(cls)}
     if cls is p.TokenDelta:   # its logprob lists line up with token_ids (or are all empty)
         return token_deltas(fields)
     return st.builds(cls, **fields)

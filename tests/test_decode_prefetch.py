@@ -17,9 +17,9 @@ import torch
 
 from omnirelay.connectors import Connector, create_connector
 from omnirelay.errors import TransferFailed
+from omnirelay.handoffs import SpeechHandoff, piece_key
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
-from omnirelay.workers.kv.export import piece_key
 from omnirelay.workers.kv.prefetch import ImportState, KVPrefetcher
 from omnirelay.workers.llm.prefill import PrefillEngine
 
@@ -92,8 +92,8 @@ def prefill(model, connector, prompts, mode: str = "whole") -> dict:
 
 
 def task(rid: str, ids: list[int], result) -> DecodeTask:
-    return DecodeTask(rid, ids, result.first_token, GREEDY, time.time() + 60, "", result.outputs["kv_key"],
-                      result.outputs["kv_handle"])
+    return DecodeTask(rid, ids, result.first_token, GREEDY, time.time() + 60, "", result.outputs.kv_key,
+                      result.outputs.kv_handle)
 
 
 def is_running(engine: DecodeEngine, rid: str) -> bool:
@@ -131,7 +131,7 @@ def test_running_sequence_keeps_stepping_while_another_kv_import_is_held(model, 
     try:
         engine.add(task("r0", prompts[0], prefilled["r0"]))
         step_until(engine, outputs, lambda: is_running(engine, "r0"))
-        b_key = prefilled["r1"].outputs["kv_key"]
+        b_key = prefilled["r1"].outputs.kv_key
         held.hold(b_key)
         engine.add(task("r1", prompts[1], prefilled["r1"]))
         out = engine.step()   # hands r1's import to a thread
@@ -167,7 +167,7 @@ def test_greedy_output_with_a_held_import_equals_transformers(model, tok, refere
     try:
         engine.add(task("r0", prompts[0], prefilled["r0"]))
         step_until(engine, outputs, lambda: is_running(engine, "r0"))
-        slow = piece_key(prefilled["r1"].outputs["kv_key"], 1)   # r1's layerwise KV: its second piece is late
+        slow = piece_key(prefilled["r1"].outputs.kv_key, 1)   # r1's layerwise KV: its second piece is late
         held.hold(slow)
         engine.add(task("r1", prompts[1], prefilled["r1"]))
         engine.add(task("r2", prompts[2], prefilled["r2"]))   # arrives later, but its KV is there: admitted first
@@ -190,7 +190,7 @@ def test_greedy_output_with_a_held_import_equals_transformers(model, tok, refere
 def test_cancel_while_the_import_is_in_flight_leaves_no_key(model, tok, connector, tmp_path, mode):
     prompts = [chat_ids(tok, QUESTIONS[2])]
     result = prefill(model, connector, prompts, mode=mode)["r0"]
-    key = result.outputs["kv_key"]
+    key = result.outputs.kv_key
     layers = model.config.num_layers
     assert len(shm_keys(tmp_path)) == (1 if mode == "whole" else layers + 1)
     held = _HeldGets(connector)
@@ -215,13 +215,13 @@ def test_deadline_while_the_import_is_in_flight_leaves_no_key(model, tok, connec
     prompts = [chat_ids(tok, QUESTIONS[1])]
     result = prefill(model, connector, prompts)["r0"]
     held = _HeldGets(connector)
-    held.hold(result.outputs["kv_key"])
+    held.hold(result.outputs.kv_key)
     engine = make_decode(model, held)
     try:
         t = task("r0", prompts[0], result)
         engine.add(t)
         engine.step()
-        held.wait_entered(result.outputs["kv_key"])
+        held.wait_entered(result.outputs.kv_key)
         engine.waiting[0].task.deadline = time.time() - 1
         out = engine.step()
         assert [(f[0], f[2]) for f in out.failed] == [("r0", "deadline_exceeded")] and not engine.has_work
@@ -260,7 +260,7 @@ def test_failed_import_releases_its_keys_and_the_speech_key(model, tok, connecto
     failed: this attempt's KV and speech prompt states will never be read, and are deleted."""
     prompts = [chat_ids(tok, QUESTIONS[1])]
     result = prefill(model, connector, prompts, mode=mode)["r0"]
-    key = result.outputs["kv_key"]
+    key = result.outputs.kv_key
     speech_key = "speech/r0/0/prompt"
     speech_handle = connector.put(speech_key, {"hidden": torch.zeros(2, 4)})
     assert len(shm_keys(tmp_path)) == (2 if mode == "whole" else model.config.num_layers + 2)
@@ -269,7 +269,7 @@ def test_failed_import_releases_its_keys_and_the_speech_key(model, tok, connecto
     engine = make_decode(model, held)
     try:
         t = task("r0", prompts[0], result)
-        t.speech_inputs = {"speech_prompt_key": speech_key, "speech_prompt_handle": speech_handle}
+        t.speech_inputs = SpeechHandoff(speech_key, speech_handle)
         engine.add(t)
         outputs = {"r0": [result.first_token]}
         failed = step_until(engine, outputs, lambda: not engine.has_work)
@@ -285,7 +285,7 @@ def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connecto
     """At most max_num_seqs KVs are held imported-or-importing; the next import starts when one leaves."""
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
     prefilled = prefill(model, connector, prompts)
-    keys = [prefilled[f"r{i}"].outputs["kv_key"] for i in range(3)]
+    keys = [prefilled[f"r{i}"].outputs.kv_key for i in range(3)]
     held = _HeldGets(connector)
     for key in keys[:2]:
         held.hold(key)
@@ -315,7 +315,7 @@ def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connecto
 def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connector, tmp_path):
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
     prefilled = prefill(model, connector, prompts)
-    keys = [prefilled[f"r{i}"].outputs["kv_key"] for i in range(2)]
+    keys = [prefilled[f"r{i}"].outputs.kv_key for i in range(2)]
     held = _HeldGets(connector)
     held.hold(keys[0])
     engine = make_decode(model, held, max_num_seqs=1)   # r1's import waits behind r0's
@@ -343,7 +343,7 @@ def test_close_does_not_wait_out_a_blocked_release_of_a_queued_import(model, tok
     down); close() still returns within CLOSE_JOIN_S, and the release finishes when the call returns."""
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
     prefilled = prefill(model, connector, prompts)
-    keys = [prefilled[f"r{i}"].outputs["kv_key"] for i in range(2)]
+    keys = [prefilled[f"r{i}"].outputs.kv_key for i in range(2)]
     held = _HeldGets(connector)
     held.hold(keys[0])
     held.hold(keys[1])   # the release's get of r1's key blocks too
@@ -372,7 +372,7 @@ def test_close_does_not_wait_out_a_get_in_progress(model, tok, tmp_path, connect
     the get returns, only releases the import's keys (the connector closed meanwhile) and ends."""
     prompts = [chat_ids(tok, QUESTIONS[2])]
     result = prefill(model, connector, prompts, mode="layerwise")["r0"]
-    key = result.outputs["kv_key"]
+    key = result.outputs.kv_key
     decode_side = create_connector("shared_memory", {"shm_dir": str(tmp_path)})   # the decode worker's own
     held = _HeldGets(decode_side)
     gated = piece_key(key, 1)

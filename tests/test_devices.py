@@ -221,7 +221,7 @@ def test_cuda_placement_and_tp2_equals_tp1(tiny_model, tok, tmp_path):  # noqa: 
     def generate(runner_for_prefill, runner_for_decode):
         prefilled = run_prefill(PrefillEngine(runner_for_prefill, conn, max_model_len=2048, max_batched_tokens=64),
                                 prompts)
-        key = prefilled["r0"].outputs["kv_key"]
+        key = prefilled["r0"].outputs.kv_key
         payload = conn.get(key)   # whole KV, or a layerwise manifest (a local runner) and one piece per layer
         kv = payload["kv"] if "kv" in payload else conn.get(f"{key}/layer/0")["k"]
         assert kv.device.type == "cpu"   # connectors get host memory

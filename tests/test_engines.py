@@ -43,9 +43,9 @@ def test_one_big_batch_equals_one_at_a_time(model, tok, connector):
     alone = PrefillEngine(model, connector, max_model_len=2048, max_batch=1)
     # Both runs use the same request ids, so each run's KV is imported (and its keys consumed) first.
     a = run_prefill(together, prompts)
-    kv_a = {k: import_kv(connector, r.outputs["kv_key"], r.outputs["kv_handle"], timeout=5) for k, r in a.items()}
+    kv_a = {k: import_kv(connector, r.outputs.kv_key, r.outputs.kv_handle, timeout=5) for k, r in a.items()}
     b = run_prefill(alone, prompts)
-    kv_b = {k: import_kv(connector, r.outputs["kv_key"], r.outputs["kv_handle"], timeout=5) for k, r in b.items()}
+    kv_b = {k: import_kv(connector, r.outputs.kv_key, r.outputs.kv_handle, timeout=5) for k, r in b.items()}
     assert together.stats["prefill_steps"] == 1 and alone.stats["prefill_steps"] == len(prompts)
     for key in a:
         assert a[key].first_token == b[key].first_token
@@ -134,7 +134,7 @@ def test_native_decode_attention_matches_torch(tiny_model, model, tok, connector
     outs = []
     for engine in engines:
         for i, ids in enumerate(prompts):
-            kv = connector.get(prefilled[f"r{i}"].outputs["kv_key"])["kv"]
+            kv = connector.get(prefilled[f"r{i}"].outputs.kv_key)["kv"]
             blocks = engine.allocator.allocate(engine.blocks_needed(len(ids) + 1))
             engine.runner.write_kv(blocks, kv)
             outs.append((engine, blocks))

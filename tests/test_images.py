@@ -185,7 +185,7 @@ def test_role_adapter_reports_media_then_done_and_refuses_bad_tasks(pipe):
 
     def task(request_id: str, sampling: dict) -> p.Task:
         return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=[], sampling=sampling,
-                      inputs={}, reply_to="tcp://127.0.0.1:1", deadline=time.time() + 60, attempt=2)
+                      inputs=None, reply_to="tcp://127.0.0.1:1", deadline=time.time() + 60, attempt=2)
 
     [(dest, failure)] = role.accept(task("bad", {"prompt": "x", "width": 12, "height": 16}))
     assert dest == "" and isinstance(failure, p.StageFailed) and failure.error_type == "bad_request"

@@ -16,7 +16,8 @@ import torch
 
 from omnirelay.connectors import create_connector
 from omnirelay.pipeline import PipelineError, parse_pipeline
-from omnirelay.workers.kv.export import ExportSequence, ExportState, LayerwiseExport, import_kv, piece_key, release_kv
+from omnirelay.handoffs import piece_key, release_kv
+from omnirelay.workers.kv.export import ExportSequence, ExportState, LayerwiseExport, import_kv
 from omnirelay.workers.llm.model_runner import local_runner
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
@@ -39,12 +40,12 @@ def test_layerwise_equals_whole_and_transformers(model, tok, reference, connecto
     layerwise = prefill_engine(model, connector, "layerwise")
     whole = prefill_engine(model, connector, "whole")
     b = run_prefill(whole, prompts)
-    kv_b = {k: import_kv(connector, r.outputs["kv_key"], r.outputs["kv_handle"], timeout=5) for k, r in b.items()}
+    kv_b = {k: import_kv(connector, r.outputs.kv_key, r.outputs.kv_handle, timeout=5) for k, r in b.items()}
     a = run_prefill(layerwise, prompts)
     assert layerwise.stats["kv_layerwise_handoffs"] == len(prompts) and not whole.stats["kv_layerwise_handoffs"]
     for key in a:
         assert a[key].first_token == b[key].first_token
-        manifest = connector.get(a[key].outputs["kv_key"])
+        manifest = connector.get(a[key].outputs.kv_key)
         assert manifest["layerwise"] == model.config.num_layers and manifest["num_tokens"] == len(prompts[int(key[1:])])
     assert layerwise.allocator.free == layerwise.runner.num_blocks - 1
     outputs = run_decode(decode_engine(model, connector, num_blocks=256), prompts, a)
@@ -53,7 +54,7 @@ def test_layerwise_equals_whole_and_transformers(model, tok, reference, connecto
     # The same KV either way (the same packed forwards: bitwise equal).
     a = run_prefill(layerwise, prompts)
     for key, result in a.items():
-        assert torch.equal(import_kv(connector, result.outputs["kv_key"], result.outputs["kv_handle"], timeout=5),
+        assert torch.equal(import_kv(connector, result.outputs.kv_key, result.outputs.kv_handle, timeout=5),
                            kv_b[key])
     assert shm_keys(tmp_path) == []
 
@@ -76,7 +77,7 @@ def test_long_chunked_prompt_with_prefix_hit_exports_the_whole_sequence(model, c
                 results += engine.step()
             (result,) = results
             assert not result.error_type, result.message
-            out[mode, rid] = import_kv(connector, result.outputs["kv_key"], result.outputs["kv_handle"], timeout=5)
+            out[mode, rid] = import_kv(connector, result.outputs.kv_key, result.outputs.kv_handle, timeout=5)
         assert engine.stats["prefix_cached_tokens"] == 992   # 62 full blocks of b reused
     for rid, ids in (("a", first), ("b", second)):
         assert out["layerwise", rid].shape[2] == len(ids)
@@ -174,9 +175,9 @@ def test_release_kv_deletes_a_layerwise_handoff_nobody_imported(model, tok, conn
     engine = prefill_engine(model, connector, "layerwise")
     result = run_prefill(engine, [chat_ids(tok, QUESTIONS[2])])["r0"]
     assert len(shm_keys(tmp_path)) == model.config.num_layers + 1
-    release_kv(connector, result.outputs["kv_key"])   # key only (a CancelTask's inputs may lack the handle)
+    release_kv(connector, result.outputs.kv_key)   # key only (a CancelTask's inputs may lack the handle)
     assert shm_keys(tmp_path) == []
-    release_kv(connector, result.outputs["kv_key"])   # twice: nothing there, no error
+    release_kv(connector, result.outputs.kv_key)   # twice: nothing there, no error
 
 
 def test_decode_cancel_before_admission_deletes_the_pieces(model, tok, connector, tmp_path):
@@ -185,18 +186,18 @@ def test_decode_cancel_before_admission_deletes_the_pieces(model, tok, connector
     decode = decode_engine(model, connector, num_blocks=64)
     from omnirelay.workers.llm.decode import DecodeTask
     r = prefilled["r0"]
-    decode.add(DecodeTask("r0", prompts[0], r.first_token, GREEDY, time.time() + 60, "", r.outputs["kv_key"],
-                          r.outputs["kv_handle"]))
+    decode.add(DecodeTask("r0", prompts[0], r.first_token, GREEDY, time.time() + 60, "", r.outputs.kv_key,
+                          r.outputs.kv_handle))
     assert decode.cancel("r0")
     assert shm_keys(tmp_path) == []
 
 
 def test_missing_piece_fails_the_import_and_deletes_the_rest(model, tok, connector, tmp_path):
     result = run_prefill(prefill_engine(model, connector, "layerwise"), [chat_ids(tok, QUESTIONS[2])])["r0"]
-    key = result.outputs["kv_key"]
+    key = result.outputs.kv_key
     connector.delete(piece_key(key, 2))
     with pytest.raises(Exception) as info:
-        import_kv(connector, key, result.outputs["kv_handle"], timeout=0.2)
+        import_kv(connector, key, result.outputs.kv_handle, timeout=0.2)
     assert getattr(info.value, "error_type", "") == "transfer_failed"
     assert shm_keys(tmp_path) == []
 
@@ -259,12 +260,12 @@ def test_auto_streams_only_a_step_with_enough_kv(model, tok, connector):
     a = run_prefill(small, prompts)
     assert small.stats.get("kv_layerwise_handoffs", 0) == 0 and small.stats["kv_handoffs"] == len(prompts)
     # Read (and so delete) the first run's KV before the second run puts under the same keys.
-    kv_a = {k: import_kv(connector, r.outputs["kv_key"], r.outputs["kv_handle"], timeout=5) for k, r in a.items()}
+    kv_a = {k: import_kv(connector, r.outputs.kv_key, r.outputs.kv_handle, timeout=5) for k, r in a.items()}
     big = prefill_engine(model, connector, "auto", layerwise_min_bytes=1)
     b = run_prefill(big, prompts)
     assert big.stats["kv_layerwise_handoffs"] == len(prompts)
     for key in a:
-        kv_b = import_kv(connector, b[key].outputs["kv_key"], b[key].outputs["kv_handle"], timeout=5)
+        kv_b = import_kv(connector, b[key].outputs.kv_key, b[key].outputs.kv_handle, timeout=5)
         assert a[key].first_token == b[key].first_token and torch.equal(kv_a[key], kv_b)
 
 

@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 
 from omnirelay.connectors.shared_memory import sweep_orphans
+from omnirelay.handoffs import SpeechHandoff
 from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model
 from omnirelay.errors import BadRequest, TransferFailed
 from omnirelay.speech_params import SpeechParams
@@ -251,11 +252,12 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
         hidden = engine.thinker_embed.shape[1]
 
         def task(request_id: str, voice: str, params: SpeechParams | None = None, **sampling) -> p.Task:
-            inputs = {}
+            stored = {}
             for name, payload in (("prompt", {"hidden": torch.randn(len(prompt_ids), hidden)}),
                                   ("reply", {"hidden": torch.randn(2, hidden), "token_ids": [5, 6, 7]})):
                 key = f"speech/{request_id}/{name}"
-                inputs[f"speech_{name}_key"], inputs[f"speech_{name}_handle"] = key, connector.put(key, payload)
+                stored[name] = key, connector.put(key, payload)
+            inputs = SpeechHandoff(*stored["prompt"], *stored["reply"])
             audio = (params or SpeechParams(voice, format="pcm", seed=3, max_codes=4)).to_wire()
             return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=prompt_ids,
                           sampling={"audio": audio, **sampling}, inputs=inputs, reply_to="tcp://127.0.0.1:1",
@@ -278,7 +280,7 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
         for t in (bad, good):
             for name in ("prompt", "reply"):
                 with pytest.raises(TransferFailed):
-                    connector.get(t.inputs[f"speech_{name}_key"], timeout=0.2)
+                    connector.get(getattr(t.inputs, f"speech_{name}_key"), timeout=0.2)
 
         # Streamed (sampling["audio_stream"]): the pieces go out as MediaResults numbered on across
         # pieces, the WAV header (unknown length) first, finish on the very last, then StageDone.

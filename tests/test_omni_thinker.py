@@ -302,7 +302,7 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
         encode.add(EncodeTask("m", [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
         (encoded,) = encode.step()
         assert not encoded.error_type, encoded.message
-        assert encoded.outputs["image_grids"] and encoded.outputs["audio_lengths"]
+        assert encoded.outputs.image_grids and encoded.outputs.audio_lengths
 
         model = LlamaModel(tiny_omni)
         config = json.loads(open(os.path.join(tiny_omni, "config.json")).read())
@@ -319,7 +319,7 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
             if not prefill.has_work:
                 break
         assert prefill.stats["prefill_steps"] > (len(ids) + len(text_ids)) // 8   # really chunked
-        assert done["m"].outputs["has_media"] and done["m"].outputs["rope_delta"] < 0
+        assert done["m"].outputs.has_media and done["m"].outputs.rope_delta < 0
 
         cfg = model.config
         # Room for both prompts to start, not for both to grow: the newest (the media one) is preempted.
@@ -330,9 +330,8 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
         for rid, prompt in (("t", text_ids), ("m", ids)):
             out = done[rid].outputs
             outputs[rid] = [done[rid].first_token]
-            decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out["kv_key"],
-                                  out["kv_handle"], rope_delta=out.get("rope_delta", 0),
-                                  has_media=out.get("has_media", False)))
+            decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out.kv_key,
+                                  out.kv_handle, rope_delta=out.rope_delta, has_media=out.has_media))
         for _ in range(500):
             step = decode.step()
             assert not step.failed, step.failed

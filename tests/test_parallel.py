@@ -75,7 +75,7 @@ def test_group_equals_single_process(group, connector, prompts, expected, tp, pp
 def test_prefill_tp2_hands_kv_to_decode_tp1(group, connector, single, prompts, expected):  # noqa: F811
     runner = group(2, 1)
     prefilled = run_prefill(PrefillEngine(runner, connector, max_model_len=2048, max_batched_tokens=64), prompts)
-    kv = connector.get(prefilled["r0"].outputs["kv_key"])["kv"]
+    kv = connector.get(prefilled["r0"].outputs.kv_key)["kv"]
     cfg = single.config
     assert kv.shape == (cfg.num_layers, 2, len(prompts[0]), cfg.num_kv_heads, cfg.head_dim)   # all heads
     assert run_decode(decode_engine(single, connector, num_blocks=128), prompts, prefilled) == expected

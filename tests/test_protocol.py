@@ -31,18 +31,18 @@ def _sample(hint: typing.Any) -> typing.Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is typing.Any:
         return {"nested": [1, "two", 3.5, None, True, b"\x00raw"]}
-    if isinstance(hint, type) and issubclass(hint, p.Message):   # a struct nested in another (TokenDeltas)
+    if isinstance(hint, type) and issubclass(hint, msgspec.Struct):   # nested: TokenDeltas, a hand-off
         return sample_message(hint)
     if origin in (typing.Union, types.UnionType):
-        return _sample(args[-1])
+        return _sample([a for a in args if a is not type(None)][-1])
     if origin is list:
         return [_sample(args[0]), _sample(args[0])]
     if origin is dict:
         return {"k1": _sample(args[1]), "k2": _sample(args[1])}
-    return {str: "sample-é", int: 7, float: 2.5, bool: True}[hint]
+    return {str: "sample-é", int: 7, float: 2.5, bool: True, bytes: b"\x00raw"}[hint]
 
 
-def sample_message(cls: type[p.Message]) -> p.Message:
+def sample_message(cls: type[msgspec.Struct]) -> msgspec.Struct:
     hints = typing.get_type_hints(cls)
     return cls(**{f.name: _sample(hints[f.name]) for f in msgspec.structs.fields(cls)})
 
@@ -202,7 +202,10 @@ def test_field_name_given_as_bytes_is_an_unknown_field():
     (p.Submit, "deadline", False),                     # bool where float
     (p.Submit, "sampling", [["temperature", 0.5]]),    # list where dict
     (p.StageDone, "finished", 1),                      # int where bool
-    (p.StageDone, "outputs", "kv://handle"),           # str where dict
+    (p.StageDone, "outputs", "kv://handle"),           # str where a hand-off
+    (p.StageDone, "outputs", {"handoff": "kv", "kv_key": "k", "kv_handle": {}}),   # a field missing
+    (p.StageDone, "outputs", {"handoff": "tea", "kv_key": "k"}),                   # no such hand-off
+    (p.Task, "inputs", {"kv_key": "k", "kv_handle": {}, "first_token": "1"}),      # legacy map, bad field
     (p.Heartbeat, "stats", {"tokens": "many"}),        # str value where int | float
     (p.Heartbeat, "stats", {"ok": True}),              # bool value where int | float
     (p.Heartbeat, "stats", {b"tokens": 1}),            # bytes key where str

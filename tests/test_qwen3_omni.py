@@ -199,9 +199,8 @@ def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tin
         for rid, prompt in (("t", text_ids), ("m", ids)):
             out = done[rid].outputs
             outputs[rid] = [done[rid].first_token]
-            decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out["kv_key"],
-                                  out["kv_handle"], rope_delta=out.get("rope_delta", 0),
-                                  has_media=out.get("has_media", False)))
+            decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out.kv_key,
+                                  out.kv_handle, rope_delta=out.rope_delta, has_media=out.has_media))
         for _ in range(500):
             step = decode.step()
             assert not step.failed, step.failed

@@ -57,7 +57,7 @@ def generate(prefill, decode, prompts: dict[str, list[int]], spec: dict[str, Str
                 out[result.request_id] = ([result.first_token], result.finish_reason)
                 continue
             decode.add(DecodeTask(result.request_id, prompts[result.request_id], result.first_token, params,
-                                  time.time() + 60, "", result.outputs["kv_key"], result.outputs["kv_handle"],
+                                  time.time() + 60, "", result.outputs.kv_key, result.outputs.kv_handle,
                                   position_offset=offsets.get(result.request_id, 0),
                                   structured=spec[result.request_id]))
             out[result.request_id] = ([result.first_token], "")

@@ -15,6 +15,7 @@ import zmq
 
 from omnirelay.broker import protocol as p
 from omnirelay.gateway.bus import BusClient, RequestStream
+from omnirelay.handoffs import KVHandoff, SpeechHandoff
 from omnirelay.workers.llm.decode import StepOutput, TokenOut
 from omnirelay.workers.llm.prefill import PrefillResult
 from omnirelay.workers.runtime.roles import BROKER, DecodeRole, PrefillRole
@@ -38,7 +39,7 @@ class ScriptedEngine:
 
 
 def test_a_step_sends_one_message_per_gateway_then_its_reports():
-    speech_outputs = {"speech_key": "k"}
+    speech_outputs = SpeechHandoff("speech/a3/0/prompt", {}, "speech/a3/0/reply", {})
     step = StepOutput(
         tokens=[TokenOut("a1", GW_A, 5, 11, ""), TokenOut("b1", GW_B, 9, 21, ""),
                 TokenOut("a2", GW_A, 7, 12, "stop"), TokenOut("a3", GW_A, 2, 13, "length", speech_outputs)],
@@ -55,7 +56,7 @@ def test_a_step_sends_one_message_per_gateway_then_its_reports():
     assert single == p.TokenDelta("b1", 9, [21], "", "dec-1")
     # Stage reports follow every token message, in the order the requests finished.
     done_a2, done_a3, failed = (msg for _, msg in out[2:])
-    assert (type(done_a2), done_a2.request_id, done_a2.finished, done_a2.outputs) == (p.StageDone, "a2", True, {})
+    assert (type(done_a2), done_a2.request_id, done_a2.finished, done_a2.outputs) == (p.StageDone, "a2", True, None)
     assert (done_a3.request_id, done_a3.finished, done_a3.outputs) == ("a3", False, speech_outputs)
     assert (type(failed), failed.request_id, failed.error_type) == (p.StageFailed, "a4", "deadline_exceeded")
     for _, msg in out:   # everything the role produces survives the wire
@@ -71,14 +72,14 @@ def _prefill_role(step: list[PrefillResult], gateways: dict[str, str]) -> Prefil
     """A prefill role holding tasks ``request_id → reply_to`` (attempt 1), whose next step yields ``step``."""
     role = PrefillRole("pre-1", ScriptedEngine(step))
     for rid, reply_to in gateways.items():
-        assert role.accept(p.Task(rid, "prefill", "m", [1, 2, 3], {}, {}, reply_to, time.time() + 60, attempt=1)) == []
+        assert role.accept(p.Task(rid, "prefill", "m", [1, 2, 3], {}, None, reply_to, time.time() + 60, attempt=1)) == []
     return role
 
 
 def test_prefill_first_tokens_for_one_gateway_go_as_one_message_before_the_reports():
-    kv = {"kv_key": "kv/a1/1", "kv_handle": {}, "first_token": 11}
+    kv = KVHandoff("kv/a1/1", {}, first_token=11)
     step = [PrefillResult("a1", 11, 0, "", kv), PrefillResult("a2", error_type="out_of_memory", message="too long"),
-            PrefillResult("a3", 13, 0, "stop"), PrefillResult("a4", 14, 0, "", {"kv_key": "kv/a4/1"})]
+            PrefillResult("a3", 13, 0, "stop"), PrefillResult("a4", 14, 0, "", KVHandoff("kv/a4/1", {}, 14))]
     role = _prefill_role(step, {rid: GW_A for rid in ("a1", "a2", "a3", "a4")})
     out = role.step()
 

@@ -18,6 +18,7 @@ from cluster import Cluster
 from omnirelay.broker import protocol as p
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
+from omnirelay.handoffs import KVHandoff
 
 MODEL = "tiny"
 GW = b"gw"
@@ -43,7 +44,7 @@ def _start(core: BrokerCore, deadline: float = FAR, request_id: str = "r1") -> N
 
 def _fail_transfer(core: BrokerCore, now: float, attempt: int, request_id: str = "r1") -> list:
     """b"pre" finishes the prefill of ``attempt``; b"dec" then cannot fetch its KV."""
-    out = core.on_message(b"pre", p.StageDone("pre", request_id, "prefill", outputs={"kv": "k"}, attempt=attempt),
+    out = core.on_message(b"pre", p.StageDone("pre", request_id, "prefill", outputs=KVHandoff("k", {}, first_token=1), attempt=attempt),
                           now)
     assert _tasks(out) == [("dec", request_id, attempt)]
     return core.on_message(b"dec", p.StageFailed("dec", request_id, "decode", "transfer_failed", "store is down",
@@ -68,7 +69,7 @@ def test_restart_after_a_failed_transfer_waits_doubling_up_to_the_cap(core):
         out = core.tick(now + delay)
         assert _tasks(out) == [("pre", "r1", attempt)]
         (task,) = [msg for _, msg in out if isinstance(msg, p.Task)]
-        assert task.stage == "prefill" and task.inputs == {}   # from the first stage, the lost KV forgotten
+        assert task.stage == "prefill" and task.inputs is None   # from the first stage, the lost KV forgotten
         now += delay
     assert core.counters["restart_backoffs"] == core.counters["request_restarts"] == 4
     # The fifth attempt was the last: the failure reaches the gateway with a retry-after hint.

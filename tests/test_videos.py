@@ -204,7 +204,7 @@ def test_video_params_validate_on_both_sides():
 
 def _task(request_id: str, sampling: dict, attempt: int = 0) -> p.Task:
     return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=[], sampling=sampling,
-                  inputs={}, reply_to="tcp://127.0.0.1:1", deadline=time.time() + 60, attempt=attempt)
+                  inputs=None, reply_to="tcp://127.0.0.1:1", deadline=time.time() + 60, attempt=attempt)
 
 
 def test_role_sends_progress_then_chunks_that_the_gateway_joins(pipe):

@@ -67,6 +67,7 @@ from aiohttp import web
 
 from omnirelay.broker import protocol as p
 from omnirelay.errors import BadRequest, DeadlineExceeded, NotFound, OmniError, Unprocessable
+from omnirelay.handoffs import MediaInputs
 from omnirelay.speech_params import MAX_CODES, MAX_SEED, SpeechParams
 
 from .. import generation
@@ -260,7 +261,7 @@ class SpeechStream(RequestStream):
 
 
 async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_token_ids: list[int],
-                sampling: dict, inputs: dict, mime: str, deadline: float, request_id: str,
+                sampling: dict, inputs: MediaInputs | None, mime: str, deadline: float, request_id: str,
                 text_expected: bool) -> AsyncIterator[StreamEvent | AudioChunk]:
     """Submit one speech request and yield its token events (when ``text_expected``) and audio chunks.
     Resubmits from scratch after a lost worker or broker (same seeds: same tokens and audio),
@@ -354,7 +355,7 @@ def prepare_speech(models: dict, body: dict, *, streamed: bool) -> SpeechJob:
 def speech_items(bus: BusClient, job: SpeechJob, deadline: float) -> AsyncIterator[StreamEvent | AudioChunk]:
     """The audio chunks of ``job`` as they arrive (see :func:`speak`)."""
     return speak(bus, model=job.model.name, stages=job.stages, prompt_token_ids=job.prompt_token_ids,
-                 sampling=job.sampling, inputs={}, mime=MIMES[job.fmt], deadline=deadline,
+                 sampling=job.sampling, inputs=None, mime=MIMES[job.fmt], deadline=deadline,
                  request_id=job.request_id, text_expected=False)
 
 

@@ -41,6 +41,7 @@ import torch
 
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
+from omnirelay.handoffs import EmbedsHandoff
 
 if TYPE_CHECKING:
     from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
@@ -70,7 +71,7 @@ class EncodeTask:
 @dataclasses.dataclass
 class EncodeResult:
     request_id: str
-    outputs: dict = dataclasses.field(default_factory=dict)
+    outputs: EmbedsHandoff | None = None   # for prefill (None: the request failed)
     error_type: str = ""
     message: str = ""
 
@@ -266,5 +267,4 @@ class EncodeEngine:
         except OmniError as exc:
             return EncodeResult(task.request_id, error_type=exc.error_type, message=str(exc))
         self.stats["encoded_requests"] += 1
-        return EncodeResult(task.request_id, outputs={"mm_key": key, "mm_handle": handle,
-                                                      "image_grids": grids, "audio_lengths": lengths})
+        return EncodeResult(task.request_id, outputs=EmbedsHandoff(key, handle, grids, lengths))

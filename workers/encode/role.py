@@ -1,9 +1,9 @@
 """The encode role, between the bus and :class:`~omnirelay.workers.encode.engine.EncodeEngine`.
 
-``Task`` in: its ``inputs["media"]`` is the list the gateway put in the request's Submit, in prompt
-order, each ``{"kind": "image" | "audio", "data": bytes}`` (image: the encoded file; audio: float32
-little-endian PCM at 16 kHz). Out: ``StageDone`` whose outputs (``mm_key``, ``mm_handle``,
-``image_grids``, ``audio_lengths``) become the prefill stage's inputs, or one ``StageFailed``
+``Task`` in: its ``inputs`` are the :class:`~omnirelay.handoffs.MediaInputs` the gateway put in the
+request's Submit, the media in prompt order (image: the encoded file; audio: float32 little-endian
+PCM at 16 kHz). Out: ``StageDone`` whose outputs (an :class:`~omnirelay.handoffs.EmbedsHandoff`,
+the embeddings' connector key and the media shapes) become the prefill stage's inputs, or one ``StageFailed``
 (``bad_request`` for media that does not decode or a malformed list, ``deadline_exceeded``,
 a connector error). Nothing goes to the gateway from here: the first token comes from prefill.
 
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from omnirelay.broker import protocol as p
+from omnirelay.handoffs import Handoff, MediaInputs
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
@@ -32,17 +33,13 @@ log = logging.getLogger("omnirelay.worker.encode")
 MAX_ITEMS = 64   # far above what the gateway lets through; a bound on what one Task may ask for
 
 
-def _items(inputs: dict) -> list[MediaItem]:
-    media = inputs.get("media")
-    if not isinstance(media, list) or not media or len(media) > MAX_ITEMS:
+def _items(inputs: Handoff | None) -> list[MediaItem]:
+    if not isinstance(inputs, MediaInputs) or not inputs.media or len(inputs.media) > MAX_ITEMS:
         raise ValueError(f"inputs.media must be a list of 1 to {MAX_ITEMS} items")
-    items = []
-    for i, item in enumerate(media):
-        if not isinstance(item, dict) or item.get("kind") not in ("image", "audio") \
-                or not isinstance(item.get("data"), bytes) or not item["data"]:
+    for i, item in enumerate(inputs.media):
+        if item.kind not in ("image", "audio") or not item.data:
             raise ValueError(f"inputs.media[{i}] must be {{kind: image|audio, data: bytes}}")
-        items.append(MediaItem(item["kind"], item["data"]))
-    return items
+    return [MediaItem(item.kind, item.data) for item in inputs.media]
 
 
 class EncodeRole(RoleAdapter):
@@ -52,9 +49,6 @@ class EncodeRole(RoleAdapter):
         super().__init__(worker_id)
         self.engine = engine
         self.connector = engine.connector   # to delete its own output when the request died meanwhile
-
-    def release_inputs(self, inputs: dict) -> None:
-        """Our inputs are inline media bytes, not connector keys: nothing to delete."""
 
     def accept(self, task: p.Task) -> list[Outbound]:
         if task.request_id in self._attempts:

@@ -38,7 +38,7 @@ consumer never sees a partial KV. The manifest ``{"layerwise": L, "num_tokens": 
 [...]}`` names the piece handles; :func:`import_kv` reads the pieces, assembles the full-head whole
 tensor (what any runner's ``write_kv`` takes, so a decode at another TP size re-shards it as
 before) and deletes every key. A whole-format payload (``{"kv": …}``) is accepted too, so a decode
-worker serves prefill workers of either setting. :func:`release_kv` deletes what a cancelled or
+worker serves prefill workers of either setting. :func:`~omnirelay.handoffs.release_kv` (``KVHandoff.release``) deletes what a cancelled or
 failed request left under a key, pieces included.
 
 Threads: one transfer thread per exporting step, started by :class:`LayerwiseExport` and joined by
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import enum
 import queue
 import threading
@@ -68,8 +67,9 @@ import torch
 
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError, TransferFailed
+# The release side of the layer-wise format lives with the hand-off types: every KVHandoff holder releases.
+from omnirelay.handoffs import delete_kv_payload, delete_quietly, piece_key
 
-log = logging.getLogger("omnirelay.worker.kv_export")
 
 TRANSFER_MODES = ("auto", "layerwise", "whole")
 # "auto" streams layers only for a step whose finishing sequences hold at least this much KV: below
@@ -78,10 +78,6 @@ TRANSFER_MODES = ("auto", "layerwise", "whole")
 # 4–8 MiB; 40–150 ms saved at 45–90 MiB).
 LAYERWISE_MIN_BYTES = 16 << 20
 _STOP = -1
-
-
-def piece_key(key: str, layer: int) -> str:
-    return f"{key}/layer/{layer}"
 
 
 class ExportState(enum.Enum):
@@ -279,18 +275,7 @@ def import_kv(connector: Connector, key: str, handle: dict | None, *, timeout: f
             kv[layer, 0], kv[layer, 1] = k, v   # the one copy out of the connector's memory
         return kv
     finally:
-        _delete_manifest(connector, key, payload)
-
-
-def release_kv(connector: Connector, key: str, handle: dict | None = None) -> None:
-    """Delete a KV handoff nobody will import (a cancelled or failed request): the manifest and,
-    for a layerwise one, every piece. Does not wait for a key that is not there."""
-    try:
-        payload = connector.get(key, handle, timeout=0.0)
-    except OmniError:
-        delete_quietly(connector, key)   # gone already, never written, or the store is down
-        return
-    _delete_manifest(connector, key, payload)
+        delete_kv_payload(connector, key, payload)
 
 
 def _manifest(key: str, payload: dict) -> tuple[int, int, list]:
@@ -299,21 +284,3 @@ def _manifest(key: str, payload: dict) -> tuple[int, int, list]:
             and len(handles) == layers):
         raise TransferFailed(f"KV under {key!r} is neither a whole KV nor a layerwise manifest")
     return layers, num_tokens, handles
-
-
-def _delete_manifest(connector: Connector, key: str, payload: dict) -> None:
-    layers = payload.get("layerwise")
-    if isinstance(layers, int):
-        for layer in range(max(0, min(layers, 1 << 16))):
-            delete_quietly(connector, piece_key(key, layer))
-    delete_quietly(connector, key)
-
-
-def delete_quietly(connector: Connector, key: str) -> None:
-    """Clean-up after a failure or cancel: a store that is down then (a Redis outage) must not turn
-    one failed request into a dead worker. What cannot be deleted now expires by the backend's TTL
-    (Redis) or is swept with its owner's segments (shared memory)."""
-    try:
-        connector.delete(key)
-    except OmniError as exc:
-        log.warning("could not delete %r (left to expire): %s", key, exc)

@@ -71,7 +71,8 @@ from omnirelay.connectors import Connector
 from omnirelay.connectors.base import DEFAULT_GET_TIMEOUT_S, Handle, Payload
 from omnirelay.errors import OmniError, TransferFailed
 
-from omnirelay.workers.kv.export import StagingBuffer, import_kv, release_kv
+from omnirelay.handoffs import release_kv
+from omnirelay.workers.kv.export import StagingBuffer, import_kv
 
 log = logging.getLogger("omnirelay.worker.kv_prefetch")
 

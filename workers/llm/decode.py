@@ -47,15 +47,16 @@ import collections
 import dataclasses
 import time
 
+import msgspec
 import torch
 
 from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
+from omnirelay.handoffs import SpeechHandoff, release_kv
 
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.kv.cache import BlockAllocator, PagedKVCache
-from omnirelay.workers.kv.export import delete_quietly, release_kv
 from omnirelay.workers.kv.prefetch import ImportState, KVImport, KVPrefetcher
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
 from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, logits_for_sampling
@@ -80,9 +81,9 @@ class DecodeTask:
     # the prompt's KV cannot be recomputed from its token ids (the media embeddings are gone).
     rope_delta: int = 0
     has_media: bool = False
-    # Speech out (Qwen2.5-Omni): prefill's handles of the prompt's hidden states, passed on to the
-    # generate stage with ours (each reply token's state); None: a text-only request.
-    speech_inputs: dict | None = None
+    # Speech out (Qwen2.5-Omni): prefill's prompt hidden states, passed on to the generate stage
+    # with ours (each reply token's state); None: a text-only request.
+    speech_inputs: SpeechHandoff | None = None
     structured: StructuredOutput | None = None   # the output must match this grammar
 
 
@@ -117,7 +118,7 @@ class TokenOut:
     position: int
     token: int
     finish_reason: str
-    outputs: dict | None = None   # speech: handles for the generate stage, which runs after this one
+    outputs: SpeechHandoff | None = None   # speech: for the generate stage, which runs after this one
     logprobs: TokenLogprobs | None = None   # the request asked for logprobs (SamplingParams.logprobs)
 
 
@@ -315,9 +316,8 @@ class DecodeEngine:
     def _drop_speech_key(self, seq: Sequence) -> None:
         """A cancelled or failed speech request: prefill's prompt states will never be read (a
         restart runs prefill again, under a new attempt's key)."""
-        key = (seq.task.speech_inputs or {}).get("speech_prompt_key")
-        if isinstance(key, str) and key:
-            delete_quietly(self.connector, key)
+        if seq.task.speech_inputs is not None:
+            seq.task.speech_inputs.release(self.connector)
 
     def _make_room(self, out: StepOutput) -> None:
         """Give every running sequence a slot for its next token, preempting the newest when short."""
@@ -428,12 +428,12 @@ class DecodeEngine:
                 seq.hidden.append(hidden[row].clone())
         return logits
 
-    def _put_speech(self, seq: Sequence) -> dict:
+    def _put_speech(self, seq: Sequence) -> SpeechHandoff:
         """The reply for the generate stage: its tokens and the states of all but the last (which
         was never fed back), next to prefill's prompt states."""
-        prompt_key = str(seq.task.speech_inputs.get("speech_prompt_key", ""))
-        key = (prompt_key.removesuffix("/prompt") or f"speech/{seq.request_id}") + "/reply"   # per attempt
+        prompt = seq.task.speech_inputs
+        key = (prompt.speech_prompt_key.removesuffix("/prompt") or f"speech/{seq.request_id}") + "/reply"   # per attempt
         hidden = torch.stack(seq.hidden) if seq.hidden else torch.zeros(0, 0)
         handle = self.connector.put(key, {"hidden": hidden, "token_ids": list(seq.generated)})
         self.stats["speech_handoffs"] += 1
-        return {**seq.task.speech_inputs, "speech_reply_key": key, "speech_reply_handle": handle}
+        return msgspec.structs.replace(prompt, speech_reply_key=key, speech_reply_handle=handle)

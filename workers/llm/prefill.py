@@ -55,8 +55,8 @@ from omnirelay.errors import OmniError
 
 from omnirelay.block_hash import block_hashes
 from omnirelay.workers.llm.forward_batch import ForwardBatch
-from omnirelay.workers.kv.export import (LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport, delete_quietly,
-                        release_kv)
+from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff, delete_quietly, release_kv
+from omnirelay.workers.kv.export import LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
 from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sampling
 from omnirelay.workers.llm.models.llama import LlamaModel
@@ -77,7 +77,7 @@ class PrefillTask:
     deadline: float
     attempt: int = 0
     position_offset: int = 0
-    media: dict | None = None    # the encode stage's outputs (mm_key, mm_handle, image_grids, audio_lengths)
+    media: EmbedsHandoff | None = None    # the encode stage's outputs
     # Speech out (Qwen2.5-Omni): "" none; "reply": decode speaks its reply after us; "prompt": the
     # prompt's tail is the text to speak (/v1/audio/speech), so generate follows even if we finish.
     speech: str = ""
@@ -105,7 +105,7 @@ class PrefillResult:
     first_token: int | None = None
     position: int = 0
     finish_reason: str = ""
-    outputs: dict = dataclasses.field(default_factory=dict)
+    outputs: Handoff | None = None   # for the next stage: KV for decode, or prompt states for speech
     error_type: str = ""
     message: str = ""
     speech_next: bool = False   # the request goes on to a speech stage although its text finished
@@ -222,8 +222,7 @@ class PrefillEngine:
             if task.media and not isinstance(self.runner, LocalRunner):
                 # A parallel group's broadcast carries token ids and positions only, not embeddings.
                 self.waiting.popleft()
-                if isinstance(task.media.get("mm_key"), str):
-                    delete_quietly(self.connector, task.media["mm_key"])
+                task.media.release(self.connector)
                 results.append(PrefillResult(task.request_id, error_type="bad_request",
                                              message="image/audio input needs a single-process prefill worker "
                                                      "(tensor and pipeline parallel size 1)"))
@@ -261,8 +260,7 @@ class PrefillEngine:
                 try:
                     media = self._load_media(task)
                 except (OmniError, ValueError, KeyError, TypeError) as exc:
-                    if isinstance(task.media.get("mm_key"), str):
-                        delete_quietly(self.connector, task.media["mm_key"])
+                    task.media.release(self.connector)
                     results.append(PrefillResult(task.request_id, error_type=getattr(exc, "error_type", "bad_request"),
                                                  message=f"multimodal inputs: {exc}"))
                     continue
@@ -278,7 +276,7 @@ class PrefillEngine:
             raise ValueError("this model takes no media inputs")
         media = task.media
         # The key stays until this prefill ends (_retire): a retry elsewhere after our death reads it.
-        payload = self.connector.get(media["mm_key"], media.get("mm_handle"), timeout=self.transfer_timeout_s)
+        payload = self.connector.get(media.mm_key, media.mm_handle, timeout=self.transfer_timeout_s)
         ids = torch.tensor(task.prompt_token_ids)
         rows, values = [], []
         for token, name in ((self.mrope.image_token_id, "image_embeds"), (self.mrope.audio_token_id, "audio_embeds")):
@@ -290,8 +288,8 @@ class PrefillEngine:
             if count:
                 rows.append(where)
                 values.append(embeds)
-        rope, delta = mrope_positions(task.prompt_token_ids, self.mrope, [list(g) for g in media.get("image_grids", [])],
-                                      [int(n) for n in media.get("audio_lengths", [])])
+        rope, delta = mrope_positions(task.prompt_token_ids, self.mrope, [list(g) for g in media.image_grids],
+                                      list(media.audio_lengths))
         index = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
         order = torch.argsort(index)
         embeds = torch.cat(values)[order] if values else torch.empty(0, self.runner.config.hidden_size)
@@ -301,7 +299,7 @@ class PrefillEngine:
             if deep.dim() != 3 or deep.shape[1] != len(deep_index):
                 raise ValueError(f"DeepStack features {tuple(deep.shape)} for {len(deep_index)} image tokens")
         self.stats["media_prompts"] += 1
-        return _Media(rope, delta, index[order], embeds, str(media["mm_key"]), deep_index, deep)
+        return _Media(rope, delta, index[order], embeds, media.mm_key, deep_index, deep)
 
     def _media_fields(self, chunks: list[tuple["_Running", int]]) -> dict:
         """ForwardBatch extras for a step with multimodal prompts: 3-row rotary positions for every
@@ -443,15 +441,15 @@ class PrefillEngine:
             start += n
         return logits
 
-    def _put_speech(self, seq: _Running) -> dict:
-        """Hand the prompt's hidden states to the speech stage: ``speech_prompt_key``/``_handle``."""
+    def _put_speech(self, seq: _Running) -> SpeechHandoff:
+        """Hand the prompt's hidden states to the speech stage (through decode, or straight)."""
         key = f"speech/{seq.task.request_id}/{seq.task.attempt}/prompt"
-        media = seq.task.media or {}   # the talker places media tokens as the thinker does (M-RoPE)
+        media = seq.task.media   # the talker places media tokens as the thinker does (M-RoPE)
         handle = self.connector.put(key, {"hidden": torch.cat(seq.hidden),
-                                          "image_grids": [[int(x) for x in g] for g in media.get("image_grids", [])],
-                                          "audio_lengths": [int(n) for n in media.get("audio_lengths", [])]})
+                                          "image_grids": [list(g) for g in media.image_grids] if media else [],
+                                          "audio_lengths": list(media.audio_lengths) if media else []})
         self.stats["speech_handoffs"] += 1
-        return {"speech_prompt_key": key, "speech_prompt_handle": handle}
+        return SpeechHandoff(key, handle)
 
     def _name_full_blocks(self, seq: _Running) -> None:
         full = min(seq.computed // self.block_size, len(seq.hashes))
@@ -466,10 +464,11 @@ class PrefillEngine:
         n = len(task.prompt_token_ids)
         reason = self._finish_reason(seq, token)
         result = PrefillResult(task.request_id, first_token=token, position=task.position_offset, finish_reason=reason)
+        speech = None
         try:
             if task.speech == "prompt" or (task.speech and not reason):
                 try:
-                    result.outputs.update(self._put_speech(seq))
+                    speech = result.outputs = self._put_speech(seq)
                 except OmniError as exc:
                     if isinstance(exported, dict):   # already exported: nobody will import it now
                         release_kv(self.connector, self._kv_key(task), exported)
@@ -478,6 +477,8 @@ class PrefillEngine:
             if not reason:
                 key = self._kv_key(task)
                 if isinstance(exported, OmniError):
+                    if speech is not None:   # the request fails: nobody will read the prompt states
+                        speech.release(self.connector)
                     return PrefillResult(task.request_id, error_type=exported.error_type, message=str(exported))
                 if exported is not None:
                     handle = exported
@@ -486,11 +487,15 @@ class PrefillEngine:
                     try:
                         handle = self._export_kv(key, seq.blocks, n)
                     except OmniError as exc:
+                        if speech is not None:
+                            speech.release(self.connector)
                         return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
                 self.stats["kv_handoffs"] += 1
-                result.outputs.update({"kv_key": key, "kv_handle": handle, "first_token": token})
-                if seq.media is not None:
-                    result.outputs.update(rope_delta=seq.media.rope_delta, has_media=True)
+                media = seq.media
+                result.outputs = KVHandoff(key, handle, token, rope_delta=media.rope_delta if media else 0,
+                                           has_media=media is not None,
+                                           speech_prompt_key=speech.speech_prompt_key if speech else "",
+                                           speech_prompt_handle=speech.speech_prompt_handle if speech else None)
             return result
         finally:
             self._retire(seq)

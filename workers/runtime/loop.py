@@ -144,8 +144,7 @@ class WorkerRuntime:
             elif isinstance(msg, p.CancelTask):
                 self._tasks.discard(msg.request_id)
                 self.role.cancel(msg.request_id)
-                if msg.inputs:
-                    self.role.release_inputs(msg.inputs)
+                self.role.release(msg.inputs)
             elif isinstance(msg, p.Reregister):
                 log.info("broker asked to re-register (%s)", msg.reason)
                 self._register()

@@ -16,9 +16,9 @@ asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_toke
 from __future__ import annotations
 
 from omnirelay.broker import protocol as p
+from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff
 
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask, TokenOut
-from omnirelay.workers.kv.export import delete_quietly, release_kv
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 
@@ -28,18 +28,14 @@ Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
 
 class RoleAdapter:
     role = ""
-    connector = None   # the connector this role reads its inputs from, if any
+    connector = None   # the connector this role reads its inputs from (and writes its outputs to), if any
 
-    def release_inputs(self, inputs: dict) -> None:
-        """Delete connector keys a previous stage produced for a request that died in between."""
-        for name in ("kv_key", "mm_key"):   # KV from prefill; media embeddings from encode
-            key = inputs.get(name)
-            if self.connector is not None and isinstance(key, str) and key:
-                if name == "kv_key":   # a layerwise KV is a manifest and one key per layer
-                    handle = inputs.get("kv_handle")
-                    release_kv(self.connector, key, handle if isinstance(handle, dict) else None)
-                else:
-                    delete_quietly(self.connector, key)
+    def release(self, handoff: Handoff | None) -> None:
+        """Delete what ``handoff`` holds: a stage's output for a request that died before the next
+        stage read it (``CancelTask.inputs``, sent to a consumer or back to the producer), or inputs
+        this worker refuses. Any role's worker can: the hand-off names its keys."""
+        if handoff is not None and self.connector is not None:
+            handoff.release(self.connector)
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
@@ -52,7 +48,7 @@ class RoleAdapter:
         return BROKER, p.StageFailed(self.worker_id, request_id, stage, error_type, message,
                                      attempt=held if attempt is None else attempt)
 
-    def _done(self, request_id: str, outputs: dict, finished: bool) -> Outbound:
+    def _done(self, request_id: str, outputs: Handoff | None, finished: bool) -> Outbound:
         return BROKER, p.StageDone(self.worker_id, request_id, self.role, outputs, finished=finished,
                                    attempt=self._attempts.pop(request_id, 0))
 
@@ -73,11 +69,15 @@ class PrefillRole(RoleAdapter):
             structured = p.StructuredOutput.from_wire(task.sampling.get("structured"))
         except (TypeError, ValueError) as exc:
             return [self.failure(task.request_id, task.stage, "bad_request", f"invalid sampling: {exc}")]
+        if task.inputs is not None and not isinstance(task.inputs, EmbedsHandoff):
+            self.release(task.inputs)
+            return [self.failure(task.request_id, task.stage, "bad_request",
+                                 f"prefill reads media embeddings, not {type(task.inputs).__name__}")]
         self._reply_to[task.request_id] = task.reply_to
         self._attempts[task.request_id] = task.attempt
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset, speech=_speech_mode(task.sampling),
-                                    media=dict(task.inputs) if "mm_key" in task.inputs else None,
+                                    media=task.inputs,
                                     structured=structured))
         return []
 
@@ -114,18 +114,21 @@ class DecodeRole(RoleAdapter):
         self.connector = engine.connector
 
     def accept(self, task: p.Task) -> list[Outbound]:
-        inputs = task.inputs
+        kv = task.inputs
         try:
+            if not isinstance(kv, KVHandoff):
+                raise ValueError(f"decode reads a prefilled KV, not {type(kv).__name__}")
             params = SamplingParams.from_wire(task.sampling)
             _check_token_ids(params, self.engine)
             decode_task = DecodeTask(
                 request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
-                first_token=int(inputs["first_token"]), params=params, deadline=task.deadline,
-                reply_to=task.reply_to, kv_key=str(inputs["kv_key"]), kv_handle=dict(inputs["kv_handle"]),
-                position_offset=task.position_offset, speech_inputs=_speech_inputs(task),
-                rope_delta=int(inputs.get("rope_delta", 0)), has_media=bool(inputs.get("has_media", False)),
+                first_token=kv.first_token, params=params, deadline=task.deadline,
+                reply_to=task.reply_to, kv_key=kv.kv_key, kv_handle=kv.kv_handle,
+                position_offset=task.position_offset, speech_inputs=_speech_inputs(task.sampling, kv),
+                rope_delta=kv.rope_delta, has_media=kv.has_media,
                 structured=p.StructuredOutput.from_wire(task.sampling.get("structured")))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:
+            self.release(kv)   # the request fails here: nobody will import its KV
             return [self.failure(task.request_id, task.stage, "bad_request", f"invalid decode task: {exc!r}")]
         self._attempts[task.request_id] = task.attempt
         self.engine.add(decode_task)
@@ -142,7 +145,7 @@ class DecodeRole(RoleAdapter):
         reports: list[Outbound] = []
         for token in result.tokens:   # one token per running request per step
             if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
-                reports.append(self._done(token.request_id, token.outputs or {}, token.outputs is None))
+                reports.append(self._done(token.request_id, token.outputs, token.outputs is None))
         out = token_messages(result.tokens, self.worker_id) + reports
         for request_id, _reply_to, error_type, message in result.failed:
             out.append(self.failure(request_id, self.role, error_type, message))
@@ -194,9 +197,11 @@ def _speech_mode(sampling: dict) -> str:
     return "prompt" if isinstance(reply_start, int) and reply_start >= 0 else "reply"
 
 
-def _speech_inputs(task: p.Task) -> dict | None:
-    """Prefill's prompt-state handles a speech request's decode passes on; None for text only."""
-    if not isinstance(task.sampling.get("audio"), dict):
+def _speech_inputs(sampling: dict, kv: KVHandoff) -> SpeechHandoff | None:
+    """Prefill's prompt states, which a speech request's decode passes on; None for text only."""
+    if not isinstance(sampling.get("audio"), dict):
         return None
-    return {"speech_prompt_key": str(task.inputs["speech_prompt_key"]),
-            "speech_prompt_handle": task.inputs.get("speech_prompt_handle")}
+    speech = kv.speech_prompt()
+    if speech is None:
+        raise ValueError("a speech request's KV hand-off holds no prompt states")
+    return speech

@@ -42,9 +42,6 @@ class Qwen3TTSRole(GenerateSpeechRole):
     def __init__(self, worker_id: str, engine: Qwen3TTSEngine):
         super().__init__(worker_id, engine, connector=None)  # type: ignore[arg-type]  (nothing to read)
 
-    def release_inputs(self, inputs: dict) -> None:
-        """No connector keys: the text travels in the task itself."""
-
     def _read_inputs(self, task: p.Task, params: SpeechParams) -> TTSTask:  # type: ignore[override]
         if params.reply_start < 0:
             raise BadRequest("Qwen3-TTS speaks the input of POST /v1/audio/speech, not a chat reply",

@@ -3,7 +3,7 @@ same interface), between the bus and :class:`GenerateSpeechEngine`.
 
 Life of a request through this adapter::
 
-    Task (sampling["audio"] = SpeechParams; inputs = connector handles of the thinker's hidden states)
+    Task (sampling["audio"] = SpeechParams; inputs = a SpeechHandoff: the thinker's hidden states)
         ──accept: read the prompt states (prefill's) and the reply states (decode's) from the
           connector, queue a SpeechTask──▶ engine (the keys are deleted once the audio is out, the
           request failed or was cancelled: a retry after this worker's death still finds them)
@@ -21,7 +21,7 @@ StageFailed after the pieces already sent. The pieces follow a fixed plan from t
 elsewhere sends the same bytes under the same indexes and the gateway skips what it delivered.
 FLAC is not streamed (its header wants the length): such a request is synthesised whole.
 
-What the stages before leave in ``Task.inputs`` (names shared with prefill and decode):
+What the stages before leave in ``Task.inputs``, a :class:`~omnirelay.handoffs.SpeechHandoff`:
 
 * ``speech_prompt_key``/``speech_prompt_handle``: prefill's ``{"hidden": [n, H], "image_grids",
   "audio_lengths"}``, the last-layer states of every prompt token and the prompt's media shapes
@@ -50,6 +50,7 @@ import torch
 from omnirelay.broker import protocol as p
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, OmniError
+from omnirelay.handoffs import Handoff, SpeechHandoff
 from omnirelay.speech_params import SpeechParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
@@ -74,7 +75,6 @@ WAV_STREAM_HEADER = (b"RIFF" + (0xFFFFFFFF).to_bytes(4, "little") + b"WAVEfmt " 
                      + (SAMPLE_RATE * 2).to_bytes(4, "little") + (2).to_bytes(2, "little")
                      + (16).to_bytes(2, "little") + b"data" + (0xFFFFFFFF).to_bytes(4, "little"))
 MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
-INPUT_KEYS = ("speech_prompt_key", "speech_reply_key")
 
 
 def flac_available() -> bool:
@@ -120,14 +120,8 @@ class GenerateSpeechRole(RoleAdapter):
         self._formats: dict[str, str] = {}
         # The hidden states' keys stay until the request's audio is out (or it fails or is
         # cancelled): if this worker dies mid-synthesis, the broker's retry elsewhere still finds them.
-        self._inputs: dict[str, dict] = {}
+        self._inputs: dict[str, Handoff | None] = {}
         self._next_index: dict[str, int] = {}   # streamed request → its next MediaResult index
-
-    def release_inputs(self, inputs: dict) -> None:
-        for name in INPUT_KEYS:
-            key = inputs.get(name)
-            if isinstance(key, str) and key:
-                self.connector.delete(key)
 
     def accept(self, task: p.Task) -> list[Outbound]:
         if task.request_id in self._reply_to:   # the broker re-dispatched a request we still hold:
@@ -142,25 +136,27 @@ class GenerateSpeechRole(RoleAdapter):
             speech.stream = task.sampling.get(STREAM_KEY) is True and params.format != "flac"
             self.engine.add(speech)
         except BadRequest as exc:
-            self.release_inputs(task.inputs)
+            self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, "bad_request", f"invalid speech request: {exc.message}",
                                  attempt=task.attempt)]
         except OmniError as exc:   # the connector could not deliver the hidden states
-            self.release_inputs(task.inputs)
+            self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, exc.error_type, str(exc), attempt=task.attempt)]
         except (KeyError, TypeError, ValueError) as exc:
-            self.release_inputs(task.inputs)
+            self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, "bad_request", f"invalid speech task: {exc!r}",
                                  attempt=task.attempt)]
         self._reply_to[task.request_id] = task.reply_to
         self._formats[task.request_id] = params.format
-        self._inputs[task.request_id] = dict(task.inputs)
+        self._inputs[task.request_id] = task.inputs
         self._attempts[task.request_id] = task.attempt
         return []
 
     def _read_inputs(self, task: p.Task, params: SpeechParams) -> SpeechTask:
         inputs = task.inputs
-        prompt = self._get(inputs, "speech_prompt")
+        if not isinstance(inputs, SpeechHandoff):
+            raise BadRequest(f"no speech_prompt states in the task inputs ({type(inputs).__name__})")
+        prompt = self._get("speech_prompt", inputs.speech_prompt_key, inputs.speech_prompt_handle)
         hidden = _tensor(prompt, "hidden")
         ids = list(task.prompt_token_ids)
         if hidden.shape[0] != len(ids):
@@ -171,25 +167,24 @@ class GenerateSpeechRole(RoleAdapter):
                 raise BadRequest(f"reply_start {start} leaves fewer than 2 reply tokens in a prompt of {len(ids)}")
             return SpeechTask(task.request_id, ids[:start], hidden[:start], ids[start:], hidden[start:-1], params,
                               task.deadline)
-        reply = self._get(inputs, "speech_reply")
+        reply = self._get("speech_reply", inputs.speech_reply_key, inputs.speech_reply_handle)
         reply_ids = [int(t) for t in reply["token_ids"]]
         grids = [[int(x) for x in grid] for grid in prompt.get("image_grids") or []]
         audio_lengths = [int(n) for n in prompt.get("audio_lengths") or []]
         return SpeechTask(task.request_id, ids, hidden, reply_ids, _tensor(reply, "hidden"), params, task.deadline,
                           image_grids=grids, audio_lengths=audio_lengths)
 
-    def _get(self, inputs: dict, name: str) -> dict:
-        key = inputs[f"{name}_key"]
-        if not isinstance(key, str) or not key:
+    def _get(self, name: str, key: str, handle: dict | None) -> dict:
+        if not key:
             raise BadRequest(f"no {name} states in the task inputs")
-        return self.connector.get(key, inputs.get(f"{name}_handle"), timeout=self.transfer_timeout_s)
+        return self.connector.get(key, handle, timeout=self.transfer_timeout_s)
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
         self._reply_to.pop(request_id, None)
         self._formats.pop(request_id, None)
         self._next_index.pop(request_id, None)
-        self.release_inputs(self._inputs.pop(request_id, {}))
+        self.release(self._inputs.pop(request_id, None))
         self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
@@ -198,7 +193,7 @@ class GenerateSpeechRole(RoleAdapter):
         for speech in result.outputs:
             reply_to = self._reply_to.pop(speech.request_id, None)
             fmt = self._formats.pop(speech.request_id, "wav")
-            self.release_inputs(self._inputs.pop(speech.request_id, {}))
+            self.release(self._inputs.pop(speech.request_id, None))
             if reply_to is None:
                 continue   # cancelled while it ran
             data = encode_audio(speech.waveform, fmt)
@@ -208,14 +203,14 @@ class GenerateSpeechRole(RoleAdapter):
                 out.append((reply_to, p.MediaResult(speech.request_id, index, MIMES[fmt],
                                                     base64.b64encode(chunk).decode("ascii"),
                                                     finish=index == len(chunks) - 1, worker_id=self.worker_id)))
-            out.append(self._done(speech.request_id, {}, True))
+            out.append(self._done(speech.request_id, None, True))
         for chunk in result.chunks:
             out += self._send_piece(chunk)
         for failure in result.failed:
             self._next_index.pop(failure.request_id, None)
             self._reply_to.pop(failure.request_id, None)
             self._formats.pop(failure.request_id, None)
-            self.release_inputs(self._inputs.pop(failure.request_id, {}))
+            self.release(self._inputs.pop(failure.request_id, None))
             out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
         return out
 
@@ -240,8 +235,8 @@ class GenerateSpeechRole(RoleAdapter):
             self._reply_to.pop(chunk.request_id, None)
             self._formats.pop(chunk.request_id, None)
             self._next_index.pop(chunk.request_id, None)
-            self.release_inputs(self._inputs.pop(chunk.request_id, {}))
-            out.append(self._done(chunk.request_id, {}, True))
+            self.release(self._inputs.pop(chunk.request_id, None))
+            out.append(self._done(chunk.request_id, None, True))
         return out
 
 

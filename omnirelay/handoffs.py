@@ -1,0 +1,189 @@
+"""What one stage leaves for the next: typed hand-offs, carried by the bus in ``StageDone.outputs``
+→ ``Task.inputs`` (and ``CancelTask.inputs``, ``Submit.inputs`` for the first stage), shared by every
+daemon.
+
+The broker passes a stage's hand-off on as the next stage's inputs without looking inside; its
+decoder only checks the types (a msgspec tagged union, :data:`Handoff`). The producer builds one,
+the consumer reads its fields, and whoever ends up holding one nobody will read (a cancelled or
+failed request, a stale report) calls :meth:`release` with its connector: each hand-off knows which
+connector keys it holds. The connector keys and handles inside are the connector's
+(``Connector.put``'s ``key`` and handle map); what lies under the keys is each producer's payload.
+
+==============  ==================  ==========================================================
+hand-off        from → to           holds
+==============  ==================  ==========================================================
+MediaInputs     gateway → encode    the request's images/audio, inline (``Submit.inputs``)
+EmbedsHandoff   encode → prefill    the encoder outputs under ``mm_key`` and the media shapes
+KVHandoff       prefill → decode    the prompt's KV under ``kv_key`` (whole, or a layer-wise
+                                    manifest: :func:`release_kv`), the first token, M-RoPE
+                                    delta; for speech out also prefill's prompt states
+SpeechHandoff   prefill/decode →    the thinker's hidden states of the prompt and (chat) of the
+                generate (speech)   reply, for the talker
+==============  ==================  ==========================================================
+
+Wire form and compatibility (a rolling upgrade). A hand-off is a msgpack map of its fields plus
+``"handoff": <tag>``. Its field names are the string keys the maps carried before typed hand-offs
+(``kv_key``, ``kv_handle``, ``first_token`` …), deliberately: a worker older than this module reads
+a typed hand-off as the map it always read (it ignores the extra ``handoff`` key), and an old
+worker or gateway sends a map without the tag, which :func:`tag_legacy` recognises by its keys so
+the decoder (:func:`omnirelay.broker.protocol.decode`) accepts it as the typed hand-off; the map is
+validated exactly like a tagged one. Old and new workers can therefore serve one pipeline in any
+order. A field added later needs a default, like any protocol field.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, Union
+
+import msgspec
+
+from omnirelay.errors import OmniError
+
+log = logging.getLogger("omnirelay.handoffs")
+
+TAG_FIELD = "handoff"
+Handle = dict[str, Any]   # a connector's handle map (Connector.put's return), opaque here
+
+
+class KeyStore(Protocol):
+    """What releasing needs of a connector (``omnirelay.connectors.Connector`` is one)."""
+
+    def get(self, key: str, handle: Handle | None = None, timeout: float = ...) -> dict[str, Any]: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+class _Handoff(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, gc=False,
+               tag_field=TAG_FIELD):
+    """Base of every hand-off: frozen plain data (never in a reference cycle, like a bus message)."""
+
+    def release(self, store: KeyStore) -> None:
+        """Delete every connector key this hand-off holds (nobody will read them). Never raises for
+        a key that cannot be deleted now: it expires by the connector's TTL."""
+
+
+class MediaItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """One image (the encoded file) or audio clip (float32 little-endian PCM at 16 kHz)."""
+
+    kind: str        # "image" | "audio" (checked by the encode worker: bad_request otherwise)
+    data: bytes
+
+
+class MediaInputs(_Handoff, tag="media"):
+    """The first stage's inputs of an omni request, inline in the Submit: its media in prompt order."""
+
+    media: list[MediaItem]
+
+
+class EmbedsHandoff(_Handoff, tag="embeds"):
+    """The encoder outputs of a request's media (``{"image_embeds", "audio_embeds",
+    "image_deepstack"}`` under ``mm_key``), and the shapes prefill's M-RoPE positions need."""
+
+    mm_key: str
+    mm_handle: Handle | None = None
+    image_grids: list[list[int]] = []
+    audio_lengths: list[int] = []
+
+    def release(self, store: KeyStore) -> None:
+        delete_quietly(store, self.mm_key)
+
+
+class SpeechHandoff(_Handoff, tag="speech"):
+    """The thinker's hidden states for the talker: prefill's ``{"hidden": [n, H], "image_grids",
+    "audio_lengths"}`` under ``speech_prompt_key``; decode's ``{"hidden": [m-1, H], "token_ids":
+    [m]}`` under ``speech_reply_key`` (empty for ``/v1/audio/speech``, whose reply is the prompt's tail)."""
+
+    speech_prompt_key: str
+    speech_prompt_handle: Handle | None = None
+    speech_reply_key: str = ""
+    speech_reply_handle: Handle | None = None
+
+    def release(self, store: KeyStore) -> None:
+        for key in (self.speech_prompt_key, self.speech_reply_key):
+            if key:
+                delete_quietly(store, key)
+
+
+class KVHandoff(_Handoff, tag="kv"):
+    """A prefilled prompt for decode: its KV under ``kv_key`` (a whole KV or a layer-wise manifest),
+    the first token, and for a media prompt the M-RoPE delta (decode positions are index + delta).
+    A request that speaks its reply also passes prefill's prompt states on (``speech_prompt_*``)."""
+
+    kv_key: str
+    kv_handle: Handle
+    first_token: int
+    rope_delta: int = 0
+    has_media: bool = False
+    speech_prompt_key: str = ""
+    speech_prompt_handle: Handle | None = None
+
+    def speech_prompt(self) -> SpeechHandoff | None:
+        """Prefill's prompt states as the start of the speech hand-off (None: no speech out)."""
+        if not self.speech_prompt_key:
+            return None
+        return SpeechHandoff(self.speech_prompt_key, self.speech_prompt_handle)
+
+    def release(self, store: KeyStore) -> None:
+        release_kv(store, self.kv_key, self.kv_handle)
+        if self.speech_prompt_key:
+            delete_quietly(store, self.speech_prompt_key)
+
+
+Handoff = Union[MediaInputs, EmbedsHandoff, KVHandoff, SpeechHandoff]
+
+# The key that tells an untagged (pre-typed) map's kind, in the order they are tried: a prefill
+# output with speech states is a KV hand-off first.
+_LEGACY_KINDS = (("kv_key", "kv"), ("mm_key", "embeds"), ("speech_prompt_key", "speech"), ("media", "media"))
+
+
+def tag_legacy(value: Any) -> Any:
+    """An untagged hand-off map from a sender older than typed hand-offs, with its tag added (None
+    for the empty map it sent for "nothing"); anything else unchanged, for the decoder to judge."""
+    if not isinstance(value, dict) or TAG_FIELD in value:
+        return value
+    if not value:
+        return None
+    for key, tag in _LEGACY_KINDS:
+        if key in value:
+            return {**value, TAG_FIELD: tag}
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# Releasing a KV hand-off. A layer-wise KV (workers/kv/export.py) is a manifest under the key and
+# one piece per layer under piece_key(key, layer); the manifest names how many. Shared here because
+# every holder of a KVHandoff (decode, a prefill whose report went stale) must delete the pieces too.
+
+def piece_key(key: str, layer: int) -> str:
+    return f"{key}/layer/{layer}"
+
+
+def release_kv(store: KeyStore, key: str, handle: Handle | None = None) -> None:
+    """Delete a KV hand-off nobody will import (a cancelled or failed request): the manifest and,
+    for a layerwise one, every piece. Does not wait for a key that is not there."""
+    try:
+        payload = store.get(key, handle, timeout=0.0)
+    except OmniError:
+        delete_quietly(store, key)   # gone already, never written, or the store is down
+        return
+    delete_kv_payload(store, key, payload)
+
+
+def delete_kv_payload(store: KeyStore, key: str, payload: dict) -> None:
+    """Delete ``key`` and, when ``payload`` (what it held) is a layer-wise manifest, its pieces."""
+    layers = payload.get("layerwise")
+    if isinstance(layers, int):
+        for layer in range(max(0, min(layers, 1 << 16))):
+            delete_quietly(store, piece_key(key, layer))
+    delete_quietly(store, key)
+
+
+def delete_quietly(store: KeyStore, key: str) -> None:
+    """Clean-up after a failure or cancel: a store that is down then (a Redis outage) must not turn
+    one failed request into a dead worker. What cannot be deleted now expires by the backend's TTL
+    (Redis) or is swept with its owner's segments (shared memory)."""
+    try:
+        store.delete(key)
+    except OmniError as exc:
+        log.warning("could not delete %r (left to expire): %s", key, exc)
