@@ -1,0 +1,254 @@
+"""Sequence parallelism for the Z-Image and Wan diffusion transformers, wired into a generate worker
+(:mod:`omnirelay.workers.generate.sequence_parallel_group` picks each family's kernel from
+:mod:`omnirelay.workers.generate.sequence_parallel_kernels`).
+
+* Float: the tiny pipelines' own ``__call__`` over a group of real rank processes (rank 0 in this
+  process, as the worker runs it) gives the same latents as one rank, within float tolerance — at
+  sizes whose token count splits evenly and at sizes that need the kernels' padding.
+* End to end: a real ``omni-worker --role generate`` with ``sequence_parallel_size: 2`` in its stage
+  YAML, behind the real broker and gateway, makes the images (official ``openai`` client) and the
+  video (``/v1/videos``) of the single-rank worker for the same seed.
+* A pipeline whose transformer has no kernel is refused at start-up (never run unsplit).
+
+Equality through the gateway is on 8-bit pixels: the two-rank forward computes each rank's
+projections on a slice of the tokens, so a GEMM may round the last float bit differently, and a
+pixel on a .5 boundary can flip one level (see tests/test_generate_sp.py). On this machine the
+files come out identical.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import openai
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from omnirelay.deploy.wan_builder import build_tiny_wan
+from omnirelay.deploy.zimage_builder import build_tiny_zimage
+from omnirelay.workers.generate.image import load_pipeline
+from omnirelay.workers.generate.sequence_parallel_group import (SequenceParallelDenoiser, SequenceParallelError,
+                                                                check_sequence_parallel)
+
+from cluster import Cluster
+from test_videos import decode_frames
+
+PROMPT = "a red fox sitting in the snow at dawn"
+
+
+@pytest.fixture(scope="module")
+def tiny_zimage(tmp_path_factory) -> str:
+    torch.set_num_threads(1)
+    return str(build_tiny_zimage(tmp_path_factory.mktemp("models") / "tiny-zimage", seed=0))
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory) -> str:
+    torch.set_num_threads(1)
+    return str(build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan", seed=0))
+
+
+def _sp_yaml(directory: pathlib.Path, size: int) -> str:
+    path = directory / f"generate_sp{size}.yaml"
+    path.write_text(yaml.safe_dump({"stages": [{"name": "generate", "role": "generate",
+                                                "runtime": {"max_batch_size": 1},
+                                                "engine_args": {"sequence_parallel_size": size}}]}))
+    return str(path)
+
+
+def _only_worker(cluster: Cluster, sp_size: int, timeout: float = 60.0) -> dict:
+    """The one registered worker, once it has heartbeated that it runs ``sp_size`` ranks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = cluster.workers()
+        if len(workers) == 1 and workers[0]["stats"].get("sequence_parallel_size") == sp_size:
+            return workers[0]
+        time.sleep(0.2)
+    raise AssertionError(f"expected one generate worker of {sp_size} rank(s), got {cluster.workers()}")
+
+
+def _sp_forwards(cluster: Cluster, want: int) -> int:
+    """The SP worker's count of forwards run over its group, once it has heartbeated ``want``."""
+    deadline = time.monotonic() + 10
+    while (stats := _only_worker(cluster, 2)["stats"]).get("sp_forwards", 0) < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return stats.get("sp_forwards", 0)
+
+
+# ------------------------------------------------------------------------------- float equality
+
+
+def _zimage_latents(pipe, width: int, height: int) -> torch.Tensor:
+    # guided: the transformer sees a list of two latents and two captions of different lengths
+    return pipe(PROMPT, negative_prompt="blurry", width=width, height=height, num_inference_steps=3,
+                guidance_scale=2.0, generator=torch.Generator().manual_seed(5), output_type="latent").images
+
+
+def _wan_latents(pipe, width: int, height: int, frames: int) -> torch.Tensor:
+    # 3 steps from timestep 999 with boundary 0.875: both experts run, each twice per step (guided)
+    return pipe(PROMPT, width=width, height=height, num_frames=frames, num_inference_steps=3, guidance_scale=4.0,
+                generator=torch.Generator().manual_seed(5), output_type="latent").frames
+
+
+def _split_equals_whole(model_dir: str, make, cases: list[tuple], world: int = 2) -> float:
+    """Run ``make(pipe, *case)`` for every case on one rank, then over ``world`` ranks; assert the
+    latents agree within float tolerance and return the largest absolute difference."""
+    pipe = load_pipeline(model_dir)
+    reference = [make(pipe, *case) for case in cases]
+    group = SequenceParallelDenoiser(model_dir, world)
+    try:
+        group.attach(*group.experts_of(pipe))
+        split = [make(pipe, *case) for case in cases]
+        forwards = group.stats["sp_forwards"]
+    finally:
+        group.close()
+    assert all("forward" not in expert.__dict__ for expert in group.experts)   # close put them back
+    assert forwards >= 3 * len(cases)   # every denoising step ran over the group
+    worst = 0.0
+    for case, got, want in zip(cases, split, reference):
+        assert got.shape == want.shape and want.std() > 0.5, case
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: {m}")
+        worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def test_zimage_over_two_ranks_equals_one_rank_within_float_tolerance(tiny_zimage):
+    # 96x64: 6×4 image tokens; 48x48: 3×3 = 9, so the unified sequence needs the kernel's padding
+    worst = _split_equals_whole(tiny_zimage, _zimage_latents, [(96, 64), (48, 48)])
+    print(f"Z-Image SP=2 vs SP=1: max |latent difference| {worst:.3g}")
+
+
+def test_wan_over_two_ranks_equals_one_rank_within_float_tolerance(tiny_wan):
+    # 64x48, 5 frames: 2 latent frames × 3×4 patches = 24 tokens; 48x48, 1 frame: 9 (padded to 10)
+    worst = _split_equals_whole(tiny_wan, _wan_latents, [(64, 48, 5), (48, 48, 1)])
+    print(f"Wan SP=2 vs SP=1: max |latent difference| {worst:.3g}")
+
+
+# ----------------------------------------------------------------------------------- end to end
+
+ZIMAGE = "tiny-zimage"
+IMAGE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
+# (size, guidance): guided runs both captions in one transformer call; 48x48 is 9 tokens (padded)
+IMAGE_REQUESTS = [("96x64", 2.0), ("48x48", 0.0)]
+
+
+def _image(client, size: str, guidance: float, seed: int = 11) -> np.ndarray:
+    response = client.images.generate(model=ZIMAGE, prompt=PROMPT, size=size,
+                                      extra_body={"seed": seed, "num_inference_steps": 3, "guidance_scale": guidance})
+    [item] = response.data
+    image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+    assert image.format == "PNG" and "x".join(map(str, image.size)) == size
+    return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+# ~140 s each on a loaded 2-core box: two workers, a gateway and a broker start per test
+@pytest.mark.slow
+def test_zimage_two_rank_worker_makes_the_single_rank_workers_images(tiny_zimage, tmp_path):
+    cluster = Cluster(model=tiny_zimage, log_dir=str(tmp_path), model_name=ZIMAGE)
+    try:
+        cluster.start_broker()
+        single = cluster.start_worker("generate", "--stage-configs-path", IMAGE_YAML)
+        cluster.start_gateway("--stage-configs-path", IMAGE_YAML)
+        cluster.wait_healthy()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        _only_worker(cluster, 1)
+        reference = [_image(client, size, guidance) for size, guidance in IMAGE_REQUESTS]
+        single.stop()   # SIGTERM: it drains and unregisters, so the next requests go to the SP worker
+
+        split = cluster.start_worker("generate", "--stage-configs-path", _sp_yaml(tmp_path, 2))
+        cluster.wait_healthy()
+        _only_worker(cluster, 2)
+        images = [_image(client, size, guidance) for size, guidance in IMAGE_REQUESTS]
+        for (size, _), got, want in zip(IMAGE_REQUESTS, images, reference):
+            diff = np.abs(got - want)
+            print(f"Z-Image {size} SP=2 vs SP=1: max pixel difference {diff.max()}")
+            assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (size, diff.max(), (diff > 0).mean())
+        assert reference[0].std() > 10 and np.abs(reference[0][:, :, 0] - reference[0][:, :, 1]).mean() > 1
+        assert _sp_forwards(cluster, 6) == 6   # 3 steps × 2 images, every one over the group
+        assert split.stop() == 0   # drains, closes the engine, which stops and joins rank 1
+    finally:
+        cluster.stop()
+    assert "Traceback" not in split.output(), split.output()[-3000:]
+
+
+WAN = "tiny-wan"
+VIDEO_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_video.yaml")
+
+
+def _video(client, seed: int = 5) -> tuple[list[np.ndarray], bytes]:
+    video = client.videos.create(model=WAN, prompt=PROMPT, size="64x48",
+                                 extra_body={"seed": seed, "num_inference_steps": 3, "num_frames": 9,
+                                             "guidance_scale": 4.0})
+    deadline = time.monotonic() + 120
+    while (video := client.videos.retrieve(video.id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, video
+        time.sleep(0.1)
+    assert video.status == "completed", video.error
+    content = client.videos.download_content(video.id)
+    data = content.read()
+    frames, _ = decode_frames(data, content.response.headers["content-type"])
+    assert len(frames) == 9 and frames[0].shape == (48, 64, 3)
+    return [frame.astype(np.int16) for frame in frames], data
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")   # the openai client's notice
+def test_wan_two_rank_worker_makes_the_single_rank_workers_video(tiny_wan, tmp_path):
+    cluster = Cluster(model=tiny_wan, log_dir=str(tmp_path), model_name=WAN)
+    try:
+        cluster.start_broker()
+        single = cluster.start_worker("generate", "--stage-configs-path", VIDEO_YAML)
+        cluster.start_gateway("--stage-configs-path", VIDEO_YAML)
+        cluster.wait_healthy()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        _only_worker(cluster, 1)
+        reference, reference_file = _video(client)
+        single.stop()
+
+        split = cluster.start_worker("generate", "--stage-configs-path", _sp_yaml(tmp_path, 2))
+        cluster.wait_healthy()
+        _only_worker(cluster, 2)
+        frames, split_file = _video(client)
+        diff = np.abs(np.stack(frames) - np.stack(reference))
+        print(f"Wan SP=2 vs SP=1: max pixel difference {diff.max()}, identical files {split_file == reference_file}")
+        # A flipped pixel can move a few more through the lossy H.264 encoder; the video stays the same.
+        assert diff.max() <= 8 and diff.mean() < 0.1, (diff.max(), diff.mean())
+        assert np.stack(reference).std() > 5
+        # 3 steps, each a conditional and an unconditional call (or one call over both rows, batched)
+        assert _sp_forwards(cluster, 6) in (3, 6)
+        assert split.stop() == 0   # drains, closes the group, which stops and joins rank 1
+    finally:
+        cluster.stop()
+    assert "Traceback" not in split.output(), split.output()[-3000:]
+
+
+# ------------------------------------------------------------------------------------ refusals
+
+
+def test_kernels_cover_both_dits_at_any_size_and_other_transformers_are_refused(tiny_zimage, tiny_wan, tmp_path):
+    for model_dir in (tiny_zimage, tiny_wan):   # the kernels pad: every size splits
+        for size in (2, 3, 7):
+            check_sequence_parallel(model_dir, size)
+    flux = tmp_path / "flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline",
+                                                       "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    with pytest.raises(SequenceParallelError, match=r"FluxPipeline\) has FluxTransformer2DModel; use "
+                                                    r"sequence_parallel_size 1"):
+        check_sequence_parallel(str(flux), 2)
+    # The worker refuses before loading anything, exit status 2, the reason and the kernels on stderr.
+    proc = subprocess.run([sys.executable, "-m", "omnirelay.workers.daemon", "--role", "generate", "--model",
+                           str(flux), "--broker", "tcp://127.0.0.1:9", "--sequence-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("has a sequence-parallel kernel (SD3Transformer2DModel, ZImageTransformer2DModel, "
+            "WanTransformer3DModel)") in proc.stderr and "FluxTransformer2DModel" in proc.stderr
