@@ -1,10 +1,12 @@
 """What the gateway knows about each served model: tokenizer, chat template, context length and
-the stages of its pipeline. Loaded once at start-up from the model directory."""
+the stages of its pipeline. Loaded once at start-up from the model directory. And the lookup of a
+request's ``model`` in the served table (:func:`served_model`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypeVar
 
 from transformers import AutoTokenizer
 
@@ -50,12 +52,21 @@ class ModelRuntime:
                 "root": self.path, "max_model_len": self.max_model_len}
 
 
-def text_model(models: dict, name: str) -> ModelRuntime:
-    """The served text model ``name`` (the app's model table): 404 if none, 422 for an image or
-    video pipeline."""
+M = TypeVar("M")
+
+
+def served_model(models: dict, name: str, kind: type[M], wrong_kind: str) -> M:
+    """The served model ``name`` (the app's model table), which must be a ``kind``: 404 if none is
+    served by that name, 422 saying ``wrong_kind`` if it is another kind."""
     model = models.get(name)
     if model is None:
         raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
-    if not isinstance(model, ModelRuntime):
-        raise Unprocessable(f"model {name!r} generates images; use POST /v1/images/generations", param="model")
+    if not isinstance(model, kind):
+        raise Unprocessable(wrong_kind, param="model")
     return model
+
+
+def text_model(models: dict, name: str) -> ModelRuntime:
+    """The served text model ``name``: 404 if none, 422 for an image or video pipeline."""
+    return served_model(models, name, ModelRuntime,
+                        f"model {name!r} generates images; use POST /v1/images/generations")

@@ -1,6 +1,6 @@
 """A served diffusers pipeline as the gateway knows it: name, stages and model card, and the lookup
-of a request's ``model`` among the served ones. :class:`~.images.ImageModel` and
-:class:`~.videos.VideoModel` differ only in what they make and in what they add to this."""
+of a request's ``model`` among the served ones. :class:`~.routes.images.ImageModel` and
+:class:`~.routes.videos.VideoModel` differ only in what they make and in what they add to this."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 from typing import TypeVar
 
-from omnirelay.errors import BadRequest, NotFound, Unprocessable
+from omnirelay.errors import BadRequest
 
 from .config import ServedModel
+from .models import served_model
 
 M = TypeVar("M", bound="PipelineModel")
 
@@ -49,9 +50,4 @@ class PipelineModel:
                 raise BadRequest(f"'model' is required (this gateway serves {len(mine)} {cls.noun} models)",
                                  param="model")
             return mine[0]
-        model = models.get(name)
-        if model is None:
-            raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
-        if not isinstance(model, cls):
-            raise Unprocessable(f"model {name!r} does not generate {cls.makes}", param="model")
-        return model
+        return served_model(models, name, cls, f"model {name!r} does not generate {cls.makes}")

@@ -23,9 +23,10 @@ never hold a worker's KV cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import WSMsgType, web
 
@@ -127,6 +128,17 @@ def install(app: web.Application) -> None:
     """Give ``app`` the session counter the WebSocket routes share (idempotent)."""
     if SESSIONS not in app:
         app[SESSIONS] = {}
+
+
+@contextlib.asynccontextmanager
+async def event_socket(request: web.Request, route: str) -> AsyncIterator[EventSocket]:
+    """The session's socket: admitted and upgraded on entry (:func:`open_event_socket`), closed and
+    its slot freed on exit, however the session ends."""
+    socket = await open_event_socket(request, route)
+    try:
+        yield socket
+    finally:
+        await close_event_socket(socket, route)
 
 
 async def open_event_socket(request: web.Request, route: str) -> EventSocket:

@@ -55,7 +55,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..models import ModelRuntime
 from ..schema import parse_chat
 from .speech import AudioChunk, has_speakers, start_spoken_chat, voices
-from ..websocket_session import EventSocket, SessionClosed, close_event_socket, install, join, open_event_socket
+from ..websocket_session import EventSocket, SessionClosed, event_socket, install, join
 
 ROUTE = "realtime"
 OUTPUT_RATE = 24000                      # the speech worker's PCM: 16-bit mono at 24 kHz
@@ -440,11 +440,8 @@ async def realtime(request: web.Request) -> web.StreamResponse:
     config = SessionConfig(model=_model(models, name, "model").name if name else _default_model(models))
     if config.output_modalities == ("audio",) and not has_speakers(models[config.model]):
         config = dataclasses.replace(config, output_modalities=("text",))
-    socket = await open_event_socket(request, ROUTE)
-    try:
+    async with event_socket(request, ROUTE) as socket:
         await RealtimeSession(socket, config).run()
-    finally:
-        await close_event_socket(socket, ROUTE)
     return socket.ws
 
 

@@ -43,7 +43,7 @@ from omnirelay.errors import BadRequest, OmniError
 from ..app_keys import BUS, CONFIG, MODELS
 from ..error_answers import error_event
 from .speech import prepare_speech, speech_items
-from ..websocket_session import EventSocket, SessionClosed, close_event_socket, install, join, open_event_socket
+from ..websocket_session import EventSocket, SessionClosed, event_socket, install, join
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -179,11 +179,8 @@ class SpeechStreamSession:
 
 
 async def speech_stream(request: web.Request) -> web.StreamResponse:
-    socket = await open_event_socket(request, ROUTE)
-    try:
+    async with event_socket(request, ROUTE) as socket:
         await SpeechStreamSession(socket).run()
-    finally:
-        await close_event_socket(socket, ROUTE)
     return socket.ws
 
 
