@@ -143,3 +143,29 @@ def write_omni_processor(out: pathlib.Path, image_processor, processor_class: st
     merged.update(image_processor_type="Qwen2VLImageProcessor", feature_extractor_type="WhisperFeatureExtractor",
                   processor_class=processor_class)
     (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+
+
+def omni_chat_template(named_tokens: dict[str, str]) -> str:
+    """ChatML whose media parts become bos + one placeholder + eos, with the tokens ``named_tokens``
+    names (the processor or gateway expands the placeholder to one token per feature): the real Omni
+    templates' structure, without their default system prompt."""
+    def media(kind: str, bos: str, eos: str) -> str:
+        return "{{ '" + named_tokens[bos] + named_tokens[kind] + named_tokens[eos] + "' }}"
+
+    vision, audio = ("vision_bos_token", "vision_eos_token"), ("audio_bos_token", "audio_eos_token")
+    return (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for content in message['content'] %}"
+        "{% if content['type'] == 'image' or content['type'] == 'image_url' %}"
+        + media("image_token", *vision) +
+        "{% elif content['type'] == 'audio' or content['type'] == 'input_audio' or content['type'] == 'audio_url' %}"
+        + media("audio_token", *audio) +
+        "{% elif content['type'] == 'video' %}" + media("video_token", *vision) +
+        "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )

@@ -23,22 +23,17 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .tiny_diffusers import build, is_complete, write_pipeline
+from .tiny_diffusers import UNetPipeline, build, is_complete
 
 MODEL_KIND = "tiny-sd"
 RECIPE_VERSION = 1
 __all__ = ["build_tiny_text_to_image", "is_complete"]
 
 
-def _build_into(out: pathlib.Path, seed: int) -> None:
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-
-    write_pipeline(out, seed, UNet2DConditionModel,
-                   dict(down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")),
-                   StableDiffusionPipeline, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+RECIPE = UNetPipeline("UNet2DConditionModel", "StableDiffusionPipeline", "2D",
+                      dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False))
 
 
 def build_tiny_text_to_image(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
-    return build(path, _build_into, seed, force)
+    return build(path, RECIPE, seed, force)

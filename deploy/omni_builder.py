@@ -69,8 +69,8 @@ import json
 import os
 import pathlib
 
-from .builder_steps import (build_seeded, has_files, omni_tokenizer, padded_vocab, reset_convs, share_model_dir,
-                            write_omni_model, write_omni_processor)
+from .builder_steps import (build_seeded, has_files, omni_chat_template, omni_tokenizer, padded_vocab, reset_convs,
+                            share_model_dir, write_omni_model, write_omni_processor)
 
 MODEL_KIND = "tiny-omni"
 RECIPE_VERSION = 1
@@ -86,24 +86,7 @@ NAMED_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_t
                 "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json", "preprocessor_config.json", "spk_dict.safetensors", "spk_dict.json")
-# The real template's structure (media parts become bos + one placeholder + eos; the processor or
-# gateway expands the placeholder to one token per feature), without its default system prompt.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or content['type'] == 'image_url' %}"
-    "{{ '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
-    "{% elif content['type'] == 'audio' or content['type'] == 'input_audio' or content['type'] == 'audio_url' %}"
-    "{{ '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
-    "{% elif content['type'] == 'video' %}{{ '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = omni_chat_template(NAMED_TOKENS)
 HIDDEN = 256
 MROPE_SECTION = [8, 12, 12]          # sums to head_dim / 2 = 32, in the real [16, 24, 24] proportions
 # Image processor bounds: 28 px per merged token, so 2x2 .. 8x8 tokens per image.

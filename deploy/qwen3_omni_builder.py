@@ -56,8 +56,8 @@ import json
 import os
 import pathlib
 
-from .builder_steps import (build_seeded, has_files, omni_tokenizer, padded_vocab, reset_convs, share_model_dir,
-                            write_omni_model, write_omni_processor)
+from .builder_steps import (build_seeded, has_files, omni_chat_template, omni_tokenizer, padded_vocab, reset_convs,
+                            share_model_dir, write_omni_model, write_omni_processor)
 
 MODEL_KIND = "tiny-qwen3-omni"
 SPEAKERS = ("Ethan", "Chelsie")      # Ethan first: transformers' default speaker
@@ -69,22 +69,7 @@ NAMED_TOKENS = {"image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", 
                 "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"}
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json", "preprocessor_config.json", "spk_dict.json")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or content['type'] == 'image_url' %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif content['type'] == 'audio' or content['type'] == 'input_audio' or content['type'] == 'audio_url' %}"
-    "{{ '<|audio_start|><|audio_pad|><|audio_end|>' }}"
-    "{% elif content['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = omni_chat_template(NAMED_TOKENS)
 HIDDEN = 256
 MROPE_SECTION = [12, 10, 10]     # interleaved: H on columns 1,4,..; W on 2,5,..; T on the rest (of 32)
 PATCH = 16

@@ -27,6 +27,7 @@ after this module's source too, so a change here rebuilds both pipelines.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -119,9 +120,20 @@ def _write_tokenizer(out: pathlib.Path) -> int:
     return len(vocab)
 
 
-# The UNet's shape; each builder adds its block types (2D for images, 3D for video).
+# The UNet's shape; its block types follow from the recipe's dimensionality (2D images, 3D video).
 UNET_SHAPE = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
                   cross_attention_dim=TEXT_WIDTH, attention_head_dim=8, norm_num_groups=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetPipeline:
+    """What one builder of this module's pipelines chooses. The diffusers classes go by name, so
+    diffusers is imported only when a build runs; ``dims`` is the UNet's ("2D" for images, "3D" for
+    video): cross-attention on its first level down and its last level up."""
+    unet_class: str
+    pipeline_class: str
+    dims: str
+    pipeline_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def clip_text_setup(out: pathlib.Path, width: int):
@@ -139,16 +151,19 @@ def clip_text_setup(out: pathlib.Path, width: int):
     return tokenizer, text_config
 
 
-def write_pipeline(out: pathlib.Path, seed: int, unet_class: type, unet_blocks: dict[str, Any],
-                   pipeline_class: type, **pipeline_options: Any) -> None:
-    """Write the whole pipeline into ``out``: a ``unet_class(**UNET_SHAPE, **unet_blocks)`` between
-    the shared components, saved as ``pipeline_class(..., **pipeline_options)``."""
+def write_pipeline(out: pathlib.Path, seed: int, recipe: UNetPipeline) -> None:
+    """Write the whole pipeline into ``out``: the recipe's UNet between the shared components, saved
+    as its pipeline class."""
+    import diffusers
     from diffusers import AutoencoderKL, DDIMScheduler
     from transformers import CLIPTextModel
 
+    unet_class, dims = getattr(diffusers, recipe.unet_class), recipe.dims
+    blocks = dict(down_block_types=(f"CrossAttnDownBlock{dims}", f"DownBlock{dims}"),
+                  up_block_types=(f"UpBlock{dims}", f"CrossAttnUpBlock{dims}"))
     tokenizer, text_config = clip_text_setup(out, TEXT_WIDTH)
     text_encoder, unet, vae = seeded_parts(
-        seed, lambda: CLIPTextModel(text_config).eval(), lambda: unet_class(**UNET_SHAPE, **unet_blocks).eval(),
+        seed, lambda: CLIPTextModel(text_config).eval(), lambda: unet_class(**UNET_SHAPE, **blocks).eval(),
         lambda: AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
             block_out_channels=(16, 16, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
@@ -156,8 +171,8 @@ def write_pipeline(out: pathlib.Path, seed: int, unet_class: type, unet_blocks: 
     widen_vae_output(vae, VAE_OUT_STD, seed + 3)
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                               clip_sample=False, set_alpha_to_one=False, steps_offset=1)
-    pipe = pipeline_class(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
-                          **pipeline_options)
+    pipe = getattr(diffusers, recipe.pipeline_class)(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                                     unet=unet, scheduler=scheduler, **recipe.pipeline_options)
     save_pipeline(pipe, out, clip_tokenizers=("tokenizer",))
 
 
@@ -165,6 +180,7 @@ def is_complete(path: str | os.PathLike) -> bool:
     return has_files(path, REQUIRED_FILES)
 
 
-def build(path: str | os.PathLike, build_into, seed: int, force: bool) -> pathlib.Path:
-    """``build_into(tmp, seed)`` atomically into ``path`` (as the LLM builder does); returns ``path``."""
-    return build_seeded(path, build_into, seed, force=force, complete=is_complete, what="pipeline")
+def build(path: str | os.PathLike, recipe: UNetPipeline, seed: int, force: bool) -> pathlib.Path:
+    """Write ``recipe``'s pipeline atomically into ``path`` (as the LLM builder does); returns ``path``."""
+    return build_seeded(path, lambda tmp, seed: write_pipeline(tmp, seed, recipe), seed, force=force,
+                        complete=is_complete, what="pipeline")

@@ -30,22 +30,16 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .tiny_diffusers import build, is_complete, write_pipeline
+from .tiny_diffusers import UNetPipeline, build, is_complete
 
 MODEL_KIND = "tiny-video"
 NATIVE_FRAMES = 16
 __all__ = ["build_tiny_text_to_video", "is_complete"]
 
 
-def _build_into(out: pathlib.Path, seed: int) -> None:
-    from diffusers import TextToVideoSDPipeline, UNet3DConditionModel
-
-    write_pipeline(out, seed, UNet3DConditionModel,
-                   dict(down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
-                        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D")),
-                   TextToVideoSDPipeline)
+RECIPE = UNetPipeline("UNet3DConditionModel", "TextToVideoSDPipeline", "3D")
 
 
 def build_tiny_text_to_video(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny pipeline to ``path`` and return it (atomically, as the LLM builder does)."""
-    return build(path, _build_into, seed, force)
+    return build(path, RECIPE, seed, force)

@@ -18,19 +18,10 @@ import sys
 
 import pytest
 
-BUILDERS = {   # name -> (module, function, keyword arguments)
-    "tiny-llm": ("omnirelay.deploy.model_builder", "build_tiny_llm", {}),
-    "tiny-omni": ("omnirelay.deploy.omni_builder", "build_tiny_omni", {}),
-    "tiny-qwen3": ("omnirelay.deploy.qwen3_builder", "build_tiny_qwen3", {}),
-    "tiny-qwen3-moe": ("omnirelay.deploy.qwen3_builder", "build_tiny_qwen3", {"moe": True}),
-    "tiny-qwen3-omni": ("omnirelay.deploy.qwen3_omni_builder", "build_tiny_qwen3_omni", {}),
-    "tiny-qwen3-tts": ("omnirelay.deploy.qwen3_tts_builder", "build_tiny_qwen3_tts", {}),
-    "tiny-sd3": ("omnirelay.deploy.diffusion_builder", "build_tiny_text_to_image", {}),
-    "tiny-dit": ("omnirelay.deploy.dit_builder", "build_tiny_dit", {}),
-    "tiny-video": ("omnirelay.deploy.video_builder", "build_tiny_text_to_video", {}),
-    "tiny-zimage": ("omnirelay.deploy.zimage_builder", "build_tiny_zimage", {}),
-    "tiny-wan": ("omnirelay.deploy.wan_builder", "build_tiny_wan", {}),
-}
+from omnirelay.deploy.model_builder import FAMILY_BUILDERS, MODEL_KIND
+
+# Every kind omni-make-model builds: name -> (module in omnirelay.deploy, function, keyword arguments).
+BUILDERS = {MODEL_KIND: ("model_builder", "build_tiny_llm", {}), **FAMILY_BUILDERS}
 
 
 def _digest_weights(root: pathlib.Path) -> dict[str, str]:
@@ -60,7 +51,7 @@ def _build_and_digest(out: pathlib.Path) -> dict[str, dict[str, str]]:
     del scratch
     digests = {}
     for name, (module, function, kwargs) in BUILDERS.items():
-        build = getattr(importlib.import_module(module), function)
+        build = getattr(importlib.import_module(f"omnirelay.deploy.{module}"), function)
         digests[name] = _digest_weights(build(out / name, seed=0, **kwargs))
     return digests
 
