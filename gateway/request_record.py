@@ -32,7 +32,6 @@ from .metrics import GatewayMetrics
 
 log = logging.getLogger("omnirelay.gateway")
 
-_RECORD = "omnirelay.request_record"   # the request's key for its open record
 
 
 @dataclasses.dataclass
@@ -103,6 +102,10 @@ class RequestRecord:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(exc)
+
+
+# The request's key for its open record (aiohttp >= 3.13 has typed request keys; older takes a string).
+_RECORD = web.RequestKey("request_record", RequestRecord) if hasattr(web, "RequestKey") else "omnirelay.request_record"
 
 
 def open_record(request: web.Request, model: str, request_id: str, **kwargs: Any) -> RequestRecord:
