@@ -19,6 +19,7 @@ from PIL import Image
 from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
 
 from cluster import Cluster
+from media_support import tiny_model_dir
 
 MODEL = "tiny-sd"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
@@ -27,9 +28,7 @@ PROMPT = "a lighthouse on a rocky coast during a storm"
 
 @pytest.fixture(scope="module")
 def tiny_sd(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("models") / MODEL
-    build_tiny_text_to_image(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_image)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +81,7 @@ DIT_MODEL = "tiny-dit"
 @pytest.fixture(scope="module")
 def tiny_dit(tmp_path_factory) -> str:
     from omnirelay.deploy.dit_builder import build_tiny_dit
-    return str(build_tiny_dit(tmp_path_factory.mktemp("models") / DIT_MODEL, seed=0))
+    return tiny_model_dir(tmp_path_factory, DIT_MODEL, build_tiny_dit)
 
 
 def _float_dtypes(module: torch.nn.Module) -> set[torch.dtype]:

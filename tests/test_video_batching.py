@@ -16,7 +16,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-import yaml
 
 from omnirelay.deploy.video_builder import build_tiny_text_to_video
 from omnirelay.deploy.wan_builder import build_tiny_wan
@@ -24,7 +23,7 @@ from omnirelay.video_params import VideoParams
 from omnirelay.workers.generate.image import load_pipeline
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner
 
-from cluster import Cluster
+from media_support import batched_pipeline, pipeline_cluster, tiny_model_dir, wait_for_video
 from test_videos import decode_frames
 
 PIPELINE_YAML = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_video.yaml"
@@ -36,17 +35,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"
 @pytest.fixture(scope="module")
 def tiny_video(tmp_path_factory) -> str:
     torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("models") / "tiny-video"
-    build_tiny_text_to_video(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, "tiny-video", build_tiny_text_to_video)
 
 
 @pytest.fixture(scope="module")
 def tiny_wan(tmp_path_factory) -> str:
     torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("models") / "tiny-wan"
-    build_tiny_wan(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, "tiny-wan", build_tiny_wan)
 
 
 def _run(engine: GenerateVideoEngine, *tasks: VideoTask, max_steps: int = 200):
@@ -188,19 +183,9 @@ def test_a_request_leaving_a_wan_batch_mid_denoise_leaves_the_others_as_they_wer
 def cluster(tiny_video, tmp_path_factory):
     """A worker batching up to 3 videos: one long video to keep it busy while two more queue up."""
     tmp = tmp_path_factory.mktemp("video-batch-cluster")
-    stages = yaml.safe_load(PIPELINE_YAML.read_text())
-    stages["stages"][0]["runtime"]["max_batch_size"] = 3
-    pipeline_yaml = tmp / "text_to_video_batch3.yaml"
-    pipeline_yaml.write_text(yaml.safe_dump(stages))
-    cluster = Cluster(model=tiny_video, log_dir=str(tmp), model_name="tiny-video")
-    try:
-        cluster.start_broker()
-        cluster.start_worker("generate", "--stage-configs-path", str(pipeline_yaml))
-        cluster.start_gateway("--stage-configs-path", str(pipeline_yaml))
-        cluster.wait_healthy()
+    with pipeline_cluster(tiny_video, str(tmp), "tiny-video", batched_pipeline(PIPELINE_YAML, tmp, 3),
+                          ("generate",)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _create(client, prompt: str, **extra):
@@ -208,14 +193,8 @@ def _create(client, prompt: str, **extra):
     return client.videos.create(model="tiny-video", prompt=prompt, size=size, extra_body=extra)
 
 
-def _wait(client, video_id: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        video = client.videos.retrieve(video_id)
-        if video.status in ("completed", "failed", "cancelled"):
-            return video
-        time.sleep(0.05)
-    pytest.fail(f"video {video_id} did not finish: {video}")
+def _wait(client, video_id: str):
+    return wait_for_video(client, video_id, timeout=120.0, poll_s=0.05)
 
 
 def _wait_for_worker(cluster, condition, what: str, timeout: float = 60.0) -> dict:

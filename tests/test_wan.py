@@ -22,7 +22,7 @@ from omnirelay.video_params import VideoParams, is_video_pipeline
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner, to_uint8
 from omnirelay.workers.generate.wan import StepwiseWanRunner
 
-from cluster import Cluster
+from media_support import pipeline_cluster, tiny_model_dir, wait_for_video
 from test_videos import decode_frames
 
 MODEL = "tiny-wan"
@@ -33,9 +33,7 @@ PROMPT = "a red fox sitting in the snow at dawn"
 @pytest.fixture(scope="module")
 def tiny_wan(tmp_path_factory) -> str:
     torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("models") / MODEL
-    build_tiny_wan(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_wan)
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +107,9 @@ def test_cancel_stops_a_wan_job_between_denoising_steps(pipe):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_wan, tmp_path_factory):
-    cluster = Cluster(model=tiny_wan, log_dir=str(tmp_path_factory.mktemp("wan-cluster")), model_name=MODEL)
-    try:
-        cluster.start_broker()
-        cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML)
-        cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
-        cluster.wait_healthy()
+    with pipeline_cluster(tiny_wan, str(tmp_path_factory.mktemp("wan-cluster")), MODEL, PIPELINE_YAML,
+                          ("generate",)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -131,14 +123,8 @@ def _create(client, **kwargs):
     return client.videos.create(model=MODEL, prompt=kwargs.pop("prompt", PROMPT), extra_body=extra, **kwargs)
 
 
-def _wait(client, video_id: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        video = client.videos.retrieve(video_id)
-        if video.status in ("completed", "failed", "cancelled"):
-            return video
-        time.sleep(0.1)
-    pytest.fail(f"video {video_id} did not finish: {video}")
+def _wait(client, video_id: str):
+    return wait_for_video(client, video_id, timeout=120.0)
 
 
 def test_wan_video_job_through_the_openai_client_is_a_playable_file(client):

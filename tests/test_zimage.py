@@ -15,7 +15,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-import yaml
 from PIL import Image
 
 from omnirelay.deploy.zimage_builder import build_tiny_zimage
@@ -24,7 +23,7 @@ from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
 
-from cluster import Cluster
+from media_support import batched_pipeline, pipeline_cluster, tiny_model_dir
 
 MODEL = "tiny-zimage"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
@@ -34,9 +33,7 @@ PROMPT = "a red fox sitting in the snow at dawn"
 @pytest.fixture(scope="module")
 def tiny_zimage(tmp_path_factory) -> str:
     torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("models") / MODEL
-    build_tiny_zimage(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_zimage)
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +123,9 @@ def test_batched_images_equal_single_images(pipe):
 @pytest.fixture(scope="module")
 def cluster(tiny_zimage, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zimage-cluster")
-    stages = yaml.safe_load(pathlib.Path(PIPELINE_YAML).read_text())
-    stages["stages"][0]["runtime"]["max_batch_size"] = 2
-    pipeline_yaml = tmp / "text_to_image_batch2.yaml"
-    pipeline_yaml.write_text(yaml.safe_dump(stages))
-    cluster = Cluster(model=tiny_zimage, log_dir=str(tmp), model_name=MODEL)
-    try:
-        cluster.start_broker()
-        cluster.start_worker("generate", "--stage-configs-path", str(pipeline_yaml))
-        cluster.start_gateway("--stage-configs-path", str(pipeline_yaml))
-        cluster.wait_healthy()
+    with pipeline_cluster(tiny_zimage, str(tmp), MODEL, batched_pipeline(PIPELINE_YAML, tmp, 2),
+                          ("generate",)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
