@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, UnknownMetricFamily
 
 from omnirelay.broker.protocol import StatusReply
+from omnirelay.errors import Cancelled
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
@@ -262,7 +263,7 @@ class RequestTimer:
         m.requests.labels(self._model, outcome).inc()
         m.totals["requests"] += 1
         m.totals["generation_tokens"] += completion_tokens
-        if outcome not in ("ok", "cancelled"):
+        if outcome not in ("ok", Cancelled.error_type):
             m.totals["errors"] += 1
         if resumes:
             m.migrations.inc(resumes)
