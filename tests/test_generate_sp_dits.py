@@ -8,7 +8,8 @@
 * End to end: a real ``omni-worker --role generate`` with ``sequence_parallel_size: 2`` in its stage
   YAML, behind the real broker and gateway, makes the images (official ``openai`` client) and the
   video (``/v1/videos``) of the single-rank worker for the same seed.
-* A pipeline whose transformer has no kernel is refused at start-up (never run unsplit).
+* A video worker whose rank dies exits 1 for a restart, leaving no rank; a pipeline whose
+  transformer has no kernel is refused at start-up (never run unsplit).
 
 Equality through the gateway is on 8-bit pixels: the two-rank forward computes each rank's
 projections on a slice of the tokens, so a GEMM may round the last float bit differently, and a
@@ -21,7 +22,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +43,7 @@ from omnirelay.workers.generate.sequence_parallel_group import (SequenceParallel
                                                                 check_sequence_parallel)
 
 from cluster import Cluster
+from test_generate_sp import _alive, _children
 from test_videos import decode_frames
 
 PROMPT = "a red fox sitting in the snow at dawn"
@@ -225,10 +229,23 @@ def test_wan_two_rank_worker_makes_the_single_rank_workers_video(tiny_wan, tmp_p
         assert np.stack(reference).std() > 5
         # 3 steps, each a conditional and an unconditional call (or one call over both rows, batched)
         assert _sp_forwards(cluster, 6) in (3, 6)
+        ranks = _children(split.pid)
+        assert len(ranks) == 1, ranks
         assert split.stop() == 0   # drains, closes the group, which stops and joins rank 1
+        assert not any(_alive(pid) for pid in ranks)
+
+        # A rank of an idle video worker dies: the worker notices, stops taking work and exits 1 for
+        # its supervisor to restart it, leaving no rank behind.
+        lost = cluster.start_worker("generate", "--stage-configs-path", _sp_yaml(tmp_path, 2))
+        _only_worker(cluster, 2)
+        [rank] = _children(lost.pid)
+        os.kill(rank, signal.SIGKILL)
+        assert lost.proc.wait(60) == 1, lost.output()[-3000:]
+        assert "sequence-parallel group lost" in lost.output() and not _alive(rank)
     finally:
         cluster.stop()
-    assert "Traceback" not in split.output(), split.output()[-3000:]
+    for worker in (split, lost):
+        assert "Traceback" not in worker.output(), worker.output()[-3000:]
 
 
 # ------------------------------------------------------------------------------------ refusals
