@@ -12,56 +12,32 @@ all agree with transformers for the greedy tokens to match.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import time
 import urllib.request
-import wave
 
 import numpy as np
 import openai
 import pytest
-import torch
-from PIL import Image
 
 from omnirelay.deploy.omni_builder import build_tiny_omni
 
 from conftest import ServeProcess
+from media_support import audio_part, image_part, random_png, thinker_reference, wav_bytes
 
 PIPELINE = os.path.join(os.path.dirname(__file__), "..", "deploy", "pipelines", "omni_thinker.yaml")
 MAX_TOKENS = 12
 
 
 def _png(seed: int, size=(80, 64)) -> bytes:
-    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
+    return random_png(seed, size)
 
 
 def _tone(freq: float, seconds: float = 1.0) -> np.ndarray:
     """A 16 kHz clip, already on the int16 grid so WAV round-trips it exactly."""
     pcm = np.round(0.5 * np.sin(np.arange(int(16000 * seconds)) * 2 * np.pi * freq / 16000) * 32767)
     return pcm.astype("<i2")
-
-
-def _wav(pcm: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as handle:
-        handle.setnchannels(1)
-        handle.setsampwidth(2)
-        handle.setframerate(16000)
-        handle.writeframes(pcm.tobytes())
-    return out.getvalue()
-
-
-def _image_part(png: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
-
-
-def _audio_part(wav: bytes) -> dict:
-    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
 
 
 @pytest.fixture(scope="module")
@@ -74,35 +50,11 @@ def tiny_omni(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def hf(tiny_omni):
     """transformers' greedy thinker on (text before, image, audio, text after) chat messages."""
-    from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration, WhisperFeatureExtractor
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
     from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_omni)
-    thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(tiny_omni, dtype=torch.float32).eval()
-    images, features = Qwen2VLImageProcessorPil.from_pretrained(tiny_omni), WhisperFeatureExtractor.from_pretrained(tiny_omni)
-
-    def generate(content: list, png: bytes | None = None, pcm: np.ndarray | None = None) -> list[int]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
-        kwargs = {}
-        if png is not None:
-            image = images(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
-            n = int(image["image_grid_thw"][0].prod()) // images.merge_size ** 2
-            text = text.replace(tokenizer.image_token, tokenizer.image_token * n)
-            kwargs.update(pixel_values=image["pixel_values"], image_grid_thw=image["image_grid_thw"])
-        if pcm is not None:
-            audio = features([pcm.astype(np.float32) / 32768.0], sampling_rate=16000, return_attention_mask=True,
-                             padding="max_length", return_tensors="pt")
-            n = int(_get_feat_extract_output_lengths(audio["attention_mask"].sum(-1))[0])
-            text = text.replace(tokenizer.audio_token, tokenizer.audio_token * n)
-            kwargs.update(input_features=audio["input_features"], feature_attention_mask=audio["attention_mask"])
-        ids = tokenizer(text, return_tensors="pt")
-        out = thinker.generate(**ids, **kwargs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return out[0, ids["input_ids"].shape[1]:].tolist()
-
-    return generate
+    return thinker_reference(tiny_omni, Qwen2_5OmniThinkerForConditionalGeneration, _get_feat_extract_output_lengths,
+                             MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +104,7 @@ def _wait_encode_stat(server, name: str, expected: int, timeout: float = 15.0) -
 
 def test_image_and_audio_in_text_out_equals_transformers(client, server, hf):
     png, pcm = _png(0), _tone(440.0)
-    content = [{"type": "text", "text": "Look:"}, _image_part(png), _audio_part(_wav(pcm)),
+    content = [{"type": "text", "text": "Look:"}, image_part(png), audio_part(wav_bytes(pcm)),
                {"type": "text", "text": "what do you see and hear?"}]
     before = _encode_stats(server).get("encoded_requests", 0)
     reply = _chat(client, content)
@@ -162,14 +114,14 @@ def test_image_and_audio_in_text_out_equals_transformers(client, server, hf):
     # The media went through the encode worker (its engine counted the request) ...
     assert _wait_encode_stat(server, "encoded_requests", before + 1) == before + 1
     # ... and the answer depends on it: another picture gives another reply.
-    other = _chat(client, [content[0], _image_part(_png(1)), *content[2:]])
+    other = _chat(client, [content[0], image_part(_png(1)), *content[2:]])
     assert other.choices[0].token_ids == hf(content, png=_png(1), pcm=pcm)
     assert other.choices[0].token_ids != expected
 
 
 def test_audio_only_and_text_only_match_and_repeats_hit_the_encoder_cache(client, server, hf):
     pcm = _tone(880.0, 0.7)
-    content = [_audio_part(_wav(pcm)), {"type": "text", "text": "Listen."}]
+    content = [audio_part(wav_bytes(pcm)), {"type": "text", "text": "Listen."}]
     before = _encode_stats(server).get("encoded_requests", 0)
     assert _chat(client, content).choices[0].token_ids == hf(content, pcm=pcm)
     served = _wait_encode_stat(server, "encoded_requests", before + 1)
@@ -200,7 +152,7 @@ def test_encode_worker_counters_are_exported_on_metrics(client, server):
     requests_before = _pool_metric(server, "omnirelay_encode_requests_total", "encode")
     hits_before = _pool_metric(server, "omnirelay_encoder_cache_hits_total", "encode")
     for _ in range(2):   # the same picture twice: the second is taken from the encoder cache
-        assert _chat(client, [_image_part(png), {"type": "text", "text": "Again?"}]).choices[0].token_ids
+        assert _chat(client, [image_part(png), {"type": "text", "text": "Again?"}]).choices[0].token_ids
     # Worker counters ride on heartbeats: poll (bounded) until one sent after the traffic arrived.
     deadline = time.monotonic() + 15
     while True:
@@ -227,7 +179,7 @@ BAD = base64.b64encode(b"not an image at all").decode()
     ({"type": "input_audio", "input_audio": {"data": BAD, "format": "mp3"}}, 400, "unsupported audio format"),
     ({"type": "input_audio", "input_audio": {"data": BAD, "format": "wav"}}, 400, "not a readable WAV"),
     ({"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(
-        _wav(_tone(300.0, 31.0))).decode()}}, 400, "at most 30 s"),
+        wav_bytes(_tone(300.0, 31.0))).decode()}}, 400, "at most 30 s"),
     ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, 400, "not under the allowed media directory"),
 ])
 def test_bad_media_gets_a_clear_error_and_the_next_request_succeeds(client, part, status, fragment):
@@ -237,7 +189,7 @@ def test_bad_media_gets_a_clear_error_and_the_next_request_succeeds(client, part
     error = caught.value.response.json()["error"]
     assert fragment in error["message"]
     assert error["param"] == "messages[0].content[1]"
-    assert len(_chat(client, [_image_part(_png(2)), {"type": "text", "text": "ok?"}]).choices[0].token_ids) == MAX_TOKENS
+    assert len(_chat(client, [image_part(_png(2)), {"type": "text", "text": "ok?"}]).choices[0].token_ids) == MAX_TOKENS
 
 
 def test_image_url_may_name_a_file_in_the_allowed_directory(client, media_dir, hf):
@@ -254,7 +206,7 @@ def test_image_url_may_name_a_file_in_the_allowed_directory(client, media_dir, h
 
 def test_too_many_media_items(client):
     with pytest.raises(openai.BadRequestError) as caught:
-        _chat(client, [_image_part(_png(3))] * 9)
+        _chat(client, [image_part(_png(3))] * 9)
     error = caught.value.response.json()["error"]
     assert "too many media items" in error["message"] and error["param"] == "messages[0].content[8]"
 
@@ -262,7 +214,7 @@ def test_too_many_media_items(client):
 def test_media_over_the_inline_limit_is_413(client):
     # 29 s clips: ~1.2 MB of base64 each in the body, 1.86 MB each as the float32 PCM that travels;
     # the fourth takes the request past the 6 MiB inline limit.
-    clip = _audio_part(_wav(_tone(500.0, 29.0)))
+    clip = audio_part(wav_bytes(_tone(500.0, 29.0)))
     with pytest.raises(openai.APIStatusError) as caught:
         _chat(client, [clip] * 4)
     error = caught.value.response.json()["error"]
@@ -286,7 +238,7 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
     from omnirelay.workers.llm.sampling import SamplingParams
 
     png, pcm = _png(5), _tone(660.0, 0.5)
-    media_content = [{"type": "text", "text": "See"}, _image_part(png), _audio_part(_wav(pcm)),
+    media_content = [{"type": "text", "text": "See"}, image_part(png), audio_part(wav_bytes(pcm)),
                      {"type": "text", "text": "and tell."}]
     text_content = [{"type": "text", "text": "Tell me a story about the river."}]
     tok = AutoTokenizer.from_pretrained(tiny_omni)

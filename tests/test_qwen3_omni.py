@@ -32,6 +32,7 @@ from omnirelay.deploy.qwen3_omni_builder import build_tiny_qwen3_omni
 from omnirelay.deploy.served_models import bundled_pipeline, model_kind
 
 from conftest import ServeProcess
+from media_support import audio_part, image_part, random_png, thinker_reference, wav_bytes
 
 MAX_TOKENS = 12
 MODEL = "tiny-qwen3-omni"
@@ -39,33 +40,12 @@ THINKER_PIPELINE = os.path.join(os.path.dirname(__file__), "..", "deploy", "pipe
 
 
 def _png(seed: int, size=(96, 64)) -> bytes:
-    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
+    return random_png(seed, size)
 
 
 def _tone(freq: float, seconds: float = 1.5) -> np.ndarray:
     t = np.arange(int(16000 * seconds)) / 16000.0
     return (np.sin(2 * np.pi * freq * t) * 0.3 * 32767).astype("<i2")
-
-
-def _wav(pcm: np.ndarray, rate: int = 16000) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as handle:
-        handle.setnchannels(1)
-        handle.setsampwidth(2)
-        handle.setframerate(rate)
-        handle.writeframes(pcm.tobytes())
-    return out.getvalue()
-
-
-def _image_part(png: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
-
-
-def _audio_part(wav: bytes) -> dict:
-    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
 
 
 @pytest.fixture(scope="module")
@@ -79,37 +59,11 @@ def tiny(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def hf(tiny):
     """transformers' greedy thinker on chat messages with an optional image and audio clip."""
-    from transformers import AutoTokenizer, Qwen3OmniMoeThinkerForConditionalGeneration, WhisperFeatureExtractor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-    torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
-    thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(tiny, dtype=torch.float32).eval()
-    images, features = Qwen2VLImageProcessorPil.from_pretrained(tiny), WhisperFeatureExtractor.from_pretrained(tiny)
-
-    def generate(content: list, png: bytes | None = None, pcm: np.ndarray | None = None) -> list[int]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
-        kwargs = {}
-        if png is not None:
-            image = images(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
-            n = int(image["image_grid_thw"][0].prod()) // images.merge_size ** 2
-            text = text.replace(tokenizer.image_token, tokenizer.image_token * n)
-            kwargs.update(pixel_values=image["pixel_values"], image_grid_thw=image["image_grid_thw"])
-        if pcm is not None:
-            audio = features([pcm.astype(np.float32) / 32768.0], sampling_rate=16000, return_attention_mask=True,
-                             padding="max_length", return_tensors="pt")
-            n = int(_get_feat_extract_output_lengths(audio["attention_mask"].sum(-1))[0])
-            text = text.replace(tokenizer.audio_token, tokenizer.audio_token * n)
-            kwargs.update(input_features=audio["input_features"], feature_attention_mask=audio["attention_mask"])
-        ids = tokenizer(text, return_tensors="pt")
-        with torch.no_grad():
-            out = thinker.generate(**ids, **kwargs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return out[0, ids["input_ids"].shape[1]:].tolist()
-
-    generate.tokenizer = tokenizer
-    return generate
+    return thinker_reference(tiny, Qwen3OmniMoeThinkerForConditionalGeneration, _get_feat_extract_output_lengths,
+                             MAX_TOKENS)
 
 
 def test_builder_writes_a_loadable_qwen3_omni_of_its_own_kind(tiny):
@@ -161,7 +115,7 @@ def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tin
     from omnirelay.workers.llm.sampling import SamplingParams
 
     png, pcm = _png(5), _tone(660.0, 0.5)
-    media_content = [{"type": "text", "text": "See"}, _image_part(png), _audio_part(_wav(pcm)),
+    media_content = [{"type": "text", "text": "See"}, image_part(png), audio_part(wav_bytes(pcm)),
                      {"type": "text", "text": "and tell."}]
     text = "Tell me a story about the river."
     tok = hf.tokenizer
@@ -238,12 +192,12 @@ def _chat(client, content, **kwargs):
 def test_image_in_text_out_equals_transformers(thinker_client, hf):
     """Image tokens, DeepStack and interleaved M-RoPE through encode → prefill → decode."""
     png = _png(0)
-    content = [{"type": "text", "text": "Look:"}, _image_part(png), {"type": "text", "text": "what is it?"}]
+    content = [{"type": "text", "text": "Look:"}, image_part(png), {"type": "text", "text": "what is it?"}]
     reply = _chat(thinker_client, content)
     expected = hf(content, png=png)
     assert len(set(expected)) > 3, "the reference itself is degenerate"
     assert reply.choices[0].token_ids == expected
-    other = _chat(thinker_client, [content[0], _image_part(_png(1)), content[2]])
+    other = _chat(thinker_client, [content[0], image_part(_png(1)), content[2]])
     assert other.choices[0].token_ids == hf(content, png=_png(1))
     assert other.choices[0].token_ids != expected   # the answer depends on the picture
 
@@ -251,9 +205,9 @@ def test_image_in_text_out_equals_transformers(thinker_client, hf):
 @pytest.mark.slow
 def test_audio_and_text_in_text_out_equal_transformers(thinker_client, hf):
     pcm = _tone(440.0)
-    content = [_audio_part(_wav(pcm)), {"type": "text", "text": "Listen."}]
+    content = [audio_part(wav_bytes(pcm)), {"type": "text", "text": "Listen."}]
     assert _chat(thinker_client, content).choices[0].token_ids == hf(content, pcm=pcm)
-    both = [{"type": "text", "text": "Look:"}, _image_part(_png(2)), _audio_part(_wav(pcm)),
+    both = [{"type": "text", "text": "Look:"}, image_part(_png(2)), audio_part(wav_bytes(pcm)),
             {"type": "text", "text": "and hear?"}]
     assert _chat(thinker_client, both).choices[0].token_ids == hf(both, png=_png(2), pcm=pcm)
     text = [{"type": "text", "text": "What is the weather like today?"}]
@@ -370,7 +324,7 @@ def test_chat_with_an_image_in_and_audio_out_matches_transformers(speech_client,
     """encode → prefill → decode → generate: the talker reads the thinker's layer states at the
     image tokens (prefill's capture) and follows the image's M-RoPE grid, as in transformers."""
     png = _png(3)
-    content = [{"type": "text", "text": "Look:"}, _image_part(png), {"type": "text", "text": "say something."}]
+    content = [{"type": "text", "text": "Look:"}, image_part(png), {"type": "text", "text": "say something."}]
     reply, expected = _reference_speech(full_model, hf.tokenizer, content, png=png)
     response = speech_client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], modalities=["text", "audio"],
