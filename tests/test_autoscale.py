@@ -1,6 +1,7 @@
 """The autoscaler against a real cluster: load rises and it adds a decode worker, load falls and it
 drains one, and no request fails on the way. Real broker, gateway and worker processes; the
 autoscaler reads the gateway's /cluster and /metrics and starts/drains workers as local processes.
+The same through ``omni-serve --autoscale`` (the autoscaler on omni-serve's own thread).
 
 Also, without processes: the policy's hysteresis, cool-downs and bounds, the latency window over
 Prometheus histograms, and the exact command lines of the systemd actuator."""

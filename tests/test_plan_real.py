@@ -16,7 +16,19 @@ rate is then chosen from the measurements: above what one prefill worker complet
 cannot keep up and its queue grows for the whole run), and below what two complete at the planner's
 ``max_utilisation``. Each worker runs one torch thread (``OMP_NUM_THREADS=1``), as a CPU deployment
 gives each worker its share of the cores: with torch's default (a thread per core in every worker)
-two workers oversubscribe the cores and a second one adds little."""
+two workers oversubscribe the cores and a second one adds little.
+
+What this host can and cannot show (2026-12-05, 2 cores shared with other sessions' tests, load
+average 5-15): the curve itself moves with the host's other load. A prefill worker at capacity 1
+is held by round trips (gateway → broker → worker → decode), not only by its own CPU (0.39 of a
+core at 20 requests/s), so under other load a second worker overlaps those waits (1.5-1.75× one
+worker), while in a quieter minute one worker reached 27/s and a second added 1 % — then the
+test fails at its first check (a second worker must add > 10 % at max_utilisation) rather than
+plan a fleet the host cannot tell apart. The profile's bursts are the workload's own requests
+(prompt and output length): one-token bursts left the decode steps' share of the cores out and
+measured 24.6 → 38.1/s, and the fleet planned from them missed (2.8 s against a 1.07 s SLO).
+Runs with the workload's bursts: curve 12.5 → 19.7/s, rate 13.97/s, planned 2P+1D TTFT p90 695 ms
+(100 % within the 1,050 ms SLO), one fewer 1 % within (181 of 421 shed as overloaded)."""
 
 from __future__ import annotations
 
@@ -99,21 +111,23 @@ def test_planned_fleet_meets_its_slo_and_one_fewer_does_not(tiny_model, tmp_path
         cluster.start_worker("decode", "--capacity", "8")
         cluster.start_gateway()
         cluster.wait_healthy()
-        profile = asyncio.run(measure(cluster.url, "tiny-llm", INPUT_WORDS, OUTPUT_LEN, samples=8, burst=16))
+        profile = asyncio.run(measure(cluster.url, "tiny-llm", INPUT_WORDS, OUTPUT_LEN, samples=8, burst=48))
         prefill.append(cluster.start_worker("prefill", "--capacity", "1"))
         cluster.wait_for_workers(3, timeout=120)
-        workers, two = asyncio.run(measure_prefill_throughput(cluster.url, "tiny-llm", INPUT_WORDS, burst=24))
+        workers, two = asyncio.run(measure_prefill_throughput(cluster.url, "tiny-llm", INPUT_WORDS, OUTPUT_LEN,
+                                                                     burst=64))
         assert workers == 2
         curve = {**profile.prefill_rps_by_workers, 2: two}
         profile = dataclasses.replace(profile, prefill_rps_by_workers=curve)
         one, umax = curve[1], Slo.max_utilisation
         print(f"\nprefill throughput on this host: {curve}")
         assert umax * two > 1.1 * one, f"a second prefill worker adds too little on this host: {curve}"
-        # More than one worker completes, less than two at max_utilisation: 40 % of the way from one to the
+        # More than one worker completes, less than two at max_utilisation: 35 % of the way from one to the
         # other leaves the planned fleet room for the host's noise, and one fewer a queue that grows
-        # by > 10 % of a worker's throughput every second of the run.
-        rate = one + 0.4 * (umax * two - one)
-        slo = Slo(ttft_p90_s=10.0 * profile.prefill_s, itl_p90_s=10.0 * (profile.itl_base_s + profile.itl_per_seq_s * 8))
+        # by ~10 % of a worker's throughput every second of the run.
+        rate = one + 0.35 * (umax * two - one)
+        slo = Slo(ttft_p90_s=12.0 * profile.prefill_s,
+                  itl_p90_s=10.0 * (profile.itl_base_s + profile.itl_per_seq_s * 8))
         fleet = plan(profile, Workload(rate=rate, input_len=INPUT_WORDS, output_len=OUTPUT_LEN), slo)
         print(f"profile {profile}\nrate {rate:.2f}/s, SLO TTFT p90 {slo.ttft_p90_s * 1e3:.0f} ms, ITL p90 "
               f"{slo.itl_p90_s * 1e3:.0f} ms\n{fleet.table()}")

@@ -4,8 +4,10 @@ Short runs through the official ``openai`` client (streamed chat completions, gr
 so every request produces ``--output-len`` tokens), with the fleet's size read from ``/cluster``:
 
 1. prefill latency: the median time to first token of ``--samples`` requests sent one at a time;
-2. prefill throughput: a burst of ``--burst`` one-token requests at a concurrency of twice the
-   prefill fleet's capacity; completions per second are recorded for the fleet's prefill count in
+2. prefill throughput: a burst of ``--burst`` requests of the workload (``--output-len`` tokens:
+   on a host whose cores the workers share, decode steps take cores prefill would otherwise have;
+   one-token requests measured 38/s where the workload's own got < 27/s) at a concurrency of
+   twice the prefill fleet's capacity; completions per second are recorded for the fleet's prefill count in
    ``prefill_rps_by_workers`` and, divided by it, give ``prefill_rps``. Workers sharing a host's
    cores do not add up (see :mod:`.planner`): run the profile against 1, 2, … prefill workers with
    ``--merge`` to give the planner the host's measured curve;
@@ -73,14 +75,14 @@ def _prompt(input_len: int) -> str:
     return " ".join(["word"] * max(1, input_len - 8))
 
 
-async def _prefill_burst(client, model: str, prompt: str, burst: int, prefill: list[dict]) -> float:
+async def _prefill_burst(client, model: str, prompt: str, output_len: int, burst: int, prefill: list[dict]) -> float:
     """Completions per second of the whole prefill fleet, kept busy (twice its capacity in flight)."""
     start = time.perf_counter()
-    await _concurrent(client, model, prompt, 1, burst, 2 * sum(w["capacity"] for w in prefill))
+    await _concurrent(client, model, prompt, output_len, burst, 2 * sum(w["capacity"] for w in prefill))
     return burst / (time.perf_counter() - start)
 
 
-async def measure_prefill_throughput(url: str, model: str, input_len: int, burst: int,
+async def measure_prefill_throughput(url: str, model: str, input_len: int, output_len: int, burst: int,
                                      api_key: str | None = None) -> tuple[int, float]:
     """(prefill workers, requests per second they complete together): one point of the host's curve."""
     prefill, _ = _fleet(url, model, api_key)
@@ -88,7 +90,7 @@ async def measure_prefill_throughput(url: str, model: str, input_len: int, burst
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0,
                                   timeout=300) as client:
         await _concurrent(client, model, prompt, 1, 2 * len(prefill), len(prefill))   # warm-up, every worker
-        return len(prefill), await _prefill_burst(client, model, prompt, burst, prefill)
+        return len(prefill), await _prefill_burst(client, model, prompt, output_len, burst, prefill)
 
 
 async def measure(url: str, model: str, input_len: int, output_len: int, samples: int, burst: int,
@@ -100,7 +102,7 @@ async def measure(url: str, model: str, input_len: int, output_len: int, samples
                                   timeout=300) as client:
         await _concurrent(client, model, prompt, 4, 2, 1)     # warm-up: compile paths, caches
         ttfts = [ttft for ttft, _ in await _concurrent(client, model, prompt, 2, samples, 1)]
-        fleet_rps = await _prefill_burst(client, model, prompt, burst, prefill)
+        fleet_rps = await _prefill_burst(client, model, prompt, output_len, burst, prefill)
         prefill_rps = fleet_rps / len(prefill)
         itl = {}
         for per_worker in sorted({1, capacity}):
@@ -131,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         with open(args.merge) as handle:
             profile = Profile.from_json(json.load(handle))
-        workers, rps = asyncio.run(measure_prefill_throughput(args.gateway, args.model, args.input_len, args.burst,
-                                                              args.api_key))
+        workers, rps = asyncio.run(measure_prefill_throughput(args.gateway, args.model, args.input_len,
+                                                              args.output_len, args.burst, args.api_key))
         profile = dataclasses.replace(profile, prefill_rps_by_workers={**profile.prefill_rps_by_workers,
                                                                        workers: rps})
     else:
