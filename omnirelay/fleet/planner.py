@@ -20,7 +20,8 @@ least-loaded worker with credit, so a role is one multi-server queue):
   them: linear between measured counts, and flat beyond the largest (the cores are spent: more
   workers only split them; it does not assume throughput it has not seen). Each of p workers then
   serves at μ_p = throughput(p)/p and a prefill takes ``prefill_s``·``prefill_rps``/μ_p (slowed by
-  the sharing) — so past the host's saturation adding workers only lengthens TTFT.
+  the sharing) — so past the host's saturation adding workers only lengthens TTFT. (Decode is
+  sized from its own profile alone: measure it with the decode fleet you plan on a shared host.)
 * **TTFT p90** ≈ prefill wait p90 + prefill latency, plus the encode wait p90 + encode latency when at
   least ``media_share`` > 0 (the first token comes from prefill, after the encode of the prompt's media).
 * **decode**: a worker's ITL grows with its batch: itl(B) = ``itl_base_s`` + ``itl_per_seq_s``·B (the
