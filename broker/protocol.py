@@ -256,6 +256,8 @@ def _decode_legacy(cls: type[Message], fields: tuple[str, ...], body: bytes) -> 
         return msgspec.convert(raw, cls, strict=True)
     except msgspec.ValidationError as exc:   # a legacy map, malformed: say what is wrong with it
         raise ProtocolError(_explain(cls, str(exc))) from None
+    except Exception:   # anything stranger: the typed decoder's error stands
+        return None
 
 
 # --------------------------------------------------------------------------------------------
