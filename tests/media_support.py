@@ -57,6 +57,28 @@ def pipeline_cluster(model: str, log_dir: str, model_name: str, pipeline: str, r
         cluster.stop()
 
 
+def openai_client(cluster, timeout: float):
+    """The official client on ``cluster``'s gateway; no retries, so a test sees every failure."""
+    import openai
+
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def run_image_engine(engine, *tasks, max_steps: int):
+    """Add ``tasks`` and step the image engine dry: (images, failures); it must hold nothing after."""
+    for task in tasks:
+        engine.add(task)
+    images, failed = [], []
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        out = engine.step()
+        images += out.images
+        failed += out.failed
+    assert not engine.has_work and not engine.num_requests
+    return images, failed
+
+
 def kill_busiest_worker(cluster: Cluster, killed: dict, role: str | None = None) -> None:
     """kill -9 the worker (of ``role``, if given) holding the most work by its last heartbeat (they
     lag by up to a second; under load every worker holds some); record that work under
@@ -80,11 +102,23 @@ def assert_the_kill_was_recovered(cluster: Cluster, killed: dict, retries_before
     assert retried + resubmitted >= 1, "the kill hit no request in flight"
 
 
-def wait_for_video(client, video_id: str, timeout: float, poll_s: float = 0.1):
-    """The video job once it has ended (completed, failed or cancelled); fails the test after ``timeout``."""
+VIDEO_EXTRA_FIELDS = ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "fps", "num_frames")
+
+
+def create_video(client, model: str, prompt: str, **kwargs):
+    """``POST /v1/videos`` through the client; our fields beyond OpenAI's go in the extra body."""
+    extra = {k: kwargs.pop(k) for k in VIDEO_EXTRA_FIELDS if k in kwargs}
+    return client.videos.create(model=model, prompt=prompt, extra_body=extra, **kwargs)
+
+
+def wait_for_video(client, video_id: str, timeout: float, poll_s: float = 0.1, seen: set | None = None):
+    """The video job once it has ended (completed, failed or cancelled); fails the test after ``timeout``.
+    Every (status, progress) polled on the way is added to ``seen``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         video = client.videos.retrieve(video_id)
+        if seen is not None:
+            seen.add((video.status, video.progress))
         if video.status in ("completed", "failed", "cancelled"):
             return video
         time.sleep(poll_s)

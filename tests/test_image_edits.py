@@ -24,7 +24,7 @@ from omnirelay.gateway.routes.images import ImageModel
 from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, encode_png
 
-from cluster import Cluster
+from media_support import openai_client, pipeline_cluster, tiny_model_dir
 
 MODEL = "tiny-sd"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
@@ -33,7 +33,7 @@ PROMPT = "a blue bird on a branch"
 
 @pytest.fixture(scope="module")
 def tiny_sd(tmp_path_factory) -> str:
-    return str(build_tiny_text_to_image(tmp_path_factory.mktemp("models") / MODEL, seed=0))
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_image)
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +130,9 @@ def test_prepare_edit_checks_the_uploads(tiny_sd):
 
 @pytest.fixture(scope="module")
 def client(tiny_sd, tmp_path_factory):
-    cluster = Cluster(model=tiny_sd, log_dir=str(tmp_path_factory.mktemp("edits-cluster")), model_name=MODEL)
-    try:
-        cluster.start_broker()
-        cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML)
-        cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
-        cluster.wait_healthy()
-        yield openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120), cluster
-    finally:
-        cluster.stop()
+    with pipeline_cluster(tiny_sd, str(tmp_path_factory.mktemp("edits-cluster")), MODEL, PIPELINE_YAML,
+                          ("generate",)) as cluster:
+        yield openai_client(cluster, timeout=120), cluster
 
 
 def test_edits_through_the_openai_client(client):

@@ -25,7 +25,7 @@ from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
 from omnirelay.workers.generate.image_role import GenerateImageRole
 
-from cluster import Cluster
+from media_support import openai_client, pipeline_cluster, run_image_engine, tiny_model_dir
 
 MODEL = "tiny-sd"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
@@ -34,9 +34,7 @@ PROMPT = "a red fox sitting in the snow at dawn"
 
 @pytest.fixture(scope="module")
 def tiny_sd(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("models") / MODEL
-    build_tiny_text_to_image(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_image)
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +45,7 @@ def pipe(tiny_sd):
 
 
 def _run(engine: GenerateImageEngine, *tasks: ImageTask, max_steps: int = 500):
-    for task in tasks:
-        engine.add(task)
-    images, failed = [], []
-    for _ in range(max_steps):
-        if not engine.has_work:
-            break
-        out = engine.step()
-        images += out.images
-        failed += out.failed
-    assert not engine.has_work and not engine.num_requests
-    return images, failed
+    return run_image_engine(engine, *tasks, max_steps=max_steps)
 
 
 def _task(request_id: str, deadline: float | None = None, **params) -> ImageTask:
@@ -208,20 +196,14 @@ def test_role_adapter_reports_media_then_done_and_refuses_bad_tasks(pipe):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_sd, tmp_path_factory):
-    cluster = Cluster(model=tiny_sd, log_dir=str(tmp_path_factory.mktemp("images-cluster")), model_name=MODEL)
-    try:
-        cluster.start_broker()
-        cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML)
-        cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
-        cluster.wait_healthy()
+    with pipeline_cluster(tiny_sd, str(tmp_path_factory.mktemp("images-cluster")), MODEL, PIPELINE_YAML,
+                          ("generate",)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(cluster, timeout=120)
 
 
 def _generate(client, **kwargs) -> list[bytes]:

@@ -28,7 +28,7 @@ from omnirelay.video_params import MAX_CHUNK_CHARS, PROGRESS_MIME, VideoParams
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, encode_video, video_encoder
 from omnirelay.workers.generate.video_role import GenerateVideoRole
 
-from cluster import Cluster
+from media_support import create_video, openai_client, pipeline_cluster, tiny_model_dir, wait_for_video
 
 MODEL = "tiny-video"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_video.yaml")
@@ -39,9 +39,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"
 
 @pytest.fixture(scope="module")
 def tiny_video(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("models") / MODEL
-    build_tiny_text_to_video(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_video)
 
 
 @pytest.fixture(scope="module")
@@ -302,39 +300,22 @@ def test_parse_video_request_takes_json_and_form_fields():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_video, tmp_path_factory):
-    cluster = Cluster(model=tiny_video, log_dir=str(tmp_path_factory.mktemp("videos-cluster")), model_name=MODEL)
-    try:
-        cluster.start_broker()
-        cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML)
-        cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
-        cluster.wait_healthy()
+    with pipeline_cluster(tiny_video, str(tmp_path_factory.mktemp("videos-cluster")), MODEL, PIPELINE_YAML,
+                          ("generate",)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(cluster, timeout=120)
 
 
-def _create(client, **kwargs):
-    extra = {k: kwargs.pop(k) for k in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "fps",
-                                        "num_frames") if k in kwargs}
-    return client.videos.create(model=kwargs.pop("model", MODEL), prompt=kwargs.pop("prompt", PROMPT),
-                                extra_body=extra, **kwargs)
+def _create(client, model: str = MODEL, prompt: str = PROMPT, **kwargs):
+    return create_video(client, model, prompt, **kwargs)
 
 
 def _wait(client, video_id: str, timeout: float = 60.0, seen: set | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        video = client.videos.retrieve(video_id)
-        if seen is not None:
-            seen.add((video.status, video.progress))
-        if video.status in ("completed", "failed", "cancelled"):
-            return video
-        time.sleep(0.05)
-    pytest.fail(f"video {video_id} did not finish: {video}")
+    return wait_for_video(client, video_id, timeout, poll_s=0.05, seen=seen)
 
 
 def test_video_job_lifecycle_through_the_openai_client(client):

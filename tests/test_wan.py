@@ -22,7 +22,7 @@ from omnirelay.video_params import VideoParams, is_video_pipeline
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner, to_uint8
 from omnirelay.workers.generate.wan import StepwiseWanRunner
 
-from media_support import pipeline_cluster, tiny_model_dir, wait_for_video
+from media_support import create_video, openai_client, pipeline_cluster, tiny_model_dir, wait_for_video
 from test_videos import decode_frames
 
 MODEL = "tiny-wan"
@@ -114,13 +114,11 @@ def cluster(tiny_wan, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(cluster, timeout=120)
 
 
-def _create(client, **kwargs):
-    extra = {k: kwargs.pop(k) for k in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "fps",
-                                        "num_frames") if k in kwargs}
-    return client.videos.create(model=MODEL, prompt=kwargs.pop("prompt", PROMPT), extra_body=extra, **kwargs)
+def _create(client, prompt: str = PROMPT, **kwargs):
+    return create_video(client, MODEL, prompt, **kwargs)
 
 
 def _wait(client, video_id: str):

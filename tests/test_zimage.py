@@ -23,7 +23,7 @@ from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
 
-from media_support import batched_pipeline, pipeline_cluster, tiny_model_dir
+from media_support import batched_pipeline, openai_client, pipeline_cluster, run_image_engine, tiny_model_dir
 
 MODEL = "tiny-zimage"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
@@ -43,17 +43,7 @@ def pipe(tiny_zimage):
 
 
 def _run(engine: GenerateImageEngine, *tasks: ImageTask, max_steps: int = 100):
-    for task in tasks:
-        engine.add(task)
-    images, failed = [], []
-    for _ in range(max_steps):
-        if not engine.has_work:
-            break
-        out = engine.step()
-        images += out.images
-        failed += out.failed
-    assert not engine.has_work and not engine.num_requests
-    return images, failed
+    return run_image_engine(engine, *tasks, max_steps=max_steps)
 
 
 def _task(request_id: str, prompt: str = PROMPT, **params) -> ImageTask:
@@ -130,7 +120,7 @@ def cluster(tiny_zimage, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(cluster, timeout=120)
 
 
 def _generate(client, **kwargs) -> list[bytes]:
