@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cluster import Cluster, assert_contract, classify, run_load
+from cluster import assert_contract, classify, run_load
+from media_support import kill_busiest_worker, pipeline_cluster, tiny_model_dir
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.omni_builder import build_tiny_omni
 
@@ -45,28 +46,21 @@ def _image(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_omni(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("models") / MODEL
-    build_tiny_omni(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_omni)
 
 
 @pytest.fixture
 def cluster(tiny_omni, tmp_path):
-    cluster = Cluster(model=tiny_omni, log_dir=str(tmp_path), model_name=MODEL)
-    cluster.killed = set()
+    killed: set[int] = set()
     try:
-        cluster.start_broker()
-        for role in ("encode", "encode", "prefill", "decode"):
-            cluster.start_worker(role, "--stage-configs-path", PIPELINE)
-        cluster.start_gateway("--stage-configs-path", PIPELINE)
-        cluster.wait_healthy()
-        cluster.wait_for_workers(4)
-        yield cluster
+        with pipeline_cluster(tiny_omni, str(tmp_path), MODEL, PIPELINE,
+                              ("encode", "encode", "prefill", "decode")) as cluster:
+            cluster.killed = killed
+            yield cluster
     finally:
-        cluster.stop()
         # What the worker killed on purpose left in /dev/shm (a connector starting later would sweep
         # it; none does here). Only that PID's: a clean exit must still leave nothing by itself.
-        sweep_orphans(owners=cluster.killed)
+        sweep_orphans(owners=killed)
 
 
 async def _chat(client, i: int) -> list[int]:
@@ -86,12 +80,8 @@ def test_kill9_encode_worker_under_load(cluster):
     killed: dict = {}
 
     def kill_a_busy_encode_worker() -> None:
-        encoders = [w for w in cluster.workers() if w["role"] == "encode"]
-        victim = max(encoders, key=lambda w: w["running"] + w["waiting"])
-        killed["busy"] = victim["running"] + victim["waiting"]
-        killed["proc"] = next(proc for proc in cluster.procs if proc.pid == victim["pid"])
-        cluster.killed.add(victim["pid"])
-        killed["proc"].kill9()
+        kill_busiest_worker(cluster, killed, role="encode")
+        cluster.killed.add(killed["proc"].pid)
 
     results = _load(cluster.url, fault=kill_a_busy_encode_worker)
     logs = cluster.logs()

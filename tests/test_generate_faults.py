@@ -18,7 +18,8 @@ import pathlib
 
 import pytest
 
-from cluster import Cluster, assert_contract, classify, run_load
+from cluster import assert_contract, classify, run_load
+from media_support import assert_the_kill_was_recovered, kill_busiest_worker, pipeline_cluster, tiny_model_dir
 from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
 
 MODEL = "tiny-sd"
@@ -33,24 +34,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny_sd(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("models") / MODEL
-    build_tiny_text_to_image(path, seed=0)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_image)
 
 
 @pytest.fixture
 def cluster(tiny_sd, tmp_path):
-    cluster = Cluster(model=tiny_sd, log_dir=str(tmp_path), model_name=MODEL)
-    try:
-        cluster.start_broker()
-        for _ in range(2):
-            cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML)
-        cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
-        cluster.wait_healthy()
-        cluster.wait_for_workers(2)
+    with pipeline_cluster(tiny_sd, str(tmp_path), MODEL, PIPELINE_YAML, ("generate", "generate")) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 async def _image(client, i: int) -> str:
@@ -72,26 +62,11 @@ def test_kill9_generate_worker_under_load(cluster):
     retries_before = cluster.broker_counters().get("stage_retries", 0)
     killed: dict = {}
 
-    def kill_a_busy_generate_worker() -> None:
-        # The one that holds work now (heartbeats lag by up to a second; under this load both do).
-        workers = sorted(cluster.workers(), key=lambda w: -(w["running"] + w["waiting"]))
-        victim = next(proc for proc in cluster.procs if proc.pid == workers[0]["pid"])
-        killed["busy"] = workers[0]["running"] + workers[0]["waiting"]
-        victim.kill9()
-        killed["proc"] = victim
-
-    results = _load(cluster.url, fault=kill_a_busy_generate_worker)
+    results = _load(cluster.url, fault=lambda: kill_busiest_worker(cluster, killed))
     counts = classify(results, baseline)
     print(f"\nkill -9 generate: {counts} (victim held {killed.get('busy')} task(s) by its last heartbeat)")
     assert_contract(counts, results)
-    assert not killed["proc"].alive()
-    # The broker noticed the death itself and started the dead worker's stage again elsewhere.
-    logs = cluster.logs()
-    assert "missed heartbeats; dropping it" in logs
-    retried = cluster.broker_counters().get("stage_retries", 0) - retries_before
-    resubmitted = logs.count("resubmitting")
-    print(f"kill -9 generate: {retried} stage(s) re-dispatched by the broker, {resubmitted} resubmitted by the gateway")
-    assert retried + resubmitted >= 1, "the kill hit no request in flight"
+    assert_the_kill_was_recovered(cluster, killed, retries_before, "generate")
     # The survivor keeps serving.
     assert [w["role"] for w in cluster.workers()] == ["generate"]
     assert _load(cluster.url, n=1) == [("completed", baseline[0])]

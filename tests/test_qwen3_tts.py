@@ -29,7 +29,8 @@ import openai
 import pytest
 import requests
 
-from cluster import Cluster, assert_contract, classify, run_load
+from cluster import assert_contract, classify, run_load
+from media_support import assert_the_kill_was_recovered, kill_busiest_worker, pipeline_cluster, tiny_model_dir
 from omnirelay.workers.speech.qwen3_tts_package import PACKAGE_HINT, ONLY_25HZ_MODULES, load_classes
 
 # find_spec, not an import: collecting this module must stay cheap when the slow tier is not run.
@@ -47,23 +48,14 @@ TEXT = "Hello there, world."
 @pytest.fixture(scope="module")
 def tiny_tts(tmp_path_factory) -> str:
     from omnirelay.deploy.qwen3_tts_builder import build_tiny_qwen3_tts
-    return str(build_tiny_qwen3_tts(tmp_path_factory.mktemp("models") / MODEL, seed=0))
+    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_qwen3_tts)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_tts, tmp_path_factory):
-    stages = ["--stage-configs-path", PIPELINE]
-    c = Cluster(tiny_tts, str(tmp_path_factory.mktemp("qwen3-tts-logs")), model_name=MODEL)
-    try:
-        c.start_broker()
-        for _ in range(2):
-            c.start_worker("generate", *stages)
-        c.start_gateway(*stages)
-        c.wait_healthy(timeout=300)
-        c.wait_for_workers(2, timeout=300)
-        yield c
-    finally:
-        c.stop()
+    with pipeline_cluster(tiny_tts, str(tmp_path_factory.mktemp("qwen3-tts-logs")), MODEL, PIPELINE,
+                          ("generate", "generate"), start_timeout=300) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -177,23 +169,11 @@ def test_generate_worker_killed_mid_job(cluster):
     retries_before = cluster.broker_counters().get("stage_retries", 0)
     killed = {}
 
-    def kill_the_busy_worker() -> None:
-        workers = sorted(cluster.workers(), key=lambda w: -(w["running"] + w["waiting"]))
-        victim = next(proc for proc in cluster.procs if proc.pid == workers[0]["pid"])
-        killed["busy"] = workers[0]["running"] + workers[0]["waiting"]
-        victim.kill9()
-        killed["proc"] = victim
-
-    results = asyncio.run(run_load(cluster.url, _speech, n, concurrency=2, timeout_s=240, fault=kill_the_busy_worker,
-                                   after=1))
+    results = asyncio.run(run_load(cluster.url, _speech, n, concurrency=2, timeout_s=240,
+                                   fault=lambda: kill_busiest_worker(cluster, killed), after=1))
     counts = classify(results, baseline)
     print(f"\nkill -9 Qwen3-TTS generate: {counts} (victim held {killed.get('busy')} by its last heartbeat)")
     assert_contract(counts, results)
-    assert not killed["proc"].alive()
-    logs = cluster.logs()
-    assert "missed heartbeats; dropping it" in logs
-    retried = cluster.broker_counters().get("stage_retries", 0) - retries_before
-    print(f"kill -9 Qwen3-TTS generate: {retried} stage(s) re-dispatched, {logs.count('resubmitting')} resubmitted")
-    assert retried + logs.count("resubmitting") >= 1, "the kill hit no request in flight"
+    assert_the_kill_was_recovered(cluster, killed, retries_before, "Qwen3-TTS generate")
     survivor = asyncio.run(run_load(cluster.url, _speech, 1, concurrency=1, timeout_s=240))
     assert survivor == [("completed", baseline[0])]

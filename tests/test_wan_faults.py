@@ -15,8 +15,8 @@ import time
 import openai
 import pytest
 
-from cluster import Cluster
 from omnirelay.deploy.wan_builder import build_tiny_wan
+from media_support import pipeline_cluster, tiny_model_dir, wait_for_video
 from test_videos import decode_frames
 
 pytestmark = pytest.mark.slow
@@ -28,29 +28,10 @@ JOB = dict(size="64x48", extra_body={"seed": 11, "num_frames": 9, "num_inference
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    model = tmp_path_factory.mktemp("models") / MODEL
-    build_tiny_wan(model, seed=0)
-    cluster = Cluster(model=str(model), log_dir=str(tmp_path_factory.mktemp("wan-faults")), model_name=MODEL)
-    try:
-        cluster.start_broker()
-        for _ in range(2):
-            cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML)
-        cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
-        cluster.wait_healthy()
-        cluster.wait_for_workers(2)
+    model = tiny_model_dir(tmp_path_factory, MODEL, build_tiny_wan)
+    with pipeline_cluster(model, str(tmp_path_factory.mktemp("wan-faults")), MODEL, PIPELINE_YAML,
+                          ("generate", "generate")) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-
-
-def _finish(client, video_id: str, timeout: float = 240.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        video = client.videos.retrieve(video_id)
-        if video.status in ("completed", "failed", "cancelled"):
-            return video
-        time.sleep(0.2)
-    pytest.fail(f"video {video_id} is stuck: {video}")
 
 
 def test_kill9_of_the_worker_denoising_a_wan_job(cluster):
@@ -68,7 +49,7 @@ def test_kill9_of_the_worker_denoising_a_wan_job(cluster):
         pytest.fail(f"the job never ran: {state}")
     victim = next(proc for proc in cluster.procs if proc.pid == busy[0]["pid"])
     victim.kill9()
-    done = _finish(client, video.id)
+    done = wait_for_video(client, video.id, timeout=240.0)
     print(f"\nkill -9 of the worker denoising a Wan job: the job ended {done.status}")
     if done.status == "failed":      # allowed: a structured error, never a job left in_progress
         assert done.error.code and done.error.message
@@ -79,6 +60,7 @@ def test_kill9_of_the_worker_denoising_a_wan_job(cluster):
     frames, _ = decode_frames(content, data.response.headers["content-type"])
     assert len(frames) == 9 and frames[0].shape == (48, 64, 3)
     # the survivor makes the same bytes for the same request: the re-run is the video asked for
-    again = _finish(client, client.videos.create(model=MODEL, prompt="a lighthouse in a storm", **JOB).id)
+    again = wait_for_video(client, client.videos.create(model=MODEL, prompt="a lighthouse in a storm", **JOB).id,
+                           timeout=240.0)
     assert again.status == "completed" and client.videos.download_content(again.id).read() == content
     assert "missed heartbeats; dropping it" in cluster.logs() or "resubmitting" in cluster.logs()
