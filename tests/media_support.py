@@ -64,19 +64,24 @@ def openai_client(cluster, timeout: float):
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
 
 
-def run_image_engine(engine, *tasks, max_steps: int):
-    """Add ``tasks`` and step the image engine dry: (images, failures); it must hold nothing after."""
+def run_engine(engine, *tasks, max_steps: int) -> list:
+    """Add ``tasks`` and step the generate engine (image or video) until it has no work: every step's
+    output, in order. The engine must hold nothing after."""
     for task in tasks:
         engine.add(task)
-    images, failed = [], []
+    outputs = []
     for _ in range(max_steps):
         if not engine.has_work:
             break
-        out = engine.step()
-        images += out.images
-        failed += out.failed
+        outputs.append(engine.step())
     assert not engine.has_work and not engine.num_requests
-    return images, failed
+    return outputs
+
+
+def run_image_engine(engine, *tasks, max_steps: int):
+    """:func:`run_engine` on an image engine: (every image made, every failure)."""
+    outputs = run_engine(engine, *tasks, max_steps=max_steps)
+    return [image for out in outputs for image in out.images], [failure for out in outputs for failure in out.failed]
 
 
 def kill_busiest_worker(cluster: Cluster, killed: dict, role: str | None = None) -> None:

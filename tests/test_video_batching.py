@@ -23,7 +23,7 @@ from omnirelay.video_params import VideoParams
 from omnirelay.workers.generate.image import load_pipeline
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner
 
-from media_support import batched_pipeline, pipeline_cluster, tiny_model_dir, wait_for_video
+from media_support import batched_pipeline, pipeline_cluster, run_engine, tiny_model_dir, wait_for_video
 from test_videos import decode_frames
 
 PIPELINE_YAML = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_video.yaml"
@@ -46,17 +46,11 @@ def tiny_wan(tmp_path_factory) -> str:
 
 def _run(engine: GenerateVideoEngine, *tasks: VideoTask, max_steps: int = 200):
     """Step the engine dry: ({request id: frames}, {request id: fps}, failures)."""
-    for task in tasks:
-        engine.add(task)
     frames, fps, failed = {}, {}, []
-    for _ in range(max_steps):
-        if not engine.has_work:
-            break
-        out = engine.step()
+    for out in run_engine(engine, *tasks, max_steps=max_steps):
         failed += out.failed
         for video in out.videos:
             frames[video.request_id], fps[video.request_id] = decode_frames(video.data, video.mime)
-    assert not engine.has_work and not engine.num_requests
     return frames, fps, failed
 
 

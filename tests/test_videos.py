@@ -28,7 +28,7 @@ from omnirelay.video_params import MAX_CHUNK_CHARS, PROGRESS_MIME, VideoParams
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, encode_video, video_encoder
 from omnirelay.workers.generate.video_role import GenerateVideoRole
 
-from media_support import create_video, openai_client, pipeline_cluster, tiny_model_dir, wait_for_video
+from media_support import create_video, openai_client, pipeline_cluster, run_engine, tiny_model_dir, wait_for_video
 
 MODEL = "tiny-video"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_video.yaml")
@@ -55,18 +55,11 @@ def _params(**kwargs) -> VideoParams:
 
 
 def _run(engine: GenerateVideoEngine, *tasks: VideoTask, max_steps: int = 500):
-    for task in tasks:
-        engine.add(task)
-    videos, progress, failed = [], [], []
-    for _ in range(max_steps):
-        if not engine.has_work:
-            break
-        out = engine.step()
-        videos += out.videos
-        progress += out.progress
-        failed += out.failed
-    assert not engine.has_work and not engine.num_requests
-    return videos, progress, failed
+    """(videos, progress reports, failures) of stepping the engine dry."""
+    outputs = run_engine(engine, *tasks, max_steps=max_steps)
+    videos = [video for out in outputs for video in out.videos]
+    progress = [report for out in outputs for report in out.progress]
+    return videos, progress, [failure for out in outputs for failure in out.failed]
 
 
 def decode_frames(data: bytes, mime: str) -> tuple[list[np.ndarray], float]:
