@@ -85,7 +85,7 @@ class GenerateImageRole(RoleAdapter):
                                                 finish=image.finished, worker_id=self.worker_id)))
             if image.finished:
                 del self._reply_to[image.request_id]
-                out.append(self._done(image.request_id, {}, True))
+                out.append(self._done(image.request_id, None, True))
         for failure in result.failed:
             self._reply_to.pop(failure.request_id, None)
             out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))

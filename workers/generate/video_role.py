@@ -107,7 +107,7 @@ class GenerateVideoRole(RoleAdapter):
                                         f"{self.max_video_bytes}"))
                 continue
             out.extend((reply_to, chunk) for chunk in self.chunks(video.request_id, video.data, video.mime))
-            out.append(self._done(video.request_id, {}, True))
+            out.append(self._done(video.request_id, None, True))
         lost = self._group_lost()
         for failure in result.failed:
             self._forget(failure.request_id)
