@@ -63,6 +63,30 @@ def test_completion_endpoint(client):
     assert streamed == full.choices[0].text
 
 
+def test_streamed_token_ids_include_the_tokens_whose_text_is_held_back(client, server):
+    """A stop string's prefix holds text back (it may yet become the stop): the chunks of those tokens
+    carry no text, but with ``return_token_ids`` their ids still stream, so the streamed ids are the
+    whole completion's."""
+    kwargs = dict(model=MODEL, prompt="The weather today is", max_tokens=16, temperature=0,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    full = client.completions.create(**kwargs).choices[0]
+    ids = full.model_extra["token_ids"]
+    assert len(ids) == 16
+    text = requests.post(server.url + "/detokenize", json={"model": MODEL, "tokens": ids[6:8]}, timeout=10).json()
+    held = {"stop": [text["prompt"] + "\u0000never"]}   # tokens 6 and 7 match its start; the stop never completes
+    streamed, textless = [], 0
+    for event in client.completions.create(stream=True, **kwargs, **held):
+        choice = event.choices[0]
+        streamed += choice.model_extra.get("token_ids") or []
+        textless += bool(choice.model_extra.get("token_ids")) and not choice.text
+    assert streamed == ids
+    assert textless >= 1   # the case this test is for did happen
+    per_choice: dict[int, list[int]] = {0: [], 1: []}   # the n > 1 fan-out streams the same way
+    for event in client.completions.create(stream=True, n=2, **kwargs, **held):
+        per_choice[event.choices[0].index] += event.choices[0].model_extra.get("token_ids") or []
+    assert per_choice == {0: ids, 1: ids}
+
+
 def test_greedy_equals_transformers(client, reference):
     for content in PROMPTS[:4]:
         response = chat(client, content, temperature=0, max_tokens=24, extra_body={"return_token_ids": True})

@@ -240,7 +240,8 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, record: Request
             text = chunk.text
             if echo[index]:
                 text, echo[index] = _echo_text(gen) + text, False
-            if text or chunk.finish_reason or logprobs:
+            ids = chunk.token_ids if plan_.request.return_token_ids else None   # held-back text: ids still go
+            if text or chunk.finish_reason or logprobs or ids:
                 choice = {**fmt.delta(text, chunk.finish_reason or None, logprobs), "index": index}
                 if plan_.request.return_token_ids:
                     choice["token_ids"] = chunk.token_ids

@@ -186,7 +186,9 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, record:
             logprobs = None   # a chunk whose text is held back still sends its tokens' logprobs
             if gen.request.logprobs >= 0 and chunk.token_ids:
                 logprobs, text_offset = fmt.logprobs(gen, chunk.token_ids, chunk.logprobs, text_offset)
-            if chunk.text or chunk.finish_reason or logprobs:
+            # A chunk whose text is held back (a stop string may be starting) still carries its ids.
+            ids = chunk.token_ids if gen.request.return_token_ids else None
+            if chunk.text or chunk.finish_reason or logprobs or ids:
                 choice = fmt.delta(chunk.text, chunk.finish_reason or None, logprobs)
                 if gen.request.return_token_ids:
                     choice["token_ids"] = chunk.token_ids
