@@ -188,6 +188,9 @@ class PrefillEngine:
     def prefix_events(self) -> tuple[list[bytes], list[bytes]]:
         return self.allocator.drain_events()
 
+    def prefix_names(self) -> list[bytes]:
+        return self.allocator.names()
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[PrefillResult]:

@@ -35,7 +35,6 @@ from omnirelay.security import CurveKeys, is_loopback, require_curve_off_loopbac
 
 from omnirelay.workers.runtime.broker_link import BrokerLink
 from omnirelay.workers.runtime.config import WorkerConfig
-from omnirelay.workers.llm.prefill import PrefillEngine
 from omnirelay.workers.runtime.roles import BROKER, Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker")
@@ -65,8 +64,7 @@ class WorkerRuntime:
         self._gateway_keys: dict[str, str] = {}   # reply_to → its CURVE public key (z85)
         self._credits_outstanding = 0
         self._tasks: set[str] = set()
-        engine = role.engine
-        self._prefix_engine = engine if isinstance(engine, PrefillEngine) and engine.prefix_caching else None
+        self._prefix_cache = role.prefix_cache
         self._beats_to_full_prefix = 0   # 0: the next heartbeat sends the whole prefix set
 
     # ------------------------------------------------------------------ loop
@@ -115,7 +113,7 @@ class WorkerRuntime:
     def _register(self) -> None:
         self._credits_outstanding = 0
         self._beats_to_full_prefix = 0   # a (re)started broker knows nothing of our cache
-        block_size = self._prefix_engine.block_size if self._prefix_engine is not None else 0
+        block_size = self._prefix_cache.block_size if self._prefix_cache is not None else 0
         self._send_broker(p.Register(worker_id=self.config.worker_id, role=self.config.role,
                                      model=self.config.model_name, capacity=self.config.capacity,
                                      pid=os.getpid(), host=socket.gethostname(), held=sorted(self._tasks),
@@ -175,15 +173,15 @@ class WorkerRuntime:
         """Heartbeat fields for prefix-aware routing: the route keys of blocks cached and evicted
         since the last heartbeat, or the whole (bounded) set after registering, when the changes
         overflow the bound, and every PREFIX_FULL_EVERY heartbeats."""
-        engine = self._prefix_engine
-        if engine is None:
+        cache = self._prefix_cache
+        if cache is None:
             return {}
-        added, evicted = engine.prefix_events()
+        added, evicted = cache.prefix_events()
         self._beats_to_full_prefix -= 1
         if self._beats_to_full_prefix < 0 or len(added) + len(evicted) > PREFIX_KEYS_PER_HEARTBEAT:
             self._beats_to_full_prefix = PREFIX_FULL_EVERY
             return {"prefix_full": True,
-                    "prefix_added": route_keys(engine.allocator.names()[-PREFIX_KEYS_PER_HEARTBEAT:])}
+                    "prefix_added": route_keys(cache.prefix_names()[-PREFIX_KEYS_PER_HEARTBEAT:])}
         return {"prefix_added": route_keys(added), "prefix_evicted": route_keys(evicted)}
 
     def _abort_remaining(self, reason: str) -> None:

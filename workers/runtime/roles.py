@@ -21,6 +21,7 @@ from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask, TokenOut
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource
 
 BROKER = ""
 Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
@@ -28,7 +29,9 @@ Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
 
 class RoleAdapter:
     role = ""
+    engine: Engine
     connector = None   # the connector this role reads its inputs from (and writes its outputs to), if any
+    prefix_cache: PrefixCacheSource | None = None   # declared by a role whose engine keeps one
 
     def release(self, handoff: Handoff | None) -> None:
         """Delete what ``handoff`` holds: a stage's output for a request that died before the next
@@ -60,6 +63,7 @@ class PrefillRole(RoleAdapter):
         super().__init__(worker_id)
         self.engine = engine
         self.connector = engine.connector   # to delete its own output when the request died meanwhile
+        self.prefix_cache = engine if engine.prefix_caching else None
         self._reply_to: dict[str, str] = {}
 
     def accept(self, task: p.Task) -> list[Outbound]:

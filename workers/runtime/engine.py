@@ -1,0 +1,50 @@
+"""What the worker runtime needs of a role's engine, and what an engine may offer beyond it.
+
+Every role's engine (prefill, decode, encode, image, video, speech) is driven the same way by its
+role adapter (:mod:`.roles` and the roles' own modules) and by the runtime's loop (:mod:`.loop`)::
+
+    add(task)            a task the adapter built from a bus Task; the engine queues it
+    step()               one unit of work (a batch's forward, a denoising step, a talker chunk);
+                         returns what finished or streamed, in the engine's own result type
+    cancel(request_id)   drop the request wherever it is (queued, running, transferring)
+    has_work             whether step() has anything to do (the loop waits on the broker otherwise)
+    num_requests         requests held, queued or running (the loop grants credits up to capacity)
+
+Optional abilities are declared by the role adapter, not discovered by type: a role whose engine
+keeps an automatic prefix cache sets :attr:`RoleAdapter.prefix_cache` to a :class:`PrefixCacheSource`
+and the loop reports its blocks in heartbeats (prefix-aware routing); any other role leaves it None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Engine(Protocol):
+    @property
+    def has_work(self) -> bool: ...
+
+    @property
+    def num_requests(self) -> int: ...
+
+    def add(self, task: Any) -> None: ...
+
+    def step(self) -> Any: ...
+
+    def cancel(self, request_id: str) -> object: ...
+
+
+@runtime_checkable
+class PrefixCacheSource(Protocol):
+    """An engine's content-named KV blocks, as the broker's prefix index wants them."""
+
+    block_size: int
+
+    def prefix_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Block names cached and evicted since the last call."""
+        ...
+
+    def prefix_names(self) -> list[bytes]:
+        """Every block name cached now, oldest first."""
+        ...
