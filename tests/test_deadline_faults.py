@@ -18,8 +18,6 @@ loop is busy, silence once it looks wedged, and the farewell relayed last on sto
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import threading
 import time
 
@@ -28,7 +26,7 @@ import pytest
 import requests
 import zmq
 
-from cluster import Cluster
+from kv_fault_support import kv_fault_cluster, kv_fault_pipeline, segments_of
 from omnirelay.broker import protocol as p
 from omnirelay.workers.runtime.broker_link import KEEPALIVE_AFTER, BrokerLink
 
@@ -41,30 +39,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def slow_link(tiny_model, tmp_path, request):
     """``request.param``: the prefill worker's capacity (how many slow puts one engine step may make)."""
-    pipeline = tmp_path / "slow.yaml"
-    pipeline.write_text(json.dumps({   # YAML is a superset of JSON
-        # One put per request (whole KV): the step's slow puts are what the test counts; a layerwise
-        # export would make one per layer plus the manifest, each delayed.
-        "stages": [{"name": "prefill", "role": "prefill", "engine_args": {"kv_transfer": "whole"}},
-                   {"name": "decode", "role": "decode"}],
-        "connectors": {"kv": {"type": "fault_injection",
-                              "options": {"inner": "shared_memory", "put_delay_s": PUT_DELAY_S}}},
-        "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    cluster.prefill = None
-    cluster.prefill_capacity = request.param
-    try:
-        cluster.start_broker()
-        cluster.prefill = cluster.start_worker("prefill", "--stage-configs-path", str(pipeline), "--capacity",
-                                               str(request.param))
-        cluster.start_worker("decode", "--stage-configs-path", str(pipeline), "--capacity", "8")
-        cluster.start_gateway("--request-timeout", str(SHORT_DEADLINE_S))
-        cluster.short_url = cluster.url
-        cluster.start_gateway("--request-timeout", "60")
-        cluster.wait_healthy()
+    # One put per request (whole KV): the step's slow puts are what the test counts; a layerwise
+    # export would make one per layer plus the manifest, each delayed.
+    pipeline = kv_fault_pipeline(tmp_path / "slow.yaml", {"put_delay_s": PUT_DELAY_S},
+                                 prefill_engine_args={"kv_transfer": "whole"})
+    with kv_fault_cluster(tiny_model, str(tmp_path), pipeline, short_timeout_s=SHORT_DEADLINE_S, long_timeout_s=60,
+                          prefill_args=("--capacity", str(request.param)), decode_args=("--capacity", "8")) as cluster:
+        cluster.prefill_capacity = request.param
         yield cluster
-    finally:
-        cluster.stop()
 
 
 async def _load(url: str, timeout_s: float) -> list[tuple[str, float]]:
@@ -101,11 +83,6 @@ def _counts(results) -> dict[str, int]:
     for outcome, _ in filter(None, results):
         counts[outcome] = counts.get(outcome, 0) + 1
     return counts
-
-
-def _segments_of(pid: int) -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"omnirelay-{pid}-")
-            and "-c" not in name[len(f"omnirelay-{pid}"):]]   # buffer-pool files are reused, not per key
 
 
 def _prefill_view(cluster) -> tuple[dict, dict]:
@@ -148,11 +125,11 @@ def test_slow_connector_past_the_deadline_under_load(slow_link):
         [decode] = [w for w in requests.get(slow_link.url + "/cluster", timeout=10).json()["workers"]
                     if w["role"] == "decode"]
         if (decode["running"] == 0 and decode["free_kv_blocks"] == decode["stats"]["kv_blocks_total"]
-                and not _segments_of(slow_link.prefill.pid)):
+                and not segments_of(slow_link.prefill.pid)):
             break
         time.sleep(0.3)
     assert decode["running"] == 0 and decode["free_kv_blocks"] == decode["stats"]["kv_blocks_total"], decode
-    assert _segments_of(slow_link.prefill.pid) == []
+    assert segments_of(slow_link.prefill.pid) == []
 
 
 # ---------------------------------------------------------------------- the broker link alone

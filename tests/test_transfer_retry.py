@@ -8,13 +8,12 @@ with a long and a short request timeout, and checks what an HTTP client sees.
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import requests
 
-from cluster import Cluster
+from kv_fault_support import kv_fault_cluster, kv_fault_pipeline
 from omnirelay.broker import protocol as p
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
@@ -152,25 +151,10 @@ def test_config_rejects_invalid_backoff(kwargs):
 @pytest.fixture(scope="module")
 def failing_store(tiny_model, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("transfer-retry")
-    pipeline = tmp_path / "failing.yaml"
-    pipeline.write_text(json.dumps({   # YAML is a superset of JSON
-        "stages": [{"name": "prefill", "role": "prefill"}, {"name": "decode", "role": "decode"}],
-        "connectors": {"kv": {"type": "fault_injection", "options": {"inner": "shared_memory",
-                                                                      "fail_every_nth_get": 1}}},
-        "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    try:
-        cluster.start_broker()
-        cluster.start_worker("prefill", "--stage-configs-path", str(pipeline))
-        cluster.start_worker("decode", "--stage-configs-path", str(pipeline))
-        # 0.7 s leaves room for the first restart (after 0.25 s) but never for the second (0.5 s more).
-        cluster.start_gateway("--request-timeout", "0.7")
-        cluster.short_url = cluster.url
-        cluster.start_gateway("--request-timeout", "30")
-        cluster.wait_healthy()
+    pipeline = kv_fault_pipeline(tmp_path / "failing.yaml", {"fail_every_nth_get": 1})
+    # 0.7 s leaves room for the first restart (after 0.25 s) but never for the second (0.5 s more).
+    with kv_fault_cluster(tiny_model, str(tmp_path), pipeline, short_timeout_s=0.7, long_timeout_s=30) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _chat(url: str) -> requests.Response:
