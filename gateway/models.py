@@ -11,6 +11,7 @@ from typing import TypeVar
 from transformers import AutoTokenizer
 
 from omnirelay.errors import NotFound, Unprocessable
+from omnirelay.model_kind import ModelKind, model_kind
 
 from .config import ServedModel
 from .media import MediaLimits, MediaProcessor
@@ -25,12 +26,13 @@ class ModelRuntime:
         self.stages = tuple(served.stages)
         self.tokenizer = AutoTokenizer.from_pretrained(served.path)
         config = json.loads((Path(served.path) / "config.json").read_text())
+        kind = model_kind(served.path)
         self.media = None
-        if config.get("model_type") in ("qwen2_5_omni", "qwen3_omni_moe"):   # the thinker's LM sets the limits
+        if kind.is_omni:   # the thinker's LM sets the limits
             limits = media_limits or MediaLimits(allowed_local_dir=served.allowed_local_media_path)
             self.media = MediaProcessor(served.path, limits)
             config = config["thinker_config"]["text_config"]
-        elif config.get("model_type") == "qwen3_tts":   # speech only: the text vocabulary, the talker's context
+        elif kind is ModelKind.QWEN3_TTS:   # speech only: the text vocabulary, the talker's context
             talker = config["talker_config"]
             config = {"vocab_size": talker["text_vocab_size"],
                       "max_position_embeddings": talker.get("max_position_embeddings", 2048)}

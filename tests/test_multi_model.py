@@ -60,7 +60,8 @@ def test_models_of_different_kinds_get_their_own_pipelines(tiny_model, tmp_path)
 def test_model_kinds_and_bundled_pipelines(tiny_model, tmp_path):
     from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
     from omnirelay.pipeline import PipelineError
-    from omnirelay.deploy.served_models import model_kind, plan_models
+    from omnirelay.deploy.served_models import plan_models
+    from omnirelay.model_kind import model_kind
     images = str(build_tiny_text_to_image(tmp_path / "sd", seed=3))
     assert model_kind(tiny_model) == "llm" and model_kind(images) == "text-to-image"
     llm, sd = plan_models([(tiny_model, "a"), (images, "b")], None)

@@ -29,7 +29,8 @@ import torch
 from PIL import Image
 
 from omnirelay.deploy.qwen3_omni_builder import build_tiny_qwen3_omni
-from omnirelay.deploy.served_models import bundled_pipeline, model_kind
+from omnirelay.deploy.served_models import bundled_pipeline
+from omnirelay.model_kind import model_kind
 
 from conftest import ServeProcess
 from media_support import audio_part, image_part, random_png, thinker_reference, wav_bytes

@@ -87,7 +87,8 @@ def test_the_package_loads_and_its_placeholders_do_not_leak():
 
 
 def test_model_kind_and_bundled_pipeline(tiny_tts):
-    from omnirelay.deploy.served_models import bundled_pipeline, model_kind
+    from omnirelay.deploy.served_models import bundled_pipeline
+    from omnirelay.model_kind import model_kind
     assert model_kind(tiny_tts) == "qwen3-tts"
     assert bundled_pipeline("qwen3-tts") == PIPELINE
 

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from omnirelay.pipeline import load_pipeline
-from omnirelay.deploy.served_models import bundled_pipeline, model_kind
+from omnirelay.deploy.served_models import bundled_pipeline
+from omnirelay.model_kind import model_kind
 from omnirelay.gateway.routes.speech import qwen3_tts_speakers
-from omnirelay.workers.speech.qwen3_tts import is_qwen3_tts_model
 from omnirelay.workers.speech.qwen3_tts_package import check_supported
 
 CONFIG = {"model_type": "qwen3_tts", "tokenizer_type": "qwen3_tts_tokenizer_12hz", "tts_model_type": "custom_voice",
@@ -20,7 +20,7 @@ CONFIG = {"model_type": "qwen3_tts", "tokenizer_type": "qwen3_tts_tokenizer_12hz
 
 def test_a_qwen3_tts_directory_is_one_generate_stage(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    assert model_kind(str(tmp_path)) == "qwen3-tts" and is_qwen3_tts_model(str(tmp_path))
+    assert model_kind(str(tmp_path)) == "qwen3-tts"
     pipeline = load_pipeline(bundled_pipeline("qwen3-tts"))
     assert pipeline.roles == ("generate",) and not pipeline.connectors
     assert qwen3_tts_speakers(str(tmp_path)) == ["aiden", "vivian"]
@@ -28,7 +28,7 @@ def test_a_qwen3_tts_directory_is_one_generate_stage(tmp_path):
 
 def test_other_models_have_no_qwen3_tts_speakers(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    assert qwen3_tts_speakers(str(tmp_path)) is None and not is_qwen3_tts_model(str(tmp_path))
+    assert qwen3_tts_speakers(str(tmp_path)) is None and model_kind(str(tmp_path)) != "qwen3-tts"
 
 
 @pytest.mark.parametrize("change, match", [({"tokenizer_type": "qwen3_tts_tokenizer_25hz"}, "12Hz"),

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from omnirelay.deploy.served_models import model_kind
+from omnirelay.model_kind import model_kind
 from omnirelay.deploy.wan_builder import build_tiny_wan
 from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest

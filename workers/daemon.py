@@ -29,16 +29,14 @@ from omnirelay.connectors.timing import TimedConnector
 from omnirelay.pipeline import (ConnectorSpec, PipelineError, default_llm_pipeline, load_pipeline,
                                        parse_pipeline)
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
+from omnirelay.model_kind import ModelKind, model_kind
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
-from omnirelay.video_params import is_video_pipeline
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.llm.decode import DecodeEngine
 from omnirelay.workers.runtime.devices import KVBudgetError, parse_device_ids, resolve_devices
 from omnirelay.workers.encode.role import build_encode_role
-from omnirelay.workers.speech.qwen3_tts import is_qwen3_tts_model
 from omnirelay.workers.generate.image_role import build_generate_role
-from omnirelay.workers.speech.engine import is_omni_model
 from omnirelay.workers.generate.video_role import build_generate_video_role
 from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
 from omnirelay.workers.llm.models.llama import LlamaModel
@@ -63,15 +61,16 @@ def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
         connector = TimedConnector(create_connector(config.connector, config.connector_options))
         role, stats = build_encode_role(config, connector)
         return WorkerRuntime(config, role, stats, shutdown, keys, owned=(connector,))
-    if config.role == "generate" and is_qwen3_tts_model(config.model_path):   # Qwen3-TTS: text in, no connector
+    kind = model_kind(config.model_path)
+    if config.role == "generate" and kind is ModelKind.QWEN3_TTS:   # Qwen3-TTS: text in, no connector
         role, stats = build_qwen3_tts_role(config)
         return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine,))
-    if config.role == "generate" and is_omni_model(config.model_path):   # Qwen2.5-Omni: talker + token2wav
+    if config.role == "generate" and kind.is_omni:   # Qwen2.5-Omni / Qwen3-Omni: talker + vocoder
         connector = TimedConnector(create_connector(config.connector, config.connector_options))
         role, stats = build_speech_role(config, connector)
         # The engine first: closing it joins its synthesis thread before the connector goes.
         return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine, connector))
-    if config.role == "generate" and is_video_pipeline(config.model_path):   # no KV cache, no connector yet
+    if config.role == "generate" and kind is ModelKind.TEXT_TO_VIDEO:   # no KV cache, no connector yet
         role, stats = build_generate_video_role(config, on_lost=on_fatal)
         # Owned: closing the group stops ranks 1..N-1 of a sequence-parallel Wan worker.
         owned = (role.sequence_parallel,) if role.sequence_parallel is not None else ()

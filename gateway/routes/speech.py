@@ -68,6 +68,7 @@ from aiohttp import web
 from omnirelay.broker import protocol as p
 from omnirelay.errors import BadRequest, DeadlineExceeded, NotFound, OmniError, Unprocessable
 from omnirelay.handoffs import MediaInputs
+from omnirelay.model_kind import ModelKind, model_kind, read_json
 from omnirelay.speech_params import MAX_CODES, MAX_SEED, SpeechParams
 
 from .. import generation
@@ -153,12 +154,9 @@ def qwen3_tts_speakers(path: str) -> list[str] | None:
     """A Qwen3-TTS model's speaker names (its ``config.json``); None for any other model. Its
     generate worker takes the same request as a Qwen2.5-Omni's and speaks the text after
     ``reply_start`` (workers/speech/qwen3_tts_role.py); the chat prompt before it goes unused."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
+    if model_kind(path) is not ModelKind.QWEN3_TTS:
         return None
-    if not isinstance(config, dict) or config.get("model_type") != "qwen3_tts":
-        return None
+    config = read_json(Path(path) / "config.json") or {}
     return sorted((config.get("talker_config") or {}).get("spk_id") or {})
 
 

@@ -12,15 +12,14 @@ Same interface as the adapters in ``roles.py``; the runtime treats it alike.
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from omnirelay.broker import protocol as p
 from omnirelay.handoffs import Handoff, MediaInputs
+from omnirelay.model_kind import ModelKind, model_kind
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
@@ -79,8 +78,7 @@ def build_encode_role(config: WorkerConfig, connector) -> tuple[EncodeRole, Call
     """The role adapter and heartbeat-stats function of an encode worker for a Qwen2.5-Omni or
     Qwen3-Omni directory (by its ``model_type``); ``config.capacity`` bounds the requests encoded together in one step."""
     dtype = getattr(torch, config.dtype)
-    raw = json.loads((Path(config.model_path) / "config.json").read_text())
-    if raw.get("model_type") == "qwen3_omni_moe":
+    if model_kind(config.model_path) is ModelKind.QWEN3_OMNI:
         from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
         encoders: OmniEncoders | Qwen3OmniEncoders = Qwen3OmniEncoders(config.model_path, dtype=dtype)
     else:

@@ -75,18 +75,6 @@ TALKER_SAMPLING = {"do_sample": True, "top_k": 40, "top_p": 0.8, "temperature": 
                    "repetition_penalty": 1.05}        # transformers' generate() defaults for the talker
 
 
-def is_omni_model(path: str) -> bool:
-    """An omni directory that speaks: Qwen2.5-Omni (thinker + talker + token2wav) or Qwen3-Omni
-    (thinker + talker + code2wav, ``generate_speech_qwen3.py``)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text()).get("model_type") in ("qwen2_5_omni", "qwen3_omni_moe")
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 @dataclasses.dataclass
 class SpeechTask:
     request_id: str

@@ -54,15 +54,6 @@ TALKER_SAMPLING = {"do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 
 CODE2WAV_CHUNK, CODE2WAV_LEFT_CONTEXT = 300, 25
 
 
-def is_qwen3_omni_model(path: str) -> bool:
-    """A Qwen3-Omni directory (thinker + talker + code2wav)."""
-    config = Path(path) / "config.json"
-    try:
-        return json.loads(config.read_text()).get("model_type") == "qwen3_omni_moe"
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 def load_voices(root: Path, talker_config) -> dict[str, dict]:
     """name → {"speaker_id": codec id}: ``spk_dict.json`` beside the weights (what the gateway lists)
     when present, else the config's ``talker_config.speaker_id`` (names as the config spells them)."""

@@ -65,14 +65,6 @@ SAMPLING_KEYS = ("do_sample", "top_k", "top_p", "temperature", "repetition_penal
                  "subtalker_top_k", "subtalker_top_p", "subtalker_temperature")
 
 
-def is_qwen3_tts_model(path: str) -> bool:
-    """A Qwen3-TTS directory (``model_type: qwen3_tts``)."""
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "qwen3_tts"
-    except (OSError, ValueError):
-        return False
-
-
 @dataclasses.dataclass
 class TTSTask:
     request_id: str

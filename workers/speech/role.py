@@ -55,7 +55,8 @@ from omnirelay.speech_params import SpeechParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, SpeechTask
-from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine, is_qwen3_omni_model
+from omnirelay.model_kind import ModelKind, model_kind
+from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
 from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker.speech")
@@ -252,7 +253,7 @@ def build_speech_role(config: WorkerConfig, connector: Connector) -> tuple[Gener
     is a Qwen2.5-Omni or Qwen3-Omni directory (each with its own engine); the talker and token2wav
     (code2wav) run on the first CUDA device when there is one."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kind = Qwen3SpeechEngine if is_qwen3_omni_model(config.model_path) else GenerateSpeechEngine
+    kind = Qwen3SpeechEngine if model_kind(config.model_path) is ModelKind.QWEN3_OMNI else GenerateSpeechEngine
     engine = kind.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
                                   device=device, max_batch_size=config.capacity)
     log.info("speech generate worker: %s on %s, voices %s", config.model_path, device, ", ".join(engine.voices))
