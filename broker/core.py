@@ -47,6 +47,8 @@ import logging
 
 import msgspec
 
+from omnirelay.errors import BadRequest, DeadlineExceeded, Overloaded, TransferFailed, Unavailable, WorkerLost
+
 from . import protocol as p
 from .config import BrokerConfig
 from .prefix_index import MAX_PROMPT_BLOCKS, PrefixSet, pick_worker
@@ -56,10 +58,10 @@ log = logging.getLogger("omnirelay.broker")
 MAX_STAGES = 8
 IDEMPOTENT_STAGES = frozenset({"encode", "prefill", "generate"})
 # A failure of these kinds may succeed when the request starts over on other workers.
-RETRYABLE_ERRORS = frozenset({"transfer_failed", "worker_lost"})
+RETRYABLE_ERRORS = frozenset({TransferFailed.error_type, WorkerLost.error_type})
 # … of which these wait before the restart: the same connector or store is likely to fail again at
 # once. A worker_lost report comes from a draining worker, and another worker can take over now.
-BACKOFF_ERRORS = frozenset({"transfer_failed"})
+BACKOFF_ERRORS = frozenset({TransferFailed.error_type})
 
 Outgoing = tuple[bytes, p.Message]
 
@@ -180,7 +182,7 @@ class BrokerCore:
         for req in [r for r in self.requests.values() if now > r.spec.deadline]:
             where = ("while waiting to retry after a failed transfer" if req.phase is BACKOFF
                      else f"in stage {req.stage}")
-            out += self._fail(req, "deadline_exceeded", f"deadline passed {where}")
+            out += self._fail(req, DeadlineExceeded.error_type, f"deadline passed {where}")
         out += self._expire_gateways(now)
         if self._backoff and self._backoff[0][0] <= now:
             out += self._end_backoffs(now)
@@ -197,7 +199,7 @@ class BrokerCore:
         old = self.workers.get(msg.worker_id)
         if old is None and len(self.workers) >= self.config.max_workers:
             self.counters["rejected_registrations"] += 1
-            return [(identity, p.ErrorReply("overloaded", f"registry full ({self.config.max_workers} workers)"))]
+            return [(identity, p.ErrorReply(Overloaded.error_type, f"registry full ({self.config.max_workers} workers)"))]
         worker = WorkerState(
             worker_id=msg.worker_id, identity=identity, role=msg.role, model=msg.model,
             capacity=max(0, msg.capacity), pid=msg.pid, host=msg.host, last_seen=now)
@@ -277,7 +279,7 @@ class BrokerCore:
                 self.counters["stage_retries"] += 1
                 self.queues[(req.spec.model, req.stage)].appendleft(request_id)
             else:
-                out += self._fail(req, "worker_lost", f"{worker.role} worker {worker.worker_id} died",
+                out += self._fail(req, WorkerLost.error_type, f"{worker.role} worker {worker.worker_id} died",
                                   resumable=req.stage == "decode")
         worker.tasks.clear()
         if not self._has_live(worker.model, worker.role):
@@ -305,7 +307,7 @@ class BrokerCore:
         for request_id in list(self.queues.get((model, role), ())):
             req = self.requests.get(request_id)
             if req is not None:
-                out += self._fail(req, "unavailable", f"no live {role} worker for model {model}",
+                out += self._fail(req, Unavailable.error_type, f"no live {role} worker for model {model}",
                                   retry_after=self.config.retry_after_s)
         return out
 
@@ -370,7 +372,7 @@ class BrokerCore:
         delay = self._backoff_delay(req.attempts + 1) if msg.error_type in BACKOFF_ERRORS else 0.0
         if delay and now + delay >= req.spec.deadline:
             # Waiting would end past the deadline: say so now instead of holding the request until then.
-            return self._fail(req, "deadline_exceeded", f"{msg.message}; no time is left before the deadline "
+            return self._fail(req, DeadlineExceeded.error_type, f"{msg.message}; no time is left before the deadline "
                                                         f"to retry after {delay:g}s")
         # Start over from the first stage: the inputs that failed to transfer are gone.
         req.attempts += 1
@@ -405,7 +407,7 @@ class BrokerCore:
         """Queue ``req`` for its current stage, or fail it at once when no worker serves that role.
         ``front``: it was admitted before what is queued now (a restart), so it goes first."""
         if not self._has_live(req.spec.model, req.stage):
-            return self._fail(req, "unavailable", f"no live {req.stage} worker for model {req.spec.model}",
+            return self._fail(req, Unavailable.error_type, f"no live {req.stage} worker for model {req.spec.model}",
                               retry_after=self.config.retry_after_s)
         queue = self.queues[(req.spec.model, req.stage)]
         if front:
@@ -440,22 +442,22 @@ class BrokerCore:
     def _on_submit(self, identity: bytes, msg: p.Submit, now: float) -> list[Outgoing]:
         stages, model = msg.stages, msg.model
         if not stages or len(stages) > MAX_STAGES:
-            return self._reject(identity, msg, "bad_request", f"a request passes 1 to {MAX_STAGES} stages")
+            return self._reject(identity, msg, BadRequest.error_type, f"a request passes 1 to {MAX_STAGES} stages")
         if msg.request_id in self.requests:
-            return self._reject(identity, msg, "bad_request", f"duplicate request_id {msg.request_id}")
+            return self._reject(identity, msg, BadRequest.error_type, f"duplicate request_id {msg.request_id}")
         if not math.isfinite(msg.deadline):
-            return self._reject(identity, msg, "bad_request", "deadline must be a finite time")
+            return self._reject(identity, msg, BadRequest.error_type, "deadline must be a finite time")
         pools = self.pools
         for role in stages:
             if (model, role) not in pools:
-                return self._reject(identity, msg, "unavailable", f"no live {role} worker for model {model}",
+                return self._reject(identity, msg, Unavailable.error_type, f"no live {role} worker for model {model}",
                                     self.config.retry_after_s)
         queues, bound = self.queues, self.config.max_queue_per_role
         for role in stages:
             # Every stage's queue counts: a slow later role must push back on admission too.
             queue = queues.get((model, role))
             if queue is not None and len(queue) >= bound:
-                return self._reject(identity, msg, "overloaded", f"{role} queue is full",
+                return self._reject(identity, msg, Overloaded.error_type, f"{role} queue is full",
                                     self.config.retry_after_s)
         # Positional (spec, gateway, stage_index, inputs): the keyword form costs twice as much per
         # Submit. The Submit's maps are shared, not copied (see _on_stage_done).

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from omnirelay.connectors import Connector
-from omnirelay.errors import OmniError
+from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
 from omnirelay.handoffs import EmbedsHandoff
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ class EncodeEngine:
         while self.waiting and len(batch) < self.max_batch:
             task = self.waiting.popleft()
             if now > task.deadline:
-                results.append(EncodeResult(task.request_id, error_type="deadline_exceeded",
+                results.append(EncodeResult(task.request_id, error_type=DeadlineExceeded.error_type,
                                             message="deadline passed before encode"))
             else:
                 batch.append(task)
@@ -216,7 +216,7 @@ class EncodeEngine:
                         raise ValueError(f"unknown media kind {item.kind!r}")
                 except Exception as exc:   # PIL/numpy raise many types on bad input
                     failed.add(task.request_id)
-                    results.append(EncodeResult(task.request_id, error_type="bad_request",
+                    results.append(EncodeResult(task.request_id, error_type=BadRequest.error_type,
                                                 message=f"cannot decode {item.kind}: {exc}"))
                     break
         if images:
@@ -251,7 +251,7 @@ class EncodeEngine:
             key = item.digest
             encoded = self.cache.get(key)
             if encoded is None:   # evicted within this step by a larger batch: cannot happen below 1 item
-                return EncodeResult(task.request_id, error_type="out_of_memory",
+                return EncodeResult(task.request_id, error_type=OutOfMemory.error_type,
                                     message="encoder cache too small for one request's media")
             self.cache.move_to_end(key)
             if key not in fresh_images and key not in fresh_audio:

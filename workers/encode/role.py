@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from omnirelay.errors import BadRequest
 from omnirelay.broker import protocol as p
 from omnirelay.handoffs import Handoff, MediaInputs
 from omnirelay.model_kind import ModelKind, model_kind
@@ -55,7 +56,7 @@ class EncodeRole(RoleAdapter):
         try:
             items = _items(task.inputs)
         except ValueError as exc:
-            return [self.failure(task.request_id, task.stage, "bad_request", str(exc), attempt=task.attempt)]
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, str(exc), attempt=task.attempt)]
         self._attempts[task.request_id] = task.attempt
         self.engine.add(EncodeTask(task.request_id, items, task.deadline, task.attempt))
         return []

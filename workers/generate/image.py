@@ -60,7 +60,7 @@ from typing import Callable
 import torch
 
 from omnirelay.dit_families import family_of_pipeline
-from omnirelay.errors import BadRequest
+from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory, WorkerLost
 from omnirelay.image_params import ImageParams
 
 from omnirelay.workers.generate.image_edit import EditRunner
@@ -410,14 +410,14 @@ class GenerateImageEngine:
         try:
             images = batch.runner.advance(batch)
         except torch.OutOfMemoryError as exc:
-            self._fail_batch(batch, out, "out_of_memory", f"out of memory generating images: {exc}")
+            self._fail_batch(batch, out, OutOfMemory.error_type, f"out of memory generating images: {exc}")
             return out
         except SequenceParallelGroupLost as exc:   # nothing here can run again: fail all we hold, recoverably
             self._fail_all(out, f"{exc}; the worker restarts")
             return out
         except Exception as exc:   # a bug or a pipeline we cannot drive: fail these requests, keep serving
             log.exception("image batch failed")
-            self._fail_batch(batch, out, "internal_error", f"image generation failed: {type(exc).__name__}: {exc}")
+            self._fail_batch(batch, out, OmniError.error_type, f"image generation failed: {type(exc).__name__}: {exc}")
             return out
         self.stats[f"{phase.value}_steps"] += 1
         if images is None:
@@ -457,7 +457,7 @@ class GenerateImageEngine:
     def _expire(self, out: StepOutput) -> None:
         now = self.clock()
         for request_id in [rid for rid, st in self.requests.items() if now > st.task.deadline]:
-            self._fail_request(request_id, out, "deadline_exceeded", "deadline passed while generating images")
+            self._fail_request(request_id, out, DeadlineExceeded.error_type, "deadline passed while generating images")
 
     def _fail_batch(self, batch: Batch, out: StepOutput, error_type: str, message: str) -> None:
         self.batch = None
@@ -470,7 +470,7 @@ class GenerateImageEngine:
             log.error("failing %d held request(s) as worker_lost: %s", len(self.requests), message)
         self.batch = None
         for request_id in list(self.requests):
-            self._fail_request(request_id, out, "worker_lost", message)
+            self._fail_request(request_id, out, WorkerLost.error_type, message)
 
     def _fail_request(self, request_id: str, out: StepOutput, error_type: str, message: str) -> None:
         if self.requests.pop(request_id, None) is None:

@@ -52,10 +52,10 @@ class GenerateImageRole(RoleAdapter):
             params = ImageParams.from_wire(task.sampling)
             self.engine.add(ImageTask(task.request_id, params, task.deadline))
         except BadRequest as exc:
-            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid image request: {exc.message}",
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid image request: {exc.message}",
                                  attempt=task.attempt)]
         except (TypeError, ValueError) as exc:
-            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid image request: {exc}",
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid image request: {exc}",
                                  attempt=task.attempt)]
         self._reply_to[task.request_id] = task.reply_to
         self._attempts[task.request_id] = task.attempt

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from omnirelay.dit_families import family_of_pipeline
-from omnirelay.errors import BadRequest
+from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
 from omnirelay.video_params import VideoParams
 
 from omnirelay.workers.generate.image import load_pipeline
@@ -451,11 +451,11 @@ class GenerateVideoEngine:
         try:
             self.runner.advance(job)
         except torch.OutOfMemoryError as exc:
-            self._fail_job(job, out, "out_of_memory", f"out of memory generating video: {exc}")
+            self._fail_job(job, out, OutOfMemory.error_type, f"out of memory generating video: {exc}")
             return out
         except Exception as exc:   # a bug or a pipeline we cannot drive: fail this batch, keep serving
             log.exception("video batch %s failed in phase %s", [t.request_id for t in job.tasks], phase.value)
-            self._fail_job(job, out, "internal_error", f"video generation failed: {type(exc).__name__}: {exc}")
+            self._fail_job(job, out, OmniError.error_type, f"video generation failed: {type(exc).__name__}: {exc}")
             return out
         self.stats[f"{phase.value}_steps"] += 1
         job.units_done += 1
@@ -470,7 +470,7 @@ class GenerateVideoEngine:
             data, mime = encode_video(frames, task.params.fps, self.encoder)
         except Exception as exc:   # this request's file only; the other rows are encoded on their own
             log.exception("video %s could not be encoded", task.request_id)
-            self._fail(out, task.request_id, "internal_error", f"video encoding failed: {type(exc).__name__}: {exc}")
+            self._fail(out, task.request_id, OmniError.error_type, f"video encoding failed: {type(exc).__name__}: {exc}")
             return
         self.stats["mux_steps"] += 1
         self.stats["videos_generated"] += 1
@@ -499,10 +499,10 @@ class GenerateVideoEngine:
     def _expire(self, out: StepOutput) -> None:
         now = self.clock()
         for task in [t for t in self.waiting if now > t.deadline]:
-            self._fail(out, task.request_id, "deadline_exceeded", "deadline passed while waiting to generate video")
+            self._fail(out, task.request_id, DeadlineExceeded.error_type, "deadline passed while waiting to generate video")
         if self.job is not None:
             for task in [t for t in self.job.tasks if now > t.deadline]:
-                self._fail(out, task.request_id, "deadline_exceeded", "deadline passed while generating video")
+                self._fail(out, task.request_id, DeadlineExceeded.error_type, "deadline passed while generating video")
 
     def _fail_job(self, job: VideoJob, out: StepOutput, error_type: str, message: str) -> None:
         self.job = None

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest
+from omnirelay.errors import BadRequest, OmniError, WorkerLost
 from omnirelay.video_params import MAX_CHUNK_CHARS, MAX_VIDEO_BYTES, PROGRESS_INDEX, PROGRESS_MIME, VideoParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
@@ -62,15 +62,15 @@ class GenerateVideoRole(RoleAdapter):
             self.cancel(task.request_id)   # the broker re-dispatched a request we still hold: the new attempt wins
         lost = self._group_lost()
         if lost:
-            return [self.failure(task.request_id, task.stage, "worker_lost", lost, attempt=task.attempt)]
+            return [self.failure(task.request_id, task.stage, WorkerLost.error_type, lost, attempt=task.attempt)]
         try:
             params = VideoParams.from_wire(task.sampling)
             self.engine.add(VideoTask(task.request_id, params, task.deadline))
         except BadRequest as exc:
-            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid video request: {exc.message}",
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid video request: {exc.message}",
                                  attempt=task.attempt)]
         except (TypeError, ValueError) as exc:
-            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid video request: {exc}",
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid video request: {exc}",
                                  attempt=task.attempt)]
         self._reply_to[task.request_id] = task.reply_to
         self._attempts[task.request_id] = task.attempt
@@ -112,7 +112,7 @@ class GenerateVideoRole(RoleAdapter):
         for failure in result.failed:
             self._forget(failure.request_id)
             # A job whose forward met the lost group failed inside the engine; another worker may run it.
-            error_type = "worker_lost" if lost and failure.error_type == "internal_error" else failure.error_type
+            error_type = WorkerLost.error_type if lost and failure.error_type == OmniError.error_type else failure.error_type
             out.append(self.failure(failure.request_id, self.role, error_type, failure.message))
         return out
 

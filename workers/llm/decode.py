@@ -52,7 +52,7 @@ import torch
 
 from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.connectors import Connector
-from omnirelay.errors import OmniError
+from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
 from omnirelay.handoffs import SpeechHandoff, release_kv
 
 from omnirelay.workers.llm.forward_batch import ForwardBatch
@@ -220,7 +220,7 @@ class DecodeEngine:
         now = time.time()
         for seq in [s for s in [*self.waiting, *self.running] if now > s.task.deadline]:
             self.cancel(seq.request_id)
-            out.failed.append((seq.request_id, seq.task.reply_to, "deadline_exceeded", "deadline passed in decode"))
+            out.failed.append((seq.request_id, seq.task.reply_to, DeadlineExceeded.error_type, "deadline passed in decode"))
 
     def _start_imports(self, out: StepOutput) -> None:
         """Hand new requests' KVs to the prefetcher (first failing those this worker cannot serve, so
@@ -237,16 +237,16 @@ class DecodeEngine:
         """Fail (and take out of waiting) a sequence this worker can never run."""
         cached = seq.total_len - 1
         if self.blocks_needed(cached + 1) > self.runner.num_blocks - 1:
-            error = ("out_of_memory", f"sequence of {cached + 1} tokens exceeds the whole KV pool")
+            error = (OutOfMemory.error_type, f"sequence of {cached + 1} tokens exceeds the whole KV pool")
         elif (seq.task.has_media or seq.task.rope_delta) and not isinstance(self.runner, LocalRunner):
             # a parallel group's broadcast carries no rotary offsets
-            error = ("bad_request", "image/audio input needs a single-process decode worker "
+            error = (BadRequest.error_type, "image/audio input needs a single-process decode worker "
                      "(tensor and pipeline parallel size 1)")
         elif seq.task.speech_inputs is not None and not isinstance(self.runner, LocalRunner):
-            error = ("bad_request", "speech output needs a single-process decode worker "
+            error = (BadRequest.error_type, "speech output needs a single-process decode worker "
                      "(tensor and pipeline parallel size 1)")
         elif grammar_error := self._grammar_error(seq):
-            error = ("bad_request", grammar_error)
+            error = (BadRequest.error_type, grammar_error)
         else:
             return False
         self.waiting.remove(seq)

@@ -51,7 +51,7 @@ import torch
 
 from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.connectors import Connector
-from omnirelay.errors import OmniError
+from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
 
 from omnirelay.block_hash import block_hashes
 from omnirelay.workers.llm.forward_batch import ForwardBatch
@@ -205,7 +205,7 @@ class PrefillEngine:
         now = time.time()
         for seq in [s for s in self.running if now > s.task.deadline]:
             self._retire(seq)
-            results.append(PrefillResult(seq.task.request_id, error_type="deadline_exceeded",
+            results.append(PrefillResult(seq.task.request_id, error_type=DeadlineExceeded.error_type,
                                          message="deadline passed during prefill"))
 
     def _admit(self, results: list[PrefillResult]) -> None:
@@ -214,37 +214,37 @@ class PrefillEngine:
             n = len(task.prompt_token_ids)
             if time.time() > task.deadline:
                 self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type="deadline_exceeded",
+                results.append(PrefillResult(task.request_id, error_type=DeadlineExceeded.error_type,
                                              message="deadline passed before prefill"))
                 continue
             if not n or n >= self.max_model_len:
                 self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type="bad_request",
+                results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type,
                                              message=f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"))
                 continue
             if task.media and not isinstance(self.runner, LocalRunner):
                 # A parallel group's broadcast carries token ids and positions only, not embeddings.
                 self.waiting.popleft()
                 task.media.release(self.connector)
-                results.append(PrefillResult(task.request_id, error_type="bad_request",
+                results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type,
                                              message="image/audio input needs a single-process prefill worker "
                                                      "(tensor and pipeline parallel size 1)"))
                 continue
             if task.speech and not isinstance(self.runner, LocalRunner):
                 self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type="bad_request",
+                results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type,
                                              message="speech output needs a single-process prefill worker "
                                                      "(tensor and pipeline parallel size 1)"))
                 continue
             grammar_error = self._grammar_error(task)
             if grammar_error:
                 self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type="bad_request", message=grammar_error))
+                results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type, message=grammar_error))
                 continue
             total = -(-n // self.block_size)
             if total > self.runner.num_blocks - 1:
                 self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type="out_of_memory",
+                results.append(PrefillResult(task.request_id, error_type=OutOfMemory.error_type,
                                              message=f"prompt of {n} tokens exceeds the prefill KV pool"))
                 continue
             # Placeholder ids say nothing about the media behind them: a media prompt neither reuses
@@ -264,7 +264,7 @@ class PrefillEngine:
                     media = self._load_media(task)
                 except (OmniError, ValueError, KeyError, TypeError) as exc:
                     task.media.release(self.connector)
-                    results.append(PrefillResult(task.request_id, error_type=getattr(exc, "error_type", "bad_request"),
+                    results.append(PrefillResult(task.request_id, error_type=getattr(exc, "error_type", BadRequest.error_type),
                                                  message=f"multimodal inputs: {exc}"))
                     continue
             blocks = hits + self.allocator.allocate(total - len(hits))

@@ -28,6 +28,7 @@ import time
 
 import zmq
 
+from omnirelay.errors import WorkerLost
 from omnirelay.broker import protocol as p
 from omnirelay.broker.prefix_index import route_keys
 from omnirelay.lifecycle import Shutdown, ShutdownState
@@ -132,7 +133,7 @@ class WorkerRuntime:
             if isinstance(msg, p.Task):
                 self._credits_outstanding -= 1
                 if self.shutdown.requested:
-                    self._send([self.role.failure(msg.request_id, msg.stage, "worker_lost", "worker is draining",
+                    self._send([self.role.failure(msg.request_id, msg.stage, WorkerLost.error_type, "worker is draining",
                                                   attempt=msg.attempt)])
                     continue
                 self._tasks.add(msg.request_id)
@@ -186,7 +187,7 @@ class WorkerRuntime:
 
     def _abort_remaining(self, reason: str) -> None:
         for request_id in sorted(self._tasks):
-            report = self.role.failure(request_id, self.role.role, "worker_lost", reason)
+            report = self.role.failure(request_id, self.role.role, WorkerLost.error_type, reason)
             self.role.cancel(request_id)
             self._send([report])
         self._tasks.clear()

@@ -15,6 +15,7 @@ asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_toke
 
 from __future__ import annotations
 
+from omnirelay.errors import BadRequest
 from omnirelay.broker import protocol as p
 from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff
 
@@ -72,10 +73,10 @@ class PrefillRole(RoleAdapter):
             _check_token_ids(params, self.engine)
             structured = p.StructuredOutput.from_wire(task.sampling.get("structured"))
         except (TypeError, ValueError) as exc:
-            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid sampling: {exc}")]
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid sampling: {exc}")]
         if task.inputs is not None and not isinstance(task.inputs, EmbedsHandoff):
             self.release(task.inputs)
-            return [self.failure(task.request_id, task.stage, "bad_request",
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type,
                                  f"prefill reads media embeddings, not {type(task.inputs).__name__}")]
         self._reply_to[task.request_id] = task.reply_to
         self._attempts[task.request_id] = task.attempt
@@ -133,7 +134,7 @@ class DecodeRole(RoleAdapter):
                 structured=p.StructuredOutput.from_wire(task.sampling.get("structured")))
         except (TypeError, ValueError) as exc:
             self.release(kv)   # the request fails here: nobody will import its KV
-            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid decode task: {exc!r}")]
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid decode task: {exc!r}")]
         self._attempts[task.request_id] = task.attempt
         self.engine.add(decode_task)
         return []

@@ -63,7 +63,7 @@ from typing import Callable
 
 import torch
 
-from omnirelay.errors import BadRequest
+from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
 from omnirelay.speech_params import SpeechParams
 
 from omnirelay.workers.speech.stream import ChunkedToken2Wav, CodeTap, SynthesisCancelled
@@ -252,7 +252,7 @@ class GenerateSpeechEngine:
         now = time.time()
         for task in [t for t in self.waiting if now > t.deadline]:
             self.waiting.remove(task)
-            out.failed.append(SpeechFailure(task.request_id, "deadline_exceeded", "deadline passed before speech"))
+            out.failed.append(SpeechFailure(task.request_id, DeadlineExceeded.error_type, "deadline passed before speech"))
         if self.running is None and self.waiting:
             task = self.waiting.popleft()
             self._cancelled = threading.Event()
@@ -268,10 +268,10 @@ class GenerateSpeechEngine:
         except SynthesisCancelled:
             pass   # a cancelled stream stopped between tokens: dropped below
         except torch.cuda.OutOfMemoryError as exc:
-            out.failed.append(SpeechFailure(task.request_id, "out_of_memory", str(exc)))
+            out.failed.append(SpeechFailure(task.request_id, OutOfMemory.error_type, str(exc)))
         except Exception as exc:   # a bug in synthesis fails this request, not the worker
             log.exception("speech synthesis failed for %s", task.request_id)
-            out.failed.append(SpeechFailure(task.request_id, "internal_error", f"{type(exc).__name__}: {exc}"))
+            out.failed.append(SpeechFailure(task.request_id, OmniError.error_type, f"{type(exc).__name__}: {exc}"))
         else:
             self.stats["speech_requests"] += 1
             self.stats["talker_codes"] += codes

@@ -138,14 +138,14 @@ class GenerateSpeechRole(RoleAdapter):
             self.engine.add(speech)
         except BadRequest as exc:
             self.release(task.inputs)
-            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid speech request: {exc.message}",
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid speech request: {exc.message}",
                                  attempt=task.attempt)]
         except OmniError as exc:   # the connector could not deliver the hidden states
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, exc.error_type, str(exc), attempt=task.attempt)]
         except (KeyError, TypeError, ValueError) as exc:
             self.release(task.inputs)
-            return [self.failure(task.request_id, task.stage, "bad_request", f"invalid speech task: {exc!r}",
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid speech task: {exc!r}",
                                  attempt=task.attempt)]
         self._reply_to[task.request_id] = task.reply_to
         self._formats[task.request_id] = params.format
