@@ -64,6 +64,7 @@ def _run_child(tmp: pathlib.Path, fill: int) -> dict[str, dict[str, str]]:
     return json.loads((out / "digests.json").read_text())
 
 
+@pytest.mark.timeout(1800)   # two interpreters each build every family: ~1 min alone, 5+ on a busy host
 def test_every_builder_writes_the_same_weights_whatever_the_heap_held(tmp_path):
     first, second = _run_child(tmp_path, 0x5A), _run_child(tmp_path, 0xC3)
     assert set(first) == set(BUILDERS)
