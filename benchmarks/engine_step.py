@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from omnirelay.workers.kv.cache import PagedKVCache
     from omnirelay.workers.llm.models.llama import LlamaModel
     if args.model is None:
-        from omnirelay.deploy.model_builder import default_model_dir
+        from omnirelay.deploy.builders.llm import default_model_dir
         args.model = default_model_dir()
     model = LlamaModel(args.model)
     plain = LlamaModel(args.model, attention="torch")

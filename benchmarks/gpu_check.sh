@@ -51,8 +51,8 @@ step() {   # step NAME CMD...: run with a time bound, record a failure
 }
 
 step "build tiny models" "$PY" -c "
-from omnirelay.deploy.qwen3_builder import cached_qwen3
-from omnirelay.deploy.model_builder import default_model_dir
+from omnirelay.deploy.builders.qwen3 import cached_qwen3
+from omnirelay.deploy.builders.llm import default_model_dir
 print(default_model_dir()); print(cached_qwen3(moe=False)); print(cached_qwen3(moe=True))"
 
 step "Qwen3-MoE: 1 rank vs TP=2 vs TP=2 EP=2 ($DEVICES), parity + step times" \
@@ -62,8 +62,8 @@ for kind in qwen2 qwen3; do
     step "$kind dense: one rank on $DEVICES against transformers" "$PY" - "$kind" "$DEVICES" <<'EOF'
 import sys, time, torch
 from transformers import AutoModelForCausalLM
-from omnirelay.deploy.model_builder import default_model_dir
-from omnirelay.deploy.qwen3_builder import cached_qwen3
+from omnirelay.deploy.builders.llm import default_model_dir
+from omnirelay.deploy.builders.qwen3 import cached_qwen3
 from omnirelay.workers.llm.models.llama import LlamaModel
 kind, device = sys.argv[1], ("cuda:0" if sys.argv[2] == "cuda" else "cpu")
 path = str(default_model_dir() if kind == "qwen2" else cached_qwen3(moe=False))
@@ -93,7 +93,7 @@ import os, sys, time, torch
 sys.path.insert(0, "tests")
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from omnirelay.connectors import create_connector
-from omnirelay.deploy.qwen3_builder import cached_qwen3
+from omnirelay.deploy.builders.qwen3 import cached_qwen3
 from omnirelay.workers.llm.decode import DecodeEngine
 from omnirelay.workers.kv.export import import_kv
 from omnirelay.workers.llm.model_runner import local_runner

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="omnirelay-kvexport-")
     shm_dir = tempfile.mkdtemp(prefix="omnirelay-kvexport-", dir="/dev/shm")
     try:
-        from omnirelay.deploy.model_builder import build_tiny_llm
+        from omnirelay.deploy.builders.llm import build_tiny_llm
         model = LlamaModel(str(build_tiny_llm(os.path.join(work, "tiny-llm"), seed=0)))
         # A pool twice the longest sequence, so its blocks can be scattered.
         runner = local_runner(model, block_size=BLOCK, budget_bytes=int(2 * max(args.kv_mib) * (1 << 20)) + (4 << 20))

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = args.model
         if not path:
-            from omnirelay.deploy.model_builder import build_tiny_llm
+            from omnirelay.deploy.builders.llm import build_tiny_llm
             path = str(build_tiny_llm(os.path.join(work, "tiny-llm"), seed=0))
         model = LlamaModel(path)
         results = {}

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from omnirelay.deploy.qwen3_builder import cached_qwen3
+    from omnirelay.deploy.builders.qwen3 import cached_qwen3
     from omnirelay.workers.kv.cache import PagedKVCache
     from omnirelay.workers.llm.model_runner import LocalRunner
     from omnirelay.workers.llm.models.llama import LlamaModel

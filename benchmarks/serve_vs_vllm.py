@@ -62,7 +62,7 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 # ---------------------------------------------------------------------- models
 
 def tiny_model(work: pathlib.Path) -> pathlib.Path:
-    from omnirelay.deploy.model_builder import build_tiny_llm
+    from omnirelay.deploy.builders.llm import build_tiny_llm
     return build_tiny_llm(work / "tiny-llm", seed=0)
 
 

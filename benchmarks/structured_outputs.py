@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from omnirelay.broker.protocol import StructuredOutput
     from omnirelay.connectors import create_connector
-    from omnirelay.deploy.model_builder import default_model_dir
+    from omnirelay.deploy.builders.llm import default_model_dir
     from omnirelay.gateway.structured import check_spec
     from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
     from omnirelay.workers.kv.cache import PagedKVCache

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if args.model in ("tiny-wan", "tiny-video"):
-            from omnirelay.deploy.video_builder import build_tiny_text_to_video
-            from omnirelay.deploy.wan_builder import build_tiny_wan
+            from omnirelay.deploy.builders.video import build_tiny_text_to_video
+            from omnirelay.deploy.builders.wan import build_tiny_wan
             path = str(pathlib.Path(tmp) / args.model)
             (build_tiny_wan if args.model == "tiny-wan" else build_tiny_text_to_video)(path, seed=0)
         pipe = load_pipeline(path)

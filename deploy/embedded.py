@@ -31,17 +31,17 @@ from types import ModuleType
 
 from typing import Callable
 
-from . import builder_steps, diffusion_builder, model_builder, omni_builder, smollm2, tiny_diffusers, video_builder
-from .model_builder import cached_model
+from omnirelay.deploy.builders import llm, omni, smollm2, stable_diffusion, steps, tiny_diffusers, video
+from omnirelay.deploy.builders.llm import cached_model
 
 # (served name, the modules whose source is its recipe, its builder); the first module writes it
 # and says when it is complete. A builder that takes part of its recipe from another module lists
 # that one too, so a change there also names a fresh cache entry. The order is that of /v1/models.
 TINY_MODELS: tuple[tuple[str, tuple[ModuleType, ...], Callable], ...] = (
-    ("tiny-llm", (model_builder,), model_builder.build_tiny_llm),
-    ("tiny-omni", (omni_builder, builder_steps), omni_builder.build_tiny_omni),
-    ("tiny-sd", (diffusion_builder, tiny_diffusers, builder_steps), diffusion_builder.build_tiny_text_to_image),
-    ("tiny-video", (video_builder, tiny_diffusers, builder_steps), video_builder.build_tiny_text_to_video),
+    ("tiny-llm", (llm,), llm.build_tiny_llm),
+    ("tiny-omni", (omni, steps), omni.build_tiny_omni),
+    ("tiny-sd", (stable_diffusion, tiny_diffusers, steps), stable_diffusion.build_tiny_text_to_image),
+    ("tiny-video", (video, tiny_diffusers, steps), video.build_tiny_text_to_video),
 )
 SMOLLM2_NAME = "smollm2"
 

@@ -353,7 +353,7 @@ def _curve_argv(server: bool, client: bool, secret: str) -> list[str]:
 def build_specs(args, plans, broker: str, has_gpus: bool) -> list[DaemonSpec]:
     """The daemons of one ``omni-serve --ray-address`` run: broker, workers, gateway."""
     from omnirelay.security import is_loopback
-    from .serve import gateway_command, worker_commands
+    from omnirelay.deploy.serve import gateway_command, worker_commands
     curve = not is_loopback(broker)
     if curve and not args.curve_keys:
         raise RayLaunchError(

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.models:
         if names:
             parser.error("--served-model-name needs MODEL directories; the embedded default names its own")
-        from .embedded import embedded_models
+        from omnirelay.deploy.embedded import embedded_models
         models = embedded_models()
     else:
         if len(names) > len(args.models):
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.broker and not is_loopback(args.broker) and not args.curve_keys:
         parser.error(f"--broker {args.broker} is not loopback: give --curve-keys (see omni-keygen)")
     if args.ray_address:
-        from .ray_launcher import serve_on_ray
+        from omnirelay.deploy.ray_launcher import serve_on_ray
         return serve_on_ray(args, plans)
     shutdown = Shutdown().install()
     sweep_orphans()   # segments a previous, killed run left behind (their owners are dead)

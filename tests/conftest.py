@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from omnirelay.deploy.model_builder import build_tiny_llm
+from omnirelay.deploy.builders.llm import build_tiny_llm
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,10 @@ import sys
 
 import pytest
 
-from omnirelay.deploy.model_builder import FAMILY_BUILDERS, MODEL_KIND
+from omnirelay.deploy.builders.llm import FAMILY_BUILDERS, MODEL_KIND
 
 # Every kind omni-make-model builds: name -> (module in omnirelay.deploy, function, keyword arguments).
-BUILDERS = {MODEL_KIND: ("model_builder", "build_tiny_llm", {}), **FAMILY_BUILDERS}
+BUILDERS = {MODEL_KIND: ("llm", "build_tiny_llm", {}), **FAMILY_BUILDERS}
 
 
 def _digest_weights(root: pathlib.Path) -> dict[str, str]:
@@ -51,7 +51,7 @@ def _build_and_digest(out: pathlib.Path) -> dict[str, dict[str, str]]:
     del scratch
     digests = {}
     for name, (module, function, kwargs) in BUILDERS.items():
-        build = getattr(importlib.import_module(f"omnirelay.deploy.{module}"), function)
+        build = getattr(importlib.import_module(f"omnirelay.deploy.builders.{module}"), function)
         digests[name] = _digest_weights(build(out / name, seed=0, **kwargs))
     return digests
 

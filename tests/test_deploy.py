@@ -362,7 +362,7 @@ def test_omni_serve_refuses_a_flag_that_contradicts_the_stage_config(tiny_model,
 
 def test_omni_serve_counts_a_generate_stages_sequence_parallel_ranks_in_devices(tmp_path, capsys):
     # A generate stage's group is TP × PP × SP (worker_commands' group_size): --devices numbers all of them.
-    from omnirelay.deploy.dit_builder import build_tiny_dit
+    from omnirelay.deploy.builders.dit import build_tiny_dit
     from omnirelay.deploy.serve import LaunchError, build_parser, check_parallel
     from omnirelay.deploy.served_models import plan_models
 

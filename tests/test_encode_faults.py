@@ -25,7 +25,7 @@ from PIL import Image
 from cluster import assert_contract, classify, run_load
 from media_support import kill_busiest_worker, pipeline_cluster, tiny_model_dir
 from omnirelay.connectors.shared_memory import sweep_orphans
-from omnirelay.deploy.omni_builder import build_tiny_omni
+from omnirelay.deploy.builders.omni import build_tiny_omni
 
 MODEL = "tiny-omni"
 PIPELINE = os.path.join(os.path.dirname(__file__), "..", "deploy", "pipelines", "omni_thinker.yaml")

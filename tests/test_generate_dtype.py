@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
+from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
 
 from cluster import Cluster
 from media_support import tiny_model_dir
@@ -80,7 +80,7 @@ DIT_MODEL = "tiny-dit"
 
 @pytest.fixture(scope="module")
 def tiny_dit(tmp_path_factory) -> str:
-    from omnirelay.deploy.dit_builder import build_tiny_dit
+    from omnirelay.deploy.builders.dit import build_tiny_dit
     return tiny_model_dir(tmp_path_factory, DIT_MODEL, build_tiny_dit)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from cluster import assert_contract, classify, run_load
 from media_support import assert_the_kill_was_recovered, kill_busiest_worker, pipeline_cluster, tiny_model_dir
-from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
+from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
 
 MODEL = "tiny-sd"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")

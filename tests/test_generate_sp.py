@@ -34,7 +34,7 @@ import torch
 import yaml
 from PIL import Image
 
-from omnirelay.deploy.model_builder import main as make_model
+from omnirelay.deploy.builders.llm import main as make_model
 from omnirelay.pipeline import PipelineError, parse_pipeline
 from omnirelay.deploy.serve import build_parser, check_parallel, worker_commands
 from omnirelay.deploy.served_models import plan_models

@@ -36,8 +36,8 @@ import torch
 import yaml
 from PIL import Image
 
-from omnirelay.deploy.wan_builder import build_tiny_wan
-from omnirelay.deploy.zimage_builder import build_tiny_zimage
+from omnirelay.deploy.builders.wan import build_tiny_wan
+from omnirelay.deploy.builders.zimage import build_tiny_zimage
 from omnirelay.workers.generate.image import load_pipeline
 from omnirelay.workers.generate.sequence_parallel_group import (SequenceParallelDenoiser, SequenceParallelError,
                                                                 check_sequence_parallel)

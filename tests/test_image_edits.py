@@ -16,7 +16,7 @@ import requests
 import torch
 from PIL import Image
 
-from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
+from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.gateway.config import ServedModel
 from omnirelay.gateway.routes.image_edits import prepare_edit

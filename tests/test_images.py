@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from omnirelay.broker import protocol as p
-from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
+from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
@@ -91,8 +91,8 @@ def test_tiny_pipeline_is_an_ordinary_diffusers_directory(tiny_sd, pipe, tmp_pat
 
 
 def test_omni_make_model_tiny_sd(tmp_path, capsys):
-    from omnirelay.deploy.diffusion_builder import is_complete
-    from omnirelay.deploy.model_builder import main
+    from omnirelay.deploy.builders.stable_diffusion import is_complete
+    from omnirelay.deploy.builders.llm import main
 
     assert main(["tiny-sd", str(tmp_path / "sd"), "--seed", "1"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "sd") and is_complete(tmp_path / "sd")

@@ -1,4 +1,4 @@
-"""Tests for omnirelay.deploy.model_builder: the tiny offline Qwen2 the rest of the suite uses."""
+"""Tests for omnirelay.deploy.builders.llm: the tiny offline Qwen2 the rest of the suite uses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from omnirelay.deploy import model_builder as mb
+from omnirelay.deploy.builders import llm as mb
 
 transformers = pytest.importorskip("transformers")
 

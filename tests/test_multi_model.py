@@ -8,7 +8,7 @@ import base64
 import openai
 import pytest
 
-from omnirelay.deploy.model_builder import build_tiny_llm
+from omnirelay.deploy.builders.llm import build_tiny_llm
 
 from conftest import ServeProcess, hf_chat_greedy
 
@@ -38,7 +38,7 @@ def test_two_models_one_gateway(tiny_model, tmp_path):
 def test_models_of_different_kinds_get_their_own_pipelines(tiny_model, tmp_path):
     """No --stage-configs-path: a causal LM gets prefill → decode, a diffusers directory one generate
     stage, both behind one gateway; each answers on its own endpoint and refuses the other's."""
-    from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
+    from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
     images = str(build_tiny_text_to_image(tmp_path / "sd", seed=3))
     serve = ServeProcess(tiny_model, images, "--served-model-name", "text", "--served-model-name", "pictures",
                          log_path=str(tmp_path / "serve.log"))
@@ -58,7 +58,7 @@ def test_models_of_different_kinds_get_their_own_pipelines(tiny_model, tmp_path)
 
 
 def test_model_kinds_and_bundled_pipelines(tiny_model, tmp_path):
-    from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
+    from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
     from omnirelay.pipeline import PipelineError
     from omnirelay.deploy.served_models import plan_models
     from omnirelay.model_kind import model_kind

@@ -64,7 +64,7 @@ def _decoders(cluster: dict) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def tiny_omni(tmp_path_factory) -> str:
-    from omnirelay.deploy.omni_builder import build_tiny_omni
+    from omnirelay.deploy.builders.omni import build_tiny_omni
     return str(build_tiny_omni(tmp_path_factory.mktemp("models") / "tiny-omni", seed=0))
 
 

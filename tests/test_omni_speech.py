@@ -33,7 +33,7 @@ from PIL import Image
 
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.handoffs import SpeechHandoff
-from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model
+from omnirelay.deploy.builders.omni import build_tiny_omni, load_full_model
 from omnirelay.errors import BadRequest, TransferFailed
 from omnirelay.speech_params import SpeechParams
 from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask

@@ -21,7 +21,7 @@ import numpy as np
 import openai
 import pytest
 
-from omnirelay.deploy.omni_builder import build_tiny_omni
+from omnirelay.deploy.builders.omni import build_tiny_omni
 
 from conftest import ServeProcess
 from media_support import audio_part, image_part, random_png, thinker_reference, wav_bytes

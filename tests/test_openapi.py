@@ -60,9 +60,9 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(small_context_se
 
 @pytest.fixture(scope="module")
 def media_gateway(tmp_path_factory):
-    from omnirelay.deploy.diffusion_builder import build_tiny_text_to_image
-    from omnirelay.deploy.omni_builder import build_tiny_omni
-    from omnirelay.deploy.video_builder import build_tiny_text_to_video
+    from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
+    from omnirelay.deploy.builders.omni import build_tiny_omni
+    from omnirelay.deploy.builders.video import build_tiny_text_to_video
 
     models = tmp_path_factory.mktemp("models")
     omni = build_tiny_omni(models / "tiny-omni", seed=0)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from omnirelay.connectors.shared_memory import sweep_orphans
-from omnirelay.deploy.qwen3_builder import cached_qwen3
+from omnirelay.deploy.builders.qwen3 import cached_qwen3
 from omnirelay.workers.llm.expert_parallel import ExpertPlacementError, expert_range, token_chunks
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE, route

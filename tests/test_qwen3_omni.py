@@ -28,7 +28,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omnirelay.deploy.qwen3_omni_builder import build_tiny_qwen3_omni
+from omnirelay.deploy.builders.qwen3_omni import build_tiny_qwen3_omni
 from omnirelay.deploy.served_models import bundled_pipeline
 from omnirelay.model_kind import model_kind
 

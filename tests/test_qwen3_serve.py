@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from omnirelay.deploy.qwen3_builder import cached_qwen3
+from omnirelay.deploy.builders.qwen3 import cached_qwen3
 from omnirelay.workers.llm.models.llama import LlamaConfig
 
 from conftest import ServeProcess, hf_chat_greedy

@@ -47,7 +47,7 @@ TEXT = "Hello there, world."
 
 @pytest.fixture(scope="module")
 def tiny_tts(tmp_path_factory) -> str:
-    from omnirelay.deploy.qwen3_tts_builder import build_tiny_qwen3_tts
+    from omnirelay.deploy.builders.qwen3_tts import build_tiny_qwen3_tts
     return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_qwen3_tts)
 
 

@@ -85,7 +85,7 @@ def test_session_update_validates_each_field(tmp_path):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from omnirelay.deploy.omni_builder import build_tiny_omni
+    from omnirelay.deploy.builders.omni import build_tiny_omni
     model = str(build_tiny_omni(tmp_path_factory.mktemp("models") / MODEL, seed=0))
     c = Cluster(model, str(tmp_path_factory.mktemp("realtime-logs")), model_name=MODEL)
     try:

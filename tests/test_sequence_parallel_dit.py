@@ -20,7 +20,7 @@ from omnirelay.workers.generate.sequence_parallel_zimage import zimage_sequence_
 
 
 def _tiny_wan():
-    from omnirelay.deploy.wan_builder import _transformer
+    from omnirelay.deploy.builders.wan import _transformer
 
     torch.manual_seed(0)
     model = _transformer()
@@ -37,7 +37,7 @@ def _inputs():
 
 
 def _tiny_zimage():
-    from omnirelay.deploy.zimage_builder import _transformer
+    from omnirelay.deploy.builders.zimage import _transformer
 
     torch.manual_seed(0)
     model = _transformer()

@@ -17,8 +17,8 @@ import openai
 import pytest
 import torch
 
-from omnirelay.deploy.video_builder import build_tiny_text_to_video
-from omnirelay.deploy.wan_builder import build_tiny_wan
+from omnirelay.deploy.builders.video import build_tiny_text_to_video
+from omnirelay.deploy.builders.wan import build_tiny_wan
 from omnirelay.video_params import VideoParams
 from omnirelay.workers.generate.image import load_pipeline
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from omnirelay.broker import protocol as p
-from omnirelay.deploy.video_builder import build_tiny_text_to_video
+from omnirelay.deploy.builders.video import build_tiny_text_to_video
 from omnirelay.errors import BadRequest, NotFound, Overloaded, Unprocessable
 from omnirelay.video_params import MAX_CHUNK_CHARS, PROGRESS_MIME, VideoParams
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, encode_video, video_encoder
@@ -84,7 +84,7 @@ def decode_frames(data: bytes, mime: str) -> tuple[list[np.ndarray], float]:
 
 def test_tiny_video_pipeline_loads_offline_and_makes_moving_frames(tiny_video, pipe, tmp_path, capsys):
     from diffusers import DiffusionPipeline
-    from omnirelay.deploy.model_builder import main
+    from omnirelay.deploy.builders.llm import main
 
     assert type(pipe).__name__ == "TextToVideoSDPipeline"
     video = pipe(PROMPT, num_frames=4, num_inference_steps=2, generator=torch.Generator().manual_seed(0),

@@ -17,8 +17,8 @@ MODEL = "tiny-omni"
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    from omnirelay.deploy.model_builder import build_tiny_llm
-    from omnirelay.deploy.omni_builder import build_tiny_omni
+    from omnirelay.deploy.builders.llm import build_tiny_llm
+    from omnirelay.deploy.builders.omni import build_tiny_omni
     models = tmp_path_factory.mktemp("models")
     omni = build_tiny_omni(models / MODEL, seed=0)
     llm = build_tiny_llm(models / "tiny-llm", seed=0)

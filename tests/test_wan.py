@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from omnirelay.model_kind import model_kind
-from omnirelay.deploy.wan_builder import build_tiny_wan
+from omnirelay.deploy.builders.wan import build_tiny_wan
 from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest
 from omnirelay.video_params import VideoParams, is_video_pipeline

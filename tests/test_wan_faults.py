@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from omnirelay.deploy.wan_builder import build_tiny_wan
+from omnirelay.deploy.builders.wan import build_tiny_wan
 from media_support import pipeline_cluster, tiny_model_dir, wait_for_video
 from test_videos import decode_frames
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omnirelay.deploy.zimage_builder import build_tiny_zimage
+from omnirelay.deploy.builders.zimage import build_tiny_zimage
 from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams

@@ -29,7 +29,7 @@ then T5 at the pipeline's default ``max_sequence_length``), which every sequence
 Weights are a pure function of ``seed`` (each component under its own seeded RNG; the caller's
 global RNG is untouched) and the VAE decoder's output layer is widened so that images are not a
 flat grey. Everything is written into a temporary sibling directory and renamed into place, as in
-:mod:`omnirelay.deploy.model_builder`.
+:mod:`omnirelay.deploy.builders.llm`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .builder_steps import build_seeded, has_files, save_pipeline, seeded_parts, widen_vae_output
-from .tiny_diffusers import VAE_OUT_STD, clip_text_setup
+from omnirelay.deploy.builders.steps import build_seeded, has_files, save_pipeline, seeded_parts, widen_vae_output
+from omnirelay.deploy.builders.tiny_diffusers import VAE_OUT_STD, clip_text_setup
 
 MODEL_KIND = "tiny-dit"
 REQUIRED_FILES = ("model_index.json", "transformer/config.json", "vae/config.json",

@@ -8,7 +8,7 @@ token2wav (with the speaker table below).
 
 API (stable; the speech helper and the tests build on it)::
 
-    from omnirelay.deploy.omni_builder import build_tiny_omni, load_full_model, load_speakers, SPEAKERS
+    from omnirelay.deploy.builders.omni import build_tiny_omni, load_full_model, load_speakers, SPEAKERS
     path = build_tiny_omni(DIR, seed=0, force=False)   # -> pathlib.Path, built atomically
     speakers = load_speakers(DIR)   # {"Chelsie": {"cond": (1, 192) f32, "ref_mel": (1, 30, 80) f32,
                                     #              "bos_token": int}, "Ethan": {...}}
@@ -59,7 +59,7 @@ real checkpoint's order, and every config field that names a token id (audio/ima
 vision/audio bos, tts text bos/eos/pad, speaker bos) points at *our* ids.
 
 Weights are a pure function of ``seed`` (the caller's RNG is untouched) and the thinker's LM uses
-tiny-llm's per-module init (``model_builder.INIT_STD``) so greedy text is non-degenerate; the
+tiny-llm's per-module init (``llm.INIT_STD``) so greedy text is non-degenerate; the
 encoders' output projections are scaled up so an image or audio clip visibly changes the answer.
 """
 
@@ -69,7 +69,7 @@ import json
 import os
 import pathlib
 
-from .builder_steps import (build_seeded, has_files, omni_chat_template, omni_tokenizer, padded_vocab, reset_convs,
+from omnirelay.deploy.builders.steps import (build_seeded, has_files, omni_chat_template, omni_tokenizer, padded_vocab, reset_convs,
                             share_model_dir, write_omni_model, write_omni_processor)
 
 MODEL_KIND = "tiny-omni"
@@ -156,7 +156,7 @@ def _init_weights(model, seed: int, real_vocab: int, special_ids: set[int]) -> N
     """Overwrite the random init so the thinker's greedy text is non-degenerate (tiny-llm's recipe)."""
     import torch
 
-    from .model_builder import BIAS_STD, INIT_STD
+    from omnirelay.deploy.builders.llm import BIAS_STD, INIT_STD
 
     gen = torch.Generator().manual_seed(seed)
     thinker = model.thinker

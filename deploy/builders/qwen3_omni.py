@@ -9,7 +9,7 @@ talker + multi-codebook code predictor) and code2wav.
 
 API (stable; the serving code and tests build on it)::
 
-    from omnirelay.deploy.qwen3_omni_builder import build_tiny_qwen3_omni, SPEAKERS
+    from omnirelay.deploy.builders.qwen3_omni import build_tiny_qwen3_omni, SPEAKERS
     path = build_tiny_qwen3_omni(DIR, seed=0, force=False)      # -> pathlib.Path, built atomically
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(DIR)   # thinker + talker + code2wav
     thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(DIR)   # weights under thinker.*
@@ -43,7 +43,7 @@ codebooks; code2wav 2 layers x 64 wide, 1920 samples per code at 24 kHz. Loading
 well under a second on a CPU.
 
 Weights are a pure function of ``seed`` (the caller's RNG is untouched); the thinker's LM uses tiny-llm's
-per-module init (``model_builder.INIT_STD``, the experts like the dense MLP, routers wide enough that
+per-module init (``llm.INIT_STD``, the experts like the dense MLP, routers wide enough that
 tokens pick different experts) so greedy text is non-degenerate; the encoders' output projections are
 scaled up so an image or audio clip visibly changes the answer; code2wav's convolutions keep PyTorch's
 own init scale so its waveform is not silence. Every parameter is written from ``seed``: the talker's
@@ -56,7 +56,7 @@ import json
 import os
 import pathlib
 
-from .builder_steps import (build_seeded, has_files, omni_chat_template, omni_tokenizer, padded_vocab, reset_convs,
+from omnirelay.deploy.builders.steps import (build_seeded, has_files, omni_chat_template, omni_tokenizer, padded_vocab, reset_convs,
                             share_model_dir, write_omni_model, write_omni_processor)
 
 MODEL_KIND = "tiny-qwen3-omni"
@@ -154,7 +154,7 @@ def _init_weights(model, seed: int, real_vocab: int, special_ids: set[int]) -> N
     """Overwrite the random init so the thinker's greedy text is non-degenerate (tiny-llm's recipe)."""
     import torch
 
-    from .model_builder import INIT_STD
+    from omnirelay.deploy.builders.llm import INIT_STD
 
     gen = torch.Generator().manual_seed(seed)
     thinker = model.thinker

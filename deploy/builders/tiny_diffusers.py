@@ -1,4 +1,4 @@
-"""What the tiny diffusers builders (:mod:`.diffusion_builder`, :mod:`.video_builder`) share: the
+"""What the tiny diffusers builders (:mod:`.stable_diffusion`, :mod:`.video`) share: the
 tokenizer, text encoder, VAE and scheduler around their UNet, and the writing of the directory.
 
 Both write an ordinary diffusers directory, loadable offline with
@@ -21,7 +21,7 @@ caller's global RNG is untouched), and the VAE decoder's output layer is widened
 not a flat grey — different seeds and prompts give visibly different pictures.
 
 Everything is written into a temporary sibling directory and renamed into place, as in
-:mod:`omnirelay.deploy.model_builder`. :mod:`omnirelay.deploy.embedded` names its cache entries
+:mod:`omnirelay.deploy.builders.llm`. :mod:`omnirelay.deploy.embedded` names its cache entries
 after this module's source too, so a change here rebuilds both pipelines.
 """
 
@@ -33,7 +33,7 @@ import os
 import pathlib
 from typing import Any
 
-from .builder_steps import build_seeded, has_files, save_pipeline, seeded_parts, widen_vae_output
+from omnirelay.deploy.builders.steps import build_seeded, has_files, save_pipeline, seeded_parts, widen_vae_output
 
 REQUIRED_FILES = ("model_index.json", "unet/config.json", "vae/config.json", "scheduler/scheduler_config.json",
                   "text_encoder/config.json", "tokenizer/vocab.json", "tokenizer/merges.txt")

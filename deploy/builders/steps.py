@@ -29,8 +29,8 @@ def has_files(path: str | os.PathLike, names: Iterable[str]) -> bool:
 
 def build_seeded(path: str | os.PathLike, build_into: Callable[[pathlib.Path, int], None], seed: int, *,
                  force: bool, complete: Callable, what: str) -> pathlib.Path:
-    """``build_into(tmp, seed)`` atomically into ``path`` (see ``model_builder.build_atomically``)."""
-    from .model_builder import build_atomically
+    """``build_into(tmp, seed)`` atomically into ``path`` (see ``llm.build_atomically``)."""
+    from omnirelay.deploy.builders.llm import build_atomically
     return build_atomically(path, lambda tmp: build_into(tmp, seed), force=force, complete=complete, what=what)
 
 
@@ -84,7 +84,7 @@ def omni_tokenizer(out: pathlib.Path, specials: list[str], named_tokens: dict[st
     tokenizer_config does), saved into ``out`` over the base tokenizer's files."""
     from transformers import PreTrainedTokenizerFast
 
-    from .model_builder import _build_tokenizer as build_base
+    from omnirelay.deploy.builders.llm import _build_tokenizer as build_base
 
     base = build_base(out)
     if plain_words:

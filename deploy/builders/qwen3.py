@@ -1,6 +1,6 @@
 """Tiny random-weight Qwen3 and Qwen3-MoE causal LMs (``omni-make-model tiny-qwen3 | tiny-qwen3-moe``).
 
-Same recipe as ``tiny-llm`` (:mod:`.model_builder`: its tokenizer, chat template, per-module init
+Same recipe as ``tiny-llm`` (:mod:`.llm`: its tokenizer, chat template, per-module init
 scales and atomic build), on the Qwen3 architectures:
 
 * ``tiny-qwen3`` -- ``Qwen3ForCausalLM``: 4 layers, hidden 256, 4 query / 2 KV heads with an explicit
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .model_builder import (CHAT_TEMPLATE, INIT_STD, SPECIAL_TOKENS, _build_tokenizer, _patch_json, build_atomically, cached_model,
+from omnirelay.deploy.builders.llm import (CHAT_TEMPLATE, INIT_STD, SPECIAL_TOKENS, _build_tokenizer, _patch_json, build_atomically, cached_model,
                             is_complete)
 
 KINDS = ("tiny-qwen3", "tiny-qwen3-moe")
@@ -51,7 +51,7 @@ def _build_into(out_dir: pathlib.Path, seed: int, moe: bool, num_experts: int) -
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32).eval()
-        gen = torch.Generator().manual_seed(seed)   # weights: a pure function of the seed (see model_builder)
+        gen = torch.Generator().manual_seed(seed)   # weights: a pure function of the seed (see llm)
         for name, param in model.named_parameters():
             module, kind = name.split(".")[-2:]
             if module in INIT_STD and kind == "weight":

@@ -6,7 +6,7 @@ the readers transformers needs for it; :func:`convert` loads it with transformer
 ``config.json``, the generation config and the tokenizer, which every loader here reads.
 
 Standalone on purpose (torch, transformers and safetensors only, no omnirelay import), so the vLLM
-benchmark can run it by path in the peer's own venv: ``python deploy/smollm2.py OUT_DIR``.
+benchmark can run it by path in the peer's own venv: ``python deploy/builders/smollm2.py OUT_DIR``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ loadable offline with ``DiffusionPipeline.from_pretrained(DIR)`` (it resolves to
     DIR/scheduler/             UniPCMultistepScheduler over flow sigmas (flow_shift 3, as Wan 480p)
     DIR/text_encoder/          UMT5EncoderModel: 2 layers, 32 wide
     DIR/tokenizer/             byte-level BPE tokenizer (any ids the UMT5 vocabulary holds),
-                               trained offline by :func:`omnirelay.deploy.model_builder._build_tokenizer`
+                               trained offline by :func:`omnirelay.deploy.builders.llm._build_tokenizer`
 
 Sizes: 8 pixels per latent times the 2×2 patch make sides in multiples of 16; frames come as
 4·k + 1 (the VAE keeps the first frame and packs 4 per latent after it). A 64×64, 9-frame clip is
@@ -22,7 +22,7 @@ The transformers pin their norms and embeddings to float32 (``_keep_in_fp32_modu
 loads them without ``accelerate`` as well. Weights are a pure function of ``seed`` (each component
 under its own seeded RNG; the caller's global RNG is untouched). The VAE's decoder output is
 widened so that frames are not a flat grey. Written into a temporary sibling directory and renamed
-into place, as in :mod:`omnirelay.deploy.model_builder`.
+into place, as in :mod:`omnirelay.deploy.builders.llm`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .builder_steps import build_seeded, has_files, padded_vocab, save_pipeline, seeded_parts, widen_vae_output
+from omnirelay.deploy.builders.steps import build_seeded, has_files, padded_vocab, save_pipeline, seeded_parts, widen_vae_output
 
 MODEL_KIND = "tiny-wan"
 REQUIRED_FILES = ("model_index.json", "transformer/config.json", "transformer_2/config.json", "vae/config.json",
@@ -52,7 +52,7 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from .model_builder import _build_tokenizer
+    from omnirelay.deploy.builders.llm import _build_tokenizer
 
     tokenizer = _build_tokenizer(out / "tokenizer")
     text_config = UMT5Config(

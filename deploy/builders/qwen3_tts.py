@@ -29,7 +29,7 @@ import json
 import os
 import pathlib
 
-from .builder_steps import build_seeded, has_files, padded_vocab, share_model_dir
+from omnirelay.deploy.builders.steps import build_seeded, has_files, padded_vocab, share_model_dir
 
 MODEL_KIND = "tiny-qwen3-tts"
 RECIPE_VERSION = 1
@@ -56,8 +56,8 @@ def is_complete(path: str | os.PathLike) -> bool:
 def _build_tokenizer(out: pathlib.Path):
     from transformers import PreTrainedTokenizerFast
 
-    from .model_builder import CHAT_TEMPLATE
-    from .model_builder import _build_tokenizer as build_base
+    from omnirelay.deploy.builders.llm import CHAT_TEMPLATE
+    from omnirelay.deploy.builders.llm import _build_tokenizer as build_base
 
     base = build_base(out)
     # One token, as in Qwen's vocabulary: the package cuts its prompt at fixed offsets (3 tokens of
@@ -196,11 +196,11 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
 
 
 def build_tiny_qwen3_tts(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
-    """Write the tiny Qwen3-TTS model to ``path`` (atomically, see ``model_builder.build_atomically``)."""
+    """Write the tiny Qwen3-TTS model to ``path`` (atomically, see ``llm.build_atomically``)."""
     return build_seeded(path, _build_into, seed, force=force, complete=is_complete, what="Qwen3-TTS model")
 
 
 def cached_tiny_qwen3_tts() -> pathlib.Path:
     """The cached seed-0 build (tests share it)."""
-    from .model_builder import cached_model
+    from omnirelay.deploy.builders.llm import cached_model
     return cached_model(f"{MODEL_KIND}-v{RECIPE_VERSION}-seed0", lambda tmp: _build_into(tmp, 0), is_complete)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .tiny_diffusers import UNetPipeline, build, is_complete
+from omnirelay.deploy.builders.tiny_diffusers import UNetPipeline, build, is_complete
 
 MODEL_KIND = "tiny-video"
 NATIVE_FRAMES = 16

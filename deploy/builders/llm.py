@@ -3,16 +3,16 @@
 Usage::
 
     omni-make-model tiny-llm DIR [--seed N] [--force]
-    omni-make-model tiny-sd DIR [--seed N] [--force]     # diffusers text-to-image (diffusion_builder.py)
-    omni-make-model tiny-omni DIR [--seed N] [--force]   # Qwen2.5-Omni (omni_builder.py)
-    omni-make-model tiny-qwen3-omni DIR [--seed N] [--force]   # Qwen3-Omni (qwen3_omni_builder.py)
-    omni-make-model tiny-video DIR [--seed N] [--force]  # diffusers text-to-video (video_builder.py)
-    omni-make-model tiny-dit DIR [--seed N] [--force]    # diffusers text-to-image, SD3 transformer (dit_builder.py)
-    omni-make-model tiny-qwen3 DIR [--seed N] [--force]      # Qwen3 (q/k norm; qwen3_builder.py)
-    omni-make-model tiny-qwen3-moe DIR [--seed N] [--force]  # Qwen3-MoE, 8 experts top 2 (qwen3_builder.py)
-    omni-make-model tiny-zimage DIR [--seed N] [--force] # Z-Image (ZImagePipeline, zimage_builder.py)
-    omni-make-model tiny-qwen3-tts DIR [--seed N] [--force]   # Qwen3-TTS 12 Hz CustomVoice (qwen3_tts_builder.py)
-    omni-make-model tiny-wan DIR [--seed N] [--force]    # Wan 2.2 text-to-video (WanPipeline, wan_builder.py)
+    omni-make-model tiny-sd DIR [--seed N] [--force]     # diffusers text-to-image (stable_diffusion.py)
+    omni-make-model tiny-omni DIR [--seed N] [--force]   # Qwen2.5-Omni (omni.py)
+    omni-make-model tiny-qwen3-omni DIR [--seed N] [--force]   # Qwen3-Omni (qwen3_omni.py)
+    omni-make-model tiny-video DIR [--seed N] [--force]  # diffusers text-to-video (video.py)
+    omni-make-model tiny-dit DIR [--seed N] [--force]    # diffusers text-to-image, SD3 transformer (dit.py)
+    omni-make-model tiny-qwen3 DIR [--seed N] [--force]      # Qwen3 (q/k norm; qwen3.py)
+    omni-make-model tiny-qwen3-moe DIR [--seed N] [--force]  # Qwen3-MoE, 8 experts top 2 (qwen3.py)
+    omni-make-model tiny-zimage DIR [--seed N] [--force] # Z-Image (ZImagePipeline, zimage.py)
+    omni-make-model tiny-qwen3-tts DIR [--seed N] [--force]   # Qwen3-TTS 12 Hz CustomVoice (qwen3_tts.py)
+    omni-make-model tiny-wan DIR [--seed N] [--force]    # Wan 2.2 text-to-video (WanPipeline, wan.py)
 
 The result is an ordinary Hugging Face model directory, loadable offline with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``:
@@ -325,16 +325,16 @@ def cached_model(name: str, write, complete) -> pathlib.Path:
 
 # omni-make-model's other kinds: kind -> (module in this package, its builder, the builder's options).
 FAMILY_BUILDERS: dict[str, tuple[str, str, dict]] = {
-    "tiny-sd": ("diffusion_builder", "build_tiny_text_to_image", {}),
-    "tiny-video": ("video_builder", "build_tiny_text_to_video", {}),
-    "tiny-omni": ("omni_builder", "build_tiny_omni", {}),
-    "tiny-qwen3-omni": ("qwen3_omni_builder", "build_tiny_qwen3_omni", {}),
-    "tiny-dit": ("dit_builder", "build_tiny_dit", {}),
-    "tiny-qwen3": ("qwen3_builder", "build_tiny_qwen3", {}),
-    "tiny-qwen3-moe": ("qwen3_builder", "build_tiny_qwen3", {"moe": True}),
-    "tiny-zimage": ("zimage_builder", "build_tiny_zimage", {}),
-    "tiny-wan": ("wan_builder", "build_tiny_wan", {}),
-    "tiny-qwen3-tts": ("qwen3_tts_builder", "build_tiny_qwen3_tts", {}),
+    "tiny-sd": ("stable_diffusion", "build_tiny_text_to_image", {}),
+    "tiny-video": ("video", "build_tiny_text_to_video", {}),
+    "tiny-omni": ("omni", "build_tiny_omni", {}),
+    "tiny-qwen3-omni": ("qwen3_omni", "build_tiny_qwen3_omni", {}),
+    "tiny-dit": ("dit", "build_tiny_dit", {}),
+    "tiny-qwen3": ("qwen3", "build_tiny_qwen3", {}),
+    "tiny-qwen3-moe": ("qwen3", "build_tiny_qwen3", {"moe": True}),
+    "tiny-zimage": ("zimage", "build_tiny_zimage", {}),
+    "tiny-wan": ("wan", "build_tiny_wan", {}),
+    "tiny-qwen3-tts": ("qwen3_tts", "build_tiny_qwen3_tts", {}),
 }
 
 

@@ -13,7 +13,7 @@ offline with ``DiffusionPipeline.from_pretrained(DIR)`` (it resolves to ``ZImage
                                hidden states, so the transformer's caption width is 64)
     DIR/tokenizer/             a byte-level BPE tokenizer with a ChatML template (the pipeline wraps
                                each prompt in a chat turn), trained offline by
-                               :func:`omnirelay.deploy.model_builder._build_tokenizer`
+                               :func:`omnirelay.deploy.builders.llm._build_tokenizer`
 
 Sizes: the VAE's 8 pixels per latent times the transformer's 2×2 patches make images in multiples
 of 16 pixels (what ``ZImagePipeline`` itself demands). A 64×64 image is a 8×8 latent, 16 image
@@ -22,7 +22,7 @@ tokens; the caption adds its own tokens (padded to a multiple of 32 inside the t
 Weights are a pure function of ``seed`` (each component under its own seeded RNG; the caller's
 global RNG is untouched), and the VAE decoder's output layer is widened so that images are not a
 flat grey. Everything is written into a temporary sibling directory and renamed into place, as in
-:mod:`omnirelay.deploy.model_builder`.
+:mod:`omnirelay.deploy.builders.llm`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .builder_steps import build_seeded, has_files, padded_vocab, save_pipeline, seeded_parts, widen_vae_output
-from .tiny_diffusers import VAE_OUT_STD
+from omnirelay.deploy.builders.steps import build_seeded, has_files, padded_vocab, save_pipeline, seeded_parts, widen_vae_output
+from omnirelay.deploy.builders.tiny_diffusers import VAE_OUT_STD
 
 MODEL_KIND = "tiny-zimage"
 REQUIRED_FILES = ("model_index.json", "transformer/config.json", "vae/config.json",
@@ -53,7 +53,7 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
     from transformers import Qwen3Config, Qwen3Model
 
-    from .model_builder import _build_tokenizer
+    from omnirelay.deploy.builders.llm import _build_tokenizer
 
     tokenizer = _build_tokenizer(out / "tokenizer")
     text_config = Qwen3Config(
