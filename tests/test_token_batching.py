@@ -27,6 +27,7 @@ class ScriptedEngine:
     """Returns the given step outputs, one per ``step()``."""
 
     connector = None
+    prefix_caching = False   # what a PrefillRole reads to declare (or not) a prefix cache to the loop
 
     def __init__(self, *steps: StepOutput):
         self._steps = list(steps)
