@@ -41,8 +41,6 @@ import heapq
 import itertools
 import math
 import uuid
-import dataclasses
-import enum
 import logging
 
 import msgspec
@@ -52,6 +50,7 @@ from omnirelay.errors import BadRequest, DeadlineExceeded, Overloaded, TransferF
 from . import protocol as p
 from .config import BrokerConfig
 from .prefix_index import MAX_PROMPT_BLOCKS, PrefixSet, pick_worker
+from .records import BACKOFF, QUEUED, RUNNING, RequestState, WorkerState
 
 log = logging.getLogger("omnirelay.broker")
 
@@ -64,65 +63,6 @@ RETRYABLE_ERRORS = frozenset({TransferFailed.error_type, WorkerLost.error_type})
 BACKOFF_ERRORS = frozenset({TransferFailed.error_type})
 
 Outgoing = tuple[bytes, p.Message]
-
-
-class Phase(enum.Enum):
-    QUEUED = "queued"
-    BACKOFF = "backoff"     # restarting after a failed transfer, queued again once not_before passes
-    RUNNING = "running"
-
-
-# Python 3.11 finds an enum member through the metaclass (~0.1 µs a lookup, several per message):
-# the handlers read these module globals instead.
-QUEUED, BACKOFF, RUNNING = Phase.QUEUED, Phase.BACKOFF, Phase.RUNNING
-
-
-@dataclasses.dataclass(slots=True)
-class WorkerState:
-    worker_id: str
-    identity: bytes
-    role: str
-    model: str
-    capacity: int
-    pid: int
-    host: str
-    last_seen: float
-    credits: int = 0
-    running: int = 0
-    waiting: int = 0
-    free_kv_blocks: int = -1
-    stats: dict = dataclasses.field(default_factory=dict)
-    tasks: set[str] = dataclasses.field(default_factory=set)
-    block_size: int = 0                 # > 0: reports its prefix cache (prefix-aware routing)
-    prefix: PrefixSet | None = None
-    dispatched: int = 0                 # tasks sent to it since it registered
-    prefix_routed: int = 0              # … of which went to it for a cached prefix
-
-    def describe(self, now: float) -> dict:
-        return {"worker_id": self.worker_id, "role": self.role, "model": self.model, "pid": self.pid,
-                "host": self.host, "capacity": self.capacity, "credits": self.credits,
-                "assigned": len(self.tasks), "running": self.running, "waiting": self.waiting,
-                "free_kv_blocks": self.free_kv_blocks, "stats": dict(self.stats),
-                "last_seen_s": round(now - self.last_seen, 3), "dispatched": self.dispatched,
-                "prefix_routed": self.prefix_routed, "block_size": self.block_size,
-                "prefix_keys": len(self.prefix) if self.prefix is not None else 0}
-
-
-@dataclasses.dataclass(slots=True)
-class RequestState:
-    spec: p.Submit
-    gateway: bytes
-    stage_index: int = 0
-    inputs: p.Handoff | None = None   # what this stage reads: carried, never looked inside
-    phase: Phase = QUEUED
-    worker_id: str | None = None
-    attempts: int = 0
-    dispatched_at: float = 0.0
-    not_before: float = 0.0             # in BACKOFF: when it may be queued again
-
-    @property
-    def stage(self) -> str:
-        return self.spec.stages[self.stage_index]
 
 
 class BrokerCore:
