@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest
+from omnirelay.errors import BadRequest, PayloadTooLarge
 from omnirelay.image_params import ImageParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
@@ -76,7 +76,7 @@ class GenerateImageRole(RoleAdapter):
             if len(data) > MAX_MEDIA_CHARS:
                 self.engine.cancel(image.request_id)
                 self._reply_to.pop(image.request_id, None)
-                out.append(self.failure(image.request_id, self.role, "payload_too_large",
+                out.append(self.failure(image.request_id, self.role, PayloadTooLarge.error_type,
                                         f"image {image.index} is {len(image.png)} bytes as PNG; "
                                         f"the limit of one message is {MAX_MEDIA_CHARS * 3 // 4}"))
                 continue

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest, OmniError, WorkerLost
+from omnirelay.errors import BadRequest, OmniError, PayloadTooLarge, WorkerLost
 from omnirelay.video_params import MAX_CHUNK_CHARS, MAX_VIDEO_BYTES, PROGRESS_INDEX, PROGRESS_MIME, VideoParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
@@ -102,7 +102,7 @@ class GenerateVideoRole(RoleAdapter):
                 continue
             self._forget(video.request_id)
             if len(video.data) > self.max_video_bytes:
-                out.append(self.failure(video.request_id, self.role, "payload_too_large",
+                out.append(self.failure(video.request_id, self.role, PayloadTooLarge.error_type,
                                         f"the video is {len(video.data)} bytes; this worker sends at most "
                                         f"{self.max_video_bytes}"))
                 continue
