@@ -20,7 +20,7 @@ from omnirelay.errors import TransferFailed
 from omnirelay.handoffs import SpeechHandoff, piece_key
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
-from omnirelay.workers.kv.prefetch import ImportState, KVPrefetcher
+from omnirelay.workers.runtime.transfers import TransferPool, TransferState
 from omnirelay.workers.llm.prefill import PrefillEngine
 
 from engine_support import (  # noqa: F401  (fixtures)
@@ -144,7 +144,7 @@ def test_running_sequence_keeps_stepping_while_another_kv_import_is_held(model, 
             out = engine.step()
             assert [t.request_id for t in out.tokens] == ["r0"] and not out.failed
             outputs["r0"].append(out.tokens[0].token)
-            assert waiting_seq(engine, "r1").kv_import.state is ImportState.IMPORTING
+            assert waiting_seq(engine, "r1").kv_import.state is TransferState.RUNNING
             assert engine.stats["kv_imports_inflight"] == 1
         held.let_through(b_key)
         failed = step_until(engine, outputs, lambda: not engine.has_work)
@@ -177,7 +177,7 @@ def test_greedy_output_with_a_held_import_equals_transformers(model, tok, refere
             for token in out.tokens:
                 outputs[token.request_id].append(token.token)
             assert out.tokens and "r1" not in {t.request_id for t in out.tokens}
-        assert waiting_seq(engine, "r1").kv_import.state is ImportState.IMPORTING
+        assert waiting_seq(engine, "r1").kv_import.state is TransferState.RUNNING
         held.let_through()
         assert not step_until(engine, outputs, lambda: not engine.has_work)
     finally:
@@ -302,7 +302,7 @@ def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connecto
         for _ in range(3):
             assert not engine.step().tokens
         assert time.monotonic() - started >= 2 * DecodeEngine.IDLE_WAIT_S
-        assert waiting_seq(engine, "r2").kv_import.state is ImportState.QUEUED and keys[2] not in held.gets
+        assert waiting_seq(engine, "r2").kv_import.state is TransferState.QUEUED and keys[2] not in held.gets
         assert engine.stats["kv_imports_inflight"] == 3
         held.let_through()
         assert not step_until(engine, outputs, lambda: not engine.has_work)
@@ -324,7 +324,7 @@ def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connecto
     engine.step()
     held.wait_entered(keys[0])
     queued = waiting_seq(engine, "r1").kv_import
-    assert queued.state is ImportState.QUEUED
+    assert queued.state is TransferState.QUEUED
     closer = threading.Thread(target=engine.close)
     closer.start()
     closer.join(0.2)
@@ -333,7 +333,7 @@ def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connecto
     closer.join(10)
     assert not closer.is_alive() and not any(t.is_alive() for t in held.threads)
     # r1's import never started; close() released its key (one get without waiting, then delete).
-    assert queued.state is ImportState.CANCELLED and held.gets.count(keys[1]) == 1
+    assert queued.state is TransferState.CANCELLED and held.gets.count(keys[1]) == 1
     assert shm_keys(tmp_path) == []
     engine.close()   # idempotent
 
@@ -356,9 +356,9 @@ def test_close_does_not_wait_out_a_blocked_release_of_a_queued_import(model, tok
         started = time.monotonic()
         engine.close()
         waited = time.monotonic() - started
-        assert KVPrefetcher.CLOSE_JOIN_S * 0.9 <= waited < KVPrefetcher.CLOSE_JOIN_S + 2
+        assert TransferPool.CLOSE_JOIN_S * 0.9 <= waited < TransferPool.CLOSE_JOIN_S + 2
         held.wait_entered(keys[1])   # the release had started: it was waiting in its get
-        assert waiting_seq(engine, "r1").kv_import.state is ImportState.CANCELLED
+        assert waiting_seq(engine, "r1").kv_import.state is TransferState.CANCELLED
     finally:
         held.let_through()
     for thread in list(held.threads):
@@ -389,7 +389,7 @@ def test_close_does_not_wait_out_a_get_in_progress(model, tok, tmp_path, connect
         started = time.monotonic()
         engine.close()
         waited = time.monotonic() - started
-        assert KVPrefetcher.CLOSE_JOIN_S * 0.9 <= waited < 5 and thread.is_alive()
+        assert TransferPool.CLOSE_JOIN_S * 0.9 <= waited < 5 and thread.is_alive()
         decode_side.close()   # what the owner does right after
         held.let_through()
         thread.join(10)

@@ -2,15 +2,15 @@
 
 Life of a request through this engine::
 
-    add(DecodeTask) ──▶ waiting ──next step: its KV import starts (KVPrefetcher: connector gets on
-        a background thread, every key deleted)──▶ importing KV ──▶ ready: KV on the host
+    add(DecodeTask) ──▶ waiting ──next step: its KV import starts (a TransferPool job: connector gets on
+        a transfer thread, every key deleted)──▶ importing KV ──▶ ready: KV on the host
         ──admit: blocks free and a batch slot──▶ KV written into its blocks ──▶ running
         ──step() × n: one token per running sequence──▶ finished (EOS / stop token / max_tokens /
         context full) → blocks released
     importing KV ──the import failed──▶ its keys released ──▶ failed with the error's error_type
         (the broker restarts it from prefill under a new attempt, with new keys, or fails it)
     waiting / importing / ready ──cancel or deadline──▶ gone: its import dropped and its keys
-        released (an import in flight runs out its own get first, see kv_prefetch)
+        released (an import in flight runs out its own get first, see runtime.transfers)
 
     running ──blocks ran out──▶ preempted: blocks released, back to the front of waiting; on
         re-admission its KV is recomputed from prompt + tokens so far (never a failure); a
@@ -30,7 +30,7 @@ The block allocator lives here; the model and its pool sit behind a
 hold head/layer shards of the same block ids): the imports run in this process (rank 0) and only
 the step thread writes into the pool. The engine holds no sockets: it returns token deltas and
 finished/failed requests to the runtime. Its owner calls :meth:`DecodeEngine.close` before closing
-the connector; it joins the import threads for at most ``KVPrefetcher.CLOSE_JOIN_S`` (one still
+the connector; it joins the import threads for at most ``TransferPool.CLOSE_JOIN_S`` (one still
 inside a get ends by itself when the get returns, touching the connector only to release its keys).
 A failed request's speech prompt key, like a cancelled one's, is deleted: it will never be read.
 
@@ -57,7 +57,8 @@ from omnirelay.handoffs import SpeechHandoff, release_kv
 
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.kv.cache import BlockAllocator, PagedKVCache
-from omnirelay.workers.kv.prefetch import ImportState, KVImport, KVPrefetcher
+from omnirelay.workers.kv.prefetch import KVImport, kv_prefetcher
+from omnirelay.workers.runtime.transfers import Transfer, TransferState
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
 from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from omnirelay.workers.llm.models.llama import LlamaModel
@@ -95,7 +96,7 @@ class Sequence:
     num_cached: int = 0            # tokens whose KV is in this sequence's blocks
     needs_recompute: bool = False  # preempted: KV must be rebuilt from tokens
     swapped: torch.Tensor | None = None   # preempted media sequence: its KV, kept in host memory
-    kv_import: KVImport | None = None     # the prefill's KV on its way; owns task.kv_key once started
+    kv_import: Transfer[torch.Tensor] | None = None     # the prefill's KV on its way; owns task.kv_key once started
     hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm state of each fed token
 
     def __post_init__(self) -> None:
@@ -154,8 +155,8 @@ class DecodeEngine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.transfer_timeout_s = transfer_timeout_s
-        self._prefetch = KVPrefetcher(connector, timeout_s=transfer_timeout_s, max_held=max_num_seqs,
-                                      threads=kv_import_threads)
+        self._prefetch = kv_prefetcher(connector, timeout_s=transfer_timeout_s, max_held=max_num_seqs,
+                                       threads=kv_import_threads)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.stats = collections.Counter()
@@ -191,8 +192,8 @@ class DecodeEngine:
         return False
 
     def close(self) -> None:
-        """Stop the KV import threads and join them for at most ``KVPrefetcher.CLOSE_JOIN_S`` (an
-        import in flight runs out its get first; see kv_prefetch). Call before closing the
+        """Stop the KV import threads and join them for at most ``TransferPool.CLOSE_JOIN_S`` (an
+        import in flight runs out its get first; see runtime.transfers). Call before closing the
         connector. Idempotent."""
         self._prefetch.close()
 
@@ -230,8 +231,8 @@ class DecodeEngine:
             if seq.needs_recompute or seq.kv_import is not None or self._rejected(seq, out):
                 continue
             key, seq.task.kv_key = seq.task.kv_key, ""
-            seq.kv_import = self._prefetch.submit(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
-                                                  seq.task.deadline)
+            seq.kv_import = self._prefetch.submit(KVImport(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
+                                                           seq.task.deadline))
 
     def _rejected(self, seq: Sequence, out: StepOutput) -> bool:
         """Fail (and take out of waiting) a sequence this worker can never run."""
@@ -268,7 +269,7 @@ class DecodeEngine:
             fresh = not seq.needs_recompute
             if fresh and not seq.kv_import.finished:
                 continue
-            if fresh and seq.kv_import.state is ImportState.FAILED:   # its KV keys were released
+            if fresh and seq.kv_import.state is TransferState.FAILED:   # its KV keys were released
                 self.waiting.remove(seq)
                 self._drop_speech_key(seq)
                 error = seq.kv_import.error
