@@ -1,8 +1,10 @@
 """``omni-worker --role encode|prefill|decode|generate --model DIR --broker ENDPOINT``: one worker daemon.
 
-Builds the worker's parts in order — config, model, connector, engine, role adapter, runtime — and
-runs the runtime until SIGTERM/SIGINT, then drains. Ranks of a GPU group beyond rank 0 never talk
-to the broker (tensor/pipeline parallelism is set up inside the engine).
+Reads the config, looks up the builder of this role for the model's kind in the role table
+(:mod:`omnirelay.workers.role_table`; a role the kind has no builder for exits with status 2 before
+anything loads), which loads the model and opens the connector, engine and role adapter; then runs
+the runtime until SIGTERM/SIGINT, and drains. Ranks of a GPU group beyond rank 0 never talk to the
+broker (tensor/pipeline parallelism is set up inside the engine).
 
 Devices (:mod:`omnirelay.workers.runtime.devices`): ``--devices 0,1`` puts rank i of a prefill/decode group
 on ``cuda:<i-th id>``; without it a host with CUDA uses cuda:0..N-1 and a host without runs on the
@@ -19,118 +21,35 @@ import argparse
 import json
 import logging
 import os
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from omnirelay.connectors import create_connector
-from omnirelay.connectors.timing import TimedConnector
 from omnirelay.pipeline import (ConnectorSpec, PipelineError, default_llm_pipeline, load_pipeline,
                                        parse_pipeline)
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
-from omnirelay.model_kind import ModelKind, model_kind
+from omnirelay.model_kind import model_kind
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 
-from omnirelay.workers.runtime.config import WorkerConfig
-from omnirelay.workers.llm.decode import DecodeEngine
-from omnirelay.workers.runtime.devices import KVBudgetError, parse_device_ids, resolve_devices
-from omnirelay.workers.encode.role import build_encode_role
-from omnirelay.workers.generate.image_role import build_generate_role
-from omnirelay.workers.generate.video_role import build_generate_video_role
-from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
-from omnirelay.workers.llm.models.llama import LlamaModel
-from omnirelay.mrope import MropeSpec
-from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner, ParallelGroupLost
-from omnirelay.workers.llm.prefill import PrefillEngine
-from omnirelay.workers.speech.qwen3_tts_role import build_qwen3_tts_role
-from omnirelay.workers.runtime.roles import DecodeRole, PrefillRole
-from omnirelay.workers.runtime.loop import WorkerRuntime
 from omnirelay.workers.generate.sequence_parallel_group import SequenceParallelGroupLost
-from omnirelay.workers.speech.role import build_speech_role
-from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
+from omnirelay.workers.role_table import role_builder
+from omnirelay.workers.runtime.assembly import RoleBuilder, closed_on_error
+from omnirelay.workers.runtime.config import WorkerConfig
+from omnirelay.workers.runtime.devices import KVBudgetError, parse_device_ids, resolve_devices
+from omnirelay.workers.runtime.loop import WorkerRuntime
+from omnirelay.workers.runtime.parallel import ParallelGroupLost
 
 log = logging.getLogger("omnirelay.worker")
 
 
-def build_runtime(config: WorkerConfig, shutdown: Shutdown | None = None,
+def build_runtime(config: WorkerConfig, build: RoleBuilder, shutdown: Shutdown | None = None,
                   keys: CurveKeys | None = None, on_fatal: Callable[[str], None] | None = None) -> WorkerRuntime:
-    """``on_fatal(reason)``: called once, from any thread, when the worker can no longer serve
-    (a generate worker's sequence-parallel group lost a rank); it should request the shutdown."""
-    if config.role == "encode":   # Qwen2.5-Omni's vision and audio encoders; embeddings out by connector
-        connector = TimedConnector(create_connector(config.connector, config.connector_options))
-        role, stats = build_encode_role(config, connector)
-        return WorkerRuntime(config, role, stats, shutdown, keys, owned=(connector,))
-    kind = model_kind(config.model_path)
-    if config.role == "generate" and kind is ModelKind.QWEN3_TTS:   # Qwen3-TTS: text in, no connector
-        role, stats = build_qwen3_tts_role(config)
-        return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine,))
-    if config.role == "generate" and kind.is_omni:   # Qwen2.5-Omni / Qwen3-Omni: talker + vocoder
-        connector = TimedConnector(create_connector(config.connector, config.connector_options))
-        role, stats = build_speech_role(config, connector)
-        # The engine first: closing it joins its synthesis thread before the connector goes.
-        return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine, connector))
-    if config.role == "generate" and kind is ModelKind.TEXT_TO_VIDEO:   # no KV cache, no connector yet
-        role, stats = build_generate_video_role(config, on_lost=on_fatal)
-        # Owned: closing the group stops ranks 1..N-1 of a sequence-parallel Wan worker.
-        owned = (role.sequence_parallel,) if role.sequence_parallel is not None else ()
-        return WorkerRuntime(config, role, stats, shutdown, keys, owned=owned)
-    if config.role == "generate":   # a text-to-image diffusers pipeline directory
-        role, stats = build_generate_role(config, on_lost=on_fatal)
-        # The engine is owned: closing it stops ranks 1..N-1 of a sequence-parallel group.
-        return WorkerRuntime(config, role, stats, shutdown, keys, owned=(role.engine,))
-    runner = _model_runner(config)
-    model_cfg = runner.config
-    max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-    if max_model_len > model_cfg.max_position_embeddings:
-        runner.close()
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings {model_cfg.max_position_embeddings}")
-    connector = TimedConnector(create_connector(config.connector, config.connector_options))
-    # Structured outputs: one compile cache per worker over the model's tokenizer (loaded on first use).
-    grammars = GrammarSampler(GrammarCompilerCache(config.model_path, model_cfg.vocab_size, model_cfg.eos_token_ids))
-    if config.role == "prefill":
-        engine = PrefillEngine(runner, connector, max_model_len=max_model_len,
-                               max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
-                               kv_transfer=config.kv_transfer,
-                               mrope=MropeSpec.from_config(json.loads((Path(config.model_path) / "config.json").read_text())),
-                               grammars=grammars)
-        role = PrefillRole(config.worker_id, engine)
-        closes_first: tuple = ()
-
-        def stats() -> dict:
-            return {"running": len(engine.running), "waiting": len(engine.waiting),
-                    "free_kv_blocks": engine.allocator.free, "kv_blocks_total": runner.num_blocks - 1,
-                    "prefix_cached_blocks": engine.allocator.num_cached, **engine.stats, **grammars.stats,
-                    **_connector_stats(connector)}
-    else:
-        engine = DecodeEngine(runner, None, connector, max_num_seqs=config.capacity, max_model_len=max_model_len,
-                              grammars=grammars)
-        role = DecodeRole(config.worker_id, engine)
-        closes_first = (engine,)   # joins its KV import threads, which use the connector
-
-        def stats() -> dict:
-            return {"running": len(engine.running), "waiting": len(engine.waiting),
-                    "free_kv_blocks": engine.allocator.free, "kv_blocks_total": runner.num_blocks - 1,
-                    **engine.stats, **grammars.stats, **_connector_stats(connector)}
-    log.info("%s worker %s ready: model %s (%s), max_model_len %d", config.role, config.worker_id,
-             config.model_path, config.dtype, max_model_len)
-    # The runner is owned too: closing it stops ranks 1..N-1 of a parallel group.
-    return WorkerRuntime(config, role, stats, shutdown, keys, owned=(*closes_first, connector, runner))
-
-
-def _model_runner(config: WorkerConfig) -> ModelRunner:
-    """This process's model and KV pool, or rank 0 of a TP × PP group whose other ranks it starts."""
-    devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
-    if len(devices) == 1:
-        model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype), device=devices[0])
-        return local_runner(model, block_size=config.block_size, budget_bytes=config.kv_cache_bytes,
-                            gpu_memory_utilization=config.gpu_memory_utilization)
-    group = GroupConfig(config.model_path, tp_size=config.tensor_parallel_size,
-                        pp_size=config.pipeline_parallel_size, dtype=config.dtype, block_size=config.block_size,
-                        threads=config.threads, devices=devices, kv_cache_bytes=config.kv_cache_bytes,
-                        gpu_memory_utilization=config.gpu_memory_utilization, expert_parallel=config.expert_parallel)
-    return GroupRunner(group)
+    """The runtime around what ``build`` (this worker's entry of the role table) assembles.
+    ``on_fatal(reason)``: called once, from any thread, when the worker can no longer serve (a
+    generate worker's sequence-parallel group lost a rank); it should request the shutdown."""
+    built = build(config, on_fatal)
+    with closed_on_error(*built.owned):
+        return WorkerRuntime(config, built.adapter, built.stats, shutdown, keys, owned=built.owned)
 
 
 def _resolve_worker_devices(config: WorkerConfig) -> tuple[str, ...]:
@@ -146,11 +65,6 @@ def _resolve_worker_devices(config: WorkerConfig) -> tuple[str, ...]:
         raise ValueError(f"--devices {','.join(map(str, config.devices))}: the {sp} sequence-parallel ranks run on the "
                          "CPU (gloo) in this build and cannot use CUDA devices yet; leave --devices out")
     return ("cpu",) * world
-
-
-def _connector_stats(connector) -> dict:
-    return {f"connector_{k}": v for k, v in connector.health().items() if isinstance(v, (int, float))
-            and not isinstance(v, bool)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
                                     else args.sequence_parallel_size),
             expert_parallel=bool(args.enable_expert_parallel or stage.enable_expert_parallel))
         devices = _resolve_worker_devices(config)
+        build = role_builder(config.role, model_kind(config.model_path))   # before anything loads
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker)
-    except (ValueError, json.JSONDecodeError, PipelineError) as exc:   # SecurityError included
+    except (ValueError, json.JSONDecodeError, PipelineError) as exc:   # SecurityError, UnsupportedRole included
         parser.error(str(exc))
     shutdown = Shutdown().install()
     if config.role not in ("prefill", "decode") and devices[0].startswith("cuda"):
@@ -243,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown.request()
 
     try:
-        runtime = build_runtime(config, shutdown, keys, on_fatal)
+        runtime = build_runtime(config, build, shutdown, keys, on_fatal)
     except KVBudgetError as exc:
         parser.error(str(exc))
     except SequenceParallelGroupLost as exc:   # a rank died while starting: its own output is above

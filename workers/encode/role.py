@@ -20,10 +20,10 @@ import torch
 from omnirelay.errors import BadRequest
 from omnirelay.broker import protocol as p
 from omnirelay.handoffs import Handoff, MediaInputs
-from omnirelay.model_kind import ModelKind, model_kind
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
+from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error, open_connector
 from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
 
 if TYPE_CHECKING:
@@ -46,49 +46,46 @@ class EncodeRole(RoleAdapter):
     role = "encode"
 
     def __init__(self, worker_id: str, engine: EncodeEngine):
-        super().__init__(worker_id)
-        self.engine = engine
-        self.connector = engine.connector   # to delete its own output when the request died meanwhile
+        # The engine's connector: to delete its own output when the request died meanwhile.
+        super().__init__(worker_id, engine, engine.connector)
 
     def accept(self, task: p.Task) -> list[Outbound]:
-        if task.request_id in self._attempts:
-            self.engine.cancel(task.request_id)   # re-dispatched while we hold it: the new attempt wins
+        self._replace_held(task)
         try:
             items = _items(task.inputs)
         except ValueError as exc:
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, str(exc), attempt=task.attempt)]
-        self._attempts[task.request_id] = task.attempt
+        self._hold(task, reply_to=False)   # nothing goes to the gateway from here
         self.engine.add(EncodeTask(task.request_id, items, task.deadline, task.attempt))
         return []
 
-    def cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
-        self._attempts.pop(request_id, None)
-
     def step(self) -> list[Outbound]:
-        out: list[Outbound] = []
-        for result in self.engine.step():
-            if result.error_type:
-                out.append(self.failure(result.request_id, self.role, result.error_type, result.message))
-            else:
-                out.append(self._done(result.request_id, result.outputs, False))
-        return out
+        return [self.failure(result.request_id, self.role, result.error_type, result.message) if result.error_type
+                else self._done(result.request_id, result.outputs, False) for result in self.engine.step()]
 
 
-def build_encode_role(config: WorkerConfig, connector) -> tuple[EncodeRole, Callable[[], dict]]:
-    """The role adapter and heartbeat-stats function of an encode worker for a Qwen2.5-Omni or
-    Qwen3-Omni directory (by its ``model_type``); ``config.capacity`` bounds the requests encoded together in one step."""
-    dtype = getattr(torch, config.dtype)
-    if model_kind(config.model_path) is ModelKind.QWEN3_OMNI:
-        from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
-        encoders: OmniEncoders | Qwen3OmniEncoders = Qwen3OmniEncoders(config.model_path, dtype=dtype)
-    else:
-        encoders = OmniEncoders(config.model_path, dtype=dtype)
-    engine = EncodeEngine(encoders, connector, max_batch=max(1, config.capacity))
+def build_encode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
+    """An encode worker for a Qwen2.5-Omni directory."""
+    return _build(config, lambda dtype: OmniEncoders(config.model_path, dtype=dtype))
+
+
+def build_qwen3_omni_encode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
+    """An encode worker for a Qwen3-Omni directory."""
+    from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
+    return _build(config, lambda dtype: Qwen3OmniEncoders(config.model_path, dtype=dtype))
+
+
+def _build(config: WorkerConfig, load_encoders: Callable[[torch.dtype], OmniEncoders | Qwen3OmniEncoders]
+           ) -> BuiltRole:
+    """The role adapter, heartbeat stats and owned connector of an encode worker; ``config.capacity``
+    bounds the requests encoded together in one step."""
+    connector = open_connector(config)
+    with closed_on_error(connector):
+        engine = EncodeEngine(load_encoders(getattr(torch, config.dtype)), connector, max_batch=max(1, config.capacity))
     log.info("encode worker: %s, batch up to %d requests", config.model_path, engine.max_batch)
 
     def stats() -> dict:
         return {"running": 0, "waiting": len(engine.waiting), "encoder_cache_items": len(engine.cache),
                 **engine.stats}
 
-    return EncodeRole(config.worker_id, engine), stats
+    return BuiltRole(EncodeRole(config.worker_id, engine), stats, owned=(connector,))

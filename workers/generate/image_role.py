@@ -22,13 +22,14 @@ from typing import Callable
 import torch
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest, PayloadTooLarge
+from omnirelay.errors import PayloadTooLarge
 from omnirelay.image_params import ImageParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, load_pipeline
+from omnirelay.workers.generate.assembly import denoiser_dtype, denoising_stats, start_denoiser_ranks
+from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error
 from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
-from omnirelay.workers.generate.sequence_parallel_group import SequenceParallelDenoiser
 
 log = logging.getLogger("omnirelay.worker.generate")
 
@@ -39,32 +40,12 @@ MAX_MEDIA_CHARS = p.MAX_BODY_BYTES - 64 * 1024
 
 class GenerateImageRole(RoleAdapter):
     role = "generate"
-
-    def __init__(self, worker_id: str, engine: GenerateImageEngine):
-        super().__init__(worker_id)
-        self.engine = engine
-        self._reply_to: dict[str, str] = {}
+    engine: GenerateImageEngine
 
     def accept(self, task: p.Task) -> list[Outbound]:
-        if task.request_id in self._reply_to:
-            self.cancel(task.request_id)   # the broker re-dispatched a request we still hold: the new attempt wins
-        try:
-            params = ImageParams.from_wire(task.sampling)
-            self.engine.add(ImageTask(task.request_id, params, task.deadline))
-        except BadRequest as exc:
-            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid image request: {exc.message}",
-                                 attempt=task.attempt)]
-        except (TypeError, ValueError) as exc:
-            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid image request: {exc}",
-                                 attempt=task.attempt)]
-        self._reply_to[task.request_id] = task.reply_to
-        self._attempts[task.request_id] = task.attempt
-        return []
-
-    def cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
-        self._reply_to.pop(request_id, None)
-        self._attempts.pop(request_id, None)
+        self._replace_held(task)
+        return self._queue(task, "image request",
+                           lambda: ImageTask(task.request_id, ImageParams.from_wire(task.sampling), task.deadline))
 
     def step(self) -> list[Outbound]:
         result = self.engine.step()
@@ -75,10 +56,9 @@ class GenerateImageRole(RoleAdapter):
             data = base64.b64encode(image.png).decode("ascii")
             if len(data) > MAX_MEDIA_CHARS:
                 self.engine.cancel(image.request_id)
-                self._reply_to.pop(image.request_id, None)
-                out.append(self.failure(image.request_id, self.role, PayloadTooLarge.error_type,
-                                        f"image {image.index} is {len(image.png)} bytes as PNG; "
-                                        f"the limit of one message is {MAX_MEDIA_CHARS * 3 // 4}"))
+                out.append(self._engine_failed(image.request_id, PayloadTooLarge.error_type,
+                                               f"image {image.index} is {len(image.png)} bytes as PNG; "
+                                               f"the limit of one message is {MAX_MEDIA_CHARS * 3 // 4}"))
                 continue
             reply_to = self._reply_to[image.request_id]
             out.append((reply_to, p.MediaResult(image.request_id, image.index, PNG_MIME, data,
@@ -86,50 +66,28 @@ class GenerateImageRole(RoleAdapter):
             if image.finished:
                 del self._reply_to[image.request_id]
                 out.append(self._done(image.request_id, None, True))
-        for failure in result.failed:
-            self._reply_to.pop(failure.request_id, None)
-            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
+        out += [self._engine_failed(f.request_id, f.error_type, f.message) for f in result.failed]
         return out
 
 
-def build_generate_role(config: WorkerConfig, on_lost: Callable[[str], None] | None = None
-                        ) -> tuple[GenerateImageRole, Callable[[], dict]]:
-    """The role adapter and heartbeat-stats function for a generate worker. ``config.model_path``
-    is a diffusers pipeline directory; ``config.capacity`` (by default the stage's
-    ``runtime.max_batch_size``, 1 for diffusion) bounds both the requests held and the images
-    denoised together. Runs on the first CUDA device when there is one, except with
-    ``config.sequence_parallel_size`` > 1: then the transformer runs over that many ranks (this
-    process and the ones it starts, gloo on the CPU), which the engine's ``close`` stops;
-    ``on_lost(reason)`` is called once, from any thread, if that group loses a rank (the worker
-    should then stop taking work and exit non-zero)."""
-    sp_size = config.sequence_parallel_size
-    # The SP group's collectives are gloo on the CPU (as the TP/PP group's): rank 0 stays there too.
-    device = "cuda" if torch.cuda.is_available() and sp_size == 1 else "cpu"
-    # Ranks 1..N-1 start first: they load their transformer while this process loads the pipeline.
-    sequence_parallel = (SequenceParallelDenoiser(config.model_path, sp_size, config.threads, on_lost=on_lost)
-                         if sp_size > 1 else None)
-    try:
+def build_generate_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
+    """A generate worker for a diffusers text-to-image pipeline directory (``config.model_path``);
+    ``config.capacity`` (by default the stage's ``runtime.max_batch_size``, 1 for diffusion) bounds
+    both the requests held and the images denoised together. Runs on the first CUDA device when
+    there is one, except with ``config.sequence_parallel_size`` > 1: then the transformer runs over
+    that many ranks (this process and the ones it starts, gloo on the CPU), which the engine's
+    ``close`` stops (the engine is owned); ``on_fatal(reason)`` is called once, from any thread, if
+    that group loses a rank (the worker should then stop taking work and exit non-zero)."""
+    device, group = start_denoiser_ranks(config, on_fatal)
+    with closed_on_error(group):
         pipe = load_pipeline(config.model_path, getattr(torch, config.dtype), device)
-        if sequence_parallel is not None:
-            sequence_parallel.attach(pipe.transformer)
-            log.info("generate worker: transformer runs over %d sequence-parallel ranks", sp_size)
-        engine = GenerateImageEngine(pipe, max_batch_size=config.capacity, sequence_parallel=sequence_parallel)
-    except BaseException:
-        if sequence_parallel is not None:
-            sequence_parallel.close()
-        raise
-    # The dtype the denoiser really holds (what --dtype asked for, unless the pipeline pins it):
-    # logged and heartbeated, so a deployment can see that its --dtype took effect.
-    denoiser = engine.pipe.components.get("unet") or engine.pipe.components.get("transformer")
-    weights = next(denoiser.parameters())
+        if group is not None:
+            group.attach(pipe.transformer)
+            log.info("generate worker: transformer runs over %d sequence-parallel ranks", group.size)
+        engine = GenerateImageEngine(pipe, max_batch_size=config.capacity, sequence_parallel=group)
+    weights = denoiser_dtype(engine.pipe)
     log.info("generate worker: %s (%s, runner %s) on %s, denoiser weights %s, batch up to %d, native size %dx%d",
-             config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights.dtype,
+             config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights,
              config.capacity, engine.default_width, engine.default_height)
-    weight_bits = weights.element_size() * 8
-
-    def stats() -> dict:
-        sp = sequence_parallel.stats if sequence_parallel is not None else {}
-        return {**engine.load(), **engine.stats, **sp, "denoiser_weight_bits": weight_bits,
-                "sequence_parallel_size": sp_size}
-
-    return GenerateImageRole(config.worker_id, engine), stats
+    return BuiltRole(GenerateImageRole(config.worker_id, engine),
+                     denoising_stats(engine, group, weights, config.sequence_parallel_size), owned=(engine,))

@@ -28,13 +28,15 @@ from typing import Callable
 import torch
 
 from omnirelay.broker import protocol as p
-from omnirelay.errors import BadRequest, OmniError, PayloadTooLarge, WorkerLost
+from omnirelay.errors import OmniError, PayloadTooLarge, WorkerLost
 from omnirelay.video_params import MAX_CHUNK_CHARS, MAX_VIDEO_BYTES, PROGRESS_INDEX, PROGRESS_MIME, VideoParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.generate.image import load_pipeline
+from omnirelay.workers.generate.assembly import denoiser_dtype, denoising_stats, start_denoiser_ranks
 from omnirelay.workers.generate.sequence_parallel_group import SequenceParallelDenoiser
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask
+from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error
 from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker.generate")
@@ -47,44 +49,28 @@ class GenerateVideoRole(RoleAdapter):
                  max_video_bytes: int = MAX_VIDEO_BYTES, sequence_parallel: SequenceParallelDenoiser | None = None):
         """``sequence_parallel``: the group installed on the engine's transformers, if any; once it
         is lost, what this role held or is sent fails as ``worker_lost``."""
-        super().__init__(worker_id)
+        super().__init__(worker_id, engine)
         self.sequence_parallel = sequence_parallel
         if chunk_chars < 4 or chunk_chars % 4 or chunk_chars > MAX_CHUNK_CHARS:
             raise ValueError(f"chunk_chars must be a positive multiple of 4 up to {MAX_CHUNK_CHARS}")
-        self.engine = engine
         self.chunk_chars = chunk_chars
         self.max_video_bytes = max_video_bytes
-        self._reply_to: dict[str, str] = {}
-        self._progress: dict[str, int] = {}
+        self._progress: dict[str, int] = {}   # request → the last percentage sent (none sent yet: 0)
 
     def accept(self, task: p.Task) -> list[Outbound]:
-        if task.request_id in self._reply_to:
-            self.cancel(task.request_id)   # the broker re-dispatched a request we still hold: the new attempt wins
+        self._replace_held(task)
         lost = self._group_lost()
         if lost:
             return [self.failure(task.request_id, task.stage, WorkerLost.error_type, lost, attempt=task.attempt)]
-        try:
-            params = VideoParams.from_wire(task.sampling)
-            self.engine.add(VideoTask(task.request_id, params, task.deadline))
-        except BadRequest as exc:
-            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid video request: {exc.message}",
-                                 attempt=task.attempt)]
-        except (TypeError, ValueError) as exc:
-            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid video request: {exc}",
-                                 attempt=task.attempt)]
-        self._reply_to[task.request_id] = task.reply_to
-        self._attempts[task.request_id] = task.attempt
-        self._progress[task.request_id] = 0
-        return []
+        return self._queue(task, "video request",
+                           lambda: VideoTask(task.request_id, VideoParams.from_wire(task.sampling), task.deadline))
 
     def cancel(self, request_id: str) -> None:
-        if self.engine.cancel(request_id):
+        if super().cancel(request_id):
             log.info("video request %s cancelled", request_id)
-        self._forget(request_id)
-        self._attempts.pop(request_id, None)
 
     def _forget(self, request_id: str) -> None:
-        self._reply_to.pop(request_id, None)
+        super()._forget(request_id)
         self._progress.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
@@ -92,7 +78,7 @@ class GenerateVideoRole(RoleAdapter):
         out: list[Outbound] = []
         for update in result.progress:
             reply_to = self._reply_to.get(update.request_id)
-            if reply_to is not None and update.percent > self._progress[update.request_id]:
+            if reply_to is not None and update.percent > self._progress.get(update.request_id, 0):
                 self._progress[update.request_id] = update.percent
                 out.append((reply_to, p.MediaResult(update.request_id, PROGRESS_INDEX, PROGRESS_MIME,
                                                     str(update.percent), worker_id=self.worker_id)))
@@ -110,10 +96,9 @@ class GenerateVideoRole(RoleAdapter):
             out.append(self._done(video.request_id, None, True))
         lost = self._group_lost()
         for failure in result.failed:
-            self._forget(failure.request_id)
             # A job whose forward met the lost group failed inside the engine; another worker may run it.
             error_type = WorkerLost.error_type if lost and failure.error_type == OmniError.error_type else failure.error_type
-            out.append(self.failure(failure.request_id, self.role, error_type, failure.message))
+            out.append(self._engine_failed(failure.request_id, error_type, failure.message))
         return out
 
     def _group_lost(self) -> str:
@@ -129,41 +114,25 @@ class GenerateVideoRole(RoleAdapter):
                 for k, piece in enumerate(pieces)]
 
 
-def build_generate_video_role(config: WorkerConfig, on_lost: Callable[[str], None] | None = None
-                              ) -> tuple[GenerateVideoRole, Callable[[], dict]]:
-    """The role adapter and heartbeat-stats function for a generate worker whose
-    ``config.model_path`` is a diffusers text-to-video pipeline, loaded in ``config.dtype``.
-    ``config.capacity`` (by default the stage's ``runtime.max_batch_size``, 1 for diffusion) bounds
-    both the requests held and the videos of one shape denoised together. Runs on the first
-    CUDA device when there is one, except with ``config.sequence_parallel_size`` > 1 (Wan): then
-    its transformers run over that many ranks (this process and the ones it starts, gloo on the
-    CPU), which the role's ``sequence_parallel.close`` stops; ``on_lost(reason)`` is called once,
-    from any thread, if that group loses a rank (the worker should then stop taking work and exit)."""
-    sp_size = config.sequence_parallel_size
-    device = "cuda" if torch.cuda.is_available() and sp_size == 1 else "cpu"
-    # Ranks 1..N-1 start first: they load their transformers while this process loads the pipeline.
-    sequence_parallel = (SequenceParallelDenoiser(config.model_path, sp_size, config.threads, on_lost=on_lost)
-                         if sp_size > 1 else None)
-    try:
+def build_generate_video_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
+    """A generate worker for a diffusers text-to-video pipeline directory (``config.model_path``),
+    loaded in ``config.dtype``. ``config.capacity`` (by default the stage's ``runtime.max_batch_size``,
+    1 for diffusion) bounds both the requests held and the videos of one shape denoised together.
+    Runs on the first CUDA device when there is one, except with ``config.sequence_parallel_size`` > 1
+    (Wan): then its transformers run over that many ranks (this process and the ones it starts, gloo
+    on the CPU), which closing the group (owned) stops; ``on_fatal(reason)`` is called once, from any
+    thread, if that group loses a rank (the worker should then stop taking work and exit)."""
+    device, group = start_denoiser_ranks(config, on_fatal)
+    with closed_on_error(group):
         pipe = load_pipeline(config.model_path, getattr(torch, config.dtype), device)
-        if sequence_parallel is not None:
-            sequence_parallel.attach(*sequence_parallel.experts_of(pipe))
-            log.info("generate worker (video): transformers run over %d sequence-parallel ranks", sp_size)
+        if group is not None:
+            group.attach(*group.experts_of(pipe))
+            log.info("generate worker (video): transformers run over %d sequence-parallel ranks", group.size)
         engine = GenerateVideoEngine(pipe, max_batch_size=config.capacity)
-    except BaseException:
-        if sequence_parallel is not None:
-            sequence_parallel.close()
-        raise
-    denoiser = engine.pipe.components.get("unet") or engine.pipe.components.get("transformer")
-    weights = next(denoiser.parameters())
+    weights = denoiser_dtype(engine.pipe)
     log.info("generate worker (video): %s (%s, runner %s) on %s, denoiser weights %s, encoder %s, batch up to %d",
-             config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights.dtype,
+             config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights,
              engine.encoder, config.capacity)
-    weight_bits = weights.element_size() * 8
-
-    def stats() -> dict:
-        sp = sequence_parallel.stats if sequence_parallel is not None else {}
-        return {**engine.load(), **engine.stats, **sp, "denoiser_weight_bits": weight_bits,
-                "sequence_parallel_size": sp_size}
-
-    return GenerateVideoRole(config.worker_id, engine, sequence_parallel=sequence_parallel), stats
+    return BuiltRole(GenerateVideoRole(config.worker_id, engine, sequence_parallel=group),
+                     denoising_stats(engine, group, weights, config.sequence_parallel_size),
+                     owned=(group,) if group is not None else ())

@@ -15,6 +15,8 @@ asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_toke
 
 from __future__ import annotations
 
+from typing import Callable
+
 from omnirelay.errors import BadRequest
 from omnirelay.broker import protocol as p
 from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff
@@ -29,10 +31,21 @@ Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
 
 
 class RoleAdapter:
+    """What every role adapter shares: the engine it drives, the connector it reads and writes, and
+    its bookkeeping of the requests it holds — the attempt of each task (echoed in its reports) and,
+    for a role that answers the gateway itself, that gateway (``_reply_to``). A role with more
+    per-request state extends :meth:`_forget`, which every way out of the worker goes through."""
+
     role = ""
-    engine: Engine
-    connector = None   # the connector this role reads its inputs from (and writes its outputs to), if any
     prefix_cache: PrefixCacheSource | None = None   # declared by a role whose engine keeps one
+
+    def __init__(self, worker_id: str, engine: Engine, connector=None):
+        """``connector``: the one this role reads its inputs from (and writes its outputs to), if any."""
+        self.worker_id = worker_id
+        self.engine = engine
+        self.connector = connector
+        self._attempts: dict[str, int] = {}   # request → attempt of the task we hold, echoed in reports
+        self._reply_to: dict[str, str] = {}   # request → its gateway, for the roles that answer it here
 
     def release(self, handoff: Handoff | None) -> None:
         """Delete what ``handoff`` holds: a stage's output for a request that died before the next
@@ -41,9 +54,12 @@ class RoleAdapter:
         if handoff is not None and self.connector is not None:
             handoff.release(self.connector)
 
-    def __init__(self, worker_id: str):
-        self.worker_id = worker_id
-        self._attempts: dict[str, int] = {}   # request → attempt of the task we hold, echoed in reports
+    def cancel(self, request_id: str) -> object:
+        """Drop the request in the engine and here; returns what the engine's ``cancel`` did."""
+        dropped = self.engine.cancel(request_id)
+        self._forget(request_id)
+        self._attempts.pop(request_id, None)
+        return dropped
 
     def failure(self, request_id: str, stage: str, error_type: str, message: str,
                 attempt: int | None = None) -> Outbound:
@@ -51,6 +67,38 @@ class RoleAdapter:
         held = self._attempts.pop(request_id, 0)
         return BROKER, p.StageFailed(self.worker_id, request_id, stage, error_type, message,
                                      attempt=held if attempt is None else attempt)
+
+    def _hold(self, task: p.Task, *, reply_to: bool = True) -> None:
+        """Remember a task the engine took: its attempt and (``reply_to``) its gateway."""
+        self._attempts[task.request_id] = task.attempt
+        if reply_to:
+            self._reply_to[task.request_id] = task.reply_to
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what this adapter keeps for a request besides its attempt (which its report pops)."""
+        self._reply_to.pop(request_id, None)
+
+    def _replace_held(self, task: p.Task) -> None:
+        """The broker re-dispatched a request this worker still holds: the new attempt wins."""
+        if task.request_id in self._attempts:
+            self.cancel(task.request_id)
+
+    def _queue(self, task: p.Task, what: str, engine_task: Callable[[], object]) -> list[Outbound]:
+        """Queue ``engine_task()`` (which reads the task's parameters) and hold the request; parameters
+        that do not parse, or that the engine refuses, fail it as ``bad_request`` ("invalid {what}: …")."""
+        try:
+            self.engine.add(engine_task())
+        except (BadRequest, TypeError, ValueError) as exc:
+            detail = exc.message if isinstance(exc, BadRequest) else str(exc)
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid {what}: {detail}",
+                                 attempt=task.attempt)]
+        self._hold(task)
+        return []
+
+    def _engine_failed(self, request_id: str, error_type: str, message: str) -> Outbound:
+        """The report of a request the engine failed; this adapter forgets it."""
+        self._forget(request_id)
+        return self.failure(request_id, self.role, error_type, message)
 
     def _done(self, request_id: str, outputs: Handoff | None, finished: bool) -> Outbound:
         return BROKER, p.StageDone(self.worker_id, request_id, self.role, outputs, finished=finished,
@@ -61,11 +109,9 @@ class PrefillRole(RoleAdapter):
     role = "prefill"
 
     def __init__(self, worker_id: str, engine: PrefillEngine):
-        super().__init__(worker_id)
-        self.engine = engine
-        self.connector = engine.connector   # to delete its own output when the request died meanwhile
+        # The engine's connector: to delete its own output when the request died meanwhile.
+        super().__init__(worker_id, engine, engine.connector)
         self.prefix_cache = engine if engine.prefix_caching else None
-        self._reply_to: dict[str, str] = {}
 
     def accept(self, task: p.Task) -> list[Outbound]:
         try:
@@ -78,18 +124,12 @@ class PrefillRole(RoleAdapter):
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, BadRequest.error_type,
                                  f"prefill reads media embeddings, not {type(task.inputs).__name__}")]
-        self._reply_to[task.request_id] = task.reply_to
-        self._attempts[task.request_id] = task.attempt
+        self._hold(task)
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset, speech=_speech_mode(task.sampling),
                                     media=task.inputs,
                                     structured=structured))
         return []
-
-    def cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
-        self._reply_to.pop(request_id, None)
-        self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
         """One engine step: the first tokens, one message per gateway, then the stage reports of the
@@ -114,9 +154,7 @@ class DecodeRole(RoleAdapter):
     role = "decode"
 
     def __init__(self, worker_id: str, engine: DecodeEngine):
-        super().__init__(worker_id)
-        self.engine = engine
-        self.connector = engine.connector
+        super().__init__(worker_id, engine, engine.connector)
 
     def accept(self, task: p.Task) -> list[Outbound]:
         kv = task.inputs
@@ -135,13 +173,9 @@ class DecodeRole(RoleAdapter):
         except (TypeError, ValueError) as exc:
             self.release(kv)   # the request fails here: nobody will import its KV
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid decode task: {exc!r}")]
-        self._attempts[task.request_id] = task.attempt
+        self._hold(task, reply_to=False)   # its DecodeTask carries the gateway
         self.engine.add(decode_task)
         return []
-
-    def cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
-        self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
         """One engine step: its tokens, one message per gateway, then the stage reports of the

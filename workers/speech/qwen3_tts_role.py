@@ -31,6 +31,7 @@ from omnirelay.speech_params import SpeechParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.speech.qwen3_tts import Qwen3TTSEngine, TTSTask
+from omnirelay.workers.runtime.assembly import BuiltRole
 from omnirelay.workers.speech.role import GenerateSpeechRole
 
 log = logging.getLogger("omnirelay.worker.speech")
@@ -52,9 +53,9 @@ class Qwen3TTSRole(GenerateSpeechRole):
         return TTSTask(task.request_id, self.engine.wrap(reply[:-1]), params, task.deadline)
 
 
-def build_qwen3_tts_role(config: WorkerConfig) -> tuple[Qwen3TTSRole, Callable[[], dict]]:
-    """The role adapter and heartbeat-stats function of a Qwen3-TTS generate worker
-    (``config.model_path`` a Qwen3-TTS 12 Hz CustomVoice directory; first CUDA device when there is one)."""
+def build_qwen3_tts_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
+    """A Qwen3-TTS generate worker (``config.model_path`` a Qwen3-TTS 12 Hz CustomVoice directory;
+    first CUDA device when there is one); no connector: nothing flows in from another stage."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = Qwen3TTSEngine.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype), device=device,
                                             max_batch_size=config.capacity)
@@ -63,4 +64,4 @@ def build_qwen3_tts_role(config: WorkerConfig) -> tuple[Qwen3TTSRole, Callable[[
     def stats() -> dict:
         return {**engine.load(), **engine.stats}
 
-    return Qwen3TTSRole(config.worker_id, engine), stats
+    return BuiltRole(Qwen3TTSRole(config.worker_id, engine), stats, owned=(engine,))

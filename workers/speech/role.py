@@ -55,8 +55,8 @@ from omnirelay.speech_params import SpeechParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, SpeechTask
-from omnirelay.model_kind import ModelKind, model_kind
 from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
+from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error, open_connector
 from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker.speech")
@@ -112,12 +112,9 @@ class GenerateSpeechRole(RoleAdapter):
 
     def __init__(self, worker_id: str, engine: GenerateSpeechEngine, connector: Connector,
                  transfer_timeout_s: float = 30.0, chunk_bytes: int = CHUNK_BYTES):
-        super().__init__(worker_id)
+        super().__init__(worker_id, engine, connector)
         self.chunk_bytes = chunk_bytes
-        self.engine = engine
-        self.connector = connector
         self.transfer_timeout_s = transfer_timeout_s
-        self._reply_to: dict[str, str] = {}
         self._formats: dict[str, str] = {}
         # The hidden states' keys stay until the request's audio is out (or it fails or is
         # cancelled): if this worker dies mid-synthesis, the broker's retry elsewhere still finds them.
@@ -125,9 +122,9 @@ class GenerateSpeechRole(RoleAdapter):
         self._next_index: dict[str, int] = {}   # streamed request → its next MediaResult index
 
     def accept(self, task: p.Task) -> list[Outbound]:
-        if task.request_id in self._reply_to:   # the broker re-dispatched a request we still hold:
-            self._inputs.pop(task.request_id, None)   # the new attempt wins (and may read the same keys)
-            self.cancel(task.request_id)
+        # A re-dispatched request we still hold: the new attempt wins, and may read the same keys.
+        self._inputs.pop(task.request_id, None)
+        self._replace_held(task)
         try:
             params = SpeechParams.from_wire(task.sampling.get("audio"))
             if params.format == "flac" and not flac_available():
@@ -147,10 +144,9 @@ class GenerateSpeechRole(RoleAdapter):
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid speech task: {exc!r}",
                                  attempt=task.attempt)]
-        self._reply_to[task.request_id] = task.reply_to
+        self._hold(task)
         self._formats[task.request_id] = params.format
         self._inputs[task.request_id] = task.inputs
-        self._attempts[task.request_id] = task.attempt
         return []
 
     def _read_inputs(self, task: p.Task, params: SpeechParams) -> SpeechTask:
@@ -180,21 +176,19 @@ class GenerateSpeechRole(RoleAdapter):
             raise BadRequest(f"no {name} states in the task inputs")
         return self.connector.get(key, handle, timeout=self.transfer_timeout_s)
 
-    def cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
-        self._reply_to.pop(request_id, None)
+    def _forget(self, request_id: str) -> None:
+        super()._forget(request_id)
         self._formats.pop(request_id, None)
         self._next_index.pop(request_id, None)
         self.release(self._inputs.pop(request_id, None))
-        self._attempts.pop(request_id, None)
 
     def step(self) -> list[Outbound]:
         result = self.engine.step()
         out: list[Outbound] = []
         for speech in result.outputs:
-            reply_to = self._reply_to.pop(speech.request_id, None)
-            fmt = self._formats.pop(speech.request_id, "wav")
-            self.release(self._inputs.pop(speech.request_id, None))
+            reply_to = self._reply_to.get(speech.request_id)
+            fmt = self._formats.get(speech.request_id, "wav")
+            self._forget(speech.request_id)
             if reply_to is None:
                 continue   # cancelled while it ran
             data = encode_audio(speech.waveform, fmt)
@@ -207,12 +201,7 @@ class GenerateSpeechRole(RoleAdapter):
             out.append(self._done(speech.request_id, None, True))
         for chunk in result.chunks:
             out += self._send_piece(chunk)
-        for failure in result.failed:
-            self._next_index.pop(failure.request_id, None)
-            self._reply_to.pop(failure.request_id, None)
-            self._formats.pop(failure.request_id, None)
-            self.release(self._inputs.pop(failure.request_id, None))
-            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
+        out += [self._engine_failed(f.request_id, f.error_type, f.message) for f in result.failed]
         return out
 
     def _send_piece(self, chunk: SpeechChunk) -> list[Outbound]:
@@ -233,10 +222,7 @@ class GenerateSpeechRole(RoleAdapter):
             for k, part in enumerate(parts)]
         self._next_index[chunk.request_id] = first + len(parts)
         if chunk.final:
-            self._reply_to.pop(chunk.request_id, None)
-            self._formats.pop(chunk.request_id, None)
-            self._next_index.pop(chunk.request_id, None)
-            self.release(self._inputs.pop(chunk.request_id, None))
+            self._forget(chunk.request_id)
             out.append(self._done(chunk.request_id, None, True))
         return out
 
@@ -248,17 +234,28 @@ def _tensor(payload: dict, name: str) -> torch.Tensor:
     return value.clone()   # a connector view pins backend memory while the request waits: keep a copy
 
 
-def build_speech_role(config: WorkerConfig, connector: Connector) -> tuple[GenerateSpeechRole, Callable[[], dict]]:
-    """The role adapter and heartbeat-stats function of a speech generate worker: ``config.model_path``
-    is a Qwen2.5-Omni or Qwen3-Omni directory (each with its own engine); the talker and token2wav
-    (code2wav) run on the first CUDA device when there is one."""
+def build_speech_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
+    """A speech generate worker for a Qwen2.5-Omni directory."""
+    return _build(config, GenerateSpeechEngine)
+
+
+def build_qwen3_omni_speech_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
+    """A speech generate worker for a Qwen3-Omni directory."""
+    return _build(config, Qwen3SpeechEngine)
+
+
+def _build(config: WorkerConfig, engine_class: type[GenerateSpeechEngine] | type[Qwen3SpeechEngine]) -> BuiltRole:
+    """The role adapter, heartbeat stats and owned parts of a speech generate worker: the talker and
+    token2wav (code2wav) run on the first CUDA device when there is one."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kind = Qwen3SpeechEngine if model_kind(config.model_path) is ModelKind.QWEN3_OMNI else GenerateSpeechEngine
-    engine = kind.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
-                                  device=device, max_batch_size=config.capacity)
+    connector = open_connector(config)
+    with closed_on_error(connector):
+        engine = engine_class.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
+                                              device=device, max_batch_size=config.capacity)
     log.info("speech generate worker: %s on %s, voices %s", config.model_path, device, ", ".join(engine.voices))
 
     def stats() -> dict:
         return {**engine.load(), **engine.stats}
 
-    return GenerateSpeechRole(config.worker_id, engine, connector), stats
+    # The engine first: closing it joins its synthesis thread before the connector goes.
+    return BuiltRole(GenerateSpeechRole(config.worker_id, engine, connector), stats, owned=(engine, connector))
