@@ -1,7 +1,7 @@
 """Decode's KV prefetch (workers/kv/prefetch.py): a slow KV import no longer stalls the running batch.
 
 No network: real prefill and decode engines in this process, the real shared-memory connector in a
-private directory between them. The decode side reads through :class:`_HeldGets`, which forwards to
+private directory between them. The decode side reads through :class:`HeldConnector`, which forwards to
 that connector but can hold the gets of chosen keys until the test lets them through, so "while an
 import is pending" is a state the test controls: progress is counted in steps and tokens, never
 timed.
@@ -15,69 +15,16 @@ import time
 import pytest
 import torch
 
-from omnirelay.connectors import Connector, create_connector
-from omnirelay.errors import TransferFailed
+from omnirelay.connectors import create_connector
 from omnirelay.handoffs import SpeechHandoff, piece_key
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.runtime.transfers import TransferPool, TransferState
 from omnirelay.workers.llm.prefill import PrefillEngine
 
+from held_connector import HeldConnector
 from engine_support import (  # noqa: F401  (fixtures)
     GREEDY, QUESTIONS, chat_ids, connector, model, reference, run_prefill, shm_keys, tok)
-
-
-class _HeldGets(Connector):
-    """The real connector, except that a get of a held key waits until :meth:`let_through`, and
-    the next get of a key marked with :meth:`fail_once` fails (as a get that timed out would)."""
-
-    name = "held_gets"
-
-    def __init__(self, inner: Connector):
-        self.inner = inner
-        self._gates: dict[str, threading.Event] = {}
-        self._failing: set[str] = set()
-        self.entered: dict[str, threading.Event] = {}
-        self.gets: list[str] = []
-        self.threads: set[threading.Thread] = set()
-
-    def hold(self, key: str) -> None:
-        self._gates[key] = threading.Event()
-        self.entered[key] = threading.Event()
-
-    def let_through(self, key: str | None = None) -> None:
-        for name, gate in self._gates.items():
-            if key is None or name == key:
-                gate.set()
-
-    def fail_once(self, key: str) -> None:
-        self._failing.add(key)
-
-    def wait_entered(self, key: str) -> None:
-        assert self.entered[key].wait(10), f"no import thread reached the get of {key!r}"
-
-    def get(self, key, handle=None, timeout=30.0):
-        self.gets.append(key)
-        self.threads.add(threading.current_thread())
-        if key in self._gates:
-            self.entered[key].set()
-            assert self._gates[key].wait(30), "the test never let the get through"
-        if key in self._failing:
-            self._failing.discard(key)
-            raise TransferFailed(f"get of {key!r} timed out (on purpose)")
-        return self.inner.get(key, handle, timeout)
-
-    def put(self, key, payload):
-        return self.inner.put(key, payload)
-
-    def delete(self, key):
-        self.inner.delete(key)
-
-    def close(self):
-        pass
-
-    def health(self):
-        return self.inner.health()
 
 
 def make_decode(model, connector, *, max_num_seqs: int = 16, num_blocks: int = 256) -> DecodeEngine:
@@ -125,7 +72,7 @@ def assert_transformers_outputs_and_no_key_left(outputs, prompts, reference, tmp
 def test_running_sequence_keeps_stepping_while_another_kv_import_is_held(model, tok, reference, connector, tmp_path):
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
     prefilled = prefill(model, connector, prompts)
-    held = _HeldGets(connector)
+    held = HeldConnector(connector)
     engine = make_decode(model, held)
     outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(2)}
     try:
@@ -161,7 +108,7 @@ def test_greedy_output_with_a_held_import_equals_transformers(model, tok, refere
     """The same scenario, recording every token: both streams equal transformers'."""
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
     prefilled = prefill(model, connector, prompts, mode="layerwise")
-    held = _HeldGets(connector)
+    held = HeldConnector(connector)
     engine = make_decode(model, held)
     outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(3)}
     try:
@@ -193,7 +140,7 @@ def test_cancel_while_the_import_is_in_flight_leaves_no_key(model, tok, connecto
     key = result.outputs.kv_key
     layers = model.config.num_layers
     assert len(shm_keys(tmp_path)) == (1 if mode == "whole" else layers + 1)
-    held = _HeldGets(connector)
+    held = HeldConnector(connector)
     gated = key if mode == "whole" else piece_key(key, 1)
     held.hold(gated)
     engine = make_decode(model, held)
@@ -214,7 +161,7 @@ def test_cancel_while_the_import_is_in_flight_leaves_no_key(model, tok, connecto
 def test_deadline_while_the_import_is_in_flight_leaves_no_key(model, tok, connector, tmp_path):
     prompts = [chat_ids(tok, QUESTIONS[1])]
     result = prefill(model, connector, prompts)["r0"]
-    held = _HeldGets(connector)
+    held = HeldConnector(connector)
     held.hold(result.outputs.kv_key)
     engine = make_decode(model, held)
     try:
@@ -264,7 +211,7 @@ def test_failed_import_releases_its_keys_and_the_speech_key(model, tok, connecto
     speech_key = "speech/r0/0/prompt"
     speech_handle = connector.put(speech_key, {"hidden": torch.zeros(2, 4)})
     assert len(shm_keys(tmp_path)) == (2 if mode == "whole" else model.config.num_layers + 2)
-    held = _HeldGets(connector)
+    held = HeldConnector(connector)
     held.fail_once(key)   # the manifest's get, for a layerwise KV: its pieces are still there after it
     engine = make_decode(model, held)
     try:
@@ -286,7 +233,7 @@ def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connecto
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
     prefilled = prefill(model, connector, prompts)
     keys = [prefilled[f"r{i}"].outputs.kv_key for i in range(3)]
-    held = _HeldGets(connector)
+    held = HeldConnector(connector)
     for key in keys[:2]:
         held.hold(key)
     engine = make_decode(model, held, max_num_seqs=2)
@@ -316,7 +263,7 @@ def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connecto
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
     prefilled = prefill(model, connector, prompts)
     keys = [prefilled[f"r{i}"].outputs.kv_key for i in range(2)]
-    held = _HeldGets(connector)
+    held = HeldConnector(connector)
     held.hold(keys[0])
     engine = make_decode(model, held, max_num_seqs=1)   # r1's import waits behind r0's
     engine.add(task("r0", prompts[0], prefilled["r0"]))
@@ -344,7 +291,7 @@ def test_close_does_not_wait_out_a_blocked_release_of_a_queued_import(model, tok
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
     prefilled = prefill(model, connector, prompts)
     keys = [prefilled[f"r{i}"].outputs.kv_key for i in range(2)]
-    held = _HeldGets(connector)
+    held = HeldConnector(connector)
     held.hold(keys[0])
     held.hold(keys[1])   # the release's get of r1's key blocks too
     engine = make_decode(model, held, max_num_seqs=1)
@@ -374,7 +321,7 @@ def test_close_does_not_wait_out_a_get_in_progress(model, tok, tmp_path, connect
     result = prefill(model, connector, prompts, mode="layerwise")["r0"]
     key = result.outputs.kv_key
     decode_side = create_connector("shared_memory", {"shm_dir": str(tmp_path)})   # the decode worker's own
-    held = _HeldGets(decode_side)
+    held = HeldConnector(decode_side)
     gated = piece_key(key, 1)
     held.hold(gated)
     engine = make_decode(model, held)

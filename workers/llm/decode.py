@@ -61,7 +61,7 @@ from omnirelay.workers.kv.prefetch import KVImport, kv_prefetcher
 from omnirelay.workers.runtime.transfers import Transfer, TransferState
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
 from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, logits_for_sampling
-from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
 from omnirelay.workers.llm.sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
@@ -239,11 +239,11 @@ class DecodeEngine:
         cached = seq.total_len - 1
         if self.blocks_needed(cached + 1) > self.runner.num_blocks - 1:
             error = (OutOfMemory.error_type, f"sequence of {cached + 1} tokens exceeds the whole KV pool")
-        elif (seq.task.has_media or seq.task.rope_delta) and not isinstance(self.runner, LocalRunner):
+        elif (seq.task.has_media or seq.task.rope_delta) and not self.runner.in_process:
             # a parallel group's broadcast carries no rotary offsets
             error = (BadRequest.error_type, "image/audio input needs a single-process decode worker "
                      "(tensor and pipeline parallel size 1)")
-        elif seq.task.speech_inputs is not None and not isinstance(self.runner, LocalRunner):
+        elif seq.task.speech_inputs is not None and not self.runner.in_process:
             error = (BadRequest.error_type, "speech output needs a single-process decode worker "
                      "(tensor and pipeline parallel size 1)")
         elif grammar_error := self._grammar_error(seq):
@@ -417,16 +417,11 @@ class DecodeEngine:
         """One decode forward; for speech requests also keep the fed token's final-norm state."""
         if all(s.task.speech_inputs is None for s in seqs):
             return self.runner.forward(batch)
-        model = self.runner.model   # LocalRunner only: DecodeRole refuses speech on a parallel group
-        model.capture_hidden = True
-        try:
-            logits = self.runner.forward(batch)
-            hidden = model.captured_hidden
-        finally:
-            model.capture_hidden, model.captured_hidden = False, None
+        capture = HiddenCapture()   # in-process runners only: _rejected refuses speech on a parallel group
+        logits = self.runner.forward(batch, capture=capture)
         for row, seq in enumerate(seqs):
             if seq.task.speech_inputs is not None:
-                seq.hidden.append(hidden[row].clone())
+                seq.hidden.append(capture.states[row].clone())
         return logits
 
     def _put_speech(self, seq: Sequence) -> SpeechHandoff:

@@ -28,7 +28,7 @@ import torch
 from omnirelay.workers.runtime.devices import DEFAULT_GPU_MEMORY_UTILIZATION, blocks_in_budget, rank_kv_budget
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.kv.cache import PagedKVCache
-from omnirelay.workers.llm.models.llama import LlamaConfig, LlamaModel
+from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaConfig, LlamaModel
 from omnirelay.workers.llm.sampling import SamplingParams
 
 
@@ -36,6 +36,10 @@ class ModelRunner(Protocol):
     config: LlamaConfig
     block_size: int
     num_blocks: int
+    # The whole model and pool in this process: what a step needs beyond token ids and positions
+    # (media embeddings, captured hidden states, a per-layer hook) can reach the layers. A parallel
+    # group's broadcast carries token ids and positions only.
+    in_process: bool
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32, on rank 0's device) of each sequence's last new token;
@@ -57,6 +61,8 @@ class ModelRunner(Protocol):
 
 
 class LocalRunner:
+    in_process = True
+
     def __init__(self, model: LlamaModel, cache: PagedKVCache):
         self.model = model
         self.cache = cache
@@ -64,10 +70,12 @@ class LocalRunner:
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
 
-    def forward(self, batch: ForwardBatch, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """``on_layer``: see :meth:`LlamaModel.forward` (local runners only: a group's layers are
-        on other ranks, so the prefill exports a group's KV whole)."""
-        return self.model.forward(batch.to(self.model.device), self.cache, on_layer=on_layer)
+    def forward(self, batch: ForwardBatch, on_layer: Callable[[int], None] | None = None,
+                capture: HiddenCapture | None = None) -> torch.Tensor:
+        """``on_layer``, ``capture``: see :meth:`LlamaModel.forward` (in-process runners only: a
+        group's layers are on other ranks, so the prefill exports a group's KV whole and speech
+        needs a single-process worker)."""
+        return self.model.forward(batch.to(self.model.device), self.cache, on_layer=on_layer, capture=capture)
 
     def kv_spec(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
         return self.cache.sequence_spec(num_tokens)

@@ -6,9 +6,10 @@ Life of a request through this engine::
         ──admit: blocks for the whole prompt; the longest cached prefix is reused, not recomputed──▶
     running ──step() × k: its next chunk joins one packed forward with the other running prompts,
         within ``max_batched_tokens`` per step (a long prompt takes several steps: chunked prefill)──▶
-    last chunk done: sample the first token ──▶ its KV (all heads) is under ``kv/<request_id>/<attempt>``
-        ──▶ PrefillResult(handles); blocks released, the full ones stay cached under their content
-        hash for the next prompt that shares the prefix
+    last chunk done: sample the first token ──▶ sending: its KV (all heads) goes under
+        ``kv/<request_id>/<attempt>`` on a transfer thread while the batch keeps stepping
+        ──▶ PrefillResult(handles), in the first step after the hand-off is out; blocks released,
+        the full ones stay cached under their content hash for the next prompt that shares the prefix
 
 How the KV leaves (``kv_transfer``): ``"auto"`` (the default) streams layers for a step whose finishing
 sequences hold at least ``layerwise_min_bytes`` of KV, and puts it whole otherwise. ``"layerwise"`` puts
@@ -18,10 +19,20 @@ piece is out. ``"whole"`` (and any tensor/pipeline-parallel group, whose heads a
 ranks) reads the finished sequence out of the pool after the forward and puts it as one tensor.
 Decode reads either format.
 
-A multimodal request (Qwen2.5-Omni) arrives with the encode stage's handles: at admission its
+Prefill never blocks its batch on a transfer. Every connector call goes through the worker's
+shared transfer machinery (:mod:`~omnirelay.workers.runtime.transfers`, the one decode imports its KV
+with; the jobs are in :mod:`~omnirelay.workers.llm.prefill_transfers`): a media prompt's encoder
+outputs are fetched while it waits, and text prompts behind it are admitted meanwhile; a finished
+step's hand-offs (a whole KV gathered into connector memory on the step thread, the layerwise
+export's last pieces and manifests, speech prompt states) are published by one job per step, and
+the requests are reported in the first step after it. A whole KV's blocks are free as soon as they
+are gathered; a layerwise step's stay held until its export thread has read them. A step with
+nothing to run while transfers are pending waits briefly for one to finish rather than spin.
+
+A multimodal request (Qwen2.5-Omni) arrives with the encode stage's handles: while it waits its
 image/audio embeddings are fetched from the connector (the key is deleted when the prefill ends,
-finished or cancelled, so a retry after this worker died still finds it) and its M-RoPE positions
-and rope delta computed (:mod:`~omnirelay.mrope`); each chunk's forward then takes the
+finished or cancelled, so a retry after this worker died still finds it); at admission they are
+placed and its M-RoPE positions and rope delta computed (:mod:`~omnirelay.workers.llm.prefill_media`); each chunk's forward then takes the
 embeddings at the placeholder rows and the 3-row rotary positions. Such a prompt bypasses the
 prefix cache (its placeholder token ids say nothing about the media behind them), and the rope
 delta travels to decode in the outputs. Text-only prompts take exactly the text path.
@@ -31,10 +42,11 @@ grammar (:mod:`~omnirelay.workers.llm.structured_output`; the matcher is built a
 stream's emitted tokens replayed, and dropped when the request leaves: decode rebuilds its own).
 
 A request whose first token already ends it (EOS, a stop token, ``max_tokens == 1``) finishes here:
-no KV is handed off and the decode stage is skipped. ``cancel`` drops a waiting or running request
-and frees its blocks. A request waits (never fails) while the pool is short; only a prompt larger
+no KV is handed off and the decode stage is skipped. ``cancel`` drops a waiting, running or sending request
+and frees its blocks (a hand-off already on its way is deleted when its job returns). A request waits (never fails) while the pool is short; only a prompt larger
 than the whole pool fails (``out_of_memory``). The engine holds no sockets; the worker runtime feeds
-it tasks and sends its results.
+it tasks and sends its results; its owner calls :meth:`PrefillEngine.close` before closing the
+connector (it joins the transfer threads, see ``TransferPool.CLOSE_JOIN_S``).
 
 Prefix hits are visible to routing: :meth:`PrefillEngine.prefix_hit_tokens` says how many tokens of a
 prompt this worker would reuse now, and :meth:`PrefillEngine.prefix_events` hands out the block
@@ -49,22 +61,27 @@ import time
 
 import torch
 
+from omnirelay.block_hash import block_hashes
 from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.connectors import Connector
+from omnirelay.connectors.base import Payload, Reservation
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
-
-from omnirelay.block_hash import block_hashes
-from omnirelay.workers.llm.forward_batch import ForwardBatch
-from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff, delete_quietly, release_kv
+from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, delete_quietly
+from omnirelay.mrope import MropeSpec
 from omnirelay.workers.kv.export import LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport
-from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
-from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, local_runner, logits_for_sampling
-from omnirelay.workers.llm.models.llama import LlamaModel
-from omnirelay.mrope import MropeSpec, mrope_positions
 from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
+from omnirelay.workers.llm.forward_batch import ForwardBatch
+from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
+from omnirelay.workers.llm.model_runner import ModelRunner, local_runner, logits_for_sampling
+from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
+from omnirelay.workers.llm.prefill_media import PlacedMedia, media_fields, place_media
+from omnirelay.workers.llm.prefill_transfers import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
+                                                     speech_payload)
 from omnirelay.workers.llm.sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
+from omnirelay.workers.runtime.request_queue import RequestQueue
+from omnirelay.workers.runtime.transfers import Transfer, TransferPool, TransferState
 
 DEFAULT_KV_BYTES = 256 * 1024 * 1024
 
@@ -82,21 +99,6 @@ class PrefillTask:
     # prompt's tail is the text to speak (/v1/audio/speech), so generate follows even if we finish.
     speech: str = ""
     structured: StructuredOutput | None = None   # the output must match this grammar
-
-
-@dataclasses.dataclass
-class _Media:
-    """A multimodal prompt's extras, resolved at admission."""
-
-    rope: torch.Tensor           # [3, n] M-RoPE positions of the prompt
-    rope_delta: int              # decode positions are token index + this
-    index: torch.Tensor          # [K] prompt rows taking an encoder output, ascending
-    embeds: torch.Tensor         # [K, hidden] in the same order
-    key: str                     # the encoder outputs' connector key, deleted when the prefill ends
-    # Qwen3-Omni's DeepStack: the image rows (ascending) and the features added to them after the
-    # first decoder layers, [L, V, hidden]; None for other models and prompts without images.
-    deep_index: torch.Tensor | None = None
-    deep: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -119,24 +121,52 @@ class _Running:
     hashes: list[bytes]
     computed: int     # prompt tokens whose KV is in the blocks (cached prefix + chunks done)
     named: int        # leading blocks already registered under their hash
-    media: _Media | None = None
-    hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm states per chunk
+    media: PlacedMedia | None = None
+    hidden: list = dataclasses.field(default_factory=list)   # speech: captured states per chunk
+
+
+@dataclasses.dataclass
+class _Handoff:
+    """A finished prefill whose hand-off is on a transfer thread: its result, less the outputs."""
+
+    result: PrefillResult
+    kv_key: str = ""          # "" when no KV goes on
+    layerwise: bool = False
+    speech: bool = False      # prompt states go to the speech stage
+    rope_delta: int = 0
+    has_media: bool = False
+    dropped: bool = False     # cancelled meanwhile: what arrives is deleted, nothing reported
+
+
+@dataclasses.dataclass
+class _Sending:
+    """One step's hand-off job and the requests waiting on it."""
+
+    ticket: Transfer[dict[str, SentHandoff]]
+    handoffs: list[_Handoff]
+    held_blocks: list[int]    # a layerwise export reads them until its job has completed it
 
 
 class PrefillEngine:
     """``model``: a :class:`LlamaModel` (a local pool of ``kv_cache_bytes`` is made for it) or a
     :class:`ModelRunner` (e.g. rank 0 of a tensor-parallel group). ``grammars``: structured
-    output support (None: a request that asks for it fails as ``bad_request``)."""
+    output support (None: a request that asks for it fails as ``bad_request``). ``transfer_threads``:
+    the threads of its :class:`~omnirelay.workers.runtime.transfers.TransferPool`."""
+
+    # A step with nothing to run sleeps at most this long for a transfer to finish: bounds how late
+    # the runtime, which polls the bus between steps, sees a new task or a cancel meanwhile.
+    IDLE_WAIT_S = 0.02
 
     def __init__(self, model: LlamaModel | ModelRunner, connector: Connector, *, max_model_len: int,
                  max_batch: int = 16, max_batched_tokens: int = 256, kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  block_size: int = 16, prefix_caching: bool = True, mrope: MropeSpec | None = None,
                  transfer_timeout_s: float = 30.0, kv_transfer: str = "auto",
-                 layerwise_min_bytes: int = LAYERWISE_MIN_BYTES, grammars: GrammarSampler | None = None):
+                 layerwise_min_bytes: int = LAYERWISE_MIN_BYTES, grammars: GrammarSampler | None = None,
+                 transfer_threads: int = 2):
         if kv_transfer not in TRANSFER_MODES:
             raise ValueError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got {kv_transfer!r}")
-        self.runner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
-                       if isinstance(model, LlamaModel) else model)
+        self.runner: ModelRunner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
+                                    if isinstance(model, LlamaModel) else model)
         self.connector = connector
         self.max_batch = max_batch
         self.max_batched_tokens = max_batched_tokens
@@ -144,39 +174,58 @@ class PrefillEngine:
         self.prefix_caching = prefix_caching
         self.mrope = mrope                 # set for a model with media inputs
         self.transfer_timeout_s = transfer_timeout_s
-        # A group's KV heads and layers are on other ranks: only a local runner streams layers.
-        self.kv_transfer = kv_transfer if isinstance(self.runner, LocalRunner) else "whole"
+        # A group's KV heads and layers are on other ranks: only an in-process runner streams layers.
+        self.kv_transfer = kv_transfer if self.runner.in_process else "whole"
         self.layerwise_min_bytes = layerwise_min_bytes
         self.block_size = self.runner.block_size
         self.allocator = PrefixCachingAllocator(self.runner.num_blocks)
-        self.waiting: collections.deque[PrefillTask] = collections.deque()
+        self.waiting: RequestQueue[PrefillTask] = RequestQueue()
         self.running: list[_Running] = []
         self.stats = collections.Counter()
         self.grammars = grammars
         self.processors = LogitsProcessors(self.runner.config.eos_token_ids)
         self._grammar_complete: set[str] = set()   # requests whose first token completed their grammar
+        self._transfers = TransferPool(connector, timeout_s=transfer_timeout_s, max_held=max_batch,
+                                       threads=transfer_threads, name="prefill-transfer")
+        self._media_fetches: dict[str, Transfer[Payload]] = {}   # waiting request → its encoder outputs' get
+        self._sending: list[_Sending] = []
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        sending = sum(not h.dropped for s in self._sending for h in s.handoffs)
+        return len(self.waiting) + len(self.running) + sending
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._sending)
+
+    @property
+    def num_sending(self) -> int:
+        """Requests whose hand-off is on its way (prefilled, not yet reported)."""
+        return sum(not h.dropped for s in self._sending for h in s.handoffs)
 
     def add(self, task: PrefillTask) -> None:
-        self.waiting.append(task)
+        self.waiting.add(task)
 
     def cancel(self, request_id: str) -> bool:
-        for task in self.waiting:
-            if task.request_id == request_id:
-                self.waiting.remove(task)
-                return True
+        if self.waiting.remove(request_id) is not None:
+            self._cancel_fetch(request_id)
+            return True
         for seq in self.running:
             if seq.task.request_id == request_id:
                 self._retire(seq)
                 return True
+        for sending in self._sending:
+            for handoff in sending.handoffs:
+                if handoff.result.request_id == request_id and not handoff.dropped:
+                    handoff.dropped = True   # its job runs out; what it put is deleted when it returns
+                    return True
         return False
+
+    def close(self) -> None:
+        """Stop the transfer threads, discarding what is queued or on its way, and join them for at
+        most ``TransferPool.CLOSE_JOIN_S``. Call before closing the connector. Idempotent."""
+        self._transfers.close()
 
     def prefix_hit_tokens(self, token_ids: list[int]) -> int:
         """Prompt tokens whose KV this worker holds now (what routing would maximise)."""
@@ -195,58 +244,97 @@ class PrefillEngine:
 
     def step(self) -> list[PrefillResult]:
         results: list[PrefillResult] = []
+        self._collect_sent(results)
         self._expire(results)
+        self._start_media_fetches(results)
         self._admit(results)
         if self.running:
             self._forward(results)
+        self._collect_sent(results)
+        self.stats["transfers_inflight"] = pending = self._transfers.num_pending   # a gauge
+        if pending and not (self.running or results):   # never delays what this step made
+            self._transfers.wait_for_news(self.IDLE_WAIT_S)
         return results
 
     def _expire(self, results: list[PrefillResult]) -> None:
+        for task in self.waiting.pop_expired():
+            self._cancel_fetch(task.request_id)
+            results.append(PrefillResult(task.request_id, error_type=DeadlineExceeded.error_type,
+                                         message="deadline passed before prefill"))
         now = time.time()
         for seq in [s for s in self.running if now > s.task.deadline]:
             self._retire(seq)
             results.append(PrefillResult(seq.task.request_id, error_type=DeadlineExceeded.error_type,
                                          message="deadline passed during prefill"))
 
+    def _refusal(self, task: PrefillTask) -> tuple[str, str] | None:
+        """(error_type, message) when this worker can never prefill ``task``; cheap checks only."""
+        n = len(task.prompt_token_ids)
+        if not n or n >= self.max_model_len:
+            return BadRequest.error_type, f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"
+        if task.media and not self.runner.in_process:
+            # A parallel group's broadcast carries token ids and positions only, not embeddings.
+            return BadRequest.error_type, ("image/audio input needs a single-process prefill worker "
+                                           "(tensor and pipeline parallel size 1)")
+        if task.media and self.mrope is None:
+            return BadRequest.error_type, "multimodal inputs: this model takes no media inputs"
+        if task.speech and not self.runner.in_process:
+            return BadRequest.error_type, ("speech output needs a single-process prefill worker "
+                                           "(tensor and pipeline parallel size 1)")
+        if -(-n // self.block_size) > self.runner.num_blocks - 1:
+            return OutOfMemory.error_type, f"prompt of {n} tokens exceeds the prefill KV pool"
+        return None
+
+    def _start_media_fetches(self, results: list[PrefillResult]) -> None:
+        """Start the encoder outputs' gets of new media prompts (failing first those this worker can
+        never serve, so their outputs are never read). Here rather than in add(): a cancel before
+        the first step then deletes the key at once, with no get racing it."""
+        for task in list(self.waiting):
+            if task.media is None or task.request_id in self._media_fetches:
+                continue
+            refusal = self._refusal(task)
+            if refusal is not None:
+                self._refuse(task, refusal, results)
+                continue
+            self._media_fetches[task.request_id] = self._transfers.submit(MediaFetch(task.media, task.deadline))
+
+    def _refuse(self, task: PrefillTask, refusal: tuple[str, str], results: list[PrefillResult]) -> None:
+        self.waiting.remove_task(task)
+        if task.request_id in self._media_fetches:
+            self._cancel_fetch(task.request_id)   # the fetch owns the media key: it deletes it
+        elif task.media is not None:
+            task.media.release(self.connector)
+        results.append(PrefillResult(task.request_id, error_type=refusal[0], message=refusal[1]))
+
+    def _cancel_fetch(self, request_id: str) -> None:
+        ticket = self._media_fetches.pop(request_id, None)
+        if ticket is not None:
+            self._transfers.cancel(ticket)
+
     def _admit(self, results: list[PrefillResult]) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
-            task = self.waiting[0]
+        """Admit waiting prompts in order while batch slots and blocks last. A media prompt whose
+        encoder outputs are still on their way is passed over, not waited for."""
+        for task in list(self.waiting):
+            if len(self.running) >= self.max_batch:
+                return
+            fetch = self._media_fetches.get(task.request_id)
+            if task.media is not None:
+                if fetch is None or not fetch.finished:
+                    continue
+                if fetch.state is TransferState.FAILED:   # the fetch deleted the key before failing
+                    del self._media_fetches[task.request_id]
+                    self.waiting.remove_task(task)
+                    results.append(PrefillResult(task.request_id, error_type=fetch.error.error_type,
+                                                 message=f"multimodal inputs: {fetch.error}"))
+                    continue
+            refusal = self._refusal(task)
+            if refusal is None and (grammar_error := self._grammar_error(task)):
+                refusal = BadRequest.error_type, grammar_error
+            if refusal is not None:
+                self._refuse(task, refusal, results)
+                continue
             n = len(task.prompt_token_ids)
-            if time.time() > task.deadline:
-                self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type=DeadlineExceeded.error_type,
-                                             message="deadline passed before prefill"))
-                continue
-            if not n or n >= self.max_model_len:
-                self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type,
-                                             message=f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"))
-                continue
-            if task.media and not isinstance(self.runner, LocalRunner):
-                # A parallel group's broadcast carries token ids and positions only, not embeddings.
-                self.waiting.popleft()
-                task.media.release(self.connector)
-                results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type,
-                                             message="image/audio input needs a single-process prefill worker "
-                                                     "(tensor and pipeline parallel size 1)"))
-                continue
-            if task.speech and not isinstance(self.runner, LocalRunner):
-                self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type,
-                                             message="speech output needs a single-process prefill worker "
-                                                     "(tensor and pipeline parallel size 1)"))
-                continue
-            grammar_error = self._grammar_error(task)
-            if grammar_error:
-                self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type, message=grammar_error))
-                continue
             total = -(-n // self.block_size)
-            if total > self.runner.num_blocks - 1:
-                self.waiting.popleft()
-                results.append(PrefillResult(task.request_id, error_type=OutOfMemory.error_type,
-                                             message=f"prompt of {n} tokens exceeds the prefill KV pool"))
-                continue
             # Placeholder ids say nothing about the media behind them: a media prompt neither reuses
             # nor publishes cached blocks.
             hashes = block_hashes(task.prompt_token_ids, self.block_size) if self.prefix_caching and not task.media else []
@@ -257,80 +345,26 @@ class PrefillEngine:
             if total - len(hits) > self.allocator.free:
                 self.allocator.release(hits)
                 return   # wait for running prompts to finish and give their blocks back
-            self.waiting.popleft()
+            self.waiting.remove_task(task)
             media = None
-            if task.media:
-                try:
-                    media = self._load_media(task)
-                except (OmniError, ValueError, KeyError, TypeError) as exc:
-                    task.media.release(self.connector)
-                    results.append(PrefillResult(task.request_id, error_type=getattr(exc, "error_type", BadRequest.error_type),
-                                                 message=f"multimodal inputs: {exc}"))
-                    continue
+            if fetch is not None:
+                del self._media_fetches[task.request_id]
+                with self._transfers.take(fetch) as payload:   # the media key is ours now: _retire deletes it
+                    try:
+                        media = place_media(task.prompt_token_ids, task.media, payload, self.mrope,
+                                            self.runner.config.hidden_size)
+                    except (ValueError, KeyError, TypeError) as exc:
+                        task.media.release(self.connector)
+                        self.allocator.release(hits)
+                        results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type,
+                                                     message=f"multimodal inputs: {exc}"))
+                        continue
+                self.stats["media_prompts"] += 1
             blocks = hits + self.allocator.allocate(total - len(hits))
             cached = len(hits) * self.block_size
             self.running.append(_Running(task, blocks, hashes, computed=cached, named=len(hits), media=media))
             self.stats["prefix_cached_tokens"] += cached
             self.stats["prefix_hit_requests"] += bool(hits)
-
-    def _load_media(self, task: PrefillTask) -> _Media:
-        """Fetch the encoder outputs and place them: placeholder rows, M-RoPE positions, rope delta."""
-        if self.mrope is None:
-            raise ValueError("this model takes no media inputs")
-        media = task.media
-        # The key stays until this prefill ends (_retire): a retry elsewhere after our death reads it.
-        payload = self.connector.get(media.mm_key, media.mm_handle, timeout=self.transfer_timeout_s)
-        ids = torch.tensor(task.prompt_token_ids)
-        rows, values = [], []
-        for token, name in ((self.mrope.image_token_id, "image_embeds"), (self.mrope.audio_token_id, "audio_embeds")):
-            where = torch.nonzero(ids == token).flatten()
-            embeds = payload.get(name)
-            count = 0 if embeds is None else embeds.shape[0]
-            if count != len(where):
-                raise ValueError(f"{len(where)} placeholder tokens for {count} encoder outputs ({name})")
-            if count:
-                rows.append(where)
-                values.append(embeds)
-        rope, delta = mrope_positions(task.prompt_token_ids, self.mrope, [list(g) for g in media.image_grids],
-                                      list(media.audio_lengths))
-        index = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
-        order = torch.argsort(index)
-        embeds = torch.cat(values)[order] if values else torch.empty(0, self.runner.config.hidden_size)
-        deep_index, deep = None, payload.get("image_deepstack")
-        if deep is not None:
-            deep_index = torch.nonzero(ids == self.mrope.image_token_id).flatten()
-            if deep.dim() != 3 or deep.shape[1] != len(deep_index):
-                raise ValueError(f"DeepStack features {tuple(deep.shape)} for {len(deep_index)} image tokens")
-        self.stats["media_prompts"] += 1
-        return _Media(rope, delta, index[order], embeds, media.mm_key, deep_index, deep)
-
-    def _media_fields(self, chunks: list[tuple["_Running", int]]) -> dict:
-        """ForwardBatch extras for a step with multimodal prompts: 3-row rotary positions for every
-        packed token (text prompts repeat their positions) and the embeddings at placeholder rows."""
-        if not any(seq.media is not None for seq, _ in chunks):
-            return {}
-        rope, index, values, offset = [], [], [], 0
-        deep_rows, deep_values = [], []
-        for seq, n in chunks:
-            lo, hi = seq.computed, seq.computed + n
-            if seq.media is None:
-                rope.append(torch.arange(lo, hi).expand(3, n))
-            else:
-                rope.append(seq.media.rope[:, lo:hi])
-                inside = (seq.media.index >= lo) & (seq.media.index < hi)
-                index.append(seq.media.index[inside] - lo + offset)
-                values.append(seq.media.embeds[inside])
-                if seq.media.deep is not None:
-                    inside = (seq.media.deep_index >= lo) & (seq.media.deep_index < hi)
-                    deep_rows.append(seq.media.deep_index[inside] - lo + offset)
-                    deep_values.append(seq.media.deep[:, inside])
-            offset += n
-        fields = {"rope_positions": torch.cat(rope, dim=1)}
-        if index:
-            fields["embeds"] = (torch.cat(index), torch.cat(values))
-        if deep_rows:
-            fields["deepstack"] = (torch.cat(deep_rows), torch.cat(deep_values, dim=1))
-        return fields
 
     def _forward(self, results: list[PrefillResult]) -> None:
         chunks: list[tuple[_Running, int]] = []
@@ -344,7 +378,7 @@ class PrefillEngine:
         batch = ForwardBatch.build(
             [(seq.task.prompt_token_ids[seq.computed: seq.computed + n], seq.computed, seq.blocks) for seq, n in chunks],
             self.block_size)
-        for name, value in self._media_fields(chunks).items():
+        for name, value in media_fields([(seq.media, seq.computed, n) for seq, n in chunks]).items():
             setattr(batch, name, value)
         export = self._start_export([seq for seq, n in chunks if seq.computed + n == len(seq.task.prompt_token_ids)])
         try:
@@ -371,17 +405,97 @@ class PrefillEngine:
                 self._grammar_complete = {s.task.request_id for s, ended
                                           in zip(done, self.grammars.accept(grammar_rows, tokens)) if ended}
             logprobs = chosen_logprobs(done_logits, params, tokens)
-            exported = {}
-            if export is not None:   # manifests for the sequences that go on to decode; the rest deleted
-                exported = export.complete({self._kv_key(s.task) for s, t in zip(done, tokens)
-                                            if not self._finish_reason(s, t)})
-            for seq, token, token_logprobs in zip(done, tokens, logprobs):
-                result = self._finish(seq, token, exported.get(self._kv_key(seq.task)))
-                result.logprobs = token_logprobs
-                results.append(result)
-        finally:   # the step owns the export's thread: joined, and the pieces deleted, on any exception
+            self._hand_off(done, tokens, logprobs, export, results)
+            export = None   # the hand-off job owns it now
+        finally:   # an exception before the hand-off: the export's thread joined, its pieces deleted
             if export is not None:
                 export.abort()
+
+    def _hand_off(self, done: list[_Running], tokens: list[int], logprobs: list, export: LayerwiseExport | None,
+                  results: list[PrefillResult]) -> None:
+        """Report the sequences that end here; send the others' hand-offs in one transfer job.
+        Whole KVs are gathered into connector memory now (the pool is the step thread's); a
+        layerwise export is completed by the job, so its sequences' blocks stay held until then."""
+        outgoing: list[OutgoingHandoff] = []
+        handoffs: list[_Handoff] = []
+        for seq, token, token_logprobs in zip(done, tokens, logprobs):
+            task = seq.task
+            reason = self._finish_reason(seq, token)
+            result = PrefillResult(task.request_id, first_token=token, position=task.position_offset,
+                                   finish_reason=reason, logprobs=token_logprobs)
+            speech = task.speech == "prompt" or bool(task.speech and not reason)
+            if reason and not speech:
+                results.append(result)
+                continue
+            item = OutgoingHandoff(task.request_id)
+            if speech:
+                item.speech_key = f"speech/{task.request_id}/{task.attempt}/prompt"
+                item.speech_payload = speech_payload(seq.hidden, task.media)
+            if not reason:
+                item.kv_key, item.num_tokens = self._kv_key(task), len(task.prompt_token_ids)
+                if export is None:
+                    try:
+                        item.reservation = self._gather_kv(seq.blocks, item.num_tokens)
+                    except OmniError as exc:
+                        results.append(PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc)))
+                        continue
+            outgoing.append(item)
+            media = seq.media
+            handoffs.append(_Handoff(result, item.kv_key, layerwise=export is not None and bool(item.kv_key),
+                                     speech=speech, rope_delta=media.rope_delta if media else 0,
+                                     has_media=media is not None))
+        held: list[int] = []
+        for seq in done:
+            held += self._retire(seq, keep_blocks=export is not None)
+        if outgoing or export is not None:
+            job = HandoffSend(outgoing, export, deadline=max(s.task.deadline for s in done))
+            self._sending.append(_Sending(self._transfers.submit(job), handoffs, held))
+
+    def _gather_kv(self, blocks: list[int], num_tokens: int) -> Reservation:
+        """The sequence's KV read straight into connector memory (one copy fewer than gathering
+        into a tensor for ``put`` to copy out), for the hand-off job to publish."""
+        reservation = self.connector.reserve({"kv": self.runner.kv_spec(num_tokens)})
+        try:
+            self.runner.read_kv(blocks, num_tokens, out=reservation.tensors["kv"])
+        except BaseException:
+            self.connector.release(reservation)
+            raise
+        return reservation
+
+    def _collect_sent(self, results: list[PrefillResult]) -> None:
+        """Report the requests whose hand-off job has finished; free the blocks it held."""
+        for sending in [s for s in self._sending if s.ticket.finished]:
+            self._sending.remove(sending)
+            if sending.ticket.state is TransferState.READY:
+                with self._transfers.take(sending.ticket) as sent:
+                    for handoff in sending.handoffs:
+                        self._deliver(handoff, sent[handoff.result.request_id], results)
+            else:   # the job failed as a whole: it deleted everything it had put
+                error = sending.ticket.error
+                results += [PrefillResult(h.result.request_id, error_type=error.error_type, message=str(error))
+                            for h in sending.handoffs if not h.dropped]
+            self.allocator.release(sending.held_blocks)
+
+    def _deliver(self, handoff: _Handoff, sent: SentHandoff, results: list[PrefillResult]) -> None:
+        if handoff.dropped:   # cancelled while its hand-off was on its way: nobody will read it
+            sent.release(self.connector, handoff.kv_key)
+            return
+        result = handoff.result
+        if sent.error is not None:
+            results.append(PrefillResult(result.request_id, error_type=sent.error.error_type, message=str(sent.error)))
+            return
+        if handoff.speech:
+            self.stats["speech_handoffs"] += 1
+            result.outputs, result.speech_next = sent.speech, True
+        if handoff.kv_key:
+            self.stats["kv_handoffs"] += 1
+            self.stats["kv_layerwise_handoffs"] += handoff.layerwise
+            speech = sent.speech
+            result.outputs = KVHandoff(handoff.kv_key, sent.kv_handle, result.first_token,
+                                       rope_delta=handoff.rope_delta, has_media=handoff.has_media,
+                                       speech_prompt_key=speech.speech_prompt_key if speech else "",
+                                       speech_prompt_handle=speech.speech_prompt_handle if speech else None)
+        results.append(result)
 
     def _start_export(self, finishing: list[_Running]) -> LayerwiseExport | None:
         """A layerwise export of the sequences whose last chunk runs in this step (None: whole)."""
@@ -422,37 +536,21 @@ class PrefillEngine:
         return finish_reason_for(token, 1, n + 1, seq.task.params, self.runner.config.eos_token_ids,
                                  self.max_model_len)
 
-    def _forward_batch(self, batch: ForwardBatch, chunks: list[tuple["_Running", int]],
+    def _forward_batch(self, batch: ForwardBatch, chunks: list[tuple[_Running, int]],
                        export: LayerwiseExport | None = None):
         """One forward (streaming each layer's KV to ``export``); for speech requests also keep
-        their tokens' final-norm hidden states."""
-        speech = [seq.task.speech for seq, _ in chunks]
-        on_layer = {} if export is None else {"on_layer": export.layer_done}   # LocalRunner only
-        if not any(speech):
-            return self.runner.forward(batch, **on_layer)
-        model = self.runner.model   # LocalRunner only: _admit refuses speech on a parallel group
-        model.capture_hidden = True
-        try:
-            logits = self.runner.forward(batch, **on_layer)
-            hidden = model.captured_hidden
-        finally:
-            model.capture_hidden, model.captured_hidden = False, None
+        their tokens' captured hidden states."""
+        options = {} if export is None else {"on_layer": export.layer_done}   # in-process runners only
+        if not any(seq.task.speech for seq, _ in chunks):
+            return self.runner.forward(batch, **options)
+        capture = HiddenCapture()   # in-process runners only: _refusal turns speech away from a group
+        logits = self.runner.forward(batch, capture=capture, **options)
         start = 0
         for seq, n in chunks:
             if seq.task.speech:
-                seq.hidden.append(hidden[start:start + n].clone())
+                seq.hidden.append(capture.states[start:start + n].clone())
             start += n
         return logits
-
-    def _put_speech(self, seq: _Running) -> SpeechHandoff:
-        """Hand the prompt's hidden states to the speech stage (through decode, or straight)."""
-        key = f"speech/{seq.task.request_id}/{seq.task.attempt}/prompt"
-        media = seq.task.media   # the talker places media tokens as the thinker does (M-RoPE)
-        handle = self.connector.put(key, {"hidden": torch.cat(seq.hidden),
-                                          "image_grids": [list(g) for g in media.image_grids] if media else [],
-                                          "audio_lengths": list(media.audio_lengths) if media else []})
-        self.stats["speech_handoffs"] += 1
-        return SpeechHandoff(key, handle)
 
     def _name_full_blocks(self, seq: _Running) -> None:
         full = min(seq.computed // self.block_size, len(seq.hashes))
@@ -460,64 +558,15 @@ class PrefillEngine:
             self.allocator.register(seq.blocks[index], seq.hashes[index])
         seq.named = max(seq.named, full)
 
-    def _finish(self, seq: _Running, token: int, exported: dict | OmniError | None = None) -> PrefillResult:
-        """``exported``: the layerwise export's manifest handle (or its error) for this sequence;
-        None: the KV goes whole, from here."""
-        task = seq.task
-        n = len(task.prompt_token_ids)
-        reason = self._finish_reason(seq, token)
-        result = PrefillResult(task.request_id, first_token=token, position=task.position_offset, finish_reason=reason)
-        speech = None
-        try:
-            if task.speech == "prompt" or (task.speech and not reason):
-                try:
-                    speech = result.outputs = self._put_speech(seq)
-                except OmniError as exc:
-                    if isinstance(exported, dict):   # already exported: nobody will import it now
-                        release_kv(self.connector, self._kv_key(task), exported)
-                    return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
-                result.speech_next = True
-            if not reason:
-                key = self._kv_key(task)
-                if isinstance(exported, OmniError):
-                    if speech is not None:   # the request fails: nobody will read the prompt states
-                        speech.release(self.connector)
-                    return PrefillResult(task.request_id, error_type=exported.error_type, message=str(exported))
-                if exported is not None:
-                    handle = exported
-                    self.stats["kv_layerwise_handoffs"] += 1
-                else:
-                    try:
-                        handle = self._export_kv(key, seq.blocks, n)
-                    except OmniError as exc:
-                        if speech is not None:
-                            speech.release(self.connector)
-                        return PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc))
-                self.stats["kv_handoffs"] += 1
-                media = seq.media
-                result.outputs = KVHandoff(key, handle, token, rope_delta=media.rope_delta if media else 0,
-                                           has_media=media is not None,
-                                           speech_prompt_key=speech.speech_prompt_key if speech else "",
-                                           speech_prompt_handle=speech.speech_prompt_handle if speech else None)
-            return result
-        finally:
-            self._retire(seq)
-
-    def _export_kv(self, key: str, blocks: list[int], num_tokens: int) -> dict:
-        """Gather the sequence's KV straight into connector memory and publish it (one copy fewer
-        than gathering into a tensor for ``put`` to copy out)."""
-        reservation = self.connector.reserve({"kv": self.runner.kv_spec(num_tokens)})
-        try:
-            self.runner.read_kv(blocks, num_tokens, out=reservation.tensors["kv"])
-        except BaseException:
-            self.connector.release(reservation)
-            raise
-        return self.connector.put_reserved(key, reservation, {"num_tokens": num_tokens})
-
-    def _retire(self, seq: _Running) -> None:
+    def _retire(self, seq: _Running, keep_blocks: bool = False) -> list[int]:
+        """Take ``seq`` out of the batch: its grammar and media key go, its blocks are released
+        (or, with ``keep_blocks``, returned for the caller to release later)."""
         self.running.remove(seq)
         if self.grammars is not None:
             self.grammars.release(seq.task.request_id)
-        self.allocator.release(seq.blocks)
         if seq.media is not None:
             delete_quietly(self.connector, seq.media.key)
+        if keep_blocks:
+            return seq.blocks
+        self.allocator.release(seq.blocks)
+        return []

@@ -250,6 +250,8 @@ def _send_header(group, cmd: int, *sizes: int) -> None:
 class GroupRunner:
     """Rank 0's :class:`~omnirelay.workers.llm.model_runner.ModelRunner` for a TP × PP group."""
 
+    in_process = False   # heads and layers live on other ranks: no media, speech capture or layer hook
+
     def __init__(self, config: GroupConfig, budget_bytes: int = 0):
         """``budget_bytes``: the KV byte budget when ``config.kv_cache_bytes`` is 0 (kept for callers
         that pass it here)."""

@@ -48,7 +48,7 @@ two differences: its M-RoPE interleaves the axes (height on rotary columns 1, 4,
 ``deepstack`` field carries the vision encoder's extra features, which are added to the image
 tokens' hidden states after the first decoder layers (feature ``i`` after layer ``i``). Its talker
 reads the thinker's states at layer ``accept_hidden_layer`` (``LlamaConfig.capture_layer``), so for
-it ``capture_hidden`` keeps that layer's output instead of the final-norm states.
+it a :class:`HiddenCapture` keeps that layer's output instead of the final-norm states.
 
 :meth:`LlamaModel.prefill` is the cache-free convenience path (one sequence → logits and the whole
 KV as ``[layers, 2, seq, kv_heads, head_dim]``) kept for callers that want contiguous KV.
@@ -100,7 +100,7 @@ class LlamaConfig:
     weight_prefix: str = ""              # "thinker." for Qwen2.5-Omni checkpoints
     mrope_section: tuple[int, ...] = ()  # M-RoPE sections over head_dim / 2 (temporal, height, width)
     mrope_interleaved: bool = False      # Qwen3-Omni: H and W take every third rotary column (see _mrope_axis)
-    # Speech capture (``LlamaModel.capture_hidden``): 0 keeps the final-norm states (Qwen2.5-Omni's
+    # Speech capture (:class:`HiddenCapture`): 0 keeps the final-norm states (Qwen2.5-Omni's
     # talker reads those); k > 0 the output of decoder layer k - 1 (Qwen3-Omni's accept_hidden_layer).
     capture_layer: int = 0
     qk_norm: bool = False                # Qwen3: RMSNorm of each q and k head before rotary
@@ -165,6 +165,15 @@ def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
         return ()
     return tuple(ids) if isinstance(ids, list) else (int(ids),)
 
+
+
+@dataclasses.dataclass
+class HiddenCapture:
+    """Speech output: a forward given one leaves here the thinker states of every token it ran,
+    on the host, ``[T, hidden]`` in packed order: the final-norm states (Qwen2.5-Omni's talker reads
+    those) or, when the config names a ``capture_layer``, that decoder layer's output (Qwen3-Omni)."""
+
+    states: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,11 +361,6 @@ class LlamaModel:
             self._mrope_axis = torch.cat((axis, axis)).to(self.device)
         self._native = native_attention.load() if attention == "auto" and dtype == torch.float32 and on_cpu else None
         self._scale = cfg.head_dim ** -0.5
-        # Speech output (Qwen2.5-Omni's talker reads the thinker's final-norm states): while
-        # ``capture_hidden`` is set, forward() keeps those states of every token it ran, on
-        # the host.
-        self.capture_hidden = False
-        self.captured_hidden: torch.Tensor | None = None
 
     def _load_layer(self, w: _Weights, i: int, rank: int, tp: int) -> _Layer:
         pre = f"model.layers.{i}."
@@ -461,13 +465,14 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache, hidden: torch.Tensor | None = None,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None, capture: HiddenCapture | None = None) -> torch.Tensor:
         """Run one step. ``cache`` holds this rank's layers and KV heads; the new tokens' K/V go to
         ``batch.slots``. Returns logits ``[B, vocab]`` of each sequence's last new token on the last
         pipeline stage, else the hidden states ``[T, hidden]`` for the next stage (``hidden`` is
         the previous stage's output; the first stage embeds ``batch.input_ids``). ``on_layer(i)``
         runs as soon as layer ``i`` (of this rank's cache) holds the step's K/V, so a caller can
-        start moving it while the later layers compute (the prefill's layerwise KV export)."""
+        start moving it while the later layers compute (the prefill's layerwise KV export).
+        ``capture``: keep the states the speech stage reads (see :class:`HiddenCapture`)."""
         cos, sin = self._rotary(batch.positions if batch.rope_positions is None else batch.rope_positions)
         h = self.embed.index_select(0, batch.input_ids) if self.first_stage else hidden
         if batch.embeds is not None and self.first_stage:
@@ -485,16 +490,16 @@ class LlamaModel:
                 attn = self._prefill_attention(q, k, v, index, cache, batch)
             h = self._finish_layer(layer, h, attn)
             layer_id = self.layer_ids[index]
-            if self.capture_hidden and layer_id == self.config.capture_layer - 1:
+            if capture is not None and layer_id == self.config.capture_layer - 1:
                 # The layer's own output, before DeepStack, as transformers records hidden_states.
-                self.captured_hidden = h.to("cpu", copy=True)
+                capture.states = h.to("cpu", copy=True)
             if deep_values is not None and layer_id < deep_values.shape[0]:
                 h[deep_rows] += deep_values[layer_id].to(h.dtype)   # DeepStack: image features into layer i's output
         if not self.last_stage:
             return h
-        if self.capture_hidden and not self.config.capture_layer:
+        if capture is not None and not self.config.capture_layer:
             # On the host: these states only leave through a connector (speech requests only).
-            self.captured_hidden = _rms_norm(h, self.norm, self.config.rms_norm_eps).cpu()
+            capture.states = _rms_norm(h, self.norm, self.config.rms_norm_eps).cpu()
         return self._logits(h.index_select(0, batch.last_index))
 
     @torch.inference_mode()

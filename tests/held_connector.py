@@ -1,0 +1,83 @@
+"""A real connector whose calls on chosen keys wait until the test lets them through.
+
+"While a transfer is pending" then is a state the test controls: the engine tests count progress in
+steps and tokens, never in time. Gets, puts and in-place puts (``put_reserved``) of a held key
+block in whichever thread makes them (an engine's transfer thread) until :meth:`HeldConnector.let_through`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from omnirelay.connectors import Connector
+from omnirelay.errors import TransferFailed
+
+
+class HeldConnector(Connector):
+    """The real connector, except that a get or put of a held key waits until :meth:`let_through`,
+    and the next get of a key marked with :meth:`fail_once` fails (as a get that timed out would)."""
+
+    name = "held"
+
+    def __init__(self, inner: Connector):
+        self.inner = inner
+        self._gates: dict[str, threading.Event] = {}
+        self._failing: set[str] = set()
+        self.entered: dict[str, threading.Event] = {}
+        self.gets: list[str] = []
+        self.puts: list[str] = []
+        self.threads: set[threading.Thread] = set()
+
+    def hold(self, key: str) -> None:
+        self._gates[key] = threading.Event()
+        self.entered[key] = threading.Event()
+
+    def let_through(self, key: str | None = None) -> None:
+        for name, gate in self._gates.items():
+            if key is None or name == key:
+                gate.set()
+
+    def fail_once(self, key: str) -> None:
+        self._failing.add(key)
+
+    def wait_entered(self, key: str) -> None:
+        assert self.entered[key].wait(10), f"no thread reached the call on {key!r}"
+
+    def _pass(self, key: str) -> None:
+        self.threads.add(threading.current_thread())
+        if key in self._gates:
+            self.entered[key].set()
+            assert self._gates[key].wait(30), "the test never let the call through"
+
+    def get(self, key, handle=None, timeout=30.0):
+        self.gets.append(key)
+        self._pass(key)
+        if key in self._failing:
+            self._failing.discard(key)
+            raise TransferFailed(f"get of {key!r} timed out (on purpose)")
+        return self.inner.get(key, handle, timeout)
+
+    def put(self, key, payload):
+        self.puts.append(key)
+        self._pass(key)
+        return self.inner.put(key, payload)
+
+    def reserve(self, layout):
+        return self.inner.reserve(layout)
+
+    def put_reserved(self, key, reservation, extra=None):
+        self.puts.append(key)
+        self._pass(key)
+        return self.inner.put_reserved(key, reservation, extra)
+
+    def release(self, reservation):
+        self.inner.release(reservation)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    def close(self):
+        pass
+
+    def health(self):
+        return self.inner.health()

@@ -1,0 +1,224 @@
+"""Prefill never blocks its batch on a transfer (workers/llm/prefill.py, workers/llm/prefill_transfers.py).
+
+No network: real engines in this process, the real shared-memory connector in a private directory.
+The prefill reads and writes through :class:`HeldConnector`, which holds the calls on chosen keys
+until the test lets them through, so "while a media get / a KV hand-off is pending" is a state the
+test controls: progress is counted in steps and results, never timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from omnirelay.connectors import create_connector
+from omnirelay.deploy.builders.omni import build_tiny_omni
+from omnirelay.workers.kv.export import import_kv
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.sampling import SamplingParams
+
+from engine_support import GREEDY, QUESTIONS, chat_ids, connector, model, shm_keys, tok  # noqa: F401  (fixtures)
+from held_connector import HeldConnector
+from media_support import image_part, random_png, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_omni(tmp_path_factory) -> str:
+    return tiny_model_dir(tmp_path_factory, "tiny-omni", build_tiny_omni)
+
+
+def step_until(engine: PrefillEngine, results: dict, done, max_steps: int = 400) -> None:
+    for _ in range(max_steps):
+        for result in engine.step():
+            assert result.request_id not in results, f"{result.request_id} reported twice"
+            results[result.request_id] = result
+        if done():
+            return
+    raise AssertionError(f"the engine did not get there (results so far: {sorted(results)})")
+
+
+def kv_of(connector, result) -> torch.Tensor:
+    return import_kv(connector, result.outputs.kv_key, result.outputs.kv_handle, timeout=5)
+
+
+def test_a_held_media_get_does_not_stall_other_prefills(tiny_omni, tmp_path):
+    """The media prompt is first in line, its encoder outputs' get is held: the text prompt behind
+    it is prefilled and reported meanwhile; once let through, the media prompt's first token and KV
+    are exactly those of a run where nothing was held."""
+    from transformers import AutoTokenizer
+
+    from omnirelay.gateway.media import MediaLimits, MediaProcessor
+    from omnirelay.mrope import MropeSpec
+    from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
+    from omnirelay.workers.llm.models.llama import LlamaModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_omni)
+    media = MediaProcessor(tiny_omni, MediaLimits())
+
+    def prompt(content):
+        messages, items = media.extract([{"role": "user", "content": content}])
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return media.expand(tokenizer(text, add_special_tokens=False)["input_ids"], items), items
+
+    media_ids, items = prompt([image_part(random_png(3, (56, 56))), {"type": "text", "text": "What is this?"}])
+    text_ids, _ = prompt([{"type": "text", "text": "Tell me about rivers."}])
+    mrope = MropeSpec.from_config(json.loads(open(os.path.join(tiny_omni, "config.json")).read()))
+    model = LlamaModel(tiny_omni)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
+    encoder = EncodeEngine(OmniEncoders(tiny_omni), connector)
+
+    def encoded(rid: str):
+        encoder.add(EncodeTask(rid, [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
+        (out,) = encoder.step()
+        assert not out.error_type, out.message
+        return out.outputs
+
+    def engine(conn) -> PrefillEngine:
+        return PrefillEngine(model, conn, max_model_len=4096, max_batched_tokens=64, block_size=4, mrope=mrope)
+
+    try:
+        alone = engine(connector)
+        alone.add(PrefillTask("m", media_ids, greedy, time.time() + 60, media=encoded("m0")))
+        expected: dict = {}
+        step_until(alone, expected, lambda: not alone.has_work)
+        alone.close()
+        want, want_kv = expected["m"], kv_of(connector, expected["m"])   # read (and deleted) before the rerun
+
+        held = HeldConnector(connector)
+        handoff = encoded("m1")
+        held.hold(handoff.mm_key)
+        prefill = engine(held)
+        prefill.add(PrefillTask("m", media_ids, greedy, time.time() + 60, media=handoff))
+        prefill.add(PrefillTask("t", text_ids, greedy, time.time() + 60))
+        results: dict = {}
+        step_until(prefill, results, lambda: "t" in results)
+        held.wait_entered(handoff.mm_key)
+        assert "m" not in results and [t.request_id for t in prefill.waiting] == ["m"]
+        assert not results["t"].error_type and results["t"].outputs.kv_key == "kv/t/0"
+        assert prefill.stats["prefill_steps"] >= -(-len(text_ids) // 64)   # the text prompt ran, chunked
+
+        held.let_through()
+        step_until(prefill, results, lambda: not prefill.has_work)
+        got = results["m"]
+        assert not got.error_type, got.message
+        assert got.first_token == want.first_token and got.outputs.rope_delta == want.outputs.rope_delta
+        assert torch.equal(kv_of(connector, got), want_kv)
+        kv_of(connector, results["t"])   # imports delete the keys
+        prefill.close()
+        assert shm_keys(tmp_path) == []   # the encoder outputs were deleted when the prefills ended
+    finally:
+        connector.close()
+
+
+def test_a_cancelled_media_prompt_whose_get_is_held_leaves_no_key(tiny_omni, connector, tmp_path):
+    """Cancelled while its get is in flight: the get runs out, then the fetch deletes the key."""
+    from omnirelay.handoffs import EmbedsHandoff
+
+    handle = connector.put("mm/c/0", {"image_embeds": torch.zeros(2, 8)})
+    held = HeldConnector(connector)
+    held.hold("mm/c/0")
+    model_dir = tiny_omni
+    from omnirelay.mrope import MropeSpec
+    from omnirelay.workers.llm.models.llama import LlamaModel
+    mrope = MropeSpec.from_config(json.loads(open(os.path.join(model_dir, "config.json")).read()))
+    prefill = PrefillEngine(LlamaModel(model_dir), held, max_model_len=4096, block_size=4, mrope=mrope)
+    try:
+        media = EmbedsHandoff("mm/c/0", handle, image_grids=[[1, 2, 4]], audio_lengths=[])
+        prefill.add(PrefillTask("c", [mrope.image_token_id] * 2, GREEDY, time.time() + 60, media=media))
+        assert prefill.step() == []
+        held.wait_entered("mm/c/0")
+        assert prefill.cancel("c") and not prefill.has_work
+        held.let_through()
+        deadline = time.monotonic() + 10
+        while shm_keys(tmp_path) and time.monotonic() < deadline:   # the fetch thread deletes it as it returns
+            time.sleep(0.01)
+        assert shm_keys(tmp_path) == []
+    finally:
+        held.let_through()
+        prefill.close()
+
+
+def test_a_held_kv_handoff_does_not_stall_the_batch(model, tok, connector, tmp_path):
+    """r0's whole-KV put is held: r1, admitted after it, is prefilled and reported first; r0 is
+    reported once its put returns, with the KV of an engine where nothing was held, and its blocks
+    were free while it waited (a whole KV is gathered into connector memory at once)."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
+    alone = PrefillEngine(model, connector, max_model_len=2048, kv_transfer="whole")
+    expected: dict = {}
+    alone.add(PrefillTask("r0", prompts[0], GREEDY, time.time() + 60))
+    step_until(alone, expected, lambda: not alone.has_work)
+    alone.close()
+    want_kv = kv_of(connector, expected["r0"])   # read (and deleted) before the rerun puts the same key
+
+    held = HeldConnector(connector)
+    held.hold("kv/r0/0")
+    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole", max_batched_tokens=256)
+    try:
+        prefill.add(PrefillTask("r0", prompts[0], GREEDY, time.time() + 60))
+        results: dict = {}
+        step_until(prefill, results, lambda: prefill.num_sending == 1)
+        held.wait_entered("kv/r0/0")
+        assert prefill.allocator.free == prefill.runner.num_blocks - 1   # cached blocks count as free
+        prefill.add(PrefillTask("r1", prompts[1], GREEDY, time.time() + 60))
+        step_until(prefill, results, lambda: "r1" in results)
+        assert "r0" not in results and not results["r1"].error_type
+        held.let_through()
+        step_until(prefill, results, lambda: not prefill.has_work)
+        assert results["r0"].first_token == expected["r0"].first_token
+        assert torch.equal(kv_of(connector, results["r0"]), want_kv)
+        kv_of(connector, results["r1"])
+        assert shm_keys(tmp_path) == []
+    finally:
+        held.let_through()
+        prefill.close()
+
+
+def test_cancel_while_the_handoff_is_held_deletes_it_and_reports_nothing(model, tok, connector, tmp_path):
+    """Layerwise: the step's manifest put is held; the request is cancelled meanwhile. Nothing is
+    reported for it, every piece and the manifest are deleted, and the blocks the export read come back."""
+    held = HeldConnector(connector)
+    held.hold("kv/r0/0")   # the manifest, put after every layer's piece
+    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="layerwise")
+    try:
+        prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[2]), GREEDY, time.time() + 60))
+        results: dict = {}
+        step_until(prefill, results, lambda: prefill.num_sending == 1)
+        held.wait_entered("kv/r0/0")
+        assert prefill.allocator.free < prefill.runner.num_blocks - 1   # held until the export is done
+        assert prefill.cancel("r0") and prefill.num_requests == 0
+        held.let_through()
+        step_until(prefill, results, lambda: not prefill.has_work)
+        assert results == {} and shm_keys(tmp_path) == []
+        assert prefill.allocator.free == prefill.runner.num_blocks - 1
+    finally:
+        held.let_through()
+        prefill.close()
+
+
+def test_close_discards_a_handoff_still_queued(model, tok, connector, tmp_path):
+    """One transfer thread, held in r0's put; r1's hand-off waits queued behind it. close() returns
+    within its bound, and once r0's put returns nothing of either request is left."""
+    held = HeldConnector(connector)
+    held.hold("kv/r0/0")
+    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole", transfer_threads=1)
+    try:
+        prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
+        results: dict = {}
+        step_until(prefill, results, lambda: prefill.num_sending == 1)
+        held.wait_entered("kv/r0/0")
+        prefill.add(PrefillTask("r1", chat_ids(tok, QUESTIONS[1]), GREEDY, time.time() + 60))
+        step_until(prefill, results, lambda: prefill.num_sending == 2)
+        started = time.monotonic()
+        prefill.close()
+        assert time.monotonic() - started < 10 and results == {}
+    finally:
+        held.let_through()
+    for thread in list(held.threads):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert shm_keys(tmp_path) == []
