@@ -3,7 +3,7 @@
 Both load the model into this process, or start a TP × PP group whose rank 0 this process is
 (:func:`model_runner`), open the connector the KV travels by, and keep one structured-output compile
 cache over the model's tokenizer; then each builds its engine and role adapter. The runtime closes,
-in order, the decode engine (its KV import threads use the connector), the connector, and the
+in order, the engine (its transfer threads use the connector), the connector, and the
 runner (which stops ranks 1..N-1 of a parallel group).
 """
 
@@ -71,7 +71,7 @@ def build_prefill_role(config: WorkerConfig, on_fatal: Callable[[str], None] | N
                                kv_transfer=config.kv_transfer, mrope=mrope, grammars=llm.grammars)
     _log_ready(config, llm)
     return BuiltRole(PrefillRole(config.worker_id, engine), _stats(engine, llm, prefill=True),
-                     owned=(llm.connector, llm.runner))
+                     owned=(engine, llm.connector, llm.runner))
 
 
 def build_decode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
@@ -104,7 +104,8 @@ def _stats(engine: PrefillEngine | DecodeEngine, llm: _LLMParts, *, prefill: boo
     """Heartbeat stats: the engine's queues and counters, the KV pool (and, for prefill, the blocks
     its prefix cache holds), the grammar cache's figures and the connector's."""
     def stats() -> dict:
-        cached = {"prefix_cached_blocks": engine.allocator.num_cached} if prefill else {}
+        cached = ({"prefix_cached_blocks": engine.allocator.num_cached, "sending": engine.num_sending}
+                  if prefill else {})
         return {"running": len(engine.running), "waiting": len(engine.waiting),
                 "free_kv_blocks": engine.allocator.free, "kv_blocks_total": llm.runner.num_blocks - 1,
                 **cached, **engine.stats, **llm.grammars.stats, **connector_stats(llm.connector)}
