@@ -3,17 +3,14 @@ image tokens, produce the same noise prediction as one rank running the whole mo
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 from omnirelay.workers.generate.sequence_parallel import sequence_parallel_forward
+
+from rank_processes import gloo_group, run_ranks, save_rank_output
 
 
 def _tiny_transformer():
@@ -33,24 +30,14 @@ def _inputs():
 
 
 def _rank(rank: int, world: int, port: int, result_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         model = _tiny_transformer()
         latents, text, pooled, timestep = _inputs()
         # Each rank gets the inputs whole and returns the output whole.
         before = {name: type(proc) for name, proc in model.attn_processors.items()}
         out = sequence_parallel_forward(model, latents, text, pooled, timestep)
         assert {name: type(proc) for name, proc in model.attn_processors.items()} == before
-        save_file({"out": out.contiguous()}, os.path.join(result_dir, f"rank{rank}.safetensors"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        save_rank_output(out, rank, result_dir)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -60,19 +47,7 @@ def test_sequence_parallel_equals_one_rank(world, tmp_path):
     latents, text, pooled, timestep = _inputs()
     with torch.inference_mode():
         reference = model(latents, text, pooled, timestep, return_dict=False)[0]
-    port = _free_port()
-    ranks = [subprocess.Popen([sys.executable, __file__, str(rank), str(world), str(port), str(tmp_path)])
-             for rank in range(world)]
-    try:
-        codes = [proc.wait(timeout=240) for proc in ranks]
-    finally:
-        for proc in ranks:    # only on a timeout: a rank stuck in a collective
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert codes == [0] * world
-    outputs = [load_file(tmp_path / f"rank{r}.safetensors")["out"] for r in range(world)]
-    for out in outputs:
+    for out in run_ranks(__file__, world, tmp_path):
         assert out.shape == reference.shape == latents.shape
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     assert reference.std() > 0.1   # a real prediction, not zeros

@@ -5,18 +5,15 @@ prediction as one rank running the whole model (the kernels of
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 from omnirelay.workers.generate.sequence_parallel_wan import wan_sequence_parallel_forward
 from omnirelay.workers.generate.sequence_parallel_zimage import zimage_sequence_parallel_forward
+
+from rank_processes import gloo_group, run_ranks, save_rank_output
 
 
 def _tiny_wan():
@@ -70,9 +67,7 @@ def _processor_types(model) -> dict[str, type]:
 
 
 def _rank(rank: int, world: int, port: int, result_dir: str, which: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         model = _tiny_wan() if which == "wan" else _tiny_zimage()
         before = _processor_types(model)
         if which == "wan":
@@ -81,30 +76,7 @@ def _rank(rank: int, world: int, port: int, result_dir: str, which: str) -> None
         else:
             out = _zimage_forward(model)
         assert _processor_types(model) == before      # the kernel put the model's own processors back
-        save_file({"out": out.contiguous()}, os.path.join(result_dir, f"rank{rank}.safetensors"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_ranks(world: int, tmp_path, which: str) -> list[torch.Tensor]:
-    port = _free_port()
-    ranks = [subprocess.Popen([sys.executable, __file__, str(rank), str(world), str(port), str(tmp_path), which])
-             for rank in range(world)]
-    try:
-        codes = [proc.wait(timeout=240) for proc in ranks]
-    finally:
-        for proc in ranks:    # only on a timeout: a rank stuck in a collective
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert codes == [0] * world
-    return [load_file(tmp_path / f"rank{r}.safetensors")["out"] for r in range(world)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        save_rank_output(out, rank, result_dir)
 
 
 # ~100 s each on a loaded 2-core box: every rank is a fresh interpreter importing diffusers
@@ -117,7 +89,7 @@ def test_wan_sequence_parallel_equals_one_rank(world, tmp_path):
     with torch.inference_mode():
         reference = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
                           return_dict=False)[0]
-    for out in _run_ranks(world, tmp_path, "wan"):
+    for out in run_ranks(__file__, world, tmp_path, "wan"):
         assert out.shape == reference.shape == latents.shape
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     assert reference.std() > 0.1   # a real prediction, not zeros
@@ -129,7 +101,7 @@ def test_zimage_sequence_parallel_equals_one_rank(world, tmp_path):
     torch.set_num_threads(1)
     with torch.inference_mode():
         reference = _zimage_forward(_tiny_zimage(), group=False)
-    for out in _run_ranks(world, tmp_path, "zimage"):
+    for out in run_ranks(__file__, world, tmp_path, "zimage"):
         assert out.shape == reference.shape == (2, 16, 1, 8, 10)
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     assert reference.std() > 0.1
