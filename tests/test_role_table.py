@@ -27,12 +27,14 @@ def _pipeline_roles() -> set[tuple[str, ModelKind]]:
 
 
 def test_the_table_covers_exactly_the_roles_of_the_bundled_pipelines():
-    assert set(ROLE_BUILDERS) == _pipeline_roles()
+    assert set(ROLE_BUILDERS) == set(ModelKind)
+    assert {(role, kind) for kind, builders in ROLE_BUILDERS.items() for role in builders} == _pipeline_roles()
 
 
 def test_every_entry_is_found_by_the_lookup():
-    for (role, kind), builder in ROLE_BUILDERS.items():
-        assert role_builder(role, kind) is builder
+    for kind, builders in ROLE_BUILDERS.items():
+        for role, builder in builders.items():
+            assert role_builder(role, kind) is builder
 
 
 @pytest.mark.parametrize("role, kind, roles", [
