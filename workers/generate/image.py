@@ -65,6 +65,7 @@ from omnirelay.image_params import ImageParams
 
 from omnirelay.workers.generate.image_edit import EditRunner
 from omnirelay.workers.generate.sequence_parallel_group import SequenceParallelGroupLost
+from omnirelay.workers.runtime.request_queue import RequestQueue
 
 log = logging.getLogger("omnirelay.worker.generate")
 
@@ -323,7 +324,7 @@ class GenerateImageEngine:
             self.patch_size = family.size_multiple // self.vae_scale_factor
             self.default_width, self.default_height = family.native_size
             self.default_steps = family.default_steps
-        self.waiting: collections.deque[ImageItem] = collections.deque()
+        self.waiting: RequestQueue[ImageItem] = RequestQueue()
         self.batch: Batch | None = None
         self.requests: dict[str, _RequestState] = {}
         self.stats: collections.Counter[str] = collections.Counter()
@@ -371,7 +372,7 @@ class GenerateImageEngine:
                 raise BadRequest("image edits are not served by a sequence-parallel worker", param="model")
         self.requests[task.request_id] = _RequestState(task, remaining=params.n)
         for index in range(params.n):
-            self.waiting.append(ImageItem(task.request_id, index, params.prompt, params.negative_prompt, width,
+            self.waiting.add(ImageItem(task.request_id, index, params.prompt, params.negative_prompt, width,
                                           height, steps, params.guidance_scale, params.image_seed(index),
                                           params.image, params.mask, params.strength))
 
@@ -382,7 +383,7 @@ class GenerateImageEngine:
         self._drop_items(request_id)
 
     def _drop_items(self, request_id: str) -> None:
-        self.waiting = collections.deque(it for it in self.waiting if it.request_id != request_id)
+        self.waiting.remove_all(request_id)
         batch = self.batch
         if batch is not None and any(it.request_id == request_id for it in batch.items):
             rows = [i for i, it in enumerate(batch.items) if it.request_id != request_id]
@@ -436,20 +437,13 @@ class GenerateImageEngine:
         return out
 
     def _admit(self) -> Batch | None:
-        if not self.waiting:
-            return None
-        head = self.waiting.popleft()
-        runner = self._runner(head)
-        key = runner.batch_key(head)
-        items, rest = [head], collections.deque()
-        while self.waiting:
-            item = self.waiting.popleft()
-            if len(items) < self.max_batch_size and self._runner(item) is runner and runner.batch_key(item) == key:
-                items.append(item)
-            else:
-                rest.append(item)
-        self.waiting = rest
-        return Batch(items, runner=runner)
+        items = self.waiting.take_batch(self.max_batch_size, self._batch_key)
+        return Batch(items, runner=self._runner(items[0])) if items else None
+
+    def _batch_key(self, item: ImageItem) -> tuple:
+        """Items of one key run in one batch: the same runner (generation or edit) and shape."""
+        runner = self._runner(item)
+        return id(runner), runner.batch_key(item)
 
     def _runner(self, item: ImageItem):
         return self._edit_runner if item.image else self.runner

@@ -70,6 +70,7 @@ from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemor
 from omnirelay.video_params import VideoParams
 
 from omnirelay.workers.generate.image import load_pipeline
+from omnirelay.workers.runtime.request_queue import RequestQueue
 
 log = logging.getLogger("omnirelay.worker.generate")
 
@@ -374,7 +375,7 @@ class GenerateVideoEngine:
         self.family = family_of_pipeline(pipe)
         self.vae_scale_factor = int(pipe.vae_scale_factor_spatial if self.family else pipe.vae_scale_factor)
         self.patch_size = self.family.size_multiple // self.vae_scale_factor if self.family else 1
-        self.waiting: collections.deque[VideoTask] = collections.deque()
+        self.waiting: RequestQueue[VideoTask] = RequestQueue()
         self.job: VideoJob | None = None
         # batches / batches_of_<n>: the denoising loops run and how many requests each held
         self.stats: collections.Counter[str] = collections.Counter()
@@ -411,7 +412,7 @@ class GenerateVideoEngine:
                              f"{task.params.width}x{task.params.height}", param="size")
         if self.family is not None:
             self.family.check_frames(task.params.num_frames)
-        self.waiting.append(task)
+        self.waiting.add(task)
 
     def cancel(self, request_id: str) -> bool:
         """Forget a request wherever it is; returns whether it was held (unknown ids are ignored).
@@ -423,7 +424,7 @@ class GenerateVideoEngine:
         return held
 
     def _drop(self, request_id: str) -> None:
-        self.waiting = collections.deque(t for t in self.waiting if t.request_id != request_id)
+        self.waiting.remove(request_id)
         job = self.job
         if job is None or not any(t.request_id == request_id for t in job.tasks):
             return
@@ -481,24 +482,16 @@ class GenerateVideoEngine:
     def _admit(self) -> VideoJob | None:
         """The head waiting task plus the next waiting ones of its batch key, up to max_batch_size;
         the others keep their order."""
-        if not self.waiting:
+        tasks = self.waiting.take_batch(self.max_batch_size, lambda task: batch_key(task.params))
+        if not tasks:
             return None
-        head = self.waiting.popleft()
-        key = batch_key(head.params)
-        tasks, rest = [head], collections.deque()
-        for task in self.waiting:
-            if len(tasks) < self.max_batch_size and batch_key(task.params) == key:
-                tasks.append(task)
-            else:
-                rest.append(task)
-        self.waiting = rest
         self.stats["batches"] += 1
         self.stats[f"batches_of_{len(tasks)}"] += 1
         return VideoJob(tasks)
 
     def _expire(self, out: StepOutput) -> None:
         now = self.clock()
-        for task in [t for t in self.waiting if now > t.deadline]:
+        for task in self.waiting.pop_expired(now):
             self._fail(out, task.request_id, DeadlineExceeded.error_type, "deadline passed while waiting to generate video")
         if self.job is not None:
             for task in [t for t in self.job.tasks if now > t.deadline]:
