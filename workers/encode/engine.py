@@ -16,8 +16,9 @@ this only happens to a client that bypasses the gateway. The cache belongs to th
 worker replica), bounded by bytes, least recently used first out; a hit skips preprocessing and
 the encoder. The engine holds no sockets; the worker runtime feeds it tasks and sends its results.
 
-Qwen3-Omni's encoders (``encode_qwen3.py``) have the same interface; their image encodings carry
-the DeepStack features too, which ``image_payload`` splits out (``image_deepstack``).
+Each model family's encoders are a :class:`ThinkerEncoders` (weights, preprocessing) that runs its
+own towers: Qwen2.5-Omni's :class:`OmniEncoders` here, Qwen3-Omni's in ``qwen3.py``, whose image
+encodings carry the DeepStack features too, which ``image_payload`` splits out (``image_deepstack``).
 
 Models: the thinker's ``visual`` and ``audio_tower`` only, built with transformers' own modules
 (``Qwen2_5OmniVisionEncoder``, ``Qwen2_5OmniAudioEncoder``) from the checkpoint's config and the
@@ -32,9 +33,7 @@ import dataclasses
 import hashlib
 import io
 import json
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,9 +41,7 @@ import torch
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
 from omnirelay.handoffs import EmbedsHandoff
-
-if TYPE_CHECKING:
-    from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
+from omnirelay.workers.runtime.request_queue import RequestQueue
 
 AUDIO_SAMPLE_RATE = 16000     # the gateway sends audio as float32 little-endian PCM at this rate
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -86,27 +83,23 @@ class _Encoded:
         return self.embeds.numel() * self.embeds.element_size()
 
 
-class OmniEncoders:
-    """The thinker's vision and audio encoders plus their preprocessors, from a model directory."""
+class ThinkerEncoders:
+    """A thinker's vision and audio encoders plus their preprocessors, from a model directory: what
+    every family shares (the ``thinker.visual.*`` / ``thinker.audio_tower.*`` weights, the Qwen2-VL
+    image processor, Whisper features). A family's subclass reads its config and runs its encoders
+    (:class:`OmniEncoders`, :class:`~omnirelay.workers.encode.qwen3.Qwen3OmniEncoders`)."""
 
-    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str, dtype: torch.dtype, thinker, visual_class, audio_class):
         from safetensors import safe_open
-        from transformers import Qwen2_5OmniConfig, WhisperFeatureExtractor
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniAudioEncoder,
-                                                                            Qwen2_5OmniVisionEncoder)
+        from transformers import WhisperFeatureExtractor
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        root = Path(path)
-        raw = json.loads((root / "config.json").read_text())
-        thinker = Qwen2_5OmniConfig(**raw).thinker_config if "thinker_config" in raw else None
-        if thinker is None:
-            raise ValueError(f"{path}: not a Qwen2.5-Omni checkpoint (no thinker_config)")
         self.dtype = dtype
-        self.visual = Qwen2_5OmniVisionEncoder._from_config(thinker.vision_config).to(dtype).eval()
-        self.audio = Qwen2_5OmniAudioEncoder._from_config(thinker.audio_config).to(dtype).eval()
+        self.visual = visual_class._from_config(thinker.vision_config).to(dtype).eval()
+        self.audio = audio_class._from_config(thinker.audio_config).to(dtype).eval()
         for module, prefix in ((self.visual, "thinker.visual."), (self.audio, "thinker.audio_tower.")):
             state = {}
-            for file in sorted(root.glob("*.safetensors")):
+            for file in sorted(Path(path).glob("*.safetensors")):
                 with safe_open(str(file), framework="pt") as handle:
                     state.update({k[len(prefix):]: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)})
             module.load_state_dict(state, strict=True)
@@ -132,7 +125,33 @@ class OmniEncoders:
         frames = int(out["attention_mask"][0].sum())
         return out["input_features"][0, :, :frames]
 
-    # ---------------------------------------------------------------- encoders (batched)
+    # ---------------------------------------------------------------- encoders (batched, per family)
+
+    def encode_images(self, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
+        """Per image ``[tokens, …]``, what the engine caches."""
+        raise NotImplementedError
+
+    def encode_audio(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def image_payload(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A request's image encodings (prompt order, concatenated) as the prefill reads them."""
+        return {"image_embeds": images}
+
+
+class OmniEncoders(ThinkerEncoders):
+    """Qwen2.5-Omni's encoders."""
+
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
+        from transformers import Qwen2_5OmniConfig
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniAudioEncoder,
+                                                                            Qwen2_5OmniVisionEncoder)
+
+        raw = json.loads((Path(path) / "config.json").read_text())
+        thinker = Qwen2_5OmniConfig(**raw).thinker_config if "thinker_config" in raw else None
+        if thinker is None:
+            raise ValueError(f"{path}: not a Qwen2.5-Omni checkpoint (no thinker_config)")
+        super().__init__(path, dtype, thinker, Qwen2_5OmniVisionEncoder, Qwen2_5OmniAudioEncoder)
 
     @torch.inference_mode()
     def encode_images(self, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
@@ -148,13 +167,9 @@ class OmniEncoders:
                          aftercnn_lens=after_cnn).last_hidden_state
         return list(torch.split(out, out_lens.tolist()))
 
-    def image_payload(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A request's image encodings (prompt order, concatenated) as the prefill reads them."""
-        return {"image_embeds": images}
-
 
 class EncodeEngine:
-    def __init__(self, encoders: "OmniEncoders | Qwen3OmniEncoders", connector: Connector, *, max_batch: int = 8,
+    def __init__(self, encoders: ThinkerEncoders, connector: Connector, *, max_batch: int = 8,
                  cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.encoders = encoders
         self.connector = connector
@@ -162,7 +177,7 @@ class EncodeEngine:
         self.cache_bytes = cache_bytes
         self.cache: collections.OrderedDict[str, _Encoded] = collections.OrderedDict()
         self._cached_bytes = 0
-        self.waiting: collections.deque[EncodeTask] = collections.deque()
+        self.waiting: RequestQueue[EncodeTask] = RequestQueue()
         self.stats = collections.Counter()
 
     @property
@@ -174,26 +189,15 @@ class EncodeEngine:
         return bool(self.waiting)
 
     def add(self, task: EncodeTask) -> None:
-        self.waiting.append(task)
+        self.waiting.add(task)
 
     def cancel(self, request_id: str) -> bool:
-        for task in self.waiting:
-            if task.request_id == request_id:
-                self.waiting.remove(task)
-                return True
-        return False
+        return self.waiting.remove(request_id) is not None
 
     def step(self) -> list[EncodeResult]:
-        results: list[EncodeResult] = []
-        batch: list[EncodeTask] = []
-        now = time.time()
-        while self.waiting and len(batch) < self.max_batch:
-            task = self.waiting.popleft()
-            if now > task.deadline:
-                results.append(EncodeResult(task.request_id, error_type=DeadlineExceeded.error_type,
-                                            message="deadline passed before encode"))
-            else:
-                batch.append(task)
+        results = [EncodeResult(task.request_id, error_type=DeadlineExceeded.error_type,
+                                message="deadline passed before encode") for task in self.waiting.pop_expired()]
+        batch = [self.waiting.popleft() for _ in range(min(self.max_batch, len(self.waiting)))]
         if batch:
             results += self._encode(batch)
         return results

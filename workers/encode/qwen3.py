@@ -19,66 +19,32 @@ Outputs equal what ``Qwen3OmniMoeThinkerForConditionalGeneration`` merges (tests
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from omnirelay.mrope import qwen3_audio_output_length
 
-AUDIO_SAMPLE_RATE = 16000
+from omnirelay.workers.encode.engine import ThinkerEncoders
 
 
-class Qwen3OmniEncoders:
-    """The thinker's vision and audio encoders plus their preprocessors, from a model directory."""
+class Qwen3OmniEncoders(ThinkerEncoders):
+    """Qwen3-Omni's encoders (weights and preprocessing as every family's: :class:`ThinkerEncoders`)."""
 
     def __init__(self, path: str, dtype: torch.dtype = torch.float32):
-        from safetensors import safe_open
-        from transformers import Qwen3OmniMoeConfig, WhisperFeatureExtractor
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers import Qwen3OmniMoeConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (Qwen3OmniMoeAudioEncoder,
                                                                                 Qwen3OmniMoeVisionEncoder)
 
-        root = Path(path)
-        raw = json.loads((root / "config.json").read_text())
+        raw = json.loads((Path(path) / "config.json").read_text())
         if "thinker_config" not in raw:
             raise ValueError(f"{path}: not a Qwen3-Omni checkpoint (no thinker_config)")
         thinker = Qwen3OmniMoeConfig.from_pretrained(path).thinker_config
-        self.dtype = dtype
-        self.visual = Qwen3OmniMoeVisionEncoder._from_config(thinker.vision_config).to(dtype).eval()
-        self.audio = Qwen3OmniMoeAudioEncoder._from_config(thinker.audio_config).to(dtype).eval()
-        for module, prefix in ((self.visual, "thinker.visual."), (self.audio, "thinker.audio_tower.")):
-            state = {}
-            for file in sorted(root.glob("*.safetensors")):
-                with safe_open(str(file), framework="pt") as handle:
-                    state.update({k[len(prefix):]: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)})
-            module.load_state_dict(state, strict=True)
-        self.merge = thinker.vision_config.spatial_merge_size
+        super().__init__(path, dtype, thinker, Qwen3OmniMoeVisionEncoder, Qwen3OmniMoeAudioEncoder)
         self.hidden = thinker.vision_config.out_hidden_size
         self.deepstack_layers = len(thinker.vision_config.deepstack_visual_indexes)
         self.n_window = thinker.audio_config.n_window
-        self.images = Qwen2VLImageProcessorPil.from_pretrained(path)
-        self.features = WhisperFeatureExtractor.from_pretrained(path)
-
-    # ---------------------------------------------------------------- preprocessing (per item)
-
-    def image_inputs(self, data: bytes) -> tuple[torch.Tensor, list[int]]:
-        from PIL import Image
-
-        with Image.open(io.BytesIO(data)) as img:
-            rgb = img.convert("RGB")
-        out = self.images(images=[rgb], return_tensors="pt")
-        return out["pixel_values"], [int(x) for x in out["image_grid_thw"][0]]
-
-    def audio_inputs(self, data: bytes) -> torch.Tensor:
-        """Mel features ``[mels, frames]`` of the clip (padding dropped, as the thinker does)."""
-        pcm = np.frombuffer(data, dtype="<f4")
-        out = self.features([pcm], sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True,
-                            padding="max_length", return_tensors="pt")
-        frames = int(out["attention_mask"][0].sum())
-        return out["input_features"][0, :, :frames]
 
     # ---------------------------------------------------------------- encoders (batched)
 
