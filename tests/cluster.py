@@ -13,13 +13,14 @@ The fault tests share one way to judge a fault: :func:`run_load` sends a bounded
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import openai
 import requests
@@ -159,6 +160,28 @@ class Cluster:
                 proc.proc.send_signal(signal.SIGTERM)
         for proc in reversed(self.procs):
             proc.stop(timeout=30)
+
+
+@contextlib.contextmanager
+def prefill_pair_cluster(model: str, log_dir: str, **kwargs) -> Iterator[Cluster]:
+    """Broker, prefill workers ``prefill-a`` and ``prefill-b``, one decode worker and the gateway, once
+    both prefill workers have registered (the prefix-routing set-up); every process stopped on exit.
+    ``kwargs`` go to :class:`Cluster`."""
+    cluster = Cluster(model=model, log_dir=log_dir, **kwargs)
+    try:
+        cluster.start_broker()
+        cluster.start_worker("prefill", "--worker-id", "prefill-a")
+        cluster.start_worker("prefill", "--worker-id", "prefill-b")
+        cluster.start_worker("decode")
+        cluster.start_gateway()
+        cluster.wait_healthy()
+        deadline = time.monotonic() + 120
+        while sum(w["role"] == "prefill" for w in cluster.workers()) < 2:
+            assert time.monotonic() < deadline, "two prefill workers never registered"
+            time.sleep(0.2)
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 # ---------------------------------------------------------------------- a bounded load with a fault

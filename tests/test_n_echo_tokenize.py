@@ -316,22 +316,9 @@ def test_openapi_documents_choices_and_the_tokenizer_routes(server):
 
 @pytest.fixture
 def two_prefill_cluster(tiny_model, tmp_path):
-    from cluster import Cluster
-    cluster = Cluster(model=tiny_model, model_name=MODEL, log_dir=str(tmp_path))
-    try:
-        cluster.start_broker()
-        cluster.start_worker("prefill", "--worker-id", "prefill-a")
-        cluster.start_worker("prefill", "--worker-id", "prefill-b")
-        cluster.start_worker("decode")
-        cluster.start_gateway()
-        cluster.wait_healthy()
-        deadline = time.monotonic() + 120
-        while sum(w["role"] == "prefill" for w in cluster.workers()) < 2:
-            assert time.monotonic() < deadline, "two prefill workers never registered"
-            time.sleep(0.2)
+    from cluster import prefill_pair_cluster
+    with prefill_pair_cluster(tiny_model, str(tmp_path), model_name=MODEL) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.slow
