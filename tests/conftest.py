@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -68,6 +70,12 @@ class ServeProcess:
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.url = self._wait_ready(timeout)
         self.children = child_pids(self.proc.pid)
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def output(self) -> str:
         with open(self.log_path) as handle:
@@ -162,3 +170,14 @@ def hf_chat_greedy(path: str, messages: list[dict] | str, max_new_tokens: int) -
 def reference(tiny_model):
     """``reference(content, n)``: transformers' greedy tokens for a one-message chat on the tiny model."""
     return lambda content, max_new_tokens: hf_chat_greedy(tiny_model, content, max_new_tokens)
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh directory under /dev/shm for a shared-memory connector; the test must leave it empty."""
+    path = f"/dev/shm/ortest-{uuid.uuid4().hex}"
+    os.mkdir(path)
+    yield path
+    left = sorted(os.listdir(path))
+    shutil.rmtree(path, ignore_errors=True)
+    assert left == [], f"test left files in its shm dir: {left}"

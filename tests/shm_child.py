@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from connector_peer import same_payload
+
 
 def make_payload(seed: int) -> dict:
     """Deterministic payload used by both sides of the cross-process tests."""
@@ -34,24 +36,6 @@ def make_payload(seed: int) -> dict:
         "blob": bytes(range(256)) * 4,
         "meta": {"seed": seed, "names": ["a", "b"], "none": None},
     }
-
-
-def same_payload(got: dict, want: dict) -> list[str]:
-    """Names whose values differ (bitwise for tensors)."""
-    bad = []
-    if set(got) != set(want):
-        return sorted(set(got) ^ set(want))
-    for name, w in want.items():
-        g = got[name]
-        if isinstance(w, torch.Tensor):
-            ok = (isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape
-                  and torch.equal(g.contiguous().reshape(-1).view(torch.uint8),
-                                  w.contiguous().reshape(-1).view(torch.uint8)))
-        else:
-            ok = g == w
-        if not ok:
-            bad.append(name)
-    return bad
 
 
 def _say(obj) -> None:

@@ -31,16 +31,6 @@ from omnirelay.errors import TransferFailed
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def shm_dir():
-    path = f"/dev/shm/ortest-{uuid.uuid4().hex}"
-    os.mkdir(path)
-    yield path
-    left = sorted(os.listdir(path))
-    shutil.rmtree(path, ignore_errors=True)
-    assert left == [], f"test left files in its shm dir: {left}"
-
-
 def owned_by(directory: str, pid: int) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith(f"omnirelay-{pid}-"))
 

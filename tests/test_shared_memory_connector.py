@@ -55,16 +55,6 @@ def _no_segments_in_real_dev_shm():
 
 
 @pytest.fixture
-def shm_dir():
-    path = f"/dev/shm/ortest-{uuid.uuid4().hex}"
-    os.mkdir(path)
-    yield path
-    left = sorted(os.listdir(path))
-    shutil.rmtree(path, ignore_errors=True)
-    assert left == [], f"test left files in its shm dir: {left}"
-
-
-@pytest.fixture
 def conn(shm_dir):
     c = SharedMemoryConnector({"shm_dir": shm_dir})
     yield c
@@ -95,6 +85,15 @@ def small_payload(i: int = 0) -> dict:
 def spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill the child if it still runs, wait for it, close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 def read_json_line(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
@@ -553,11 +552,7 @@ def test_cross_process_exchange(conn, shm_dir):
         assert result == {"ok": True, "bad": []}
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        _reap(proc)
         conn.delete("c2p")
         conn.delete("p2c")
     assert keys_in(shm_dir) == []
@@ -601,11 +596,7 @@ def test_kill_9_leaves_orphans_that_sweep_removes(conn, shm_dir):
         assert sweep_orphans(shm_dir, owners={1}) == 1
         assert files(shm_dir) == sorted(["unrelated-file", f"{PREFIX}notapid-x"])
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        _reap(proc)
         sweep_orphans(shm_dir, owners={proc.pid, os.getpid()})
         for name in extra:
             if os.path.exists(os.path.join(shm_dir, name)):
