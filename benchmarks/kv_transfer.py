@@ -29,9 +29,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,35 +43,10 @@ from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
+from servers import start_redis, stop
 
 MODES = ("whole", "layerwise")
 PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)   # first token + one decode token
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(workdir: str) -> tuple[subprocess.Popen, str] | None:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        return None
-    port = _free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", workdir, "--loglevel", "warning"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError("redis-server did not start")
 
 
 class TimedForward:
@@ -211,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 connector.close()
             if redis_proc is not None:
-                redis_proc.terminate()
-                redis_proc.wait(10)
+                stop(redis_proc)
                 redis_proc = None
         cfg = model.config
         print(f"Model: {path} ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads × {cfg.head_dim}, "
@@ -223,9 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"model": path, "args": vars(args), "results": results}, f, indent=1)
     finally:
-        if redis_proc is not None and redis_proc.poll() is None:
-            redis_proc.kill()
-            redis_proc.wait()
+        if redis_proc is not None:
+            stop(redis_proc)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
