@@ -21,6 +21,7 @@ from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.runtime.transfers import TransferPool, TransferState
 from omnirelay.workers.llm.prefill import PrefillEngine
+from omnirelay.workers.llm.sampling import SamplingParams
 
 from held_connector import HeldConnector
 from engine_support import (  # noqa: F401  (fixtures)
@@ -169,7 +170,7 @@ def test_deadline_while_the_import_is_in_flight_leaves_no_key(model, tok, connec
         engine.add(t)
         engine.step()
         held.wait_entered(result.outputs.kv_key)
-        engine.waiting[0].task.deadline = time.time() - 1
+        engine.waiting.head.task.deadline = time.time() - 1
         out = engine.step()
         assert [(f[0], f[2]) for f in out.failed] == [("r0", "deadline_exceeded")] and not engine.has_work
     finally:
@@ -350,3 +351,61 @@ def test_close_does_not_wait_out_a_get_in_progress(model, tok, tmp_path, connect
     # works on a closed connector too).
     assert [k for k in held.gets if k != key] == [piece_key(key, 0), gated]
     assert shm_keys(tmp_path) == []
+
+
+def test_a_held_speech_reply_put_does_not_stall_the_batch(model, tok, reference, connector, tmp_path):
+    """r0 speaks its reply: when it finishes, its states' put is held. r1 keeps decoding meanwhile
+    and r0's last token is reported only with its hand-off, once the put returns; a cancelled
+    spoken reply whose put is held leaves nothing behind."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
+    prefilled = prefill(model, connector, prompts)
+    held = HeldConnector(connector)
+    engine = make_decode(model, held)
+    try:
+        speaking = {}
+        for rid in ("r0", "r2"):
+            prompt_key = f"speech/{rid}/0/prompt"
+            held.hold(f"speech/{rid}/0/reply")
+            t = task(rid, prompts[int(rid[1])], prefilled[rid])
+            t.params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            t.speech_inputs = SpeechHandoff(prompt_key, connector.put(prompt_key, {"hidden": torch.zeros(2, 4)}))
+            speaking[rid] = t
+        engine.add(speaking["r0"])
+        engine.add(task("r1", prompts[1], prefilled["r1"]))
+        outputs = {rid: [prefilled[rid].first_token] for rid in ("r0", "r1", "r2")}
+        finished = []
+
+        def step_collecting(done):
+            for _ in range(500):
+                out = engine.step()
+                assert not out.failed, out.failed
+                for token in out.tokens:
+                    outputs[token.request_id].append(token.token)
+                    if token.finish_reason:
+                        finished.append(token)
+                if done():
+                    return
+            raise AssertionError("the engine did not get there")
+
+        step_collecting(lambda: held.entered["speech/r0/0/reply"].is_set())
+        tokens_before = len(outputs["r1"])
+        step_collecting(lambda: len(outputs["r1"]) >= tokens_before + 4)   # r1 decodes on
+        assert len(outputs["r0"]) == 2 and not finished   # r0's last token waits for its states
+        held.let_through("speech/r0/0/reply")
+        step_collecting(lambda: not engine.has_work)
+        (spoken,) = [t for t in finished if t.request_id == "r0"]
+        assert spoken.outputs.speech_reply_key == "speech/r0/0/reply" and len(outputs["r0"]) == 3
+        assert held.get("speech/r0/0/reply", spoken.outputs.speech_reply_handle)["token_ids"] == outputs["r0"]
+        assert outputs["r1"] == reference(prompts[1])
+        spoken.outputs.release(connector)
+
+        engine.add(speaking["r2"])
+        step_collecting(lambda: held.entered["speech/r2/0/reply"].is_set())
+        assert engine.cancel("r2") and engine.num_requests == 0
+        held.let_through()
+        step_collecting(lambda: not engine.has_work)
+        assert not [t for t in finished if t.request_id == "r2"]
+        assert shm_keys(tmp_path) == []
+    finally:
+        held.let_through()
+        engine.close()

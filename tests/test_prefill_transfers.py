@@ -1,4 +1,4 @@
-"""Prefill never blocks its batch on a transfer (workers/llm/prefill.py, workers/llm/prefill_transfers.py).
+"""Prefill never blocks its batch on a transfer (workers/llm/prefill.py, workers/llm/handoff_jobs.py).
 
 No network: real engines in this process, the real shared-memory connector in a private directory.
 The prefill reads and writes through :class:`HeldConnector`, which holds the calls on chosen keys

@@ -33,6 +33,9 @@ finished/failed requests to the runtime. Its owner calls :meth:`DecodeEngine.clo
 the connector; it joins the import threads for at most ``TransferPool.CLOSE_JOIN_S`` (one still
 inside a get ends by itself when the get returns, touching the connector only to release its keys).
 A failed request's speech prompt key, like a cancelled one's, is deleted: it will never be read.
+A spoken reply's states go to the generate stage on a transfer thread like the imports (the
+:class:`~omnirelay.workers.llm.handoff_jobs.SpeechReplySend` job): its last token is reported, with
+the hand-off, in the first step after the put returned, and the batch keeps stepping meanwhile.
 
 Structured output (``DecodeTask.structured``): every token is sampled under the request's grammar
 (:mod:`~omnirelay.workers.llm.structured_output`). Its matcher is built when the sequence is first
@@ -47,17 +50,18 @@ import collections
 import dataclasses
 import time
 
-import msgspec
 import torch
 
 from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.connectors import Connector
-from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
+from omnirelay.errors import BadRequest, DeadlineExceeded, OutOfMemory
 from omnirelay.handoffs import SpeechHandoff, release_kv
 
 from omnirelay.workers.llm.forward_batch import ForwardBatch
+from omnirelay.workers.llm.handoff_jobs import SpeechReplySend
 from omnirelay.workers.kv.cache import BlockAllocator, PagedKVCache
 from omnirelay.workers.kv.prefetch import KVImport, kv_prefetcher
+from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.runtime.transfers import Transfer, TransferState
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
 from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, logits_for_sampling
@@ -108,6 +112,10 @@ class Sequence:
         return self.task.request_id
 
     @property
+    def deadline(self) -> float:
+        return self.task.deadline
+
+    @property
     def total_len(self) -> int:
         return len(self.task.prompt_token_ids) + len(self.generated)
 
@@ -121,6 +129,15 @@ class TokenOut:
     finish_reason: str
     outputs: SpeechHandoff | None = None   # speech: for the generate stage, which runs after this one
     logprobs: TokenLogprobs | None = None   # the request asked for logprobs (SamplingParams.logprobs)
+
+
+@dataclasses.dataclass
+class _SpeechSend:
+    """A finished spoken reply whose states are on a transfer thread: its last token waits for them."""
+
+    token: TokenOut
+    ticket: Transfer[SpeechHandoff]
+    dropped: bool = False   # cancelled meanwhile: what arrives is deleted, nothing reported
 
 
 @dataclasses.dataclass
@@ -155,47 +172,53 @@ class DecodeEngine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.transfer_timeout_s = transfer_timeout_s
-        self._prefetch = kv_prefetcher(connector, timeout_s=transfer_timeout_s, max_held=max_num_seqs,
+        self._transfers = kv_prefetcher(connector, timeout_s=transfer_timeout_s, max_held=max_num_seqs,
                                        threads=kv_import_threads)
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.waiting: RequestQueue[Sequence] = RequestQueue()
         self.running: list[Sequence] = []
+        self._speech_sends: list[_SpeechSend] = []   # finished spoken replies whose states are on their way
         self.stats = collections.Counter()
         self.grammars = grammars
         self.processors = LogitsProcessors(self.eos_token_ids)
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + sum(not s.dropped for s in self._speech_sends)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)   # waiting includes sequences whose KV is importing
+        # waiting includes sequences whose KV is importing
+        return bool(self.waiting or self.running or self._speech_sends)
 
     def add(self, task: DecodeTask) -> None:
-        self.waiting.append(Sequence(task=task, generated=[task.first_token]))
+        self.waiting.add(Sequence(task=task, generated=[task.first_token]))
 
     def cancel(self, request_id: str) -> bool:
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                self._drop_kv_key(seq)
-                self._drop_speech_key(seq)
-                self._release_grammar(seq)
-                self.stats["cancelled"] += 1
-                return True
+        seq = self.waiting.remove(request_id)
+        if seq is not None:
+            self._drop_kv_key(seq)
+            self._drop_speech_key(seq)
+            self._release_grammar(seq)
+            self.stats["cancelled"] += 1
+            return True
         for seq in self.running:
             if seq.request_id == request_id:
                 self._retire(seq)
                 self._drop_speech_key(seq)
                 self.stats["cancelled"] += 1
                 return True
+        for send in self._speech_sends:
+            if send.token.request_id == request_id and not send.dropped:
+                send.dropped = True   # its put runs out; the states are deleted when it returns
+                self.stats["cancelled"] += 1
+                return True
         return False
 
     def close(self) -> None:
-        """Stop the KV import threads and join them for at most ``TransferPool.CLOSE_JOIN_S`` (an
+        """Stop the transfer threads (KV imports, spoken replies' sends) and join them for at most ``TransferPool.CLOSE_JOIN_S`` (an
         import in flight runs out its get first; see runtime.transfers). Call before closing the
         connector. Idempotent."""
-        self._prefetch.close()
+        self._transfers.close()
 
     # ------------------------------------------------------------------ one step
 
@@ -204,6 +227,7 @@ class DecodeEngine:
 
     def step(self) -> StepOutput:
         out = StepOutput()
+        self._collect_speech_sends(out)
         self._expire(out)
         self._start_imports(out)
         self._admit(out)
@@ -211,15 +235,16 @@ class DecodeEngine:
         self._make_room(out)
         if self.running:
             self._forward(out)
-        # A gauge, not a count: the heartbeat carries the engine's stats.
-        self.stats["kv_imports_inflight"] = pending = self._prefetch.num_pending
+        self._collect_speech_sends(out)
+        # A gauge, not a count: the heartbeat carries the engine's stats (KV imports and speech sends).
+        self.stats["kv_imports_inflight"] = pending = self._transfers.num_pending
         if pending and not (self.running or out.tokens or out.failed):   # never delays what this step made
-            self._prefetch.wait_for_news(self.IDLE_WAIT_S)
+            self._transfers.wait_for_news(self.IDLE_WAIT_S)
         return out
 
     def _expire(self, out: StepOutput) -> None:
         now = time.time()
-        for seq in [s for s in [*self.waiting, *self.running] if now > s.task.deadline]:
+        for seq in [s for s in [*self.waiting, *self.running] if now > s.deadline]:
             self.cancel(seq.request_id)
             out.failed.append((seq.request_id, seq.task.reply_to, DeadlineExceeded.error_type, "deadline passed in decode"))
 
@@ -231,7 +256,7 @@ class DecodeEngine:
             if seq.needs_recompute or seq.kv_import is not None or self._rejected(seq, out):
                 continue
             key, seq.task.kv_key = seq.task.kv_key, ""
-            seq.kv_import = self._prefetch.submit(KVImport(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
+            seq.kv_import = self._transfers.submit(KVImport(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
                                                            seq.task.deadline))
 
     def _rejected(self, seq: Sequence, out: StepOutput) -> bool:
@@ -250,7 +275,7 @@ class DecodeEngine:
             error = (BadRequest.error_type, grammar_error)
         else:
             return False
-        self.waiting.remove(seq)
+        self.waiting.remove_task(seq)
         self._drop_kv_key(seq)
         self._drop_speech_key(seq)
         self._release_grammar(seq)
@@ -270,7 +295,7 @@ class DecodeEngine:
             if fresh and not seq.kv_import.finished:
                 continue
             if fresh and seq.kv_import.state is TransferState.FAILED:   # its KV keys were released
-                self.waiting.remove(seq)
+                self.waiting.remove_task(seq)
                 self._drop_speech_key(seq)
                 error = seq.kv_import.error
                 out.failed.append((seq.request_id, seq.task.reply_to, error.error_type, str(error)))
@@ -280,14 +305,14 @@ class DecodeEngine:
             needed = self.blocks_needed(cached + 1)
             if needed > self.allocator.free:
                 return
-            self.waiting.remove(seq)
+            self.waiting.remove_task(seq)
             seq.blocks = self.allocator.allocate(needed)
             if seq.swapped is not None:   # a preempted media sequence: its KV comes back as it left
                 self.runner.write_kv(seq.blocks, seq.swapped)
                 seq.num_cached, seq.swapped, seq.needs_recompute = seq.swapped.shape[2], None, False
                 self.stats["kv_swapped_in"] += 1
             elif fresh:
-                with self._prefetch.take(seq.kv_import) as kv:
+                with self._transfers.take(seq.kv_import) as kv:
                     self.runner.write_kv(seq.blocks, kv)
                 seq.kv_import = None
                 seq.num_cached = cached
@@ -308,7 +333,7 @@ class DecodeEngine:
 
     def _drop_kv_key(self, seq: Sequence) -> None:
         if seq.kv_import is not None:   # the import owns the key: it releases it, now or when it returns
-            self._prefetch.cancel(seq.kv_import)
+            self._transfers.cancel(seq.kv_import)
             seq.kv_import = None
         elif seq.task.kv_key:
             release_kv(self.connector, seq.task.kv_key, seq.task.kv_handle)   # a layerwise KV's pieces too
@@ -399,17 +424,12 @@ class DecodeEngine:
             seq.generated.append(token)
             reason = "stop" if ended else finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
                                                             self.eos_token_ids, self.max_model_len)
-            outputs = None
-            if reason and seq.task.speech_inputs is not None:
-                try:
-                    outputs = self._put_speech(seq)
-                except OmniError as exc:
-                    self._retire(seq)
-                    self._drop_speech_key(seq)
-                    out.failed.append((seq.request_id, seq.task.reply_to, exc.error_type, str(exc)))
-                    continue
-            out.tokens.append(TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, outputs,
-                                       token_logprobs))
+            token_out = TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, logprobs=token_logprobs)
+            if reason and seq.task.speech_inputs is not None:   # the last token leaves with its states
+                self._retire(seq)
+                self._speech_sends.append(_SpeechSend(token_out, self._transfers.submit(self._speech_reply(seq))))
+                continue
+            out.tokens.append(token_out)
             if reason:
                 self._retire(seq)
 
@@ -424,12 +444,28 @@ class DecodeEngine:
                 seq.hidden.append(capture.states[row].clone())
         return logits
 
-    def _put_speech(self, seq: Sequence) -> SpeechHandoff:
+    def _speech_reply(self, seq: Sequence) -> SpeechReplySend:
         """The reply for the generate stage: its tokens and the states of all but the last (which
-        was never fed back), next to prefill's prompt states."""
+        was never fed back), next to prefill's prompt states; put on a transfer thread."""
         prompt = seq.task.speech_inputs
         key = (prompt.speech_prompt_key.removesuffix("/prompt") or f"speech/{seq.request_id}") + "/reply"   # per attempt
         hidden = torch.stack(seq.hidden) if seq.hidden else torch.zeros(0, 0)
-        handle = self.connector.put(key, {"hidden": hidden, "token_ids": list(seq.generated)})
-        self.stats["speech_handoffs"] += 1
-        return msgspec.structs.replace(prompt, speech_reply_key=key, speech_reply_handle=handle)
+        return SpeechReplySend(prompt, key, {"hidden": hidden, "token_ids": list(seq.generated)}, seq.deadline)
+
+    def _collect_speech_sends(self, out: StepOutput) -> None:
+        """Report the spoken replies whose states are out: the last token carries the hand-off."""
+        for send in [s for s in self._speech_sends if s.ticket.finished]:
+            self._speech_sends.remove(send)
+            token = send.token
+            if send.ticket.state is TransferState.FAILED:   # the job deleted the prompt's states too
+                if not send.dropped:
+                    error = send.ticket.error
+                    out.failed.append((token.request_id, token.reply_to, error.error_type, str(error)))
+                continue
+            with self._transfers.take(send.ticket) as handoff:
+                if send.dropped:   # cancelled while its states were on their way: nobody will read them
+                    handoff.release(self.connector)
+                    continue
+                self.stats["speech_handoffs"] += 1
+                token.outputs = handoff
+                out.tokens.append(token)

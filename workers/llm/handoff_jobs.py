@@ -1,30 +1,35 @@
-"""The prefill engine's connector transfers, as jobs for the shared
-:class:`~omnirelay.workers.runtime.transfers.TransferPool`: nothing here runs on the step thread.
+"""The LLM engines' hand-off transfers, as jobs for the shared
+:class:`~omnirelay.workers.runtime.transfers.TransferPool`: nothing here runs on a step thread.
+(Decode's KV import, the other direction, is :mod:`~omnirelay.workers.kv.prefetch`.)
 
-* :class:`MediaFetch` — a multimodal prompt's encoder outputs (the encode stage's hand-off), fetched
-  while the prompt waits for admission; other prompts are admitted and step meanwhile.
-* :class:`HandoffSend` — what one prefill step hands on: for every sequence that finished its
-  prompt in that step and goes on, its prompt hidden states (speech) and its KV, either a whole
+* :class:`MediaFetch` (prefill) — a multimodal prompt's encoder outputs (the encode stage's
+  hand-off), fetched while the prompt waits for admission; other prompts are admitted and step meanwhile.
+* :class:`HandoffSend` (prefill) — what one prefill step hands on: for every sequence that finished
+  its prompt in that step and goes on, its prompt hidden states (speech) and its KV, either a whole
   tensor gathered into connector memory on the step thread (a ``reserve``\\ d payload, published
   here) or the step's layerwise export (:class:`~omnirelay.workers.kv.export.LayerwiseExport`,
   completed here: its thread joined and the manifests put).
+* :class:`SpeechReplySend` (decode) — a finished spoken reply's token ids and hidden states for the
+  generate stage, next to prefill's prompt states.
 
 Ownership (the pool's rule): until the engine takes a job's result, the job owns the keys, the
 reservations and the export it was given, and ``discard`` frees all of them: a media key is
-deleted (its request is gone or failed), and a send releases every reservation it did not publish,
-aborts an export it did not complete and deletes every key it published.
+deleted (its request is gone or failed), a send releases every reservation it did not publish,
+aborts an export it did not complete and deletes every key it published, and a spoken reply's
+prompt and reply states are deleted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import torch
 
 from omnirelay.connectors import Connector
 from omnirelay.connectors.base import Handle, Payload, Reservation
 from omnirelay.errors import OmniError
-from omnirelay.handoffs import EmbedsHandoff, SpeechHandoff, release_kv
+from omnirelay.handoffs import EmbedsHandoff, SpeechHandoff, delete_quietly, release_kv
 from omnirelay.workers.kv.export import LayerwiseExport
 
 @dataclasses.dataclass
@@ -134,6 +139,29 @@ class HandoffSend:
         for key, handle in self._exported.items():   # manifests put but not yet recorded (an exception between)
             if isinstance(handle, dict) and key not in recorded:
                 release_kv(connector, key, handle)
+
+
+@dataclasses.dataclass
+class SpeechReplySend:
+    """Put a finished reply's states under ``reply_key``; the result is ``prompt`` (prefill's
+    hand-off) with the reply added, what the generate stage reads."""
+
+    prompt: SpeechHandoff
+    reply_key: str
+    payload: Payload
+    deadline: float
+
+    @property
+    def name(self) -> str:
+        return self.reply_key
+
+    def run(self, connector: Connector, timeout: float, scratch: None) -> SpeechHandoff:
+        handle = connector.put(self.reply_key, self.payload)
+        return msgspec.structs.replace(self.prompt, speech_reply_key=self.reply_key, speech_reply_handle=handle)
+
+    def discard(self, connector: Connector, result: SpeechHandoff | None) -> None:
+        self.prompt.release(connector)
+        delete_quietly(connector, self.reply_key)
 
 
 def speech_payload(hidden: list[torch.Tensor], media: EmbedsHandoff | None) -> Payload:

@@ -21,7 +21,7 @@ Decode reads either format.
 
 Prefill never blocks its batch on a transfer. Every connector call goes through the worker's
 shared transfer machinery (:mod:`~omnirelay.workers.runtime.transfers`, the one decode imports its KV
-with; the jobs are in :mod:`~omnirelay.workers.llm.prefill_transfers`): a media prompt's encoder
+with; the jobs are in :mod:`~omnirelay.workers.llm.handoff_jobs`): a media prompt's encoder
 outputs are fetched while it waits, and text prompts behind it are admitted meanwhile; a finished
 step's hand-offs (a whole KV gathered into connector memory on the step thread, the layerwise
 export's last pieces and manifests, speech prompt states) are published by one job per step, and
@@ -59,7 +59,6 @@ import collections
 import dataclasses
 import time
 
-import torch
 
 from omnirelay.block_hash import block_hashes
 from omnirelay.broker.protocol import StructuredOutput
@@ -75,7 +74,7 @@ from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHisto
 from omnirelay.workers.llm.model_runner import ModelRunner, local_runner, logits_for_sampling
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
 from omnirelay.workers.llm.prefill_media import PlacedMedia, media_fields, place_media
-from omnirelay.workers.llm.prefill_transfers import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
+from omnirelay.workers.llm.handoff_jobs import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
                                                      speech_payload)
 from omnirelay.workers.llm.sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from omnirelay.workers.llm.stopping import finish_reason_for
