@@ -1,0 +1,236 @@
+"""Serving A/B: two omnirelay trees (two checkouts, each with its own venv) under the same load,
+in alternating rounds, to tell whether a change moved serving throughput or latency.
+
+Made for refactors that should not change speed (issue #18: the worker package moves). Each tree
+serves its own model directory (built by its own ``omni-make-model``; compare the bytes first) with
+``python -m omnirelay.deploy.serve MODEL`` at defaults; one client, ``omni-bench``, loads both, so
+the client is held constant.
+
+A round, for each tree in turn (the order alternates: A B, B A, A B, ...): start that tree's server
+on its own loopback port, wait until ``/v1/models`` lists the served name, one unmeasured warm-up
+pass (``--warmup-prompts``, its own seed), the measured pass (seed = round number: both trees get
+the same prompts in a round, no round reuses another's), stop the server's process group. Only one
+server is up at a time, so the idle one's heartbeats do not land in the other's numbers; every
+measured server starts cold, so start-up luck is part of each side alike. After each stop the
+script checks that no process of that group is left and no ``/dev/shm`` entry named after one of
+its PIDs (``omnirelay-PID-...``) remains.
+
+Prints every pass and the medians (output tok/s, TTFT p50, TPOT p50, E2E p50) with the ratio B/A,
+and writes it all as JSON with ``--json``.
+
+Usage::
+
+    python benchmarks/serve_ab.py --a before=/tmp/x/.venv/bin/python=/tmp/m/tiny-x \\
+        --b after=/tmp/y/.venv/bin/python=/tmp/m/tiny-y --client /tmp/y/.venv/bin/omni-bench \\
+        --rounds 4 --work-dir /tmp/ab --json /tmp/ab/ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "p99_ttft_ms")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S', time.gmtime())}Z] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    name: str
+    python: str
+    model: str
+    port: int
+
+    @classmethod
+    def parse(cls, spec: str, port: int) -> "Tree":
+        name, python, model = spec.split("=", 2)
+        return cls(name, python, model, port)
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def group_pids(pgid: int) -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.add(int(entry))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class Server:
+    """One tree's omni-serve, in its own process group; stopped by that group's id."""
+
+    def __init__(self, tree: Tree, served: str, log_path: pathlib.Path):
+        self.tree, self.served = tree, served
+        self.cmd = [tree.python, "-m", "omnirelay.deploy.serve", tree.model, "--host", "127.0.0.1",
+                    "--port", str(tree.port), "--served-model-name", served]
+        self.url = f"http://127.0.0.1:{tree.port}"
+        self._log = open(log_path, "w")
+        # cwd=/ so neither interpreter can pick up a tree from the current directory.
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, cwd="/")
+
+    def wait_ready(self, timeout_s: float) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.tree.name} exited with {self.proc.returncode}; see {self._log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as reply:
+                    if self.served in [m["id"] for m in json.load(reply)["data"]]:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.tree.name} not ready after {timeout_s:.0f}s; see {self._log.name}")
+
+    def stop(self) -> set[int]:
+        """Stops the group; returns the PIDs it had (their shared-memory names start omnirelay-PID-)."""
+        pgid = self.proc.pid
+        pids = group_pids(pgid)
+        if self.proc.poll() is None:
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                log(f"{self.tree.name}: SIGKILL after 60 s")
+                os.killpg(pgid, signal.SIGKILL)
+                self.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if group_alive(pgid):
+            log(f"{self.tree.name}: processes left in group {pgid}; SIGKILL")
+            os.killpg(pgid, signal.SIGKILL)
+        self._log.close()
+        return pids
+
+
+def bench(client: str, server: Server, tokenizer: str, args, seed: int, prompts: int, result: pathlib.Path) -> dict:
+    cmd = [client, "--base-url", server.url, "--model", server.served, "--tokenizer", tokenizer,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len), "--output-len",
+           str(args.output_len), "--num-prompts", str(prompts), "--max-concurrency", str(args.concurrency),
+           "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--no-progress", "--result-file", str(result)]
+    with open(result.with_suffix(".log"), "w") as out:
+        subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, timeout=args.pass_timeout, cwd="/")
+    raw = json.loads(result.read_text())
+    return {"cmd": cmd, "completed": raw["completed"], "output_tokens": raw["total_output_tokens"],
+            **{k: raw[k] for k in FIGURES}}
+
+
+def one_pass(tree: Tree, round_no: int, args, work: pathlib.Path) -> dict:
+    shm_before = shm_entries()
+    load_start = os.getloadavg()[0]
+    server = Server(tree, args.served_name, work / f"{tree.name}-{round_no}.serve.log")
+    try:
+        ready_s = server.wait_ready(args.ready_timeout)
+        bench(args.client, server, args.tokenizer or tree.model, args, 1000 + round_no, args.warmup_prompts,
+              work / f"{tree.name}-{round_no}-warmup.json")
+        res = bench(args.client, server, args.tokenizer or tree.model, args, round_no, args.num_prompts,
+                    work / f"{tree.name}-{round_no}.json")
+    finally:
+        pids = server.stop()
+    # Other work on the host makes its own /dev/shm entries; ours are named after our PIDs.
+    leaked = sorted(name for name in shm_entries() - shm_before
+                    if any(name.startswith(f"omnirelay-{pid}-") for pid in pids))
+    if leaked:
+        log(f"{tree.name}: /dev/shm entries of the server left after stop: {leaked}")
+    return {"tree": tree.name, "round": round_no, "ready_s": ready_s, "load_1m_start": load_start,
+            "load_1m_end": os.getloadavg()[0], "shm_left": leaked, "server_cmd": server.cmd, **res}
+
+
+def medians(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in FIGURES}
+
+
+def markdown(results: dict) -> str:
+    a, b = results["a"], results["b"]
+    lines = ["| round | order | tree | out tok/s | TTFT p50 ms | TPOT p50 ms | E2E p50 ms | TTFT p99 ms | load 1m |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        lines.append(f"| {r['round']} | {r['order']} | {r['tree']} | {r['output_throughput']:.0f} | "
+                     f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | {r['median_e2el_ms']:.0f} | "
+                     f"{r['p99_ttft_ms']:.0f} | {r['load_1m_start']:.2f} |")
+    ma, mb = results["median"][a], results["median"][b]
+    lines += ["", f"| median | {a} | {b} | {b}/{a} |", "|---|---|---|---|"]
+    for k in FIGURES:
+        lines.append(f"| {k} | {ma[k]:.2f} | {mb[k]:.2f} | {mb[k] / ma[k]:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--a", required=True, help="NAME=PYTHON=MODEL_DIR of the reference tree")
+    ap.add_argument("--b", required=True, help="NAME=PYTHON=MODEL_DIR of the tree under test")
+    ap.add_argument("--a-port", type=int, default=8031)
+    ap.add_argument("--b-port", type=int, default=8041)
+    ap.add_argument("--client", required=True, help="the omni-bench executable used for both")
+    ap.add_argument("--tokenizer", help="model directory that sizes the prompts (default: each tree's model)")
+    ap.add_argument("--served-name", default="tiny")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--warmup-prompts", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--ready-timeout", type=float, default=300)
+    ap.add_argument("--pass-timeout", type=float, default=600)
+    ap.add_argument("--work-dir", type=pathlib.Path, required=True)
+    ap.add_argument("--json", type=pathlib.Path)
+    args = ap.parse_args(argv)
+    trees = [Tree.parse(args.a, args.a_port), Tree.parse(args.b, args.b_port)]
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+
+    results: dict = {"a": trees[0].name, "b": trees[1].name, "cores": os.cpu_count(),
+                     "load_avg_start": os.getloadavg(), "start_utc": time.strftime("%H:%M:%S", time.gmtime()),
+                     "runs": []}
+    for round_no in range(args.rounds):
+        order = trees if round_no % 2 == 0 else trees[::-1]
+        for position, tree in enumerate(order):
+            res = one_pass(tree, round_no, args, args.work_dir)
+            res["order"] = position + 1
+            results["runs"].append(res)
+            log(f"round {round_no} #{position + 1} {tree.name}: {res['output_throughput']:.0f} tok/s, "
+                f"TTFT p50 {res['median_ttft_ms']:.1f} ms, TPOT p50 {res['median_tpot_ms']:.2f} ms, "
+                f"{res['completed']}/{args.num_prompts} done, ready after {res['ready_s']:.0f} s, "
+                f"load {res['load_1m_start']:.2f}")
+            if args.json:   # after every pass, so an interrupted run keeps what it measured
+                args.json.write_text(json.dumps(results, indent=1))
+    results["load_avg_end"] = os.getloadavg()
+    results["end_utc"] = time.strftime("%H:%M:%S", time.gmtime())
+    results["median"] = {t.name: medians([r for r in results["runs"] if r["tree"] == t.name]) for t in trees}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
