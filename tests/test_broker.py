@@ -23,6 +23,8 @@ from omnirelay.broker.core import BrokerCore
 from omnirelay.broker.daemon import config_from_args, make_parser
 from omnirelay.handoffs import KVHandoff
 
+from zmq_dealers import Dealers
+
 MODEL = "tiny"
 GW = b"gw"
 FAR = 1e9  # a deadline that never passes in these tests
@@ -441,16 +443,8 @@ def _recv(sock: zmq.Socket, timeout_s: float = 5.0) -> p.Message:
 def test_daemon_survives_garbage_and_dispatches_a_task(tmp_path):
     endpoint = f"ipc://{tmp_path}/b.sock"
     log_path = tmp_path / "broker.log"
-    ctx = zmq.Context()
-    socks = []
-
-    def dealer(identity: bytes) -> zmq.Socket:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, identity)
-        sock.connect(endpoint)
-        socks.append(sock)
-        return sock
+    dealers = Dealers(endpoint)
+    dealer = dealers.connect
 
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "omnirelay.broker.daemon", "--endpoint", endpoint],
@@ -510,9 +504,7 @@ def test_daemon_survives_garbage_and_dispatches_a_task(tmp_path):
         print("broker log:\n" + log_path.read_text()[-4000:])
         raise
     finally:
-        for sock in socks:
-            sock.close(0)
-        ctx.term()
+        dealers.close()
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -30,6 +30,7 @@ from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.daemon import BrokerDaemon
 from omnirelay.lifecycle import Shutdown
 from omnirelay.security import CurveKeys, keygen_main
+from zmq_dealers import Dealers
 
 N_PROMPTS, CONCURRENCY, MAX_TOKENS = 32, 8, 24
 MAX_REQUESTS = 600          # the load runs while the faults do, but never past this
@@ -260,16 +261,8 @@ def test_a_broker_that_took_over_holds_gateway_messages_until_its_workers_regist
     daemon = BrokerDaemon(BrokerConfig(endpoint=f"ipc://{tmp_path}/broker", liveness_s=60.0), shutdown, warm_up_s=5.0)
     runner = threading.Thread(target=daemon.run, name="broker-daemon")
     runner.start()
-    ctx = zmq.Context()
-    socks = []
-
-    def dealer(identity: bytes) -> zmq.Socket:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(daemon.endpoint)
-        socks.append(sock)
-        return sock
+    dealers = Dealers(daemon.endpoint)
+    dealer = dealers.connect
 
     def recv(sock: zmq.Socket, timeout_s: float = 30.0):
         assert sock.poll(int(timeout_s * 1000)), "no reply"
@@ -292,7 +285,5 @@ def test_a_broker_that_took_over_holds_gateway_messages_until_its_workers_regist
     finally:
         shutdown.request()
         runner.join(30)
-        for sock in socks:
-            sock.close(0)
-        ctx.term()
+        dealers.close()
     assert not runner.is_alive()

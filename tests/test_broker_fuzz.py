@@ -42,6 +42,8 @@ from hypothesis import strategies as st
 
 from omnirelay.broker import protocol as p
 
+from zmq_dealers import Dealers
+
 SETTINGS = settings(max_examples=300, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CLASSES = sorted(p._REGISTRY.values(), key=lambda cls: cls.TAG)
@@ -331,17 +333,9 @@ def test_live_broker_keeps_serving_while_random_frames_fly(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "omnirelay.broker.daemon", "--endpoint", endpoint,
                                  "--log-level", "WARNING"],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    ctx = zmq.Context()
-    socks: list[zmq.Socket] = []
+    dealers = Dealers(endpoint)
+    dealer = dealers.connect
     fuzzer: Fuzzer | None = None
-
-    def dealer(identity: bytes) -> zmq.Socket:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, identity)
-        sock.connect(endpoint)
-        socks.append(sock)
-        return sock
 
     def expect(sock: zmq.Socket, want: type, match, timeout_s: float, on_other=None) -> tuple[p.Message, float]:
         """The first message of type ``want`` for which ``match`` holds, and how long it took."""
@@ -372,7 +366,7 @@ def test_live_broker_keeps_serving_while_random_frames_fly(tmp_path):
                                                            attempt=msg.attempt)))
                 worker.send_multipart(p.encode(p.Credit(WORKER_ID, 1)))
 
-        fuzzer = Fuzzer(ctx, endpoint, seed=int(os.environ.get("FUZZ_SEED", "20250601")), seconds=FUZZ_SECONDS)
+        fuzzer = Fuzzer(dealers.ctx, endpoint, seed=int(os.environ.get("FUZZ_SEED", "20250601")), seconds=FUZZ_SECONDS)
         fuzzer.start()
         status_lat, task_lat, rounds = [], [], 0
         started = time.monotonic()
@@ -423,6 +417,4 @@ def test_live_broker_keeps_serving_while_random_frames_fly(tmp_path):
             fuzzer.stop_event.set()
             fuzzer.join(timeout=10)
         _stop(proc)
-        for sock in socks:
-            sock.close(0)
-        ctx.term()
+        dealers.close()
