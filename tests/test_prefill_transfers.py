@@ -222,3 +222,30 @@ def test_close_discards_a_handoff_still_queued(model, tok, connector, tmp_path):
         thread.join(10)
         assert not thread.is_alive()
     assert shm_keys(tmp_path) == []
+
+
+def test_admission_waits_while_a_batch_of_handoffs_is_stuck(model, tok, connector, tmp_path):
+    """max_batch 1: while r0's hand-off is held, r1 is not admitted (a store that stalls must not let
+    connector memory pile up); once r0's put returns, r1 is prefilled."""
+    held = HeldConnector(connector)
+    held.hold("kv/r0/0")
+    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole", max_batch=1)
+    try:
+        prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
+        results: dict = {}
+        step_until(prefill, results, lambda: prefill.num_sending == 1)
+        held.wait_entered("kv/r0/0")
+        prefill.add(PrefillTask("r1", chat_ids(tok, QUESTIONS[1]), GREEDY, time.time() + 60))
+        steps = prefill.stats["prefill_steps"]
+        for _ in range(5):
+            assert prefill.step() == []
+        assert prefill.stats["prefill_steps"] == steps and [t.request_id for t in prefill.waiting] == ["r1"]
+        held.let_through()
+        step_until(prefill, results, lambda: not prefill.has_work)
+        assert sorted(results) == ["r0", "r1"] and not any(r.error_type for r in results.values())
+        for result in results.values():
+            kv_of(connector, result)
+        assert shm_keys(tmp_path) == []
+    finally:
+        held.let_through()
+        prefill.close()

@@ -184,7 +184,10 @@ class PrefillEngine:
         self.grammars = grammars
         self.processors = LogitsProcessors(self.runner.config.eos_token_ids)
         self._grammar_complete: set[str] = set()   # requests whose first token completed their grammar
-        self._transfers = TransferPool(connector, timeout_s=transfer_timeout_s, max_held=max_batch,
+        # Media fetches and hand-off sends are each held to one batch's worth by the engine (see
+        # _start_media_fetches and _admit), so the pool's own bound never makes a send wait behind
+        # fetched payloads that wait for blocks a send holds.
+        self._transfers = TransferPool(connector, timeout_s=transfer_timeout_s, max_held=2 * max_batch,
                                        threads=transfer_threads, name="prefill-transfer")
         self._media_fetches: dict[str, Transfer[Payload]] = {}   # waiting request → its encoder outputs' get
         self._sending: list[_Sending] = []
@@ -289,6 +292,8 @@ class PrefillEngine:
         never serve, so their outputs are never read). Here rather than in add(): a cancel before
         the first step then deletes the key at once, with no get racing it."""
         for task in list(self.waiting):
+            if len(self._media_fetches) >= self.max_batch:   # host memory: one batch of payloads at most
+                return
             if task.media is None or task.request_id in self._media_fetches:
                 continue
             refusal = self._refusal(task)
@@ -312,7 +317,11 @@ class PrefillEngine:
 
     def _admit(self, results: list[PrefillResult]) -> None:
         """Admit waiting prompts in order while batch slots and blocks last. A media prompt whose
-        encoder outputs are still on their way is passed over, not waited for."""
+        encoder outputs are still on their way is passed over, not waited for. While a batch's worth
+        of hand-offs is still on its way (a store that stalls), nothing new is admitted: their
+        connector memory, and a layerwise step's blocks, are not given back until they are out."""
+        if self.num_sending >= self.max_batch:
+            return
         for task in list(self.waiting):
             if len(self.running) >= self.max_batch:
                 return
