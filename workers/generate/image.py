@@ -65,6 +65,7 @@ from omnirelay.image_params import ImageParams
 
 from omnirelay.workers.generate.image_edit import EditRunner
 from omnirelay.workers.generate.sequence_parallel_group import SequenceParallelGroupLost
+from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 
 log = logging.getLogger("omnirelay.worker.generate")
@@ -107,17 +108,10 @@ class ImageOutput:
     finished: bool            # the request's last image
 
 
-@dataclasses.dataclass(frozen=True)
-class ImageFailure:
-    request_id: str
-    error_type: str
-    message: str
-
-
 @dataclasses.dataclass
 class StepOutput:
     images: list[ImageOutput] = dataclasses.field(default_factory=list)
-    failed: list[ImageFailure] = dataclasses.field(default_factory=list)
+    failed: list[RequestFailure] = dataclasses.field(default_factory=list)
 
 
 class BatchPhase(enum.Enum):
@@ -471,7 +465,7 @@ class GenerateImageEngine:
             return
         self._drop_items(request_id)
         self.stats[f"failed_{error_type}"] += 1
-        out.failed.append(ImageFailure(request_id, error_type, message))
+        out.failed.append(RequestFailure(request_id, error_type, message))
 
     def load(self) -> dict:
         """Load figures for heartbeats: images in the running batch and waiting."""

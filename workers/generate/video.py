@@ -70,6 +70,7 @@ from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemor
 from omnirelay.video_params import VideoParams
 
 from omnirelay.workers.generate.image import load_pipeline
+from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 
 log = logging.getLogger("omnirelay.worker.generate")
@@ -101,18 +102,11 @@ class VideoProgress:
     percent: int
 
 
-@dataclasses.dataclass(frozen=True)
-class VideoFailure:
-    request_id: str
-    error_type: str
-    message: str
-
-
 @dataclasses.dataclass
 class StepOutput:
     videos: list[VideoOutput] = dataclasses.field(default_factory=list)
     progress: list[VideoProgress] = dataclasses.field(default_factory=list)
-    failed: list[VideoFailure] = dataclasses.field(default_factory=list)
+    failed: list[RequestFailure] = dataclasses.field(default_factory=list)
 
 
 class JobPhase(enum.Enum):
@@ -501,12 +495,12 @@ class GenerateVideoEngine:
         self.job = None
         for task in job.tasks:
             self.stats[f"failed_{error_type}"] += 1
-            out.failed.append(VideoFailure(task.request_id, error_type, message))
+            out.failed.append(RequestFailure(task.request_id, error_type, message))
 
     def _fail(self, out: StepOutput, request_id: str, error_type: str, message: str) -> None:
         self._drop(request_id)
         self.stats[f"failed_{error_type}"] += 1
-        out.failed.append(VideoFailure(request_id, error_type, message))
+        out.failed.append(RequestFailure(request_id, error_type, message))
 
     def load(self) -> dict:
         """Load figures for heartbeats: the videos in the running batch and those waiting."""

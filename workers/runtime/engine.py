@@ -10,6 +10,10 @@ role adapter (:mod:`.roles` and the roles' own modules) and by the runtime's loo
     has_work             whether step() has anything to do (the loop waits on the broker otherwise)
     num_requests         requests held, queued or running (the loop grants credits up to capacity)
 
+What the engines share is written once: the waiting line, with cancel by request id and expiry by
+deadline, is a :class:`~omnirelay.workers.runtime.request_queue.RequestQueue`; the image, video and
+speech engines report a request they fail as a :class:`RequestFailure` in their step's result.
+
 Optional abilities are declared by the role adapter, not discovered by type: a role whose engine
 keeps an automatic prefix cache sets :attr:`RoleAdapter.prefix_cache` to a :class:`PrefixCacheSource`
 and the loop reports its blocks in heartbeats (prefix-aware routing); any other role leaves it None.
@@ -17,6 +21,7 @@ and the loop reports its blocks in heartbeats (prefix-aware routing); any other 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -33,6 +38,17 @@ class Engine(Protocol):
     def step(self) -> Any: ...
 
     def cancel(self, request_id: str) -> object: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestFailure:
+    """A request an engine's step() failed (past its deadline, out of memory, a bad input, a bug),
+    in the same shape in every engine's result: the role adapter reports it as the stage's failure.
+    ``error_type`` is an error class's (``DeadlineExceeded.error_type``, …; :mod:`omnirelay.errors`)."""
+
+    request_id: str
+    error_type: str
+    message: str
 
 
 @runtime_checkable

@@ -13,9 +13,9 @@ Life of a request through this engine::
 
 A streamed request (``SpeechTask.stream``: the client reads the audio as it comes) runs the same
 talker, but token2wav runs per chunk of codec tokens inside the talker's loop
-(:meth:`GenerateSpeechEngine.synthesize_stream`, ``speech_stream.py``): each SpeechChunk goes to the
+(:meth:`GenerateSpeechEngine.synthesize_stream`, ``stream.py``): each SpeechChunk goes to the
 role adapter as soon as the codes it depends on exist, the last one marked ``final``, and no
-SpeechOutput follows. Its samples differ slightly from the one-shot's (how and why: ``speech_stream.py``).
+SpeechOutput follows. Its samples differ slightly from the one-shot's (how and why: ``stream.py``).
 
 What the talker reads, for a prompt of ``n`` tokens and a thinker reply ``t0 … t(m-1)``:
 
@@ -46,7 +46,7 @@ heartbeating and taking cancels meanwhile. A streamed request's pieces pass from
 a streamed one stops at its next codec token (its ``CodeTap`` raises), a one-shot finishes first.
 :meth:`close` joins the thread (the worker runtime owns the engine and closes it on shutdown).
 
-The engine holds no sockets; the role adapter (``speech_role.py``) encodes and sends the audio.
+The engine holds no sockets; the role adapter (``role.py``) encodes and sends the audio.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ import dataclasses
 import json
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -66,6 +65,8 @@ import torch
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
 from omnirelay.speech_params import SpeechParams
 
+from omnirelay.workers.runtime.engine import RequestFailure
+from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.speech.stream import ChunkedToken2Wav, CodeTap, SynthesisCancelled
 
 log = logging.getLogger("omnirelay.worker.speech")
@@ -89,7 +90,7 @@ class SpeechTask:
     image_grids: list[list[int]] = dataclasses.field(default_factory=list)
     audio_lengths: list[int] = dataclasses.field(default_factory=list)
     # Streamed (chat ``stream: true``): audio comes out as SpeechChunks while the talker speaks,
-    # instead of one SpeechOutput at the end (see speech_stream.py for how the samples differ).
+    # instead of one SpeechOutput at the end (see stream.py for how the samples differ).
     stream: bool = False
 
 
@@ -113,17 +114,10 @@ class SpeechOutput:
 
 
 @dataclasses.dataclass
-class SpeechFailure:
-    request_id: str
-    error_type: str
-    message: str
-
-
-@dataclasses.dataclass
 class SpeechStep:
     outputs: list[SpeechOutput] = dataclasses.field(default_factory=list)
     chunks: list[SpeechChunk] = dataclasses.field(default_factory=list)
-    failed: list[SpeechFailure] = dataclasses.field(default_factory=list)
+    failed: list[RequestFailure] = dataclasses.field(default_factory=list)
 
 
 def _load_prefixed(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -155,9 +149,9 @@ class GenerateSpeechEngine:
 
     def _init_queue(self, max_batch_size: int) -> None:
         """The queue, synthesis thread and counters that step()/cancel()/close() run on (shared with
-        the Qwen3-TTS engine, generate_qwen3_tts.py, which synthesises differently)."""
+        the Qwen3-TTS engine, qwen3_tts.py, which synthesises differently)."""
         self.max_batch_size = max_batch_size
-        self.waiting: collections.deque[SpeechTask] = collections.deque()
+        self.waiting: RequestQueue[SpeechTask] = RequestQueue()
         self.running: tuple[SpeechTask, concurrent.futures.Future] | None = None
         self._dropped: set[str] = set()   # cancelled while running: their result is discarded
         self._cancelled = threading.Event()   # set to stop the running streamed request between tokens
@@ -180,18 +174,10 @@ class GenerateSpeechEngine:
             Qwen2_5OmniTalkerForConditionalGeneration, Qwen2_5OmniToken2WavModel)
         root = Path(path)
         config = Qwen2_5OmniConfig.from_pretrained(root)
-        weights = _load_prefixed(root, ("talker.", "token2wav.", "thinker.model.embed_tokens."))
-        talker = Qwen2_5OmniTalkerForConditionalGeneration._from_config(config.talker_config)
-        _load_module(talker, weights, "talker.")
-        # token2wav always runs in float32, as transformers forces it (its ODE solver needs the range).
-        token2wav = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config)
-        _load_module(token2wav, weights, "token2wav.")
-        embed = weights["thinker.model.embed_tokens.weight"]
-        talker = talker.to(device=device, dtype=dtype).eval()
-        token2wav = token2wav.to(device=device).float().eval()
-        speakers = load_speakers(root)
-        return cls(talker, token2wav, embed.to(device=device, dtype=dtype), speakers, config, device=device,
-                   max_batch_size=max_batch_size)
+        talker, token2wav, embed = load_talker(root, Qwen2_5OmniTalkerForConditionalGeneration._from_config(
+            config.talker_config), Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config), "token2wav.",
+            dtype=dtype, device=device)
+        return cls(talker, token2wav, embed, load_speakers(root), config, device=device, max_batch_size=max_batch_size)
 
     # ------------------------------------------------------------------ queue
 
@@ -229,13 +215,11 @@ class GenerateSpeechEngine:
         if tuple(task.prompt_hidden.shape) != (len(task.prompt_token_ids), hidden):
             raise BadRequest(f"prompt hidden states are {tuple(task.prompt_hidden.shape)}, "
                              f"expected {(len(task.prompt_token_ids), hidden)}")
-        self.waiting.append(task)
+        self.waiting.add(task)
 
     def cancel(self, request_id: str) -> bool:
-        for task in self.waiting:
-            if task.request_id == request_id:
-                self.waiting.remove(task)
-                return True
+        if self.waiting.remove(request_id) is not None:
+            return True
         if self.running is not None and self.running[0].request_id == request_id:
             self._dropped.add(request_id)
             self._cancelled.set()   # a streamed request stops at its next token; a one-shot runs out
@@ -249,10 +233,8 @@ class GenerateSpeechEngine:
         collect the pieces a streamed request has produced so far, and collect the running request
         if it finishes within ``wait_s``."""
         out = SpeechStep()
-        now = time.time()
-        for task in [t for t in self.waiting if now > t.deadline]:
-            self.waiting.remove(task)
-            out.failed.append(SpeechFailure(task.request_id, DeadlineExceeded.error_type, "deadline passed before speech"))
+        for task in self.waiting.pop_expired():
+            out.failed.append(RequestFailure(task.request_id, DeadlineExceeded.error_type, "deadline passed before speech"))
         if self.running is None and self.waiting:
             task = self.waiting.popleft()
             self._cancelled = threading.Event()
@@ -268,10 +250,10 @@ class GenerateSpeechEngine:
         except SynthesisCancelled:
             pass   # a cancelled stream stopped between tokens: dropped below
         except torch.cuda.OutOfMemoryError as exc:
-            out.failed.append(SpeechFailure(task.request_id, OutOfMemory.error_type, str(exc)))
+            out.failed.append(RequestFailure(task.request_id, OutOfMemory.error_type, str(exc)))
         except Exception as exc:   # a bug in synthesis fails this request, not the worker
             log.exception("speech synthesis failed for %s", task.request_id)
-            out.failed.append(SpeechFailure(task.request_id, OmniError.error_type, f"{type(exc).__name__}: {exc}"))
+            out.failed.append(RequestFailure(task.request_id, OmniError.error_type, f"{type(exc).__name__}: {exc}"))
         else:
             self.stats["speech_requests"] += 1
             self.stats["talker_codes"] += codes
@@ -350,7 +332,7 @@ class GenerateSpeechEngine:
     def synthesize_stream(self, task: SpeechTask, emit: Callable[[SpeechChunk], None],
                           cancelled: threading.Event | None = None) -> int:
         """A streamed request: ``emit`` each waveform piece as soon as the codes it depends on exist
-        (speech_stream.py); returns the number of codec tokens spoken. The talker runs as in
+        (stream.py); returns the number of codec tokens spoken. The talker runs as in
         :meth:`synthesize` (same inputs, sampling and seeded stream, so the same codes); token2wav
         runs per chunk inside its loop. ``cancelled`` set: raises :class:`SynthesisCancelled` at the
         next token (or before the last piece)."""
@@ -428,6 +410,21 @@ def load_speakers(root: Path) -> dict[str, dict]:
                        "bos_token": int(info["bos_token"])} for name, info in meta.items()}
     raise FileNotFoundError(f"{root} has no speaker table spk_dict.safetensors + spk_dict.json (a pickled "
                             "spk_dict.pt is not loaded: convert it to those two files)")
+
+
+def load_talker(root: Path, talker: torch.nn.Module, vocoder: torch.nn.Module, vocoder_prefix: str, *,
+                dtype: torch.dtype, device: str,
+                talker_layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda weights: weights,
+                ) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """The checkpoint's ``talker.*`` and ``<vocoder_prefix>*`` tensors loaded into the modules built
+    from its config (``talker_layout`` maps the checkpoint's names to the talker module's), and the
+    thinker's embedding table. Returns the talker and the table in ``dtype`` and the vocoder in
+    float32 — always, as transformers forces it (token2wav's ODE solver needs the range) — on ``device``."""
+    weights = _load_prefixed(root, ("talker.", vocoder_prefix, "thinker.model.embed_tokens."))
+    _load_module(talker, talker_layout(weights), "talker.")
+    _load_module(vocoder, weights, vocoder_prefix)
+    embed = weights["thinker.model.embed_tokens.weight"].to(device=device, dtype=dtype)
+    return talker.to(device=device, dtype=dtype).eval(), vocoder.to(device=device).float().eval(), embed
 
 
 def _load_module(module: torch.nn.Module, weights: dict[str, torch.Tensor], prefix: str) -> None:

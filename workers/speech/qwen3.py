@@ -44,8 +44,7 @@ import torch
 
 from omnirelay.errors import BadRequest
 
-from omnirelay.workers.speech.engine import (GenerateSpeechEngine, SpeechChunk, SpeechTask, _change_speed, _load_module,
-                              _load_prefixed)
+from omnirelay.workers.speech.engine import GenerateSpeechEngine, SpeechChunk, SpeechTask, _change_speed, load_talker
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -104,16 +103,11 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
             Qwen3OmniMoeCode2Wav, Qwen3OmniMoeTalkerForConditionalGeneration)
         root = Path(path)
         config = Qwen3OmniMoeConfig.from_pretrained(root)
-        weights = _load_prefixed(root, ("talker.", "code2wav.", "thinker.model.embed_tokens."))
-        talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(config.talker_config)
-        _load_module(talker, fuse_experts(weights), "talker.")
-        code2wav = Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config)
-        _load_module(code2wav, weights, "code2wav.")
-        embed = weights["thinker.model.embed_tokens.weight"]
-        talker = talker.to(device=device, dtype=dtype).eval()
-        code2wav = code2wav.to(device=device).float().eval()
-        engine = cls(talker, code2wav, embed.to(device=device, dtype=dtype), load_voices(root, config.talker_config),
-                     config, device=device, max_batch_size=max_batch_size)
+        talker, code2wav, embed = load_talker(root, Qwen3OmniMoeTalkerForConditionalGeneration._from_config(
+            config.talker_config), Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config), "code2wav.",
+            dtype=dtype, device=device, talker_layout=fuse_experts)
+        engine = cls(talker, code2wav, embed, load_voices(root, config.talker_config), config, device=device,
+                     max_batch_size=max_batch_size)
         gen = root / "generation_config.json"
         if gen.is_file():   # the thinker's stop tokens end the spoken text as generate() is told they do
             eos = GenerationConfig.from_pretrained(root).eos_token_id

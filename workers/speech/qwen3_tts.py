@@ -161,7 +161,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         if len(ids) < PROMPT_HEAD + PROMPT_TAIL + 1 or ids[0] != self.im_start:
             raise BadRequest("the prompt must be <|im_start|>assistant\\n TEXT <|im_end|>\\n<|im_start|>assistant\\n "
                              "with a non-empty TEXT", param="input")
-        self.waiting.append(task)  # type: ignore[arg-type]
+        self.waiting.add(task)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ synthesis (synthesis thread)
 
