@@ -115,32 +115,39 @@ def test_a_held_media_get_does_not_stall_other_prefills(tiny_omni, tmp_path):
         connector.close()
 
 
-def test_a_cancelled_media_prompt_whose_get_is_held_leaves_no_key(tiny_omni, connector, tmp_path):
-    """Cancelled while its get is in flight: the get runs out, then the fetch deletes the key."""
+@pytest.mark.parametrize("how", ["cancel", "close"])
+def test_a_media_prompt_leaving_while_its_get_is_held(tiny_omni, connector, tmp_path, how):
+    """Cancelled while its get is in flight: the get runs out, then the fetch deletes the key (the
+    request is gone). The worker closing instead keeps the key: the request is handed back to the
+    broker, whose retry on another prefill worker reads the same encoder outputs."""
     from omnirelay.handoffs import EmbedsHandoff
+    from omnirelay.mrope import MropeSpec
+    from omnirelay.workers.llm.models.llama import LlamaModel
 
     handle = connector.put("mm/c/0", {"image_embeds": torch.zeros(2, 8)})
     held = HeldConnector(connector)
     held.hold("mm/c/0")
-    model_dir = tiny_omni
-    from omnirelay.mrope import MropeSpec
-    from omnirelay.workers.llm.models.llama import LlamaModel
-    mrope = MropeSpec.from_config(json.loads(open(os.path.join(model_dir, "config.json")).read()))
-    prefill = PrefillEngine(LlamaModel(model_dir), held, max_model_len=4096, block_size=4, mrope=mrope)
+    mrope = MropeSpec.from_config(json.loads(open(os.path.join(tiny_omni, "config.json")).read()))
+    prefill = PrefillEngine(LlamaModel(tiny_omni), held, max_model_len=4096, block_size=4, mrope=mrope)
     try:
         media = EmbedsHandoff("mm/c/0", handle, image_grids=[[1, 2, 4]], audio_lengths=[])
         prefill.add(PrefillTask("c", [mrope.image_token_id] * 2, GREEDY, time.time() + 60, media=media))
         assert prefill.step() == []
         held.wait_entered("mm/c/0")
-        assert prefill.cancel("c") and not prefill.has_work
-        held.let_through()
-        deadline = time.monotonic() + 10
-        while shm_keys(tmp_path) and time.monotonic() < deadline:   # the fetch thread deletes it as it returns
-            time.sleep(0.01)
-        assert shm_keys(tmp_path) == []
+        if how == "cancel":
+            assert prefill.cancel("c") and not prefill.has_work
+        else:
+            prefill.close()   # returns within CLOSE_JOIN_S; the thread still in the get is left to end
     finally:
         held.let_through()
-        prefill.close()
+    for thread in list(held.threads):   # the fetch thread discards as its get returns
+        thread.join(10)
+        assert not thread.is_alive()
+    prefill.close()
+    if how == "close":
+        assert len(shm_keys(tmp_path)) == 1 and connector.get("mm/c/0", timeout=0)["image_embeds"].shape == (2, 8)
+        connector.delete("mm/c/0")
+    assert shm_keys(tmp_path) == []
 
 
 def test_a_held_kv_handoff_does_not_stall_the_batch(model, tok, connector, tmp_path):

@@ -14,7 +14,7 @@
 
 Ownership (the pool's rule): until the engine takes a job's result, the job owns the keys, the
 reservations and the export it was given, and ``discard`` frees all of them: a media key is
-deleted (its request is gone or failed), a send releases every reservation it did not publish,
+deleted (its request is gone or failed; not when the worker stops, see :class:`MediaFetch`), a send releases every reservation it did not publish,
 aborts an export it did not complete and deletes every key it published, and a spoken reply's
 prompt and reply states are deleted.
 """
@@ -35,10 +35,14 @@ from omnirelay.workers.kv.export import LayerwiseExport
 @dataclasses.dataclass
 class MediaFetch:
     """Get the encoder outputs under ``media.mm_key``. The key stays after a successful get: the
-    engine deletes it when the prefill ends, so a retry after this worker died still finds it."""
+    engine deletes it when the prefill ends, so a retry after this worker died still finds it.
+    Discarded, the fetch deletes the key (its request is gone or failed) unless the engine cleared
+    ``delete_on_discard`` first: a worker that stops hands its requests back to the broker, whose
+    retry elsewhere reads the same key."""
 
     media: EmbedsHandoff
     deadline: float
+    delete_on_discard: bool = True
 
     @property
     def name(self) -> str:
@@ -48,7 +52,8 @@ class MediaFetch:
         return connector.get(self.media.mm_key, self.media.mm_handle, timeout=timeout)
 
     def discard(self, connector: Connector, result: Payload | None) -> None:
-        self.media.release(connector)
+        if self.delete_on_discard:
+            self.media.release(connector)
 
 
 @dataclasses.dataclass

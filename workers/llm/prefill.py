@@ -194,8 +194,7 @@ class PrefillEngine:
 
     @property
     def num_requests(self) -> int:
-        sending = sum(not h.dropped for s in self._sending for h in s.handoffs)
-        return len(self.waiting) + len(self.running) + sending
+        return len(self.waiting) + len(self.running) + self.num_sending
 
     @property
     def has_work(self) -> bool:
@@ -226,7 +225,12 @@ class PrefillEngine:
 
     def close(self) -> None:
         """Stop the transfer threads, discarding what is queued or on its way, and join them for at
-        most ``TransferPool.CLOSE_JOIN_S``. Call before closing the connector. Idempotent."""
+        most ``TransferPool.CLOSE_JOIN_S``. Call before closing the connector. Idempotent. The
+        encoder outputs of prompts still waiting stay: the runtime hands those requests back to the
+        broker (worker_lost), whose retry elsewhere reads them; a hand-off already put is deleted
+        (the retry prefills under a new attempt, with new keys)."""
+        for fetch in self._media_fetches.values():
+            fetch.job.delete_on_discard = False
         self._transfers.close()
 
     def prefix_hit_tokens(self, token_ids: list[int]) -> int:
