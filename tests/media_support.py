@@ -107,7 +107,18 @@ def assert_the_kill_was_recovered(cluster: Cluster, killed: dict, retries_before
     assert retried + resubmitted >= 1, "the kill hit no request in flight"
 
 
+IMAGE_EXTRA_FIELDS = ("seed", "num_inference_steps", "guidance_scale", "negative_prompt")
 VIDEO_EXTRA_FIELDS = ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "fps", "num_frames")
+
+
+def generate_images(client, model: str, prompt: str, **kwargs) -> list[bytes]:
+    """``POST /v1/images/generations`` through the client (our fields beyond OpenAI's in the extra
+    body); the PNG files of the response."""
+    extra = {k: kwargs.pop(k) for k in IMAGE_EXTRA_FIELDS if k in kwargs}
+    response = client.images.generate(model=model, prompt=prompt, extra_body=extra, **kwargs)
+    assert response.output_format == "png"
+    return [base64.b64decode(item.b64_json) for item in response.data]
+
 
 
 def create_video(client, model: str, prompt: str, **kwargs):
@@ -150,6 +161,13 @@ def wav_bytes(pcm: np.ndarray, rate: int = 16000) -> bytes:
         handle.setframerate(rate)
         handle.writeframes(pcm.tobytes())
     return out.getvalue()
+
+
+def wav_samples(data: bytes, rate: int) -> np.ndarray:
+    """The samples of a WAV file that must be mono 16-bit PCM at ``rate`` Hz."""
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, rate)
+        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
 
 
 def image_part(png: bytes) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import io
-import pathlib
 import time
 
 import numpy as np
@@ -24,23 +23,16 @@ from omnirelay.gateway.routes.images import ImageModel
 from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, encode_png
 
-from media_support import openai_client, pipeline_cluster, tiny_model_dir
+from media_fixtures import pipeline_file, pipeline_fixture, tiny_model_fixture
+from media_support import openai_client, pipeline_cluster
 
 MODEL = "tiny-sd"
-PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
+PIPELINE_YAML = pipeline_file("text_to_image")
 PROMPT = "a blue bird on a branch"
 
 
-@pytest.fixture(scope="module")
-def tiny_sd(tmp_path_factory) -> str:
-    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_image)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_sd):
-    torch.set_num_threads(1)
-    from omnirelay.workers.generate.image import load_pipeline
-    return load_pipeline(tiny_sd)
+tiny_sd = tiny_model_fixture(MODEL, build_tiny_text_to_image)
+pipe = pipeline_fixture("tiny_sd")
 
 
 def _picture(width: int = 64, height: int = 48) -> Image.Image:

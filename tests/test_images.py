@@ -25,23 +25,16 @@ from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
 from omnirelay.workers.generate.image_role import GenerateImageRole
 
-from media_support import openai_client, pipeline_cluster, run_image_engine, tiny_model_dir
+from media_fixtures import client_fixture, cluster_fixture, pipeline_file, pipeline_fixture, tiny_model_fixture
+from media_support import generate_images, run_image_engine
 
 MODEL = "tiny-sd"
-PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
+PIPELINE_YAML = pipeline_file("text_to_image")
 PROMPT = "a red fox sitting in the snow at dawn"
 
 
-@pytest.fixture(scope="module")
-def tiny_sd(tmp_path_factory) -> str:
-    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_image)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_sd):
-    torch.set_num_threads(1)
-    from omnirelay.workers.generate.image import load_pipeline
-    return load_pipeline(tiny_sd)
+tiny_sd = tiny_model_fixture(MODEL, build_tiny_text_to_image)
+pipe = pipeline_fixture("tiny_sd")
 
 
 def _run(engine: GenerateImageEngine, *tasks: ImageTask, max_steps: int = 500):
@@ -194,25 +187,12 @@ def test_role_adapter_reports_media_then_done_and_refuses_bad_tasks(pipe):
 # ------------------------------------------------------------------------------------ end to end
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_sd, tmp_path_factory):
-    with pipeline_cluster(tiny_sd, str(tmp_path_factory.mktemp("images-cluster")), MODEL, PIPELINE_YAML,
-                          ("generate",)) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster, timeout=120)
+cluster = cluster_fixture("tiny_sd", MODEL, PIPELINE_YAML, "images-cluster")
+client = client_fixture()
 
 
 def _generate(client, **kwargs) -> list[bytes]:
-    extra = {k: kwargs.pop(k) for k in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt")
-             if k in kwargs}
-    response = client.images.generate(model=kwargs.pop("model", MODEL), prompt=kwargs.pop("prompt", PROMPT),
-                                      extra_body=extra, **kwargs)
-    assert response.output_format == "png"
-    return [base64.b64decode(item.b64_json) for item in response.data]
+    return generate_images(client, kwargs.pop("model", MODEL), kwargs.pop("prompt", PROMPT), **kwargs)
 
 
 def test_images_generate_returns_pngs_of_the_requested_size(client, cluster, pipe):
