@@ -194,6 +194,9 @@ class EncodeEngine:
     def cancel(self, request_id: str) -> bool:
         return self.waiting.remove(request_id) is not None
 
+    def close(self) -> None:
+        """Nothing to stop: the engine runs on the step thread and owns no other process."""
+
     def step(self) -> list[EncodeResult]:
         results = [EncodeResult(task.request_id, error_type=DeadlineExceeded.error_type,
                                 message="deadline passed before encode") for task in self.waiting.pop_expired()]

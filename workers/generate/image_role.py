@@ -76,7 +76,7 @@ def build_generate_role(config: WorkerConfig, on_fatal: Callable[[str], None] | 
     both the requests held and the images denoised together. Runs on the first CUDA device when
     there is one, except with ``config.sequence_parallel_size`` > 1: then the transformer runs over
     that many ranks (this process and the ones it starts, gloo on the CPU), which the engine's
-    ``close`` stops (the engine is owned); ``on_fatal(reason)`` is called once, from any thread, if
+    ``close`` stops (the runtime closes the engine); ``on_fatal(reason)`` is called once, from any thread, if
     that group loses a rank (the worker should then stop taking work and exit non-zero)."""
     device, group = start_denoiser_ranks(config, on_fatal)
     with closed_on_error(group):
@@ -90,4 +90,4 @@ def build_generate_role(config: WorkerConfig, on_fatal: Callable[[str], None] | 
              config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights,
              config.capacity, engine.default_width, engine.default_height)
     return BuiltRole(GenerateImageRole(config.worker_id, engine),
-                     denoising_stats(engine, group, weights, config.sequence_parallel_size), owned=(engine,))
+                     denoising_stats(engine, group, weights, config.sequence_parallel_size), owned=())

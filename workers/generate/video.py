@@ -408,6 +408,10 @@ class GenerateVideoEngine:
             self.family.check_frames(task.params.num_frames)
         self.waiting.add(task)
 
+    def close(self) -> None:
+        """Nothing to stop: the engine runs on the step thread; a sequence-parallel group's ranks
+        are the role builder's to close (``BuiltRole.owned``)."""
+
     def cancel(self, request_id: str) -> bool:
         """Forget a request wherever it is; returns whether it was held (unknown ids are ignored).
         The other rows of its batch go on."""

@@ -3,7 +3,7 @@
 Both load the model into this process, or start a TP × PP group whose rank 0 this process is
 (:func:`model_runner`), open the connector the KV travels by, and keep one structured-output compile
 cache over the model's tokenizer; then each builds its engine and role adapter. The runtime closes,
-in order, the engine (its transfer threads use the connector), the connector, and the
+in order after the engine (its transfer threads use the connector), the connector and the
 runner (which stops ranks 1..N-1 of a parallel group).
 """
 
@@ -71,7 +71,7 @@ def build_prefill_role(config: WorkerConfig, on_fatal: Callable[[str], None] | N
                                kv_transfer=config.kv_transfer, mrope=mrope, grammars=llm.grammars)
     _log_ready(config, llm)
     return BuiltRole(PrefillRole(config.worker_id, engine), _stats(engine, llm, prefill=True),
-                     owned=(engine, llm.connector, llm.runner))
+                     owned=(llm.connector, llm.runner))
 
 
 def build_decode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
@@ -83,7 +83,7 @@ def build_decode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | No
     _log_ready(config, llm)
     # The engine first: closing it joins its KV import threads, which use the connector.
     return BuiltRole(DecodeRole(config.worker_id, engine), _stats(engine, llm, prefill=False),
-                     owned=(engine, llm.connector, llm.runner))
+                     owned=(llm.connector, llm.runner))
 
 
 def model_runner(config: WorkerConfig) -> ModelRunner:

@@ -24,7 +24,7 @@ from omnirelay.workers.runtime.roles import RoleAdapter
 class BuiltRole:
     adapter: RoleAdapter
     stats: Callable[[], dict]   # the counters and load figures of each heartbeat
-    owned: tuple = ()   # what the runtime closes when it stops, in this order
+    owned: tuple = ()   # what the runtime closes when it stops, in this order, after the engine
 
 
 class RoleBuilder(Protocol):

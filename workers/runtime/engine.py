@@ -9,6 +9,10 @@ role adapter (:mod:`.roles` and the roles' own modules) and by the runtime's loo
     cancel(request_id)   drop the request wherever it is (queued, running, transferring)
     has_work             whether step() has anything to do (the loop waits on the broker otherwise)
     num_requests         requests held, queued or running (the loop grants credits up to capacity)
+    close()              stop the engine's threads and what it runs beyond this process (transfer
+                         threads, a synthesis thread, a sequence-parallel group's ranks); the
+                         runtime calls it once it stops stepping, before it closes the connector
+                         and the rest the role's builder hands it (``BuiltRole.owned``); idempotent
 
 What the engines share is written once: the waiting line, with cancel by request id and expiry by
 deadline, is a :class:`~omnirelay.workers.runtime.request_queue.RequestQueue`; the image, video and
@@ -38,6 +42,8 @@ class Engine(Protocol):
     def step(self) -> Any: ...
 
     def cancel(self, request_id: str) -> object: ...
+
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,8 @@ class WorkerRuntime:
     def __init__(self, config: WorkerConfig, role: RoleAdapter, engine_stats, shutdown: Shutdown | None = None,
                  keys: CurveKeys | None = None, owned: tuple = ()):
         """``engine_stats()`` returns the counters and load figures that go into heartbeats;
-        ``owned`` are resources (connectors) the runtime closes when it stops."""
+        ``owned`` are resources (connectors, runners, groups) the runtime closes when it stops,
+        in order, after the role's engine (:meth:`close`)."""
         require_curve_off_loopback(keys, config.broker)
         self.config = config
         self.role = role
@@ -229,7 +230,9 @@ class WorkerRuntime:
             log.warning("gateway %s is not reading; dropped a token delta", endpoint)
 
     def close(self) -> None:
-        for resource in self._owned:
+        """The engine first (its threads may use the connector), then what the role's builder
+        handed over, in order, then the sockets."""
+        for resource in (self.role.engine, *self._owned):
             try:
                 resource.close()
             except Exception:   # closing one resource must not keep the others open

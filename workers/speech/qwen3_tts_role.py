@@ -64,4 +64,4 @@ def build_qwen3_tts_role(config: WorkerConfig, on_fatal: Callable[[str], None] |
     def stats() -> dict:
         return {**engine.load(), **engine.stats}
 
-    return BuiltRole(Qwen3TTSRole(config.worker_id, engine), stats, owned=(engine,))
+    return BuiltRole(Qwen3TTSRole(config.worker_id, engine), stats, owned=())

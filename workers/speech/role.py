@@ -258,4 +258,4 @@ def _build(config: WorkerConfig, engine_class: type[GenerateSpeechEngine] | type
         return {**engine.load(), **engine.stats}
 
     # The engine first: closing it joins its synthesis thread before the connector goes.
-    return BuiltRole(GenerateSpeechRole(config.worker_id, engine, connector), stats, owned=(engine, connector))
+    return BuiltRole(GenerateSpeechRole(config.worker_id, engine, connector), stats, owned=(connector,))
