@@ -25,6 +25,7 @@ from omnirelay.deploy.builders.omni import build_tiny_omni
 
 from conftest import ServeProcess
 from media_support import audio_part, image_part, random_png, thinker_reference, wav_bytes
+from omni_engine_support import decode_prefilled, encode_then_prefill
 
 PIPELINE = os.path.join(os.path.dirname(__file__), "..", "deploy", "pipelines", "omni_thinker.yaml")
 MAX_TOKENS = 12
@@ -229,12 +230,7 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
 
     from omnirelay.connectors import create_connector
     from omnirelay.gateway.media import MediaLimits, MediaProcessor
-    from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
-    from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
-    from omnirelay.workers.kv.cache import PagedKVCache
-    from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.mrope import MropeSpec
-    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+    from omnirelay.workers.encode.engine import OmniEncoders
     from omnirelay.workers.llm.sampling import SamplingParams
 
     png, pcm = _png(5), _tone(660.0, 0.5)
@@ -250,48 +246,16 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
                                            add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
     connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
     try:
-        encode = EncodeEngine(OmniEncoders(tiny_omni), connector)
-        encode.add(EncodeTask("m", [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
-        (encoded,) = encode.step()
-        assert not encoded.error_type, encoded.message
-        assert encoded.outputs.image_grids and encoded.outputs.audio_lengths
-
-        model = LlamaModel(tiny_omni)
-        config = json.loads(open(os.path.join(tiny_omni, "config.json")).read())
-        prefill = PrefillEngine(model, connector, max_model_len=4096, max_batched_tokens=8, block_size=4,
-                                mrope=MropeSpec.from_config(config))
         greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        prefill.add(PrefillTask("m", ids, greedy, time.time() + 60, media=encoded.outputs))
-        prefill.add(PrefillTask("t", text_ids, greedy, time.time() + 60))
-        done = {}
-        for _ in range(200):
-            for result in prefill.step():
-                assert not result.error_type, result.message
-                done[result.request_id] = result
-            if not prefill.has_work:
-                break
-        assert prefill.stats["prefill_steps"] > (len(ids) + len(text_ids)) // 8   # really chunked
+        encoded, model, done = encode_then_prefill(tiny_omni, OmniEncoders(tiny_omni), connector, items, ids,
+                                                   text_ids, greedy)
+        assert encoded.image_grids and encoded.audio_lengths
         assert done["m"].outputs.has_media and done["m"].outputs.rope_delta < 0
 
-        cfg = model.config
         # Room for both prompts to start, not for both to grow: the newest (the media one) is preempted.
         blocks = 1 + -(-(len(ids) + 1) // 4) + -(-(len(text_ids) + 1) // 4) + 1
-        cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=4, num_blocks=blocks)
-        decode = DecodeEngine(model, cache, connector, max_num_seqs=4, max_model_len=4096, transfer_timeout_s=5)
-        outputs = {}
-        for rid, prompt in (("t", text_ids), ("m", ids)):
-            out = done[rid].outputs
-            outputs[rid] = [done[rid].first_token]
-            decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out.kv_key,
-                                  out.kv_handle, rope_delta=out.rope_delta, has_media=out.has_media))
-        for _ in range(500):
-            step = decode.step()
-            assert not step.failed, step.failed
-            for token in step.tokens:
-                outputs[token.request_id].append(token.token)
-            if not decode.has_work:
-                break
-        assert decode.stats["preemptions"] > 0 and decode.stats["kv_swapped_in"] > 0   # the media one came back
+        outputs, stats = decode_prefilled(model, connector, done, {"t": text_ids, "m": ids}, greedy, blocks)
+        assert stats["preemptions"] > 0 and stats["kv_swapped_in"] > 0   # the media one came back
         assert outputs["m"] == hf(media_content, png=png, pcm=pcm)
         assert outputs["t"] == hf(text_content)
     finally:

@@ -34,6 +34,7 @@ from omnirelay.model_kind import model_kind
 
 from conftest import ServeProcess
 from media_support import audio_part, image_part, random_png, thinker_reference, wav_bytes
+from omni_engine_support import decode_prefilled, encode_then_prefill
 
 MAX_TOKENS = 12
 MODEL = "tiny-qwen3-omni"
@@ -101,18 +102,9 @@ def test_compact_thinker_greedy_equals_transformers(tiny, hf):
 def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tiny, hf, tmp_path):
     """No network: encode → prefill in chunks of 8 (cutting through the image and the audio, next to a
     text prompt in the same steps, so DeepStack rows are placed per chunk) → decode == transformers."""
-    import json
-    import time
-
     from omnirelay.connectors import create_connector
     from omnirelay.gateway.media import MediaLimits, MediaProcessor
-    from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
-    from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem
     from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
-    from omnirelay.workers.kv.cache import PagedKVCache
-    from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.mrope import MropeSpec
-    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
     from omnirelay.workers.llm.sampling import SamplingParams
 
     png, pcm = _png(5), _tone(660.0, 0.5)
@@ -128,41 +120,9 @@ def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tin
                                            tokenize=False), add_special_tokens=False)["input_ids"]
     connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
     try:
-        encode = EncodeEngine(Qwen3OmniEncoders(tiny), connector)
-        encode.add(EncodeTask("m", [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
-        (encoded,) = encode.step()
-        assert not encoded.error_type, encoded.message
-        model = LlamaModel(tiny)
-        config = json.loads(open(os.path.join(tiny, "config.json")).read())
-        prefill = PrefillEngine(model, connector, max_model_len=4096, max_batched_tokens=8, block_size=4,
-                                mrope=MropeSpec.from_config(config))
         greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        prefill.add(PrefillTask("m", ids, greedy, time.time() + 60, media=encoded.outputs))
-        prefill.add(PrefillTask("t", text_ids, greedy, time.time() + 60))
-        done = {}
-        for _ in range(200):
-            for result in prefill.step():
-                assert not result.error_type, result.message
-                done[result.request_id] = result
-            if not prefill.has_work:
-                break
-        assert prefill.stats["prefill_steps"] > (len(ids) + len(text_ids)) // 8   # really chunked
-        cfg = model.config
-        cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=4, num_blocks=64)
-        decode = DecodeEngine(model, cache, connector, max_num_seqs=4, max_model_len=4096, transfer_timeout_s=5)
-        outputs = {}
-        for rid, prompt in (("t", text_ids), ("m", ids)):
-            out = done[rid].outputs
-            outputs[rid] = [done[rid].first_token]
-            decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out.kv_key,
-                                  out.kv_handle, rope_delta=out.rope_delta, has_media=out.has_media))
-        for _ in range(500):
-            step = decode.step()
-            assert not step.failed, step.failed
-            for token in step.tokens:
-                outputs[token.request_id].append(token.token)
-            if not decode.has_work:
-                break
+        _, model, done = encode_then_prefill(tiny, Qwen3OmniEncoders(tiny), connector, items, ids, text_ids, greedy)
+        outputs, _ = decode_prefilled(model, connector, done, {"t": text_ids, "m": ids}, greedy, num_blocks=64)
         assert outputs["m"] == hf(media_content, png=png, pcm=pcm)
         assert outputs["t"] == hf([{"type": "text", "text": text}])
     finally:

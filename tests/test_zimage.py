@@ -6,9 +6,7 @@ images, gateway as separate processes).
 
 from __future__ import annotations
 
-import base64
 import io
-import pathlib
 import time
 
 import numpy as np
@@ -23,23 +21,16 @@ from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
 
-from media_support import batched_pipeline, openai_client, pipeline_cluster, run_image_engine, tiny_model_dir
+from media_fixtures import client_fixture, pipeline_file, pipeline_fixture, tiny_model_fixture
+from media_support import batched_pipeline, generate_images, pipeline_cluster, run_image_engine
 
 MODEL = "tiny-zimage"
-PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
+PIPELINE_YAML = pipeline_file("text_to_image")
 PROMPT = "a red fox sitting in the snow at dawn"
 
 
-@pytest.fixture(scope="module")
-def tiny_zimage(tmp_path_factory) -> str:
-    torch.set_num_threads(1)
-    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_zimage)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_zimage):
-    from omnirelay.workers.generate.image import load_pipeline
-    return load_pipeline(tiny_zimage)
+tiny_zimage = tiny_model_fixture(MODEL, build_tiny_zimage, one_thread=True)
+pipe = pipeline_fixture("tiny_zimage")
 
 
 def _run(engine: GenerateImageEngine, *tasks: ImageTask, max_steps: int = 100):
@@ -118,17 +109,11 @@ def cluster(tiny_zimage, tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster, timeout=120)
+client = client_fixture()
 
 
 def _generate(client, **kwargs) -> list[bytes]:
-    extra = {k: kwargs.pop(k) for k in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt")
-             if k in kwargs}
-    response = client.images.generate(model=MODEL, prompt=kwargs.pop("prompt", PROMPT), extra_body=extra, **kwargs)
-    assert response.output_format == "png"
-    return [base64.b64decode(item.b64_json) for item in response.data]
+    return generate_images(client, MODEL, kwargs.pop("prompt", PROMPT), **kwargs)
 
 
 def test_openai_client_gets_z_image_pngs_of_the_asked_size(client, pipe):
