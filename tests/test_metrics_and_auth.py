@@ -111,10 +111,9 @@ def test_worker_figures_are_typed_and_summed_per_model_and_role():
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_model, tmp_path_factory):
-    serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--api-key", "s3cret",
-                         log_path=str(tmp_path_factory.mktemp("keyed") / "serve.log"))
-    yield serve
-    serve.stop()
+    with ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--api-key", "s3cret",
+                      log_path=str(tmp_path_factory.mktemp("keyed") / "serve.log")) as serve:
+        yield serve
 
 
 def test_api_key_guards_v1_routes(keyed_server):

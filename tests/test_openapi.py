@@ -28,10 +28,9 @@ PIPELINES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelin
 @pytest.fixture(scope="module")
 def small_context_server(tiny_model, tmp_path_factory):
     # A short context keeps every generated request fast.
-    serve = ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--max-model-len", "128",
-                         log_path=str(tmp_path_factory.mktemp("openapi") / "serve.log"))
-    yield serve
-    serve.stop()
+    with ServeProcess(tiny_model, "--served-model-name", "tiny-llm", "--max-model-len", "128",
+                      log_path=str(tmp_path_factory.mktemp("openapi") / "serve.log")) as serve:
+        yield serve
 
 
 def test_openapi_document_lists_the_routes(small_context_server):
