@@ -172,7 +172,7 @@ def test_deadline_while_the_import_is_in_flight_leaves_no_key(model, tok, connec
         held.wait_entered(result.outputs.kv_key)
         engine.waiting.head.task.deadline = time.time() - 1
         out = engine.step()
-        assert [(f[0], f[2]) for f in out.failed] == [("r0", "deadline_exceeded")] and not engine.has_work
+        assert [(f.request_id, f.error_type) for f in out.failed] == [("r0", "deadline_exceeded")] and not engine.has_work
     finally:
         held.let_through()
         engine.close()
@@ -195,8 +195,8 @@ def test_import_error_fails_only_that_request(model, tok, reference, connector, 
     finally:
         engine.close()
         faulty.close()
-    assert [(f[0], f[2]) for f in failed] == [("r1", "transfer_failed")]
-    assert "failed on purpose" in failed[0][3]
+    assert [(f.request_id, f.error_type) for f in failed] == [("r1", "transfer_failed")]
+    assert "failed on purpose" in failed[0].message
     assert outputs["r0"] == reference(prompts[0]) and outputs["r1"] == [prefilled["r1"].first_token]
     assert engine.stats["kv_loads"] == 1
     assert shm_keys(tmp_path) == []   # r1's KV was released when its import failed
@@ -222,7 +222,7 @@ def test_failed_import_releases_its_keys_and_the_speech_key(model, tok, connecto
         outputs = {"r0": [result.first_token]}
         failed = step_until(engine, outputs, lambda: not engine.has_work)
         # By the time the failure is reported, the keys are gone (released before the import is FAILED).
-        assert [(f[0], f[2]) for f in failed] == [("r0", "transfer_failed")] and "on purpose" in failed[0][3]
+        assert [(f.request_id, f.error_type) for f in failed] == [("r0", "transfer_failed")] and "on purpose" in failed[0].message
         assert shm_keys(tmp_path) == []
     finally:
         engine.close()

@@ -18,6 +18,7 @@ from omnirelay.gateway.bus import BusClient, RequestStream
 from omnirelay.handoffs import KVHandoff, SpeechHandoff
 from omnirelay.workers.llm.decode import StepOutput, TokenOut
 from omnirelay.workers.llm.prefill import PrefillResult
+from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.roles import BROKER, DecodeRole, PrefillRole
 
 GW_A, GW_B = "tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"
@@ -44,7 +45,7 @@ def test_a_step_sends_one_message_per_gateway_then_its_reports():
     step = StepOutput(
         tokens=[TokenOut("a1", GW_A, 5, 11, ""), TokenOut("b1", GW_B, 9, 21, ""),
                 TokenOut("a2", GW_A, 7, 12, "stop"), TokenOut("a3", GW_A, 2, 13, "length", speech_outputs)],
-        failed=[("a4", GW_A, "deadline_exceeded", "deadline passed in decode")])
+        failed=[RequestFailure("a4", "deadline_exceeded", "deadline passed in decode")])
     role = DecodeRole("dec-1", ScriptedEngine(step))
     out = role.step()
 

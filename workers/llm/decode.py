@@ -61,6 +61,7 @@ from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.handoff_jobs import SpeechReplySend
 from omnirelay.workers.kv.cache import BlockAllocator, PagedKVCache
 from omnirelay.workers.kv.prefetch import KVImport, kv_prefetcher
+from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.runtime.transfers import Transfer, TransferState
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
@@ -143,7 +144,7 @@ class _SpeechSend:
 @dataclasses.dataclass
 class StepOutput:
     tokens: list[TokenOut] = dataclasses.field(default_factory=list)
-    failed: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)  # id, reply_to, type, msg
+    failed: list[RequestFailure] = dataclasses.field(default_factory=list)
 
 
 class DecodeEngine:
@@ -246,7 +247,7 @@ class DecodeEngine:
         now = time.time()
         for seq in [s for s in [*self.waiting, *self.running] if now > s.deadline]:
             self.cancel(seq.request_id)
-            out.failed.append((seq.request_id, seq.task.reply_to, DeadlineExceeded.error_type, "deadline passed in decode"))
+            out.failed.append(RequestFailure(seq.request_id, DeadlineExceeded.error_type, "deadline passed in decode"))
 
     def _start_imports(self, out: StepOutput) -> None:
         """Hand new requests' KVs to the prefetcher (first failing those this worker cannot serve, so
@@ -279,7 +280,7 @@ class DecodeEngine:
         self._drop_kv_key(seq)
         self._drop_speech_key(seq)
         self._release_grammar(seq)
-        out.failed.append((seq.request_id, seq.task.reply_to, *error))
+        out.failed.append(RequestFailure(seq.request_id, *error))
         return True
 
     def _admit(self, out: StepOutput) -> None:
@@ -298,7 +299,7 @@ class DecodeEngine:
                 self.waiting.remove_task(seq)
                 self._drop_speech_key(seq)
                 error = seq.kv_import.error
-                out.failed.append((seq.request_id, seq.task.reply_to, error.error_type, str(error)))
+                out.failed.append(RequestFailure(seq.request_id, error.error_type, str(error)))
                 continue
             # Room for the cached tokens plus the one this step writes.
             cached = seq.total_len - 1
@@ -460,7 +461,7 @@ class DecodeEngine:
             if send.ticket.state is TransferState.FAILED:   # the job deleted the prompt's states too
                 if not send.dropped:
                     error = send.ticket.error
-                    out.failed.append((token.request_id, token.reply_to, error.error_type, str(error)))
+                    out.failed.append(RequestFailure(token.request_id, error.error_type, str(error)))
                 continue
             with self._transfers.take(send.ticket) as handoff:
                 if send.dropped:   # cancelled while its states were on their way: nobody will read them

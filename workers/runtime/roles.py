@@ -186,8 +186,8 @@ class DecodeRole(RoleAdapter):
             if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
                 reports.append(self._done(token.request_id, token.outputs, token.outputs is None))
         out = token_messages(result.tokens, self.worker_id) + reports
-        for request_id, _reply_to, error_type, message in result.failed:
-            out.append(self.failure(request_id, self.role, error_type, message))
+        for failure in result.failed:
+            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
         return out
 
 
