@@ -6,7 +6,6 @@ gateway as separate processes) to a playable MP4 (or WebP without PyAV).
 
 from __future__ import annotations
 
-import pathlib
 import time
 
 import numpy as np
@@ -22,24 +21,17 @@ from omnirelay.video_params import VideoParams, is_video_pipeline
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, WholeCallVideoRunner, to_uint8
 from omnirelay.workers.generate.wan import StepwiseWanRunner
 
-from media_support import create_video, openai_client, pipeline_cluster, tiny_model_dir, wait_for_video
+from media_fixtures import client_fixture, cluster_fixture, pipeline_file, pipeline_fixture, tiny_model_fixture
+from media_support import create_video, wait_for_video
 from test_videos import decode_frames
 
 MODEL = "tiny-wan"
-PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_video.yaml")
+PIPELINE_YAML = pipeline_file("text_to_video")
 PROMPT = "a red fox sitting in the snow at dawn"
 
 
-@pytest.fixture(scope="module")
-def tiny_wan(tmp_path_factory) -> str:
-    torch.set_num_threads(1)
-    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_wan)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_wan):
-    from omnirelay.workers.generate.image import load_pipeline
-    return load_pipeline(tiny_wan)
+tiny_wan = tiny_model_fixture(MODEL, build_tiny_wan, one_thread=True)
+pipe = pipeline_fixture("tiny_wan")
 
 
 def _params(**kwargs) -> VideoParams:
@@ -105,16 +97,8 @@ def test_cancel_stops_a_wan_job_between_denoising_steps(pipe):
 # ------------------------------------------------------------------------------------ end to end
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_wan, tmp_path_factory):
-    with pipeline_cluster(tiny_wan, str(tmp_path_factory.mktemp("wan-cluster")), MODEL, PIPELINE_YAML,
-                          ("generate",)) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster, timeout=120)
+cluster = cluster_fixture("tiny_wan", MODEL, PIPELINE_YAML, "wan-cluster")
+client = client_fixture()
 
 
 def _create(client, prompt: str = PROMPT, **kwargs):
