@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import pathlib
 import time
 
 import numpy as np
@@ -19,16 +18,15 @@ from PIL import Image
 from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
 
 from cluster import Cluster
+from media_fixtures import pipeline_file, tiny_model_fixture
 from media_support import tiny_model_dir
 
 MODEL = "tiny-sd"
-PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
+PIPELINE_YAML = pipeline_file("text_to_image")
 PROMPT = "a lighthouse on a rocky coast during a storm"
 
 
-@pytest.fixture(scope="module")
-def tiny_sd(tmp_path_factory) -> str:
-    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_image)
+tiny_sd = tiny_model_fixture(MODEL, build_tiny_text_to_image)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -15,13 +17,20 @@ from conftest import ServeProcess, hf_chat_greedy
 pytestmark = pytest.mark.slow
 
 
+@contextlib.contextmanager
+def _two_models(first: str, second: str, names: tuple[str, str], tmp_path) -> Iterator[openai.OpenAI]:
+    """``omni-serve`` of both model directories, served as ``names``; a client, once ``/v1/models``
+    lists exactly those names. Stopped on exit."""
+    with ServeProcess(first, second, "--served-model-name", names[0], "--served-model-name", names[1],
+                      log_path=str(tmp_path / "serve.log")) as serve:
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert sorted(m.id for m in client.models.list().data) == sorted(names)
+        yield client
+
+
 def test_two_models_one_gateway(tiny_model, tmp_path):
     other = str(build_tiny_llm(tmp_path / "other-llm", seed=7))
-    serve = ServeProcess(tiny_model, other, "--served-model-name", "alpha", "--served-model-name", "beta",
-                         log_path=str(tmp_path / "serve.log"))
-    try:
-        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        assert sorted(m.id for m in client.models.list().data) == ["alpha", "beta"]
+    with _two_models(tiny_model, other, ("alpha", "beta"), tmp_path) as client:
         prompt = "Name a colour."
         answers = {}
         for name, path in (("alpha", tiny_model), ("beta", other)):
@@ -31,8 +40,6 @@ def test_two_models_one_gateway(tiny_model, tmp_path):
             answers[name] = response.choices[0].model_extra["token_ids"]
             assert answers[name] == hf_chat_greedy(path, prompt, 12), name
         assert answers["alpha"] != answers["beta"]
-    finally:
-        serve.stop()
 
 
 def test_models_of_different_kinds_get_their_own_pipelines(tiny_model, tmp_path):
@@ -40,11 +47,7 @@ def test_models_of_different_kinds_get_their_own_pipelines(tiny_model, tmp_path)
     stage, both behind one gateway; each answers on its own endpoint and refuses the other's."""
     from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
     images = str(build_tiny_text_to_image(tmp_path / "sd", seed=3))
-    serve = ServeProcess(tiny_model, images, "--served-model-name", "text", "--served-model-name", "pictures",
-                         log_path=str(tmp_path / "serve.log"))
-    try:
-        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        assert sorted(m.id for m in client.models.list().data) == ["pictures", "text"]
+    with _two_models(tiny_model, images, ("text", "pictures"), tmp_path) as client:
         chat = client.chat.completions.create(model="text", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
         assert chat.choices[0].model_extra["token_ids"] == hf_chat_greedy(tiny_model, "Hi", 6)
@@ -53,8 +56,6 @@ def test_models_of_different_kinds_get_their_own_pipelines(tiny_model, tmp_path)
         assert base64.b64decode(picture.data[0].b64_json).startswith(b"\x89PNG")
         with pytest.raises(openai.UnprocessableEntityError):
             client.chat.completions.create(model="pictures", messages=[{"role": "user", "content": "Hi"}])
-    finally:
-        serve.stop()
 
 
 def test_model_kinds_and_bundled_pipelines(tiny_model, tmp_path):
