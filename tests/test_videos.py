@@ -28,25 +28,18 @@ from omnirelay.video_params import MAX_CHUNK_CHARS, PROGRESS_MIME, VideoParams
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, encode_video, video_encoder
 from omnirelay.workers.generate.video_role import GenerateVideoRole
 
-from media_support import create_video, openai_client, pipeline_cluster, run_engine, tiny_model_dir, wait_for_video
+from media_fixtures import client_fixture, cluster_fixture, pipeline_file, pipeline_fixture, tiny_model_fixture
+from media_support import create_video, run_engine, wait_for_video
 
 MODEL = "tiny-video"
-PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_video.yaml")
+PIPELINE_YAML = pipeline_file("text_to_video")
 PROMPT = "a red fox sitting in the snow at dawn"
 # The client warns that OpenAI's hosted video API will be retired; the API shape is what we serve.
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
 
-@pytest.fixture(scope="module")
-def tiny_video(tmp_path_factory) -> str:
-    return tiny_model_dir(tmp_path_factory, MODEL, build_tiny_text_to_video)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_video):
-    torch.set_num_threads(1)
-    from omnirelay.workers.generate.image import load_pipeline
-    return load_pipeline(tiny_video)
+tiny_video = tiny_model_fixture(MODEL, build_tiny_text_to_video)
+pipe = pipeline_fixture("tiny_video")
 
 
 def _params(**kwargs) -> VideoParams:
@@ -291,16 +284,8 @@ def test_parse_video_request_takes_json_and_form_fields():
 # ------------------------------------------------------------------------------------ end to end
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_video, tmp_path_factory):
-    with pipeline_cluster(tiny_video, str(tmp_path_factory.mktemp("videos-cluster")), MODEL, PIPELINE_YAML,
-                          ("generate",)) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster, timeout=120)
+cluster = cluster_fixture("tiny_video", MODEL, PIPELINE_YAML, "videos-cluster")
+client = client_fixture()
 
 
 def _create(client, model: str = MODEL, prompt: str = PROMPT, **kwargs):
