@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
-import io
 import json
 import pathlib
-import wave
 
 import numpy as np
 import openai
@@ -30,7 +28,9 @@ import pytest
 import requests
 
 from cluster import assert_contract, classify, run_load
-from media_support import assert_the_kill_was_recovered, kill_busiest_worker, pipeline_cluster, tiny_model_dir
+from media_fixtures import client_fixture
+from media_support import (assert_the_kill_was_recovered, kill_busiest_worker, pipeline_cluster, tiny_model_dir,
+                           wav_samples)
 from omnirelay.workers.speech.qwen3_tts_package import PACKAGE_HINT, ONLY_25HZ_MODULES, load_classes
 
 # find_spec, not an import: collecting this module must stay cheap when the slow tier is not run.
@@ -58,15 +58,11 @@ def cluster(tiny_tts, tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+client = client_fixture(timeout=300)
 
 
 def _samples(wav_bytes: bytes) -> np.ndarray:
-    with wave.open(io.BytesIO(wav_bytes)) as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
-        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    return wav_samples(wav_bytes, SAMPLE_RATE)
 
 
 def _rms(samples: np.ndarray) -> float:
