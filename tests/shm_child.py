@@ -1,4 +1,4 @@
-"""Child-process entry point for tests/test_shared_memory_connector.py (not a test module).
+"""Child-process entry point for tests/test_shared_memory_across_processes.py (not a test module).
 
     python tests/shm_child.py exchange <shm_dir>   put "c2p", print {"pid", "handle"}, get "p2c", verify, print "ok"
     python tests/shm_child.py hold <shm_dir> <n>   put n keys "orphan-<i>", print {"pid", "handles"}, sleep
