@@ -22,7 +22,6 @@ import io
 import json
 import pathlib
 import time
-import wave
 
 import numpy as np
 import openai
@@ -40,6 +39,8 @@ from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, S
 from omnirelay.workers.speech.role import encode_audio, flac_available
 
 from cluster import Cluster
+from media_fixtures import client_fixture
+from media_support import wav_samples
 
 # A cluster of five processes plus transformers' reference: one to three minutes on 2 shared cores.
 pytestmark = pytest.mark.slow
@@ -101,15 +102,11 @@ def cluster(tiny_omni, tmp_path_factory):
         c.stop()
 
 
-@pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+client = client_fixture(timeout=300)
 
 
 def _wav_samples(data: bytes) -> np.ndarray:
-    with wave.open(io.BytesIO(data)) as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
-        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    return wav_samples(data, SAMPLE_RATE)
 
 
 def _int16(wav: torch.Tensor) -> np.ndarray:
