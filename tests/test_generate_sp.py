@@ -16,10 +16,8 @@ sits on a .5 boundary flips its 8-bit value. On this machine the images come out
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
-import io
 import os
 import pathlib
 import signal
@@ -31,8 +29,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-import yaml
-from PIL import Image
 
 from omnirelay.deploy.builders.llm import main as make_model
 from omnirelay.pipeline import PipelineError, parse_pipeline
@@ -42,6 +38,8 @@ from omnirelay.workers.generate.sequence_parallel_group import (SequenceParallel
                                                       SequenceParallelGroupLost, check_sequence_parallel)
 
 from cluster import Cluster, is_structured_error
+from sequence_parallel_support import (alive, assert_same_images, children, generate_png, group_stats, only_worker,
+                                      serve_one_rank_then_two, sp_yaml, start_fleet)
 
 MODEL = "tiny-dit"
 PIPELINE_YAML = str(pathlib.Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "text_to_image.yaml")
@@ -57,43 +55,15 @@ def tiny_dit(tmp_path_factory) -> str:
     return str(path)
 
 
-def _sp_yaml(directory: pathlib.Path, size: int) -> str:
-    path = directory / f"text_to_image_sp{size}.yaml"
-    path.write_text(yaml.safe_dump({"stages": [{"name": "generate", "role": "generate",
-                                                "runtime": {"max_batch_size": 1},
-                                                "engine_args": {"sequence_parallel_size": size}}]}))
-    return str(path)
-
-
 def _generate(client, size: str, guidance: float, seed: int = 11) -> np.ndarray:
-    response = client.images.generate(model=MODEL, prompt=PROMPT, size=size,
-                                      extra_body={"seed": seed, "num_inference_steps": 2, "guidance_scale": guidance})
-    [item] = response.data
-    image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
-    assert image.format == "PNG" and "x".join(map(str, image.size)) == size
-    return np.asarray(image.convert("RGB"), dtype=np.int16)
-
-
-def _only_worker(cluster: Cluster, sp_size: int, timeout: float = 60.0) -> dict:
-    """The one registered worker, once it has heartbeated that it runs ``sp_size`` ranks."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        workers = cluster.workers()
-        if len(workers) == 1 and workers[0]["stats"].get("sequence_parallel_size") == sp_size:
-            return workers[0]
-        time.sleep(0.2)
-    raise AssertionError(f"expected one generate worker of {sp_size} rank(s), got {cluster.workers()}")
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(line) for line in out.split()]
+    return generate_png(client, MODEL, PROMPT, size, {"seed": seed, "num_inference_steps": 2,
+                                                      "guidance_scale": guidance})
 
 
 def _sp_ranks(pid: int) -> dict[int, int]:
     """The sequence-parallel rank processes ``pid`` started: rank -> pid, from their command lines."""
     ranks = {}
-    for child in _children(pid):
+    for child in children(pid):
         try:
             argv = pathlib.Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
         except OSError:
@@ -109,35 +79,15 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 def test_two_rank_worker_makes_the_single_rank_workers_images(tiny_dit, tmp_path):
     cluster = Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=MODEL)
     try:
-        cluster.start_broker()
-        single = cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML)
-        cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
-        cluster.wait_healthy()
-        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        _only_worker(cluster, 1)
-        reference = [_generate(client, size, guidance) for size, guidance in REQUESTS]
-        single.stop()   # SIGTERM: it drains and unregisters, so the next request goes to the SP worker
-
-        split = cluster.start_worker("generate", "--stage-configs-path", _sp_yaml(tmp_path, 2))
-        cluster.wait_healthy()
-        _only_worker(cluster, 2)
-        ranks = _children(split.pid)
+        client, split, reference = serve_one_rank_then_two(
+            cluster, PIPELINE_YAML, tmp_path, lambda client: [_generate(client, *request) for request in REQUESTS])
+        ranks = children(split.pid)
         assert len(ranks) == 1, ranks   # rank 1, started by the worker (rank 0)
         images = [_generate(client, size, guidance) for size, guidance in REQUESTS]
-        for got, want in zip(images, reference):
-            diff = np.abs(got - want)
-            assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
-        assert reference[0].std() > 10 and np.abs(reference[0][:, :, 0] - reference[0][:, :, 1]).mean() > 1
+        assert_same_images(images, reference, [size for size, _ in REQUESTS])
 
         # 48x48 is 3×3 patches of 16 pixels: nine tokens do not split over two ranks.
         with pytest.raises(openai.BadRequestError) as info:
@@ -148,14 +98,12 @@ def test_two_rank_worker_makes_the_single_rank_workers_images(tiny_dit, tmp_path
         with pytest.raises(openai.BadRequestError, match="at most 512 pixels a side"):
             _generate(client, "1024x512", 1.0)
         # Every denoising forward ran through the group: 2 steps × 2 images (batch 2 when guided: one call).
-        deadline = time.monotonic() + 10
-        while (stats := _only_worker(cluster, 2)["stats"]).get("sp_forwards", 0) < 4 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        stats = group_stats(cluster, 4)
         assert stats["sp_forwards"] == 4 and stats["images_generated"] == 2
         assert split.stop() == 0   # SIGTERM: drains, closes the engine, which stops and joins rank 1
     finally:
         cluster.stop()
-    assert not any(_alive(pid) for pid in ranks)
+    assert not any(alive(pid) for pid in ranks)
     assert "Traceback" not in split.output(), split.output()[-3000:]
 
 
@@ -177,24 +125,19 @@ def _exits_for_a_restart(worker, ranks: list[int], timeout: float = 60.0) -> Non
     leaves no rank process behind."""
     assert worker.proc.wait(timeout) == 1, worker.output()[-3000:]
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in ranks)
+    assert not any(alive(pid) for pid in ranks)
     assert "sequence-parallel group lost" in worker.output()
     assert "Traceback" not in worker.output(), worker.output()[-3000:]
 
 
 def test_a_lost_rank_fails_requests_and_the_worker_exits_for_a_restart(tiny_dit, tmp_path):
     cluster = Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=MODEL)
-    sp_yaml = _sp_yaml(tmp_path, 2)
+    two_ranks = sp_yaml(tmp_path, 2)
     try:
-        cluster.start_broker()
-        idle = cluster.start_worker("generate", "--stage-configs-path", sp_yaml)
-        cluster.start_gateway("--stage-configs-path", sp_yaml)
-        cluster.wait_healthy()
-        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        _only_worker(cluster, 2)
-        ranks = _children(idle.pid)
+        idle, client = start_fleet(cluster, two_ranks, two_ranks, 2)
+        ranks = children(idle.pid)
         assert len(ranks) == 1, ranks
 
         # An idle worker: rank 1 is killed, then a request comes. It fails at once with a structured
@@ -210,9 +153,9 @@ def test_a_lost_rank_fails_requests_and_the_worker_exits_for_a_restart(tiny_dit,
         # A request in flight: rank 1 dies while the group denoises it (the largest size, guided, the
         # most steps: many seconds). The pipeline's whole call is one engine step, so no heartbeat
         # tells when it runs; rank 1's CPU time does (an idle rank waits in a broadcast).
-        busy = cluster.start_worker("generate", "--stage-configs-path", sp_yaml)
-        _only_worker(cluster, 2)
-        ranks = _children(busy.pid)
+        busy = cluster.start_worker("generate", "--stage-configs-path", two_ranks)
+        only_worker(cluster, 2)
+        ranks = children(busy.pid)
         idle_ticks, restarts = _cpu_ticks(ranks[0]), cluster.broker_counters().get("request_restarts", 0)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             slow = pool.submit(_fails_recoverably, lambda: client.images.generate(
@@ -257,7 +200,7 @@ def test_a_rank_killed_during_start_up_fails_it_at_once_and_no_rank_is_left(tiny
                                                             r"killed by signal 9 \(SIGKILL\) during start-up"):
             group.attach(transformer)
         assert time.monotonic() - started < 15   # not the rendezvous timeout (120 s)
-        assert not any(_alive(pid) for pid in ranks.values())
+        assert not any(alive(pid) for pid in ranks.values())
         assert _sp_ranks(os.getpid()) == {}
         assert "forward" not in transformer.__dict__   # attach replaced nothing
     finally:
@@ -273,7 +216,7 @@ def test_a_rank_that_cannot_load_the_model_fails_start_up_with_its_exit_status(t
         with pytest.raises(SequenceParallelGroupLost, match=rf"^sequence-parallel rank 1 \(pid {pid}\) exited with "
                                                             r"status 1 during start-up, .* this worker's stderr"):
             group.attach(_transformer(tiny_dit))
-        assert not _alive(pid)
+        assert not alive(pid)
     finally:
         group.close()
 
@@ -300,7 +243,7 @@ def test_a_worker_whose_rank_dies_during_start_up_exits_1_at_once(tiny_dit, tmp_
         assert time.monotonic() - killed < 60, output[-3000:]
         assert (f"sequence-parallel rank 1 (pid {ranks[1]}) was killed by signal 9 (SIGKILL) during start-up"
                 in output), output[-3000:]
-        assert "omni-worker generate ready" not in output and not _alive(ranks[1])
+        assert "omni-worker generate ready" not in output and not alive(ranks[1])
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -363,7 +306,7 @@ def test_devices_for_a_sequence_parallel_worker_fail_fast(tiny_dit, monkeypatch)
 
 
 def test_omni_serve_passes_the_stages_sequence_parallel_size(tiny_dit, tmp_path):
-    args = build_parser().parse_args([tiny_dit, "--stage-configs-path", _sp_yaml(tmp_path, 2)])
+    args = build_parser().parse_args([tiny_dit, "--stage-configs-path", sp_yaml(tmp_path, 2)])
     plans = [dataclasses.replace(plan, groups=check_parallel(args, plan))
              for plan in plan_models([(tiny_dit, MODEL)], args.stage_configs_path, args.connector)]
     [command] = worker_commands(args, plans, "ipc:///tmp/unused.sock")

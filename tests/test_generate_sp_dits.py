@@ -19,8 +19,6 @@ files come out identical.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import pathlib
@@ -30,11 +28,8 @@ import sys
 import time
 
 import numpy as np
-import openai
 import pytest
 import torch
-import yaml
-from PIL import Image
 
 from omnirelay.deploy.builders.wan import build_tiny_wan
 from omnirelay.deploy.builders.zimage import build_tiny_zimage
@@ -43,7 +38,8 @@ from omnirelay.workers.generate.sequence_parallel_group import (SequenceParallel
                                                                 check_sequence_parallel)
 
 from cluster import Cluster
-from test_generate_sp import _alive, _children
+from sequence_parallel_support import (alive, assert_same_images, children, generate_png, group_stats, only_worker,
+                                      serve_one_rank_then_two, sp_yaml)
 from test_videos import decode_frames
 
 PROMPT = "a red fox sitting in the snow at dawn"
@@ -59,33 +55,6 @@ def tiny_zimage(tmp_path_factory) -> str:
 def tiny_wan(tmp_path_factory) -> str:
     torch.set_num_threads(1)
     return str(build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan", seed=0))
-
-
-def _sp_yaml(directory: pathlib.Path, size: int) -> str:
-    path = directory / f"generate_sp{size}.yaml"
-    path.write_text(yaml.safe_dump({"stages": [{"name": "generate", "role": "generate",
-                                                "runtime": {"max_batch_size": 1},
-                                                "engine_args": {"sequence_parallel_size": size}}]}))
-    return str(path)
-
-
-def _only_worker(cluster: Cluster, sp_size: int, timeout: float = 60.0) -> dict:
-    """The one registered worker, once it has heartbeated that it runs ``sp_size`` ranks."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        workers = cluster.workers()
-        if len(workers) == 1 and workers[0]["stats"].get("sequence_parallel_size") == sp_size:
-            return workers[0]
-        time.sleep(0.2)
-    raise AssertionError(f"expected one generate worker of {sp_size} rank(s), got {cluster.workers()}")
-
-
-def _sp_forwards(cluster: Cluster, want: int) -> int:
-    """The SP worker's count of forwards run over its group, once it has heartbeated ``want``."""
-    deadline = time.monotonic() + 10
-    while (stats := _only_worker(cluster, 2)["stats"]).get("sp_forwards", 0) < want and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return stats.get("sp_forwards", 0)
 
 
 # ------------------------------------------------------------------------------- float equality
@@ -146,12 +115,8 @@ IMAGE_REQUESTS = [("96x64", 2.0), ("48x48", 0.0)]
 
 
 def _image(client, size: str, guidance: float, seed: int = 11) -> np.ndarray:
-    response = client.images.generate(model=ZIMAGE, prompt=PROMPT, size=size,
-                                      extra_body={"seed": seed, "num_inference_steps": 3, "guidance_scale": guidance})
-    [item] = response.data
-    image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
-    assert image.format == "PNG" and "x".join(map(str, image.size)) == size
-    return np.asarray(image.convert("RGB"), dtype=np.int16)
+    return generate_png(client, ZIMAGE, PROMPT, size, {"seed": seed, "num_inference_steps": 3,
+                                                       "guidance_scale": guidance})
 
 
 # ~140 s each on a loaded 2-core box: two workers, a gateway and a broker start per test
@@ -159,25 +124,12 @@ def _image(client, size: str, guidance: float, seed: int = 11) -> np.ndarray:
 def test_zimage_two_rank_worker_makes_the_single_rank_workers_images(tiny_zimage, tmp_path):
     cluster = Cluster(model=tiny_zimage, log_dir=str(tmp_path), model_name=ZIMAGE)
     try:
-        cluster.start_broker()
-        single = cluster.start_worker("generate", "--stage-configs-path", IMAGE_YAML)
-        cluster.start_gateway("--stage-configs-path", IMAGE_YAML)
-        cluster.wait_healthy()
-        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        _only_worker(cluster, 1)
-        reference = [_image(client, size, guidance) for size, guidance in IMAGE_REQUESTS]
-        single.stop()   # SIGTERM: it drains and unregisters, so the next requests go to the SP worker
-
-        split = cluster.start_worker("generate", "--stage-configs-path", _sp_yaml(tmp_path, 2))
-        cluster.wait_healthy()
-        _only_worker(cluster, 2)
+        client, split, reference = serve_one_rank_then_two(
+            cluster, IMAGE_YAML, tmp_path, lambda client: [_image(client, *request) for request in IMAGE_REQUESTS])
         images = [_image(client, size, guidance) for size, guidance in IMAGE_REQUESTS]
-        for (size, _), got, want in zip(IMAGE_REQUESTS, images, reference):
-            diff = np.abs(got - want)
-            print(f"Z-Image {size} SP=2 vs SP=1: max pixel difference {diff.max()}")
-            assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (size, diff.max(), (diff > 0).mean())
-        assert reference[0].std() > 10 and np.abs(reference[0][:, :, 0] - reference[0][:, :, 1]).mean() > 1
-        assert _sp_forwards(cluster, 6) == 6   # 3 steps × 2 images, every one over the group
+        assert_same_images(images, reference, [f"Z-Image {size}" for size, _ in IMAGE_REQUESTS])
+        # 3 steps × 2 images, every one over the group
+        assert group_stats(cluster, 6).get("sp_forwards", 0) == 6
         assert split.stop() == 0   # drains, closes the engine, which stops and joins rank 1
     finally:
         cluster.stop()
@@ -209,18 +161,7 @@ def _video(client, seed: int = 5) -> tuple[list[np.ndarray], bytes]:
 def test_wan_two_rank_worker_makes_the_single_rank_workers_video(tiny_wan, tmp_path):
     cluster = Cluster(model=tiny_wan, log_dir=str(tmp_path), model_name=WAN)
     try:
-        cluster.start_broker()
-        single = cluster.start_worker("generate", "--stage-configs-path", VIDEO_YAML)
-        cluster.start_gateway("--stage-configs-path", VIDEO_YAML)
-        cluster.wait_healthy()
-        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        _only_worker(cluster, 1)
-        reference, reference_file = _video(client)
-        single.stop()
-
-        split = cluster.start_worker("generate", "--stage-configs-path", _sp_yaml(tmp_path, 2))
-        cluster.wait_healthy()
-        _only_worker(cluster, 2)
+        client, split, (reference, reference_file) = serve_one_rank_then_two(cluster, VIDEO_YAML, tmp_path, _video)
         frames, split_file = _video(client)
         diff = np.abs(np.stack(frames) - np.stack(reference))
         print(f"Wan SP=2 vs SP=1: max pixel difference {diff.max()}, identical files {split_file == reference_file}")
@@ -228,20 +169,20 @@ def test_wan_two_rank_worker_makes_the_single_rank_workers_video(tiny_wan, tmp_p
         assert diff.max() <= 8 and diff.mean() < 0.1, (diff.max(), diff.mean())
         assert np.stack(reference).std() > 5
         # 3 steps, each a conditional and an unconditional call (or one call over both rows, batched)
-        assert _sp_forwards(cluster, 6) in (3, 6)
-        ranks = _children(split.pid)
+        assert group_stats(cluster, 6).get("sp_forwards", 0) in (3, 6)
+        ranks = children(split.pid)
         assert len(ranks) == 1, ranks
         assert split.stop() == 0   # drains, closes the group, which stops and joins rank 1
-        assert not any(_alive(pid) for pid in ranks)
+        assert not any(alive(pid) for pid in ranks)
 
         # A rank of an idle video worker dies: the worker notices, stops taking work and exits 1 for
         # its supervisor to restart it, leaving no rank behind.
-        lost = cluster.start_worker("generate", "--stage-configs-path", _sp_yaml(tmp_path, 2))
-        _only_worker(cluster, 2)
-        [rank] = _children(lost.pid)
+        lost = cluster.start_worker("generate", "--stage-configs-path", sp_yaml(tmp_path, 2))
+        only_worker(cluster, 2)
+        [rank] = children(lost.pid)
         os.kill(rank, signal.SIGKILL)
         assert lost.proc.wait(60) == 1, lost.output()[-3000:]
-        assert "sequence-parallel group lost" in lost.output() and not _alive(rank)
+        assert "sequence-parallel group lost" in lost.output() and not alive(rank)
     finally:
         cluster.stop()
     for worker in (split, lost):
