@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
-import json
 import pathlib
 import time
 
@@ -41,6 +40,7 @@ from omnirelay.workers.speech.role import encode_audio, flac_available
 from cluster import Cluster
 from media_fixtures import client_fixture
 from media_support import wav_samples
+from omni_speech_support import speech_events, speech_stream_stats, speech_stream_stats_after
 
 # A cluster of five processes plus transformers' reference: one to three minutes on 2 shared cores.
 pytestmark = pytest.mark.slow
@@ -381,30 +381,6 @@ def _stream_chat_audio(client, fmt: str, codes: int) -> tuple[list[bytes], str, 
     return chunks, "".join(transcript), finish, usage.completion_tokens
 
 
-def _speech_stats(cluster) -> dict:
-    """The generate workers' streamed-speech counters, summed (from their last heartbeats)."""
-    out: dict = {}
-    for worker in cluster.workers():
-        if worker["role"] == "generate":
-            for key, value in worker.get("stats", {}).items():
-                if key.startswith("speech_stream_"):
-                    out[key] = out.get(key, 0) + value
-    return out
-
-
-def _speech_stats_after(cluster, before: dict, requests: int) -> dict:
-    """How the counters moved since ``before`` once ``requests`` more streamed requests are counted
-    (the counters travel in heartbeats, so they lag the answers a little)."""
-    deadline = time.monotonic() + 30
-    while True:
-        stats = _speech_stats(cluster)
-        delta = {key: value - before.get(key, 0) for key, value in stats.items()}
-        if delta.get("speech_stream_requests", 0) >= requests:
-            return delta
-        assert time.monotonic() < deadline, f"the worker's streamed-speech counters did not move: {delta}"
-        time.sleep(0.2)
-
-
 STREAM_CODES = 72   # six token2wav blocks: a first piece after 24 codes, then 4 blocks, then the last
 
 
@@ -417,7 +393,7 @@ def test_chat_audio_stream_is_synthesised_while_the_talker_speaks(client, cluste
         model=MODEL, messages=MESSAGES, modalities=["text", "audio"], max_tokens=MAX_TOKENS, temperature=0,
         seed=SEED, audio={"voice": "Ethan", "format": "wav"},
         extra_body={"max_audio_tokens": STREAM_CODES}).choices[0].message.audio.data)
-    before = _speech_stats(cluster)
+    before = speech_stream_stats(cluster)
     chunks, transcript, finish, completion_tokens = _stream_chat_audio(client, "wav", STREAM_CODES)
     assert len(chunks) > 1 and transcript and finish == "length" and completion_tokens == MAX_TOKENS
     streamed = b"".join(chunks)
@@ -428,7 +404,7 @@ def test_chat_audio_stream_is_synthesised_while_the_talker_speaks(client, cluste
     assert b"".join(again) == streamed                                            # deterministic per seed
     pcm, *_ = _stream_chat_audio(client, "pcm16", STREAM_CODES)
     assert b"".join(pcm) == streamed[44:]
-    delta = _speech_stats_after(cluster, before, requests=3)
+    delta = speech_stream_stats_after(cluster, before, requests=3)
     assert delta["speech_stream_early_first_chunks"] == 3
     assert delta["speech_stream_first_chunk_codes"] == 3 * 24 and delta["speech_stream_codes"] == 3 * STREAM_CODES
     assert delta["speech_stream_chunks"] == 3 * 3
@@ -455,7 +431,7 @@ def test_speech_endpoint_streams_the_file_as_it_is_synthesised(client, cluster):
     kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.",
                   extra_body={"seed": 7, "max_audio_tokens": STREAM_CODES})
     whole = client.audio.speech.create(response_format="wav", **kwargs).content
-    before = _speech_stats(cluster)
+    before = speech_stream_stats(cluster)
     bodies = []
     for _ in range(2):
         with client.audio.speech.with_streaming_response.create(response_format="wav", stream_format="audio",
@@ -467,25 +443,9 @@ def test_speech_endpoint_streams_the_file_as_it_is_synthesised(client, cluster):
     samples = _wav_samples(streamed)
     assert samples.shape == _wav_samples(whole).shape == (STREAM_CODES * 480,)
     assert np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01
-    assert _speech_stats_after(cluster, before, requests=2)["speech_stream_early_first_chunks"] == 2
+    assert speech_stream_stats_after(cluster, before, requests=2)["speech_stream_early_first_chunks"] == 2
     with pytest.raises(openai.UnprocessableEntityError, match="'chunks' is not supported"):
         client.audio.speech.create(response_format="wav", stream_format="chunks", **kwargs)
-
-
-def _speech_events(client, **kwargs) -> tuple[list[bytes], dict]:
-    """``stream_format="sse"`` through the official client: the decoded deltas and the done event
-    (which must be the last event, after at least one delta)."""
-    events = []
-    with client.audio.speech.with_streaming_response.create(stream_format="sse", **kwargs) as response:
-        assert response.headers["content-type"] == "text/event-stream"
-        for line in response.iter_lines():
-            if line:
-                assert line.startswith("data: "), line
-                events.append(json.loads(line[len("data: "):]))
-    *deltas, done = events
-    assert deltas and all(set(e) == {"type", "audio"} and e["type"] == "speech.audio.delta" for e in deltas), events
-    assert done["type"] == "speech.audio.done", done
-    return [base64.b64decode(e["audio"]) for e in deltas], done
 
 
 def _speech_input_tokens(tiny_omni: str, text: str) -> int:
@@ -506,11 +466,11 @@ def test_speech_sse_events_carry_the_audio_stream_and_usage(client, cluster, tin
                   extra_body={"seed": 7, "max_audio_tokens": STREAM_CODES})
     with client.audio.speech.with_streaming_response.create(stream_format="audio", **kwargs) as response:
         body = response.read()
-    before = _speech_stats(cluster)
-    deltas, done = _speech_events(client, **kwargs)
+    before = speech_stream_stats(cluster)
+    deltas, done = speech_events(client, **kwargs)
     assert len(deltas) >= 2 and b"".join(deltas) == body
     assert deltas[0][:4] == b"RIFF" and deltas[0][4:8] == b"\xff\xff\xff\xff"   # the streamed header, as "audio"
-    codes = _speech_stats_after(cluster, before, requests=1)["speech_stream_codes"]
+    codes = speech_stream_stats_after(cluster, before, requests=1)["speech_stream_codes"]
     assert codes == STREAM_CODES   # the random talker never says EOS: it speaks its whole budget
     inputs = _speech_input_tokens(tiny_omni, text)
     assert done["usage"] == {"input_tokens": inputs, "output_tokens": codes, "total_tokens": inputs + codes}
@@ -523,14 +483,14 @@ def test_speech_sse_pcm_is_the_raw_samples(client):
     with client.audio.speech.with_streaming_response.create(stream_format="audio", response_format="wav",
                                                              **kwargs) as response:
         wav = response.read()
-    deltas, done = _speech_events(client, response_format="pcm", **kwargs)
+    deltas, done = speech_events(client, response_format="pcm", **kwargs)
     assert len(deltas) >= 2 and b"".join(deltas) == wav[44:]
     assert done["usage"]["output_tokens"] == STREAM_CODES
 
 
 def test_speech_sse_bad_voice_is_a_json_400_before_any_event(client, cluster):
     with pytest.raises(openai.BadRequestError, match="voice 'alloy' is not available"):
-        _speech_events(client, model=MODEL, voice="alloy", input="hi", response_format="wav")
+        speech_events(client, model=MODEL, voice="alloy", input="hi", response_format="wav")
     r = requests.post(cluster.url + "/v1/audio/speech", timeout=30,
                       json={"model": MODEL, "voice": "alloy", "input": "hi", "stream_format": "sse"})
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
@@ -574,7 +534,7 @@ def test_speech_sse_flac_comes_whole_at_the_end(client):
         pytest.skip("no soundfile here: flac is a 400 (test_speech_endpoint_flac_when_soundfile_is_installed)")
     kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.", response_format="flac",
                   extra_body={"seed": 7, "max_audio_tokens": 12})
-    deltas, done = _speech_events(client, **kwargs)
+    deltas, done = speech_events(client, **kwargs)
     assert b"".join(deltas) == client.audio.speech.create(**kwargs).content
     assert done["usage"]["output_tokens"] == 12
 

@@ -1,0 +1,48 @@
+"""What the streamed-speech tests read from a running cluster: the generate workers' streamed-speech
+counters (they travel in heartbeats) and ``stream_format="sse"`` speech through the official client."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+
+def speech_stream_stats(cluster) -> dict:
+    """The generate workers' streamed-speech counters, summed (from their last heartbeats)."""
+    out: dict = {}
+    for worker in cluster.workers():
+        if worker["role"] == "generate":
+            for key, value in worker.get("stats", {}).items():
+                if key.startswith("speech_stream_"):
+                    out[key] = out.get(key, 0) + value
+    return out
+
+
+def speech_stream_stats_after(cluster, before: dict, requests: int) -> dict:
+    """How the counters moved since ``before`` once ``requests`` more streamed requests are counted
+    (the counters travel in heartbeats, so they lag the answers a little)."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = speech_stream_stats(cluster)
+        delta = {key: value - before.get(key, 0) for key, value in stats.items()}
+        if delta.get("speech_stream_requests", 0) >= requests:
+            return delta
+        assert time.monotonic() < deadline, f"the worker's streamed-speech counters did not move: {delta}"
+        time.sleep(0.2)
+
+
+def speech_events(client, **kwargs) -> tuple[list[bytes], dict]:
+    """``stream_format="sse"`` through the official client: the decoded deltas and the done event
+    (which must be the last event, after at least one delta)."""
+    events = []
+    with client.audio.speech.with_streaming_response.create(stream_format="sse", **kwargs) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        for line in response.iter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                events.append(json.loads(line[len("data: "):]))
+    *deltas, done = events
+    assert deltas and all(set(e) == {"type", "audio"} and e["type"] == "speech.audio.delta" for e in deltas), events
+    assert done["type"] == "speech.audio.done", done
+    return [base64.b64decode(e["audio"]) for e in deltas], done
