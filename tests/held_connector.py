@@ -43,6 +43,13 @@ class HeldConnector(Connector):
     def wait_entered(self, key: str) -> None:
         assert self.entered[key].wait(10), f"no thread reached the call on {key!r}"
 
+    def join_threads(self, timeout: float = 10) -> None:
+        """Wait for every thread that called through this connector to end (an engine's transfer
+        threads after its close(): one left inside a held call ends once the call returns)."""
+        for thread in list(self.threads):
+            thread.join(timeout)
+            assert not thread.is_alive(), f"{thread.name} still running"
+
     def _pass(self, key: str) -> None:
         self.threads.add(threading.current_thread())
         if key in self._gates:

@@ -309,9 +309,7 @@ def test_close_does_not_wait_out_a_blocked_release_of_a_queued_import(model, tok
         assert waiting_seq(engine, "r1").kv_import.state is TransferState.CANCELLED
     finally:
         held.let_through()
-    for thread in list(held.threads):
-        thread.join(10)
-        assert not thread.is_alive()
+    held.join_threads()
     assert shm_keys(tmp_path) == []
 
 

@@ -41,6 +41,20 @@ def step_until(engine: PrefillEngine, results: dict, done, max_steps: int = 400)
     raise AssertionError(f"the engine did not get there (results so far: {sorted(results)})")
 
 
+def r0_handoff_held(model, tok, connector, **options) -> tuple[HeldConnector, PrefillEngine, dict]:
+    """A whole-KV prefill engine (``options`` added) whose r0 is prefilled and held in its KV put,
+    and r1 added behind it: the held connector, the engine, the results so far (none)."""
+    held = HeldConnector(connector)
+    held.hold("kv/r0/0")
+    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole", **options)
+    prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
+    results: dict = {}
+    step_until(prefill, results, lambda: prefill.num_sending == 1)
+    held.wait_entered("kv/r0/0")
+    prefill.add(PrefillTask("r1", chat_ids(tok, QUESTIONS[1]), GREEDY, time.time() + 60))
+    return held, prefill, results
+
+
 def kv_of(connector, result) -> torch.Tensor:
     return import_kv(connector, result.outputs.kv_key, result.outputs.kv_handle, timeout=5)
 
@@ -140,9 +154,7 @@ def test_a_media_prompt_leaving_while_its_get_is_held(tiny_omni, connector, tmp_
             prefill.close()   # returns within CLOSE_JOIN_S; the thread still in the get is left to end
     finally:
         held.let_through()
-    for thread in list(held.threads):   # the fetch thread discards as its get returns
-        thread.join(10)
-        assert not thread.is_alive()
+    held.join_threads()   # the fetch thread discards as its get returns
     prefill.close()
     if how == "close":
         assert len(shm_keys(tmp_path)) == 1 and connector.get("mm/c/0", timeout=0)["image_embeds"].shape == (2, 8)
@@ -210,39 +222,23 @@ def test_cancel_while_the_handoff_is_held_deletes_it_and_reports_nothing(model, 
 def test_close_discards_a_handoff_still_queued(model, tok, connector, tmp_path):
     """One transfer thread, held in r0's put; r1's hand-off waits queued behind it. close() returns
     within its bound, and once r0's put returns nothing of either request is left."""
-    held = HeldConnector(connector)
-    held.hold("kv/r0/0")
-    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole", transfer_threads=1)
+    held, prefill, results = r0_handoff_held(model, tok, connector, transfer_threads=1)
     try:
-        prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
-        results: dict = {}
-        step_until(prefill, results, lambda: prefill.num_sending == 1)
-        held.wait_entered("kv/r0/0")
-        prefill.add(PrefillTask("r1", chat_ids(tok, QUESTIONS[1]), GREEDY, time.time() + 60))
         step_until(prefill, results, lambda: prefill.num_sending == 2)
         started = time.monotonic()
         prefill.close()
         assert time.monotonic() - started < 10 and results == {}
     finally:
         held.let_through()
-    for thread in list(held.threads):
-        thread.join(10)
-        assert not thread.is_alive()
+    held.join_threads()
     assert shm_keys(tmp_path) == []
 
 
 def test_admission_waits_while_a_batch_of_handoffs_is_stuck(model, tok, connector, tmp_path):
     """max_batch 1: while r0's hand-off is held, r1 is not admitted (a store that stalls must not let
     connector memory pile up); once r0's put returns, r1 is prefilled."""
-    held = HeldConnector(connector)
-    held.hold("kv/r0/0")
-    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole", max_batch=1)
+    held, prefill, results = r0_handoff_held(model, tok, connector, max_batch=1)
     try:
-        prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
-        results: dict = {}
-        step_until(prefill, results, lambda: prefill.num_sending == 1)
-        held.wait_entered("kv/r0/0")
-        prefill.add(PrefillTask("r1", chat_ids(tok, QUESTIONS[1]), GREEDY, time.time() + 60))
         steps = prefill.stats["prefill_steps"]
         for _ in range(5):
             assert prefill.step() == []
