@@ -15,7 +15,8 @@ measured server starts cold, so start-up luck is part of each side alike. After 
 script checks that no process of that group is left and no ``/dev/shm`` entry named after one of
 its PIDs (``omnirelay-PID-...``) remains.
 
-Prints every pass and the medians (output tok/s, TTFT p50, TPOT p50, E2E p50) with the ratio B/A,
+Prints every pass and the medians (output tok/s, TTFT p50, TPOT p50, E2E p50, and the server
+process group's CPU per output token, per process too, from ``/proc``) with the ratio B/A,
 and writes it all as JSON with ``--json``.
 
 Usage::
@@ -40,7 +41,8 @@ import time
 import urllib.error
 import urllib.request
 
-FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "p99_ttft_ms")
+CLIENT_FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "p99_ttft_ms")
+FIGURES = (*CLIENT_FIGURES, "server_cpu_ms_per_token")
 
 
 def log(msg: str) -> None:
@@ -74,6 +76,33 @@ def group_pids(pgid: int) -> set[int]:
             except ProcessLookupError:
                 pass
     return pids
+
+
+def process_name(pid: int) -> str:
+    """gateway / broker / the worker's role / serve (the launcher), from the command line."""
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        argv = handle.read().decode(errors="replace").split("\0")
+    if "--role" in argv:
+        return argv[argv.index("--role") + 1]
+    for name in ("gateway", "broker"):
+        if any(f"omnirelay.{name}." in arg for arg in argv):
+            return name
+    return "serve"
+
+
+def cpu_seconds(pgid: int) -> dict[str, float]:
+    """User + system CPU of each live process of the group, summed per process name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in group_pids(pgid):
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            name = process_name(pid)
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+    return out
 
 
 def group_alive(pgid: int) -> bool:
@@ -142,7 +171,7 @@ def bench(client: str, server: Server, tokenizer: str, args, seed: int, prompts:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, timeout=args.pass_timeout, cwd="/")
     raw = json.loads(result.read_text())
     return {"cmd": cmd, "completed": raw["completed"], "output_tokens": raw["total_output_tokens"],
-            **{k: raw[k] for k in FIGURES}}
+            **{k: raw[k] for k in CLIENT_FIGURES}}
 
 
 def one_pass(tree: Tree, round_no: int, args, work: pathlib.Path) -> dict:
@@ -153,8 +182,12 @@ def one_pass(tree: Tree, round_no: int, args, work: pathlib.Path) -> dict:
         ready_s = server.wait_ready(args.ready_timeout)
         bench(args.client, server, args.tokenizer or tree.model, args, 1000 + round_no, args.warmup_prompts,
               work / f"{tree.name}-{round_no}-warmup.json")
+        # CPU the server spends per output token: on a host shared with other work it moves far less
+        # than wall-clock throughput does, so it shows a code-path cost the wall clock would hide.
+        cpu_before = cpu_seconds(server.proc.pid)
         res = bench(args.client, server, args.tokenizer or tree.model, args, round_no, args.num_prompts,
                     work / f"{tree.name}-{round_no}.json")
+        cpu_after = cpu_seconds(server.proc.pid)
     finally:
         pids = server.stop()
     # Other work on the host makes its own /dev/shm entries; ours are named after our PIDs.
@@ -162,6 +195,9 @@ def one_pass(tree: Tree, round_no: int, args, work: pathlib.Path) -> dict:
                     if any(name.startswith(f"omnirelay-{pid}-") for pid in pids))
     if leaked:
         log(f"{tree.name}: /dev/shm entries of the server left after stop: {leaked}")
+    cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
+    res["server_cpu_ms_per_token"] = 1000 * sum(cpu.values()) / res["output_tokens"]
+    res["cpu_ms_per_token_by_process"] = {name: 1000 * v / res["output_tokens"] for name, v in cpu.items()}
     return {"tree": tree.name, "round": round_no, "ready_s": ready_s, "load_1m_start": load_start,
             "load_1m_end": os.getloadavg()[0], "shm_left": leaked, "server_cmd": server.cmd, **res}
 
@@ -172,12 +208,12 @@ def medians(runs: list[dict]) -> dict:
 
 def markdown(results: dict) -> str:
     a, b = results["a"], results["b"]
-    lines = ["| round | order | tree | out tok/s | TTFT p50 ms | TPOT p50 ms | E2E p50 ms | TTFT p99 ms | load 1m |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| round | order | tree | out tok/s | TTFT p50 ms | TPOT p50 ms | E2E p50 ms | TTFT p99 ms | "
+             "server CPU ms/token | load 1m |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         lines.append(f"| {r['round']} | {r['order']} | {r['tree']} | {r['output_throughput']:.0f} | "
                      f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | {r['median_e2el_ms']:.0f} | "
-                     f"{r['p99_ttft_ms']:.0f} | {r['load_1m_start']:.2f} |")
+                     f"{r['p99_ttft_ms']:.0f} | {r['server_cpu_ms_per_token']:.3f} | {r['load_1m_start']:.2f} |")
     ma, mb = results["median"][a], results["median"][b]
     lines += ["", f"| median | {a} | {b} | {b}/{a} |", "|---|---|---|---|"]
     for k in FIGURES:
