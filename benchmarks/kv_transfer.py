@@ -42,6 +42,7 @@ from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.llm.sampling import SamplingParams
 from servers import start_redis, stop
 
@@ -76,7 +77,7 @@ def one_sample(prefill: PrefillEngine, decode: DecodeEngine, prompt: list[int], 
     while not results:
         results = prefill.step()
     (result,) = results
-    if result.error_type:
+    if isinstance(result, RequestFailure):
         raise RuntimeError(f"prefill failed: {result.error_type}: {result.message}")
     t1 = time.perf_counter()
     decode.add(DecodeTask(rid, prompt, result.first_token, PARAMS, time.time() + 600, "",

@@ -17,14 +17,14 @@ def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_
     with those embeddings) and the text request "t" (``text_ids``) in the same steps, in chunks of
     8 tokens. Returns (the encoder's outputs, the model, every prefill result by request id)."""
     from omnirelay.mrope import MropeSpec
-    from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem
+    from omnirelay.workers.encode.engine import EncodeEngine, EncodeResult, EncodeTask, MediaItem
     from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillResult, PrefillTask
 
     encode = EncodeEngine(encoders, connector)
     encode.add(EncodeTask("m", [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
     (encoded,) = encode.step()
-    assert not encoded.error_type, encoded.message
+    assert isinstance(encoded, EncodeResult), encoded
 
     model = LlamaModel(model_dir)
     config = json.loads(open(os.path.join(model_dir, "config.json")).read())
@@ -35,7 +35,7 @@ def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_
     done = {}
     for _ in range(200):
         for result in prefill.step():
-            assert not result.error_type, result.message
+            assert isinstance(result, PrefillResult), result
             done[result.request_id] = result
         if not prefill.has_work:
             break

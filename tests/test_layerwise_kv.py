@@ -19,7 +19,7 @@ from omnirelay.pipeline import PipelineError, parse_pipeline
 from omnirelay.handoffs import piece_key, release_kv
 from omnirelay.workers.kv.export import ExportSequence, ExportState, LayerwiseExport, import_kv
 from omnirelay.workers.llm.model_runner import local_runner
-from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillResult, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 
 from connector_servers import started_redis
@@ -76,7 +76,7 @@ def test_long_chunked_prompt_with_prefix_hit_exports_the_whole_sequence(model, c
             while engine.has_work:
                 results += engine.step()
             (result,) = results
-            assert not result.error_type, result.message
+            assert isinstance(result, PrefillResult), result
             out[mode, rid] = import_kv(connector, result.outputs.kv_key, result.outputs.kv_handle, timeout=5)
         assert engine.stats["prefix_cached_tokens"] == 992   # 62 full blocks of b reused
     for rid, ids in (("a", first), ("b", second)):

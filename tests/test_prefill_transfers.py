@@ -18,7 +18,7 @@ import torch
 from omnirelay.connectors import create_connector
 from omnirelay.deploy.builders.omni import build_tiny_omni
 from omnirelay.workers.kv.export import import_kv
-from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillResult, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 
 from engine_support import GREEDY, QUESTIONS, chat_ids, connector, model, shm_keys, tok  # noqa: F401  (fixtures)
@@ -67,7 +67,7 @@ def test_a_held_media_get_does_not_stall_other_prefills(tiny_omni, tmp_path):
 
     from omnirelay.gateway.media import MediaLimits, MediaProcessor
     from omnirelay.mrope import MropeSpec
-    from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
+    from omnirelay.workers.encode.engine import EncodeEngine, EncodeResult, EncodeTask, MediaItem, OmniEncoders
     from omnirelay.workers.llm.models.llama import LlamaModel
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_omni)
@@ -89,7 +89,7 @@ def test_a_held_media_get_does_not_stall_other_prefills(tiny_omni, tmp_path):
     def encoded(rid: str):
         encoder.add(EncodeTask(rid, [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
         (out,) = encoder.step()
-        assert not out.error_type, out.message
+        assert isinstance(out, EncodeResult), out
         return out.outputs
 
     def engine(conn) -> PrefillEngine:
@@ -113,13 +113,13 @@ def test_a_held_media_get_does_not_stall_other_prefills(tiny_omni, tmp_path):
         step_until(prefill, results, lambda: "t" in results)
         held.wait_entered(handoff.mm_key)
         assert "m" not in results and [t.request_id for t in prefill.waiting] == ["m"]
-        assert not results["t"].error_type and results["t"].outputs.kv_key == "kv/t/0"
+        assert isinstance(results["t"], PrefillResult) and results["t"].outputs.kv_key == "kv/t/0"
         assert prefill.stats["prefill_steps"] >= -(-len(text_ids) // 64)   # the text prompt ran, chunked
 
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
         got = results["m"]
-        assert not got.error_type, got.message
+        assert isinstance(got, PrefillResult), got
         assert got.first_token == want.first_token and got.outputs.rope_delta == want.outputs.rope_delta
         assert torch.equal(kv_of(connector, got), want_kv)
         kv_of(connector, results["t"])   # imports delete the keys
@@ -185,7 +185,7 @@ def test_a_held_kv_handoff_does_not_stall_the_batch(model, tok, connector, tmp_p
         assert prefill.allocator.free == prefill.runner.num_blocks - 1   # cached blocks count as free
         prefill.add(PrefillTask("r1", prompts[1], GREEDY, time.time() + 60))
         step_until(prefill, results, lambda: "r1" in results)
-        assert "r0" not in results and not results["r1"].error_type
+        assert "r0" not in results and isinstance(results["r1"], PrefillResult)
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
         assert results["r0"].first_token == expected["r0"].first_token
@@ -245,7 +245,7 @@ def test_admission_waits_while_a_batch_of_handoffs_is_stuck(model, tok, connecto
         assert prefill.stats["prefill_steps"] == steps and [t.request_id for t in prefill.waiting] == ["r1"]
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
-        assert sorted(results) == ["r0", "r1"] and not any(r.error_type for r in results.values())
+        assert sorted(results) == ["r0", "r1"] and all(isinstance(r, PrefillResult) for r in results.values())
         for result in results.values():
             kv_of(connector, result)
         assert shm_keys(tmp_path) == []

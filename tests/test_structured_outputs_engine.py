@@ -15,7 +15,7 @@ import pytest
 
 from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.workers.llm.decode import DecodeTask
-from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillResult, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
@@ -52,7 +52,7 @@ def generate(prefill, decode, prompts: dict[str, list[int]], spec: dict[str, Str
     out: dict[str, tuple[list[int], str]] = {}
     for _ in range(50):
         for result in prefill.step():
-            assert not result.error_type, result.message
+            assert isinstance(result, PrefillResult), result
             if result.finish_reason:
                 out[result.request_id] = ([result.first_token], result.finish_reason)
                 continue
@@ -142,7 +142,7 @@ def test_a_spec_xgrammar_refuses_fails_only_its_request(tiny_model, model, tok, 
     prefill.add(PrefillTask("good", prompt, GREEDY, time.time() + 60))
     results = {r.request_id: r for _ in range(5) for r in prefill.step()}
     assert results["bad"].error_type == "bad_request" and "regex" in results["bad"].message
-    assert not results["good"].error_type
+    assert isinstance(results["good"], PrefillResult)
     # An engine without grammar support refuses such a request instead of ignoring its grammar.
     plain = PrefillEngine(model, connector, max_model_len=2048, block_size=4, kv_cache_bytes=4 << 20)
     plain.add(PrefillTask("r", prompt, GREEDY, time.time() + 60, structured=JSON_SPEC))

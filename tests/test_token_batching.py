@@ -80,7 +80,7 @@ def _prefill_role(step: list[PrefillResult], gateways: dict[str, str]) -> Prefil
 
 def test_prefill_first_tokens_for_one_gateway_go_as_one_message_before_the_reports():
     kv = KVHandoff("kv/a1/1", {}, first_token=11)
-    step = [PrefillResult("a1", 11, 0, "", kv), PrefillResult("a2", error_type="out_of_memory", message="too long"),
+    step = [PrefillResult("a1", 11, 0, "", kv), RequestFailure("a2", "out_of_memory", "too long"),
             PrefillResult("a3", 13, 0, "stop"), PrefillResult("a4", 14, 0, "", KVHandoff("kv/a4/1", {}, 14))]
     role = _prefill_role(step, {rid: GW_A for rid in ("a1", "a2", "a3", "a4")})
     out = role.step()

@@ -41,6 +41,7 @@ import torch
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
 from omnirelay.handoffs import EmbedsHandoff
+from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 
 AUDIO_SAMPLE_RATE = 16000     # the gateway sends audio as float32 little-endian PCM at this rate
@@ -68,9 +69,7 @@ class EncodeTask:
 @dataclasses.dataclass
 class EncodeResult:
     request_id: str
-    outputs: EmbedsHandoff | None = None   # for prefill (None: the request failed)
-    error_type: str = ""
-    message: str = ""
+    outputs: EmbedsHandoff   # for prefill
 
 
 @dataclasses.dataclass
@@ -197,15 +196,15 @@ class EncodeEngine:
     def close(self) -> None:
         """Nothing to stop: the engine runs on the step thread and owns no other process."""
 
-    def step(self) -> list[EncodeResult]:
-        results = [EncodeResult(task.request_id, error_type=DeadlineExceeded.error_type,
+    def step(self) -> list[EncodeResult | RequestFailure]:
+        results = [RequestFailure(task.request_id, DeadlineExceeded.error_type,
                                 message="deadline passed before encode") for task in self.waiting.pop_expired()]
         batch = [self.waiting.popleft() for _ in range(min(self.max_batch, len(self.waiting)))]
         if batch:
             results += self._encode(batch)
         return results
 
-    def _encode(self, batch: list[EncodeTask]) -> list[EncodeResult]:
+    def _encode(self, batch: list[EncodeTask]) -> list[EncodeResult | RequestFailure]:
         results, failed = [], set()
         images: dict[str, tuple[torch.Tensor, list[int]]] = {}
         audio: dict[str, torch.Tensor] = {}
@@ -223,7 +222,7 @@ class EncodeEngine:
                         raise ValueError(f"unknown media kind {item.kind!r}")
                 except Exception as exc:   # PIL/numpy raise many types on bad input
                     failed.add(task.request_id)
-                    results.append(EncodeResult(task.request_id, error_type=BadRequest.error_type,
+                    results.append(RequestFailure(task.request_id, BadRequest.error_type,
                                                 message=f"cannot decode {item.kind}: {exc}"))
                     break
         if images:
@@ -251,14 +250,14 @@ class EncodeEngine:
             _, old = self.cache.popitem(last=False)
             self._cached_bytes -= old.nbytes
 
-    def _finish(self, task: EncodeTask, fresh_images: dict, fresh_audio: dict) -> EncodeResult:
+    def _finish(self, task: EncodeTask, fresh_images: dict, fresh_audio: dict) -> EncodeResult | RequestFailure:
         parts = {"image": [], "audio": []}
         grids, lengths = [], []
         for item in task.items:
             key = item.digest
             encoded = self.cache.get(key)
             if encoded is None:   # evicted within this step by a larger batch: cannot happen below 1 item
-                return EncodeResult(task.request_id, error_type=OutOfMemory.error_type,
+                return RequestFailure(task.request_id, OutOfMemory.error_type,
                                     message="encoder cache too small for one request's media")
             self.cache.move_to_end(key)
             if key not in fresh_images and key not in fresh_audio:
@@ -272,6 +271,6 @@ class EncodeEngine:
         try:
             handle = self.connector.put(key, payload)
         except OmniError as exc:
-            return EncodeResult(task.request_id, error_type=exc.error_type, message=str(exc))
+            return RequestFailure(task.request_id, exc.error_type, message=str(exc))
         self.stats["encoded_requests"] += 1
         return EncodeResult(task.request_id, outputs=EmbedsHandoff(key, handle, grids, lengths))

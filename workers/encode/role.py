@@ -24,6 +24,7 @@ from omnirelay.handoffs import Handoff, MediaInputs
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.encode.engine import EncodeEngine, EncodeTask, MediaItem, OmniEncoders
 from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error, open_connector
+from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
 
 if TYPE_CHECKING:
@@ -60,8 +61,9 @@ class EncodeRole(RoleAdapter):
         return []
 
     def step(self) -> list[Outbound]:
-        return [self.failure(result.request_id, self.role, result.error_type, result.message) if result.error_type
-                else self._done(result.request_id, result.outputs, False) for result in self.engine.step()]
+        return [self.failure(result.request_id, self.role, result.error_type, result.message)
+                if isinstance(result, RequestFailure) else self._done(result.request_id, result.outputs, False)
+                for result in self.engine.step()]
 
 
 def build_encode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:

@@ -79,6 +79,7 @@ from omnirelay.workers.llm.handoff_jobs import (HandoffSend, MediaFetch, Outgoin
 from omnirelay.workers.llm.sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
+from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.runtime.transfers import Transfer, TransferPool, TransferState
 
@@ -107,10 +108,12 @@ class PrefillResult:
     position: int = 0
     finish_reason: str = ""
     outputs: Handoff | None = None   # for the next stage: KV for decode, or prompt states for speech
-    error_type: str = ""
-    message: str = ""
     speech_next: bool = False   # the request goes on to a speech stage although its text finished
     logprobs: TokenLogprobs | None = None   # the first token's, when the request asked
+
+
+# What a step reports of a request: prefilled (its first token and hand-off), or failed.
+PrefillOutcome = PrefillResult | RequestFailure
 
 
 @dataclasses.dataclass
@@ -248,8 +251,8 @@ class PrefillEngine:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> list[PrefillResult]:
-        results: list[PrefillResult] = []
+    def step(self) -> list[PrefillOutcome]:
+        results: list[PrefillOutcome] = []
         self._collect_sent(results)
         self._expire(results)
         self._start_media_fetches(results)
@@ -262,15 +265,15 @@ class PrefillEngine:
             self._transfers.wait_for_news(self.IDLE_WAIT_S)
         return results
 
-    def _expire(self, results: list[PrefillResult]) -> None:
+    def _expire(self, results: list[PrefillOutcome]) -> None:
         for task in self.waiting.pop_expired():
             self._cancel_fetch(task.request_id)
-            results.append(PrefillResult(task.request_id, error_type=DeadlineExceeded.error_type,
+            results.append(RequestFailure(task.request_id, DeadlineExceeded.error_type,
                                          message="deadline passed before prefill"))
         now = time.time()
         for seq in [s for s in self.running if now > s.task.deadline]:
             self._retire(seq)
-            results.append(PrefillResult(seq.task.request_id, error_type=DeadlineExceeded.error_type,
+            results.append(RequestFailure(seq.task.request_id, DeadlineExceeded.error_type,
                                          message="deadline passed during prefill"))
 
     def _refusal(self, task: PrefillTask) -> tuple[str, str] | None:
@@ -291,7 +294,7 @@ class PrefillEngine:
             return OutOfMemory.error_type, f"prompt of {n} tokens exceeds the prefill KV pool"
         return None
 
-    def _start_media_fetches(self, results: list[PrefillResult]) -> None:
+    def _start_media_fetches(self, results: list[PrefillOutcome]) -> None:
         """Start the encoder outputs' gets of new media prompts (failing first those this worker can
         never serve, so their outputs are never read). Here rather than in add(): a cancel before
         the first step then deletes the key at once, with no get racing it."""
@@ -306,20 +309,20 @@ class PrefillEngine:
                 continue
             self._media_fetches[task.request_id] = self._transfers.submit(MediaFetch(task.media, task.deadline))
 
-    def _refuse(self, task: PrefillTask, refusal: tuple[str, str], results: list[PrefillResult]) -> None:
+    def _refuse(self, task: PrefillTask, refusal: tuple[str, str], results: list[PrefillOutcome]) -> None:
         self.waiting.remove_task(task)
         if task.request_id in self._media_fetches:
             self._cancel_fetch(task.request_id)   # the fetch owns the media key: it deletes it
         elif task.media is not None:
             task.media.release(self.connector)
-        results.append(PrefillResult(task.request_id, error_type=refusal[0], message=refusal[1]))
+        results.append(RequestFailure(task.request_id, refusal[0], refusal[1]))
 
     def _cancel_fetch(self, request_id: str) -> None:
         ticket = self._media_fetches.pop(request_id, None)
         if ticket is not None:
             self._transfers.cancel(ticket)
 
-    def _admit(self, results: list[PrefillResult]) -> None:
+    def _admit(self, results: list[PrefillOutcome]) -> None:
         """Admit waiting prompts in order while batch slots and blocks last. A media prompt whose
         encoder outputs are still on their way is passed over, not waited for. While a batch's worth
         of hand-offs is still on its way (a store that stalls), nothing new is admitted: their
@@ -336,7 +339,7 @@ class PrefillEngine:
                 if fetch.state is TransferState.FAILED:   # the fetch deleted the key before failing
                     del self._media_fetches[task.request_id]
                     self.waiting.remove_task(task)
-                    results.append(PrefillResult(task.request_id, error_type=fetch.error.error_type,
+                    results.append(RequestFailure(task.request_id, fetch.error.error_type,
                                                  message=f"multimodal inputs: {fetch.error}"))
                     continue
             refusal = self._refusal(task)
@@ -368,7 +371,7 @@ class PrefillEngine:
                     except (ValueError, KeyError, TypeError) as exc:
                         task.media.release(self.connector)
                         self.allocator.release(hits)
-                        results.append(PrefillResult(task.request_id, error_type=BadRequest.error_type,
+                        results.append(RequestFailure(task.request_id, BadRequest.error_type,
                                                      message=f"multimodal inputs: {exc}"))
                         continue
                 self.stats["media_prompts"] += 1
@@ -378,7 +381,7 @@ class PrefillEngine:
             self.stats["prefix_cached_tokens"] += cached
             self.stats["prefix_hit_requests"] += bool(hits)
 
-    def _forward(self, results: list[PrefillResult]) -> None:
+    def _forward(self, results: list[PrefillOutcome]) -> None:
         chunks: list[tuple[_Running, int]] = []
         budget = self.max_batched_tokens
         for seq in self.running:
@@ -424,7 +427,7 @@ class PrefillEngine:
                 export.abort()
 
     def _hand_off(self, done: list[_Running], tokens: list[int], logprobs: list, export: LayerwiseExport | None,
-                  results: list[PrefillResult]) -> None:
+                  results: list[PrefillOutcome]) -> None:
         """Report the sequences that end here; send the others' hand-offs in one transfer job.
         Whole KVs are gathered into connector memory now (the pool is the step thread's); a
         layerwise export is completed by the job, so its sequences' blocks stay held until then."""
@@ -449,7 +452,7 @@ class PrefillEngine:
                     try:
                         item.reservation = self._gather_kv(seq.blocks, item.num_tokens)
                     except OmniError as exc:
-                        results.append(PrefillResult(task.request_id, error_type=exc.error_type, message=str(exc)))
+                        results.append(RequestFailure(task.request_id, exc.error_type, str(exc)))
                         continue
             outgoing.append(item)
             media = seq.media
@@ -474,7 +477,7 @@ class PrefillEngine:
             raise
         return reservation
 
-    def _collect_sent(self, results: list[PrefillResult]) -> None:
+    def _collect_sent(self, results: list[PrefillOutcome]) -> None:
         """Report the requests whose hand-off job has finished; free the blocks it held."""
         for sending in [s for s in self._sending if s.ticket.finished]:
             self._sending.remove(sending)
@@ -484,17 +487,17 @@ class PrefillEngine:
                         self._deliver(handoff, sent[handoff.result.request_id], results)
             else:   # the job failed as a whole: it deleted everything it had put
                 error = sending.ticket.error
-                results += [PrefillResult(h.result.request_id, error_type=error.error_type, message=str(error))
+                results += [RequestFailure(h.result.request_id, error.error_type, str(error))
                             for h in sending.handoffs if not h.dropped]
             self.allocator.release(sending.held_blocks)
 
-    def _deliver(self, handoff: _Handoff, sent: SentHandoff, results: list[PrefillResult]) -> None:
+    def _deliver(self, handoff: _Handoff, sent: SentHandoff, results: list[PrefillOutcome]) -> None:
         if handoff.dropped:   # cancelled while its hand-off was on its way: nobody will read it
             sent.release(self.connector, handoff.kv_key)
             return
         result = handoff.result
         if sent.error is not None:
-            results.append(PrefillResult(result.request_id, error_type=sent.error.error_type, message=str(sent.error)))
+            results.append(RequestFailure(result.request_id, sent.error.error_type, str(sent.error)))
             return
         if handoff.speech:
             self.stats["speech_handoffs"] += 1

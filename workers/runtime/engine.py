@@ -15,8 +15,8 @@ role adapter (:mod:`.roles` and the roles' own modules) and by the runtime's loo
                          and the rest the role's builder hands it (``BuiltRole.owned``); idempotent
 
 What the engines share is written once: the waiting line, with cancel by request id and expiry by
-deadline, is a :class:`~omnirelay.workers.runtime.request_queue.RequestQueue`; the image, video and
-speech engines report a request they fail as a :class:`RequestFailure` in their step's result.
+deadline, is a :class:`~omnirelay.workers.runtime.request_queue.RequestQueue`; every engine reports a
+request it fails as a :class:`RequestFailure` in its step's result (beside its own success type).
 
 Optional abilities are declared by the role adapter, not discovered by type: a role whose engine
 keeps an automatic prefix cache sets :attr:`RoleAdapter.prefix_cache` to a :class:`PrefixCacheSource`

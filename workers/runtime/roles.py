@@ -24,7 +24,7 @@ from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask, TokenOut
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
-from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource
+from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource, RequestFailure
 
 BROKER = ""
 Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
@@ -139,7 +139,7 @@ class PrefillRole(RoleAdapter):
         failures: list[Outbound] = []
         for result in self.engine.step():
             reply_to = self._reply_to.pop(result.request_id, "")
-            if result.error_type:
+            if isinstance(result, RequestFailure):
                 failures.append(self.failure(result.request_id, self.role, result.error_type, result.message))
                 continue
             # The first token goes to the gateway at once (time to first token), before decode's.
