@@ -41,7 +41,7 @@ from omnirelay.connectors import create_connector
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaModel
-from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.llm.sampling import SamplingParams
 from servers import start_redis, stop
@@ -74,8 +74,8 @@ def one_sample(prefill: PrefillEngine, decode: DecodeEngine, prompt: list[int], 
     t0 = time.perf_counter()
     prefill.add(PrefillTask(rid, prompt, PARAMS, time.time() + 600))
     results = []
-    while not results:
-        results = prefill.step()
+    while not results:   # its first token comes early (FirstToken); the outcome with the hand-off after
+        results = [r for r in prefill.step() if not isinstance(r, FirstToken)]
     (result,) = results
     if isinstance(result, RequestFailure):
         raise RuntimeError(f"prefill failed: {result.error_type}: {result.message}")

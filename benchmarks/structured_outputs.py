@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
     from omnirelay.workers.kv.cache import PagedKVCache
     from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+    from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
     from omnirelay.workers.llm.sampling import SamplingParams
     from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 structured=spec if constrained else None))
                     done = []
                     while prefill.has_work:
-                        done += prefill.step()
+                        done += [r for r in prefill.step() if not isinstance(r, FirstToken)]
                     for result in done:
                         i = int(result.request_id.rsplit("-", 1)[1])
                         decode.add(DecodeTask(result.request_id, prompts[i], result.first_token, params,

@@ -13,7 +13,7 @@ from omnirelay.connectors import create_connector
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaModel
-from omnirelay.workers.llm.prefill import PrefillEngine, PrefillResult, PrefillTask
+from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 
 NEW_TOKENS = 16
@@ -76,6 +76,8 @@ def run_prefill(engine: PrefillEngine, prompts: list[list[int]], first: int = 0,
     results = {}
     for _ in range(max_steps):
         for result in engine.step():
+            if isinstance(result, FirstToken):   # sent ahead of its hand-off; the result follows
+                continue
             assert isinstance(result, PrefillResult), result
             results[result.request_id] = result
         if not engine.has_work:

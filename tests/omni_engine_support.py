@@ -19,7 +19,7 @@ def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_
     from omnirelay.mrope import MropeSpec
     from omnirelay.workers.encode.engine import EncodeEngine, EncodeResult, EncodeTask, MediaItem
     from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillResult, PrefillTask
+    from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
 
     encode = EncodeEngine(encoders, connector)
     encode.add(EncodeTask("m", [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
@@ -35,6 +35,8 @@ def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_
     done = {}
     for _ in range(200):
         for result in prefill.step():
+            if isinstance(result, FirstToken):   # sent ahead of its hand-off; the result follows
+                continue
             assert isinstance(result, PrefillResult), result
             done[result.request_id] = result
         if not prefill.has_work:

@@ -19,7 +19,7 @@ from omnirelay.pipeline import PipelineError, parse_pipeline
 from omnirelay.handoffs import piece_key, release_kv
 from omnirelay.workers.kv.export import ExportSequence, ExportState, LayerwiseExport, import_kv
 from omnirelay.workers.llm.model_runner import local_runner
-from omnirelay.workers.llm.prefill import PrefillEngine, PrefillResult, PrefillTask
+from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 
 from connector_servers import started_redis
@@ -74,7 +74,7 @@ def test_long_chunked_prompt_with_prefix_hit_exports_the_whole_sequence(model, c
             engine.add(PrefillTask(rid, ids, params, time.time() + 60))
             results = []
             while engine.has_work:
-                results += engine.step()
+                results += [r for r in engine.step() if not isinstance(r, FirstToken)]
             (result,) = results
             assert isinstance(result, PrefillResult), result
             out[mode, rid] = import_kv(connector, result.outputs.kv_key, result.outputs.kv_handle, timeout=5)
@@ -112,7 +112,7 @@ def test_failed_put_mid_stream_fails_the_request_and_deletes_every_piece(model, 
         for _ in range(500):   # one forward; the failures arrive once the hand-off job has returned
             if not engine.has_work:
                 break
-            results += engine.step()
+            results += [r for r in engine.step() if not isinstance(r, FirstToken)]
         assert [r.error_type for r in results] == ["transfer_failed", "transfer_failed"], results
         assert engine.stats["prefill_steps"] == 1 and not engine.has_work and engine.allocator.free == engine.runner.num_blocks - 1
         assert shm_keys(tmp_path) == []

@@ -18,7 +18,7 @@ import torch
 from omnirelay.connectors import create_connector
 from omnirelay.deploy.builders.omni import build_tiny_omni
 from omnirelay.workers.kv.export import import_kv
-from omnirelay.workers.llm.prefill import PrefillEngine, PrefillResult, PrefillTask
+from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 
 from engine_support import GREEDY, QUESTIONS, chat_ids, connector, model, shm_keys, tok  # noqa: F401  (fixtures)
@@ -32,10 +32,13 @@ def tiny_omni(tmp_path_factory) -> str:
 
 
 def step_until(engine: PrefillEngine, results: dict, done, max_steps: int = 400) -> None:
+    """Step until ``done()``; each request's outcome goes into ``results``, its early first token
+    (sent while its hand-off is on its way) under ``("first", request_id)``."""
     for _ in range(max_steps):
         for result in engine.step():
-            assert result.request_id not in results, f"{result.request_id} reported twice"
-            results[result.request_id] = result
+            key = ("first", result.request_id) if isinstance(result, FirstToken) else result.request_id
+            assert key not in results, f"{key} reported twice"
+            results[key] = result
         if done():
             return
     raise AssertionError(f"the engine did not get there (results so far: {sorted(results)})")
@@ -186,6 +189,8 @@ def test_a_held_kv_handoff_does_not_stall_the_batch(model, tok, connector, tmp_p
         prefill.add(PrefillTask("r1", prompts[1], GREEDY, time.time() + 60))
         step_until(prefill, results, lambda: "r1" in results)
         assert "r0" not in results and isinstance(results["r1"], PrefillResult)
+        # r0's first token left as soon as it was sampled: time to first token does not wait for the put.
+        assert results["first", "r0"].token == expected["r0"].first_token
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
         assert results["r0"].first_token == expected["r0"].first_token
@@ -212,7 +217,7 @@ def test_cancel_while_the_handoff_is_held_deletes_it_and_reports_nothing(model, 
         assert prefill.cancel("r0") and prefill.num_requests == 0
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
-        assert results == {} and shm_keys(tmp_path) == []
+        assert list(results) == [("first", "r0")] and shm_keys(tmp_path) == []
         assert prefill.allocator.free == prefill.runner.num_blocks - 1
     finally:
         held.let_through()
@@ -227,7 +232,7 @@ def test_close_discards_a_handoff_still_queued(model, tok, connector, tmp_path):
         step_until(prefill, results, lambda: prefill.num_sending == 2)
         started = time.monotonic()
         prefill.close()
-        assert time.monotonic() - started < 10 and results == {}
+        assert time.monotonic() - started < 10 and set(results) == {("first", "r0"), ("first", "r1")}
     finally:
         held.let_through()
     held.join_threads()
@@ -245,9 +250,10 @@ def test_admission_waits_while_a_batch_of_handoffs_is_stuck(model, tok, connecto
         assert prefill.stats["prefill_steps"] == steps and [t.request_id for t in prefill.waiting] == ["r1"]
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
-        assert sorted(results) == ["r0", "r1"] and all(isinstance(r, PrefillResult) for r in results.values())
-        for result in results.values():
-            kv_of(connector, result)
+        assert sorted(k for k in results if isinstance(k, str)) == ["r0", "r1"]
+        for rid in ("r0", "r1"):
+            assert isinstance(results[rid], PrefillResult) and results[rid].token_sent
+            kv_of(connector, results[rid])
         assert shm_keys(tmp_path) == []
     finally:
         held.let_through()

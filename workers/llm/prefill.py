@@ -110,10 +110,26 @@ class PrefillResult:
     outputs: Handoff | None = None   # for the next stage: KV for decode, or prompt states for speech
     speech_next: bool = False   # the request goes on to a speech stage although its text finished
     logprobs: TokenLogprobs | None = None   # the first token's, when the request asked
+    token_sent: bool = False    # its first token was reported already, as a FirstToken
 
 
-# What a step reports of a request: prefilled (its first token and hand-off), or failed.
-PrefillOutcome = PrefillResult | RequestFailure
+@dataclasses.dataclass
+class FirstToken:
+    """A first token reported as soon as it is sampled, while the request's hand-off is still on its
+    way: time to first token does not wait for the KV transfer. Its PrefillResult follows
+    (``token_sent``), or, if the hand-off fails, a RequestFailure (the broker then restarts the request
+    from its first stage, as after a failed import in decode)."""
+
+    request_id: str
+    token: int
+    position: int
+    finish_reason: str = ""
+    logprobs: TokenLogprobs | None = None
+
+
+# What a step reports of a request: an early first token, prefilled (its first token and hand-off),
+# or failed.
+PrefillOutcome = PrefillResult | FirstToken | RequestFailure
 
 
 @dataclasses.dataclass
@@ -455,6 +471,8 @@ class PrefillEngine:
                         results.append(RequestFailure(task.request_id, exc.error_type, str(exc)))
                         continue
             outgoing.append(item)
+            results.append(FirstToken(task.request_id, token, task.position_offset, reason, token_logprobs))
+            result.token_sent = True
             media = seq.media
             handoffs.append(_Handoff(result, item.kv_key, layerwise=export is not None and bool(item.kv_key),
                                      speech=speech, rope_delta=media.rope_delta if media else 0,

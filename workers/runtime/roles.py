@@ -22,7 +22,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff
 
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask, TokenOut
-from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource, RequestFailure
 
@@ -138,13 +138,18 @@ class PrefillRole(RoleAdapter):
         reports: list[Outbound] = []
         failures: list[Outbound] = []
         for result in self.engine.step():
+            if isinstance(result, FirstToken):   # its hand-off is still on its way: the report follows
+                tokens.append(TokenOut(result.request_id, self._reply_to.get(result.request_id, ""), result.position,
+                                       result.token, result.finish_reason, logprobs=result.logprobs))
+                continue
             reply_to = self._reply_to.pop(result.request_id, "")
             if isinstance(result, RequestFailure):
                 failures.append(self.failure(result.request_id, self.role, result.error_type, result.message))
                 continue
             # The first token goes to the gateway at once (time to first token), before decode's.
-            tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
-                                   result.finish_reason, logprobs=result.logprobs))
+            if not result.token_sent:
+                tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
+                                       result.finish_reason, logprobs=result.logprobs))
             reports.append(self._done(result.request_id, result.outputs,
                                       bool(result.finish_reason) and not result.speech_next))
         return token_messages(tokens, self.worker_id) + reports + failures
