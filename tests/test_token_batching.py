@@ -17,7 +17,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.gateway.bus import BusClient, RequestStream
 from omnirelay.handoffs import KVHandoff, SpeechHandoff
 from omnirelay.workers.llm.decode import StepOutput, TokenOut
-from omnirelay.workers.llm.prefill import PrefillResult
+from omnirelay.workers.llm.prefill import FirstToken, PrefillResult
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.roles import BROKER, DecodeRole, PrefillRole
 
@@ -119,6 +119,18 @@ def test_prefill_first_tokens_for_two_gateways_go_as_one_message_each():
             assert msg.request_id in sent
         else:
             sent.update(d.request_id for d in (msg.deltas if isinstance(msg, p.TokenDeltas) else [msg]))
+
+
+def test_an_early_first_token_goes_to_the_gateway_and_the_report_follows_alone():
+    """A first token sent ahead of its hand-off (FirstToken) leaves at once; the later PrefillResult
+    (token_sent) brings only the StageDone, never the token a second time."""
+    kv = KVHandoff("kv/a1/1", {}, first_token=11)
+    role = PrefillRole("pre-1", ScriptedEngine([FirstToken("a1", 11, 0)],
+                                               [PrefillResult("a1", 11, 0, "", kv, token_sent=True)]))
+    assert role.accept(p.Task("a1", "prefill", "m", [1, 2, 3], {}, None, GW_A, time.time() + 60, attempt=1)) == []
+    assert role.step() == [(GW_A, p.TokenDelta("a1", 0, [11], "", "pre-1"))]
+    ((dest, done),) = role.step()
+    assert dest == BROKER and (type(done), done.request_id, done.outputs, done.attempt) == (p.StageDone, "a1", kv, 1)
 
 
 async def _collect(stream: RequestStream) -> list[tuple[list[int], str]]:

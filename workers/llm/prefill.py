@@ -213,7 +213,10 @@ class PrefillEngine:
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + self.num_sending
+        """Requests waiting or running: what the worker's credits count. One whose hand-off is on
+        its way uses no compute and holds its place no longer (a new prompt may start meanwhile;
+        _admit holds admissions back while a batch of hand-offs is stuck)."""
+        return len(self.waiting) + len(self.running)
 
     @property
     def has_work(self) -> bool:
