@@ -27,7 +27,7 @@ from engine_support import QUESTIONS, chat_ids, connector, decode_engine, model,
 ENGINES = [PrefillEngine, DecodeEngine, EncodeEngine, GenerateImageEngine, GenerateVideoEngine,
            GenerateSpeechEngine, Qwen3TTSEngine]
 PROPERTIES = ("has_work", "num_requests")
-METHODS = {"add": ["task"], "step": [], "cancel": ["request_id"], "close": []}
+METHODS = {"add": ["task"], "step": [], "cancel": ["request_id"], "wake": [], "close": []}
 
 
 @pytest.mark.parametrize("engine_class", ENGINES, ids=lambda c: c.__name__)

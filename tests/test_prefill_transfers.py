@@ -9,6 +9,7 @@ test controls: progress is counted in steps and results, never timed.
 from __future__ import annotations
 
 import json
+import threading
 import os
 import time
 
@@ -258,3 +259,29 @@ def test_admission_waits_while_a_batch_of_handoffs_is_stuck(model, tok, connecto
     finally:
         held.let_through()
         prefill.close()
+
+
+def test_wake_ends_a_step_waiting_idle_on_transfers(model, tok, connector, tmp_path):
+    """With only a held hand-off pending, step() waits for transfer news; wake() (what the broker
+    link calls when a task arrives for the loop) ends that wait at once, so the task is read now."""
+    held = HeldConnector(connector)
+    held.hold("kv/r0/0")
+    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole")
+    prefill.IDLE_WAIT_S = 120.0   # longer than any test: only wake() or news can end the wait
+    try:
+        prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
+        results: dict = {}
+        step_until(prefill, results, lambda: prefill.num_sending == 1)
+        held.wait_entered("kv/r0/0")
+        stepper = threading.Thread(target=prefill.step, name="test-step")
+        stepper.start()
+        stepper.join(0.5)
+        assert stepper.is_alive()   # waiting for the held put's news
+        prefill.wake()
+        stepper.join(10)
+        assert not stepper.is_alive()
+    finally:
+        held.let_through()
+        prefill.close()
+    held.join_threads()
+    assert shm_keys(tmp_path) == []   # the hand-off nobody collected was discarded by close()

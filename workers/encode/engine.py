@@ -193,6 +193,9 @@ class EncodeEngine:
     def cancel(self, request_id: str) -> bool:
         return self.waiting.remove(request_id) is not None
 
+    def wake(self) -> None:
+        """Nothing to wake: step() never waits idle."""
+
     def close(self) -> None:
         """Nothing to stop: the engine runs on the step thread and owns no other process."""
 

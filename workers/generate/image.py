@@ -471,6 +471,9 @@ class GenerateImageEngine:
         """Load figures for heartbeats: images in the running batch and waiting."""
         return {"running": len(self.batch.items) if self.batch else 0, "waiting": len(self.waiting)}
 
+    def wake(self) -> None:
+        """Nothing to wake: step() never waits idle."""
+
     def close(self) -> None:
         """Stop what the engine owns beyond this process (a sequence-parallel group's ranks)."""
         if self.sequence_parallel is not None:

@@ -408,6 +408,9 @@ class GenerateVideoEngine:
             self.family.check_frames(task.params.num_frames)
         self.waiting.add(task)
 
+    def wake(self) -> None:
+        """Nothing to wake: step() never waits idle."""
+
     def close(self) -> None:
         """Nothing to stop: the engine runs on the step thread; a sequence-parallel group's ranks
         are the role builder's to close (``BuiltRole.owned``)."""

@@ -154,8 +154,9 @@ class DecodeEngine:
     :mod:`~omnirelay.workers.kv.prefetch`); at most ``max_num_seqs`` imported KVs wait for admission.
     ``grammars``: structured output support (None: a request that asks for it fails as ``bad_request``)."""
 
-    # A step with nothing running sleeps at most this long for an import to finish: bounds how late
-    # the runtime, which polls the bus between steps, sees a new task or a cancel meanwhile.
+    # A step with nothing running sleeps at most this long for an import to finish. A broker message
+    # for the loop ends the wait at once (wake(), from the broker link's thread); the bound is for
+    # the heartbeat, which the loop sends between steps.
     IDLE_WAIT_S = 0.02
 
     def __init__(self, model: LlamaModel | ModelRunner, cache: PagedKVCache | None, connector: Connector, *,
@@ -214,6 +215,10 @@ class DecodeEngine:
                 self.stats["cancelled"] += 1
                 return True
         return False
+
+    def wake(self) -> None:
+        """A broker message is waiting for the loop: end a step's idle wait on transfers now."""
+        self._transfers.poke()
 
     def close(self) -> None:
         """Stop the transfer threads (KV imports, spoken replies' sends) and join them for at most ``TransferPool.CLOSE_JOIN_S`` (an

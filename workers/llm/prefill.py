@@ -171,8 +171,9 @@ class PrefillEngine:
     output support (None: a request that asks for it fails as ``bad_request``). ``transfer_threads``:
     the threads of its :class:`~omnirelay.workers.runtime.transfers.TransferPool`."""
 
-    # A step with nothing to run sleeps at most this long for a transfer to finish: bounds how late
-    # the runtime, which polls the bus between steps, sees a new task or a cancel meanwhile.
+    # A step with nothing to run sleeps at most this long for a transfer to finish. A broker message
+    # for the loop ends the wait at once (wake(), from the broker link's thread); the bound is for
+    # the heartbeat, which the loop sends between steps.
     IDLE_WAIT_S = 0.02
 
     def __init__(self, model: LlamaModel | ModelRunner, connector: Connector, *, max_model_len: int,
@@ -244,6 +245,10 @@ class PrefillEngine:
                     handoff.dropped = True   # its job runs out; what it put is deleted when it returns
                     return True
         return False
+
+    def wake(self) -> None:
+        """A broker message is waiting for the loop: end a step's idle wait on transfers now."""
+        self._transfers.poke()
 
     def close(self) -> None:
         """Stop the transfer threads, discarding what is queued or on its way, and join them for at

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -54,8 +55,13 @@ class BrokerLinkDown(RuntimeError):
 
 class BrokerLink:
     def __init__(self, ctx: zmq.Context, endpoint: str, worker_id: str, heartbeat_interval_s: float,
-                 keys: CurveKeys | None = None, wedged_after_s: float = 300.0):
+                 keys: CurveKeys | None = None, wedged_after_s: float = 300.0,
+                 on_inbound: Callable[[], None] | None = None):
+        """``on_inbound()``: called on the link's thread after it relayed broker messages to the
+        loop (the runtime passes the engine's ``wake``, so a step idly waiting on transfers reads
+        a new task at once)."""
         self._ctx = ctx
+        self._on_inbound = on_inbound
         self._endpoint = endpoint
         self._identity = worker_id.encode()
         self._keepalive_after_s = KEEPALIVE_AFTER * heartbeat_interval_s
@@ -210,11 +216,13 @@ class BrokerLink:
             try:
                 frames = broker.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             try:
                 pipe.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("worker loop is not reading its broker messages; dropped one")
+        if self._on_inbound is not None:
+            self._on_inbound()
 
     def _relay_outbound(self, pipe: zmq.Socket, broker: zmq.Socket) -> bool:
         """Forward the loop's messages to the broker; False once the loop asked the link to stop."""

@@ -9,6 +9,8 @@ role adapter (:mod:`.roles` and the roles' own modules) and by the runtime's loo
     cancel(request_id)   drop the request wherever it is (queued, running, transferring)
     has_work             whether step() has anything to do (the loop waits on the broker otherwise)
     num_requests         requests held, queued or running (the loop grants credits up to capacity)
+    wake()               end an idle wait inside step() now (called from another thread: the broker
+                         link, when a message for the loop arrives); a no-op for engines that never wait
     close()              stop the engine's threads and what it runs beyond this process (transfer
                          threads, a synthesis thread, a sequence-parallel group's ranks); the
                          runtime calls it once it stops stepping, before it closes the connector
@@ -42,6 +44,8 @@ class Engine(Protocol):
     def step(self) -> Any: ...
 
     def cancel(self, request_id: str) -> object: ...
+
+    def wake(self) -> None: ...
 
     def close(self) -> None: ...
 

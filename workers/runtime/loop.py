@@ -61,7 +61,7 @@ class WorkerRuntime:
         self._owned = owned
         self._ctx = zmq.Context()
         self._link = BrokerLink(self._ctx, config.broker, config.worker_id, config.heartbeat_interval_s, keys,
-                                wedged_after_s=config.wedged_after_s)
+                                wedged_after_s=config.wedged_after_s, on_inbound=role.engine.wake)
         self._gateways: dict[str, zmq.Socket] = {}
         self._gateway_keys: dict[str, str] = {}   # reply_to → its CURVE public key (z85)
         self._credits_outstanding = 0

@@ -194,9 +194,16 @@ class TransferPool:
         if state is not TransferState.RUNNING:   # a running one is discarded by its thread
             self._discard_quietly(ticket, result)
 
+    def poke(self) -> None:
+        """End the current (or next) :meth:`wait_for_news` now; safe from any thread (the broker
+        link calls it, through the engine's ``wake``, when a task or cancel arrives)."""
+        with self._cond:
+            self._news = True
+            self._cond.notify_all()
+
     def wait_for_news(self, timeout: float) -> None:
-        """Wait until a transfer finishes (or ``timeout``): lets a step with nothing to run sleep
-        instead of spinning while only transfers are pending."""
+        """Wait until a transfer finishes, :meth:`poke` is called, or ``timeout``: lets a step with
+        nothing to run sleep instead of spinning while only transfers are pending."""
         with self._cond:
             self._cond.wait_for(lambda: self._news or self._closed, timeout)
             self._news = False

@@ -196,6 +196,9 @@ class GenerateSpeechEngine:
     def load(self) -> dict:
         return {"running": int(self.running is not None), "waiting": len(self.waiting)}
 
+    def wake(self) -> None:
+        """Nothing to wake: step() never waits idle."""
+
     def close(self) -> None:
         """Stop taking work and join the synthesis thread (a running request finishes first)."""
         self.waiting.clear()
