@@ -73,6 +73,11 @@ def chat_ids(tok, question: str, system: str | None = None) -> list[int]:
 def run_prefill(engine: PrefillEngine, prompts: list[list[int]], first: int = 0, max_steps: int = 200) -> dict:
     for i, ids in enumerate(prompts, first):
         engine.add(PrefillTask(f"r{i}", ids, GREEDY, time.time() + 60))
+    return drain_prefill(engine, max_steps)
+
+
+def drain_prefill(engine: PrefillEngine, max_steps: int = 200) -> dict:
+    """Step until the engine holds nothing; each request's PrefillResult by request id (none may fail)."""
     results = {}
     for _ in range(max_steps):
         for result in engine.step():

@@ -10,6 +10,8 @@ import json
 import os
 import time
 
+from engine_support import drain_prefill
+
 
 def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_ids: list[int],
                         text_ids: list[int], greedy) -> tuple[object, object, dict]:
@@ -19,7 +21,7 @@ def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_
     from omnirelay.mrope import MropeSpec
     from omnirelay.workers.encode.engine import EncodeEngine, EncodeResult, EncodeTask, MediaItem
     from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
+    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 
     encode = EncodeEngine(encoders, connector)
     encode.add(EncodeTask("m", [MediaItem(m.kind, m.data) for m in items], time.time() + 60))
@@ -32,15 +34,7 @@ def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_
                             mrope=MropeSpec.from_config(config))
     prefill.add(PrefillTask("m", media_ids, greedy, time.time() + 60, media=encoded.outputs))
     prefill.add(PrefillTask("t", text_ids, greedy, time.time() + 60))
-    done = {}
-    for _ in range(200):
-        for result in prefill.step():
-            if isinstance(result, FirstToken):   # sent ahead of its hand-off; the result follows
-                continue
-            assert isinstance(result, PrefillResult), result
-            done[result.request_id] = result
-        if not prefill.has_work:
-            break
+    done = drain_prefill(prefill)
     assert prefill.stats["prefill_steps"] > (len(media_ids) + len(text_ids)) // 8   # really chunked
     return encoded.outputs, model, done
 
