@@ -96,9 +96,13 @@ class HandoffSend:
         self.outgoing = outgoing
         self.export = export
         self.deadline = deadline
-        self.name = ", ".join(o.kv_key or o.speech_key for o in outgoing) or "layerwise export clean-up"
         self._published: list[tuple[str, SentHandoff]] = []   # (KV key, what was put), in order
         self._exported: dict[str, Handle | OmniError] = {}       # the layerwise export's manifests
+
+    @property
+    def name(self) -> str:
+        """The keys it sends, for logs and errors (built only when one is written)."""
+        return ", ".join(o.kv_key or o.speech_key for o in self.outgoing) or "layerwise export clean-up"
 
     def run(self, connector: Connector, timeout: float, scratch: None) -> dict[str, SentHandoff]:
         if self.export is not None:   # manifests for the sequences that go on; every other piece deleted
