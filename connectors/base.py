@@ -145,6 +145,11 @@ class Connector(abc.ABC):
     trio (``reserve``, ``put_reserved``, ``release``) whose defaults copy like ``put``."""
 
     name: str = ""
+    # Declared, not probed: True when put, put_reserved, release and delete are memory operations
+    # on this host that never wait on a network, a peer or another process (shared memory). Callers
+    # with a latency-critical thread run such writes inline: a transfer thread would buy no overlap
+    # (the work holds the GIL) and cost a thread hand-off per call. Gets may still wait for a key.
+    local_writes: bool = False
 
     @abc.abstractmethod
     def put(self, key: str, payload: Payload) -> Handle:

@@ -184,6 +184,7 @@ def _owner_gone(shm_dir: str, segment_name: str) -> bool:
 
 class SharedMemoryConnector(Connector):
     name = "shared_memory"
+    local_writes = True   # tmpfs writes under non-blocking locks: no wait on anyone
 
     def __init__(self, config: dict | None = None):
         config = dict(config or {})

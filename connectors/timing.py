@@ -15,6 +15,7 @@ class TimedConnector(Connector):
     def __init__(self, inner: Connector):
         self.inner = inner
         self.name = inner.name
+        self.local_writes = inner.local_writes   # timing adds no wait
         self._lock = threading.Lock()
         self._us = {"put": 0, "get": 0}
 

@@ -25,6 +25,7 @@ the engine has written it.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -44,6 +45,7 @@ class KVImport:
     handle: Handle | None
     num_tokens: int      # the prompt length the KV must cover
     deadline: float
+    writes_only: ClassVar[bool] = False   # a get: waits for the key, always on a transfer thread
 
     def run(self, connector: Connector, timeout: float, scratch: StagingBuffer | None) -> torch.Tensor:
         kv = import_kv(connector, self.name, self.handle, timeout=timeout, staging=scratch)

@@ -22,6 +22,7 @@ prompt and reply states are deleted.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import msgspec
 import torch
@@ -43,6 +44,7 @@ class MediaFetch:
     media: EmbedsHandoff
     deadline: float
     delete_on_discard: bool = True
+    writes_only: ClassVar[bool] = False   # a get: waits for the key, always on a transfer thread
 
     @property
     def name(self) -> str:
@@ -91,6 +93,8 @@ class HandoffSend:
     """Publish one step's hand-offs; the result maps each request id to its :class:`SentHandoff`.
     A sequence whose speech put or KV failed gets an error and keeps nothing: its other part is
     deleted. Only an unexpected exception fails the whole job (the pool then discards it)."""
+
+    writes_only = True   # puts and the export's completion: inline on a local connector
 
     def __init__(self, outgoing: list[OutgoingHandoff], export: LayerwiseExport | None, deadline: float):
         self.outgoing = outgoing
@@ -159,6 +163,7 @@ class SpeechReplySend:
     reply_key: str
     payload: Payload
     deadline: float
+    writes_only: ClassVar[bool] = True
 
     @property
     def name(self) -> str:

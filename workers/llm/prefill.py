@@ -25,7 +25,8 @@ with; the jobs are in :mod:`~omnirelay.workers.llm.handoff_jobs`): a media promp
 outputs are fetched while it waits, and text prompts behind it are admitted meanwhile; a finished
 step's hand-offs (a whole KV gathered into connector memory on the step thread, the layerwise
 export's last pieces and manifests, speech prompt states) are published by one job per step, and
-the requests are reported in the first step after it. A whole KV's blocks are free as soon as they
+the requests are reported in the first step after it (in the same step on shared memory, whose
+writes the pool runs inline: they cannot stall, see ``Connector.local_writes``). A whole KV's blocks are free as soon as they
 are gathered; a layerwise step's stay held until its export thread has read them. A step with
 nothing to run while transfers are pending waits briefly for one to finish rather than spin.
 

@@ -37,7 +37,15 @@ beyond one batch of admissions could not be used anyway.
 Threads: at most ``threads`` (default 2; each backend's ``get`` and ``put`` are safe from several
 threads at once, which the connector contract suite checks). A thread is started by ``submit`` (or
 when a held transfer leaves) while startable transfers outnumber the free threads, and ends by
-itself when none is left, so an idle pool holds no thread. :meth:`TransferPool.close` (the engine's
+itself once none has been startable for :attr:`TransferPool.LINGER_S`: a busy engine reuses its
+threads step after step instead of starting one per burst, and an idle pool holds no thread.
+
+Inline writes: a job that only writes (``writes_only``: puts, publishes, deletes; no get that
+waits for a key) on a connector that declares its writes local (``Connector.local_writes``: shared
+memory) runs inside ``submit`` and returns READY or FAILED. Such a write cannot stall the step, and
+on a thread it would only compete for the GIL it needs and add a hand-off per step (the serving A/B
+of issue #18 measured it). It skips the queue and the ``max_held`` bound: its result is taken in the
+same step. :meth:`TransferPool.close` (the engine's
 ``close``) cancels what is queued or in flight and joins every thread for at most
 :attr:`TransferPool.CLOSE_JOIN_S`: a thread still inside a connector call then (a store outage) is
 logged and left to finish it. Threads are daemon threads so that such a one does not hold up the
@@ -77,6 +85,7 @@ class TransferJob(Protocol[Result]):
 
     name: str          # what moves, for logs and errors (a connector key)
     deadline: float    # the request's deadline (``time.time()`` clock): no get waits past it
+    writes_only: bool  # run only puts, publishes and deletes (no get): inline on local connectors
 
     def run(self, connector: Connector, timeout: float, scratch: Any) -> Result:
         """Do the transfer; ``timeout`` bounds each get; ``scratch`` is the borrowed per-thread
@@ -122,6 +131,8 @@ class TransferPool:
     # TimeoutStopSec=90s) is spent by the drain (60 s) first, so waiting for it would leave no
     # margin before SIGKILL. A thread still running after this is logged and left to end by itself.
     CLOSE_JOIN_S = 2.0
+    # How long an idle transfer thread waits for the next job before it ends.
+    LINGER_S = 1.0
 
     def __init__(self, connector: Connector, *, timeout_s: float, max_held: int, threads: int = 2,
                  scratch: Callable[[], Any] | None = None, name: str = "transfer"):
@@ -152,15 +163,24 @@ class TransferPool:
             return len(self._queue) + len(self._running)
 
     def submit(self, job: TransferJob[Result]) -> Transfer[Result]:
-        """Queue ``job``; from now on the transfer owns what it moves."""
+        """Queue ``job``; from now on the transfer owns what it moves. A job that only writes,
+        on a connector whose writes are local (:attr:`Connector.local_writes`), runs here and now
+        and returns finished: it cannot stall the caller, and a thread would only add a hand-off."""
         ticket: Transfer[Result] = Transfer(job)
         with self._cond:
-            if not self._closed:
+            if self._closed:
+                ticket.state, ticket.error = TransferState.FAILED, TransferFailed(f"{self.name}: worker is shutting down")
+            elif job.writes_only and self.connector.local_writes:
+                self._start_locked(ticket, from_queue=False)
+            else:
                 self._queue.append(ticket)
                 self._spawn_locked()
+                self._cond.notify_all()   # a lingering thread takes it
                 return ticket
-            ticket.state, ticket.error = TransferState.FAILED, TransferFailed(f"{self.name}: worker is shutting down")
-        self._discard_quietly(ticket, None)
+        if ticket.state is TransferState.FAILED:
+            self._discard_quietly(ticket, None)
+        else:
+            self._execute(ticket)
         return ticket
 
     @contextlib.contextmanager
@@ -273,39 +293,52 @@ class TransferPool:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if self._startable_locked() == 0:
-                    self._active -= 1
-                    return
+                idle_until = time.monotonic() + self.LINGER_S
+                while self._startable_locked() == 0:
+                    left = idle_until - time.monotonic()
+                    if self._closed or left <= 0:
+                        self._active -= 1
+                        return
+                    self._cond.wait(left)
                 ticket = self._queue.popleft()
-                ticket.state = TransferState.RUNNING
-                ticket.scratch = self._scratch_free.pop() if self._scratch_free else None
-                self._running.add(ticket)
-                self._held += 1
-            result, error = None, None
-            try:
-                timeout = max(0.0, min(self.timeout_s, ticket.job.deadline - time.time()))
-                result = ticket.job.run(_StopsWhenCancelled(self.connector, ticket), timeout, ticket.scratch)
-            except OmniError as exc:
-                error = exc
-            except Exception as exc:   # noqa: BLE001 - on this thread it would vanish and hang the request
-                log.exception("%s of %r failed", self.name, ticket.job.name)
-                error = TransferFailed(f"{self.name} of {ticket.job.name!r} failed: {type(exc).__name__}: {exc}")
-            if error is not None or ticket.state is TransferState.CANCELLED:
-                # Before the state changes, so a request reported failed has nothing left.
-                self._discard_quietly(ticket, result)
-                result = None
-            with self._cond:
-                self._running.discard(ticket)
-                if ticket.state is TransferState.CANCELLED or error is not None:
-                    if ticket.state is not TransferState.CANCELLED:
-                        ticket.state, ticket.error = TransferState.FAILED, error
-                    self._let_go_locked(ticket)
-                else:
-                    ticket.state, ticket.result = TransferState.READY, result
-                    self._ready.add(ticket)
-                self._news = True
-                self._cond.notify_all()
-            del result
+                self._start_locked(ticket)
+            self._execute(ticket)
+
+    def _start_locked(self, ticket: Transfer, from_queue: bool = True) -> None:
+        ticket.state = TransferState.RUNNING
+        if from_queue:   # an inline write borrows no scratch: only reads assemble into it
+            ticket.scratch = self._scratch_free.pop() if self._scratch_free else None
+        self._running.add(ticket)
+        self._held += 1
+
+    def _execute(self, ticket: Transfer) -> None:
+        """Run a RUNNING ticket's job (on a transfer thread, or inline for a local write) and
+        leave it READY, FAILED (discarded first) or, if cancelled meanwhile, discarded."""
+        result, error = None, None
+        try:
+            timeout = max(0.0, min(self.timeout_s, ticket.job.deadline - time.time()))
+            result = ticket.job.run(_StopsWhenCancelled(self.connector, ticket), timeout, ticket.scratch)
+        except OmniError as exc:
+            error = exc
+        except Exception as exc:   # noqa: BLE001 - on this thread it would vanish and hang the request
+            log.exception("%s of %r failed", self.name, ticket.job.name)
+            error = TransferFailed(f"{self.name} of {ticket.job.name!r} failed: {type(exc).__name__}: {exc}")
+        if error is not None or ticket.state is TransferState.CANCELLED:
+            # Before the state changes, so a request reported failed has nothing left.
+            self._discard_quietly(ticket, result)
+            result = None
+        with self._cond:
+            self._running.discard(ticket)
+            if ticket.state is TransferState.CANCELLED or error is not None:
+                if ticket.state is not TransferState.CANCELLED:
+                    ticket.state, ticket.error = TransferState.FAILED, error
+                self._let_go_locked(ticket)
+            else:
+                ticket.state, ticket.result = TransferState.READY, result
+                self._ready.add(ticket)
+            self._news = True
+            self._cond.notify_all()
+        del result
 
     def _discard_quietly(self, ticket: Transfer, result: Any) -> None:
         """job.discard that never raises (a transfer thread would die with the exception; a
@@ -325,6 +358,7 @@ class _StopsWhenCancelled(Connector):
         self.inner = inner
         self.ticket = ticket
         self.name = inner.name
+        self.local_writes = inner.local_writes
 
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
         if self.ticket.state is TransferState.CANCELLED:
