@@ -285,3 +285,20 @@ def test_wake_ends_a_step_waiting_idle_on_transfers(model, tok, connector, tmp_p
         prefill.close()
     held.join_threads()
     assert shm_keys(tmp_path) == []   # the hand-off nobody collected was discarded by close()
+
+
+@pytest.mark.parametrize("kv_transfer", ["whole", "layerwise"])
+def test_on_shared_memory_the_handoff_is_reported_in_the_step_that_sampled_it(model, tok, connector, kv_transfer):
+    """Shared memory's writes are local (Connector.local_writes): the pool publishes the hand-off
+    inline, so the step that samples a first token also reports the request, no transfer is left
+    pending, no thread is started, and decode can read the KV at once."""
+    prefill = PrefillEngine(model, connector, max_model_len=2048, kv_transfer=kv_transfer, max_batched_tokens=2048)
+    try:
+        prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
+        outcomes = prefill.step()
+        assert [type(o) for o in outcomes] == [FirstToken, PrefillResult]
+        assert outcomes[1].token_sent and outcomes[1].first_token == outcomes[0].token
+        assert not prefill.has_work and prefill._transfers.num_pending == 0 and not prefill._transfers._workers
+        assert kv_of(connector, outcomes[1]).shape[2] == len(chat_ids(tok, QUESTIONS[0]))
+    finally:
+        prefill.close()
