@@ -29,7 +29,10 @@ Blocking
     backend, the handle only makes it faster, and a stale handle (the key was put again) falls back
     to looking the key up. A handle also says the producer had finished: a backend that can tell
     the key no longer exists (Redis restarted empty) fails at once instead of waiting out ``timeout``. ``delete`` does not block on remote peers longer than one round trip.
-    Every method is safe to call from several threads.
+    Every method is safe to call from several threads. A backend whose writes (``put``,
+    ``put_reserved``, ``release``, ``delete``) are memory operations on this host that never wait on
+    a network, a peer or another process says so with ``local_writes = True`` (shared memory): the
+    engines then run such writes inline rather than on a transfer thread.
 
 Buffers and ownership
     ``put`` copies the payload out; the caller may reuse its tensors as soon as it returns. Tensors
@@ -49,7 +52,8 @@ Writing in place (``reserve`` → ``put_reserved``)
     that call on the tensors belong to the connector: the producer drops them and never writes
     them again (a consumer may be reading that memory). A reservation that will not be published
     goes back with ``release(reservation)``; ``put_reserved`` releases it itself when it fails.
-    Reserve, fill and publish on one thread; a reservation is used once. Every backend lends the
+    One thread at a time uses a reservation, and it is used once (prefill fills it on its step
+    thread and may publish it from a transfer thread, handing it over through a queue). Every backend lends the
     memory its ``put`` would encode into (a shared memory segment, a registered pool block, the
     Redis send buffer), so ``put_reserved`` writes only the header and the ``extra`` items; the
     defaults here lend ordinary tensors and copy, so a wrapper or a new backend works unchanged, and
@@ -145,10 +149,8 @@ class Connector(abc.ABC):
     trio (``reserve``, ``put_reserved``, ``release``) whose defaults copy like ``put``."""
 
     name: str = ""
-    # Declared, not probed: True when put, put_reserved, release and delete are memory operations
-    # on this host that never wait on a network, a peer or another process (shared memory). Callers
-    # with a latency-critical thread run such writes inline: a transfer thread would buy no overlap
-    # (the work holds the GIL) and cost a thread hand-off per call. Gets may still wait for a key.
+    # Declared, not probed (see "Blocking" above). A transfer thread would buy such writes no
+    # overlap (the work holds the GIL) and cost a thread hand-off per call. Gets may still wait.
     local_writes: bool = False
 
     @abc.abstractmethod

@@ -162,3 +162,24 @@ def test_close_ends_a_lingering_thread_at_once(shm, monkeypatch):
     started = time.monotonic()
     pool.close()   # the READY result is discarded; the idle thread wakes and ends
     assert not thread.is_alive() and time.monotonic() - started < TransferPool.CLOSE_JOIN_S
+
+
+def test_a_job_held_back_by_max_held_starts_when_a_result_is_taken(shm, monkeypatch):
+    """The idle thread is woken when room frees up under max_held: the queued job does not wait
+    out the thread's linger time."""
+    monkeypatch.setattr(TransferPool, "LINGER_S", 30)
+    pool = TransferPool(HeldConnector(shm), timeout_s=5, max_held=1, threads=1, name="t")
+    try:
+        shm.put("k/3", {"x": torch.arange(4)})
+        first = pool.submit(_Get("k/3"))
+        _wait_finished(first)
+        second = pool.submit(_Get("k/3"))
+        time.sleep(0.1)
+        assert second.state is TransferState.QUEUED   # one result held already
+        with pool.take(first):
+            pass
+        _wait_finished(second, timeout=5)
+        with pool.take(second):
+            pass
+    finally:
+        pool.close()

@@ -6,48 +6,44 @@ Life of a request through this engine::
         ──admit: blocks for the whole prompt; the longest cached prefix is reused, not recomputed──▶
     running ──step() × k: its next chunk joins one packed forward with the other running prompts,
         within ``max_batched_tokens`` per step (a long prompt takes several steps: chunked prefill)──▶
-    last chunk done: sample the first token ──▶ sending: its KV (all heads) goes under
-        ``kv/<request_id>/<attempt>`` on a transfer thread while the batch keeps stepping
-        ──▶ PrefillResult(handles), in the first step after the hand-off is out; blocks released,
-        the full ones stay cached under their content hash for the next prompt that shares the prefix
+    last chunk done: sample the first token (FirstToken, to the gateway at once) ──▶ sending: its KV
+        (all heads) goes under ``kv/<request_id>/<attempt>`` while the batch keeps stepping
+        ──▶ PrefillResult(handles) once the hand-off is out; blocks released, the full ones stay
+        cached under their content hash for the next prompt that shares the prefix
 
-How the KV leaves (``kv_transfer``): ``"auto"`` (the default) streams layers for a step whose finishing
-sequences hold at least ``layerwise_min_bytes`` of KV, and puts it whole otherwise. ``"layerwise"`` puts
-each layer of the sequences whose last chunk runs in a step while that step's later layers still
-compute, and the manifest last (:mod:`~omnirelay.workers.kv.export`); the step returns once every
-piece is out. ``"whole"`` (and any tensor/pipeline-parallel group, whose heads and layers sit on other
-ranks) reads the finished sequence out of the pool after the forward and puts it as one tensor.
-Decode reads either format.
+How the KV leaves (``kv_transfer``): ``"auto"`` (the default) streams layers for a step whose
+finishing sequences hold at least ``layerwise_min_bytes`` of KV, and puts it whole otherwise.
+``"layerwise"`` puts each layer of the sequences finishing in a step while its later layers still
+compute, and the manifest last (:mod:`~omnirelay.workers.kv.export`). ``"whole"`` (and any
+tensor/pipeline-parallel group, whose heads and layers sit on other ranks) gathers the finished
+sequence out of the pool into connector memory and publishes it as one tensor. Decode reads either.
 
-Prefill never blocks its batch on a transfer. Every connector call goes through the worker's
-shared transfer machinery (:mod:`~omnirelay.workers.runtime.transfers`, the one decode imports its KV
-with; the jobs are in :mod:`~omnirelay.workers.llm.handoff_jobs`): a media prompt's encoder
-outputs are fetched while it waits, and text prompts behind it are admitted meanwhile; a finished
-step's hand-offs (a whole KV gathered into connector memory on the step thread, the layerwise
-export's last pieces and manifests, speech prompt states) are published by one job per step, and
-the requests are reported in the first step after it (in the same step on shared memory, whose
-writes the pool runs inline: they cannot stall, see ``Connector.local_writes``). A whole KV's blocks are free as soon as they
-are gathered; a layerwise step's stay held until its export thread has read them. A step with
-nothing to run while transfers are pending waits briefly for one to finish rather than spin.
+Prefill never blocks its batch on a transfer: every connector call is a job of the worker's
+:class:`~omnirelay.workers.runtime.transfers.TransferPool` (the jobs are in
+:mod:`~omnirelay.workers.llm.handoff_jobs`). A media prompt's encoder outputs are fetched while it
+waits, and text prompts behind it are admitted meanwhile. A step's hand-offs (whole KVs, the
+layerwise export's completion, speech prompt states) go out in one job, on a transfer thread, and
+are reported in the first step after it; on shared memory, whose writes cannot wait
+(``Connector.local_writes``), the pool runs that job inline and the step itself reports them. A
+whole KV's blocks are free once gathered; a layerwise step's stay held until its export is complete.
 
-A multimodal request (Qwen2.5-Omni) arrives with the encode stage's handles: while it waits its
-image/audio embeddings are fetched from the connector (the key is deleted when the prefill ends,
-finished or cancelled, so a retry after this worker died still finds it); at admission they are
-placed and its M-RoPE positions and rope delta computed (:mod:`~omnirelay.workers.llm.prefill_media`); each chunk's forward then takes the
-embeddings at the placeholder rows and the 3-row rotary positions. Such a prompt bypasses the
-prefix cache (its placeholder token ids say nothing about the media behind them), and the rope
-delta travels to decode in the outputs. Text-only prompts take exactly the text path.
+A multimodal request (Qwen2.5-Omni) arrives with the encode stage's handles. Its embeddings' key is
+deleted when the prefill ends, finished or cancelled, so a retry after this worker died still
+finds it. At admission they are placed and its M-RoPE positions and rope delta computed
+(:mod:`~omnirelay.workers.llm.prefill_media`); each chunk's forward takes the embeddings at the
+placeholder rows. Such a prompt bypasses the prefix cache (its placeholder ids say nothing about
+the media), and the rope delta travels to decode in the outputs.
 
 Structured output (``PrefillTask.structured``): the first token is sampled under the request's
 grammar (:mod:`~omnirelay.workers.llm.structured_output`; the matcher is built at admission, a resumed
 stream's emitted tokens replayed, and dropped when the request leaves: decode rebuilds its own).
 
-A request whose first token already ends it (EOS, a stop token, ``max_tokens == 1``) finishes here:
-no KV is handed off and the decode stage is skipped. ``cancel`` drops a waiting, running or sending request
-and frees its blocks (a hand-off already on its way is deleted when its job returns). A request waits (never fails) while the pool is short; only a prompt larger
-than the whole pool fails (``out_of_memory``). The engine holds no sockets; the worker runtime feeds
-it tasks and sends its results; its owner calls :meth:`PrefillEngine.close` before closing the
-connector (it joins the transfer threads, see ``TransferPool.CLOSE_JOIN_S``).
+A request whose first token already ends it (EOS, a stop token, ``max_tokens == 1``) finishes here
+and skips decode. ``cancel`` drops a waiting, running or sending request and frees its blocks (a
+hand-off on its way is deleted when its job returns). A request waits (never fails) while the pool
+is short; only a prompt larger than the whole pool fails (``out_of_memory``). The engine holds no
+sockets; its owner calls :meth:`PrefillEngine.close` before closing the connector (it joins the
+transfer threads, see ``TransferPool.CLOSE_JOIN_S``).
 
 Prefix hits are visible to routing: :meth:`PrefillEngine.prefix_hit_tokens` says how many tokens of a
 prompt this worker would reuse now, and :meth:`PrefillEngine.prefix_events` hands out the block

@@ -143,7 +143,12 @@ class TransferPool:
         self.max_held = max_held
         self.threads = threads
         self.name = name
-        self._cond = threading.Condition()
+        # One lock, two conditions: the engine waits on _cond for news (a finished transfer, a
+        # poke); idle transfer threads wait on _work for a startable job. A poke on every broker
+        # message must not wake the idle threads, nor a new job the engine.
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._work = threading.Condition(lock)
         self._queue: collections.deque[Transfer] = collections.deque()
         self._running: set[Transfer] = set()
         self._ready: set[Transfer] = set()
@@ -175,7 +180,6 @@ class TransferPool:
             else:
                 self._queue.append(ticket)
                 self._spawn_locked()
-                self._cond.notify_all()   # a lingering thread takes it
                 return ticket
         if ticket.state is TransferState.FAILED:
             self._discard_quietly(ticket, None)
@@ -236,6 +240,7 @@ class TransferPool:
         outage each can block for the socket timeout). Idempotent."""
         with self._cond:
             self._closed = True
+            self._work.notify_all()
             idle = [(ticket, None) for ticket in self._queue] + [(ticket, ticket.result) for ticket in self._ready]
             self._queue.clear()
             self._ready.clear()
@@ -278,9 +283,13 @@ class TransferPool:
         return 0 if self._closed else min(len(self._queue), self.max_held - self._held)
 
     def _spawn_locked(self) -> None:
-        """Start threads while startable transfers outnumber the threads free to take them (a
-        thread inside a transfer is not free)."""
-        while self._active < self.threads and self._active - len(self._running) < self._startable_locked():
+        """A transfer may have become startable (submitted, or a held one left): wake the idle
+        threads, and start more while startable transfers outnumber the threads free to take them
+        (a thread inside a transfer is not free)."""
+        startable = self._startable_locked()
+        if startable:
+            self._work.notify(startable)
+        while self._active < self.threads and self._active - len(self._running) < startable:
             self._workers = [w for w in self._workers if w.is_alive()]
             # daemon: a thread close() stopped waiting for must not keep the process alive
             worker = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -299,7 +308,7 @@ class TransferPool:
                     if self._closed or left <= 0:
                         self._active -= 1
                         return
-                    self._cond.wait(left)
+                    self._work.wait(left)
                 ticket = self._queue.popleft()
                 self._start_locked(ticket)
             self._execute(ticket)
