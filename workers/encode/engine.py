@@ -8,13 +8,21 @@ Life of a request through this engine::
         (Qwen2-VL image processor / Whisper features) ──▶ one vision-encoder forward over every
         missing image of the step, one audio-encoder forward over every missing clip ──▶ outputs
         cached ──▶ per request: image embeddings (all its images, prompt order) and audio embeddings
-        (all its clips) ``put`` under ``mm/<request_id>/<attempt>`` ──▶ EncodeResult(handles + the
-        image grids and audio lengths the prefill needs for M-RoPE)
+        (all its clips) ``put`` under ``mm/<request_id>/<attempt>``, one transfer job per step
+        (:mod:`~omnirelay.workers.encode.embeds_send`) while the next batch encodes ──▶
+        EncodeResult(handles + the image grids and audio lengths the prefill needs for M-RoPE), in
+        the first step after the put returned (the same step on shared memory, whose writes run inline)
 
 An item that cannot be decoded fails its request (``bad_request``); the gateway validated it, so
 this only happens to a client that bypasses the gateway. The cache belongs to this engine (one per
 worker replica), bounded by bytes, least recently used first out; a hit skips preprocessing and
 the encoder. The engine holds no sockets; the worker runtime feeds it tasks and sends its results.
+
+The encoder never waits on the store: the puts go through the worker's
+:class:`~omnirelay.workers.runtime.transfers.TransferPool`, like prefill's and decode's transfers.
+At most ``MAX_SENDS`` steps' embeddings are on their way at once; while that many are stuck (a store
+that stalls) no new batch starts, so their memory is bounded. A request cancelled while its put is
+on its way has its key deleted when the put returns; ``close`` deletes every key not yet reported.
 
 Each model family's encoders are a :class:`ThinkerEncoders` (weights, preprocessing) that runs its
 own towers: Qwen2.5-Omni's :class:`OmniEncoders` here, Qwen3-Omni's in ``qwen3.py``, whose image
@@ -40,9 +48,11 @@ import torch
 
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
-from omnirelay.handoffs import EmbedsHandoff
+from omnirelay.handoffs import EmbedsHandoff, delete_quietly
+from omnirelay.workers.encode.embeds_send import EmbedsSend, OutgoingEmbeds
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
+from omnirelay.workers.runtime.transfers import Transfer, TransferPool, TransferState
 
 AUDIO_SAMPLE_RATE = 16000     # the gateway sends audio as float32 little-endian PCM at this rate
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -167,9 +177,23 @@ class OmniEncoders(ThinkerEncoders):
         return list(torch.split(out, out_lens.tolist()))
 
 
+@dataclasses.dataclass
+class _Sending:
+    """One step's embeddings on their way, and the requests cancelled meanwhile."""
+
+    ticket: Transfer[dict]
+    outgoing: list[OutgoingEmbeds]
+    dropped: set[str] = dataclasses.field(default_factory=set)
+
+
 class EncodeEngine:
+    # Steps whose embeddings may be on their way at once; a step with nothing to encode waits at
+    # most IDLE_WAIT_S for one to arrive (a broker message ends the wait at once: wake()).
+    MAX_SENDS = 2
+    IDLE_WAIT_S = 0.02
+
     def __init__(self, encoders: ThinkerEncoders, connector: Connector, *, max_batch: int = 8,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, transfer_timeout_s: float = 30.0):
         self.encoders = encoders
         self.connector = connector
         self.max_batch = max_batch
@@ -178,37 +202,81 @@ class EncodeEngine:
         self._cached_bytes = 0
         self.waiting: RequestQueue[EncodeTask] = RequestQueue()
         self.stats = collections.Counter()
+        self._transfers = TransferPool(connector, timeout_s=transfer_timeout_s, max_held=self.MAX_SENDS,
+                                       threads=self.MAX_SENDS, name="encode-transfer")
+        self._sending: list[_Sending] = []
 
     @property
     def num_requests(self) -> int:
+        """Requests waiting: what the worker's credits count (one whose put is on its way uses no
+        compute; step() holds new batches back while MAX_SENDS steps' puts are stuck)."""
         return len(self.waiting)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self._sending)
 
     def add(self, task: EncodeTask) -> None:
         self.waiting.add(task)
 
     def cancel(self, request_id: str) -> bool:
-        return self.waiting.remove(request_id) is not None
+        if self.waiting.remove(request_id) is not None:
+            return True
+        for sending in self._sending:
+            if any(item.request_id == request_id for item in sending.outgoing) and request_id not in sending.dropped:
+                sending.dropped.add(request_id)   # its key is deleted when the put returns
+                return True
+        return False
 
     def wake(self) -> None:
-        """Nothing to wake: step() never waits idle."""
+        """A broker message is waiting for the loop: end a step's idle wait on puts now."""
+        self._transfers.poke()
 
     def close(self) -> None:
-        """Nothing to stop: the engine runs on the step thread and owns no other process."""
+        """Stop the transfer threads, deleting every key put but not yet reported, and join them for at
+        most ``TransferPool.CLOSE_JOIN_S``. Call before closing the connector. Idempotent."""
+        self._transfers.close()
 
     def step(self) -> list[EncodeResult | RequestFailure]:
-        results = [RequestFailure(task.request_id, DeadlineExceeded.error_type,
-                                message="deadline passed before encode") for task in self.waiting.pop_expired()]
-        batch = [self.waiting.popleft() for _ in range(min(self.max_batch, len(self.waiting)))]
+        results: list[EncodeResult | RequestFailure] = []
+        self._collect_sent(results)
+        results += [RequestFailure(task.request_id, DeadlineExceeded.error_type,
+                                   message="deadline passed before encode") for task in self.waiting.pop_expired()]
+        batch = []
+        if len(self._sending) < self.MAX_SENDS:
+            batch = [self.waiting.popleft() for _ in range(min(self.max_batch, len(self.waiting)))]
         if batch:
-            results += self._encode(batch)
+            self._encode(batch, results)
+        self._collect_sent(results)
+        if self._sending and not (batch or results):   # never delays what this step made
+            self._transfers.wait_for_news(self.IDLE_WAIT_S)
         return results
 
-    def _encode(self, batch: list[EncodeTask]) -> list[EncodeResult | RequestFailure]:
-        results, failed = [], set()
+    def _collect_sent(self, results: list[EncodeResult | RequestFailure]) -> None:
+        """Report the requests whose embeddings' put has returned."""
+        for sending in [s for s in self._sending if s.ticket.finished]:
+            self._sending.remove(sending)
+            if sending.ticket.state is not TransferState.READY:   # the job failed whole; it deleted its keys
+                error = sending.ticket.error
+                results += [RequestFailure(item.request_id, error.error_type, message=str(error))
+                            for item in sending.outgoing if item.request_id not in sending.dropped]
+                continue
+            with self._transfers.take(sending.ticket) as sent:
+                for item in sending.outgoing:
+                    handle = sent[item.request_id]
+                    if isinstance(handle, OmniError):
+                        if item.request_id not in sending.dropped:
+                            results.append(RequestFailure(item.request_id, handle.error_type, message=str(handle)))
+                    elif item.request_id in sending.dropped:   # cancelled meanwhile: nobody will read it
+                        delete_quietly(self.connector, item.key)
+                    else:
+                        self.stats["encoded_requests"] += 1
+                        results.append(EncodeResult(item.request_id,
+                                                    outputs=EmbedsHandoff(item.key, handle, item.grids, item.lengths)))
+
+    def _encode(self, batch: list[EncodeTask], results: list[EncodeResult | RequestFailure]) -> None:
+        """Encode the batch's media and hand its embeddings to one transfer job."""
+        failed: set[str] = set()
         images: dict[str, tuple[torch.Tensor, list[int]]] = {}
         audio: dict[str, torch.Tensor] = {}
         for task in batch:
@@ -241,10 +309,14 @@ class EncodeEngine:
         self.stats["encoded_images"] += len(images)
         self.stats["encoded_audio"] += len(audio)
         self.stats["encode_steps"] += 1
+        outgoing = []
         for task in batch:
             if task.request_id not in failed:
-                results.append(self._finish(task, images, audio))
-        return results
+                finished = self._finish(task, images, audio)
+                (results if isinstance(finished, RequestFailure) else outgoing).append(finished)
+        if outgoing:
+            job = EmbedsSend(outgoing, deadline=max(task.deadline for task in batch))
+            self._sending.append(_Sending(self._transfers.submit(job), outgoing))
 
     def _remember(self, key: str, encoded: _Encoded) -> None:
         self.cache[key] = encoded
@@ -253,7 +325,7 @@ class EncodeEngine:
             _, old = self.cache.popitem(last=False)
             self._cached_bytes -= old.nbytes
 
-    def _finish(self, task: EncodeTask, fresh_images: dict, fresh_audio: dict) -> EncodeResult | RequestFailure:
+    def _finish(self, task: EncodeTask, fresh_images: dict, fresh_audio: dict) -> OutgoingEmbeds | RequestFailure:
         parts = {"image": [], "audio": []}
         grids, lengths = [], []
         for item in task.items:
@@ -270,10 +342,4 @@ class EncodeEngine:
         payload = self.encoders.image_payload(torch.cat(parts["image"])) if parts["image"] else {}
         if parts["audio"]:
             payload["audio_embeds"] = torch.cat(parts["audio"])
-        key = f"mm/{task.request_id}/{task.attempt}"
-        try:
-            handle = self.connector.put(key, payload)
-        except OmniError as exc:
-            return RequestFailure(task.request_id, exc.error_type, message=str(exc))
-        self.stats["encoded_requests"] += 1
-        return EncodeResult(task.request_id, outputs=EmbedsHandoff(key, handle, grids, lengths))
+        return OutgoingEmbeds(task.request_id, f"mm/{task.request_id}/{task.attempt}", payload, grids, lengths)

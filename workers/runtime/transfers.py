@@ -2,10 +2,11 @@
 
 A connector call blocks: on a Redis outage, a slow link or a layerwise KV whose pieces trickle in, a
 ``get`` waits up to the transfer timeout and a ``put`` up to the store's socket timeout. Run on the
-step thread it would stall every request of the worker. Both LLM engines hand their transfers to a
-:class:`TransferPool` instead: decode its KV imports (:mod:`~omnirelay.workers.kv.prefetch`), prefill
-its media-embedding gets and its KV / prompt-state hand-offs, and decode its spoken replies' states
-(:mod:`~omnirelay.workers.llm.handoff_jobs`).
+step thread it would stall every request of the worker. The LLM and encode engines hand their
+transfers to a :class:`TransferPool` instead: decode its KV imports
+(:mod:`~omnirelay.workers.kv.prefetch`) and its spoken replies' states, prefill its media-embedding
+gets and its KV / prompt-state hand-offs (:mod:`~omnirelay.workers.llm.handoff_jobs`), encode its
+embeddings (:mod:`~omnirelay.workers.encode.embeds_send`).
 What moves and how to free it is the job's (:class:`TransferJob`); the pool owns the threads, the
 states, the memory bound and the clean-up rules, written once for every kind of transfer.
 
