@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import signal
@@ -206,6 +207,33 @@ def medians(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in FIGURES}
 
 
+# Two-sided 95 % Student t quantiles by degrees of freedom (rounds - 1); 1.96 past the table.
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+       15: 2.13, 20: 2.09, 30: 2.04}
+
+
+def paired_ratios(results: dict) -> dict[str, tuple[float, float, float]]:
+    """Per figure: the geometric mean of each round's B/A ratio and its 95 % interval (t on the
+    log ratios). Pairing by round cancels the host's drift between rounds: both passes of a round
+    ran back to back."""
+    a, b = results["a"], results["b"]
+    by_round: dict[int, dict[str, dict]] = {}
+    for r in results["runs"]:
+        by_round.setdefault(r["round"], {})[r["tree"]] = r
+    pairs = [(p[a], p[b]) for p in by_round.values() if a in p and b in p]
+    out = {}
+    for k in FIGURES:
+        logs = [math.log(y[k] / x[k]) for x, y in pairs if x[k] > 0 and y[k] > 0]
+        if len(logs) < 2:
+            continue
+        mean = statistics.mean(logs)
+        df = len(logs) - 1
+        t = T95[max(d for d in T95 if d <= df)] if df <= 30 else 1.96
+        half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+        out[k] = (math.exp(mean), math.exp(mean - half), math.exp(mean + half))
+    return out
+
+
 def markdown(results: dict) -> str:
     a, b = results["a"], results["b"]
     lines = ["| round | order | tree | out tok/s | TTFT p50 ms | TPOT p50 ms | E2E p50 ms | TTFT p99 ms | "
@@ -215,19 +243,27 @@ def markdown(results: dict) -> str:
                      f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | {r['median_e2el_ms']:.0f} | "
                      f"{r['p99_ttft_ms']:.0f} | {r['server_cpu_ms_per_token']:.3f} | {r['load_1m_start']:.2f} |")
     ma, mb = results["median"][a], results["median"][b]
-    lines += ["", f"| median | {a} | {b} | {b}/{a} |", "|---|---|---|---|"]
+    paired = paired_ratios(results)
+    lines += ["", f"| median | {a} | {b} | {b}/{a} | paired {b}/{a} [95 %] |", "|---|---|---|---|---|"]
     for k in FIGURES:
-        lines.append(f"| {k} | {ma[k]:.2f} | {mb[k]:.2f} | {mb[k] / ma[k]:.3f} |")
+        ratio = f"{paired[k][0]:.3f} [{paired[k][1]:.2f}, {paired[k][2]:.2f}]" if k in paired else ""
+        lines.append(f"| {k} | {ma[k]:.2f} | {mb[k]:.2f} | {mb[k] / ma[k]:.3f} | {ratio} |")
+    lines += ["", f"| CPU ms/token by process (median) | {a} | {b} |", "|---|---|---|"]
+    names = sorted({n for r in results["runs"] for n in r.get("cpu_ms_per_token_by_process", {})})
+    for name in names:
+        cells = [statistics.median(r["cpu_ms_per_token_by_process"].get(name, 0.0) for r in results["runs"]
+                                   if r["tree"] == tree) for tree in (a, b)]
+        lines.append(f"| {name} | {cells[0]:.3f} | {cells[1]:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--a", required=True, help="NAME=PYTHON=MODEL_DIR of the reference tree")
-    ap.add_argument("--b", required=True, help="NAME=PYTHON=MODEL_DIR of the tree under test")
+    ap.add_argument("--a", help="NAME=PYTHON=MODEL_DIR of the reference tree")
+    ap.add_argument("--b", help="NAME=PYTHON=MODEL_DIR of the tree under test")
     ap.add_argument("--a-port", type=int, default=8031)
     ap.add_argument("--b-port", type=int, default=8041)
-    ap.add_argument("--client", required=True, help="the omni-bench executable used for both")
+    ap.add_argument("--client", help="the omni-bench executable used for both")
     ap.add_argument("--tokenizer", help="model directory that sizes the prompts (default: each tree's model)")
     ap.add_argument("--served-name", default="tiny")
     ap.add_argument("--rounds", type=int, default=4)
@@ -238,9 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--ready-timeout", type=float, default=300)
     ap.add_argument("--pass-timeout", type=float, default=600)
-    ap.add_argument("--work-dir", type=pathlib.Path, required=True)
+    ap.add_argument("--work-dir", type=pathlib.Path)
     ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--report", type=pathlib.Path, help="print the tables of an earlier --json file; run nothing")
     args = ap.parse_args(argv)
+    if args.report:
+        print(markdown(json.loads(args.report.read_text())))
+        return 0
+    missing = [f"--{name.replace('_', '-')}" for name in ("a", "b", "client", "work_dir") if not getattr(args, name)]
+    if missing:
+        ap.error(f"to run passes, give {', '.join(missing)}")
     trees = [Tree.parse(args.a, args.a_port), Tree.parse(args.b, args.b_port)]
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
