@@ -15,7 +15,7 @@ from omnirelay.connectors import Connector, create_connector
 from omnirelay.connectors.timing import TimedConnector
 from omnirelay.errors import TransferFailed
 from omnirelay.workers.runtime.transfers import TransferPool, TransferState
-from tests.held_connector import HeldConnector
+from held_connector import HeldConnector
 
 
 @dataclasses.dataclass
