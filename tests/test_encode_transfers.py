@@ -126,7 +126,7 @@ def test_a_request_leaving_while_its_put_is_held_leaves_no_key(encoders, connect
 
 
 def test_no_new_batch_starts_while_the_puts_are_stuck(encoders, connector, tmp_path):
-    """MAX_SENDS steps' embeddings on their way and stuck: the next request waits (its memory is
+    """MAX_SENDS batches' embeddings on their way and stuck: the next request waits (its memory is
     not added to theirs), then runs once they are out."""
     held = HeldConnector(connector)
     stuck = [f"s{i}" for i in range(EncodeEngine.MAX_SENDS)]

@@ -8,7 +8,7 @@ Life of a request through this engine::
         (Qwen2-VL image processor / Whisper features) ──▶ one vision-encoder forward over every
         missing image of the step, one audio-encoder forward over every missing clip ──▶ outputs
         cached ──▶ per request: image embeddings (all its images, prompt order) and audio embeddings
-        (all its clips) ``put`` under ``mm/<request_id>/<attempt>``, one transfer job per step
+        (all its clips) ``put`` under ``mm/<request_id>/<attempt>`` by a transfer job
         (:mod:`~omnirelay.workers.encode.embeds_send`) while the next batch encodes ──▶
         EncodeResult(handles + the image grids and audio lengths the prefill needs for M-RoPE), in
         the first step after the put returned (the same step on shared memory, whose writes run inline)
@@ -20,9 +20,10 @@ the encoder. The engine holds no sockets; the worker runtime feeds it tasks and 
 
 The encoder never waits on the store: the puts go through the worker's
 :class:`~omnirelay.workers.runtime.transfers.TransferPool`, like prefill's and decode's transfers.
-At most ``MAX_SENDS`` steps' embeddings are on their way at once; while that many are stuck (a store
-that stalls) no new batch starts, so their memory is bounded. A request cancelled while its put is
-on its way has its key deleted when the put returns; ``close`` deletes every key not yet reported.
+At most ``MAX_SENDS`` batches' worth of requests' embeddings are on their way at once; while that
+many are stuck (a store that stalls) no new batch starts, so their memory is bounded. A request
+cancelled while its put is on its way has its key deleted when the put returns (the pool's cancel);
+``close`` deletes every key not yet reported.
 
 Each model family's encoders are a :class:`ThinkerEncoders` (weights, preprocessing) that runs its
 own towers: Qwen2.5-Omni's :class:`OmniEncoders` here, Qwen3-Omni's in ``qwen3.py``, whose image
@@ -47,9 +48,10 @@ import numpy as np
 import torch
 
 from omnirelay.connectors import Connector
-from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
-from omnirelay.handoffs import EmbedsHandoff, delete_quietly
-from omnirelay.workers.encode.embeds_send import EmbedsSend, OutgoingEmbeds
+from omnirelay.connectors.base import Handle
+from omnirelay.errors import BadRequest, DeadlineExceeded, OutOfMemory
+from omnirelay.handoffs import EmbedsHandoff
+from omnirelay.workers.encode.embeds_send import EmbedsSend
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.runtime.transfers import Transfer, TransferPool, TransferState
@@ -177,18 +179,9 @@ class OmniEncoders(ThinkerEncoders):
         return list(torch.split(out, out_lens.tolist()))
 
 
-@dataclasses.dataclass
-class _Sending:
-    """One step's embeddings on their way, and the requests cancelled meanwhile."""
-
-    ticket: Transfer[dict]
-    outgoing: list[OutgoingEmbeds]
-    dropped: set[str] = dataclasses.field(default_factory=set)
-
-
 class EncodeEngine:
-    # Steps whose embeddings may be on their way at once; a step with nothing to encode waits at
-    # most IDLE_WAIT_S for one to arrive (a broker message ends the wait at once: wake()).
+    # Batches whose embeddings may be on their way at once; a step with nothing to encode waits at
+    # most IDLE_WAIT_S for a put to return (a broker message ends the wait at once: wake()).
     MAX_SENDS = 2
     IDLE_WAIT_S = 0.02
 
@@ -202,14 +195,14 @@ class EncodeEngine:
         self._cached_bytes = 0
         self.waiting: RequestQueue[EncodeTask] = RequestQueue()
         self.stats = collections.Counter()
-        self._transfers = TransferPool(connector, timeout_s=transfer_timeout_s, max_held=self.MAX_SENDS,
-                                       threads=self.MAX_SENDS, name="encode-transfer")
-        self._sending: list[_Sending] = []
+        self._transfers = TransferPool(connector, timeout_s=transfer_timeout_s,
+                                       max_held=self.MAX_SENDS * max_batch, name="encode-transfer")
+        self._sending: dict[str, Transfer[Handle]] = {}   # request → its embeddings' put
 
     @property
     def num_requests(self) -> int:
         """Requests waiting: what the worker's credits count (one whose put is on its way uses no
-        compute; step() holds new batches back while MAX_SENDS steps' puts are stuck)."""
+        compute; step() holds new batches back while MAX_SENDS batches' puts are stuck)."""
         return len(self.waiting)
 
     @property
@@ -222,11 +215,10 @@ class EncodeEngine:
     def cancel(self, request_id: str) -> bool:
         if self.waiting.remove(request_id) is not None:
             return True
-        for sending in self._sending:
-            if any(item.request_id == request_id for item in sending.outgoing) and request_id not in sending.dropped:
-                sending.dropped.add(request_id)   # its key is deleted when the put returns
-                return True
-        return False
+        ticket = self._sending.pop(request_id, None)
+        if ticket is not None:
+            self._transfers.cancel(ticket)   # its key is deleted when the put returns
+        return ticket is not None
 
     def wake(self) -> None:
         """A broker message is waiting for the loop: end a step's idle wait on puts now."""
@@ -243,7 +235,7 @@ class EncodeEngine:
         results += [RequestFailure(task.request_id, DeadlineExceeded.error_type,
                                    message="deadline passed before encode") for task in self.waiting.pop_expired()]
         batch = []
-        if len(self._sending) < self.MAX_SENDS:
+        if len(self._sending) < self.MAX_SENDS * self.max_batch:
             batch = [self.waiting.popleft() for _ in range(min(self.max_batch, len(self.waiting)))]
         if batch:
             self._encode(batch, results)
@@ -254,28 +246,18 @@ class EncodeEngine:
 
     def _collect_sent(self, results: list[EncodeResult | RequestFailure]) -> None:
         """Report the requests whose embeddings' put has returned."""
-        for sending in [s for s in self._sending if s.ticket.finished]:
-            self._sending.remove(sending)
-            if sending.ticket.state is not TransferState.READY:   # the job failed whole; it deleted its keys
-                error = sending.ticket.error
-                results += [RequestFailure(item.request_id, error.error_type, message=str(error))
-                            for item in sending.outgoing if item.request_id not in sending.dropped]
+        for request_id, ticket in [(r, t) for r, t in self._sending.items() if t.finished]:
+            del self._sending[request_id]
+            if ticket.state is TransferState.FAILED:   # the job deleted its key
+                results.append(RequestFailure(request_id, ticket.error.error_type, message=str(ticket.error)))
                 continue
-            with self._transfers.take(sending.ticket) as sent:
-                for item in sending.outgoing:
-                    handle = sent[item.request_id]
-                    if isinstance(handle, OmniError):
-                        if item.request_id not in sending.dropped:
-                            results.append(RequestFailure(item.request_id, handle.error_type, message=str(handle)))
-                    elif item.request_id in sending.dropped:   # cancelled meanwhile: nobody will read it
-                        delete_quietly(self.connector, item.key)
-                    else:
-                        self.stats["encoded_requests"] += 1
-                        results.append(EncodeResult(item.request_id,
-                                                    outputs=EmbedsHandoff(item.key, handle, item.grids, item.lengths)))
+            job = ticket.job
+            with self._transfers.take(ticket) as handle:
+                self.stats["encoded_requests"] += 1
+                results.append(EncodeResult(request_id, outputs=EmbedsHandoff(job.name, handle, job.grids, job.lengths)))
 
     def _encode(self, batch: list[EncodeTask], results: list[EncodeResult | RequestFailure]) -> None:
-        """Encode the batch's media and hand its embeddings to one transfer job."""
+        """Encode the batch's media and hand each request's embeddings to a transfer job."""
         failed: set[str] = set()
         images: dict[str, tuple[torch.Tensor, list[int]]] = {}
         audio: dict[str, torch.Tensor] = {}
@@ -309,14 +291,13 @@ class EncodeEngine:
         self.stats["encoded_images"] += len(images)
         self.stats["encoded_audio"] += len(audio)
         self.stats["encode_steps"] += 1
-        outgoing = []
         for task in batch:
             if task.request_id not in failed:
                 finished = self._finish(task, images, audio)
-                (results if isinstance(finished, RequestFailure) else outgoing).append(finished)
-        if outgoing:
-            job = EmbedsSend(outgoing, deadline=max(task.deadline for task in batch))
-            self._sending.append(_Sending(self._transfers.submit(job), outgoing))
+                if isinstance(finished, RequestFailure):
+                    results.append(finished)
+                else:
+                    self._sending[task.request_id] = self._transfers.submit(finished)
 
     def _remember(self, key: str, encoded: _Encoded) -> None:
         self.cache[key] = encoded
@@ -325,7 +306,7 @@ class EncodeEngine:
             _, old = self.cache.popitem(last=False)
             self._cached_bytes -= old.nbytes
 
-    def _finish(self, task: EncodeTask, fresh_images: dict, fresh_audio: dict) -> OutgoingEmbeds | RequestFailure:
+    def _finish(self, task: EncodeTask, fresh_images: dict, fresh_audio: dict) -> EmbedsSend | RequestFailure:
         parts = {"image": [], "audio": []}
         grids, lengths = [], []
         for item in task.items:
@@ -342,4 +323,5 @@ class EncodeEngine:
         payload = self.encoders.image_payload(torch.cat(parts["image"])) if parts["image"] else {}
         if parts["audio"]:
             payload["audio_embeds"] = torch.cat(parts["audio"])
-        return OutgoingEmbeds(task.request_id, f"mm/{task.request_id}/{task.attempt}", payload, grids, lengths)
+        return EmbedsSend(task.request_id, f"mm/{task.request_id}/{task.attempt}", payload, grids, lengths,
+                          task.deadline)

@@ -185,7 +185,7 @@ class TransferPool:
         if ticket.state is TransferState.FAILED:
             self._discard_quietly(ticket, None)
         else:
-            self._execute(ticket)
+            self._execute(ticket, inline=True)
         return ticket
 
     @contextlib.contextmanager
@@ -321,9 +321,11 @@ class TransferPool:
         self._running.add(ticket)
         self._held += 1
 
-    def _execute(self, ticket: Transfer) -> None:
-        """Run a RUNNING ticket's job (on a transfer thread, or inline for a local write) and
-        leave it READY, FAILED (discarded first) or, if cancelled meanwhile, discarded."""
+    def _execute(self, ticket: Transfer, inline: bool = False) -> None:
+        """Run a RUNNING ticket's job (on a transfer thread, or ``inline`` for a local write) and
+        leave it READY, FAILED (discarded first) or, if cancelled meanwhile, discarded. Only a
+        thread's result is news: an inline one is the caller's own, and must not cut its next idle
+        wait short."""
         result, error = None, None
         try:
             timeout = max(0.0, min(self.timeout_s, ticket.job.deadline - time.time()))
@@ -346,8 +348,9 @@ class TransferPool:
             else:
                 ticket.state, ticket.result = TransferState.READY, result
                 self._ready.add(ticket)
-            self._news = True
-            self._cond.notify_all()
+            if not inline:
+                self._news = True
+                self._cond.notify_all()
         del result
 
     def _discard_quietly(self, ticket: Transfer, result: Any) -> None:
