@@ -12,11 +12,12 @@ import sys
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from omnirelay.workers.runtime.process_group import join_world, leave_world
 
-def _free_port() -> int:
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -25,7 +26,7 @@ def _free_port() -> int:
 def run_ranks(script: str, world: int, result_dir, *extra: str) -> list[torch.Tensor]:
     """Run ``python script RANK WORLD PORT RESULT_DIR *extra`` for every rank; assert they all exit 0
     and return each rank's saved output, in rank order."""
-    port = _free_port()
+    port = free_port()
     ranks = [subprocess.Popen([sys.executable, script, str(rank), str(world), str(port), str(result_dir), *extra])
              for rank in range(world)]
     try:
@@ -43,11 +44,11 @@ def run_ranks(script: str, world: int, result_dir, *extra: str) -> list[torch.Te
 def gloo_group(rank: int, world: int, port: int):
     """This process as ``rank`` of a gloo group (one torch thread), left on the way out."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_world("gloo", f"tcp://127.0.0.1:{port}", rank, world)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        leave_world()
 
 
 def save_rank_output(out: torch.Tensor, rank: int, result_dir: str) -> None:

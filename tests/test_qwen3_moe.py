@@ -176,10 +176,11 @@ _RANK = textwrap.dedent("""
     from omnirelay.workers.llm.expert_parallel import ExpertDispatch
     from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE
     from omnirelay.workers.runtime.parallel import _TPGroup
+    from omnirelay.workers.runtime.process_group import join_world
 
     rank, rendezvous, die_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
+    join_world("gloo", rendezvous, rank, 2)
 
     class DiesInside(_TPGroup):   # rank 1 only: exits between two exchanges of one dispatch
         calls = 0

@@ -95,6 +95,7 @@ import torch.distributed as dist
 from omnirelay.errors import BadRequest
 
 from omnirelay.workers.runtime.parallel import reap_ranks
+from omnirelay.workers.runtime.process_group import join_world, leave_world
 from omnirelay.workers.generate.sequence_parallel_kernels import KERNELS, SPConfigError
 
 log = logging.getLogger("omnirelay.worker.generate")
@@ -190,8 +191,7 @@ class SPGroupConfig:
 
 def _join_group(config: SPGroupConfig, rank: int):
     """Join the process group; return the command group (broadcasts that may wait while idle)."""
-    dist.init_process_group("gloo", init_method=config.init_method, rank=rank, world_size=config.size,
-                            timeout=_STEP_TIMEOUT)
+    join_world("gloo", config.init_method, rank, config.size, timeout=_STEP_TIMEOUT)
     return dist.new_group(list(range(config.size)), timeout=_IDLE_TIMEOUT)
 
 
@@ -411,11 +411,11 @@ class SequenceParallelDenoiser:
             else:
                 expert.forward = original
         if self._lost:
-            self._reap(0.0)   # before destroy_process_group, which could wait on them otherwise
+            self._reap(0.0)   # before leave_world, which could wait on them otherwise
         try:
             if not self._lost:
                 _send_header(self._commands, STOP)
-            dist.destroy_process_group()
+            leave_world()
         except (RuntimeError, ValueError) as exc:
             log.warning("sequence-parallel group did not stop cleanly: %s", exc)
         self._reap(timeout_s)
@@ -526,7 +526,7 @@ def serve_rank(config: SPGroupConfig, rank: int, ready_fd: int = -1) -> None:
             # An input the model refuses (a shape): rank 0 holds the same inputs and weights, so it
             # failed at the same point, before the same collective; both go on to the next command.
             log.warning("sequence-parallel rank %d: forward refused its inputs: %s", rank, exc)
-    dist.destroy_process_group()
+    leave_world()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,7 @@ from omnirelay.workers.llm.expert_parallel import check_expert_parallel
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaConfig, LlamaModel, Shard
+from omnirelay.workers.runtime.process_group import join_world, leave_world
 
 log = logging.getLogger("omnirelay.worker")
 
@@ -176,8 +177,7 @@ class _Rank:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)   # NCCL's communicator binds to the current device
             backend = "cpu:gloo,cuda:nccl"
-        dist.init_process_group(backend, init_method=config.init_method, rank=rank, world_size=config.world,
-                                timeout=_STEP_TIMEOUT)
+        join_world(backend, config.init_method, rank, config.world, timeout=_STEP_TIMEOUT)
         self.commands = dist.new_group(list(range(config.world)), timeout=_IDLE_TIMEOUT, backend="gloo")
         tp = config.tp_size
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(config.pp_size)]
@@ -271,7 +271,7 @@ class GroupRunner:
             self._rank = _Rank(config, 0)
         except BaseException:
             if dist.is_initialized():   # a failed start must not block the next group in this process
-                dist.destroy_process_group()
+                leave_world()
             self._kill()
             raise
         self.config = cfg
@@ -350,7 +350,7 @@ class GroupRunner:
         self._closed = True
         try:
             _send_header(self._rank.commands, STOP)
-            dist.destroy_process_group()
+            leave_world()
         except (RuntimeError, ValueError) as exc:
             log.warning("parallel group did not stop cleanly: %s", exc)
         self._kill(timeout_s)
@@ -403,7 +403,7 @@ def serve_rank(config: GroupConfig, rank: int) -> None:
                                    dtype=me.model.dtype, device=me.device)
                 dist.recv(part, src=0)
                 me.cache.write_sequence(blocks.tolist(), part, c)
-    dist.destroy_process_group()
+    leave_world()
 
 
 def main(argv: list[str] | None = None) -> int:
