@@ -176,11 +176,7 @@ _RANK = textwrap.dedent("""
     from omnirelay.workers.llm.expert_parallel import ExpertDispatch
     from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE
     from omnirelay.workers.runtime.parallel import _TPGroup
-    from omnirelay.workers.runtime.process_group import join_world
-
-    rank, rendezvous, die_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    torch.set_num_threads(1)
-    join_world("gloo", rendezvous, rank, 2)
+    from omnirelay.workers.runtime.process_group import join_world, leave_world
 
     class DiesInside(_TPGroup):   # rank 1 only: exits between two exchanges of one dispatch
         calls = 0
@@ -190,20 +186,29 @@ _RANK = textwrap.dedent("""
                 os._exit(9)
             super().all_to_all(*args)
 
-    comm = (DiesInside if rank == 1 else _TPGroup)(dist.group.WORLD)
-    gen = torch.Generator().manual_seed(0)
-    config = MoeConfig(num_experts=4, top_k=2, intermediate_size=8, norm_topk_prob=True)
-    block = SparseMoE(config, torch.randn(4, 16, generator=gen), torch.randn(2, 16, 16, generator=gen),
-                      torch.randn(2, 16, 8, generator=gen), rank=rank, size=2, expert_parallel=True, comm=comm)
-    x = torch.randn(7, 16, generator=gen)
-    steps = 0
-    try:
-        while True:
-            block(x)
-            steps += 1
-    except RuntimeError as exc:
-        print(f"rank {rank} raised after {steps} steps: {type(exc).__name__}", flush=True)
-        sys.exit(3)
+    def run() -> int:
+        # Everything that holds the group is local: the group is freed, its threads joined, on return.
+        join_world("gloo", rendezvous, rank, 2)
+        comm = (DiesInside if rank == 1 else _TPGroup)(dist.group.WORLD)
+        gen = torch.Generator().manual_seed(0)
+        config = MoeConfig(num_experts=4, top_k=2, intermediate_size=8, norm_topk_prob=True)
+        block = SparseMoE(config, torch.randn(4, 16, generator=gen), torch.randn(2, 16, 16, generator=gen),
+                          torch.randn(2, 16, 8, generator=gen), rank=rank, size=2, expert_parallel=True, comm=comm)
+        x = torch.randn(7, 16, generator=gen)
+        steps = 0
+        try:
+            while True:
+                block(x)
+                steps += 1
+        except RuntimeError as exc:
+            print(f"rank {rank} raised after {steps} steps: {type(exc).__name__}", flush=True)
+            return 3
+        finally:
+            leave_world()
+
+    rank, rendezvous, die_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    sys.exit(run())
 """)
 
 

@@ -28,8 +28,8 @@ key). The fps only matters to the mux, so it is not part of the key.
 Determinism: each request's latents come from its own CPU ``torch.Generator`` seeded with its seed
 (diffusers' list-of-generators form), so the same seed and parameters give the same frames on any
 worker and whatever shares the batch (bit-exact for a batch of one; in a larger batch float
-rounding can move a pixel by one), and the encoder runs with one thread, so the same frames give
-the same file bytes. A batch of one equals
+rounding can move a pixel by one), and the encoder runs with one thread and no B-frames, so the same
+frames give the same file bytes. A batch of one equals
 ``pipeline(prompt, num_frames=…, generator=torch.Generator().manual_seed(seed), output_type="np")``
 (the VAE decodes frame slices instead of all frames at once, which can move a pixel by float
 rounding).
@@ -332,7 +332,10 @@ def _encode_mp4(frames: list[np.ndarray], fps: int) -> bytes:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"   # yuv420p: what players expect
         stream.codec_context.thread_count = 1    # x264 with several threads is not bit-reproducible
-        stream.options = {"crf": "18", "preset": "medium"}
+        # Nor, in a serving process, with B-frames: the same frames came out as up to 10 different
+        # files in 10 encodes (tiny text-to-video frames, an AVX-512 host, PyAV 17 and 18, also with
+        # x264's assembly off), and as one file without them, a few bytes smaller or larger.
+        stream.options = {"crf": "18", "preset": "medium", "x264-params": "bframes=0"}
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
