@@ -19,6 +19,23 @@ def speech_stream_stats(cluster) -> dict:
     return out
 
 
+def settled_speech_stream_stats(cluster) -> dict:
+    """:func:`speech_stream_stats` once every answered request is counted in it: the counters travel
+    in heartbeats (one a second), so a read right after an answer can miss it. Settled means the
+    generate workers report nothing running and two reads more than a heartbeat apart agree."""
+    deadline = time.monotonic() + 30
+    last = None
+    while True:
+        workers = [worker for worker in cluster.workers() if worker["role"] == "generate"]
+        stats = speech_stream_stats(cluster)
+        idle = not any(worker["running"] for worker in workers)
+        if idle and stats == last:
+            return stats
+        assert time.monotonic() < deadline, f"the streamed-speech counters did not settle: {stats}"
+        last = stats if idle else None
+        time.sleep(1.2)
+
+
 def speech_stream_stats_after(cluster, before: dict, requests: int) -> dict:
     """How the counters moved since ``before`` once ``requests`` more streamed requests are counted
     (the counters travel in heartbeats, so they lag the answers a little)."""

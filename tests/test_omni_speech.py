@@ -40,7 +40,7 @@ from omnirelay.workers.speech.role import encode_audio, flac_available
 from cluster import Cluster
 from media_fixtures import client_fixture
 from media_support import wav_samples
-from omni_speech_support import speech_events, speech_stream_stats, speech_stream_stats_after
+from omni_speech_support import settled_speech_stream_stats, speech_events, speech_stream_stats_after
 
 # A cluster of five processes plus transformers' reference: one to three minutes on 2 shared cores.
 pytestmark = pytest.mark.slow
@@ -393,7 +393,7 @@ def test_chat_audio_stream_is_synthesised_while_the_talker_speaks(client, cluste
         model=MODEL, messages=MESSAGES, modalities=["text", "audio"], max_tokens=MAX_TOKENS, temperature=0,
         seed=SEED, audio={"voice": "Ethan", "format": "wav"},
         extra_body={"max_audio_tokens": STREAM_CODES}).choices[0].message.audio.data)
-    before = speech_stream_stats(cluster)
+    before = settled_speech_stream_stats(cluster)
     chunks, transcript, finish, completion_tokens = _stream_chat_audio(client, "wav", STREAM_CODES)
     assert len(chunks) > 1 and transcript and finish == "length" and completion_tokens == MAX_TOKENS
     streamed = b"".join(chunks)
@@ -431,7 +431,7 @@ def test_speech_endpoint_streams_the_file_as_it_is_synthesised(client, cluster):
     kwargs = dict(model=MODEL, voice="Chelsie", input="Hello there, world.",
                   extra_body={"seed": 7, "max_audio_tokens": STREAM_CODES})
     whole = client.audio.speech.create(response_format="wav", **kwargs).content
-    before = speech_stream_stats(cluster)
+    before = settled_speech_stream_stats(cluster)
     bodies = []
     for _ in range(2):
         with client.audio.speech.with_streaming_response.create(response_format="wav", stream_format="audio",
@@ -466,7 +466,7 @@ def test_speech_sse_events_carry_the_audio_stream_and_usage(client, cluster, tin
                   extra_body={"seed": 7, "max_audio_tokens": STREAM_CODES})
     with client.audio.speech.with_streaming_response.create(stream_format="audio", **kwargs) as response:
         body = response.read()
-    before = speech_stream_stats(cluster)
+    before = settled_speech_stream_stats(cluster)
     deltas, done = speech_events(client, **kwargs)
     assert len(deltas) >= 2 and b"".join(deltas) == body
     assert deltas[0][:4] == b"RIFF" and deltas[0][4:8] == b"\xff\xff\xff\xff"   # the streamed header, as "audio"
