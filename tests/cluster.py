@@ -72,6 +72,24 @@ class Proc:
             return handle.read()
 
 
+def settled_workers(url: str, timeout: float = 30.0) -> list[dict]:
+    """The workers of the gateway at ``url`` (its ``/cluster`` view) once every answered request is
+    counted in their stats: those travel in heartbeats (one a second), so a read right after an
+    answer can miss part of it. Settled means no worker reports a running request and two reads more
+    than a heartbeat apart agree."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        workers = requests.get(url + "/cluster", timeout=10).json()["workers"]
+        idle = not any(worker["running"] for worker in workers)
+        stats = [worker["stats"] for worker in workers]
+        if idle and stats == last:
+            return workers
+        assert time.monotonic() < deadline, f"the workers' stats did not settle: {stats}"
+        last = stats if idle else None
+        time.sleep(1.2)
+
+
 class Cluster:
     def __init__(self, model: str, log_dir: str, broker: str | None = None, model_name: str = "tiny-llm",
                  curve: dict | None = None):

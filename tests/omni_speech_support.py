@@ -7,33 +7,27 @@ import base64
 import json
 import time
 
+from cluster import settled_workers
+
 
 def speech_stream_stats(cluster) -> dict:
     """The generate workers' streamed-speech counters, summed (from their last heartbeats)."""
+    return _speech_stream_counters(cluster.workers())
+
+
+def settled_speech_stream_stats(cluster) -> dict:
+    """:func:`speech_stream_stats` once every answered request is counted in it (:func:`settled_workers`)."""
+    return _speech_stream_counters(settled_workers(cluster.url))
+
+
+def _speech_stream_counters(workers: list[dict]) -> dict:
     out: dict = {}
-    for worker in cluster.workers():
+    for worker in workers:
         if worker["role"] == "generate":
             for key, value in worker.get("stats", {}).items():
                 if key.startswith("speech_stream_"):
                     out[key] = out.get(key, 0) + value
     return out
-
-
-def settled_speech_stream_stats(cluster) -> dict:
-    """:func:`speech_stream_stats` once every answered request is counted in it: the counters travel
-    in heartbeats (one a second), so a read right after an answer can miss it. Settled means the
-    generate workers report nothing running and two reads more than a heartbeat apart agree."""
-    deadline = time.monotonic() + 30
-    last = None
-    while True:
-        workers = [worker for worker in cluster.workers() if worker["role"] == "generate"]
-        stats = speech_stream_stats(cluster)
-        idle = not any(worker["running"] for worker in workers)
-        if idle and stats == last:
-            return stats
-        assert time.monotonic() < deadline, f"the streamed-speech counters did not settle: {stats}"
-        last = stats if idle else None
-        time.sleep(1.2)
 
 
 def speech_stream_stats_after(cluster, before: dict, requests: int) -> dict:

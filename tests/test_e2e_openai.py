@@ -12,6 +12,8 @@ import openai
 import pytest
 import requests
 
+from cluster import settled_workers
+
 MODEL = "tiny-llm"
 PROMPTS = [
     "Hello there, how are you today?",
@@ -121,25 +123,8 @@ def _stats_by_role(server) -> dict[str, dict]:
     return {w["role"]: w for w in _cluster(server)["workers"]}
 
 
-def _settled_stats_by_role(server) -> dict[str, dict]:
-    """:func:`_stats_by_role` once every answered request is counted in it: the counters travel in
-    heartbeats (one a second), so a read right after an answer can miss part of it. Settled means no
-    worker reports a running request and two reads more than a heartbeat apart agree."""
-    deadline = time.time() + 30
-    last = None
-    while True:
-        workers = _stats_by_role(server)
-        idle = not any(worker["running"] for worker in workers.values())
-        counters = {role: worker["stats"] for role, worker in workers.items()}
-        if idle and counters == last:
-            return workers
-        assert time.time() < deadline, f"the workers' counters did not settle: {counters}"
-        last = counters if idle else None
-        time.sleep(1.2)
-
-
 def test_kv_crosses_the_connector_between_processes(client, server):
-    before = _settled_stats_by_role(server)
+    before = {w["role"]: w for w in settled_workers(server.url)}   # counters of earlier answers all in
     chat(client, PROMPTS[5], temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
     deadline = time.time() + 10
     while time.time() < deadline:
