@@ -257,7 +257,7 @@ def test_client_that_leaves_cancels_the_generation_upstream(client, cluster):
         time.sleep(0.2)
     else:
         pytest.fail(f"the generation was not cancelled upstream: {state}")
-    assert worker["stats"]["images_generated"] < 40   # the 10 abandoned images were not all made
+    assert worker["stats"].get("images_generated", 0) < 40   # the 10 abandoned images were not all made (none yet: no key)
     assert len(_generate(client, num_inference_steps=1, seed=2)) == 1
 
 
