@@ -114,6 +114,7 @@ class PrefillRole(RoleAdapter):
         self.prefix_cache = engine if engine.prefix_caching else None
 
     def accept(self, task: p.Task) -> list[Outbound]:
+        self._replace_held(task)
         try:
             params = SamplingParams.from_wire(task.sampling)
             _check_token_ids(params, self.engine)
@@ -162,6 +163,7 @@ class DecodeRole(RoleAdapter):
         super().__init__(worker_id, engine, engine.connector)
 
     def accept(self, task: p.Task) -> list[Outbound]:
+        self._replace_held(task)
         kv = task.inputs
         try:
             if not isinstance(kv, KVHandoff):
