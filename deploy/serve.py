@@ -135,6 +135,9 @@ GATEWAY_LIMITS = (
     ("--stream-write-timeout", GatewayConfig.stream_write_timeout_s, float),
     ("--header-timeout", GatewayConfig.header_timeout_s, float),
     ("--read-timeout", GatewayConfig.read_timeout_s, float),
+    ("--max-image-pixels", GatewayConfig.max_image_pixels, int),
+    ("--min-audio-sample-rate", GatewayConfig.min_audio_sample_rate, int),
+    ("--max-audio-sample-rate", GatewayConfig.max_audio_sample_rate, int),
 )
 
 

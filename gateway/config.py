@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .media import MediaLimits
+
 
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
@@ -50,6 +52,10 @@ class GatewayConfig:
                          gateway holds at once; the next upgrade request gets a 503.
     websocket_idle_timeout_s: a WebSocket session with nothing in flight that receives no event for this
                          long is closed.
+    max_image_pixels:    width × height a chat image may declare in its header (400 beyond, before it is
+                         decoded; at most ``omnirelay.handoffs.MAX_IMAGE_PIXELS_CEILING``).
+    min_audio_sample_rate, max_audio_sample_rate: the sample rates (Hz) a chat WAV clip may declare (400
+                         beyond, before it is read or resampled: a 1 Hz header would ask for a huge resample).
     """
 
     models: tuple[ServedModel, ...]
@@ -70,6 +76,9 @@ class GatewayConfig:
     read_timeout_s: float = 60.0
     max_websocket_sessions: int = 256
     websocket_idle_timeout_s: float = 300.0
+    max_image_pixels: int = 25_000_000
+    min_audio_sample_rate: int = 8000
+    max_audio_sample_rate: int = 192_000
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -88,3 +97,10 @@ class GatewayConfig:
             raise ValueError("header_timeout_s, read_timeout_s and stream_write_timeout_s must be positive")
         if self.max_websocket_sessions < 0 or self.websocket_idle_timeout_s <= 0:
             raise ValueError("max_websocket_sessions must be >= 0 and websocket_idle_timeout_s positive")
+        self.media_limits(None)   # the media bounds' own checks
+
+    def media_limits(self, allowed_local_dir: str | None) -> MediaLimits:
+        """The media bounds of a served model (its own local media directory, the gateway's limits)."""
+        return MediaLimits(allowed_local_dir=allowed_local_dir, max_image_pixels=self.max_image_pixels,
+                           min_audio_sample_rate=self.min_audio_sample_rate,
+                           max_audio_sample_rate=self.max_audio_sample_rate)

@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="WebSocket sessions (/v1/realtime, /v1/audio/speech/stream) held at once; 503 beyond")
     parser.add_argument("--websocket-idle-timeout", type=float, default=GatewayConfig.websocket_idle_timeout_s,
                         help="close a WebSocket session that sends no event for this long with nothing in flight")
+    parser.add_argument("--max-image-pixels", type=int, default=GatewayConfig.max_image_pixels,
+                        help="width x height a chat image may declare (400 beyond, checked before decoding)")
+    parser.add_argument("--min-audio-sample-rate", type=int, default=GatewayConfig.min_audio_sample_rate,
+                        help="lowest sample rate (Hz) a chat WAV clip may declare (400 below, before resampling)")
+    parser.add_argument("--max-audio-sample-rate", type=int, default=GatewayConfig.max_audio_sample_rate,
+                        help="highest sample rate (Hz) a chat WAV clip may declare")
     parser.add_argument("--stage-configs-path", action="append", default=None,
                         help="stage-pipeline YAML, one per --model or one for all (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
@@ -109,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
             max_streams_per_client=args.max_streams_per_client, stream_write_timeout_s=args.stream_write_timeout,
             max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,
-            max_websocket_sessions=args.max_websocket_sessions, websocket_idle_timeout_s=args.websocket_idle_timeout)
+            max_websocket_sessions=args.max_websocket_sessions, websocket_idle_timeout_s=args.websocket_idle_timeout,
+            max_image_pixels=args.max_image_pixels, min_audio_sample_rate=args.min_audio_sample_rate,
+            max_audio_sample_rate=args.max_audio_sample_rate)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
     except ValueError as exc:   # PipelineError and SecurityError included

@@ -4,7 +4,8 @@ Life of a chat request with media through this module (called from ``generation.
 
     messages with content parts ──▶ each image_url / input_audio / audio_url part: fetch its bytes
         (a data: URL or base64; a local file only under --allowed-local-media-path), check its type
-        and size, decode it (PIL / WAV) ──▶ count the tokens it becomes (below) ──▶ the model's chat
+        and size, read its header and check what it declares (below) ──▶ check the file's structure
+        (images) or convert it (WAV) ──▶ count the tokens it becomes (below) ──▶ the model's chat
         template renders one <|vision_bos|><|IMAGE|><|vision_eos|> (or audio) triple per part ──▶
         each placeholder is expanded to its token count ──▶ (prompt ids, media items for encode)
 
@@ -15,14 +16,21 @@ feature extractor; knowing it here keeps the prompt a fixed list of token ids fr
 on (context-length checks, usage, routing, and the KV length decode checks all agree). The encode
 worker reports the grids and frame counts it actually produced; prefill refuses a mismatch.
 
-What travels: images as their original file bytes (the encode worker decodes them again, exactly
-as here), audio as float32 little-endian PCM at 16 kHz (WAV of any rate and 8/16/32-bit PCM is
+Bounded before the work: an image's declared width × height (PIL reads only the header when it
+opens a file) is checked against ``max_image_pixels`` before anything is decoded, and the gateway
+never decodes the pixels at all: it verifies the file's structure and leaves decoding to the encode
+worker, once. A WAV's declared sample rate (``min/max_audio_sample_rate``) and duration (the model's
+clip length) are checked from its header before a sample is read or resampled. So a few hundred bytes
+declaring a 12000×12000 image, or a WAV at 1 Hz, cost a header read and a 400.
+
+What travels: images as their original file bytes (decoded by the encode worker), audio as float32 little-endian PCM at 16 kHz (WAV of any rate and 8/16/32-bit PCM is
 converted here: linear interpolation when the rate differs), inline in the Submit's ``inputs``. The
 total is bounded below the bus message limit; a larger request is refused with 413.
 
 Errors (OpenAI-style, ``param`` naming the part, e.g. ``messages[0].content[1]``): bad base64, a
 type that is not an image / WAV audio, undecodable data, an image or clip out of bounds → 400; too
-many media items → 400; more bytes than the limits → 413.
+many media items → 400; more bytes than the limits → 413. An image or clip whose header declares more
+than the limits (pixels, sample rate, duration) → 400 saying which limit, before it is decoded.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import numpy as np
 
 from omnirelay.broker.protocol import MAX_BODY_BYTES
 from omnirelay.errors import BadRequest, PayloadTooLarge
+from omnirelay.handoffs import MAX_IMAGE_PIXELS_CEILING
 
 MEDIA_PARTS = ("image_url", "input_audio", "audio_url")
 SAMPLE_RATE = 16000
@@ -52,10 +61,18 @@ class MediaLimits:
     max_items: int = 8                          # media parts per request
     max_total_bytes: int = 6 * 1024 * 1024      # what travels inline, all items (bus limit: 8 MiB)
     allowed_local_dir: str | None = None        # image_url may name files under it (operator flag)
+    # Checked from the file's header before any decoding (operator flags, gateway/config.py).
+    max_image_pixels: int = 25_000_000          # width × height an image may declare
+    min_audio_sample_rate: int = 8000           # Hz a WAV may declare: a low rate is a large resample
+    max_audio_sample_rate: int = 192_000
 
     def __post_init__(self) -> None:
         if not 0 < self.max_total_bytes <= MAX_BODY_BYTES - 512 * 1024:
             raise ValueError(f"max_total_bytes must leave room in one bus message ({MAX_BODY_BYTES} bytes)")
+        if not 0 < self.max_image_pixels <= MAX_IMAGE_PIXELS_CEILING:
+            raise ValueError(f"max_image_pixels must be in 1..{MAX_IMAGE_PIXELS_CEILING} (the encode worker's bound)")
+        if not 0 < self.min_audio_sample_rate <= self.max_audio_sample_rate:
+            raise ValueError("audio sample rate bounds must satisfy 0 < min_audio_sample_rate <= max_audio_sample_rate")
 
 
 @dataclasses.dataclass
@@ -179,6 +196,8 @@ class MediaProcessor:
         return mime, data
 
     def _image(self, data: bytes, param: str) -> Media:
+        """Checked from the header and the file's structure; the pixels are decoded only by the encode
+        worker (PIL's ``open`` reads the header, ``verify`` walks the chunks without decompressing)."""
         from PIL import Image, UnidentifiedImageError
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -186,10 +205,11 @@ class MediaProcessor:
             raise PayloadTooLarge(f"image exceeds {self.limits.max_total_bytes} bytes", param=param)
         try:
             with Image.open(io.BytesIO(data)) as img:
-                img.verify()   # structure and checksums; a truncated or corrupt file fails here
-            with Image.open(io.BytesIO(data)) as img:
-                img.load()
-                width, height = img.size
+                width, height = img.size   # declared by the header; nothing decoded yet
+                if width * height > self.limits.max_image_pixels:
+                    raise BadRequest(f"the image declares {width}x{height} pixels; at most "
+                                     f"{self.limits.max_image_pixels} pixels (--max-image-pixels)", param=param)
+                img.verify()   # structure and checksums; a malformed file fails here
             h, w = smart_resize(height, width, factor=self.patch * self.merge, min_pixels=self.min_pixels,
                                 max_pixels=self.max_pixels)
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
@@ -199,13 +219,23 @@ class MediaProcessor:
     def _audio(self, data: bytes, param: str) -> Media:
         from omnirelay.mrope import audio_output_length, qwen3_audio_output_length
 
+        limits = self.limits
         try:
             with wave.open(io.BytesIO(data)) as wav:
                 channels, width, rate = wav.getnchannels(), wav.getsampwidth(), wav.getframerate()
+                # The header's claims, checked before a sample is read: the resample below makes
+                # frames × 16000 / rate samples, so a low rate or a long clip is a large array.
+                if not limits.min_audio_sample_rate <= rate <= limits.max_audio_sample_rate:
+                    raise BadRequest(f"the WAV declares a sample rate of {rate} Hz; accepted: "
+                                     f"{limits.min_audio_sample_rate}..{limits.max_audio_sample_rate} Hz "
+                                     "(--min-audio-sample-rate, --max-audio-sample-rate)", param=param)
+                if wav.getnframes() / rate * SAMPLE_RATE > self.max_samples:
+                    raise BadRequest(f"audio is {wav.getnframes() / rate:.1f} s; at most "
+                                     f"{self.max_samples / SAMPLE_RATE:.0f} s per clip", param=param)
                 frames = wav.readframes(wav.getnframes())
         except (wave.Error, EOFError) as exc:
             raise BadRequest(f"the audio is not a readable WAV file: {exc}", param=param) from None
-        if width not in (1, 2, 4) or rate <= 0 or not frames:
+        if width not in (1, 2, 4) or not frames:
             raise BadRequest("WAV audio must be 8/16/32-bit PCM with at least one sample", param=param)
         dtype = {1: np.uint8, 2: "<i2", 4: "<i4"}[width]
         pcm = np.frombuffer(frames[: len(frames) // (width * channels) * width * channels], dtype=dtype)

@@ -63,6 +63,11 @@ class _Handoff(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
         a key that cannot be deleted now: it expires by the connector's TTL."""
 
 
+# The most pixels an image may declare anywhere: the gateway's --max-image-pixels may not exceed it and
+# the encode worker refuses a larger header before decoding (an image reaches it from any bus peer).
+MAX_IMAGE_PIXELS_CEILING = 100_000_000
+
+
 class MediaItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """One image (the encoded file) or audio clip (float32 little-endian PCM at 16 kHz)."""
 

@@ -50,7 +50,7 @@ import torch
 from omnirelay.connectors import Connector
 from omnirelay.connectors.base import Handle
 from omnirelay.errors import BadRequest, DeadlineExceeded, OutOfMemory
-from omnirelay.handoffs import EmbedsHandoff
+from omnirelay.handoffs import MAX_IMAGE_PIXELS_CEILING, EmbedsHandoff
 from omnirelay.workers.encode.embeds_send import EmbedsSend
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
@@ -124,6 +124,10 @@ class ThinkerEncoders:
         from PIL import Image
 
         with Image.open(io.BytesIO(data)) as img:
+            # The gateway checked the header against its limit; this bound holds for any bus peer.
+            if img.size[0] * img.size[1] > MAX_IMAGE_PIXELS_CEILING:
+                raise ValueError(f"the image declares {img.size[0]}x{img.size[1]} pixels; at most "
+                                 f"{MAX_IMAGE_PIXELS_CEILING}")
             rgb = img.convert("RGB")
         out = self.images(images=[rgb], return_tensors="pt")
         return out["pixel_values"], [int(x) for x in out["image_grid_thw"][0]]
