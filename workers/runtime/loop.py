@@ -12,7 +12,9 @@ Loop, as a table of contents::
 The broker socket itself lives on the :class:`~omnirelay.workers.runtime.broker_link.BrokerLink` thread,
 which relays this loop's messages and keeps the worker alive at the broker while one step (and the
 connector transfers inside it) takes longer than the broker's liveness period. Gateway sockets
-stay on this thread: only it sends token deltas.
+stay on this thread (only it sends token deltas), in a :class:`ReplySockets`: bounded in number,
+closed when idle, never left open by a failed set-up. A task whose ``reply_to`` is not an endpoint
+fails as ``bad_request`` before the engine sees it (the broker refuses such a Submit too).
 
 Shutdown (SIGTERM/SIGINT only flip a flag): stop granting credits, keep stepping until the engine
 is empty or ``drain_timeout_s`` passes, report the rest as failed (``worker_lost``, resumable), then
@@ -28,14 +30,17 @@ import time
 
 import zmq
 
-from omnirelay.errors import WorkerLost
+from omnirelay.endpoints import endpoint_error
+from omnirelay.errors import BadRequest, WorkerLost
 from omnirelay.broker import protocol as p
 from omnirelay.broker.prefix_index import route_keys
 from omnirelay.lifecycle import Shutdown, ShutdownState
-from omnirelay.security import CurveKeys, is_loopback, require_curve_off_loopback
+from omnirelay.security import CurveKeys, require_curve_off_loopback
 
 from omnirelay.workers.runtime.broker_link import BrokerLink
 from omnirelay.workers.runtime.config import WorkerConfig
+from omnirelay.workers.runtime.health_server import WorkerHealth
+from omnirelay.workers.runtime.reply_sockets import ReplySockets
 from omnirelay.workers.runtime.roles import BROKER, Outbound, RoleAdapter
 
 log = logging.getLogger("omnirelay.worker")
@@ -62,12 +67,12 @@ class WorkerRuntime:
         self._ctx = zmq.Context()
         self._link = BrokerLink(self._ctx, config.broker, config.worker_id, config.heartbeat_interval_s, keys,
                                 wedged_after_s=config.wedged_after_s, on_inbound=role.engine.wake)
-        self._gateways: dict[str, zmq.Socket] = {}
-        self._gateway_keys: dict[str, str] = {}   # reply_to → its CURVE public key (z85)
+        self._gateways = ReplySockets(self._ctx, keys)
         self._credits_outstanding = 0
         self._tasks: set[str] = set()
         self._prefix_cache = role.prefix_cache
         self._beats_to_full_prefix = 0   # 0: the next heartbeat sends the whole prefix set
+        self._serving = False            # registered and looping (health(); the loop thread writes it)
 
     # ------------------------------------------------------------------ loop
 
@@ -76,6 +81,7 @@ class WorkerRuntime:
         try:
             self._link.start()
             self._register()
+            self._serving = True
             self._serve()
         except Exception as exc:   # the engine cannot go on (e.g. a rank of its group died): say why
             reason = f"worker failed: {exc}"
@@ -107,7 +113,22 @@ class WorkerRuntime:
                 self._top_up_credits()
             if time.monotonic() >= next_heartbeat:
                 self._heartbeat()
+                self._gateways.close_idle()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+
+    def health(self) -> WorkerHealth:
+        """The worker's state for its probes (:mod:`~omnirelay.workers.runtime.health_server`). Called
+        from the health server's thread: it only reads attributes the loop writes as single references."""
+        age = self._link.step_age_s()
+        if self._serving and not self._link.running:
+            state = "link_down"
+        elif age > self.config.wedged_after_s:
+            state = "wedged"
+        elif self.shutdown.requested:
+            state = "draining"
+        else:
+            state = "serving" if self._serving else "starting"
+        return WorkerHealth(state, self.config.role, self.config.worker_id, age)
 
     def role_has_work(self) -> bool:
         return self.role.engine.has_work
@@ -137,9 +158,13 @@ class WorkerRuntime:
                     self._send([self.role.failure(msg.request_id, msg.stage, WorkerLost.error_type, "worker is draining",
                                                   attempt=msg.attempt)])
                     continue
+                if reason := endpoint_error(msg.reply_to):   # the broker checks too; a bus peer may not have
+                    self._send([self.role.failure(msg.request_id, msg.stage, BadRequest.error_type,
+                                                  f"reply_to: {reason}", attempt=msg.attempt)])
+                    continue
                 self._tasks.add(msg.request_id)
-                if msg.reply_key:
-                    self._gateway_keys[msg.reply_to] = msg.reply_key
+                if msg.reply_to:
+                    self._gateways.note_key(msg.reply_to, msg.reply_key)
                 self._send(self.role.accept(msg))
             elif isinstance(msg, p.CancelTask):
                 self._tasks.discard(msg.request_id)
@@ -208,26 +233,7 @@ class WorkerRuntime:
         self._link.send(msg)
 
     def _send_gateway(self, endpoint: str, msg: p.Message) -> None:
-        if not endpoint:
-            return
-        sock = self._gateways.get(endpoint)
-        if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            reply_key = self._gateway_keys.get(endpoint)
-            if reply_key and self._keys:
-                self._keys.make_client(sock, server_key=reply_key.encode())
-            elif not is_loopback(endpoint):
-                log.error("refusing to send tokens to %s without CURVE", endpoint)
-                sock.close(0)
-                return
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.connect(endpoint)
-            self._gateways[endpoint] = sock
-        try:
-            sock.send_multipart(p.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("gateway %s is not reading; dropped a token delta", endpoint)
+        self._gateways.send(endpoint, msg)
 
     def close(self) -> None:
         """The engine first (its threads may use the connector), then what the role's builder
@@ -237,8 +243,6 @@ class WorkerRuntime:
                 resource.close()
             except Exception:   # closing one resource must not keep the others open
                 log.exception("closing %s failed", type(resource).__name__)
-        for sock in self._gateways.values():
-            sock.close()
-        self._gateways.clear()
+        self._gateways.close()
         self._link.stop()   # already stopped by run(); here for a runtime that never ran
         self._ctx.term()
