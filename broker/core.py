@@ -26,6 +26,14 @@ of the pool: with 700 workers in a role the scan cost ~1 ms a dispatch and cappe
 seconds are dropped; their idempotent stages (everything but decode) go back to the front of the
 queue, and a decode stream is reported ``resumable`` so the gateway can resume it elsewhere.
 
+Streamed hand-offs: a running stage may send ``StageStreaming`` (its successor can start on a
+hand-off it keeps writing, e.g. decode's spoken reply in chunks). The request then moves to the next
+stage at once and remembers the sender as its ``producer_id`` until the producer's own StageDone or
+StageFailed; the last stage finishing first leaves the request open (``stages_done``) until then.
+Such a consumer reads chunks nobody can write again, so losing either side fails the request as
+``resumable`` (the gateway submits it again and skips what the client already has), and a cancel
+or failure tells both workers.
+
 A failed transfer restarts the request from its first stage, but not at once: a flapping connector
 or store would fail the retry the same way, so the request waits in ``BACKOFF`` for a delay that
 doubles with each attempt up to ``retry_backoff_max_s``. The broker never sleeps: a heap ordered by
@@ -45,6 +53,7 @@ import logging
 
 import msgspec
 
+from omnirelay.endpoints import endpoint_error
 from omnirelay.errors import BadRequest, DeadlineExceeded, Overloaded, TransferFailed, Unavailable, WorkerLost
 
 from . import protocol as p
@@ -61,6 +70,7 @@ RETRYABLE_ERRORS = frozenset({TransferFailed.error_type, WorkerLost.error_type})
 # … of which these wait before the restart: the same connector or store is likely to fail again at
 # once. A worker_lost report comes from a draining worker, and another worker can take over now.
 BACKOFF_ERRORS = frozenset({TransferFailed.error_type})
+MAX_GOOD_ENDPOINTS = 4096   # bound of the checked-endpoint cache (one per gateway in practice)
 
 Outgoing = tuple[bytes, p.Message]
 
@@ -92,6 +102,8 @@ class BrokerCore:
         self._ready: dict[tuple[str, str], list] = {}
         self._ready_seq = itertools.count()
         self._prefix_workers: collections.Counter[tuple[str, str]] = collections.Counter()
+        # reply_to endpoints already checked (a gateway sends the same one with every Submit).
+        self._good_endpoints: set[str] = set()
 
     # ------------------------------------------------------------------ entry points
 
@@ -137,6 +149,13 @@ class BrokerCore:
 
     def _on_register(self, identity: bytes, msg: p.Register, now: float) -> list[Outgoing]:
         old = self.workers.get(msg.worker_id)
+        if old is not None and old.identity != identity and now - old.last_seen <= self.config.liveness_s:
+            # A live worker's id claimed from another connection (a worker's bus identity is its id,
+            # so its own restart comes from the same one): refused, or the claimant takes its tasks.
+            self.counters["rejected_registrations"] += 1
+            log.warning("refused worker id %s from another bus identity while it is alive", msg.worker_id)
+            return [(identity, p.ErrorReply(BadRequest.error_type,
+                                            f"worker id {msg.worker_id} is registered and alive"))]
         if old is None and len(self.workers) >= self.config.max_workers:
             self.counters["rejected_registrations"] += 1
             return [(identity, p.ErrorReply(Overloaded.error_type, f"registry full ({self.config.max_workers} workers)"))]
@@ -211,9 +230,19 @@ class BrokerCore:
         out: list[Outgoing] = []
         for request_id in sorted(worker.tasks):
             req = self.requests.get(request_id)
+            if req is not None and req.producer_id == worker.worker_id:
+                # A producer lost mid-stream: its consumer read what nobody can write again.
+                req.producer_id = None
+                out += self._fail(req, WorkerLost.error_type, f"{worker.role} worker {worker.worker_id} died "
+                                  "while streaming to the next stage", resumable=True)
+                continue
             if req is None or req.worker_id != worker.worker_id:
                 continue
             req.phase, req.worker_id = QUEUED, None
+            if req.streamed:   # its consumed chunks are gone: the whole request starts again
+                out += self._fail(req, WorkerLost.error_type, f"{worker.role} worker {worker.worker_id} died "
+                                  "while reading a streamed hand-off", resumable=True)
+                continue
             if req.stage in IDEMPOTENT_STAGES and req.attempts + 1 < self.config.max_attempts:
                 req.attempts += 1
                 self.counters["stage_retries"] += 1
@@ -258,6 +287,9 @@ class BrokerCore:
         if worker is None:
             return [(identity, p.Reregister("unknown worker"))]
         req = self.requests.get(msg.request_id)
+        if req is not None and req.producer_id == worker.worker_id and req.attempts == msg.attempt \
+                and req.spec.stages[req.stage_index - 1] == msg.stage:
+            return self._producer_done(req, worker, msg.stage, now)
         if (req is None or req.worker_id != worker.worker_id or req.stage != msg.stage
                 or req.attempts != msg.attempt):
             self.counters["stale_stage_reports"] += 1
@@ -275,6 +307,9 @@ class BrokerCore:
         counters[done_key] += 1
         counters[seconds_key] += int((now - req.dispatched_at) * 1e6)  # µs: counters are ints
         if msg.finished or req.stage_index + 1 >= len(req.spec.stages):
+            if req.producer_id is not None:   # the stage streaming into this one still runs
+                req.worker_id, req.stages_done = None, True
+                return []
             del self.requests[msg.request_id]
             counters["requests_finished"] += 1
             return []
@@ -282,6 +317,37 @@ class BrokerCore:
         # A decoded message is the broker's own and never changed: its maps are shared, not copied.
         req.inputs, req.phase, req.worker_id = msg.outputs, QUEUED, None
         return self._enqueue(req)
+
+    def _on_stage_streaming(self, identity: bytes, msg: p.StageStreaming, now: float) -> list[Outgoing]:
+        """The running stage lets its successor start on a streamed hand-off: dispatch the next
+        stage now and keep the sender as the request's producer until it reports."""
+        worker = self._known_worker(identity, msg.worker_id, now)
+        if worker is None:
+            return [(identity, p.Reregister("unknown worker"))]
+        req = self.requests.get(msg.request_id)
+        if (req is None or req.worker_id != worker.worker_id or req.stage != msg.stage
+                or req.attempts != msg.attempt or req.stage_index + 1 >= len(req.spec.stages)):
+            self.counters["stale_stage_reports"] += 1
+            # Nobody will read the stream: its producer deletes what it wrote and stops writing.
+            return [(identity, p.CancelTask(msg.request_id, inputs=msg.outputs))]
+        self.counters["streamed_handoffs"] += 1
+        req.producer_id, req.streamed = worker.worker_id, True
+        req.stage_index += 1
+        req.inputs, req.phase, req.worker_id = msg.outputs, QUEUED, None
+        return self._enqueue(req)
+
+    def _producer_done(self, req: RequestState, worker: WorkerState, stage: str, now: float) -> list[Outgoing]:
+        """The stage that streamed into the current one finished writing."""
+        worker.tasks.discard(req.spec.request_id)
+        self._offer(worker)
+        done_key, seconds_key = self._stage_counter_keys(stage)
+        self.counters[done_key] += 1
+        self.counters[seconds_key] += int((now - req.dispatched_at) * 1e6)
+        req.producer_id = None
+        if req.stages_done:
+            del self.requests[req.spec.request_id]
+            self.counters["requests_finished"] += 1
+        return self._pump(worker.model, worker.role)
 
     def _stage_counter_keys(self, stage: str) -> tuple[str, str]:
         """The two counter names of ``stage``'s completions, formatted once per stage name (the
@@ -296,6 +362,12 @@ class BrokerCore:
         if worker is None:
             return [(identity, p.Reregister("unknown worker"))]
         req = self.requests.get(msg.request_id)
+        if req is not None and req.producer_id == worker.worker_id and req.attempts == msg.attempt:
+            # The producer of a streamed hand-off failed: its consumer cannot go on without it.
+            worker.tasks.discard(msg.request_id)
+            self._offer(worker)
+            req.producer_id = None
+            return self._fail(req, msg.error_type, msg.message, resumable=msg.error_type in RETRYABLE_ERRORS)
         if req is None or req.worker_id != worker.worker_id or req.attempts != msg.attempt:
             if req is None:
                 worker.tasks.discard(msg.request_id)
@@ -303,6 +375,8 @@ class BrokerCore:
         worker.tasks.discard(msg.request_id)
         self._offer(worker)
         req.worker_id = None   # the worker already dropped it: no CancelTask back
+        if req.streamed:   # a stream's consumer: nothing can be replayed alone; the producer stops too
+            return self._fail(req, msg.error_type, msg.message, resumable=msg.error_type in RETRYABLE_ERRORS)
         if msg.error_type not in RETRYABLE_ERRORS:
             return self._fail(req, msg.error_type, msg.message)
         if req.attempts + 1 >= self.config.max_attempts:
@@ -387,6 +461,13 @@ class BrokerCore:
             return self._reject(identity, msg, BadRequest.error_type, f"duplicate request_id {msg.request_id}")
         if not math.isfinite(msg.deadline):
             return self._reject(identity, msg, BadRequest.error_type, "deadline must be a finite time")
+        if msg.reply_to not in self._good_endpoints:
+            # Every worker of the request connects to it: refused here, before any worker sees it.
+            if reason := endpoint_error(msg.reply_to):
+                return self._reject(identity, msg, BadRequest.error_type, f"reply_to: {reason}")
+            if len(self._good_endpoints) >= MAX_GOOD_ENDPOINTS:
+                self._good_endpoints.clear()
+            self._good_endpoints.add(msg.reply_to)
         pools = self.pools
         for role in stages:
             if (model, role) not in pools:
@@ -519,7 +600,20 @@ class BrokerCore:
         return out
 
     def _release(self, req: RequestState) -> list[Outgoing]:
-        """Take ``req`` out of its queue or off its worker (telling the worker to drop it)."""
+        """Take ``req`` out of its queue or off its worker (telling the worker to drop it), and off
+        the producer still streaming into it."""
+        out: list[Outgoing] = []
+        producer = self.workers.get(req.producer_id or "")
+        if producer is not None:
+            producer.tasks.discard(req.spec.request_id)
+            self._offer(producer)
+            out.append((producer.identity, p.CancelTask(req.spec.request_id)))
+        req.producer_id = None
+        if req.stages_done:
+            return out
+        return out + self._release_stage(req)
+
+    def _release_stage(self, req: RequestState) -> list[Outgoing]:
         if req.phase is BACKOFF:
             return []   # its inputs are the Submit's own, and its heap entry is skipped when due
         queue = self.queues.get((req.spec.model, req.stage))
@@ -548,6 +642,7 @@ class BrokerCore:
         p.Unregister: _on_unregister,
         p.StageDone: _on_stage_done,
         p.StageFailed: _on_stage_failed,
+        p.StageStreaming: _on_stage_streaming,
         p.GatewayHello: _on_gateway_hello,
         p.Submit: _on_submit,
         p.Cancel: _on_cancel,

@@ -399,9 +399,10 @@ def test_reregistering_the_only_worker_of_a_role_keeps_its_queue(core):
     register(core, b"dec", "decode")
     submit(core, "r1")                                   # running on w1
     submit(core, "r2")                                   # queued behind it
-    out = core.on_message(b"w1-new", p.Register("w1", "prefill", MODEL, 4), 1.0)
+    # Restarted: a worker's bus identity is its id, so it comes back from the same one.
+    out = core.on_message(b"w1", p.Register("w1", "prefill", MODEL, 4), 1.0)
     assert [f for f in failures(out) if f.error_type == "unavailable"] == []
-    assert sorted(rid for _, rid, _ in tasks(core.on_message(b"w1-new", p.Credit("w1", 2), 1.0))) == ["r1", "r2"]
+    assert sorted(rid for _, rid, _ in tasks(core.on_message(b"w1", p.Credit("w1", 2), 1.0))) == ["r1", "r2"]
 
 
 def test_next_stage_without_a_live_worker_fails_unavailable(core):
