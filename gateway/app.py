@@ -3,9 +3,9 @@ middleware (gateway/middleware.py: errors, API key, per-request metrics and log)
 (gateway/routes/).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routes/completions.py, several
-choices: routes/choices.py), ``POST /tokenize`` and ``POST /detokenize`` (routes/tokenization.py),
-images (routes/images.py, routes/image_edits.py), speech (routes/speech.py, routes/speech_ws.py,
-routes/voices.py), ``/v1/realtime`` (routes/realtime.py), video jobs (routes/videos.py) and the
+choices: routes/choices.py), ``/v1/responses`` (routes/responses.py), ``POST /tokenize`` and
+``POST /detokenize`` (routes/tokenization.py), images (routes/images.py, routes/image_edits.py),
+speech (routes/speech.py, routes/speech_ws.py, routes/voices.py), ``/v1/realtime`` (routes/realtime.py), video jobs (routes/videos.py) and the
 service's own (routes/service.py: models, health, cluster, metrics, status, OpenAPI).
 
 The bus client lives in a cleanup context, so it is started only if the app starts and closed
@@ -32,6 +32,7 @@ from .routes.completions import add_completion_routes
 from .routes.image_edits import add_image_edit_routes
 from .routes.images import ImageModel, add_image_routes, is_image_pipeline
 from .routes.realtime import add_realtime_routes
+from .routes.responses import add_response_routes
 from .routes.service import add_service_routes
 from .routes.speech import add_speech_routes
 from .routes.speech_ws import add_speech_stream_routes
@@ -52,6 +53,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
                    else ModelRuntime(m, config.media_limits(m.allowed_local_media_path)) for m in config.models}
     app.cleanup_ctx.append(_bus_context)
     add_completion_routes(app)
+    add_response_routes(app)
     add_tokenize_routes(app)
     add_image_routes(app)
     add_image_edit_routes(app)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .bus import BusClient
     from .config import GatewayConfig
     from .metrics import GatewayMetrics
+    from .response_store import ResponseStore
     from .status_page import StatusHistory
 
 CONFIG: web.AppKey[GatewayConfig] = web.AppKey("config")
@@ -27,3 +28,4 @@ KEYS: web.AppKey[CurveKeys | None] = web.AppKey("keys")      # CURVE material fo
 METRICS: web.AppKey[GatewayMetrics] = web.AppKey("metrics")
 HISTORY: web.AppKey[StatusHistory] = web.AppKey("history")
 STREAMS: web.AppKey[collections.Counter] = web.AppKey("streams_per_client")   # client address → open streams
+RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")   # stored Responses (routes/responses.py)
