@@ -29,7 +29,8 @@ lets the utilization size the KV pool on CUDA (256 MiB on the CPU), a value caps
 (:mod:`omnirelay.workers.runtime.devices`).
 
 ``--ray-address ADDR`` places the same daemons on a Ray cluster instead of this host (see
-:mod:`omnirelay.deploy.ray_launcher`).
+:mod:`omnirelay.deploy.ray_launcher`); ``--emit kubernetes DIR`` writes Kubernetes manifests for them
+instead of starting anything (:mod:`omnirelay.deploy.kubernetes`).
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ GATEWAY_LIMITS = (
     ("--max-image-pixels", GatewayConfig.max_image_pixels, int),
     ("--min-audio-sample-rate", GatewayConfig.min_audio_sample_rate, int),
     ("--max-audio-sample-rate", GatewayConfig.max_audio_sample_rate, int),
+    ("--max-tools", GatewayConfig.max_tools, int),
 )
 
 
@@ -188,9 +190,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-local-media-path", default=None,
                         help="directory whose files chat image_url/audio_url parts may name (omni models)")
     parser.add_argument("--disable-log-requests", action="store_true")
+    chat = parser.add_argument_group("chat (passed to omni-gateway as they are)")
+    chat.add_argument("--reasoning-parser", action="append", default=None,
+                      help="qwen3 | deepseek_r1 ('' for none): split <think> reasoning from the answer; one for "
+                           "all models or one per model; wins over a pipeline file's reasoning_parser")
+    chat.add_argument("--default-chat-template-kwargs", action="append", default=None,
+                      help="JSON object of chat-template variables for every request; one for all models or one "
+                           "per model")
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="let requests bring their own chat_template (otherwise 422)")
     limits = parser.add_argument_group("gateway limits (passed to omni-gateway as they are)")
     limits.add_argument("--protect-probes", action="store_true",
                         help="with --api-key, also protect /health, /metrics and /cluster")
+    limits.add_argument("--allow-special-tokens-in-content", action="store_true",
+                        help="tokenize special-token text in chat messages as control tokens (off: plain text)")
     for flag, default, kind in GATEWAY_LIMITS:
         limits.add_argument(flag, type=kind, default=default)
     parser.add_argument("--log-level", default="WARNING")
@@ -203,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--curve-keys", default=None,
                      help="omni-keygen directory with broker, gateway and worker keys; required when the "
                           "Ray head or --broker is not on loopback")
+    from omnirelay.deploy.kubernetes import add_arguments as add_kubernetes_arguments
+    add_kubernetes_arguments(parser)
     return parser
 
 
@@ -210,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)   # models may come before or after the options
 
+    if args.emit:   # manifests for a cluster instead of serving here (omnirelay.deploy.kubernetes)
+        return _emit(parser, args)
     names = args.served_model_name or []
     if not args.models:
         if names:
@@ -273,6 +290,22 @@ def main(argv: list[str] | None = None) -> int:
         sweep_orphans()   # every child is gone now: this takes all of their segments
         shutil.rmtree(run_dir, ignore_errors=True)
     return exit_code
+
+
+def _emit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from omnirelay.deploy.kubernetes import EmitError, emit
+    if min(args.num_prefill, args.num_decode, args.num_encode, args.num_generate) < 1:
+        parser.error("--num-prefill, --num-decode, --num-encode and --num-generate must be at least 1")
+    for path in args.models:
+        if not os.path.isdir(path):
+            parser.error(f"model directory {path!r} does not exist")
+    try:
+        written = emit(args, check_parallel)
+    except (EmitError, PipelineError, LaunchError) as exc:
+        parser.error(str(exc))
+    print(f"omni-serve: wrote {len(written)} manifest files to {args.emit[1]} (kubectl apply -f {args.emit[1]}; "
+          "docs/KUBERNETES.md)", flush=True)
+    return 0
 
 
 def _local_curve_args(keys_dir: str | None) -> dict[str, list[str]]:
@@ -436,6 +469,11 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             *(["--allowed-local-media-path", args.allowed_local_media_path] if args.allowed_local_media_path else []),
             *(["--disable-log-requests"] if args.disable_log_requests else []),
             *(["--protect-probes"] if args.protect_probes else []),
+            *(["--allow-special-tokens-in-content"] if args.allow_special_tokens_in_content else []),
+            *[arg for value in args.reasoning_parser or [] for arg in ("--reasoning-parser", value)],
+            *[arg for value in args.default_chat_template_kwargs or []
+              for arg in ("--default-chat-template-kwargs", value)],
+            *(["--trust-request-chat-template"] if args.trust_request_chat_template else []),
             *[arg for flag, _, _ in GATEWAY_LIMITS for arg in (flag, str(getattr(args, _dest(flag))))]]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from omnirelay.pipeline import REASONING_PARSERS
+
 from .media import MediaLimits
 
 
@@ -13,13 +15,18 @@ class ServedModel:
     """name: the id clients send in ``model``; path: the local model directory (tokenizer,
     chat template, context length); stages: the roles a request passes, in order;
     allowed_local_media_path: a directory whose files chat ``image_url``/``audio_url`` parts may name
-    (omni models; None: data URLs only)."""
+    (omni models; None: data URLs only); reasoning_parser: how its chat output splits into reasoning
+    and answer (a name of gateway/reasoning.py's ``PARSERS``; None: no split);
+    default_chat_template_kwargs: variables given to its chat template on every request (a request's
+    ``chat_template_kwargs`` override them one by one)."""
 
     name: str
     path: str
     stages: tuple[str, ...] = ("prefill", "decode")
     max_model_len: int = 0
     allowed_local_media_path: str | None = None
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +59,18 @@ class GatewayConfig:
                          gateway holds at once; the next upgrade request gets a 503.
     websocket_idle_timeout_s: a WebSocket session with nothing in flight that receives no event for this
                          long is closed.
+    trust_request_chat_template: a request may bring its own ``chat_template`` (a Jinja template the
+                         gateway renders); off, such a request is a 422 (vLLM's
+                         ``--trust-request-chat-template``).
     max_image_pixels:    width × height a chat image may declare in its header (400 beyond, before it is
                          decoded; at most ``omnirelay.handoffs.MAX_IMAGE_PIXELS_CEILING``).
     min_audio_sample_rate, max_audio_sample_rate: the sample rates (Hz) a chat WAV clip may declare (400
                          beyond, before it is read or resampled: a 1 Hz header would ask for a huge resample).
+    max_tools:           function tools one chat request may carry (400 beyond, before they are parsed;
+                         OpenAI's bound is 128).
+    allow_special_tokens_in_content: tokenize special-token text in chat messages (``<|im_end|>`` typed by a
+                         client) as the control tokens it spells, as before; off, message content is always
+                         plain text and only the chat template's own markers are control tokens.
     """
 
     models: tuple[ServedModel, ...]
@@ -76,9 +91,12 @@ class GatewayConfig:
     read_timeout_s: float = 60.0
     max_websocket_sessions: int = 256
     websocket_idle_timeout_s: float = 300.0
+    trust_request_chat_template: bool = False
     max_image_pixels: int = 25_000_000
     min_audio_sample_rate: int = 8000
     max_audio_sample_rate: int = 192_000
+    max_tools: int = 128
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -89,6 +107,12 @@ class GatewayConfig:
         for model in self.models:
             if not os.path.isdir(model.path):
                 raise ValueError(f"model directory {model.path!r} does not exist")
+            if model.reasoning_parser is not None and model.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"model {model.name!r}: reasoning parser {model.reasoning_parser!r} is not one of "
+                                 f"{', '.join(REASONING_PARSERS)}")
+            if not isinstance(model.default_chat_template_kwargs, dict) \
+                    or not all(isinstance(k, str) for k in model.default_chat_template_kwargs):
+                raise ValueError(f"model {model.name!r}: default chat template kwargs must be a JSON object")
         if not 0 <= self.port < 65536 or not 0 <= self.reply_port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         if self.request_timeout_s <= 0 or self.max_body_bytes <= 0:
@@ -97,6 +121,8 @@ class GatewayConfig:
             raise ValueError("header_timeout_s, read_timeout_s and stream_write_timeout_s must be positive")
         if self.max_websocket_sessions < 0 or self.websocket_idle_timeout_s <= 0:
             raise ValueError("max_websocket_sessions must be >= 0 and websocket_idle_timeout_s positive")
+        if self.max_tools < 0:
+            raise ValueError("max_tools must be >= 0")
         self.media_limits(None)   # the media bounds' own checks
 
     def media_limits(self, allowed_local_dir: str | None) -> MediaLimits:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 
@@ -43,21 +44,46 @@ async def serve(config: GatewayConfig, ready_file: str | None = None, keys: Curv
         await runner.cleanup()
 
 
+def _per_model(values: list[str] | None, count: int, flag: str) -> list[str | None]:
+    """A repeatable flag given once for all models or once per ``--model``, in order."""
+    values = values or []
+    if len(values) not in (0, 1, count):
+        raise ValueError(f"give one {flag} for all models or one per --model")
+    return values * count if len(values) == 1 else (values or [None] * count)
+
+
+def _template_kwargs(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--default-chat-template-kwargs is not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    return value
+
+
 def _served_models(paths: list[str], names: list[str] | None, pipelines: list[str] | None,
-                   max_model_len: int, allowed_local_media_path: str | None = None) -> tuple[ServedModel, ...]:
+                   max_model_len: int, allowed_local_media_path: str | None = None,
+                   reasoning_parsers: list[str] | None = None,
+                   template_kwargs: list[str] | None = None) -> tuple[ServedModel, ...]:
+    """``reasoning_parsers`` (``--reasoning-parser``, an empty one: none) win over the pipeline
+    file's ``reasoning_parser``."""
     names = names or []
-    pipelines = pipelines or []
     if len(names) > len(paths):
         raise ValueError("more --served-model-name than --model")
-    if len(pipelines) not in (0, 1, len(paths)):
-        raise ValueError("give one --stage-configs-path for all models or one per --model")
+    pipelines = _per_model(pipelines, len(paths), "--stage-configs-path")
+    parsers = _per_model(reasoning_parsers, len(paths), "--reasoning-parser")
+    kwargs = _per_model(template_kwargs, len(paths), "--default-chat-template-kwargs")
     models = []
     for i, path in enumerate(paths):
-        pipeline_file = pipelines[i] if len(pipelines) == len(paths) else (pipelines[0] if pipelines else None)
-        pipeline = load_pipeline(pipeline_file) if pipeline_file else default_llm_pipeline()
+        pipeline = load_pipeline(pipelines[i]) if pipelines[i] else default_llm_pipeline()
+        parser = pipeline.reasoning_parser if parsers[i] is None else (parsers[i] or None)
         models.append(ServedModel(name=names[i] if i < len(names) else path, path=os.path.abspath(path),
                                   stages=pipeline.roles, max_model_len=max_model_len,
-                                  allowed_local_media_path=allowed_local_media_path))
+                                  allowed_local_media_path=allowed_local_media_path, reasoning_parser=parser,
+                                  default_chat_template_kwargs=_template_kwargs(kwargs[i])))
     return tuple(models)
 
 
@@ -97,11 +123,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="lowest sample rate (Hz) a chat WAV clip may declare (400 below, before resampling)")
     parser.add_argument("--max-audio-sample-rate", type=int, default=GatewayConfig.max_audio_sample_rate,
                         help="highest sample rate (Hz) a chat WAV clip may declare")
+    parser.add_argument("--max-tools", type=int, default=GatewayConfig.max_tools,
+                        help="function tools one chat request may carry (400 beyond)")
+    parser.add_argument("--allow-special-tokens-in-content", action="store_true",
+                        help="tokenize special-token text in chat messages (e.g. <|im_end|>) as control tokens; "
+                             "by default message content is plain text")
     parser.add_argument("--stage-configs-path", action="append", default=None,
                         help="stage-pipeline YAML, one per --model or one for all (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
     parser.add_argument("--allowed-local-media-path", default=None,
                         help="directory whose files image_url/audio_url parts may name (default: data: URLs only)")
+    parser.add_argument("--reasoning-parser", action="append", default=None,
+                        help="split a thinking model's <think> reasoning from its answer (qwen3 | deepseek_r1; "
+                             "'' for none): one for all models or one per --model; wins over the pipeline "
+                             "file's reasoning_parser")
+    parser.add_argument("--default-chat-template-kwargs", action="append", default=None,
+                        help="JSON object of chat-template variables for every request, e.g. "
+                             "'{\"enable_thinking\": false}': one for all models or one per --model")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat_template (otherwise 422)")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
     args = parser.parse_args(argv)
@@ -109,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = GatewayConfig(
             models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len,
-                                  os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None),
+                                  os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+                                  args.reasoning_parser, args.default_chat_template_kwargs),
+            trust_request_chat_template=args.trust_request_chat_template,
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
@@ -117,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,
             max_websocket_sessions=args.max_websocket_sessions, websocket_idle_timeout_s=args.websocket_idle_timeout,
             max_image_pixels=args.max_image_pixels, min_audio_sample_rate=args.min_audio_sample_rate,
-            max_audio_sample_rate=args.max_audio_sample_rate)
+            max_audio_sample_rate=args.max_audio_sample_rate, max_tools=args.max_tools,
+            allow_special_tokens_in_content=args.allow_special_tokens_in_content)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
     except ValueError as exc:   # PipelineError and SecurityError included

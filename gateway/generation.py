@@ -36,6 +36,7 @@ from omnirelay.handoffs import MediaInputs, MediaItem
 from .bus import BusClient, PositionLogprobs
 from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
+from .reasoning import ReasoningMode, closed_in_prompt
 from .resubmit import Submissions
 from .sampling_options import submission_min_tokens, wire_options
 from .schema import GenerationRequest
@@ -61,6 +62,7 @@ class Generation:
     stages: tuple[str, ...] = ()
     inputs: MediaInputs | None = None   # the first stage's (media for encode)
     sampling_options: dict = dataclasses.field(default_factory=dict)   # sampling_options.wire_options
+    reasoning: ReasoningMode | None = None   # chat on a thinking model: how its output splits (reasoning.py)
 
     @property
     def prompt_tokens(self) -> int:
@@ -69,7 +71,7 @@ class Generation:
 
 def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Generation:
     """Tokenize and check the request against the model's context (400 when it cannot fit)."""
-    stages, inputs = tuple(model.stages), None
+    stages, inputs, reasoning = tuple(model.stages), None, None
     if request.kind == "chat":
         messages = request.messages
         media_param = next((f"messages[{i}].content" for i, m in enumerate(messages) if not isinstance(m["content"], str)),
@@ -81,14 +83,17 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
         items = []
         if media_param is not None:
             messages, items = model.media.extract(messages)
-        prompt_ids = model.encode_chat(messages, request.tools.template_tools() if request.tools else None)
+        prompt_text = model.render_chat(messages, request.tools.template_tools() if request.tools else None,
+                                        request.template)
+        prompt_ids = model.encode_text(prompt_text, request.template.add_special_tokens)
+        reasoning = reasoning_mode(model, request, prompt_text)
         if items:
             prompt_ids = model.media.expand(prompt_ids, items)
             inputs = MediaInputs([MediaItem(m.kind, m.data) for m in items])
         else:   # nothing to encode: the request starts at prefill
             stages = tuple(s for s in stages if s != "encode")
     elif request.prompt is not None:
-        prompt_ids = model.encode_text(request.prompt)
+        prompt_ids = model.encode_text(request.prompt, request.template.add_special_tokens)
     else:
         prompt_ids = list(request.prompt_token_ids)
         if max(prompt_ids) >= model.vocab_size:
@@ -110,7 +115,17 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
                            max_tokens=max_tokens)
     return Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=model, request=request,
                       prompt_token_ids=prompt_ids, max_tokens=max_tokens, stages=stages, inputs=inputs,
-                      sampling_options=options)
+                      sampling_options=options, reasoning=reasoning)
+
+
+def reasoning_mode(model: ModelRuntime, request: GenerationRequest, prompt_text: str) -> ReasoningMode | None:
+    """How a chat's output splits into reasoning and answer (None: the model has no reasoning parser)."""
+    if model.reasoning_parser is None:
+        return None
+    variables = {**model.default_chat_template_kwargs, **request.template.kwargs}
+    return ReasoningMode(model.reasoning_parser, closed_in_prompt(prompt_text),
+                         thinking_off=variables.get("enable_thinking", True) is False,
+                         include=request.include_reasoning)
 
 
 def _sampling(gen: Generation, generated: int) -> dict:

@@ -4,17 +4,42 @@ request's ``model`` in the served table (:func:`served_model`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TypeVar
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
-from omnirelay.errors import NotFound, Unprocessable
+from omnirelay.errors import BadRequest, NotFound, Unprocessable
 from omnirelay.model_kind import ModelKind, model_kind
 
 from .config import ServedModel
 from .media import MediaLimits, MediaProcessor
+from .schema import TemplateOptions
+
+
+# Names apply_chat_template takes for itself (and the conversation): not template variables a request may set.
+_RENDER_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                               "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+                               "truncation", "max_length", "return_tensors", "return_dict",
+                               "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+@functools.lru_cache(maxsize=64)
+def template_variables(source: str) -> frozenset[str] | None:
+    """The variables a Jinja chat template reads from outside (the names ``chat_template_kwargs``
+    may set); None for a template this parser cannot read (any name is then admitted)."""
+    import jinja2.ext
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+        return frozenset(meta.find_undeclared_variables(env.parse(source)))
+    except TemplateError:
+        return None
 
 
 class ModelRuntime:
@@ -24,6 +49,8 @@ class ModelRuntime:
         self.name = served.name
         self.path = served.path
         self.stages = tuple(served.stages)
+        self.reasoning_parser = served.reasoning_parser
+        self.default_chat_template_kwargs = dict(served.default_chat_template_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(served.path)
         config = json.loads((Path(served.path) / "config.json").read_text())
         kind = model_kind(served.path)
@@ -41,13 +68,45 @@ class ModelRuntime:
         self.max_model_len = min(served.max_model_len or model_max, model_max)
         self.created = int(Path(served.path).stat().st_mtime)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """``tools``: OpenAI function tools, rendered by the model's chat template."""
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        return self.encode_text(text)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template: TemplateOptions = TemplateOptions()) -> str:
+        """The prompt text of ``messages`` under the model's chat template (or the request's own,
+        ``template.chat_template``, which the route admitted), with the server's default template
+        variables overridden by the request's. ``tools``: OpenAI function tools, rendered by the
+        template. A variable the template does not read, or one that names an argument of the
+        rendering itself, is a 400 naming it; a template that refuses the messages too."""
+        variables = {**self.default_chat_template_kwargs, **template.kwargs}
+        reserved = sorted(set(variables) & _RENDER_ARGUMENTS)
+        if reserved:
+            raise BadRequest(f"chat_template_kwargs.{reserved[0]} is an argument of the rendering itself, not a "
+                             "template variable (use the request's own field)", param=f"chat_template_kwargs.{reserved[0]}")
+        source = template.chat_template or self._template_source(tools)
+        names = template_variables(source) if source else None
+        unknown = sorted(k for k in template.kwargs if names is not None and k not in names)
+        if unknown:
+            raise BadRequest(f"chat_template_kwargs.{unknown[0]} is not a variable of the chat template",
+                             param=f"chat_template_kwargs.{unknown[0]}")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=template.add_generation_prompt,
+                continue_final_message=template.continue_final_message, chat_template=template.chat_template,
+                tokenize=False, **variables)
+        except (ValueError, TemplateError) as exc:   # the template (or transformers) refused these messages
+            param = "chat_template" if template.chat_template else "messages"
+            raise BadRequest(f"the chat template cannot render these messages: {exc}"[:500], param=param) from None
 
-    def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def _template_source(self, tools: list[dict] | None) -> str | None:
+        try:
+            return self.tokenizer.get_chat_template(tools=tools)
+        except ValueError:   # no template at all: apply_chat_template says so
+            return None
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template: TemplateOptions = TemplateOptions()) -> list[int]:
+        return self.encode_text(self.render_chat(messages, tools, template), template.add_special_tokens)
+
+    def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",

@@ -37,6 +37,20 @@ MAX_CHOICES = 16
 
 
 @dataclasses.dataclass(frozen=True)
+class TemplateOptions:
+    """How a request's messages become its prompt (vLLM's names): ``kwargs`` (``chat_template_kwargs``,
+    over the server's defaults), ``add_generation_prompt``, ``continue_final_message`` (the last
+    message is left open for the model to continue), ``add_special_tokens`` (the tokenizer's, on top
+    of the template's), ``chat_template`` (a request's own template; None: the model's)."""
+
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     model: str
     kind: str                                # "chat" | "completion"
@@ -64,6 +78,38 @@ class GenerationRequest:
                                                       # prompt_token_ids then hold the first)
     structured: StructuredOutput | None = None   # the answer must match this grammar (gateway/structured.py)
     tools: ToolsRequest | None = None             # chat: tools, tool_choice (gateway/tool_calls.py)
+    template: TemplateOptions = TemplateOptions()   # chat: template switches; completions: add_special_tokens
+    include_reasoning: bool = True                # chat: return a thinking model's reasoning (gateway/reasoning.py)
+
+
+
+def template_options(body: dict) -> TemplateOptions:
+    """The chat template switches of a chat or ``/tokenize`` body (400 naming a bad one). Whether a
+    request's own ``chat_template`` is admitted is the server's call (:func:`check_request_template`)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    continue_final = boolean_field(body, "continue_final_message")
+    # Continuing the last message leaves no room for a generation prompt: that is the default then.
+    generation_prompt = boolean_field(body, "add_generation_prompt", not continue_final)
+    if generation_prompt and continue_final:
+        raise BadRequest("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+                         param="continue_final_message")
+    chat_template = body.get("chat_template")
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise BadRequest("'chat_template' must be a non-empty string (a Jinja template)", param="chat_template")
+    return TemplateOptions(dict(kwargs), generation_prompt, continue_final,
+                           boolean_field(body, "add_special_tokens"), chat_template)
+
+
+def check_request_template(template: TemplateOptions, trusted: bool) -> None:
+    """422 for a request's own ``chat_template`` unless the server trusts them
+    (``--trust-request-chat-template``: the template is code the gateway runs, in Jinja's sandbox)."""
+    if template.chat_template is not None and not trusted:
+        raise Unprocessable("a request's own 'chat_template' needs the server flag --trust-request-chat-template",
+                            param="chat_template")
 
 
 # Chat audio formats (OpenAI's names) → the speech worker's encodings; mp3/opus/aac need an encoder
@@ -95,7 +141,10 @@ def _chat_audio(body: dict) -> dict:
 
 # Options of OpenAI's or vLLM's request that would change the answer but that this build does not
 # serve (yet): name → the values that change nothing, accepted like an absent option or null. Any
-# other value answers 422 naming the option. Implementing one means removing its entry here.
+# other value answers 422 naming the option. Implementing one means removing its entry here. Served
+# and so gone from here: the chat-template switches (chat_template_kwargs, add_generation_prompt,
+# continue_final_message, add_special_tokens, chat_template behind --trust-request-chat-template:
+# TemplateOptions) and include_reasoning (gateway/reasoning.py).
 NOT_SERVED: dict[str, tuple] = {
     # sampling (the served options: sampling_options.py)
     "best_of": (1,),
@@ -112,11 +161,6 @@ NOT_SERVED: dict[str, tuple] = {
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "suffix": ("",),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
-    "add_special_tokens": (),
-    "chat_template": (),
-    "chat_template_kwargs": ({},),
     "return_tokens_as_token_ids": (False,),
     "reasoning_effort": (),
     "web_search_options": (),
@@ -265,6 +309,13 @@ def _tool_fields(message: dict, index: int) -> dict:
     for key in ("tool_call_id", "name"):
         if isinstance(message.get(key), str):
             out[key] = message[key]
+    # An earlier answer's reasoning (vLLM's 'reasoning', its older 'reasoning_content'), under the name
+    # chat templates read (Qwen3's drops it from turns before the last user message).
+    reasoning = message.get("reasoning", message.get("reasoning_content"))
+    if message["role"] == "assistant" and reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise BadRequest(f"messages[{index}].reasoning must be a string", param=f"messages[{index}].reasoning")
+        out["reasoning_content"] = reasoning
     return out
 
 
@@ -331,7 +382,9 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise Unprocessable("structured outputs and tools are served for text answers (no audio)",
                             param="tools" if tools else "response_format")
     return GenerationRequest(kind="chat", messages=chat_messages(body), prompt=None, prompt_token_ids=None, **common,
-                             **audio, logprobs=logprobs, structured=structured, tools=tools)
+                             **audio, logprobs=logprobs, structured=structured, tools=tools,
+                             template=template_options(body),
+                             include_reasoning=boolean_field(body, "include_reasoning", True))
 
 
 def _prompts(body: dict) -> list[str | tuple[int, ...]]:
@@ -354,8 +407,17 @@ def _prompts(body: dict) -> list[str | tuple[int, ...]]:
     return prompts
 
 
+# Chat template switches a completions prompt has no use for: the values that change nothing pass.
+_CHAT_ONLY = {"add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+              "chat_template_kwargs": ({},), "include_reasoning": (True,)}
+
+
 def parse_completion(body: Any) -> GenerationRequest:
     common = _common(body)
+    for name, harmless in _CHAT_ONLY.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
+            raise Unprocessable(f"'{name}' is a chat parameter; /v1/completions takes a prompt as it is", param=name)
     if body.get("top_logprobs") is not None:
         raise BadRequest("'top_logprobs' is a chat parameter; completions take 'logprobs': k", param="top_logprobs")
     logprobs = _top_logprobs_count(body, "logprobs")
@@ -371,4 +433,5 @@ def parse_completion(body: Any) -> GenerationRequest:
     structured, _ = parse_structured(body, "completion")
     return GenerationRequest(kind="completion", messages=None, prompt=first if isinstance(first, str) else None,
                              prompt_token_ids=None if isinstance(first, str) else list(first),
-                             prompts=tuple(prompts) if len(prompts) > 1 else (), **common, structured=structured)
+                             prompts=tuple(prompts) if len(prompts) > 1 else (), **common, structured=structured,
+                             template=TemplateOptions(add_special_tokens=boolean_field(body, "add_special_tokens")))

@@ -3,6 +3,7 @@
 A pipeline file (YAML) looks like::
 
     model: tiny-llm                 # optional: the served name this pipeline belongs to
+    reasoning_parser: qwen3         # optional: split <think> reasoning from the answer (qwen3 | deepseek_r1)
     stages:
       - name: prefill               # unique; requests pass stages in this order
         role: prefill               # encode | prefill | decode | generate
@@ -31,7 +32,10 @@ A pipeline file (YAML) looks like::
 An edge names only the connector; which side of it a worker plays (producer or consumer) follows
 from the stage the worker runs, at run time. Changing the backend of the KV handoff is one line
 (``type:``). ``runtime.max_batch_size`` defaults to 1 for ``generate`` stages (diffusion) and to the
-role's engine default otherwise.
+role's engine default otherwise. ``runtime.stream_chunk_tokens`` (decode only, default
+:data:`DEFAULT_STREAM_CHUNK_TOKENS`) streams a spoken reply's hand-off to the generate stage in
+chunks of that many new tokens while the thinker still writes, so the talker starts on the first
+chunk (``omnirelay.handoffs.ChunkStream``); 0 hands the reply over whole after its last token.
 
 :func:`load_pipeline` validates everything and raises :class:`PipelineError` whose message names the
 offending entry (``stages[1].role: …``).
@@ -51,6 +55,10 @@ from typing import Any
 import yaml
 
 ROLES = ("encode", "prefill", "decode", "generate")
+# A spoken reply's first chunk after this many tokens: the talker's first audio needs a few rows only.
+DEFAULT_STREAM_CHUNK_TOKENS = 4
+# vLLM's --reasoning-parser names the gateway serves (gateway/reasoning.py reads the output by them).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 log = logging.getLogger("omnirelay.pipeline")
 
@@ -69,6 +77,9 @@ class Stage:
     max_batch_size: int
     engine_args: dict[str, Any]
     devices: tuple[str, ...] = ()
+    # decode: a spoken reply's states go to the generate stage in chunks of this many new tokens
+    # while the thinker still writes (0: whole, after its last token); see omnirelay/handoffs.py.
+    stream_chunk_tokens: int = 0
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -118,6 +129,7 @@ class Pipeline:
     connectors: dict[str, ConnectorSpec]
     edges: tuple[Edge, ...]
     model: str | None = None
+    reasoning_parser: str | None = None   # the gateway's reading of the model's output (REASONING_PARSERS)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -210,7 +222,7 @@ def _devices(value: Any, where: str) -> tuple[str, ...]:
 
 def _parse_native(raw: Any) -> Pipeline:
     raw = _mapping(raw, "pipeline")
-    _only(raw, {"model", "stages", "connectors", "edges"}, "pipeline")
+    _only(raw, {"model", "stages", "connectors", "edges", "reasoning_parser"}, "pipeline")
     stages_raw = raw.get("stages")
     if not isinstance(stages_raw, list) or not stages_raw:
         raise PipelineError("stages: expected a non-empty list")
@@ -228,7 +240,12 @@ def _parse_native(raw: Any) -> Pipeline:
         if any(s.name == name for s in stages):
             raise PipelineError(f"{where}.name: duplicate stage name {name!r}")
         runtime = _mapping(entry.get("runtime", {}), f"{where}.runtime")
-        _only(runtime, {"max_batch_size", "devices"}, f"{where}.runtime")
+        _only(runtime, {"max_batch_size", "devices", "stream_chunk_tokens"}, f"{where}.runtime")
+        chunk_tokens = runtime.get("stream_chunk_tokens", DEFAULT_STREAM_CHUNK_TOKENS if role == "decode" else 0)
+        if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 0:
+            raise PipelineError(f"{where}.runtime.stream_chunk_tokens: must be a non-negative integer")
+        if chunk_tokens and role != "decode":
+            raise PipelineError(f"{where}.runtime.stream_chunk_tokens: only decode streams its hand-off, not {role}")
         batch = runtime.get("max_batch_size", 1 if role == "generate" else 0)
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
             raise PipelineError(f"{where}.runtime.max_batch_size: must be a non-negative integer")
@@ -248,6 +265,7 @@ def _parse_native(raw: Any) -> Pipeline:
             raise PipelineError(f"{where}.engine_args.sequence_parallel_size: only generate stages (diffusion "
                                 f"transformers) run sequence parallelism, not {role}")
         stage = Stage(name=name, role=role, max_batch_size=batch, engine_args=dict(engine_args),
+                      stream_chunk_tokens=chunk_tokens,
                       devices=_devices(runtime["devices"], f"{where}.runtime.devices") if "devices" in runtime
                       else ())
         if stage.devices and len(stage.devices) != stage.group_size:
@@ -288,4 +306,8 @@ def _parse_native(raw: Any) -> Pipeline:
     model = raw.get("model")
     if model is not None and not isinstance(model, str):
         raise PipelineError("model: must be a string")
-    return Pipeline(stages=tuple(stages), connectors=connectors, edges=tuple(edges), model=model)
+    reasoning = raw.get("reasoning_parser")
+    if reasoning is not None and reasoning not in REASONING_PARSERS:
+        raise PipelineError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, got {reasoning!r}")
+    return Pipeline(stages=tuple(stages), connectors=connectors, edges=tuple(edges), model=model,
+                    reasoning_parser=reasoning)

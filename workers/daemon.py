@@ -18,6 +18,7 @@ their own placement (the first listed device becomes the current CUDA device).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from omnirelay.workers.role_table import role_builder
 from omnirelay.workers.runtime.assembly import RoleBuilder, closed_on_error
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.runtime.devices import KVBudgetError, parse_device_ids, resolve_devices
+from omnirelay.workers.runtime.health_server import HealthServer
 from omnirelay.workers.runtime.loop import WorkerRuntime
 from omnirelay.workers.runtime.parallel import ParallelGroupLost
 
@@ -85,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-configs-path", default=None,
                         help="stage-pipeline YAML; its edge names this worker's connector")
     parser.add_argument("--connector", default="shared_memory", help="connector backend without a pipeline file")
-    parser.add_argument("--connector-options", default="{}", help="JSON map of backend options")
+    parser.add_argument("--connector-options", default="{}",
+                        help="JSON map of backend options (with --stage-configs-path: added to the file's options "
+                             "of this worker's connector, e.g. a per-host local_hostname)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--drain-timeout", type=float, default=WorkerConfig.drain_timeout_s)
     parser.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s)
@@ -106,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill recomputes every prompt")
     parser.add_argument("--kv-transfer", choices=("auto", "layerwise", "whole"), default=None,
                         help="prefill: how the KV leaves (default: the stage's engine_args.kv_transfer, else auto)")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve GET /live and /ready on this port (0: any free one) for HTTP probes such as "
+                             "Kubernetes' (workers/runtime/health_server.py; default: off)")
+    parser.add_argument("--health-host", default="127.0.0.1", help="address of the health endpoint")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=False, client=True)
     args = parser.parse_args(argv)
@@ -124,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             connector = ConnectorSpec("none", args.connector, json.loads(args.connector_options))
         else:
             connector = pipeline.connector_for(args.role)
+            # --connector-options tops up the file's options for this worker alone: what differs per
+            # host, such as Mooncake's local_hostname (the Kubernetes manifests pass the pod's IP).
+            connector = dataclasses.replace(connector, options={**connector.options,
+                                                                **json.loads(args.connector_options)})
         config = WorkerConfig(
             role=args.role, model_path=os.path.abspath(args.model),
             model_name=args.served_model_name or args.model, broker=args.broker, worker_id=args.worker_id,
@@ -165,11 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s worker %s could not start: %s", config.role, config.worker_id, exc)
         return 1
     print(f"omni-worker {config.role} ready: {config.worker_id}", flush=True)
+    health = None
+    if args.health_port is not None:
+        try:
+            health = HealthServer(runtime.health, args.health_host, args.health_port)
+        except OSError as exc:   # the port is taken: say so before serving anything
+            runtime.close()
+            parser.error(f"--health-port {args.health_port}: {exc}")
+        health.start()
     try:
         runtime.run()   # a lost rank: the runtime already failed what it held as worker_lost
     except ParallelGroupLost as exc:
         log.error("%s worker %s stopped: %s; exiting with status 1", config.role, config.worker_id, exc)
         return 1
+    finally:
+        if health is not None:
+            health.close()
     if fatal:
         log.error("%s worker %s stopped: %s; exiting with status 1", config.role, config.worker_id, fatal[0])
         return 1

@@ -1,7 +1,8 @@
 """Tiny random-weight Qwen3 and Qwen3-MoE causal LMs (``omni-make-model tiny-qwen3 | tiny-qwen3-moe``).
 
-Same recipe as ``tiny-llm`` (:mod:`.llm`: its tokenizer, chat template, per-module init
-scales and atomic build), on the Qwen3 architectures:
+Same recipe as ``tiny-llm`` (:mod:`.llm`: its tokenizer, per-module init scales and atomic
+build), on the Qwen3 architectures, with Qwen3's own chat template (:data:`QWEN3_CHAT_TEMPLATE`:
+its ``enable_thinking`` switch, earlier turns' reasoning dropped):
 
 * ``tiny-qwen3`` -- ``Qwen3ForCausalLM``: 4 layers, hidden 256, 4 query / 2 KV heads with an explicit
   ``head_dim`` of 32 (so q is 128 wide, not hidden / heads), per-head ``q_norm`` / ``k_norm``.
@@ -20,14 +21,69 @@ from __future__ import annotations
 import os
 import pathlib
 
-from omnirelay.deploy.builders.llm import (CHAT_TEMPLATE, INIT_STD, SPECIAL_TOKENS, _build_tokenizer, _patch_json, build_atomically, cached_model,
-                            is_complete)
+from omnirelay.deploy.builders.llm import (INIT_STD, SPECIAL_TOKENS, _build_tokenizer, _patch_json, build_atomically,
+                                          cached_model, is_complete)
 
 KINDS = ("tiny-qwen3", "tiny-qwen3-moe")
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2     # 2: Qwen3's chat template (thinking switch, reasoning of earlier turns)
 NUM_EXPERTS = 8
 ROUTER_STD = 0.1       # router logits of std ~1.6 over 8 experts: decisive but not one-hot
 NORM_STD = 0.1         # q_norm / k_norm weights ~ 1 ± 0.1
+
+
+# Qwen3's chat template, written from its documented behaviour:
+# * ChatML turns; with ``tools`` a first system block lists them and asks for <tool_call> JSON (Hermes
+#   style), an assistant's ``tool_calls`` render as <tool_call> blocks after its text, consecutive
+#   ``tool`` messages as one user turn of <tool_response> blocks;
+# * an assistant turn's reasoning (its ``reasoning_content``, or a <think>…</think> block at the start
+#   of its content) is kept only for turns after the last user message (a tool-calling loop still in
+#   progress); earlier turns show the answer alone, so old reasoning never re-enters the prompt;
+# * the generation prompt opens the assistant turn; ``enable_thinking=false`` appends an empty
+#   ``<think>\n\n</think>\n\n`` block there, so the model answers at once.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set state = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set state.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set text = message.content if message.content is string else '' %}"
+    "{%- set thought = message.reasoning_content if message.reasoning_content is string else '' %}"
+    "{%- if message.role == 'system' and tools and loop.first %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- if '</think>' in text %}"
+    "{%- if not thought %}{%- set thought = text.split('</think>')[0].split('<think>')[-1] %}{%- endif %}"
+    "{%- set text = text.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > state.last_user and thought %}"
+    "{{ '<think>\\n' + thought.strip('\\n') + '\\n</think>\\n\\n' }}"
+    "{%- endif %}{{ text }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- if text or not loop.first %}{{ '\\n' }}{%- endif %}"
+    "{{ '<tool_call>\\n{\\\"name\\\": \\\"' + call.function.name + '\\\", \\\"arguments\\\": ' }}"
+    "{{ call.function.arguments | tojson }}{{ '}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\\n<tool_response>\\n' + text + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + text + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
 
 
 def _build_into(out_dir: pathlib.Path, seed: int, moe: bool, num_experts: int) -> None:
@@ -71,8 +127,10 @@ def _build_into(out_dir: pathlib.Path, seed: int, moe: bool, num_experts: int) -
     extra = {"num_experts": num_experts} if moe else {}
     _patch_json(out_dir / "config.json", torch_dtype="float32", dtype="float32", rope_theta=10000.0, **extra)
     _patch_json(out_dir / "tokenizer_config.json", drop=("extra_special_tokens",),
-                chat_template=CHAT_TEMPLATE, tokenizer_class="PreTrainedTokenizerFast",
+                chat_template=QWEN3_CHAT_TEMPLATE, tokenizer_class="PreTrainedTokenizerFast",
                 additional_special_tokens=["<|im_start|>"])
+    # transformers reads chat_template.jinja before tokenizer_config.json's field: both say the same.
+    (out_dir / "chat_template.jinja").write_text(QWEN3_CHAT_TEMPLATE)
     os.chmod(out_dir, 0o755)
     for f in out_dir.iterdir():
         os.chmod(f, 0o644)

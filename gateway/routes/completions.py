@@ -17,7 +17,8 @@ from ..app_keys import BUS, CONFIG, MODELS
 from ..models import text_model
 from ..request_body import json_body
 from ..request_record import RequestRecord, open_record
-from ..schema import GenerationRequest, parse_chat, parse_completion
+from ..reasoning import ReasoningMode, reasoning_format
+from ..schema import GenerationRequest, check_request_template, parse_chat, parse_completion
 from ..sse import SseWriter, stream_slot
 from ..tool_calls import chat_format
 from . import choices
@@ -27,12 +28,22 @@ from .speech import chat_with_audio
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     parsed = parse_chat(body)
+    check_request_template(parsed.template, request.app[CONFIG].trust_request_chat_template)
     if "audio" in parsed.modalities:   # spoken answer too: talker + token2wav after decode
         return await chat_with_audio(request, parsed, body)
+    model = text_model(request.app[MODELS], parsed.model)
     if parsed.n > 1:
-        return await _respond_choices(request, parsed, "chatcmpl", lambda: chat_format(ChatFormat(), parsed.tools))
-    gen = generation.prepare(text_model(request.app[MODELS], parsed.model), parsed, "chatcmpl")
-    return await _respond(request, gen, chat_format(ChatFormat(), parsed.tools))
+        plan = choices.plan(model, parsed, "chatcmpl")
+        mode = plan.gens[0].reasoning   # one prompt: every choice reads its output alike
+        return await choices.respond(request, plan, lambda: chat_answer_format(parsed, mode))
+    gen = generation.prepare(model, parsed, "chatcmpl")
+    return await _respond(request, gen, chat_answer_format(parsed, gen.reasoning))
+
+
+def chat_answer_format(parsed: GenerationRequest, mode: ReasoningMode | None):
+    """One chat choice's renderer: the reasoning split off first (a thinking model), then tool calls
+    parsed from the answer that follows it."""
+    return reasoning_format(chat_format(ChatFormat(), parsed.tools), mode)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

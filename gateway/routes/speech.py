@@ -420,6 +420,11 @@ def start_spoken_chat(app: web.Application, parsed, body: dict, *, streamed: boo
     if parsed.stop:
         raise Unprocessable("'stop' strings are not supported with audio output", param="stop")
     gen = generation.prepare(model, parsed, prefix)
+    if gen.reasoning is not None and not gen.reasoning.closed_in_prompt:
+        # The talker speaks every token the thinker writes: it would read the reasoning aloud.
+        raise Unprocessable("a spoken answer from a thinking model needs its thinking off "
+                            "(chat_template_kwargs: {\"enable_thinking\": false}): the reasoning would be spoken",
+                            param="modalities")
     if gen.max_tokens < 2 or "decode" not in gen.stages:
         raise BadRequest("audio output needs a reply of at least 2 tokens: set max_tokens >= 2", param="max_tokens")
     fmt = CHAT_AUDIO_FORMATS[parsed.audio["format"]]

@@ -4,7 +4,7 @@ Shapes (vLLM's ``TokenizeCompletionRequest`` / ``TokenizeChatRequest`` / ``Detok
 
     /tokenize    {model?, prompt, add_special_tokens = true, return_token_strs = false}
                  {model?, messages, add_generation_prompt = true, continue_final_message = false,
-                  add_special_tokens = false, return_token_strs = false}
+                  add_special_tokens = false, chat_template_kwargs?, chat_template?, return_token_strs = false}
               → {count, max_model_len, tokens, token_strs}     (token_strs: null unless asked)
     /detokenize  {model?, tokens} → {prompt}
 
@@ -12,8 +12,9 @@ Shapes (vLLM's ``TokenizeCompletionRequest`` / ``TokenizeChatRequest`` / ``Detok
 A chat body is templated exactly as ``/v1/chat/completions`` templates it, so with the defaults its
 ``count`` is that request's ``usage.prompt_tokens``; a ``/v1/completions`` prompt is tokenized
 without special tokens, which ``add_special_tokens: false`` reproduces. Bad input → 400 naming the
-param; an unknown model → 404; options that would change the template (``chat_template``,
-``chat_template_kwargs``, ``tools``) and media parts → 422.
+param; an unknown model → 404; the template switches as chat takes them (gateway/schema.py
+``template_options``: a request's own ``chat_template`` only with ``--trust-request-chat-template``,
+else 422); ``tools`` and media parts → 422.
 
 With an API key configured these routes need it like ``/v1`` (gateway/middleware.py ``authenticate``): tokenizing costs
 the gateway CPU.
@@ -24,16 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
-from jinja2 import TemplateError
 
 from omnirelay.errors import BadRequest, Unprocessable
 
-from ..app_keys import MODELS
+from ..app_keys import CONFIG, MODELS
 from ..models import ModelRuntime, text_model
 from ..request_body import json_body
-from ..schema import boolean_field, chat_messages, token_ids_field
+from ..schema import boolean_field, chat_messages, check_request_template, template_options, token_ids_field
 
-_UNSERVED_CHAT_OPTIONS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+_UNSERVED_CHAT_OPTIONS = ("tools", "mm_processor_kwargs")
 
 
 def add_tokenize_routes(app: web.Application) -> None:
@@ -55,7 +55,7 @@ def _runtime(request: web.Request, body: Any) -> ModelRuntime:
     return text_model(request.app[MODELS], name)
 
 
-def tokenize_body(model: ModelRuntime, body: dict) -> dict:
+def tokenize_body(model: ModelRuntime, body: dict, trusted: bool = False) -> dict:
     """The answer to one ``/tokenize`` body (validated here: 400/422 naming the param)."""
     if ("prompt" in body) == ("messages" in body):
         raise BadRequest("give either 'prompt' or 'messages' (exactly one)", param="prompt")
@@ -74,18 +74,9 @@ def tokenize_body(model: ModelRuntime, body: dict) -> dict:
             if not isinstance(message["content"], str):
                 raise Unprocessable(f"messages[{i}].content: /tokenize takes text messages",
                                     param=f"messages[{i}].content")
-        continue_final = boolean_field(body, "continue_final_message")
-        # Continuing the last message leaves no room for a generation prompt: that is the default then.
-        generation_prompt = boolean_field(body, "add_generation_prompt", not continue_final)
-        if generation_prompt and continue_final:
-            raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false",
-                             param="continue_final_message")
-        try:
-            text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                       continue_final_message=continue_final, tokenize=False)
-        except (ValueError, TemplateError) as exc:   # the template refused these messages
-            raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages") from None
-        tokens = list(model.tokenizer(text, add_special_tokens=boolean_field(body, "add_special_tokens"))["input_ids"])
+        template = template_options(body)
+        check_request_template(template, trusted)
+        tokens = model.encode_chat(messages, None, template)
     strs = model.tokenizer.convert_ids_to_tokens(tokens) if boolean_field(body, "return_token_strs") else None
     return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens, "token_strs": strs}
 
@@ -101,7 +92,8 @@ def detokenize_body(model: ModelRuntime, body: dict) -> dict:
 
 async def tokenize(request: web.Request) -> web.Response:
     body = await json_body(request)
-    return web.json_response(tokenize_body(_runtime(request, body), body))
+    return web.json_response(tokenize_body(_runtime(request, body), body,
+                                           request.app[CONFIG].trust_request_chat_template))
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -124,6 +124,17 @@ class BrokerLink:
         finally:
             self._busy_since = time.monotonic()
 
+    def step_age_s(self) -> float:
+        """How long the loop has been in its current iteration (0 while it waits in :meth:`poll`).
+        Any thread may ask (the worker's health endpoint does)."""
+        busy_since = self._busy_since
+        return 0.0 if busy_since is None else time.monotonic() - busy_since
+
+    @property
+    def running(self) -> bool:
+        """The link's thread is up (started and not dead). Any thread may ask."""
+        return self._thread is not None and self._thread.is_alive()
+
     def recv(self) -> list[bytes] | None:
         """The next broker message's frames, or None when none is waiting."""
         try:
