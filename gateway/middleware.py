@@ -23,7 +23,7 @@ from .request_record import finish_record
 
 log = logging.getLogger("omnirelay.gateway")
 
-PROBES = ("/health", "/metrics", "/cluster", "/status", "/status.json")
+PROBES = ("/health", "/ping", "/version", "/metrics", "/cluster", "/status", "/status.json")
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize")   # vLLM's paths, outside /v1; they cost CPU, so keyed too
 
 

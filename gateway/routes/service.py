@@ -1,13 +1,18 @@
-"""The routes about the service itself: ``GET /v1/models``, ``GET /health`` (200 only while every
-role each model needs has a live worker), ``GET /cluster`` (the broker's view: workers, load,
+"""The routes about the service itself: ``GET /v1/models``, ``GET /v1/models/{id}`` (one card; 404
+naming an unknown id), ``GET /health`` (200 only while every role each model needs has a live
+worker; ``GET``/``POST /ping`` is the same probe under the name vLLM and SageMaker use),
+``GET /version`` (``{"version"}``: this package's), ``GET /cluster`` (the broker's view: workers, load,
 counters), ``GET /metrics`` (Prometheus), ``GET /status`` (a live page), ``GET /status.json`` and
 ``GET /openapi.json``."""
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _package_version
+
 from aiohttp import web
 
-from omnirelay.errors import Unavailable
+from omnirelay.errors import NotFound, Unavailable
 
 from ..app_keys import BUS, CONFIG, HISTORY, METRICS, MODELS
 from ..models import ModelRuntime
@@ -18,9 +23,19 @@ from .speech import MAX_INPUT_CHARS, flac_available, has_speakers, voices
 from .videos import VideoModel
 
 
+try:
+    _VERSION = _package_version("omnirelay")
+except PackageNotFoundError:   # run from a source tree that was never installed
+    _VERSION = "unknown"
+
+
 def add_service_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)   # served names may hold slashes (org/name)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/cluster", cluster)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
@@ -30,6 +45,18 @@ def add_service_routes(app: web.Application) -> None:
 
 async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [m.card() for m in request.app[MODELS].values()]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    model = request.app[MODELS].get(name)
+    if model is None:
+        raise NotFound(f"model {name!r} does not exist; see GET /v1/models", param="model")
+    return web.json_response(model.card())
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": _VERSION})
 
 
 async def _live_roles(request: web.Request) -> dict[str, set[str]] | None:
