@@ -335,23 +335,17 @@ class Manifests:
     # ------------------------------------------------------------------ gateway
 
     def _gateway(self) -> list[dict]:
+        # omni-serve's own gateway command line (every flag it forwards, now and later), pointed at
+        # the pods' paths: the ConfigMap's pipeline files, all interfaces, the token socket at the pod IP.
+        from omnirelay.deploy.serve import gateway_command
         args = self.args
-        command = ["omni-gateway", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--broker", self.brokers,
-                   "--reply-host", "$(POD_IP)", "--reply-port", str(REPLY_PORT),
-                   "--max-model-len", str(args.max_model_len)]
-        for i, plan in enumerate(self.plans):
-            command += ["--model", plan.path, "--served-model-name", plan.name,
-                        "--stage-configs-path", self._pipeline_file(i)]
-        from omnirelay.deploy.serve import GATEWAY_LIMITS   # omni-serve's own table of forwarded limits
-        for flag, _, _ in GATEWAY_LIMITS:
-            command += [flag, str(getattr(args, flag.lstrip("-").replace("-", "_")))]
-        if args.disable_log_requests:
-            command.append("--disable-log-requests")
-        if args.allowed_local_media_path:
-            command += ["--allowed-local-media-path", args.allowed_local_media_path]
-        command += ["--curve-secret-key", f"{KEYS_DIR}/gateway.key_secret",
-                    "--curve-server-key", f"{KEYS_DIR}/broker.key", "--curve-authorized-keys", AUTHORIZED_DIR,
-                    "--log-level", args.log_level, "--log-format", "json"]
+        plans = [dataclasses.replace(plan, pipeline_file=self._pipeline_file(i)) for i, plan in enumerate(self.plans)]
+        served = argparse.Namespace(**{**vars(args), "host": "0.0.0.0", "port": HTTP_PORT})
+        argv = gateway_command(served, plans, self.brokers, "/tmp/gateway.url", reply_host="$(POD_IP)")
+        command = ["omni-gateway", *argv[1:], "--reply-port", str(REPLY_PORT),
+                   "--curve-secret-key", f"{KEYS_DIR}/gateway.key_secret",
+                   "--curve-server-key", f"{KEYS_DIR}/broker.key", "--curve-authorized-keys", AUTHORIZED_DIR,
+                   "--log-level", args.log_level, "--log-format", "json"]
         api_key = {"name": "OMNIRELAY_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": "omnirelay-api-key", "key": "api-key", "optional": True}}}
         http = {"port": "http"}

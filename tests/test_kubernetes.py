@@ -130,7 +130,7 @@ def test_embedded_pipeline(tmp_path):
 
 
 def test_broker_pair_gateway_and_keys(tmp_path):
-    files = emit(tmp_path)
+    files = emit(tmp_path, "--max-body-bytes", "123456")
     deployments = objects(files, "Deployment")
     services = objects(files, "Service")
     a, b = deployments["omnirelay-broker-a"], deployments["omnirelay-broker-b"]
@@ -156,6 +156,7 @@ def test_broker_pair_gateway_and_keys(tmp_path):
     gateway = containers(deployments["omnirelay-gateway"])[0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
     assert flag(gateway["command"], "--reply-host") == "$(POD_IP)"
+    assert flag(gateway["command"], "--max-body-bytes") == "123456"   # omni-serve's gateway flags pass through
     assert services["omnirelay-gateway"]["spec"]["ports"][0]["targetPort"] == "http"
     assert gateway["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
     api_key = next(e for e in gateway["env"] if e["name"] == "OMNIRELAY_API_KEY")
