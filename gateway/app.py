@@ -5,8 +5,9 @@ middleware (gateway/middleware.py: errors, API key, per-request metrics and log)
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routes/completions.py, several
 choices: routes/choices.py), ``/v1/responses`` (routes/responses.py), ``POST /tokenize`` and
 ``POST /detokenize`` (routes/tokenization.py), images (routes/images.py, routes/image_edits.py),
-speech (routes/speech.py, routes/speech_ws.py, routes/voices.py), ``/v1/realtime`` (routes/realtime.py), video jobs (routes/videos.py) and the
-service's own (routes/service.py: models, health, cluster, metrics, status, OpenAPI).
+speech (routes/speech.py, routes/speech_ws.py, routes/voices.py), speech to text
+(routes/transcriptions.py), ``/v1/realtime`` (routes/realtime.py), video jobs (routes/videos.py)
+and the service's own (routes/service.py: models, health, cluster, metrics, status, OpenAPI).
 
 The bus client lives in a cleanup context, so it is started only if the app starts and closed
 exactly once. Every error leaves as an OpenAI-style body ``{"error": {"message", "type", "param",
@@ -37,6 +38,7 @@ from .routes.service import add_service_routes
 from .routes.speech import add_speech_routes
 from .routes.speech_ws import add_speech_stream_routes
 from .routes.tokenization import add_tokenize_routes
+from .routes.transcriptions import add_transcription_routes
 from .routes.videos import VideoModel, add_video_routes
 from .routes.voices import add_voice_routes
 from .status_page import StatusHistory
@@ -58,6 +60,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     add_image_routes(app)
     add_image_edit_routes(app)
     add_speech_routes(app)
+    add_transcription_routes(app)
     add_speech_stream_routes(app)
     add_realtime_routes(app)
     add_voice_routes(app)
