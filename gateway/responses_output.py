@@ -9,6 +9,12 @@ events are dropped), so both carry the same items. Items, in order of appearance
   ``response.output_item.added`` → ``response.content_part.added`` → ``response.output_text.delta``
   per piece → ``response.output_text.done`` → ``response.content_part.done`` →
   ``response.output_item.done``.
+* ``reasoning`` (a model served with a reasoning parser, gateway/reasoning.py): the ``<think>``
+  text, one ``reasoning_text`` part. Events: ``response.output_item.added`` →
+  ``response.content_part.added`` → ``response.reasoning_text.delta`` per piece →
+  ``response.reasoning_text.done`` → ``response.content_part.done`` → ``response.output_item.done``.
+  The answer after it (text and tool calls) is read as below; ``usage.output_tokens_details.
+  reasoning_tokens`` counts the output tokens up to the one that closes the reasoning.
 * ``function_call``: a tool call found by gateway/tool_calls.py's :class:`ToolCallParser` (``auto``:
   Hermes markup, ``required``: the whole constrained call at the end, named: arguments as they come).
   Events: ``response.output_item.added`` (arguments "") → ``response.function_call_arguments.delta``
@@ -24,6 +30,7 @@ from __future__ import annotations
 import uuid
 
 from . import generation
+from .reasoning import END, ReasoningMode, ReasoningSplitter
 from .structured import ToolsRequest
 from .tool_calls import ToolCallParser
 
@@ -35,9 +42,13 @@ def _item_id(prefix: str) -> str:
 class OutputBuilder:
     """``logprobs``: render each text piece's token logprobs (no tools then: schema checks it)."""
 
-    def __init__(self, gen: generation.Generation, tools: ToolsRequest | None, logprobs: bool, render_logprobs):
+    def __init__(self, gen: generation.Generation, tools: ToolsRequest | None, logprobs: bool, render_logprobs,
+                 reasoning: ReasoningMode | None = None):
         self.gen = gen
         self.parser = ToolCallParser(tools) if tools is not None and tools.choice != "none" else None
+        self.splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
+        self.reasoning_tokens = 0
+        self._generated: list[int] = []     # while reasoning: the output's ids so far
         self.logprobs = logprobs
         self._render_logprobs = render_logprobs   # completions.ChatFormat.logprobs
         self.items: list[dict] = []
@@ -53,11 +64,15 @@ class OutputBuilder:
         logprobs = []
         if self.logprobs and chunk.token_ids:
             logprobs = self._render_logprobs(self.gen, chunk.token_ids, chunk.logprobs, 0)[0]["content"]
+        text = chunk.text
+        if self.splitter is not None:
+            text, reasoning_events = self._split(chunk)
+            events += reasoning_events
         if self.parser is None:
-            if chunk.text or logprobs:
-                events += self._text(chunk.text, logprobs)
+            if text or logprobs:
+                events += self._text(text, logprobs)
         else:
-            content, calls = self.parser.feed(chunk.text)
+            content, calls = self.parser.feed(text)
             events += self._tool_output(content, calls)
             if chunk.finish_reason:
                 events += self._tool_output(*self.parser.finish())
@@ -76,6 +91,40 @@ class OutputBuilder:
     @property
     def incomplete(self) -> bool:
         return any(item.get("status") == "incomplete" for item in self.items)
+
+    def _split(self, chunk: generation.TextChunk) -> tuple[str, list[dict]]:
+        """The chunk's answer text, and the events of its reasoning."""
+        was_reasoning = self.splitter.in_reasoning
+        reasoning, answer = self.splitter.feed(chunk.text)
+        if chunk.finish_reason:
+            more, tail = self.splitter.finish()
+            reasoning, answer = reasoning + more, answer + tail
+        if was_reasoning:
+            self._generated += chunk.token_ids
+            if self.splitter.in_reasoning:
+                self.reasoning_tokens = len(self._generated)
+            else:   # closed in this chunk: count up to the token that completes the tag
+                decode = self.gen.model.tokenizer.decode
+                start = len(self._generated) - len(chunk.token_ids)
+                self.reasoning_tokens = next((k for k in range(start + 1, len(self._generated) + 1)
+                                              if END in decode(self._generated[:k])), len(self._generated))
+                self._generated = []
+        events: list[dict] = []
+        if reasoning:
+            if self._open is None or self._open["type"] != "reasoning":
+                events += self._close("completed")
+                item = {"id": _item_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [],
+                        "content": [], "encrypted_content": None}
+                events += self._add(item)
+                part = {"type": "reasoning_text", "text": ""}
+                item["content"].append(part)
+                events.append({"type": "response.content_part.added", "item_id": item["id"],
+                               "output_index": len(self.items) - 1, "content_index": 0, "part": dict(part)})
+            item = self._open
+            item["content"][0]["text"] += reasoning
+            events.append({"type": "response.reasoning_text.delta", "item_id": item["id"],
+                           "output_index": len(self.items) - 1, "content_index": 0, "delta": reasoning})
+        return answer, events
 
     # ------------------------------------------------------------------ items
 
@@ -128,7 +177,7 @@ class OutputBuilder:
     def _add(self, item: dict) -> list[dict]:
         self.items.append(item)
         self._open = item
-        shown = {**item, "content": []} if item["type"] == "message" else dict(item)
+        shown = {**item, "content": []} if "content" in item else dict(item)
         return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": shown}]
 
     def _close(self, status: str) -> list[dict]:
@@ -143,13 +192,17 @@ class OutputBuilder:
             events = [{"type": "response.output_text.done", **base, "content_index": 0, "text": part["text"],
                        "logprobs": part["logprobs"]},
                       {"type": "response.content_part.done", **base, "content_index": 0, "part": dict(part)}]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events = [{"type": "response.reasoning_text.done", **base, "content_index": 0, "text": part["text"]},
+                      {"type": "response.content_part.done", **base, "content_index": 0, "part": dict(part)}]
         else:
             events = [{"type": "response.function_call_arguments.done", **base, "arguments": item["arguments"]}]
         return events + [{"type": "response.output_item.done", "output_index": index, "item": _copy(item)}]
 
 
 def _copy(item: dict) -> dict:
-    if item["type"] == "message":
+    if "content" in item:
         return {**item, "content": [dict(part) for part in item["content"]]}
     return dict(item)
 

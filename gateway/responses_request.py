@@ -18,7 +18,7 @@ Responses                   chat
                             are dropped (the chat template drops earlier reasoning too)
 ``instructions``            a system message first (not carried to a follow-up, as OpenAI)
 ``max_output_tokens``       ``max_tokens``
-``temperature``, ``top_p``  the same; vLLM's extra sampling keys (:data:`SAMPLING_KEYS`) too
+``temperature``, ``top_p``  the same; vLLM's extras (:data:`SAMPLING_KEYS`) too
 ``tools`` (function)        ``tools`` ``{"type": "function", "function": {…}}``
 ``tool_choice``             the same, a named one as ``{"type": "function", "name"}``
 ``text.format``             ``response_format`` (text, json_object, json_schema)
@@ -42,10 +42,11 @@ from typing import Any
 
 from omnirelay.errors import BadRequest, Unprocessable
 
-# vLLM's sampling extras on its ResponsesRequest, passed to the chat validation as they are.
+# vLLM's sampling extras, template switches and structured outputs, passed to the chat validation as
+# they are.
 SAMPLING_KEYS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                  "logit_bias", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "bad_words",
-                 "allowed_token_ids", "chat_template_kwargs")
+                 "allowed_token_ids", "chat_template_kwargs", "structured_outputs")
 # Keys the Responses API defines that change the answer and are not served; any value but these
 # (None always passes) is a 422.
 REFUSED: dict[str, tuple] = {

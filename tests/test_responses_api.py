@@ -1,8 +1,9 @@
 """``/v1/responses`` through the official ``openai`` client against a real ``omni-serve`` of the
 tiny random-weight LLM (the session's ``server``): the Responses answer is the chat path's answer
 (greedy tokens compared with ``chat.completions`` on the same conversation), streamed with OpenAI's
-typed events, with function tools, ``text.format``, ``previous_response_id`` and the store; plus the
-store's bounds on their own (gateway/response_store.py)."""
+typed events, with function tools, ``text.format``, ``previous_response_id`` and the store; a thinking
+model's reasoning item (tiny-qwen3 with ``--reasoning-parser qwen3``); and the store's bounds on their
+own (gateway/response_store.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import openai
 import pytest
 import requests
 
+from omnirelay.deploy.builders.qwen3 import cached_qwen3
 from omnirelay.gateway.response_store import ResponseStore, StoreLimits
+
+from conftest import ServeProcess
 
 MODEL = "tiny-llm"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -213,3 +217,50 @@ def test_store_evicts_least_recently_used_by_count_bytes_and_age():
     now[0] = 11.0                             # past the TTL: gone
     assert store.get("big") is None and store.nbytes == sum(e.nbytes for e in store._entries.values())
     assert store.delete("big") is False
+
+
+# -- a thinking model (tiny-qwen3, --reasoning-parser qwen3) ----------------------------------------
+
+THOUGHT = "<think>\nThe sky scatters blue light\n</think>\n\nYes"   # forced by a regex: the weights are random
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("responses-reasoning") / "serve.log")
+    with ServeProcess(str(cached_qwen3()), "--served-model-name", "tiny-qwen3", "--reasoning-parser", "qwen3",
+                      "--log-level", "WARNING", log_path=log) as process:
+        yield openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_reasoning_item_before_the_answer(thinking):
+    kwargs = dict(model="tiny-qwen3", input="Is the sky blue?", max_output_tokens=64, temperature=0,
+                  extra_body={"structured_outputs": {"regex": THOUGHT}})
+    resp = thinking.responses.create(**kwargs)
+    assert [item.type for item in resp.output] == ["reasoning", "message"] and resp.status == "completed"
+    assert resp.output[0].content[0].type == "reasoning_text"
+    assert resp.output[0].content[0].text == "\nThe sky scatters blue light\n"
+    assert resp.output_text == "\n\nYes"
+    chat = thinking.chat.completions.create(model="tiny-qwen3", messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                            max_tokens=64, temperature=0,
+                                            extra_body={"structured_outputs": {"regex": THOUGHT}})
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    # The reasoning's tokens: up to the one that completes </think>, as the tokenizer splits the text.
+    tokens = chat.usage.completion_tokens - len(_tokenizer()("\n\nYes", add_special_tokens=False)["input_ids"])
+    assert 0 < resp.usage.output_tokens_details.reasoning_tokens <= tokens + 1
+    events = list(thinking.responses.create(stream=True, **kwargs))
+    types = [e.type for e in events]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        resp.output[0].content[0].text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nYes"
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+    # Thinking turned off through the template switch: no reasoning item.
+    off = thinking.responses.create(model="tiny-qwen3", input="Is the sky blue?", max_output_tokens=4, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [item.type for item in off.output] == ["message"]
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(cached_qwen3()))

@@ -18,8 +18,9 @@ Life of a request through this module::
     ──▶ ``store`` (default true): the finished response and its conversation go into this gateway's
         bounded store (gateway/response_store.py: bound and eviction there).
 
-Reasoning items are not produced: the chat path has no reasoning parser yet (issue #26); a
-``reasoning`` request option other than ``{}`` is a 422.
+A model served with a reasoning parser (gateway/reasoning.py) answers with a ``reasoning`` item
+(its ``<think>`` text as ``reasoning_text``) before the answer's items; the ``reasoning`` request
+option (effort, summaries) is not served: anything but ``{}`` is a 422.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import time
 
 from aiohttp import web
 
-from omnirelay.errors import BadRequest, NotFound, OmniError
+from omnirelay.errors import BadRequest, NotFound, OmniError, Unprocessable
 
 from .. import generation
 from ..app_keys import BUS, CONFIG, MODELS, RESPONSES
+from ..cpu_work import off_loop
 from ..models import text_model
 from ..request_body import json_body
 from ..request_record import open_record
@@ -63,9 +65,10 @@ def _response_object(call: ResponsesCall, response_id: str, created: float, mode
             "store": call.store, "usage": usage, **call.echo}
 
 
-def _usage(gen: generation.Generation) -> dict:
+def _usage(gen: generation.Generation, builder: OutputBuilder) -> dict:
     return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": gen.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": builder.reasoning_tokens},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
 
@@ -83,20 +86,22 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     parsed = _chat_request(call, history)
     model = text_model(request.app[MODELS], parsed.model)
     try:
-        gen = generation.prepare(model, parsed, "resp")
+        gen = await off_loop(request.app, generation.prepare, model, parsed, "resp")
     except OmniError as exc:
         exc.param = responses_param(exc.param)
         raise
     response_id = "resp_" + gen.request_id.split("-", 1)[1]
     gen.request_id = response_id
-    builder = OutputBuilder(gen, parsed.tools, call.logprobs, ChatFormat.logprobs)
+    if call.logprobs and gen.reasoning is not None:
+        raise Unprocessable("logprobs are served for models without a reasoning parser", param="include")
+    builder = OutputBuilder(gen, parsed.tools, call.logprobs, ChatFormat.logprobs, gen.reasoning)
     record = open_record(request, model.name, response_id, usage=gen, stages="+".join(gen.stages))
     created = time.time()
     conversation = history + call.turn
 
     def finished(output: list[dict]) -> dict:
         body = _response_object(call, response_id, created, model.name,
-                                "incomplete" if builder.incomplete else "completed", output, _usage(gen))
+                                "incomplete" if builder.incomplete else "completed", output, _usage(gen, builder))
         if call.store:
             store.put(body, conversation + output_messages(output))
         return body
@@ -134,7 +139,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 await writer.send({"type": "error", "code": exc.error_type, "message": exc.message,
                                    "param": exc.param})
                 failed = _response_object(call, response_id, created, model.name, "failed", builder.items,
-                                          _usage(gen), error={"code": exc.error_type, "message": exc.message})
+                                          _usage(gen, builder), error={"code": exc.error_type, "message": exc.message})
                 await writer.send({"type": "response.failed", "response": failed})
     await response.write_eof()
     return response
