@@ -86,6 +86,12 @@ class BrokerCore:
         self.queues: dict[tuple[str, str], collections.deque[str]] = collections.defaultdict(collections.deque)
         self.counters: collections.Counter[str] = collections.Counter()
         self.gateways: dict[bytes, float] = {}   # identity → last hello, for gateways that say hello
+        # identity → the session it was given (HelloAck.session): a new one whenever a gateway is
+        # taken (back) in, so one given up while silent learns that its requests are gone.
+        self._gateway_sessions: dict[bytes, int] = {}
+        self._sessions = itertools.count(1)
+        # identity → when it was last told to register again (once per heartbeat interval, see _unknown_worker)
+        self._told_to_reregister: dict[bytes, float] = {}
         self.broker_id = uuid.uuid4().hex
         self._now = 0.0   # time of the event being handled (stamps dispatches)
         # Requests in BACKOFF as (not_before, seq, request_id, attempt). Entries of requests that were
@@ -136,6 +142,9 @@ class BrokerCore:
                      else f"in stage {req.stage}")
             out += self._fail(req, DeadlineExceeded.error_type, f"deadline passed {where}")
         out += self._expire_gateways(now)
+        if self._told_to_reregister:
+            interval = self.config.heartbeat_interval_s
+            self._told_to_reregister = {i: t for i, t in self._told_to_reregister.items() if now - t < interval}
         if self._backoff and self._backoff[0][0] <= now:
             out += self._end_backoffs(now)
         return out
@@ -177,11 +186,25 @@ class BrokerCore:
             out += self._drop_worker(old, now)
         # Requests the worker still runs that this broker does not know (it restarted and their
         # gateways resume them elsewhere): stop them, so no compute is spent on orphans.
-        out += [(identity, p.CancelTask(rid)) for rid in msg.held if rid not in self.requests]
+        # Whatever it still holds is not its task any more: the broker never knew it (it restarted)
+        # or took it back when it dropped the worker (re-queued, or failed for the gateway to resume).
+        out += [(identity, p.CancelTask(rid)) for rid in msg.held]
+        self._told_to_reregister.pop(identity, None)
         self.counters["registrations"] += 1
         log.info("worker %s registered: role=%s model=%s capacity=%d", msg.worker_id, msg.role,
                  msg.model, msg.capacity)
         return out
+
+    def _unknown_worker(self, identity: bytes, now: float) -> list[Outgoing]:
+        """``Reregister`` for a message from a worker the broker does not know, at most once per
+        heartbeat interval per identity: a worker back from a pause sends a burst (stage reports,
+        credits, a heartbeat) before its Register arrives, and a Register for each answer would
+        drop what it was given in between."""
+        told = self._told_to_reregister.get(identity)
+        if told is not None and now - told < self.config.heartbeat_interval_s:
+            return []
+        self._told_to_reregister[identity] = now
+        return [(identity, p.Reregister("unknown worker"))]
 
     def _known_worker(self, identity: bytes, worker_id: str, now: float) -> WorkerState | None:
         worker = self.workers.get(worker_id)
@@ -193,7 +216,7 @@ class BrokerCore:
     def _on_credit(self, identity: bytes, msg: p.Credit, now: float) -> list[Outgoing]:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
-            return [(identity, p.Reregister("unknown worker"))]
+            return self._unknown_worker(identity, now)
         worker.credits = max(0, min(worker.capacity, worker.credits + msg.credits))
         self._offer(worker)
         return self._pump(worker.model, worker.role)
@@ -201,7 +224,7 @@ class BrokerCore:
     def _on_heartbeat(self, identity: bytes, msg: p.Heartbeat, now: float) -> list[Outgoing]:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
-            return [(identity, p.Reregister("unknown worker"))]
+            return self._unknown_worker(identity, now)
         worker.running, worker.waiting = msg.running, msg.waiting
         worker.free_kv_blocks, worker.stats = msg.free_kv_blocks, msg.stats   # shared: see _on_stage_done
         prefix = worker.prefix
@@ -285,7 +308,7 @@ class BrokerCore:
     def _on_stage_done(self, identity: bytes, msg: p.StageDone, now: float) -> list[Outgoing]:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
-            return [(identity, p.Reregister("unknown worker"))]
+            return self._unknown_worker(identity, now)
         req = self.requests.get(msg.request_id)
         if req is not None and req.producer_id == worker.worker_id and req.attempts == msg.attempt \
                 and req.spec.stages[req.stage_index - 1] == msg.stage:
@@ -323,7 +346,7 @@ class BrokerCore:
         stage now and keep the sender as the request's producer until it reports."""
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
-            return [(identity, p.Reregister("unknown worker"))]
+            return self._unknown_worker(identity, now)
         req = self.requests.get(msg.request_id)
         if (req is None or req.worker_id != worker.worker_id or req.stage != msg.stage
                 or req.attempts != msg.attempt or req.stage_index + 1 >= len(req.spec.stages)):
@@ -360,7 +383,7 @@ class BrokerCore:
     def _on_stage_failed(self, identity: bytes, msg: p.StageFailed, now: float) -> list[Outgoing]:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
-            return [(identity, p.Reregister("unknown worker"))]
+            return self._unknown_worker(identity, now)
         req = self.requests.get(msg.request_id)
         if req is not None and req.producer_id == worker.worker_id and req.attempts == msg.attempt:
             # The producer of a streamed hand-off failed: its consumer cannot go on without it.
@@ -433,17 +456,24 @@ class BrokerCore:
     # ------------------------------------------------------------------ gateways
 
     def _on_gateway_hello(self, identity: bytes, msg: p.GatewayHello, now: float) -> list[Outgoing]:
+        session = self._gateway_sessions.get(identity)
+        if session is None:   # new, or given up (_expire_gateways) and back
+            session = self._gateway_sessions[identity] = next(self._sessions)
         self.gateways[identity] = now
-        return [(identity, p.HelloAck(self.broker_id))]
+        return [(identity, p.HelloAck(self.broker_id, session))]
 
     def _expire_gateways(self, now: float) -> list[Outgoing]:
-        """Requests of a gateway that stopped saying hello have nobody to stream to: drop them."""
+        """Requests of a gateway that stopped saying hello have nobody to stream to: drop them.
+        Its session ends too: if it was only paused, its next hello gets a new one and it resumes
+        what it still streams."""
         out: list[Outgoing] = []
         for identity in [g for g, seen in self.gateways.items() if now - seen > self.config.liveness_s]:
             del self.gateways[identity]
+            self._gateway_sessions.pop(identity, None)
             self.counters["gateways_expired"] += 1
             for req in [r for r in self.requests.values() if r.gateway == identity]:
                 del self.requests[req.spec.request_id]
+                self.counters["gateway_requests_dropped"] += 1
                 out += self._release(req)
         return out
 
@@ -587,7 +617,7 @@ class BrokerCore:
                 request_id=request_id, stage=spec.stages[req.stage_index], model=model,
                 prompt_token_ids=spec.prompt_token_ids, sampling=spec.sampling, inputs=req.inputs,
                 reply_to=spec.reply_to, deadline=spec.deadline, attempt=req.attempts,
-                position_offset=spec.position_offset, reply_key=spec.reply_key)))
+                position_offset=spec.position_offset, reply_key=spec.reply_key, traceparent=spec.traceparent)))
         return out
 
     def _fail(self, req: RequestState, error_type: str, message: str, *, retry_after: float = 0.0,

@@ -38,10 +38,13 @@ Register              worker → broker         I serve (model, role) with this 
 Credit                worker → broker         I can take ``credits`` more tasks (pull by credit)
 Heartbeat             worker → broker         alive; my load and counters
 StageDone             worker → broker         a stage finished; ``outputs``: its hand-off
+StageStreaming        worker → broker         a stage still runs, its successor may start now on
+                                              ``outputs`` (a streamed hand-off)
 StageFailed           worker → broker         a stage failed with a structured error
 Unregister            worker → broker         I am leaving (drain finished)
 GatewayHello          gateway → broker        I own requests; also my liveness ping
-HelloAck              broker → gateway        the broker's instance id (changes on restart)
+HelloAck              broker → gateway        the broker's instance id (changes on restart) and
+                                              the gateway's session (changes when given up)
 Submit                gateway → broker        a new request: stages, prompt, sampling, deadline
 Cancel                gateway → broker        drop a request everywhere (client went away, stop)
 StatusQuery           gateway → broker        who is alive?
@@ -96,7 +99,7 @@ from omnirelay.handoffs import TAG_FIELD, Handoff, MediaInputs, tag_legacy
 PROTOCOL_VERSION = 1
 VERSION_FRAME = bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 8 * 1024 * 1024   # a 1M-token prompt fits; bulk data goes through connectors
-MAX_TOP_LOGPROBS = 5               # sampling["logprobs"] asks for at most this many alternatives per token
+MAX_TOP_LOGPROBS = 20              # sampling["logprobs"] asks for at most this many alternatives per token (OpenAI's and vLLM's default limit)
 
 
 class ProtocolError(ValueError):
@@ -321,6 +324,23 @@ class StageDone(Message):
 
 
 @_register
+class StageStreaming(Message):
+    """The stage ``stage`` of ``request_id`` still runs, and its successor may start now on
+    ``outputs``, a hand-off whose data the sender keeps writing (``omnirelay.handoffs.ChunkStream``).
+    The broker dispatches the next stage at once and keeps the sender as the request's producer
+    until its own StageDone (then ``outputs`` None, ``finished`` False) or StageFailed; a producer or
+    consumer lost meanwhile fails the request as resumable (the consumer read chunks nobody else
+    has, so neither side can be replayed alone)."""
+
+    TAG = b"STRM"
+    worker_id: str
+    request_id: str
+    stage: str
+    outputs: Handoff
+    attempt: int = 0
+
+
+@_register
 class StageFailed(Message):
     TAG = b"FAIL"
     worker_id: str
@@ -371,6 +391,7 @@ class Submit(Message):
     inputs: MediaInputs | None = None
     prefix_hashes: list[int] = msgspec.field(default_factory=list)
     prefix_block_size: int = 0
+    traceparent: str = ""      # W3C trace context of the gateway's span (omnirelay/tracing.py); "" untraced
 
 
 @_register
@@ -404,6 +425,7 @@ class Task(Message):
     attempt: int = 0
     position_offset: int = 0
     reply_key: str = ""
+    traceparent: str = ""      # the broker's span of this stage (omnirelay/tracing.py); "" untraced
 
 
 @_register
@@ -426,11 +448,14 @@ class Reregister(Message):
 
 @_register
 class HelloAck(Message):
-    """Answer to GatewayHello. ``broker_id`` changes when the broker restarts, which tells the
-    gateway that requests it submitted before are gone from the broker and must be resumed."""
+    """Answer to GatewayHello. ``broker_id`` changes when the broker restarts, and ``session`` when
+    the broker gave this gateway up (silent past its liveness: stopped, or cut off) and took it back:
+    either tells the gateway that requests it submitted before are gone from the broker and must be
+    resumed. 0: a broker older than sessions."""
 
     TAG = b"HACK"
     broker_id: str
+    session: int = 0
 
 
 @_register

@@ -159,7 +159,9 @@ class BusClient:
         self._tasks: list[asyncio.Task] = []
         self.malformed = 0
         self.broker_id = ""
+        self.session = 0   # HelloAck.session: a new one means the broker gave this gateway up
         self.broker_restarts = 0
+        self.sessions_lost = 0
 
     # ------------------------------------------------------------------ lifecycle (owned by the app)
 
@@ -245,7 +247,9 @@ class BusClient:
         elif isinstance(msg, p.HelloAck):
             if self.broker_id and msg.broker_id != self.broker_id:
                 self._on_broker_restart()
-            self.broker_id = msg.broker_id
+            elif self.broker_id and msg.session != self.session:
+                self._on_session_lost()
+            self.broker_id, self.session = msg.broker_id, msg.session
         elif isinstance(msg, p.StatusReply):
             future = self._status_waiters.get(msg.query_id)
             if future is not None and not future.done():
@@ -276,6 +280,15 @@ class BusClient:
         self.broker_restarts += 1
         for stream in list(self._streams.values()):
             stream.on_error(WorkerLost("broker restarted", request_id=stream.request_id, resumable=True))
+
+    def _on_session_lost(self) -> None:
+        """The broker gave this gateway up (it was silent past the broker's liveness: paused, or cut
+        off) and dropped its requests: each open stream resumes, as after a broker restart."""
+        log.warning("broker forgot this gateway (silent past its liveness); resuming %d open requests",
+                    len(self._streams))
+        self.sessions_lost += 1
+        for stream in list(self._streams.values()):
+            stream.on_error(WorkerLost("broker gave this gateway up", request_id=stream.request_id, resumable=True))
 
     async def _hello_loop(self) -> None:
         while True:

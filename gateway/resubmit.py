@@ -5,12 +5,17 @@ Two failures are worth another submission:
 * a **resumable** one (the worker or broker holding the request was lost): submitted again at once,
   up to :data:`MAX_RESUBMITS` times — the request is idempotent (same seed) or resumes where the
   client's stream stopped;
-* **unavailable** (a role with no live worker, as while one restarts): submitted again after a
-  short pause, for :data:`ADMISSION_RETRY_S` after the first submission and within the deadline.
+* **unavailable** (a role with no live worker, as while one restarts or is back from a pause):
+  submitted again after a short pause, for :data:`ADMISSION_RETRY_S` counted from the failure that
+  began the wait (the first unavailable answer since the request last got going) and within the
+  deadline. Counted from the request's start, a stream failed late (its worker lost after 20 s)
+  would have no wait left at all.
 
 Anything else reaches the client, carrying the client's request id. Each submission has its own
-upstream id (``<id>``, ``<id>.1``, …), so late messages of an abandoned one are never mixed in, and
-leaving early (client gone, error, job cancelled) always cancels the last one upstream.
+upstream id (``<id>``, ``<id>.1``, …), so late messages of an abandoned one are never mixed in; an
+abandoned one is cancelled upstream before the next goes (the broker may still hold it: a gateway it
+gave up and took back resumes everything, including what it submitted in between), and leaving
+early (client gone, error, job cancelled) always cancels the last one upstream.
 
 :class:`Submissions` is that policy for a caller that reads each submission's stream itself (text
 generation and speech, which yield as they go: what the next submission asks for depends on what
@@ -43,17 +48,27 @@ S = TypeVar("S", bound=RequestStream)
 
 
 class AdmissionWait:
-    """The pauses of one request while a role it needs has no live worker."""
+    """The pauses of one request while a role it needs has no live worker: at most
+    :data:`ADMISSION_RETRY_S` from the first unavailable answer since :meth:`restart`."""
 
     def __init__(self, deadline: float):
         self.deadline = deadline
-        self.until = time.monotonic() + ADMISSION_RETRY_S
+        self.until: float | None = None   # set by the first unavailable answer of a wait
+
+    def restart(self) -> None:
+        """The request got going again (admitted, then failed in a way worth a resubmission): a
+        wait that follows is a new one, with the whole window."""
+        self.until = None
 
     async def retry(self, exc: OmniError) -> bool:
         """Whether to submit again after ``exc``; pauses first when so."""
+        if not isinstance(exc, Unavailable):
+            return False
+        now = time.monotonic()
+        if self.until is None:
+            self.until = now + ADMISSION_RETRY_S
         pause = min(max(exc.retry_after, 0.2), 1.0)
-        if (isinstance(exc, Unavailable) and time.monotonic() + pause < self.until
-                and time.time() + pause < self.deadline):
+        if now + pause < self.until and time.time() + pause < self.deadline:
             await asyncio.sleep(pause)
             return True
         return False
@@ -116,6 +131,7 @@ class Submissions:
             if not await self._again(exc):
                 exc.request_id = self.request_id
                 raise
+            await asyncio.shield(self.bus.cancel(upstream_id, "resubmitted"))
             self.resubmits += 1
             self.upstream_id = f"{self.request_id}.{self.resubmits}"
         finally:
@@ -125,6 +141,7 @@ class Submissions:
         spent = self.resubmits if self._unavailable_spends else self.resumes
         if exc.resumable and spent < MAX_RESUBMITS:
             self.resumes += 1
+            self._admission.restart()   # a worker lost now: the wait for another counts from here
             log.warning("%s: %s; %s", self.request_id, exc, self._retry_note())
             return True
         return await self._admission.retry(exc)

@@ -1,0 +1,140 @@
+"""Pauses heal like deaths (issue #27, items 2-3): SIGSTOP of the gateway or of the decode worker for
+longer than the broker's liveness, then SIGCONT, under a few concurrent greedy streams.
+
+A process that is stopped looks dead to the broker (no heartbeats, no hellos): it drops the gateway's
+requests, or the worker's stages. When the process comes back it must be told so and recover:
+
+* the gateway is told by a new session id in ``HelloAck`` and resumes its open streams from the
+  position each reached (before: the same broker id told it nothing, and the streams hung to their
+  deadline);
+* the worker is told by ``Reregister`` and registers again; its streams were failed as resumable and
+  the gateway resubmits them, waiting for a decode worker for ``ADMISSION_RETRY_S`` counted from the
+  failure (before: from the request's start, which had passed, so every stream failed "no live decode
+  worker" though the worker was back two seconds later).
+
+Every stream must end with exactly the tokens of the unpaused run (greedy), none missing, none
+twice. The pause is the fault itself (a fixed 6 s, as in the issue); nothing is asserted on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx2
+import openai
+import pytest
+
+from cluster import TOPICS, Cluster, is_structured_error
+
+N_STREAMS = 3
+PAUSE_S = 6.0            # longer than the broker's liveness (3.5 s)
+STREAM_TIMEOUT_S = 90.0  # "hung": no end of the stream within this
+STOP_AFTER = 4           # tokens every stream has before the pause begins
+
+pytestmark = pytest.mark.slow
+
+
+async def _stream(client: openai.AsyncOpenAI, i: int, max_tokens: int, progressed: asyncio.Event) -> list[int]:
+    """Stream ``i``'s token ids (its ``return_token_ids``); ``progressed`` is set once it has
+    :data:`STOP_AFTER`. An error event or a stream without a finish raises AssertionError."""
+    tokens: list[int] = []
+    finished = False
+    async with client.chat.completions.with_streaming_response.create(
+            model="tiny-llm", messages=[{"role": "user", "content": f"Stream {i}: tell me about {TOPICS[i]}."}],
+            temperature=0, max_tokens=max_tokens, stream=True, logprobs=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True}) as response:
+        async for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, (i, len(tokens), event, is_structured_error(event))
+            for choice in event["choices"]:
+                tokens += choice.get("token_ids") or []
+                finished = finished or bool(choice.get("finish_reason"))
+            if len(tokens) >= STOP_AFTER:
+                progressed.set()
+    assert finished, f"stream {i} ended without a finish_reason after {len(tokens)} tokens"
+    return tokens
+
+
+async def _streams(url: str, max_tokens: int, fault=None) -> list[list[int]]:
+    """:data:`N_STREAMS` concurrent streams; ``fault()`` (in a thread) once every one has
+    :data:`STOP_AFTER` tokens, while they go on."""
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=httpx2.Timeout(STREAM_TIMEOUT_S)) as client:
+        progressed = [asyncio.Event() for _ in range(N_STREAMS)]
+        streams = [asyncio.create_task(asyncio.wait_for(_stream(client, i, max_tokens, progressed[i]),
+                                                        STREAM_TIMEOUT_S)) for i in range(N_STREAMS)]
+        try:
+            if fault is not None:
+                all_progressed = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in progressed)))
+                await asyncio.wait([all_progressed, *streams], return_when=asyncio.FIRST_COMPLETED)
+                all_progressed.cancel()
+                assert not any(task.done() for task in streams), "a stream ended before the pause"
+                await asyncio.to_thread(fault)
+            return list(await asyncio.gather(*streams))
+        finally:
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+
+def _pause(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(PAUSE_S)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("pause")))
+    try:
+        cluster.start_broker()
+        cluster.start_worker("prefill")
+        cluster.start_worker("decode", "--capacity", "8")
+        cluster.start_gateway()
+        cluster.wait_healthy()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _proc(cluster: Cluster, name: str):
+    return next(proc for proc in cluster.procs if proc.name.endswith(name) and proc.alive())
+
+
+def test_a_paused_decode_worker_comes_back_and_every_stream_completes(cluster):
+    max_tokens = 400
+    baseline = asyncio.run(_streams(cluster.url, max_tokens))
+    decode = _proc(cluster, "decode")
+    log_before = len(decode.output())
+    paused = asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(decode.pid)))
+    assert paused == baseline
+    logs = cluster.logs()
+    assert "missed heartbeats; dropping it" in logs      # the pause was long enough to look like a death
+    assert "resuming at position" in logs                # the streams moved on, not merely waited
+    assert "broker asked to re-register" in decode.output()[log_before:]   # and the worker was told
+    assert decode.alive()
+    assert [w["role"] for w in cluster.workers()].count("decode") == 1
+
+
+def test_a_paused_gateway_comes_back_and_every_stream_completes(cluster):
+    # Long enough that decode still runs when the broker gives the gateway up, its liveness after
+    # the pause began (~12 s of decode on the 2-core test host, 3.5 s of liveness).
+    max_tokens = 1900
+    baseline = asyncio.run(_streams(cluster.url, max_tokens))
+    gateway = _proc(cluster, "gateway")
+    before = cluster.broker_counters()
+    paused = asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(gateway.pid)))
+    assert paused == baseline
+    after = cluster.broker_counters()
+    assert after.get("gateways_expired", 0) == before.get("gateways_expired", 0) + 1
+    # The broker dropped the streams while they ran: the gateway had to resume them.
+    assert after.get("gateway_requests_dropped", 0) > before.get("gateway_requests_dropped", 0)
+    assert "broker forgot this gateway" in gateway.output()
