@@ -66,6 +66,10 @@ class RequestState:
     attempts: int = 0
     dispatched_at: float = 0.0
     not_before: float = 0.0             # in BACKOFF: when it may be queued again
+    # A stage streaming into the current one (StageStreaming): its worker, until its own report.
+    producer_id: str | None = None
+    streamed: bool = False              # the current stage reads a stream: it cannot be replayed alone
+    stages_done: bool = False           # the last stage finished while its producer still ran
 
     @property
     def stage(self) -> str:

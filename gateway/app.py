@@ -23,6 +23,7 @@ from aiohttp import web
 from omnirelay.security import CurveKeys
 from omnirelay.video_params import is_video_pipeline
 
+from . import cpu_work
 from .app_keys import BUS, CONFIG, HISTORY, KEYS, METRICS, MODELS, STREAMS
 from .bus import BusClient
 from .config import GatewayConfig
@@ -53,6 +54,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app[STREAMS] = collections.Counter()
     app[MODELS] = {m.name: VideoModel(m) if is_video_pipeline(m.path) else ImageModel(m) if is_image_pipeline(m.path)
                    else ModelRuntime(m, config.media_limits(m.allowed_local_media_path)) for m in config.models}
+    cpu_work.install(app)   # request work too heavy for the event loop (gateway/cpu_work.py)
     app.cleanup_ctx.append(_bus_context)
     add_completion_routes(app)
     add_response_routes(app)

@@ -70,7 +70,10 @@ class Generation:
 
 
 def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Generation:
-    """Tokenize and check the request against the model's context (400 when it cannot fit)."""
+    """Tokenize and check the request against the model's context (400 when it cannot fit). CPU work
+    that grows with the request: routes run it on the gateway's CPU pool (gateway/cpu_work.py), after
+    :func:`check_size` has refused what cannot fit without doing it."""
+    check_size(model, request)
     stages, inputs, reasoning = tuple(model.stages), None, None
     if request.kind == "chat":
         messages = request.messages
@@ -85,6 +88,9 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
             messages, items = model.media.extract(messages)
         prompt_text = model.render_chat(messages, request.tools.template_tools() if request.tools else None,
                                         request.template)
+        if len(prompt_text) > model.max_prompt_chars:   # the tools, the template's own text: still not tokenized
+            raise BadRequest(f"the chat renders to {len(prompt_text)} characters; no text over "
+                             f"{model.max_prompt_chars} fits this model's context", param="messages")
         prompt_ids = model.encode_text(prompt_text, request.template.add_special_tokens)
         reasoning = reasoning_mode(model, request, prompt_text)
         if items:
@@ -126,6 +132,25 @@ def reasoning_mode(model: ModelRuntime, request: GenerationRequest, prompt_text:
     return ReasoningMode(model.reasoning_parser, closed_in_prompt(prompt_text),
                          thinking_off=variables.get("enable_thinking", True) is False,
                          include=request.include_reasoning)
+
+
+def check_size(model: ModelRuntime, request: GenerationRequest) -> None:
+    """Refuse, before any rendering or tokenizing, a prompt that cannot fit the context whatever its
+    tokens: more characters than ``model.max_prompt_chars``, or more chat messages than the context has
+    tokens (every message renders to at least one). 400 naming ``messages`` or ``prompt``."""
+    if request.kind == "chat":
+        messages = request.messages
+        if len(messages) > model.max_model_len:
+            raise BadRequest(f"{len(messages)} messages cannot fit this model's context of {model.max_model_len} "
+                             "tokens", param="messages")
+        chars = sum(len(m["content"]) if isinstance(m["content"], str)
+                    else sum(len(part.get("text") or "") for part in m["content"]) for m in messages)
+        param = "messages"
+    else:
+        chars, param = len(request.prompt or ""), "prompt"
+    if chars > model.max_prompt_chars:
+        raise BadRequest(f"the prompt has {chars} characters; no text over {model.max_prompt_chars} characters fits "
+                         f"this model's context of {model.max_model_len} tokens", param=param)
 
 
 def _sampling(gen: Generation, generated: int) -> dict:

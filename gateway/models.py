@@ -66,6 +66,10 @@ class ModelRuntime:
         self.vocab_size = int(config["vocab_size"])
         model_max = int(config.get("max_position_embeddings", 2048))
         self.max_model_len = min(served.max_model_len or model_max, model_max)
+        # No token covers more characters than the vocabulary's longest entry (byte-level BPE spells each
+        # byte as one character), so a text longer than this cannot fit the context, whatever it says:
+        # refused before it is rendered or tokenized (generation.check_size).
+        self.max_prompt_chars = self.max_model_len * max(len(token) for token in self.tokenizer.get_vocab())
         self.created = int(Path(served.path).stat().st_mtime)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,

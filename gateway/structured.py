@@ -169,6 +169,9 @@ def _structured_outputs(value: Any) -> StructuredOutput | None:
     return _vllm_spec(given[0], value[given[0]], f"structured_outputs.{given[0]}")
 
 
+MAX_TOOLS = 128   # functions per request, OpenAI's bound; checked before any is parsed
+
+
 def parse_tools(body: dict, kind: str) -> ToolsRequest | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request (None: no tools)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -185,7 +188,9 @@ def parse_tools(body: dict, kind: str) -> ToolsRequest | None:
         raise Unprocessable("tools are a chat parameter", param="tools")
     if not isinstance(tools, list):
         raise BadRequest("'tools' must be a list", param="tools")
-    parsed = []
+    if len(tools) > MAX_TOOLS:   # before any is parsed: each costs a schema check and template text
+        raise BadRequest(f"'tools' holds {len(tools)} functions; at most {MAX_TOOLS} per request", param="tools")
+    parsed, seen = [], set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
@@ -194,8 +199,9 @@ def parse_tools(body: dict, kind: str) -> ToolsRequest | None:
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
             raise BadRequest(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}",
                              param=f"tools[{i}].function.name")
-        if any(t["function"]["name"] == name for t in parsed):
+        if name in seen:
             raise BadRequest(f"tools[{i}]: a second function named {name!r}", param=f"tools[{i}].function.name")
+        seen.add(name)
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise BadRequest(f"tools[{i}].function.description must be a string",

@@ -10,10 +10,13 @@ Life of a connection (``/v1/realtime``, ``/v1/audio/speech/stream``)::
         ──▶ the client closes, or the route ends the session ──▶ the route cancels and joins its work
         (which cancels its requests upstream), the socket is closed, the slot freed
 
-A malformed event never closes the connection: the client gets an ``error`` event naming what was
-wrong (OpenAI Realtime's shape, ``{"type": "error", "error": {"type", "code", "message", "param",
+A malformed event never closes the connection: every frame passes the gateway's one JSON validator
+(gateway/request_body.py: nesting, integer width, text encoding), and the client gets an ``error``
+event naming what was wrong (OpenAI Realtime's shape, ``{"type": "error", "error": {"type", "code", "message", "param",
 "event_id"}}``, with the gateway's ``request_id`` and ``stage`` beside it: gateway/error_answers.py)
-and the session goes on.
+and the session goes on. An unexpected exception in an event's handler (a bug) is the same: one
+catch-all in :meth:`EventSocket.serve` logs it with its traceback and answers an ``internal_error``
+event, never a silently closed session; a route's own tasks report theirs with :func:`unexpected`.
 
 Back-pressure: every send waits for the transport to drain, for at most ``stream_write_timeout_s``;
 a client that stops reading is disconnected, which cancels what it asked for, so a slow reader can
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -33,7 +37,11 @@ from aiohttp import WSMsgType, web
 from omnirelay.errors import BadRequest, OmniError, Unavailable
 
 from .app_keys import CONFIG
+from .cpu_work import off_loop
 from .error_answers import error_event
+from .request_body import OFF_LOOP_BYTES, parse_json
+
+log = logging.getLogger("omnirelay.gateway")
 
 # Frames larger than this are refused by aiohttp (close code 1009): the largest audio append a
 # client may send in one event (OpenAI's buffer limit is 15 MiB of audio for a whole turn).
@@ -84,7 +92,8 @@ class EventSocket:
                     until: Callable[[], bool] = lambda: False) -> bool:
         """Hand each client event to ``handlers[event["type"]]`` until ``until()`` holds (True) or the
         client leaves or idles out (False; ``busy()`` says whether the idle clock is off). An event's
-        OmniError (an unknown type included) becomes an error event and the session goes on."""
+        OmniError (an unknown type included) becomes an error event and the session goes on; so does
+        any other exception of a handler, logged as the bug it is (:func:`unexpected`)."""
         while not until():
             event = None
             try:
@@ -97,6 +106,12 @@ class EventSocket:
                 await handler(event)
             except OmniError as exc:
                 await self.send_error(exc, event.get("event_id") if isinstance(event, dict) else None)
+            except SessionClosed:
+                raise
+            except Exception as exc:   # the catch-all: a bug is reported, never a silent close
+                where = f"event {event.get('type')!r}" if isinstance(event, dict) else "receiving an event"
+                error = unexpected(exc, f"{self.request.path}: {where}")
+                await self.send_error(error, event.get("event_id") if isinstance(event, dict) else None)
         return True
 
     async def receive(self, busy: bool) -> dict | None:
@@ -115,13 +130,20 @@ class EventSocket:
                 raise BadRequest("events are JSON text frames; binary frames are not accepted")
             if message.type != WSMsgType.TEXT:
                 continue
-            try:
-                event = json.loads(message.data)
-            except ValueError:
-                raise BadRequest("the event is not valid JSON") from None
+            if len(message.data) > OFF_LOOP_BYTES:
+                event = await off_loop(self.request.app, parse_json, message.data, "the event")
+            else:
+                event = parse_json(message.data, "the event")
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise BadRequest("an event is a JSON object with a string 'type'", param="type")
             return event
+
+
+def unexpected(exc: BaseException, where: str, request_id: str = "") -> OmniError:
+    """An exception no handler expected (a bug), logged with its traceback; the error to send in its
+    place (``internal_error``: the client learns something failed, not the internals)."""
+    log.error("WebSocket %s failed unexpectedly", where, exc_info=exc)
+    return OmniError(f"internal error ({type(exc).__name__}); the session goes on", request_id=request_id)
 
 
 def install(app: web.Application) -> None:

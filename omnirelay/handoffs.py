@@ -18,8 +18,19 @@ KVHandoff       prefill → decode    the prompt's KV under ``kv_key`` (whole, o
                                     manifest: :func:`release_kv`), the first token, M-RoPE
                                     delta; for speech out also prefill's prompt states
 SpeechHandoff   prefill/decode →    the thinker's hidden states of the prompt and (chat) of the
-                generate (speech)   reply, for the talker
+                generate (speech)   reply, for the talker: whole under one key, or streamed as
+                                    ordered chunks (:class:`ChunkStream`) while decode still runs
 ==============  ==================  ==========================================================
+
+Streamed hand-offs (:class:`ChunkStream`): a producer that lets its successor start before it
+finishes (decode's spoken reply, ``runtime.stream_chunk_tokens`` > 0) writes chunk ``i`` under
+``chunk_key(key, i)`` for i = 0, 1, … in order, the last one marked ``end``; the broker dispatches the
+successor on ``StageStreaming`` as soon as chunk 0 exists, carrying a hand-off that names the stream.
+The consumer reads the chunks in order (waiting for one not yet written) and deletes each once read;
+the producer never has more than ``window`` chunks written and unread (it writes chunk ``i`` only
+once chunk ``i - window`` is gone), so a slow consumer holds the producer's data back in the
+producer's own memory, never in the store. ``release`` deletes every chunk the stream may hold
+(``window`` bounds those not yet read), which is what a cancel, on either side, does.
 
 Wire form and compatibility (a rolling upgrade). A hand-off is a msgpack map of its fields plus
 ``"handoff": <tag>``. Its field names are the string keys the maps carried before typed hand-offs
@@ -94,20 +105,55 @@ class EmbedsHandoff(_Handoff, tag="embeds"):
         delete_quietly(store, self.mm_key)
 
 
+class ChunkStream(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """A hand-off written in ordered chunks while its producer still runs (see the module docstring).
+
+    Chunk ``i`` lies under :func:`chunk_key` ``(key, i)``; each is a payload of the producer's (for a
+    spoken reply: ``{"token_ids": [...], "hidden": [r, H], "end": bool}``, the reply's next tokens and
+    the states of those fed back into the thinker). ``max_chunks`` bounds the indexes, ``window`` the
+    chunks written and not yet consumed."""
+
+    key: str
+    max_chunks: int
+    window: int
+
+    def chunk(self, index: int) -> str:
+        return chunk_key(self.key, index)
+
+    def release(self, store: KeyStore, first: int = 0) -> None:
+        """Delete the chunks that may be unread from ``first`` on (at most ``window`` of them: the
+        producer never writes further ahead of its consumer). A missing key is no error. The
+        consumer passes how many it read; anyone else 0; the producer releases what it wrote."""
+        last = min(first + max(0, min(self.window, MAX_STREAM_WINDOW)), self.max_chunks)
+        for index in range(max(0, first), last):
+            delete_quietly(store, self.chunk(index))
+
+
+MAX_STREAM_WINDOW = 64   # a bound on the keys one release deletes, whatever a hand-off claims
+
+
+def chunk_key(key: str, index: int) -> str:
+    return f"{key}/chunk/{index}"
+
+
 class SpeechHandoff(_Handoff, tag="speech"):
     """The thinker's hidden states for the talker: prefill's ``{"hidden": [n, H], "image_grids",
     "audio_lengths"}`` under ``speech_prompt_key``; decode's ``{"hidden": [m-1, H], "token_ids":
-    [m]}`` under ``speech_reply_key`` (empty for ``/v1/audio/speech``, whose reply is the prompt's tail)."""
+    [m]}`` under ``speech_reply_key`` (empty for ``/v1/audio/speech``, whose reply is the prompt's tail),
+    or, streamed, in the chunks of ``reply_stream`` (then ``speech_reply_key`` is empty)."""
 
     speech_prompt_key: str
     speech_prompt_handle: Handle | None = None
     speech_reply_key: str = ""
     speech_reply_handle: Handle | None = None
+    reply_stream: ChunkStream | None = None
 
     def release(self, store: KeyStore) -> None:
         for key in (self.speech_prompt_key, self.speech_reply_key):
             if key:
                 delete_quietly(store, key)
+        if self.reply_stream is not None:
+            self.reply_stream.release(store)
 
 
 class KVHandoff(_Handoff, tag="kv"):

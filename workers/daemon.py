@@ -31,6 +31,7 @@ from omnirelay.pipeline import (ConnectorSpec, PipelineError, default_llm_pipeli
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
 from omnirelay.model_kind import model_kind
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
+from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
 
 from omnirelay.workers.generate.sequence_parallel_group import SequenceParallelGroupLost
 from omnirelay.workers.role_table import role_builder
@@ -45,13 +46,14 @@ log = logging.getLogger("omnirelay.worker")
 
 
 def build_runtime(config: WorkerConfig, build: RoleBuilder, shutdown: Shutdown | None = None,
-                  keys: CurveKeys | None = None, on_fatal: Callable[[str], None] | None = None) -> WorkerRuntime:
+                  keys: CurveKeys | None = None, on_fatal: Callable[[str], None] | None = None,
+                  tracing: Tracing | None = None) -> WorkerRuntime:
     """The runtime around what ``build`` (this worker's entry of the role table) assembles.
     ``on_fatal(reason)``: called once, from any thread, when the worker can no longer serve (a
     generate worker's sequence-parallel group lost a rank); it should request the shutdown."""
     built = build(config, on_fatal)
     with closed_on_error(*built.owned):
-        return WorkerRuntime(config, built.adapter, built.stats, shutdown, keys, owned=built.owned)
+        return WorkerRuntime(config, built.adapter, built.stats, shutdown, keys, owned=built.owned, tracing=tracing)
 
 
 def _resolve_worker_devices(config: WorkerConfig) -> tuple[str, ...]:
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--broker", default="tcp://127.0.0.1:5555")
     parser.add_argument("--worker-id", default="")
     parser.add_argument("--capacity", type=int, default=0, help="max requests held at once")
+    parser.add_argument("--stream-chunk-tokens", type=int, default=None,
+                        help="decode: stream a spoken reply to generate in chunks of N tokens (0: whole at the "
+                             "end; default: the stage's runtime.stream_chunk_tokens)")
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--kv-cache-bytes", type=int, default=WorkerConfig.kv_cache_bytes,
                         help="KV pool bytes (CPU default 256 MiB); on CUDA a cap on the utilization share")
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--health-host", default="127.0.0.1", help="address of the health endpoint")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=False, client=True)
+    add_tracing_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging(f"omni-worker-{args.role}", args.log_level, args.log_format)
     # Several workers share the host's cores; one thread each keeps them from starving each other.
@@ -139,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         config = WorkerConfig(
             role=args.role, model_path=os.path.abspath(args.model),
             model_name=args.served_model_name or args.model, broker=args.broker, worker_id=args.worker_id,
-            capacity=args.capacity or stage.max_batch_size, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
+            capacity=args.capacity or stage.max_batch_size,
+            stream_chunk_tokens=(stage.stream_chunk_tokens if args.stream_chunk_tokens is None
+                                 else args.stream_chunk_tokens),
+            max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
             block_size=args.block_size, connector=connector.type,
             connector_options=connector.options, heartbeat_interval_s=args.heartbeat_interval,
             wedged_after_s=args.wedged_after,
@@ -156,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         build = role_builder(config.role, model_kind(config.model_path))   # before anything loads
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker)
+        tracing = tracing_from_args(f"omni-worker-{config.role}", args)
     except (ValueError, json.JSONDecodeError, PipelineError) as exc:   # SecurityError, UnsupportedRole included
         parser.error(str(exc))
     shutdown = Shutdown().install()
@@ -170,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown.request()
 
     try:
-        runtime = build_runtime(config, build, shutdown, keys, on_fatal)
+        runtime = build_runtime(config, build, shutdown, keys, on_fatal, tracing)
     except KVBudgetError as exc:
         parser.error(str(exc))
     except SequenceParallelGroupLost as exc:   # a rank died while starting: its own output is above
@@ -193,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if health is not None:
             health.close()
+        if tracing is not None:
+            tracing.shutdown()   # after the runtime ended its spans
     if fatal:
         log.error("%s worker %s stopped: %s; exiting with status 1", config.role, config.worker_id, fatal[0])
         return 1

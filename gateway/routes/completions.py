@@ -14,6 +14,7 @@ from omnirelay.errors import OmniError
 
 from .. import generation
 from ..app_keys import BUS, CONFIG, MODELS
+from ..cpu_work import off_loop
 from ..models import text_model
 from ..request_body import json_body
 from ..request_record import RequestRecord, open_record
@@ -33,10 +34,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await chat_with_audio(request, parsed, body)
     model = text_model(request.app[MODELS], parsed.model)
     if parsed.n > 1:
-        plan = choices.plan(model, parsed, "chatcmpl")
+        plan = await off_loop(request.app, choices.plan, model, parsed, "chatcmpl")
         mode = plan.gens[0].reasoning   # one prompt: every choice reads its output alike
         return await choices.respond(request, plan, lambda: chat_answer_format(parsed, mode))
-    gen = generation.prepare(model, parsed, "chatcmpl")
+    gen = await off_loop(request.app, generation.prepare, model, parsed, "chatcmpl")
     return await _respond(request, gen, chat_answer_format(parsed, gen.reasoning))
 
 
@@ -50,7 +51,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await json_body(request))
     if parsed.n > 1 or parsed.prompts or parsed.echo:
         return await _respond_choices(request, parsed, "cmpl", CompletionFormat)
-    gen = generation.prepare(text_model(request.app[MODELS], parsed.model), parsed, "cmpl")
+    gen = await off_loop(request.app, generation.prepare, text_model(request.app[MODELS], parsed.model), parsed, "cmpl")
     return await _respond(request, gen, CompletionFormat())
 
 
@@ -58,7 +59,7 @@ async def _respond_choices(request: web.Request, parsed: GenerationRequest, pref
                            make_format) -> web.StreamResponse:
     """Several choices (n > 1, a list of prompts) or echo: gateway/routes/choices.py fans them out,
     rendering each choice with its own ``make_format()``."""
-    plan = choices.plan(text_model(request.app[MODELS], parsed.model), parsed, prefix)
+    plan = await off_loop(request.app, choices.plan, text_model(request.app[MODELS], parsed.model), parsed, prefix)
     return await choices.respond(request, plan, make_format)
 
 

@@ -12,7 +12,7 @@ Life of a session (a subset of the Realtime GA protocol; every event is a JSON t
         ──▶ input_audio_buffer.committed, conversation.item.added, conversation.item.done
     input_audio_buffer.clear ──▶ input_audio_buffer.cleared
     conversation.item.create {item: {type: "message", role, content: [input_text | input_audio]}}
-        ──▶ conversation.item.added, conversation.item.done
+        ──▶ conversation.item.added, conversation.item.done (an item's text is bounded: MAX_ITEM_TEXT_CHARS)
     response.create {response: {output_modalities?, instructions?, max_output_tokens?}}
         ──▶ response.created ──▶ response.output_item.added
         ──▶ audio: the conversation as a chat request with ``modalities: ["text", "audio"]``
@@ -26,11 +26,14 @@ Life of a session (a subset of the Realtime GA protocol; every event is a JSON t
     response.cancel ──▶ the response's request is cancelled on every stage ──▶ response.done
         {status: "cancelled"}
 
-One response runs at a time (a second ``response.create`` is an error event). A client that
+The conversation is bounded: at most MAX_ITEMS items and MAX_CONVERSATION_BYTES of text and audio (the
+oldest items go first), so a session cannot grow the gateway's memory, or one response's tokenization,
+without limit. One response runs at a time (a second ``response.create`` is an error event). A client that
 disconnects mid-answer cancels the request upstream (its KV is freed on every stage); a client that
 stops reading is disconnected after ``stream_write_timeout_s`` (:mod:`.websocket_session`). Errors
 of one event are error events; the session goes on. The response's failures (a worker lost for
-good, the deadline) end it with ``response.done`` status ``failed`` and an error event.
+good, the deadline) end it with ``response.done`` status ``failed`` and an error event; so does an
+unexpected exception (a bug), which is logged too — a response never ends silently.
 """
 
 from __future__ import annotations
@@ -51,17 +54,20 @@ from omnirelay.errors import BadRequest, NotFound, OmniError, Unprocessable
 
 from .. import generation
 from ..app_keys import BUS, CONFIG, MODELS
+from ..cpu_work import off_loop
 from ..detokenizer import IncrementalDetokenizer
 from ..models import ModelRuntime
 from ..schema import parse_chat
 from .speech import AudioChunk, has_speakers, start_spoken_chat, voices
-from ..websocket_session import EventSocket, SessionClosed, event_socket, install, join
+from ..websocket_session import EventSocket, SessionClosed, event_socket, install, join, unexpected
 
 ROUTE = "realtime"
 OUTPUT_RATE = 24000                      # the speech worker's PCM: 16-bit mono at 24 kHz
 MIN_INPUT_RATE, MAX_INPUT_RATE = 8000, 48000
 MAX_BUFFER_BYTES = 15 * 1024 * 1024      # OpenAI's bound on one turn's input audio
 MAX_ITEMS = 64                           # conversation items kept; the oldest go first
+MAX_CONVERSATION_BYTES = 32 * 1024 * 1024   # their text (characters) and audio (base64) kept; the same
+MAX_ITEM_TEXT_CHARS = 1024 * 1024        # the text of one created item (more: an error event)
 MAX_INSTRUCTIONS_CHARS = 16384
 MODALITIES = (("audio",), ("text",))
 
@@ -275,10 +281,14 @@ class RealtimeSession:
         content = item.get("content")
         if not isinstance(content, list) or not content:
             raise BadRequest("'item.content' must be a non-empty list", param="item.content")
-        parts, shown = [], []
+        parts, shown, chars = [], [], 0
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
+                chars += len(part["text"])
+                if chars > MAX_ITEM_TEXT_CHARS:
+                    raise BadRequest(f"an item's text is at most {MAX_ITEM_TEXT_CHARS} characters",
+                                     param=f"item.content[{i}].text")
                 parts.append({"type": "text", "text": part["text"]})
                 shown.append({"type": kind, "text": part["text"]})
             elif kind == "input_audio" and role == "user":
@@ -361,12 +371,16 @@ class RealtimeSession:
             else:
                 text, usage = await self._write(parsed, where)
                 content = [{"type": "output_text", "text": text}]
-        except OmniError as exc:
-            exc.request_id = exc.request_id or response_id
-            await self.socket.send_error(exc)
+        except SessionClosed:   # the client is gone: nobody to tell
+            raise
+        except Exception as exc:   # an OmniError, or a bug: logged, and the response still ends
+            error = exc if isinstance(exc, OmniError) else \
+                unexpected(exc, f"realtime session {self.id}: response {response_id}", response_id)
+            error.request_id = error.request_id or response_id
+            await self.socket.send_error(error)
             await send({"type": "response.done", "response": self._response_json(
-                response_id, "failed", [], {"type": "failed", "error": {"type": exc.error_type,
-                                                                        "message": exc.message}})})
+                response_id, "failed", [], {"type": "failed", "error": {"type": error.error_type,
+                                                                        "message": error.message}})})
             return
         done_item = {**item, "status": "completed", "content": content}
         await send({"type": "response.output_item.done", "response_id": response_id, "output_index": 0,
@@ -397,7 +411,7 @@ class RealtimeSession:
         return text, _usage(chat.gen)
 
     async def _write(self, parsed, where: dict) -> tuple[str, dict]:
-        gen = generation.prepare(self.app[MODELS][self.config.model], parsed, "resp")
+        gen = await off_loop(self.app, generation.prepare, self.app[MODELS][self.config.model], parsed, "resp")
         deadline = time.time() + self.app[CONFIG].request_timeout_s
         chunks = generation.run(self.app[BUS], gen, deadline)
         text = []
@@ -416,6 +430,11 @@ class RealtimeSession:
     def _add_item(self, item_id: str, message: dict) -> None:
         self.items.append((item_id, message))
         del self.items[:-MAX_ITEMS]
+        sizes = [_message_bytes(m) for _, m in self.items]
+        total = sum(sizes)
+        while total > MAX_CONVERSATION_BYTES and len(self.items) > 1:
+            total -= sizes.pop(0)
+            del self.items[0]
 
     async def _announce_item(self, item_id: str, role: str, content: list) -> None:
         item = {"id": item_id, "type": "message", "role": role, "status": "completed", "content": content}
@@ -427,6 +446,14 @@ class RealtimeSession:
                        usage: dict | None = None) -> dict:
         return {"id": response_id, "object": "realtime.response", "status": status, "status_details": details,
                 "output": output, "output_modalities": list(self.config.output_modalities), "usage": usage}
+
+
+def _message_bytes(message: dict) -> int:
+    """What a conversation item holds: its text in characters, its audio clips' base64."""
+    content = message["content"]
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p["text"]) if p["type"] == "text" else len(p["input_audio"]["data"]) for p in content)
 
 
 def _usage(gen: generation.Generation) -> dict:

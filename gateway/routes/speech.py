@@ -117,8 +117,12 @@ def _speech_params(model: ModelRuntime, voice: Any, fmt: str, body: dict, **extr
     if not isinstance(voice, str) or not voice:
         raise BadRequest("'voice' must be a non-empty string", param="voice")
     if names is not None and voice not in names:
-        raise BadRequest(f"voice {voice!r} is not available for model {model.name!r}; choose one of "
-                         f"{', '.join(names)}", param="voice")
+        # Names match whatever their case ("Vivian" as Qwen3-TTS documents it, "vivian" as stored).
+        folded = [name for name in names if name.casefold() == voice.casefold()]
+        if len(folded) != 1:
+            raise BadRequest(f"voice {voice!r} is not available for model {model.name!r}; choose one of "
+                             f"{', '.join(names)}", param="voice")
+        voice = folded[0]
     if fmt == "flac" and not flac_available():
         raise BadRequest("response_format 'flac' needs the soundfile package, which this server does not have; "
                          "use 'wav' or 'pcm'", param="response_format")
@@ -185,7 +189,8 @@ class AudioChunk:
 class SpeechStream(RequestStream):
     """Tokens and audio chunks of one submission. Tokens are delivered in position order from
     ``skip_tokens`` on, chunks in index order from ``skip_chunks`` on (what an earlier submission of
-    the same client request already delivered). Done when the audio's last chunk is delivered."""
+    the same client request already delivered). Done when the audio's last chunk and the text's last
+    token are delivered (a talker reading a streamed reply may finish before the thinker does)."""
 
     def __init__(self, request_id: str, deadline: float, mime: str, skip_tokens: int, skip_chunks: int,
                  text_expected: bool = True):
@@ -222,6 +227,8 @@ class SpeechStream(RequestStream):
                 # two tokens, so nothing is spoken and no audio will come.
                 self.finished = True
                 self._queue.put_nowait(StreamEvent([], "audio_done"))
+            else:
+                self._finish_when_complete()
 
     def on_media(self, media: p.MediaResult) -> None:
         if self.finished or media.index < self.next_chunk:
@@ -238,9 +245,17 @@ class SpeechStream(RequestStream):
             if self.next_chunk >= self.skip_chunks:
                 self._queue.put_nowait(AudioChunk(data))
             self.next_chunk += 1
-        if self.chunks_total is not None and self.next_chunk >= self.chunks_total:
-            self.finished = True
-            self._queue.put_nowait(StreamEvent([], "audio_done"))
+        self._finish_when_complete()
+
+    def _finish_when_complete(self) -> None:
+        """Done once the audio's last chunk and (when text is expected) the text's last token are in:
+        with a streamed hand-off the talker can stop before the thinker does."""
+        if self.finished or self.chunks_total is None or self.next_chunk < self.chunks_total:
+            return
+        if self.text_expected and not self.text_done:
+            return
+        self.finished = True
+        self._queue.put_nowait(StreamEvent([], "audio_done"))
 
     async def items(self) -> AsyncIterator[StreamEvent | AudioChunk]:
         """Yield token events and audio chunks until the audio is complete; raise the request's error."""

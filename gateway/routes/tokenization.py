@@ -22,6 +22,7 @@ the gateway CPU.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +30,7 @@ from aiohttp import web
 from omnirelay.errors import BadRequest, Unprocessable
 
 from ..app_keys import CONFIG, MODELS
+from ..cpu_work import off_loop
 from ..models import ModelRuntime, text_model
 from ..request_body import json_body
 from ..schema import boolean_field, chat_messages, check_request_template, template_options, token_ids_field
@@ -92,8 +94,10 @@ def detokenize_body(model: ModelRuntime, body: dict) -> dict:
 
 async def tokenize(request: web.Request) -> web.Response:
     body = await json_body(request)
-    return web.json_response(tokenize_body(_runtime(request, body), body,
-                                           request.app[CONFIG].trust_request_chat_template))
+    # Off the event loop: the tokenizer's work, and the JSON of its answer, grow with the prompt.
+    answer = await off_loop(request.app, lambda: json.dumps(tokenize_body(
+        _runtime(request, body), body, request.app[CONFIG].trust_request_chat_template)))
+    return web.Response(text=answer, content_type="application/json")
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -59,6 +59,7 @@ from omnirelay.handoffs import SpeechHandoff, release_kv
 
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.handoff_jobs import SpeechReplySend
+from omnirelay.workers.llm.reply_stream import ReplyStreamWriter
 from omnirelay.workers.kv.cache import BlockAllocator, PagedKVCache
 from omnirelay.workers.kv.prefetch import KVImport, kv_prefetcher
 from omnirelay.workers.runtime.engine import RequestFailure
@@ -103,6 +104,7 @@ class Sequence:
     swapped: torch.Tensor | None = None   # preempted media sequence: its KV, kept in host memory
     kv_import: Transfer[torch.Tensor] | None = None     # the prefill's KV on its way; owns task.kv_key once started
     hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm state of each fed token
+    stream: ReplyStreamWriter | None = None   # speech, streamed to generate while it runs (reply_stream.py)
 
     def __post_init__(self) -> None:
         # What the logits processors see: prompt, the resumed output at its end, ``generated`` (shared).
@@ -145,6 +147,8 @@ class _SpeechSend:
 class StepOutput:
     tokens: list[TokenOut] = dataclasses.field(default_factory=list)
     failed: list[RequestFailure] = dataclasses.field(default_factory=list)
+    # Spoken replies whose first chunk is out: the generate stage may start on this hand-off now.
+    streams: list[tuple[str, SpeechHandoff]] = dataclasses.field(default_factory=list)
 
 
 class DecodeEngine:
@@ -161,7 +165,7 @@ class DecodeEngine:
 
     def __init__(self, model: LlamaModel | ModelRunner, cache: PagedKVCache | None, connector: Connector, *,
                  max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0, kv_import_threads: int = 2,
-                 grammars: GrammarSampler | None = None):
+                 grammars: GrammarSampler | None = None, stream_chunk_tokens: int = 0):
         if isinstance(model, LlamaModel):
             self.runner: ModelRunner = LocalRunner(model, cache)
             self.allocator = cache.allocator
@@ -179,21 +183,29 @@ class DecodeEngine:
         self.waiting: RequestQueue[Sequence] = RequestQueue()
         self.running: list[Sequence] = []
         self._speech_sends: list[_SpeechSend] = []   # finished spoken replies whose states are on their way
+        # Streamed spoken replies (stream_chunk_tokens > 0): finished, their last chunk still to be written.
+        self.stream_chunk_tokens = stream_chunk_tokens
+        self._finishing: list[tuple[Sequence, TokenOut]] = []
         self.stats = collections.Counter()
         self.grammars = grammars
         self.processors = LogitsProcessors(self.eos_token_ids)
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + sum(not s.dropped for s in self._speech_sends)
+        return (len(self.waiting) + len(self.running) + sum(not s.dropped for s in self._speech_sends)
+                + len(self._finishing))
 
     @property
     def has_work(self) -> bool:
         # waiting includes sequences whose KV is importing
-        return bool(self.waiting or self.running or self._speech_sends)
+        return bool(self.waiting or self.running or self._speech_sends or self._finishing)
 
     def add(self, task: DecodeTask) -> None:
-        self.waiting.add(Sequence(task=task, generated=[task.first_token]))
+        seq = Sequence(task=task, generated=[task.first_token])
+        if task.speech_inputs is not None and self.stream_chunk_tokens:
+            seq.stream = ReplyStreamWriter.open(task.speech_inputs, task.params.max_tokens, self.stream_chunk_tokens,
+                                                task.request_id)
+        self.waiting.add(seq)
 
     def cancel(self, request_id: str) -> bool:
         seq = self.waiting.remove(request_id)
@@ -206,6 +218,12 @@ class DecodeEngine:
         for seq in self.running:
             if seq.request_id == request_id:
                 self._retire(seq)
+                self._drop_speech_key(seq)
+                self.stats["cancelled"] += 1
+                return True
+        for seq, _ in self._finishing:
+            if seq.request_id == request_id:
+                self._finishing.remove((seq, _))
                 self._drop_speech_key(seq)
                 self.stats["cancelled"] += 1
                 return True
@@ -234,6 +252,7 @@ class DecodeEngine:
     def step(self) -> StepOutput:
         out = StepOutput()
         self._collect_speech_sends(out)
+        self._pump_streams(out)
         self._expire(out)
         self._start_imports(out)
         self._admit(out)
@@ -241,6 +260,7 @@ class DecodeEngine:
         self._make_room(out)
         if self.running:
             self._forward(out)
+        self._pump_streams(out)
         self._collect_speech_sends(out)
         # A gauge, not a count: the heartbeat carries the engine's stats (KV imports and speech sends).
         self.stats["kv_imports_inflight"] = pending = self._transfers.num_pending
@@ -348,7 +368,11 @@ class DecodeEngine:
     def _drop_speech_key(self, seq: Sequence) -> None:
         """A cancelled or failed speech request: prefill's prompt states will never be read (a
         restart runs prefill again, under a new attempt's key)."""
-        if seq.task.speech_inputs is not None:
+        if seq.stream is not None:
+            if seq.stream.ticket is not None:   # the chunk on its way is deleted when its put returns
+                self._transfers.cancel(seq.stream.ticket)
+            seq.stream.release(self.connector)
+        elif seq.task.speech_inputs is not None:
             seq.task.speech_inputs.release(self.connector)
 
     def _make_room(self, out: StepOutput) -> None:
@@ -431,6 +455,10 @@ class DecodeEngine:
             reason = "stop" if ended else finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
                                                             self.eos_token_ids, self.max_model_len)
             token_out = TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, logprobs=token_logprobs)
+            if reason and seq.stream is not None:   # the last token leaves once the last chunk is out
+                self._retire(seq)
+                self._finishing.append((seq, token_out))
+                continue
             if reason and seq.task.speech_inputs is not None:   # the last token leaves with its states
                 self._retire(seq)
                 self._speech_sends.append(_SpeechSend(token_out, self._transfers.submit(self._speech_reply(seq))))
@@ -457,6 +485,51 @@ class DecodeEngine:
         key = (prompt.speech_prompt_key.removesuffix("/prompt") or f"speech/{seq.request_id}") + "/reply"   # per attempt
         hidden = torch.stack(seq.hidden) if seq.hidden else torch.zeros(0, 0)
         return SpeechReplySend(prompt, key, {"hidden": hidden, "token_ids": list(seq.generated)}, seq.deadline)
+
+    def _pump_streams(self, out: StepOutput) -> None:
+        """Streamed spoken replies: take the chunks that were written (announcing a stream's first,
+        reporting a finished reply's last token after its last), fail those whose put failed, and
+        start the next chunk of each where one is due."""
+        finishing = {seq.request_id: token for seq, token in self._finishing}
+        for seq in [s for s in self.running if s.stream is not None] + [s for s, _ in self._finishing]:
+            writer, token = seq.stream, finishing.get(seq.request_id)
+            ticket = writer.ticket
+            if ticket is not None and ticket.finished:
+                if ticket.state is TransferState.FAILED:   # nothing of that chunk is left behind
+                    error = ticket.error
+                    writer.ticket = writer.in_flight = None
+                    self._drop_stream(seq, token)
+                    out.failed.append(RequestFailure(seq.request_id, error.error_type, str(error)))
+                    continue
+                with self._transfers.take(ticket) as written:
+                    if written:
+                        writer.written()
+                        self.stats["speech_stream_chunks"] += 1
+                    else:
+                        writer.deferred()
+                        self.stats["speech_stream_deferred"] += 1
+                if writer.next_index == 1 and not writer.announced and not writer.ended:
+                    writer.announced = True
+                    self.stats["speech_streams"] += 1
+                    out.streams.append((seq.request_id, writer.handoff))
+            if writer.ended and token is not None:
+                self._finishing.remove((seq, token))
+                if not writer.announced:   # the whole reply fit one chunk: the stream is the hand-off
+                    self.stats["speech_streams"] += 1
+                    token.outputs = writer.handoff
+                out.tokens.append(token)
+                continue
+            job = writer.next_chunk(seq.generated, seq.hidden, final=token is not None, deadline=seq.deadline)
+            if job is not None:
+                writer.ticket = self._transfers.submit(job)
+
+    def _drop_stream(self, seq: Sequence, token: TokenOut | None) -> None:
+        """A streamed reply that failed: out of the batch or the finishing list, its keys released."""
+        if token is not None:
+            self._finishing.remove((seq, token))
+        elif seq in self.running:
+            self._retire(seq)
+        self._drop_speech_key(seq)
 
     def _collect_speech_sends(self, out: StepOutput) -> None:
         """Report the spoken replies whose states are out: the last token carries the hand-off."""

@@ -79,7 +79,8 @@ def build_decode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | No
     llm = _LLMParts.open(config)
     with closed_on_error(llm.connector, llm.runner):
         engine = DecodeEngine(llm.runner, None, llm.connector, max_num_seqs=config.capacity,
-                              max_model_len=llm.max_model_len, grammars=llm.grammars)
+                              max_model_len=llm.max_model_len, grammars=llm.grammars,
+                              stream_chunk_tokens=config.stream_chunk_tokens)
     _log_ready(config, llm)
     # The engine first: closing it joins its KV import threads, which use the connector.
     return BuiltRole(DecodeRole(config.worker_id, engine), _stats(engine, llm, prefill=False),

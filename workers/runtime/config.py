@@ -50,6 +50,8 @@ class WorkerConfig:
                      single-process worker; a TP/PP group always exports whole), ``whole`` after the forward,
                      ``auto`` (default) layerwise only for a step with at least 16 MiB of KV to send.
     threads:         torch intra-op threads of each rank.
+    stream_chunk_tokens: decode: a spoken reply's states go to the generate stage in chunks of this many
+                     new tokens while the reply is written (0: whole, after its last token).
     expert_parallel: prefill/decode of a mixture-of-experts model: the tensor-parallel ranks hold
                      whole experts (contiguous blocks) and exchange tokens by all-to-all instead of
                      each holding a slice of every expert (``--enable-expert-parallel``); the
@@ -68,6 +70,7 @@ class WorkerConfig:
     connector: str = "shared_memory"
     connector_options: dict = dataclasses.field(default_factory=dict)
     heartbeat_interval_s: float = 1.0
+    stream_chunk_tokens: int = 0
     wedged_after_s: float = 300.0
     drain_timeout_s: float = 30.0
     dtype: str = "float32"
@@ -96,7 +99,7 @@ class WorkerConfig:
         if self.wedged_after_s <= 2 * self.heartbeat_interval_s:
             raise ValueError(f"--wedged-after {self.wedged_after_s} must exceed two heartbeat intervals "
                              f"({2 * self.heartbeat_interval_s} s): a slow step is not a wedged one")
-        if self.capacity < 0 or self.block_size < 1 or self.kv_cache_bytes < 0:
+        if self.capacity < 0 or self.block_size < 1 or self.kv_cache_bytes < 0 or self.stream_chunk_tokens < 0:
             raise ValueError("capacity and block_size must be positive, kv_cache_bytes not negative")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")

@@ -8,7 +8,10 @@ step's list in order, so a stage report placed after a token delta is sent after
 A step's list, for prefill and decode alike: its token deltas first, one message per gateway
 (:func:`token_messages`), then the StageDone reports in the order the requests finished, then the
 failures. So a request's token (prefill: its first token; decode: its last) always leaves before
-its StageDone, which is what makes the broker dispatch the next stage. A token of a request that
+its StageDone, which is what makes the broker dispatch the next stage. Decode's spoken reply may
+instead be streamed (``workers/llm/reply_stream.py``): a ``StageStreaming`` with its stream's
+hand-off follows the step's deltas as soon as the first chunk is written, and the StageDone after
+the last token then carries no hand-off. A token of a request that
 asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_token_ids``/``top_logprobs``, filled from
 ``TokenOut.logprobs``, which the engine computed with :func:`~omnirelay.workers.llm.sampling.chosen_logprobs`).
 """
@@ -192,7 +195,12 @@ class DecodeRole(RoleAdapter):
         for token in result.tokens:   # one token per running request per step
             if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
                 reports.append(self._done(token.request_id, token.outputs, token.outputs is None))
-        out = token_messages(result.tokens, self.worker_id) + reports
+        out = token_messages(result.tokens, self.worker_id)
+        # A spoken reply's first chunk is out: the broker may start the generate stage on it now.
+        out += [(BROKER, p.StageStreaming(self.worker_id, request_id, self.role, handoff,
+                                          attempt=self._attempts.get(request_id, 0)))
+                for request_id, handoff in result.streams]
+        out += reports
         for failure in result.failed:
             out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
         return out

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -63,11 +64,13 @@ from typing import Callable
 import torch
 
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
-from omnirelay.speech_params import SpeechParams
+from omnirelay.speech_params import MAX_CODES, SpeechParams
 
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
+from omnirelay.workers.speech.reply_source import ReplySource
 from omnirelay.workers.speech.stream import ChunkedToken2Wav, CodeTap, SynthesisCancelled
+from omnirelay.workers.speech.turns import RandomState, Turns
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -92,6 +95,14 @@ class SpeechTask:
     # Streamed (chat ``stream: true``): audio comes out as SpeechChunks while the talker speaks,
     # instead of one SpeechOutput at the end (see stream.py for how the samples differ).
     stream: bool = False
+    # The reply arriving in chunks while decode writes it (then reply_token_ids/reply_hidden are empty).
+    reply_stream: ReplySource | None = None
+
+    def reply(self) -> ReplySource:
+        """The reply as the talker reads it (complete unless it is streamed)."""
+        if self.reply_stream is None:
+            self.reply_stream = ReplySource(self.reply_token_ids, self.reply_hidden)
+        return self.reply_stream
 
 
 @dataclasses.dataclass
@@ -150,15 +161,19 @@ class GenerateSpeechEngine:
     def _init_queue(self, max_batch_size: int) -> None:
         """The queue, synthesis thread and counters that step()/cancel()/close() run on (shared with
         the Qwen3-TTS engine, qwen3_tts.py, which synthesises differently)."""
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = max(1, max_batch_size)
         self.waiting: RequestQueue[SpeechTask] = RequestQueue()
-        self.running: tuple[SpeechTask, concurrent.futures.Future] | None = None
+        # request → (task, its synthesis future, the event that stops it between tokens)
+        self.running: dict[str, tuple[SpeechTask, concurrent.futures.Future, threading.Event]] = {}
         self._dropped: set[str] = set()   # cancelled while running: their result is discarded
-        self._cancelled = threading.Event()   # set to stop the running streamed request between tokens
-        # Streamed pieces, appended by the synthesis thread, taken by step() (deque ends are thread-safe).
+        # Streamed pieces, appended by the synthesis threads, taken by step() (deque ends are thread-safe).
         self._chunks: collections.deque[SpeechChunk] = collections.deque()
         self._first_chunk_codes: dict[str, int] = {}
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speech-synth")
+        # One thread per request held, computing one at a time (turns.py): a talker waiting for the
+        # thinker's next chunk never holds back another request.
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_batch_size,
+                                                             thread_name_prefix="speech-synth")
+        self.turns = Turns(tuple(m for m in self.talker.modules() if hasattr(m, "rope_deltas")))
         self.stats = collections.Counter()
 
     @staticmethod
@@ -187,14 +202,14 @@ class GenerateSpeechEngine:
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + (self.running is not None)
+        return len(self.waiting) + len(self.running)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.running is not None
+        return bool(self.waiting) or bool(self.running)
 
     def load(self) -> dict:
-        return {"running": int(self.running is not None), "waiting": len(self.waiting)}
+        return {"running": len(self.running), "waiting": len(self.waiting)}
 
     def wake(self) -> None:
         """Nothing to wake: step() never waits idle."""
@@ -202,6 +217,8 @@ class GenerateSpeechEngine:
     def close(self) -> None:
         """Stop taking work and join the synthesis thread (a running request finishes first)."""
         self.waiting.clear()
+        for _, _, cancelled in self.running.values():   # a talker waiting for the thinker stops now
+            cancelled.set()
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     def add(self, task: SpeechTask) -> None:
@@ -211,9 +228,11 @@ class GenerateSpeechEngine:
                              f"{', '.join(self.voices)}", param="voice")
         m = len(task.reply_token_ids)
         hidden = self.thinker_embed.shape[1]
-        if m < 2:
+        if task.reply_stream is not None:   # its reply arrives later: checked as it comes
+            m = 2
+        elif m < 2:
             raise BadRequest("the reply to speak has fewer than 2 tokens")
-        if tuple(task.reply_hidden.shape) != (m - 1, hidden):
+        if task.reply_stream is None and tuple(task.reply_hidden.shape) != (m - 1, hidden):
             raise BadRequest(f"reply hidden states are {tuple(task.reply_hidden.shape)}, expected {(m - 1, hidden)}")
         if tuple(task.prompt_hidden.shape) != (len(task.prompt_token_ids), hidden):
             raise BadRequest(f"prompt hidden states are {tuple(task.prompt_hidden.shape)}, "
@@ -223,58 +242,64 @@ class GenerateSpeechEngine:
     def cancel(self, request_id: str) -> bool:
         if self.waiting.remove(request_id) is not None:
             return True
-        if self.running is not None and self.running[0].request_id == request_id:
+        if request_id in self.running:
             self._dropped.add(request_id)
-            self._cancelled.set()   # a streamed request stops at its next token; a one-shot runs out
+            self.running[request_id][2].set()   # it stops at its next token (a one-shot after its talker)
             return True
         return False
 
     # ------------------------------------------------------------------ one step
 
     def step(self, wait_s: float = 0.05) -> SpeechStep:
-        """Expire waiting requests, start the next one on the synthesis thread when it is free,
-        collect the pieces a streamed request has produced so far, and collect the running request
-        if it finishes within ``wait_s``."""
+        """Expire waiting requests, start waiting ones while threads are free, collect the pieces
+        streamed requests produced so far, and collect the requests that finish within ``wait_s``."""
         out = SpeechStep()
         for task in self.waiting.pop_expired():
             out.failed.append(RequestFailure(task.request_id, DeadlineExceeded.error_type, "deadline passed before speech"))
-        if self.running is None and self.waiting:
+        while len(self.running) < self.max_batch_size and self.waiting:
             task = self.waiting.popleft()
-            self._cancelled = threading.Event()
-            self.running = (task, self._thread.submit(self._synthesize_any, task, self._cancelled))
-        if self.running is None:
+            cancelled = threading.Event()
+            task.reply().cancelled = cancelled
+            self.running[task.request_id] = (task, self._thread.submit(self._synthesize_any, task, cancelled), cancelled)
+        if not self.running:
             return out
-        task, future = self.running
+        futures = [future for _, future, _ in self.running.values()]
+        done, _ = concurrent.futures.wait(futures, timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        for request_id, (task, future, _) in list(self.running.items()):
+            if future in done:
+                del self.running[request_id]
+                self._finish(task, future, out)
+        self._collect_chunks(out)   # a request that ended queued its last pieces before it did
+        for request_id in [r for r in self._dropped if r not in self.running]:
+            self._dropped.discard(request_id)
+        for request_id in [r for r in self._first_chunk_codes if r not in self.running]:
+            del self._first_chunk_codes[request_id]
+        return out
+
+    def _finish(self, task: SpeechTask, future: concurrent.futures.Future, out: SpeechStep) -> None:
+        """A request's synthesis ended: its output, or its failure (nothing for a cancelled one)."""
         try:
-            waveform, codes = future.result(timeout=wait_s)
-        except concurrent.futures.TimeoutError:
-            self._collect_chunks(out)
-            return out
+            waveform, codes = future.result()
         except SynthesisCancelled:
-            pass   # a cancelled stream stopped between tokens: dropped below
+            return   # a cancelled request stopped between tokens
+        except OmniError as exc:   # the streamed reply could not be read (transfer, deadline, malformed)
+            if task.request_id not in self._dropped:
+                out.failed.append(RequestFailure(task.request_id, exc.error_type, str(exc)))
+            return
         except torch.cuda.OutOfMemoryError as exc:
             out.failed.append(RequestFailure(task.request_id, OutOfMemory.error_type, str(exc)))
+            return
         except Exception as exc:   # a bug in synthesis fails this request, not the worker
             log.exception("speech synthesis failed for %s", task.request_id)
             out.failed.append(RequestFailure(task.request_id, OmniError.error_type, f"{type(exc).__name__}: {exc}"))
-        else:
-            self.stats["speech_requests"] += 1
-            self.stats["talker_codes"] += codes
-            if waveform is not None:
-                self.stats["audio_samples"] += int(waveform.numel())
-                out.outputs.append(SpeechOutput(task.request_id, waveform, codes))
-        finally:
-            if future.done():
-                self.running = None
-        # The thread queued every piece before it finished: these are the last ones (before any failure).
-        self._collect_chunks(out)
-        self._first_chunk_codes.pop(task.request_id, None)
+            return
         if task.request_id in self._dropped:
-            self._dropped.discard(task.request_id)
-            out.outputs = [o for o in out.outputs if o.request_id != task.request_id]
-            out.chunks = [c for c in out.chunks if c.request_id != task.request_id]
-            out.failed = [f for f in out.failed if f.request_id != task.request_id]
-        return out
+            return
+        self.stats["speech_requests"] += 1
+        self.stats["talker_codes"] += codes
+        if waveform is not None:
+            self.stats["audio_samples"] += int(waveform.numel())
+            out.outputs.append(SpeechOutput(task.request_id, waveform, codes))
 
     def _collect_chunks(self, out: SpeechStep) -> None:
         """Move the streamed pieces the synthesis thread queued into ``out`` (the dropped request's
@@ -290,7 +315,7 @@ class GenerateSpeechEngine:
                 self._first_chunk_codes[chunk.request_id] = chunk.codes
             if chunk.final:
                 self.stats["speech_stream_requests"] += 1
-                first = self._first_chunk_codes.get(chunk.request_id, chunk.codes)
+                first = self._first_chunk_codes.pop(chunk.request_id, chunk.codes)
                 self.stats["speech_stream_first_chunk_codes"] += first
                 self.stats["speech_stream_codes"] += chunk.codes
                 self.stats["speech_stream_early_first_chunks"] += int(first < chunk.codes)
@@ -306,18 +331,16 @@ class GenerateSpeechEngine:
     @torch.inference_mode()
     def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
         """The waveform of one request (float32, 1-D) and the number of codec tokens spoken."""
-        talker_inputs = self._talker_inputs(task)
-        speaker = self.speakers[task.params.voice]
-        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
-            if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.manual_seed(task.params.seed)
+        reply = task.reply()
+        with self.turns.hold(RandomState(task.params.seed, self.device)):
+            talker_inputs = self._talker_inputs(task)
+            speaker = self.speakers[task.params.voice]
             talker = self.talker
-            result = talker.generate(
-                **talker_inputs, suppress_tokens=[talker.codec_bos_token],
-                max_new_tokens=task.params.codes_for(len(task.reply_token_ids)),
-                eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
-                use_audio_in_video=False, **TALKER_SAMPLING)
+            with self._reading(reply, self._reply_row(task)):
+                result = talker.generate(
+                    **talker_inputs, suppress_tokens=[talker.codec_bos_token], **self._budget(task),
+                    eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
+                    use_audio_in_video=False, **TALKER_SAMPLING)
             codes = result[:, talker_inputs["input_ids"].shape[1]:]
             eos = (codes == talker.codec_pad_token) | (codes == talker.codec_eos_token)
             length = int(eos[0].nonzero()[0, 0]) if bool(eos.any()) else codes.shape[1]
@@ -340,7 +363,7 @@ class GenerateSpeechEngine:
         runs per chunk inside its loop. ``cancelled`` set: raises :class:`SynthesisCancelled` at the
         next token (or before the last piece)."""
         cancelled = cancelled or threading.Event()
-        talker_inputs = self._talker_inputs(task)
+        reply = task.reply()
         speaker = self.speakers[task.params.voice]
         talker, index = self.talker, 0
 
@@ -351,52 +374,120 @@ class GenerateSpeechEngine:
             emit(SpeechChunk(task.request_id, index, wav, codes, final))
             index += 1
 
-        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
-            if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.manual_seed(task.params.seed)
+        with self.turns.hold(RandomState(task.params.seed, self.device)):
+            talker_inputs = self._talker_inputs(task)
             cond = speaker["cond"].to(self.device).float().expand(1, -1)
             ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
             token2wav = ChunkedToken2Wav(self.token2wav, cond, ref_mel, task.params.seed, on_piece)
             tap = CodeTap((talker.codec_pad_token, talker.codec_eos_token), token2wav.feed, cancelled)
-            talker.generate(
-                **talker_inputs, suppress_tokens=[talker.codec_bos_token],
-                max_new_tokens=task.params.codes_for(len(task.reply_token_ids)),
-                eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
-                use_audio_in_video=False, streamer=tap, **TALKER_SAMPLING)
+            with self._reading(reply, self._reply_row(task)):
+                talker.generate(
+                    **talker_inputs, suppress_tokens=[talker.codec_bos_token], **self._budget(task),
+                    eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
+                    use_audio_in_video=False, streamer=tap, **TALKER_SAMPLING)
             if cancelled.is_set():
                 raise SynthesisCancelled()
             token2wav.feed(tap.codes, final=True)
         return len(tap.codes)
 
+    def _budget(self, task: SpeechTask) -> dict:
+        """generate()'s limit on codec tokens: ``SpeechParams.codes_for`` the reply's length. A
+        streamed reply's length is known only at its end, so the limit is then a stopping criterion
+        checked after each code; the talker cannot get past it before (each of its steps reads one
+        reply token and the budget is more codes than tokens), so it stops where a whole reply's
+        ``max_new_tokens`` would."""
+        reply = task.reply()
+        if reply.ended:
+            return {"max_new_tokens": task.params.codes_for(len(reply.token_ids))}
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class ReplyBudget(StoppingCriteria):
+            def __init__(self, prompt_len: int):
+                self.prompt_len = prompt_len
+
+            def __call__(self, input_ids, scores, **kwargs):
+                done = reply.ended and input_ids.shape[1] - self.prompt_len >= task.params.codes_for(len(reply.token_ids))
+                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+        return {"max_new_tokens": task.params.max_codes or MAX_CODES,
+                "stopping_criteria": StoppingCriteriaList([ReplyBudget(self._talker_prompt_len(task))])}
+
+    def _talker_prompt_len(self, task: SpeechTask) -> int:
+        return len(task.prompt_token_ids) + 2   # the codec prompt: a mask per prompt token, pad, bos
+
+    @contextlib.contextmanager
+    def _reading(self, reply: ReplySource, row: Callable[[int], torch.Tensor]):
+        """While the talker generates: each of its steps reads its reply row from ``reply`` (waiting,
+        turn given up, for a streamed reply's next chunk) and passes the turn on between steps."""
+        turns = self.turns
+        reply.waiting = turns.outside
+        step = 0
+
+        def before_forward(module, args, kwargs):
+            nonlocal step
+            if kwargs.get("inputs_embeds") is not None:   # the prompt's forward reads no row
+                return None
+            turns.pass_on()
+            kwargs["thinker_reply_part"] = row(step)[None, None]
+            step += 1
+            return args, kwargs
+
+        handle = self.talker.register_forward_pre_hook(before_forward, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+            reply.waiting = lambda wait: wait()
+
+    def _reply_row(self, task: SpeechTask) -> Callable[[int], torch.Tensor]:
+        """Row ``k`` of what the talker reads after its prompt, one per codec step, as transformers
+        lays it out: the rest of the reply (state + embedding of t(k+1)), then the text EOS
+        embedding, then text pads."""
+        reply, embed, talker = task.reply(), self.thinker_embed, self.talker
+        dtype, dev = embed.dtype, self.device
+
+        def row(k: int) -> torch.Tensor:
+            if reply.wait_states(k + 2):
+                token = reply.token_ids[k + 1]
+                return reply.state(k + 1).to(device=dev, dtype=dtype) + embed[token]
+            last = reply.num_states   # m - 1 states: rows 0 … m-3 were the reply, then EOS, then pads
+            if reply.num_states < 1:
+                raise BadRequest("the reply to speak has fewer than 2 tokens")
+            return embed[talker.text_eos_token] if k + 1 == last else embed[talker.text_pad_token]
+
+        return row
+
     def _talker_inputs(self, task: SpeechTask) -> dict:
-        """The talker's inputs for one request, built as transformers' ``generate`` builds them."""
+        """The talker's prompt for one request, built as transformers' ``generate`` builds it (the
+        reply after its first token is read step by step: :meth:`_reply_row`)."""
         dev, talker = self.device, self.talker
         dtype = self.thinker_embed.dtype
+        reply = task.reply()
+        if not reply.wait_states(1):
+            raise BadRequest("the reply to speak has fewer than 2 tokens")
         ids = torch.tensor([task.prompt_token_ids], dtype=torch.long, device=dev)
-        reply = torch.tensor(task.reply_token_ids, dtype=torch.long, device=dev)
         embed = self.thinker_embed
         prompt_embeds = embed[ids[0]]
         media = torch.isin(ids[0], torch.tensor(self.media_token_ids, device=dev))
         prompt_embeds = prompt_embeds.masked_fill(media[:, None], 0.0)
         prompt_hidden = task.prompt_hidden.to(device=dev, dtype=dtype)
-        reply_part = task.reply_hidden.to(device=dev, dtype=dtype) + embed[reply[:-1]]   # [m-1, H]
+        first = reply.state(0).to(device=dev, dtype=dtype) + embed[reply.token_ids[0]]
         bos_token = int(self.speakers[task.params.voice]["bos_token"])
-        inputs_embeds = torch.cat([prompt_hidden + prompt_embeds, embed[bos_token][None], reply_part[:1]])
-        # What the talker reads after its prompt, one row per codec token: the rest of the reply,
-        # then the text EOS embedding, then text pads (the last one repeats once exhausted).
-        rest = torch.cat([reply_part[1:], embed[talker.text_eos_token][None], embed[talker.text_pad_token][None]])
+        inputs_embeds = torch.cat([prompt_hidden + prompt_embeds, embed[bos_token][None], first[None]])
         n = ids.shape[1]
         codec_prompt = torch.tensor([[talker.codec_mask_token] * n + [talker.codec_pad_token, talker.codec_bos_token]],
                                     dtype=torch.long, device=dev)
-        text_ids = torch.cat([ids, torch.tensor([[bos_token, task.reply_token_ids[0]]], device=dev)], dim=1)
+        text_ids = torch.cat([ids, torch.tensor([[bos_token, reply.token_ids[0]]], device=dev)], dim=1)
         # As transformers' generate() called the documented way (``**processor(...)``, so with the
         # prompt's attention mask, extended by 2 for the codec pad and bos): every position attends.
         # (Without a mask, generate() would infer one from the codec pad id and hide that position.)
         grids = torch.tensor(task.image_grids, dtype=torch.long, device=dev) if task.image_grids else None
         audio = torch.tensor(task.audio_lengths, dtype=torch.long, device=dev) if task.audio_lengths else None
+        # thinker_reply_part: replaced at every step by the hook of _reading; the prompt's forward
+        # only carries it along.
         return {"input_ids": codec_prompt, "input_text_ids": text_ids, "inputs_embeds": inputs_embeds[None],
-                "thinker_reply_part": rest[None], "attention_mask": torch.ones_like(codec_prompt),
+                "thinker_reply_part": embed[talker.text_pad_token][None, None],
+                "attention_mask": torch.ones_like(codec_prompt),
                 "image_grid_thw": grids, "audio_feature_lengths": audio}
 
 

@@ -45,12 +45,17 @@ import torch
 from omnirelay.errors import BadRequest
 
 from omnirelay.workers.speech.engine import GenerateSpeechEngine, SpeechChunk, SpeechTask, _change_speed, load_talker
+from omnirelay.workers.speech.stream import SynthesisCancelled
+from omnirelay.workers.speech.turns import RandomState
 
 log = logging.getLogger("omnirelay.worker.speech")
 
 TALKER_SAMPLING = {"do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 0.9,
                    "repetition_penalty": 1.05}        # transformers' generate() defaults for the talker
 CODE2WAV_CHUNK, CODE2WAV_LEFT_CONTEXT = 300, 25
+# A streamed request's code2wav plan: its first piece after this many codes (a fraction of a second of
+# speech at 12.5 codes/s), then pieces of the second size.
+STREAM_FIRST_CODES, STREAM_CHUNK_CODES = 6, 25
 
 
 def load_voices(root: Path, talker_config) -> dict[str, dict]:
@@ -90,6 +95,11 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
                          max_batch_size=max_batch_size)
         eos = config.thinker_config.text_config.eos_token_id
         self.thinker_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        # Each synthesis thread's talker reads its own reply: the talker's input preparation is
+        # wrapped once (an instance attribute) and looks up the calling thread's reading.
+        self._local = threading.local()
+        self._original_prepare = talker.prepare_inputs_for_generation
+        talker.prepare_inputs_for_generation = self._prepare_inputs
 
     @staticmethod
     def _media_token_ids(thinker) -> tuple[int, int, int]:
@@ -127,40 +137,104 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
 
     @torch.inference_mode()
     def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
-        inputs = self._talker_inputs(task)
-        talker, cfg = self.talker, self.config.talker_config
-        vocab = cfg.text_config.vocab_size
-        suppress = [i for i in range(vocab - 1024, vocab) if i != cfg.codec_eos_token_id]
-        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
-            if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.manual_seed(task.params.seed)
-            result = talker.generate(**inputs, max_new_tokens=task.params.codes_for(len(task.reply_token_ids)),
-                                     eos_token_id=cfg.codec_eos_token_id, suppress_tokens=suppress,
-                                     output_hidden_states=True, return_dict_in_generate=True, **TALKER_SAMPLING)
-        steps = [hid[-1] for hid in result.hidden_states if hid[-1] is not None]
-        if not steps:
-            return torch.zeros(0), 0
-        codes = torch.stack(steps, dim=1).transpose(1, 2)            # [1, groups, codes]
-        wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK, left_context_size=CODE2WAV_LEFT_CONTEXT)
+        with self.turns.hold(RandomState(task.params.seed, self.device)):
+            steps = self._talk(task)
+            if not steps:
+                return torch.zeros(0), 0
+            codes = torch.stack(steps, dim=1).transpose(1, 2)            # [1, groups, codes]
+            wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK,
+                                                left_context_size=CODE2WAV_LEFT_CONTEXT)
         wav = wav.reshape(-1).float().cpu()
         if task.params.speed != 1.0:
             wav = _change_speed(wav, task.params.speed)
         return wav, int(codes.shape[-1])
 
+    @torch.inference_mode()
     def synthesize_stream(self, task: SpeechTask, emit: Callable[[SpeechChunk], None],
                           cancelled: threading.Event | None = None) -> int:
-        """Whole, then one final piece (see the module docstring)."""
-        wav, codes = self.synthesize(task)
-        emit(SpeechChunk(task.request_id, 0, wav, codes, True))
-        return codes
+        """The talker as in :meth:`synthesize` (the same codes); code2wav runs on each chunk of codes
+        as soon as the talker has produced it (:class:`StreamedCode2Wav`), so audio leaves while
+        the talker speaks."""
+        cancelled = cancelled or threading.Event()
+        index = 0
 
-    def _talker_inputs(self, task: SpeechTask) -> dict:
-        """The talker's generate() inputs for one request, as transformers' ``generate`` builds them."""
+        def on_piece(wav: torch.Tensor, codes: int, final: bool) -> None:
+            nonlocal index
+            wav = wav.reshape(-1).float().cpu()
+            if task.params.speed != 1.0 and wav.numel():
+                wav = _change_speed(wav, task.params.speed)
+            emit(SpeechChunk(task.request_id, index, wav, codes, final))
+            index += 1
+
+        with self.turns.hold(RandomState(task.params.seed, self.device)):
+            vocoder = StreamedCode2Wav(self.token2wav, on_piece)
+
+            def on_codes(codes: torch.Tensor) -> None:
+                if cancelled.is_set():
+                    raise SynthesisCancelled()
+                vocoder.feed(codes)
+
+            self._talk(task, on_codes)
+            if cancelled.is_set():
+                raise SynthesisCancelled()
+            vocoder.finish()
+        return vocoder.total
+
+    def _talk(self, task: SpeechTask, on_codes: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
+        """Run the talker (holding the turn) and return each spoken step's codes [1, groups];
+        ``on_codes`` sees each as soon as the code predictor has filled it in."""
+        talker, cfg = self.talker, self.config.talker_config
+        reply = task.reply()
+        reply.waiting = self.turns.outside
+        inputs, rows = self._talker_inputs(task)
+        vocab = cfg.text_config.vocab_size
+        suppress = [i for i in range(vocab - 1024, vocab) if i != cfg.codec_eos_token_id]
+        captured: list[torch.Tensor] = []
+
+        def codes_seen(codes: torch.Tensor) -> None:
+            captured.append(codes)
+            if on_codes is not None:
+                on_codes(codes)
+
+        self._local.reading = (rows, codes_seen)
+        try:
+            # The talker's input preparation reads the last step's hidden states: they must be output.
+            talker.generate(**inputs, **self._budget(task), eos_token_id=cfg.codec_eos_token_id,
+                            suppress_tokens=suppress, output_hidden_states=True, return_dict_in_generate=True,
+                            **TALKER_SAMPLING)
+        finally:
+            self._local.reading = None
+            reply.waiting = lambda wait: wait()
+        return captured
+
+    def _talker_prompt_len(self, task: SpeechTask) -> int:
+        return 0   # generate() gets inputs_embeds only: its input_ids are the codes it samples
+
+    def _prepare_inputs(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None,
+                        is_first_iteration=False, **kwargs):
+        """The talker's own ``prepare_inputs_for_generation``, reading the trailing text of a
+        streamed reply one row per step (waiting, turn given up, for the thinker) and reporting the
+        step's full codes (the previous token's first codebook plus the code predictor's rest)."""
+        reading = getattr(self._local, "reading", None)
+        step = kwargs.get("generation_step")
+        if reading is not None and step is not None and not is_first_iteration:
+            self.turns.pass_on()
+            kwargs["trailing_text_hidden"] = reading[0].through(int(step))
+        inputs = self._original_prepare(input_ids, cache=cache, attention_mask=attention_mask,
+                                        inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
+        codes = inputs.get("residual_codes") if reading is not None else None
+        if codes is not None:
+            reading[1](codes)
+        return inputs
+
+    def _talker_inputs(self, task: SpeechTask) -> tuple[dict, "TrailingRows"]:
+        """The talker's generate() prompt for one request, as transformers' ``generate`` builds it,
+        and the rows it reads after it, one per step (:class:`TrailingRows`, waiting for a streamed
+        reply's tokens as it needs them)."""
         dev, talker, cfg = self.device, self.talker, self.config
         embed = self.thinker_embed
+        reply = task.reply()
         ids = torch.tensor(task.prompt_token_ids, dtype=torch.long, device=dev)
-        seq = torch.tensor(task.prompt_token_ids + task.reply_token_ids, dtype=torch.long, device=dev)
         n = ids.shape[0]
         # User turns: every token whose latest <|im_start|> opens a "user" turn (that one included).
         pos = torch.arange(n, device=dev)
@@ -175,10 +249,12 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
             parts[media] = talker.hidden_projection(task.prompt_hidden.to(dev, embed.dtype)[media])
         user_embeds, user_ids = parts[user], ids[user]
         # The assistant turn: its header, pads, bos and the first reply token over the codec controls.
-        header = torch.nonzero((ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)).flatten()
+        header = int(torch.nonzero((ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id))
+                     .flatten()[-1])
+        rows = TrailingRows(self, task, header)
         # The reply's last token was never fed back into the thinker, so transformers has no input
         # embedding of it and the talker's text stops one token short; so does ours.
-        assistant = talker.text_projection(embed[seq[int(header[-1]):-1]])
+        assistant = rows.assistant(4)
         special = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id], device=dev)
         tts_bos, tts_eos, tts_pad = talker.text_projection(embed[special]).chunk(3, dim=0)
         text_rows = torch.cat((assistant[:3], tts_pad.expand(4, -1), tts_bos, assistant[3:4]))
@@ -188,20 +264,119 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
                                 device=dev)
         codec_rows = torch.cat((torch.zeros(3, text_rows.shape[1], device=dev, dtype=text_rows.dtype),
                                 talker.get_input_embeddings()(controls)))
-        trailing = torch.cat((assistant[4:], tts_eos))
-        # The reply's first stop token: the text ends there (tts eos), pads after it.
-        reply = torch.tensor(task.reply_token_ids, device=dev)
-        is_eos = torch.isin(reply, torch.tensor(self.thinker_eos, device=dev))
-        first = int(torch.nonzero(is_eos).flatten()[0]) if bool(is_eos.any()) else len(task.reply_token_ids)
-        rows = torch.arange(trailing.shape[0], device=dev)[:, None]
-        trailing = torch.where(rows > first, tts_pad, trailing)
-        trailing = torch.where(rows == first, tts_eos, trailing)
+        rows.specials = (tts_eos, tts_pad)
         inputs_embeds = torch.cat((user_embeds, text_rows + codec_rows))[None]
         talker_ids = torch.cat((user_ids, torch.full((text_rows.shape[0],), cfg.tts_pad_token_id, device=dev)))[None]
-        out = {"inputs_embeds": inputs_embeds, "trailing_text_hidden": trailing[None], "tts_pad_embed": tts_pad[None],
-               "talker_input_ids": talker_ids, "attention_mask": torch.ones_like(talker_ids)}
+        out = {"inputs_embeds": inputs_embeds, "trailing_text_hidden": rows.through(-1),
+               "tts_pad_embed": tts_pad[None], "talker_input_ids": talker_ids,
+               "attention_mask": torch.ones_like(talker_ids)}
         if task.image_grids:
             out["image_grid_thw"] = torch.tensor(task.image_grids, dtype=torch.long, device=dev)
         if task.audio_lengths:
             out["audio_feature_lengths"] = torch.tensor(task.audio_lengths, dtype=torch.long, device=dev)
-        return out
+        return out, rows
+
+
+class TrailingRows:
+    """What Qwen3-Omni's talker reads after its prompt, one row per step, as transformers lays it out
+    (``trailing_text_hidden``): the projected text of the assistant turn from its 5th token on, up
+    to the reply's next-to-last token, then tts eos; rows after the reply's first stop token are tts
+    pads (the one at it tts eos); past the end the talker reads tts pads by itself. Computed as the
+    reply arrives: row ``j`` needs the reply up to two tokens past its own (to know it is not the
+    last), or the reply's end."""
+
+    def __init__(self, engine: Qwen3SpeechEngine, task: SpeechTask, header: int):
+        self.engine, self.task, self.header = engine, task, header
+        self.reply = task.reply()
+        self.prompt = task.prompt_token_ids
+        self.specials: tuple[torch.Tensor, torch.Tensor] | None = None   # tts eos, tts pad rows
+        hidden = engine.talker.config.text_config.hidden_size
+        self._buffer = torch.empty(1, 64, hidden, device=engine.device, dtype=engine.thinker_embed.dtype)
+        self._rows = 0
+
+    def _token(self, index: int) -> int:
+        """Token ``index`` of prompt + reply."""
+        return self.prompt[index] if index < len(self.prompt) else self.reply.token_ids[index - len(self.prompt)]
+
+    def _known(self, index: int) -> bool:
+        """Whether prompt + reply has a token ``index`` (waiting for the reply as needed)."""
+        return index < len(self.prompt) or self.reply.wait_tokens(index - len(self.prompt) + 1)
+
+    def assistant(self, count: int) -> torch.Tensor:
+        """The projected text of the assistant turn's first ``count`` tokens that are not the last."""
+        ids = [self._token(self.header + i) for i in range(count) if self._known(self.header + i + 1)]
+        engine = self.engine
+        return engine.talker.text_projection(engine.thinker_embed[torch.tensor(ids, dtype=torch.long,
+                                                                                device=engine.device)])
+
+    def _row(self, j: int) -> torch.Tensor | None:
+        """Row ``j``, or None past the end."""
+        tts_eos, tts_pad = self.specials
+        index = self.header + 4 + j
+        if not self._known(index):   # the reply ended before: there is no such row
+            return None
+        if not self._known(index + 1):   # the reply's last token: never fed, the row is tts eos
+            row = tts_eos[0]
+        else:
+            row = self.engine.talker.text_projection(self.engine.thinker_embed[self._token(index)][None])[0]
+        stop = self._first_stop(j)
+        if stop is not None and j > stop:
+            return tts_pad[0]
+        if stop is not None and j == stop:
+            return tts_eos[0]
+        return row
+
+    def _first_stop(self, j: int) -> int | None:
+        """The reply's first thinker stop token, if one is at or before index ``j`` (transformers
+        compares that reply index with the row index)."""
+        tokens = self.reply.token_ids
+        for i, token in enumerate(tokens[:j + 1]):
+            if token in self.engine.thinker_eos:
+                return i
+        return None
+
+    def through(self, step: int) -> torch.Tensor:
+        """Rows 0 … ``step`` where they exist ([1, rows, H]; fewer once the reply ended), as a view."""
+        while self._rows <= step:
+            row = self._row(self._rows)
+            if row is None:
+                break
+            if self._rows == self._buffer.shape[1]:
+                self._buffer = torch.cat((self._buffer, torch.empty_like(self._buffer)), dim=1)
+            self._buffer[0, self._rows] = row
+            self._rows += 1
+        return self._buffer[:, :self._rows]
+
+
+class StreamedCode2Wav:
+    """code2wav on the codes as they come: chunks of :data:`STREAM_FIRST_CODES`, then
+    :data:`STREAM_CHUNK_CODES` codes, each decoded with :data:`CODE2WAV_LEFT_CONTEXT` codes of left
+    context and cropped to its own samples (``Qwen3OmniMoeCode2Wav.chunked_decode``'s rule, with a
+    fixed plan of smaller chunks: the same codes give the same pieces on any worker)."""
+
+    def __init__(self, code2wav, on_piece: Callable[[torch.Tensor, int, bool], None]):
+        self.code2wav, self.on_piece = code2wav, on_piece
+        self.codes: list[torch.Tensor] = []   # [1, groups] per code
+        self.done = 0
+        self.total = 0
+
+    def feed(self, codes: torch.Tensor) -> None:
+        self.codes.append(codes)
+        self.total = len(self.codes)
+        size = STREAM_FIRST_CODES if self.done == 0 else STREAM_CHUNK_CODES
+        if len(self.codes) - self.done >= size:
+            self._emit(self.done + size, final=False)
+
+    def finish(self) -> None:
+        self._emit(len(self.codes), final=True)
+
+    def _emit(self, end: int, final: bool) -> None:
+        start = self.done
+        piece = torch.zeros(0)
+        if end > start:
+            context = min(CODE2WAV_LEFT_CONTEXT, start)
+            codes = torch.stack(self.codes[start - context:end], dim=1).transpose(1, 2)   # [1, groups, n]
+            wav = self.code2wav(codes)
+            piece = wav[..., context * int(self.code2wav.total_upsample):]
+        self.done = end
+        self.on_piece(piece, len(self.codes), final)

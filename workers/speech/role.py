@@ -45,6 +45,7 @@ import logging
 import wave
 from typing import Callable
 
+import msgspec
 import torch
 
 from omnirelay.broker import protocol as p
@@ -54,6 +55,7 @@ from omnirelay.handoffs import Handoff, SpeechHandoff
 from omnirelay.speech_params import SpeechParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
+from omnirelay.workers.speech.reply_source import ReplySource
 from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, SpeechTask
 from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
 from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error, open_connector
@@ -120,6 +122,7 @@ class GenerateSpeechRole(RoleAdapter):
         # cancelled): if this worker dies mid-synthesis, the broker's retry elsewhere still finds them.
         self._inputs: dict[str, Handoff | None] = {}
         self._next_index: dict[str, int] = {}   # streamed request → its next MediaResult index
+        self._streams: dict[str, ReplySource] = {}   # requests whose reply is streamed in by decode
 
     def accept(self, task: p.Task) -> list[Outbound]:
         # A re-dispatched request we still hold: the new attempt wins, and may read the same keys.
@@ -134,13 +137,16 @@ class GenerateSpeechRole(RoleAdapter):
             speech.stream = task.sampling.get(STREAM_KEY) is True and params.format != "flac"
             self.engine.add(speech)
         except BadRequest as exc:
+            self._streams.pop(task.request_id, None)
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid speech request: {exc.message}",
                                  attempt=task.attempt)]
         except OmniError as exc:   # the connector could not deliver the hidden states
+            self._streams.pop(task.request_id, None)
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, exc.error_type, str(exc), attempt=task.attempt)]
         except (KeyError, TypeError, ValueError) as exc:
+            self._streams.pop(task.request_id, None)
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid speech task: {exc!r}",
                                  attempt=task.attempt)]
@@ -164,10 +170,16 @@ class GenerateSpeechRole(RoleAdapter):
                 raise BadRequest(f"reply_start {start} leaves fewer than 2 reply tokens in a prompt of {len(ids)}")
             return SpeechTask(task.request_id, ids[:start], hidden[:start], ids[start:], hidden[start:-1], params,
                               task.deadline)
-        reply = self._get("speech_reply", inputs.speech_reply_key, inputs.speech_reply_handle)
-        reply_ids = [int(t) for t in reply["token_ids"]]
         grids = [[int(x) for x in grid] for grid in prompt.get("image_grids") or []]
         audio_lengths = [int(n) for n in prompt.get("audio_lengths") or []]
+        if inputs.reply_stream is not None:   # decode still writes it: the talker reads it chunk by chunk
+            reply = ReplySource.streamed(inputs.reply_stream, self.connector, timeout_s=self.transfer_timeout_s,
+                                         deadline=task.deadline)
+            self._streams[task.request_id] = reply
+            return SpeechTask(task.request_id, ids, hidden, [], torch.zeros(0, 0), params, task.deadline,
+                              image_grids=grids, audio_lengths=audio_lengths, reply_stream=reply)
+        reply = self._get("speech_reply", inputs.speech_reply_key, inputs.speech_reply_handle)
+        reply_ids = [int(t) for t in reply["token_ids"]]
         return SpeechTask(task.request_id, ids, hidden, reply_ids, _tensor(reply, "hidden"), params, task.deadline,
                           image_grids=grids, audio_lengths=audio_lengths)
 
@@ -180,7 +192,12 @@ class GenerateSpeechRole(RoleAdapter):
         super()._forget(request_id)
         self._formats.pop(request_id, None)
         self._next_index.pop(request_id, None)
-        self.release(self._inputs.pop(request_id, None))
+        inputs, reply = self._inputs.pop(request_id, None), self._streams.pop(request_id, None)
+        if reply is not None and isinstance(inputs, SpeechHandoff) and self.connector is not None:
+            # What decode may still have written past what was read (the chunks read are deleted).
+            inputs.reply_stream.release(self.connector, first=reply.chunks_read)
+            inputs = msgspec.structs.replace(inputs, reply_stream=None)
+        self.release(inputs)
 
     def step(self) -> list[Outbound]:
         result = self.engine.step()

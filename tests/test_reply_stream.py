@@ -1,0 +1,137 @@
+"""A spoken reply streamed from decode to the generate stage (workers/llm/reply_stream.py, read by
+workers/speech/reply_source.py) over a real shared-memory connector: the chunks carry exactly what
+the whole hand-off carries, the stream is announced after its first chunk and before the reply
+ends, a consumer that falls a window behind holds the producer back without stalling its batch,
+and a cancel leaves no key behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from omnirelay.handoffs import SpeechHandoff
+from omnirelay.workers.kv.cache import PagedKVCache
+from omnirelay.workers.llm import reply_stream
+from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.llm.prefill import PrefillEngine
+from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.workers.speech.reply_source import ReplySource
+
+from engine_support import (  # noqa: F401  (fixtures)
+    QUESTIONS, chat_ids, connector, model, run_prefill, shm_keys, tok)
+
+REPLY_TOKENS = 11
+CHUNK = 3
+
+
+def make_decode(model, connector, chunk_tokens: int) -> DecodeEngine:
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=16, num_blocks=128)
+    return DecodeEngine(model, cache, connector, max_num_seqs=8, max_model_len=2048, transfer_timeout_s=5,
+                        stream_chunk_tokens=chunk_tokens)
+
+
+def speaking_task(connector, rid: str, ids: list[int], result) -> DecodeTask:
+    prompt_key = f"speech/{rid}/0/prompt"
+    speech = SpeechHandoff(prompt_key, connector.put(prompt_key, {"hidden": torch.zeros(2, 4)}))
+    return DecodeTask(rid, ids, result.first_token, SamplingParams(max_tokens=REPLY_TOKENS, temperature=0,
+                                                                   ignore_eos=True),
+                      time.time() + 60, "", result.outputs.kv_key, result.outputs.kv_handle, speech_inputs=speech)
+
+
+def run(engine: DecodeEngine, max_steps: int = 3000, until=None) -> dict:
+    """Step until ``until()`` (default: no work left): every token, announced stream and failure."""
+    seen = {"tokens": [], "streams": [], "failed": []}
+    for _ in range(max_steps):
+        out = engine.step()
+        seen["tokens"] += out.tokens
+        seen["streams"] += out.streams
+        seen["failed"] += out.failed
+        if (until or (lambda: not engine.has_work))():
+            return seen
+    raise AssertionError("the engine did not get there")
+
+
+def test_a_streamed_reply_carries_what_the_whole_handoff_carries(model, tok, connector, tmp_path):
+    ids = chat_ids(tok, QUESTIONS[2])
+    whole = make_decode(model, connector, 0)
+    streamed = make_decode(model, connector, CHUNK)
+    try:
+        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids, ids])
+        whole.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        reference = run(whole)
+        (last,) = [t for t in reference["tokens"] if t.finish_reason]
+        expected = connector.get(last.outputs.speech_reply_key, last.outputs.speech_reply_handle)
+        last.outputs.release(connector)
+
+        streamed.add(speaking_task(connector, "r1", ids, prefilled["r1"]))
+        seen = run(streamed, until=lambda: bool(streamed.stats["speech_streams"]))
+        ((rid, handoff),) = seen["streams"]
+        assert rid == "r1" and handoff.reply_stream is not None and not handoff.speech_reply_key
+        assert not any(t.finish_reason for t in seen["tokens"])   # announced while the reply goes on
+        reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
+        got = threading.Thread(target=reader.wait_end)
+        got.start()
+        rest = run(streamed)
+        got.join(30)
+        assert not got.is_alive() and not rest["failed"]
+        (end,) = [t for t in seen["tokens"] + rest["tokens"] if t.finish_reason]
+        assert end.outputs is None   # the stream was the hand-off
+        assert reader.token_ids == expected["token_ids"]
+        assert torch.equal(reader.states(), expected["hidden"])
+        assert reader.chunks_read == -(-REPLY_TOKENS // CHUNK)
+        handoff.release(connector)
+        assert shm_keys(tmp_path) == []
+    finally:
+        whole.close()
+        streamed.close()
+
+
+def test_a_consumer_a_window_behind_holds_the_producer_back_not_its_batch(model, tok, connector, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setattr(reply_stream, "STREAM_WINDOW", 2)
+    ids = chat_ids(tok, QUESTIONS[1])
+    engine = make_decode(model, connector, 1)
+    try:
+        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
+        engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        seen = run(engine, until=lambda: engine.stats["speech_stream_deferred"] > 0
+                   and len([t for t in engine.running]) == 0)
+        ((_, handoff),) = seen["streams"]
+        # Nobody reads: two chunks in the store, the reply itself decoded to its end meanwhile.
+        # (the connector names its keys by hash: the prompt's states and two chunks)
+        assert len(shm_keys(tmp_path)) == 1 + 2 and engine.num_requests == 1
+        reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
+        got = threading.Thread(target=reader.wait_end)
+        got.start()
+        rest = run(engine)
+        got.join(30)
+        assert not got.is_alive() and not rest["failed"]
+        assert len(reader.token_ids) == REPLY_TOKENS and reader.num_states == REPLY_TOKENS - 1
+        handoff.release(connector)
+        assert shm_keys(tmp_path) == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("when", ["streaming", "finishing"])
+def test_a_cancelled_stream_leaves_no_key(model, tok, connector, tmp_path, monkeypatch, when):
+    monkeypatch.setattr(reply_stream, "STREAM_WINDOW", 2)
+    ids = chat_ids(tok, QUESTIONS[0])
+    engine = make_decode(model, connector, 2)
+    try:
+        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
+        engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        if when == "streaming":
+            run(engine, until=lambda: bool(engine.stats["speech_streams"]))
+        else:   # decoded to its end, the last chunks held back by the window
+            run(engine, until=lambda: engine.stats["speech_stream_deferred"] > 0 and not engine.running)
+        assert len(shm_keys(tmp_path)) > 1   # the prompt's states and chunks
+        assert engine.cancel("r0") and engine.num_requests == 0
+        run(engine)
+        assert shm_keys(tmp_path) == []
+    finally:
+        engine.close()

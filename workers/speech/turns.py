@@ -1,0 +1,123 @@
+"""Turns: the synthesis threads of one speech worker compute one at a time, each under its own
+random stream, and a thread that waits (for the thinker's next chunk) lets the others run.
+
+Why threads at all: a talker reading a streamed reply waits for the thinker between steps; on one
+thread that wait would hold back every other request of the worker, including those whose replies
+are complete. Why one at a time: transformers' ``generate`` samples from torch's global random
+stream, so two talkers computing at once would draw from each other's stream and a request's audio
+would depend on its neighbours. So each request's thread runs only while it holds the turn, with
+the global stream set to that request's own state (saved again when it lets go): the draws of a
+request are exactly those it would make alone after ``torch.manual_seed(seed)``.
+
+A thread takes the turn (:meth:`Turns.hold`), gives it up while it blocks (:meth:`Turns.outside`)
+and passes it on between talker steps (:meth:`Turns.pass_on`) so that ready requests take turns
+step by step; waiting threads are served in arrival order.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+
+class RandomState:
+    """One request's random stream: torch's global CPU (and current CUDA device's) generator state."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.index = device.index if device.index is not None else (torch.cuda.current_device() if self.cuda else 0)
+        cpu = torch.Generator().manual_seed(seed)
+        self.cpu = cpu.get_state()
+        self.gpu = None
+        if self.cuda:
+            gen = torch.Generator(device=f"cuda:{self.index}").manual_seed(seed)
+            self.gpu = gen.get_state()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.gpu is not None:
+            torch.cuda.set_rng_state(self.gpu, self.index)
+
+    def save(self) -> None:
+        self.cpu = torch.get_rng_state()
+        if self.gpu is not None:
+            self.gpu = torch.cuda.get_rng_state(self.index)
+
+
+class Turns:
+    """The one turn of a worker's synthesis threads (FIFO)."""
+
+    def __init__(self, stateful: tuple[torch.nn.Module, ...] = ()):
+        """``stateful``: modules that keep per-generation state between steps in ``rope_deltas``
+        (transformers' M-RoPE talkers): each thread's value is put back when it takes the turn."""
+        self._stateful = stateful
+        self._cond = threading.Condition()
+        self._holder: object | None = None
+        self._queue: collections.deque[object] = collections.deque()
+        self._local = threading.local()
+
+    def _save_modules(self) -> None:
+        self._local.modules = [m.rope_deltas for m in self._stateful]
+
+    def _restore_modules(self) -> None:
+        for module, value in zip(self._stateful, getattr(self._local, "modules", None) or [None] * len(self._stateful)):
+            module.rope_deltas = value
+
+    def _acquire(self) -> None:
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            while self._holder is not None or self._queue[0] is not me:
+                self._cond.wait()
+            self._queue.popleft()
+            self._holder = me
+
+    def _release(self) -> None:
+        with self._cond:
+            self._holder = None
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def hold(self, rng: RandomState) -> Iterator[None]:
+        """Run the block holding the turn, under ``rng``'s stream."""
+        self._acquire()
+        self._local.rng = rng
+        self._local.modules = None   # a new generation starts from no state
+        rng.restore()
+        self._restore_modules()
+        try:
+            yield
+        finally:
+            rng.save()
+            self._local.rng = None
+            self._release()
+
+    def outside(self, wait: Callable[[], None]) -> None:
+        """Run ``wait`` (a blocking read) with the turn given up; take it back after. Outside a
+        :meth:`hold` block it just runs ``wait``."""
+        rng = getattr(self._local, "rng", None)
+        if rng is None:
+            wait()
+            return
+        rng.save()
+        self._save_modules()
+        self._release()
+        try:
+            wait()
+        finally:
+            self._acquire()
+            rng.restore()
+            self._restore_modules()
+
+    def pass_on(self) -> None:
+        """Between two talker steps: let a thread that is waiting for the turn run first."""
+        if getattr(self._local, "rng", None) is None:
+            return
+        with self._cond:
+            if not self._queue:
+                return
+        self.outside(lambda: None)
