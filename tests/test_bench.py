@@ -324,3 +324,37 @@ def test_failed_requests_are_counted_and_summarised(server, tmp_path):
     assert "Errors" in done.stdout
     bad = _bench("--base-url", server.url, "--goodput", "latency:5")
     assert bad.returncode == 2 and "goodput" in bad.stderr
+
+
+def test_spoken_answers_are_timed_as_audio_ttfp_and_audio_rtf():
+    """A chat stream's ``delta.audio`` (transcript first, then a WAV streamed header + PCM) and the
+    speech endpoint's ``speech.audio.delta`` events: first audio, and time over seconds of audio."""
+    import base64
+
+    from omnirelay.bench.client import StreamAccount
+    from omnirelay.bench.metrics import summarize
+
+    second = b"\0" * 48000   # one second of 24 kHz 16-bit mono
+    chat = StreamAccount(0.0, chat=True)
+    chat.on_event(json.dumps({"choices": [{"delta": {"audio": {"id": "a", "transcript": "hi"}}}]}), 0.1)
+    chat.on_event(json.dumps({"choices": [{"delta": {"audio": {"id": "a", "data": base64.b64encode(
+        b"RIFF" + b"\0" * 40 + second).decode()}}}]}), 0.4)
+    chat.on_event(json.dumps({"choices": [{"delta": {"audio": {"id": "a", "data": base64.b64encode(second).decode()}}}]}),
+                  1.0)
+    chat.on_event("[DONE]", 1.1)
+    spoken = chat.result(1.2, 5)
+    assert spoken.ttft == pytest.approx(0.1) and spoken.audio_ttfp == pytest.approx(0.4)
+    assert spoken.audio_rtf == pytest.approx(1.0 / 2.0)
+    speech = StreamAccount(0.0, chat=False, speech=True)
+    speech.on_event(json.dumps({"type": "speech.audio.delta", "audio": base64.b64encode(second).decode()}), 0.25)
+    speech.on_event(json.dumps({"type": "speech.audio.done", "usage": {"input_tokens": 7, "output_tokens": 12}}),
+                    0.5)
+    said = speech.result(0.6, None)
+    assert said.audio_ttfp == pytest.approx(0.25) and said.ttft == pytest.approx(0.25)
+    assert said.output_tokens == 12 and said.prompt_len == 7 and said.audio_rtf == pytest.approx(0.25)
+    summary = summarize([spoken, said], 1.0)
+    assert summary["median_audio_ttfp_ms"] == pytest.approx(325.0) and summary["audio_rtfs"] == [0.5, 0.25]
+    text_only = StreamAccount(0.0, chat=True)
+    text_only.on_event(json.dumps({"choices": [{"delta": {"content": "x"}}]}), 0.1)
+    assert text_only.result(0.2, 1).audio_ttfp is None
+    assert summarize([text_only.result(0.2, 1)], 1.0)["median_audio_ttfp_ms"] is None

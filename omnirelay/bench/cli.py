@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--endpoint", help="path of the endpoint (default: /v1/completions or /v1/chat/completions)")
     server.add_argument("--model", help="model id to request (default: the first of GET /v1/models)")
     server.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    server.add_argument("--voice", default="", help="speech: the voice of /v1/audio/speech requests")
+    server.add_argument("--audio-sample-rate", type=int, default=24000,
+                        help="sample rate of the spoken answers' PCM (for audio_rtf)")
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=("random", "file"), default="random")
     data.add_argument("--dataset-path", help="JSONL or JSON file of {'prompt'} or {'conversations'} records")
@@ -122,6 +125,12 @@ def print_summary(run: dict, stream=sys.stdout) -> None:
         for stat, shown in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             label = f"{shown} {name.upper()} (ms):"
             lines.append(f"{label:<40}{_fmt(run[f'{stat}_{name}_ms'])}")
+    if run.get("audio_ttfps"):
+        lines.append(f"{' Audio (spoken answers) ':-^60}")
+        for stat, shown in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
+            lines.append(f"{shown + ' AUDIO_TTFP (ms):':<40}{_fmt(run[f'{stat}_audio_ttfp_ms'])}")
+        for stat, shown in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
+            lines.append(f"{shown + ' AUDIO_RTF:':<40}{_fmt(run[f'{stat}_audio_rtf'], 3)}")
     if run["errors"]:
         lines.append(f"{' Errors ':-^60}")
         lines.extend(f"{e['count']:>5} x {e['error']}" for e in run["errors"][:10])
@@ -151,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or asyncio.run(_model_id(args))
         target = Target(url=args.base_url.rstrip("/") + (args.endpoint or ENDPOINT_PATHS[args.endpoint_type]),
                         model=model, endpoint_type=args.endpoint_type, temperature=args.temperature,
-                        ignore_eos=args.ignore_eos, api_key=args.api_key, extra_body=args.extra_body)
+                        ignore_eos=args.ignore_eos, api_key=args.api_key, extra_body=args.extra_body,
+                        audio_sample_rate=args.audio_sample_rate, voice=args.voice)
         config = RunConfig(target=target,
                            concurrencies=args.sweep_concurrency or (args.max_concurrency,),
                            request_rate=args.request_rate, num_warmups=args.num_warmups,

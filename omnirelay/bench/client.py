@@ -8,7 +8,12 @@ and each event to :class:`StreamAccount`, which keeps the timings:
   does not count);
 * ITL: the gap between consecutive text-carrying chunks (per chunk, as ``vllm bench serve``);
 * E2E: from the POST to the last event of the stream (``[DONE]`` or the usage chunk);
-* TPOT: ``(E2E - TTFT) / (output_tokens - 1)``, computed in :mod:`.metrics`.
+* TPOT: ``(E2E - TTFT) / (output_tokens - 1)``, computed in :mod:`.metrics`;
+* audio, for a spoken answer (chat ``delta.audio.data``; ``/v1/audio/speech`` with ``stream_format:
+  "sse"``, endpoint type ``speech``): ``audio_ttfp``, from the POST to the first audio chunk, and
+  ``audio_rtf``, the time to the last audio chunk over the seconds of audio received (16-bit mono
+  PCM at ``audio_sample_rate``; a streamed WAV's 44-byte header is not audio) — vLLM-Omni's names.
+  A chat answer's text may come as ``delta.audio.transcript``: it counts as text.
 
 Output tokens come from the final ``usage`` chunk when the server honours
 ``stream_options.include_usage``, else they are the number of text-carrying chunks. An ``error``
@@ -19,6 +24,7 @@ object inside the stream, a malformed event, a stream without any text, a networ
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import time
@@ -29,7 +35,8 @@ from .datasets import Prompt
 from .sse import SSEError, SSEParser
 
 ERROR_TEXT_LIMIT = 300
-ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "speech": "/v1/audio/speech"}
+WAV_HEADER_BYTES = 44
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +50,8 @@ class Target:
     ignore_eos: bool = False
     api_key: str | None = None
     extra_body: dict = dataclasses.field(default_factory=dict, hash=False)   # merged into every request body
+    audio_sample_rate: int = 24000      # of a spoken answer's PCM, for audio_rtf
+    voice: str = ""                     # speech: the voice (chat: put "audio" in extra_body)
 
     def __post_init__(self):
         if self.endpoint_type not in ENDPOINT_PATHS:
@@ -51,6 +60,10 @@ class Target:
     def payload(self, prompt: Prompt) -> dict:
         body: dict = {"model": self.model, "max_tokens": prompt.output_len, "temperature": self.temperature,
                       "stream": True, "stream_options": {"include_usage": True}}
+        if self.endpoint_type == "speech":
+            body = {"model": self.model, "input": prompt.text, "stream_format": "sse", "response_format": "pcm",
+                    **({"voice": self.voice} if self.voice else {})}
+            return {**body, **self.extra_body}
         if self.endpoint_type == "chat":
             body["messages"] = [{"role": "user", "content": prompt.text}]
         else:
@@ -73,6 +86,8 @@ class RequestResult:
     latency: float = 0.0                # E2E seconds
     itl: list[float] = dataclasses.field(default_factory=list)
     error: str = ""
+    audio_ttfp: float | None = None     # seconds to the first audio chunk (a spoken answer)
+    audio_rtf: float | None = None      # seconds to the last audio chunk / seconds of audio
 
 
 class StreamError(Exception):
@@ -82,9 +97,15 @@ class StreamError(Exception):
 class StreamAccount:
     """Timings and counts of one stream, fed one event's data at a time with its arrival time."""
 
-    def __init__(self, start: float, chat: bool):
+    def __init__(self, start: float, chat: bool, speech: bool = False, sample_rate: int = 24000):
         self.start = start
         self.chat = chat
+        self.speech = speech
+        self.sample_rate = sample_rate
+        self.audio_first: float | None = None
+        self.audio_last: float | None = None
+        self.audio_bytes = 0
+        self.audio_header = 0
         self.first: float | None = None   # arrival of the first text-carrying chunk
         self.last: float | None = None
         self.itl: list[float] = []
@@ -109,6 +130,9 @@ class StreamAccount:
             raise StreamError(f"malformed event: {_shorten(data)}")
         if obj.get("error"):
             raise StreamError(f"error in stream: {_error_text(obj)}")
+        if self.speech:
+            self._on_speech_event(obj, now)
+            return
         usage = obj.get("usage")
         if isinstance(usage, dict):
             if isinstance(usage.get("completion_tokens"), int):
@@ -121,7 +145,13 @@ class StreamAccount:
         choice = choices[0]
         if self.chat:
             delta = choice.get("delta")
-            text = (delta.get("content") or delta.get("reasoning_content")) if isinstance(delta, dict) else None
+            text = None
+            if isinstance(delta, dict):
+                audio = delta.get("audio")
+                if isinstance(audio, dict):
+                    self._on_audio(audio.get("data"), now)
+                text = delta.get("content") or delta.get("reasoning_content") or (
+                    audio.get("transcript") if isinstance(audio, dict) else None)
         else:
             text = choice.get("text")
         if not text:
@@ -133,6 +163,36 @@ class StreamAccount:
         self.last = now
         self.chunks += 1
 
+    def _on_speech_event(self, obj: dict, now: float) -> None:
+        """``/v1/audio/speech`` SSE: ``speech.audio.delta`` carries audio (the first one counts as
+        the first output too), ``speech.audio.done`` the usage."""
+        if obj.get("type") == "speech.audio.delta":
+            self._on_audio(obj.get("audio"), now)
+            if self.first is None:
+                self.first = now
+                self.chunks = 1
+            self.last = now
+        usage = obj.get("usage")
+        if obj.get("type") == "speech.audio.done" and isinstance(usage, dict):
+            if isinstance(usage.get("output_tokens"), int):
+                self.usage_output = usage["output_tokens"]
+            if isinstance(usage.get("input_tokens"), int):
+                self.usage_prompt = usage["input_tokens"]
+
+    def _on_audio(self, data, now: float) -> None:
+        if not isinstance(data, str) or not data:
+            return
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except ValueError:
+            raise StreamError("audio chunk is not base64") from None
+        if self.audio_first is None:
+            self.audio_first = now
+            if raw[:4] == b"RIFF":   # a streamed WAV: its header first
+                self.audio_header = min(WAV_HEADER_BYTES, len(raw))
+        self.audio_last = now
+        self.audio_bytes += len(raw)
+
     def result(self, eof: float, prompt_len: int | None) -> RequestResult:
         """``eof``: when the body ended; E2E stops at the last event (up to ``[DONE]``) if there was one."""
         end = self.end if self.end is not None else eof
@@ -140,10 +200,13 @@ class StreamAccount:
             return RequestResult(False, prompt_len, latency=end - self.start,
                                  error="stream ended without generated text")
         reported = self.usage_output is not None
+        audio_s = max(0, self.audio_bytes - self.audio_header) / 2 / self.sample_rate
         return RequestResult(
             True, prompt_len if prompt_len is not None else self.usage_prompt,
             output_tokens=self.usage_output if reported else self.chunks, usage_reported=reported,
-            ttft=self.first - self.start, latency=end - self.start, itl=self.itl)
+            ttft=self.first - self.start, latency=end - self.start, itl=self.itl,
+            audio_ttfp=self.audio_first - self.start if self.audio_first is not None else None,
+            audio_rtf=(self.audio_last - self.start) / audio_s if audio_s > 0 else None)
 
 
 async def send_request(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -> RequestResult:
@@ -155,7 +218,8 @@ async def send_request(session: aiohttp.ClientSession, target: Target, prompt: P
                 body = await response.content.read(4096)
                 return RequestResult(False, prompt.prompt_len, latency=time.perf_counter() - start,
                                      error=f"HTTP {response.status}: {_body_text(body)}")
-            account = StreamAccount(start, chat=target.endpoint_type == "chat")
+            account = StreamAccount(start, chat=target.endpoint_type == "chat", speech=target.endpoint_type == "speech",
+                                    sample_rate=target.audio_sample_rate)
             parser = SSEParser()
             # Read to the end of the body even after [DONE], so the connection can be reused.
             async for chunk in response.content.iter_any():   # bounded by the body and the timeout

@@ -119,6 +119,13 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
         summary["request_goodput"] = good / duration if duration > 0 else None
     for name in METRICS:
         summary.update(_stats(name, per_metric[name], percentiles))
+    # Spoken answers: vLLM-Omni's audio_ttfp (ms, like the latencies) and audio_rtf (a ratio).
+    summary.update(_stats("audio_ttfp", [r.audio_ttfp for r in done if r.audio_ttfp is not None], percentiles))
+    rtfs = [r.audio_rtf for r in done if r.audio_rtf is not None]
+    summary.update({k.replace("_ms", ""): (v / 1000 if v is not None else None)
+                    for k, v in _stats("audio_rtf", rtfs, percentiles).items()})
+    summary["audio_ttfps"] = [r.audio_ttfp for r in done if r.audio_ttfp is not None]
+    summary["audio_rtfs"] = rtfs
     summary["errors"] = error_summary(results)
     summary["input_lens"] = [r.prompt_len for r in done]
     summary["output_lens"] = [r.output_tokens for r in done]
