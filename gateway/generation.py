@@ -38,7 +38,7 @@ from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
 from .reasoning import ReasoningMode, closed_in_prompt
 from .resubmit import Submissions
-from .sampling_options import submission_min_tokens, wire_options
+from .sampling_options import check_vocab, submission_min_tokens, wire_options
 from .schema import GenerationRequest
 
 
@@ -107,6 +107,7 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
                              param="prompt")
     if not prompt_ids:
         raise BadRequest("the prompt is empty after tokenization", param="prompt")
+    check_vocab(list(request.stop_token_ids), model.vocab_size, "stop_token_ids")
     room = model.max_model_len - len(prompt_ids)
     if room < 1:
         raise BadRequest(f"prompt has {len(prompt_ids)} tokens; this model's context is "

@@ -74,16 +74,28 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(value, dict):
         raise BadRequest("'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
-    out = []
+    out, bad_keys, bad_biases = [], [], []   # every bad entry is named, not only the first
     for key, bias in value.items():
         token = key.strip() if isinstance(key, str) else ""
         if not token.isdigit() or not token.isascii():
-            raise BadRequest(f"logit_bias key {key!r} is not a token id", param="logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+            bad_keys.append(key)
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
                 or abs(bias) > MAX_LOGIT_BIAS:
-            raise BadRequest(f"logit_bias[{key!r}] must be a number in [-100, 100]", param="logit_bias")
-        out.append((int(token), float(bias)))
+            bad_biases.append(key)
+        else:
+            out.append((int(token), float(bias)))
+    problems = ([f"key{'s' if len(bad_keys) > 1 else ''} {_listed(bad_keys)} {'are' if len(bad_keys) > 1 else 'is'} "
+                 f"not token ids"] if bad_keys else []) \
+        + ([f"the bias{'es' if len(bad_biases) > 1 else ''} of {_listed(bad_biases)} must be numbers in [-100, 100]"]
+           if bad_biases else [])
+    if problems:
+        raise BadRequest("logit_bias: " + "; ".join(problems), param="logit_bias")
     return tuple(out)
+
+
+def _listed(values: list, most: int = 20) -> str:
+    shown = ", ".join(repr(v) for v in values[:most])
+    return shown + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
 def parse_options(body: dict) -> SamplingOptions:
@@ -107,9 +119,12 @@ def parse_options(body: dict) -> SamplingOptions:
         allowed_token_ids=None if allowed is None else tuple(dict.fromkeys(allowed)))
 
 
-def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
-    if ids and max(ids) >= vocab_size:
-        raise BadRequest(f"token id {max(ids)} is outside the vocabulary ({vocab_size})", param=param)
+def check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
+    """400 naming ``param`` and every id of ``ids`` outside the vocabulary."""
+    outside = sorted({t for t in ids if t >= vocab_size})
+    if outside:
+        raise BadRequest(f"token id{'s' if len(outside) > 1 else ''} {_listed(outside)} "
+                         f"{'are' if len(outside) > 1 else 'is'} outside the vocabulary ({vocab_size})", param=param)
 
 
 def bad_words_token_ids(tokenizer, words: tuple[str, ...]) -> list[list[int]]:
@@ -135,10 +150,10 @@ def wire_options(options: SamplingOptions, *, vocab_size: int, tokenizer, max_to
         if getattr(options, name) != neutral:
             out[name] = getattr(options, name)
     if options.logit_bias:
-        _check_vocab([t for t, _ in options.logit_bias], vocab_size, "logit_bias")
+        check_vocab([t for t, _ in options.logit_bias], vocab_size, "logit_bias")
         out["logit_bias"] = [[t, b] for t, b in options.logit_bias if b != 0] or None
     if options.allowed_token_ids is not None:
-        _check_vocab(list(options.allowed_token_ids), vocab_size, "allowed_token_ids")
+        check_vocab(list(options.allowed_token_ids), vocab_size, "allowed_token_ids")
         out["allowed_token_ids"] = list(options.allowed_token_ids)
     if options.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens={options.min_tokens} is more than max_tokens={max_tokens}", param="min_tokens")

@@ -80,6 +80,7 @@ class GenerationRequest:
     tools: ToolsRequest | None = None             # chat: tools, tool_choice (gateway/tool_calls.py)
     template: TemplateOptions = TemplateOptions()   # chat: template switches; completions: add_special_tokens
     include_reasoning: bool = True                # chat: return a thinking model's reasoning (gateway/reasoning.py)
+    continuous_usage: bool = False                # stream: usage so far on every chunk (stream_options)
 
 
 
@@ -335,6 +336,9 @@ def _common(body: dict) -> dict:
     if stream_options is not None and not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
     stream = boolean_field(body, "stream")
+    if stream_options and not stream:   # vLLM's rule: an empty object passes
+        raise BadRequest("'stream_options' can only be given with 'stream': true", param="stream_options")
+    include_usage = bool(stream_options and boolean_field(stream_options, "include_usage"))
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer", param="seed")
@@ -345,7 +349,9 @@ def _common(body: dict) -> dict:
         top_k=_integer(body, "top_k", 0, -1), seed=seed, stop=_stop(body),
         stop_token_ids=token_ids_field(body.get("stop_token_ids"), "stop_token_ids"),
         ignore_eos=boolean_field(body, "ignore_eos"), stream=stream,
-        include_usage=bool(stream_options and boolean_field(stream_options, "include_usage")),
+        include_usage=include_usage,
+        # vLLM: usage on every chunk, only together with include_usage
+        continuous_usage=include_usage and boolean_field(stream_options, "continuous_usage_stats"),
         return_token_ids=boolean_field(body, "return_token_ids"), n=n)
 
 
@@ -373,6 +379,9 @@ def parse_chat(body: Any) -> GenerationRequest:
     if logprobs >= 0 and "audio" in audio["modalities"]:
         raise Unprocessable("logprobs are not available for a spoken answer (modalities with audio)",
                             param="logprobs")
+    if common["continuous_usage"] and "audio" in audio["modalities"]:
+        raise Unprocessable("stream_options.continuous_usage_stats is not served for a spoken answer "
+                            "(modalities with audio)", param="stream_options.continuous_usage_stats")
     if common["n"] > 1 and "audio" in audio["modalities"]:
         raise Unprocessable("a spoken answer (modalities with audio) has one choice: n must be 1", param="n")
     if boolean_field(body, "echo"):   # vLLM's chat echo (the last message again) is not served; completions' is

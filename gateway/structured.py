@@ -9,7 +9,9 @@ Where a constraint can come from (at most one per request, else 400):
   root rule ``root``); the older top-level ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
   ``guided_grammar`` mean the same; ``guided_decoding_backend`` may only name ``xgrammar``;
 * ``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name"}}`` (chat only): the
-  answer is constrained to a call, see :class:`ToolsRequest`.
+  answer is constrained to a call, see :class:`ToolsRequest`. A forced call wins over
+  ``response_format`` (and a required one over ``structured_outputs``), as vLLM lets it: the
+  answer is the call; a named one beside ``structured_outputs`` is a 400, as in vLLM.
 
 Every spec is checked before anything is submitted: a JSON schema against its metaschema
 (``jsonschema``) and then converted by xgrammar, a regex and an EBNF grammar parsed by xgrammar.
@@ -26,7 +28,7 @@ Tools (chat): ``tools`` is a list of ``{"type": "function", "function": {"name",
   ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, which gateway/tool_calls.py turns into
   ``message.tool_calls`` (``parallel_tool_calls: false`` keeps the first);
 * ``"required"``: the answer is one call, constrained to ``{"name": <one of the tools>,
-  "arguments": <that tool's parameters>}``;
+  "arguments": <that tool's parameters>}`` (their ``$defs`` hoisted to the root, :func:`_hoisted`);
 * named: the answer is the arguments of that function, constrained to its ``parameters`` schema.
 """
 
@@ -232,10 +234,60 @@ def tool_spec(tools: ToolsRequest) -> StructuredOutput | None:
         return _schema(by_name[tools.name], "tool_choice")
     if tools.choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+    definitions: dict = {}
+    calls = [{"type": "object", "properties": {"name": {"const": name},
+                                               "arguments": _hoisted(parameters, f"t{i}_", definitions)},
               "required": ["name", "arguments"], "additionalProperties": False}
-             for name, parameters in by_name.items()]
-    return _schema(calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools")
+             for i, (name, parameters) in enumerate(by_name.items())]
+    root = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return _schema({**root, "$defs": definitions} if definitions else root, "tools")
+
+
+_DEFINITION_KEYS = ("$defs", "definitions")
+
+
+def _hoisted(parameters: dict, prefix: str, definitions: dict) -> dict:
+    """A tool's parameters nested under ``arguments`` of the required call's schema: their local
+    definitions (``$defs``/``definitions``) move to the root's ``$defs`` under ``prefix`` and every
+    ``$ref`` to them is rewritten, since a ``$ref`` resolves from the document's root; a ``$ref`` to
+    the parameters' own root (``#``) points at ``$defs/<prefix>root``."""
+    moved = {key: f"#/$defs/{prefix}" for key in _DEFINITION_KEYS if isinstance(parameters.get(key), dict)}
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            out = {}
+            for key, value in node.items():
+                if key == "$ref" and isinstance(value, str):
+                    out[key] = _rewritten_ref(value, prefix)
+                else:
+                    out[key] = rewrite(value)
+            return out
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        return node
+
+    body = rewrite({k: v for k, v in parameters.items() if k not in moved})
+    for key in moved:
+        for name, definition in parameters[key].items():
+            definitions[prefix + name] = rewrite(definition)
+    if _refers_to_root(parameters):
+        definitions[prefix + "root"] = body
+    return body
+
+
+def _rewritten_ref(ref: str, prefix: str) -> str:
+    if ref == "#":
+        return f"#/$defs/{prefix}root"
+    for key in _DEFINITION_KEYS:
+        if ref.startswith(f"#/{key}/"):
+            return f"#/$defs/{prefix}" + ref[len(key) + 3:]
+    return ref
+
+
+def _refers_to_root(node) -> bool:
+    if isinstance(node, dict):
+        return node.get("$ref") == "#" or any(_refers_to_root(v) for v in node.values())
+    return isinstance(node, list) and any(_refers_to_root(v) for v in node)
 
 
 def parse_structured(body: dict, kind: str) -> tuple[StructuredOutput | None, ToolsRequest | None]:
@@ -254,10 +306,15 @@ def parse_structured(body: dict, kind: str) -> tuple[StructuredOutput | None, To
         if body.get(alias) is not None:
             specs.append((alias, _vllm_spec(key, body[alias], alias)))
     tools = parse_tools(body, kind)
-    if tools is not None and tools.choice in ("required", "named"):
-        specs.append(("tool_choice", tool_spec(tools)))
     specs = [(name, spec) for name, spec in specs if spec is not None]
     if len(specs) > 1:
         raise BadRequest(f"'{specs[1][0]}' and '{specs[0][0]}' both constrain the answer; give one",
                          param=specs[1][0])
+    if tools is not None and tools.choice in ("required", "named"):
+        # A forced call wins over response_format (as vLLM: the answer is the call); vLLM refuses a
+        # named choice beside structured_outputs, and so do we.
+        if tools.choice == "named" and specs and specs[0][0] != "response_format":
+            raise BadRequest(f"'{specs[0][0]}' and a named 'tool_choice' both constrain the answer; give one",
+                             param=specs[0][0])
+        return tool_spec(tools), tools
     return (specs[0][1] if specs else None), tools

@@ -10,9 +10,11 @@ answer carries the same content and calls as the whole one:
   of ``<tool_call>``); each complete call becomes one ``tool_calls`` entry, streamed as one delta
   when its closing tag arrives. Markup that does not hold a call to one of the tools (bad JSON, an
   unknown name) or is never closed stays content. ``parallel_tool_calls: false`` keeps the first call.
-* ``required``: the answer was constrained to ``{"name", "arguments"}``: one call, sent whole at the end.
+* ``required``: the answer was constrained to ``{"name", "arguments"}``: one call, sent whole at the end
+  (cut short by max_tokens: the call with its arguments as far as they got, once its name is whole).
 * named: the answer was constrained to the arguments: the call's first delta names the function
-  and each later text piece extends its ``arguments``.
+  and each later text piece extends its ``arguments``; an answer cut before its arguments say more
+  than ``{`` has no call (as vLLM).
 
 Arguments are a JSON string, as OpenAI sends them (``auto``/``required``: the parsed object
 re-serialised; named: the model's text as generated). An answer with calls finishes with
@@ -23,11 +25,15 @@ surrounds the calls.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from .structured import ToolsRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# The start of a required call as its grammar writes it (name first; tool names need no escapes).
+_CUT_REQUIRED = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*(?P<arguments>.*)\Z',
+                           re.DOTALL)
 
 
 def _call_id() -> str:
@@ -73,10 +79,15 @@ class ToolCallParser:
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.tools.choice == "named":
             if not self._named_id:
+                # Held back until the arguments say more than "{": an answer cut there has no call (vLLM).
+                self._pending += text
+                if self._pending.strip() in ("", "{"):
+                    return "", []
                 self._named_id = _call_id()
                 self.num_calls = 1
+                arguments, self._pending = self._pending, ""
                 return "", [{"index": 0, "id": self._named_id, "type": "function",
-                             "function": {"name": self.tools.name, "arguments": text}}]
+                             "function": {"name": self.tools.name, "arguments": arguments}}]
             return "", ([{"index": 0, "function": {"arguments": text}}] if text else [])
         self._pending += text
         if self.tools.choice == "required":
@@ -110,16 +121,26 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[dict]]:
         """The rest at the end of the answer: an unclosed call stays content."""
         if self.tools.choice == "named":
-            return "", ([] if self._named_id else self.feed("")[1])
+            self._pending = ""   # at most "{": the answer was cut before its arguments began
+            return "", []
         rest, self._pending = self._pending, ""
         if self.tools.choice == "required":
             try:
                 call = json.loads(rest)
             except ValueError:
-                return rest, []
+                return self._cut_call(rest)
             parsed = parse_call(rest, self.names) if isinstance(call, dict) else None
             return ("", [self._call(*parsed)]) if parsed else (rest, [])
         return rest, []
+
+    def _cut_call(self, rest: str) -> tuple[str, list[dict]]:
+        """A ``required`` answer cut short (max_tokens): the grammar wrote ``{"name":"…","arguments":``
+        first, so once the name is whole the call is returned with its arguments as far as they got,
+        as a named choice's cut answer is; before that (or past a "{"), no call."""
+        match = _CUT_REQUIRED.match(rest)
+        if match is None or match.group("name") not in self.names or match.group("arguments").strip() in ("", "{"):
+            return "", []
+        return "", [self._call(match.group("name"), match.group("arguments"))]
 
 
 class ToolCallFormat:

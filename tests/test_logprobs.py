@@ -56,7 +56,7 @@ def test_greedy_chat_logprobs_equal_transformers(client, hf_logprobs, tiny_model
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     response = _chat(client, logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
     choice = response.choices[0]
-    token_ids, prompt_ids = choice.model_extra["token_ids"], choice.model_extra["prompt_token_ids"]
+    token_ids, prompt_ids = choice.model_extra["token_ids"], response.model_extra["prompt_token_ids"]
     content = choice.logprobs.content
     assert len(content) == len(token_ids) == response.usage.completion_tokens > 1
     reference = hf_logprobs(prompt_ids, token_ids)
@@ -118,6 +118,18 @@ def test_stop_string_ends_the_logprobs_with_the_token_that_completed_it(client, 
         assert abs(a.logprob - b.logprob) < TOLERANCE
 
 
+def test_twenty_top_logprobs(client, hf_logprobs):
+    """OpenAI's and vLLM's limit: the 20 most likely tokens of every position, most likely first."""
+    response = _chat(client, max_tokens=4, logprobs=True, top_logprobs=20, extra_body={"return_token_ids": True})
+    choice = response.choices[0]
+    reference = hf_logprobs(response.model_extra["prompt_token_ids"], choice.model_extra["token_ids"])
+    for position, entry in enumerate(choice.logprobs.content):
+        values = [alt.logprob for alt in entry.top_logprobs]
+        expected = reference[position].topk(20).values.tolist()
+        assert len(values) == 20 and values == sorted(values, reverse=True)
+        assert all(abs(a - b) < TOLERANCE for a, b in zip(values, expected))
+
+
 def test_chat_without_logprobs_answers_null(client):
     assert _chat(client, max_tokens=4).choices[0].logprobs is None
     assert _chat(client, max_tokens=4, logprobs=True).choices[0].logprobs.content[0].top_logprobs == []
@@ -143,8 +155,9 @@ def test_completion_logprobs(client, hf_logprobs):
     for chunk in client.completions.create(model=MODEL, prompt="The weather today is", max_tokens=12,
                                            temperature=0, logprobs=0, stream=True):
         if chunk.choices[0].logprobs is not None:
-            assert chunk.choices[0].logprobs.top_logprobs is None   # logprobs=0: no alternatives
-            streamed.append(chunk.choices[0].logprobs)
+            logprobs = chunk.choices[0].logprobs   # logprobs=0: the sampled token's entry alone (vLLM, OpenAI)
+            assert logprobs.top_logprobs == [{t: v} for t, v in zip(logprobs.tokens, logprobs.token_logprobs)]
+            streamed.append(logprobs)
     assert [t for c in streamed for t in c.tokens] == lp.tokens
     assert [o for c in streamed for o in c.text_offset] == lp.text_offset
     assert all(abs(a - b) < 1e-6 for a, b in zip([v for c in streamed for v in c.token_logprobs], lp.token_logprobs))
@@ -155,13 +168,13 @@ def test_sampled_tokens_report_raw_logprobs(client, hf_logprobs):
     response = _chat(client, temperature=1.5, top_p=0.9, seed=5, logprobs=True,
                      extra_body={"return_token_ids": True, "top_k": 20})
     choice = response.choices[0]
-    reference = hf_logprobs(choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"])
+    reference = hf_logprobs(response.model_extra["prompt_token_ids"], choice.model_extra["token_ids"])
     for position, (entry, token_id) in enumerate(zip(choice.logprobs.content, choice.model_extra["token_ids"])):
         assert abs(entry.logprob - reference[position, token_id].item()) < TOLERANCE
 
 
 @pytest.mark.parametrize("extra, param", [({"top_logprobs": 2}, "top_logprobs"),
-                                          ({"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+                                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                                           ({"logprobs": 1}, "logprobs")])
 def test_chat_logprobs_parameters_are_checked(client, extra, param):
     with pytest.raises(openai.BadRequestError) as raised:
@@ -172,7 +185,7 @@ def test_chat_logprobs_parameters_are_checked(client, extra, param):
 
 def test_completion_logprobs_out_of_range_is_400(client):
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=6)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=21)
     assert raised.value.body["param"] == "logprobs"
 
 
@@ -193,7 +206,7 @@ def test_sampler_computes_only_the_rows_that_asked():
     assert [i for i, _ in out[0].top] == raw[0].topk(3).indices.tolist() and out[0].top[0][0] == tokens[0]
     assert out[2].top == [] and len(out[3].top) == 5
     with pytest.raises(ValueError):
-        SamplingParams.from_wire({"logprobs": 6})
+        SamplingParams.from_wire({"logprobs": 21})
     with pytest.raises(ValueError):
         SamplingParams.from_wire({"logprobs": True})
 
@@ -226,10 +239,10 @@ def test_tensor_parallel_workers_report_the_same_logprobs(tiny_model, tmp_path, 
                          log_path=str(tmp_path / "serve.log"))
     try:
         tp_client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        choice = _chat(tp_client, max_tokens=8, logprobs=True, top_logprobs=2,
-                       extra_body={"return_token_ids": True}).choices[0]
+        response = _chat(tp_client, max_tokens=8, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True})
+        choice = response.choices[0]
         token_ids = choice.model_extra["token_ids"]
-        reference = hf_logprobs(choice.model_extra["prompt_token_ids"], token_ids)
+        reference = hf_logprobs(response.model_extra["prompt_token_ids"], token_ids)
         assert len(choice.logprobs.content) == len(token_ids)
         for position, (entry, token_id) in enumerate(zip(choice.logprobs.content, token_ids)):
             assert abs(entry.logprob - reference[position, token_id].item()) < TOLERANCE

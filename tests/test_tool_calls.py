@@ -94,5 +94,11 @@ def test_required_is_one_call_sent_whole():
     for split in (0, 2):
         full, streamed = run(text, choice="required", split=split)
         assert message_calls(full) == streamed["calls"] == [{"name": "get_time", "arguments": '{"zone": "CET"}'}]
+    # Cut short by max_tokens (issue #26): like a named choice, the call with its arguments as far as they got…
+    for split in (0, 2):
+        full, streamed = run(text[:45], choice="required", finish="length", split=split)
+        assert message_calls(full) == streamed["calls"] == [{"name": "get_time", "arguments": '{"zone": "C'}]
+        assert full["finish_reason"] == streamed["finish"] == "length" and streamed["content"] == ""
+    # …and no call (no unparseable text either) before the arguments begin.
     full, streamed = run(text[:20], choice="required", finish="length", split=2)
-    assert full["message"]["content"] == streamed["content"] == text[:20] and streamed["calls"] == []
+    assert full["message"]["content"] == streamed["content"] == "" and streamed["calls"] == [] == message_calls(full)

@@ -195,10 +195,13 @@ async def _respond_full(request: web.Request, plan_: Plan, fmts: list, record: R
         choice = {**fmt.full(text, finish[index], rendered), "index": index}
         if plan_.request.return_token_ids:
             choice["token_ids"] = token_ids[index]
-            choice["prompt_token_ids"] = gen.prompt_token_ids
+            if plan_.request.kind != "chat":   # a completion choice: its own prompt's (vLLM)
+                choice["prompt_token_ids"] = gen.prompt_token_ids
         choices.append(choice)
     body = {"id": plan_.request_id, "created": generation.now(), "model": plan_.gens[0].model.name,
             "object": fmts[0].object_full, "choices": choices, "usage": _usage(plan_)}
+    if plan_.request.return_token_ids and plan_.request.kind == "chat":   # one prompt: at the top level (vLLM)
+        body["prompt_token_ids"] = plan_.gens[0].prompt_token_ids
     return web.json_response(body, headers={"X-Request-Id": plan_.request_id})
 
 
@@ -217,7 +220,8 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, record: Request
     include_usage = plan_.request.include_usage
     sse = SseWriter(response, {"id": plan_.request_id, "created": generation.now(),
                                "model": plan_.gens[0].model.name, "object": fmts[0].object_chunk},
-                    include_usage, config.stream_write_timeout_s)
+                    include_usage, config.stream_write_timeout_s,
+                    (lambda: _usage(plan_)) if plan_.request.continuous_usage else None)
     write, send = sse.write, sse.send
 
     first = await anext(chunks, None)   # errors before the first token still get a proper status
@@ -226,9 +230,13 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, record: Request
     offsets = [0] * count                     # text offsets of each choice's logprobs
     echo = [plan_.request.echo] * count       # choices whose prompt text is still to be sent
     try:
+        # The prompt's ids (return_token_ids): chat's on its first chunk, each completion choice's on its first.
+        prompt_ids = [{"prompt_token_ids": gen.prompt_token_ids} if plan_.request.return_token_ids else None
+                      for gen in plan_.gens]
         for index, fmt in enumerate(fmts):
             if fmt.first_delta() is not None:
-                await send([{**fmt.first_delta(), "index": index}])
+                await send([{**fmt.first_delta(), "index": index}], extra=prompt_ids[index] if index == 0 else None)
+                prompt_ids[index] = None
         item = first
         while item is not None:
             index, chunk = item
@@ -245,6 +253,8 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, record: Request
                 choice = {**fmt.delta(text, chunk.finish_reason or None, logprobs), "index": index}
                 if plan_.request.return_token_ids:
                     choice["token_ids"] = chunk.token_ids
+                if prompt_ids[index]:
+                    choice, prompt_ids[index] = {**choice, **prompt_ids[index]}, None
                 await send([choice])
             item = await anext(chunks, None)
         if include_usage:

@@ -102,8 +102,9 @@ class ChatFormat:
 
 class CompletionFormat:
     """``logprobs`` is the legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``:
-    ``top_logprobs`` maps each position's alternatives' text to its logprob (null for
-    ``logprobs: 0``); ``text_offset`` counts characters into the completion's text (no echo)."""
+    ``top_logprobs`` maps each position's k alternatives' text and the sampled token's to their
+    logprobs (``logprobs: 0``: the sampled token's alone, as vLLM and OpenAI answer);
+    ``text_offset`` counts characters into the completion's text (no echo)."""
 
     object_full = object_chunk = "text_completion"
 
@@ -123,14 +124,14 @@ class CompletionFormat:
             tokens.append(generation.token_text(gen, token_id))
             offsets.append(offset)
             offset += len(tokens[-1])
-        top = None
-        if gen.request.logprobs > 0:
-            top = []
-            for lp in logprobs:
-                alternatives: dict[str, float] = {}
-                for token_id, value in lp.top:   # most likely first: of two equal texts, it keeps the likelier
-                    alternatives.setdefault(generation.token_text(gen, token_id), _logprob(value))
-                top.append(alternatives)
+        top = []
+        for token_id, lp in zip(token_ids, logprobs):
+            alternatives: dict[str, float] = {}
+            for alternative, value in lp.top:   # most likely first: of two equal texts, it keeps the likelier
+                alternatives.setdefault(generation.token_text(gen, alternative), _logprob(value))
+            # The sampled token is always one of them, as vLLM answers (logprobs: 0 gives it alone).
+            alternatives.setdefault(generation.token_text(gen, token_id), _logprob(lp.logprob))
+            top.append(alternatives)
         return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs], "top_logprobs": top,
                 "text_offset": offsets}, offset
 
@@ -159,11 +160,12 @@ async def _respond_full(request: web.Request, gen: generation.Generation, fmt,
         finish = chunk.finish_reason or finish
     rendered = fmt.logprobs(gen, token_ids, logprobs, 0)[0] if gen.request.logprobs >= 0 else None
     choice = fmt.full("".join(texts), finish, rendered)
-    if gen.request.return_token_ids:
-        choice["token_ids"] = token_ids
-        choice["prompt_token_ids"] = gen.prompt_token_ids
     body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": fmt.object_full,
             "choices": [choice], "usage": _usage(gen)}
+    if gen.request.return_token_ids:
+        choice["token_ids"] = token_ids
+        # vLLM: chat carries the prompt's ids at the top level, a completion choice its own prompt's
+        (body if gen.request.kind == "chat" else choice)["prompt_token_ids"] = gen.prompt_token_ids
     return web.json_response(body, headers={"X-Request-Id": gen.request_id})
 
 
@@ -180,7 +182,8 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, record:
                                            "X-Request-Id": gen.request_id})
     include_usage = gen.request.include_usage
     sse = SseWriter(response, {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
-                               "object": fmt.object_chunk}, include_usage, config.stream_write_timeout_s)
+                               "object": fmt.object_chunk}, include_usage, config.stream_write_timeout_s,
+                    (lambda: _usage(gen)) if gen.request.continuous_usage else None)
     write, send = sse.write, sse.send
 
     stream = generation.run(request.app[BUS], gen, deadline)
@@ -190,8 +193,10 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, record:
         first = None
     await response.prepare(request)
     try:
-        if fmt.first_delta() is not None:
-            await send([fmt.first_delta()])
+        prompt_ids = {"prompt_token_ids": gen.prompt_token_ids} if gen.request.return_token_ids else None
+        if fmt.first_delta() is not None:   # chat: the prompt's ids go on this first chunk (vLLM)
+            await send([fmt.first_delta()], extra=prompt_ids)
+            prompt_ids = None
         chunk, text_offset = first, 0
         while chunk is not None:
             record.tokens(len(chunk.token_ids))
@@ -204,6 +209,8 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, record:
                 choice = fmt.delta(chunk.text, chunk.finish_reason or None, logprobs)
                 if gen.request.return_token_ids:
                     choice["token_ids"] = chunk.token_ids
+                if prompt_ids:   # a completion: its first chunk's choice carries them
+                    choice, prompt_ids = {**choice, **prompt_ids}, None
                 await send([choice])
             chunk = await anext(stream, None)
         if include_usage:
