@@ -8,6 +8,12 @@ Two sockets, one owner task:
   request — where workers push ``TokenDelta`` straight from prefill and decode (a step's deltas
   for this gateway travel as one ``TokenDeltas``, unpacked here into single deltas).
 
+Both sockets refuse a frame over one bus message (libzmq's ``MAXMSGSIZE``: the sender is disconnected
+when the frame's header announces more, before anything is allocated), and a message that does not
+decode is counted (``malformed``) and logged at most once per :data:`JUNK_LOG_INTERVAL_S` per socket,
+so neither a huge frame nor a flood of junk from a peer on the token socket costs memory or a log line
+each.
+
 :class:`RequestStream` turns the deltas of one request into an ordered sequence of tokens: it keeps
 the next expected position, drops positions already delivered (a replayed stage may resend them)
 and holds early ones until the gap fills. A token's logprobs (when the request asked) travel with it
@@ -34,6 +40,9 @@ from omnirelay.errors import DeadlineExceeded, OmniError, WorkerLost, error_from
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
 
 log = logging.getLogger("omnirelay.gateway")
+
+MAX_FRAME_BYTES = p.MAX_BODY_BYTES + 4096   # one bus message and its envelope, as the broker bounds its socket
+JUNK_LOG_INTERVAL_S = 10.0
 
 # Prompt blocks are hashed at omni-worker's default --block-size for prefix-aware routing; the
 # broker uses the hint only with prefill workers whose cache has this block size.
@@ -134,6 +143,7 @@ class BusClient:
             keys.make_client(self._dealer)
         self._dealer.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
         self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._dealer.setsockopt(zmq.RECONNECT_IVL, 100)
         self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         endpoints = broker_endpoint.split(",")
@@ -150,6 +160,7 @@ class BusClient:
             keys.make_server(self._pull)
             self.reply_key = keys.public.decode("ascii")
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._pull.setsockopt(zmq.RCVHWM, 1_000_000)
         self._pull.bind(f"tcp://{reply_host}:{reply_port or '*'}")
         self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -226,14 +237,21 @@ class BusClient:
     # ------------------------------------------------------------------ readers
 
     async def _read(self, sock: zmq.asyncio.Socket, source: str, handle) -> None:
-        """Decode every message arriving on ``sock`` and hand it to ``handle``; drop malformed ones."""
+        """Decode every message arriving on ``sock`` and hand it to ``handle``; drop malformed ones
+        (counted; logged at most once per JUNK_LOG_INTERVAL_S, with how many were dropped since)."""
+        logged_at, dropped = -JUNK_LOG_INTERVAL_S, 0
         while True:
             frames = await sock.recv_multipart()
             try:
                 msg = p.decode(frames)
             except p.ProtocolError as exc:
                 self.malformed += 1
-                log.warning("malformed message from %s: %s", source, exc)
+                dropped += 1
+                now = time.monotonic()
+                if now - logged_at >= JUNK_LOG_INTERVAL_S:
+                    log.warning("malformed message from %s: %s (%d dropped since the last such line, this one "
+                                "included; at most one line per %.0f s)", source, exc, dropped, JUNK_LOG_INTERVAL_S)
+                    logged_at, dropped = now, 0
                 continue
             handle(msg)
 
