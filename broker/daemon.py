@@ -18,12 +18,14 @@ import zmq
 import zmq.auth
 
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
+from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
 from omnirelay.security import (CurveKeys, SecurityError, add_curve_arguments, keys_from_args,
                                 require_curve_off_loopback, start_authenticator)
 
 from . import protocol as p
 from .config import BrokerConfig
 from .core import BrokerCore
+from .tracing_hook import BrokerTracer
 
 log = logging.getLogger("omnirelay.broker")
 
@@ -43,14 +45,16 @@ _GATEWAY_MESSAGES = (p.GatewayHello, p.Submit, p.Cancel)
 
 class BrokerDaemon:
     def __init__(self, config: BrokerConfig, shutdown: Shutdown | None = None, keys: CurveKeys | None = None,
-                 warm_up_s: float = 0.0):
+                 warm_up_s: float = 0.0, tracing: Tracing | None = None):
         """``warm_up_s``: for this long after binding, hold the gateways' messages back (and then
         hand them to the core in order) while the workers find this broker and register. A standby
         that takes over starts with no workers, and would otherwise fail every request resubmitted
-        in its first moments as ``unavailable`` (no live worker) instead of resuming it."""
+        in its first moments as ``unavailable`` (no live worker) instead of resuming it.
+        ``tracing``: spans of traced requests (broker/tracing_hook.py); its owner shuts it down."""
         require_curve_off_loopback(keys, config.endpoint)
         self.config = config
         self.core = BrokerCore(config)
+        self._tracer = BrokerTracer(tracing) if tracing is not None else None
         self._warm_until = time.time() + warm_up_s if warm_up_s > 0 else 0.0
         self._held: list = []
         self.shutdown = shutdown or Shutdown()
@@ -83,12 +87,14 @@ class BrokerDaemon:
                     self._end_warm_up(now)
                 if now >= next_tick:
                     try:
-                        self._send(self.core.tick(now))
+                        self._send(self._traced(self.core.tick(now)))
                     except Exception:   # same rule as handlers: log, count, keep serving
                         log.exception("broker tick failed")
                         self.core.counters["handler_errors"] += 1
                     next_tick = now + tick_ms / 1000
         finally:
+            if self._tracer is not None:
+                self._tracer.close()
             self._sock.close(0)
             if self._auth is not None:
                 self._auth.stop()
@@ -101,15 +107,21 @@ class BrokerDaemon:
         out: list = []
         for identity, msg in held:
             try:
+                if self._tracer is not None:
+                    self._tracer.inbound(msg)
                 out += self.core.on_message(identity, msg, now)
             except Exception:   # the same rule as in _drain_socket
                 log.exception("broker failed handling %s", type(msg).__name__)
                 self.core.counters["handler_errors"] += 1
-        self._send(out)
+        self._send(self._traced(out))
+
+    def _traced(self, out: list) -> list:
+        return out if self._tracer is None else self._tracer.after_pass(out, self.core)
 
     def _drain_socket(self, budget: int = 2048) -> None:
         sock, core, decode, clock = self._sock, self.core, p.decode, time.time
         warming = self._warm_until > 0
+        tracer = self._tracer
         # Replies wait until the pass has read what is queued: libzmq's I/O thread then writes them
         # out in a few syscalls instead of being woken for every reply or two, and each peer gets
         # its replies in one burst (in the benchmark: half the context switches, ~1.3x the messages
@@ -144,11 +156,15 @@ class BrokerDaemon:
             if warming and isinstance(msg, _GATEWAY_MESSAGES):
                 self._held.append((identity, msg))
                 continue
+            if tracer is not None:
+                tracer.inbound(msg)
             try:
                 pending += core.on_message(identity, msg, clock())
             except Exception:  # a bug in one handler must not take the cluster's broker down
                 log.exception("broker failed handling %s", type(msg).__name__)
                 core.counters["handler_errors"] += 1
+        if tracer is not None:   # also when nothing is sent: a request may have just finished
+            pending = tracer.after_pass(pending, core)
         if pending:
             self._send(pending)
 
@@ -212,6 +228,7 @@ def make_parser() -> argparse.ArgumentParser:
                              "same command line becomes the survivor's standby (broker/standby.py)")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=False)
+    add_tracing_arguments(parser)
     return parser
 
 
@@ -243,13 +260,18 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         # After a take-over the workers reach us within a reconnect interval (<= 1 s) and register at
         # their next heartbeat: two heartbeat intervals cover both.
+        tracing = tracing_from_args("omni-broker", args)
         daemon = BrokerDaemon(config, shutdown, keys,
-                              warm_up_s=2 * config.heartbeat_interval_s if args.standby_of else 0.0)
+                              warm_up_s=2 * config.heartbeat_interval_s if args.standby_of else 0.0, tracing=tracing)
     except ValueError as exc:   # SecurityError included
         parser.error(str(exc))
     print(f"omni-broker ready on {daemon.endpoint}", flush=True)
     _tune_gc()
-    daemon.run()
+    try:
+        daemon.run()
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
     return 0
 
 

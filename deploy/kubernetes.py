@@ -63,6 +63,7 @@ import yaml
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, bundled_pipeline, plan_models
 from omnirelay.model_kind import ModelKind
 from omnirelay.pipeline import PipelineError, default_llm_pipeline, load_pipeline
+from omnirelay.tracing import tracing_argv
 
 BROKER_PORT = 5555
 HTTP_PORT = 8091
@@ -306,7 +307,7 @@ class Manifests:
                        "--standby-of", f"tcp://omnirelay-broker-{other}:{BROKER_PORT}",
                        "--curve-secret-key", f"{KEYS_DIR}/broker.key_secret",
                        "--curve-authorized-keys", AUTHORIZED_DIR,
-                       "--log-level", self.args.log_level, "--log-format", "json"]
+                       "--log-level", self.args.log_level, "--log-format", "json", *tracing_argv(self.args)]
             container = self._container("broker", command, self._mounts(authorized=True),
                                         ports=[{"name": "bus", "containerPort": BROKER_PORT}])
             container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "models"]
@@ -345,7 +346,7 @@ class Manifests:
         command = ["omni-gateway", *argv[1:], "--reply-port", str(REPLY_PORT),
                    "--curve-secret-key", f"{KEYS_DIR}/gateway.key_secret",
                    "--curve-server-key", f"{KEYS_DIR}/broker.key", "--curve-authorized-keys", AUTHORIZED_DIR,
-                   "--log-level", args.log_level, "--log-format", "json"]
+                   "--log-level", args.log_level, "--log-format", "json", *tracing_argv(args)]
         api_key = {"name": "OMNIRELAY_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": "omnirelay-api-key", "key": "api-key", "optional": True}}}
         http = {"port": "http"}
@@ -395,7 +396,7 @@ class Manifests:
             command += ["--connector-options", json.dumps({"local_hostname": "$(POD_IP)"})]
         return command + ["--curve-secret-key", f"{KEYS_DIR}/worker.key_secret",
                           "--curve-server-key", f"{KEYS_DIR}/broker.key",
-                          "--log-level", args.log_level, "--log-format", "json"]
+                          "--log-level", args.log_level, "--log-format", "json", *tracing_argv(args)]
 
     def _worker_container(self, plan: ModelPlan, index: int, role: str, name: str, worker_id: str,
                           health_port: int, extra_mounts: list[dict]) -> dict:

@@ -43,6 +43,8 @@ import time
 import urllib.error
 import urllib.request
 
+from omnirelay.tracing import tracing_argv
+
 MAX_RESTARTS = 5
 HEAD_RESOURCE = "node:__internal_head__"
 
@@ -359,7 +361,7 @@ def build_specs(args, plans, broker: str, has_gpus: bool) -> list[DaemonSpec]:
         raise RayLaunchError(
             f"the Ray head is at {broker}, off loopback: the bus needs CURVE keys, give --curve-keys DIR "
             "(made by omni-keygen DIR broker gateway worker)")
-    log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
+    log_args = ["--log-level", args.log_level, "--log-format", args.log_format, *tracing_argv(args)]
     paths = tuple(plan.path for plan in plans) + tuple(plan.pipeline_file for plan in plans if plan.pipeline_file)
 
     def keyed(secret: str, server: bool, client: bool) -> tuple[list[str], tuple]:

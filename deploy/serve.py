@@ -56,6 +56,7 @@ from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
 from omnirelay.gateway.config import GatewayConfig
 from omnirelay.lifecycle import Shutdown
 from omnirelay.security import is_loopback
+from omnirelay.tracing import add_tracing_arguments, tracing_argv
 
 # Whether omni-worker accepts --tensor-parallel-size/--pipeline-parallel-size/--devices/
 # --gpu-memory-utilization. Flip to True once `omni-worker --help` lists them.
@@ -216,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--curve-keys", default=None,
                      help="omni-keygen directory with broker, gateway and worker keys; required when the "
                           "Ray head or --broker is not on loopback")
+    add_tracing_arguments(parser)   # handed on to every daemon (omnirelay/tracing.py)
     from omnirelay.deploy.kubernetes import add_arguments as add_kubernetes_arguments
     add_kubernetes_arguments(parser)
     return parser
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     broker = args.broker or f"ipc://{run_dir}/broker.sock"
     ready_file = os.path.join(run_dir, "gateway.url")
     children: list[Child] = []
-    log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
+    log_args = ["--log-level", args.log_level, "--log-format", args.log_format, *tracing_argv(args)]
     curve = _local_curve_args(args.curve_keys)
     exit_code = 0
     try:

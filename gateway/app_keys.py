@@ -14,6 +14,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from omnirelay.security import CurveKeys
+    from omnirelay.tracing import Tracing
 
     from .bus import BusClient
     from .config import GatewayConfig
@@ -29,3 +30,4 @@ METRICS: web.AppKey[GatewayMetrics] = web.AppKey("metrics")
 HISTORY: web.AppKey[StatusHistory] = web.AppKey("history")
 STREAMS: web.AppKey[collections.Counter] = web.AppKey("streams_per_client")   # client address → open streams
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")   # stored Responses (routes/responses.py)
+TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")   # request spans (omnirelay/tracing.py), or None

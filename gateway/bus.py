@@ -38,6 +38,7 @@ from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 from omnirelay.broker.prefix_index import prompt_route_keys
 from omnirelay.errors import DeadlineExceeded, OmniError, WorkerLost, error_from_type
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
+from omnirelay.tracing import CURRENT_TRACEPARENT
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -208,6 +209,8 @@ class BusClient:
                 and len(submit.prompt_token_ids) > PREFIX_BLOCK_SIZE):
             keys = prompt_route_keys(submit.prompt_token_ids, PREFIX_BLOCK_SIZE)
             submit = msgspec.structs.replace(submit, prefix_hashes=keys, prefix_block_size=PREFIX_BLOCK_SIZE)
+        if not submit.traceparent and (traceparent := CURRENT_TRACEPARENT.get()):
+            submit = msgspec.structs.replace(submit, traceparent=traceparent)   # the request's span is traced
         if stream is None:
             stream = RequestStream(submit.request_id, submit.deadline)
             stream.next_position = submit.position_offset

@@ -13,13 +13,17 @@ from aiohttp import web
 from omnirelay.pipeline import default_llm_pipeline, load_pipeline
 from omnirelay.lifecycle import add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
+from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
 
 from .app import create_app
+from .app_keys import TRACING
 from .config import GatewayConfig, ServedModel
 
 
-async def serve(config: GatewayConfig, ready_file: str | None = None, keys: CurveKeys | None = None) -> None:
+async def serve(config: GatewayConfig, ready_file: str | None = None, keys: CurveKeys | None = None,
+                tracing: Tracing | None = None) -> None:
     app = create_app(config, keys)
+    app[TRACING] = tracing
     # aiohttp closes a connection that has no complete request head when its keep-alive clock runs
     # out; that clock starts when the connection opens, so it is the header timeout too.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.header_timeout_s)
@@ -144,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="let requests bring their own chat_template (otherwise 422)")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
+    add_tracing_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging("omni-gateway", args.log_level, args.log_format)
     try:
@@ -163,9 +168,14 @@ def main(argv: list[str] | None = None) -> int:
             allow_special_tokens_in_content=args.allow_special_tokens_in_content)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
+        tracing = tracing_from_args("omni-gateway", args)
     except ValueError as exc:   # PipelineError and SecurityError included
         parser.error(str(exc))
-    asyncio.run(serve(config, args.ready_file, keys))
+    try:
+        asyncio.run(serve(config, args.ready_file, keys, tracing))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()   # exports the spans of the requests that ended last
     return 0
 
 

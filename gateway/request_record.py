@@ -26,8 +26,9 @@ from typing import Any
 from aiohttp import web
 
 from omnirelay.errors import Cancelled, OmniError
+from omnirelay.tracing import CURRENT_TRACEPARENT
 
-from .app_keys import CONFIG, METRICS
+from .app_keys import CONFIG, METRICS, TRACING
 from .metrics import GatewayMetrics
 
 log = logging.getLogger("omnirelay.gateway")
@@ -61,6 +62,7 @@ class RequestRecord:
         self.timer = metrics.timer(model)
         self._failure: OmniError | None = None
         self._finished = False
+        self.span = None   # the request's trace span (open_record, with tracing on); ended by finish
 
     def tokens(self, count: int) -> None:
         self.timer.tokens(count)
@@ -89,6 +91,8 @@ class RequestRecord:
             outcome = OmniError.error_type
         usage = self.usage
         self.timer.finish(usage.prompt_tokens, usage.completion_tokens, outcome, usage.resumes)
+        if self.span is not None:
+            _end_span(self.span, outcome, self._failure, usage)
         if self.log_requests:
             fields = dict(self.fields)
             if self.log_usage:
@@ -110,12 +114,35 @@ _RECORD = web.RequestKey("request_record", RequestRecord) if hasattr(web, "Reque
 
 def open_record(request: web.Request, model: str, request_id: str, **kwargs: Any) -> RequestRecord:
     """Start recording ``request`` (see :class:`RequestRecord` for ``kwargs``); the middleware
-    finishes the record when the handler ends."""
+    finishes the record when the handler ends. With tracing on, the record opens the request's span
+    (the child of the client's ``traceparent`` header, if any) and makes it the parent of what this
+    task submits (``CURRENT_TRACEPARENT``, read by the bus client)."""
     app = request.app
     record = RequestRecord(app[METRICS], model, request_id, log_requests=not app[CONFIG].disable_log_requests,
                            **kwargs)
     request[_RECORD] = record
+    tracing = app.get(TRACING)
+    if tracing is not None:
+        route = request.match_info.route.resource
+        record.span = tracing.start(f"{request.method} {route.canonical if route else request.path}",
+                                    request.headers.get("traceparent", ""), kind="server",
+                                    attributes={"http.route": request.path, "model": model,
+                                                "omnirelay.request_id": request_id})
+        CURRENT_TRACEPARENT.set(tracing.traceparent(record.span))
     return record
+
+
+def _end_span(span, outcome: str, failure: OmniError | None, usage: Any) -> None:
+    span.set_attribute("outcome", outcome)
+    if failure is not None or outcome == "ok":   # a client gone away or a bug has no status of ours
+        span.set_attribute("http.status_code", failure.status if failure is not None else 200)
+    span.set_attribute("prompt_tokens", usage.prompt_tokens)
+    span.set_attribute("completion_tokens", usage.completion_tokens)
+    span.set_attribute("resumes", usage.resumes)
+    if outcome != "ok":
+        from opentelemetry.trace import Status, StatusCode   # tracing is on: the SDK is loaded
+        span.set_status(Status(StatusCode.ERROR, outcome))
+    span.end()
 
 
 def finish_record(request: web.Request, raised: BaseException | None) -> None:

@@ -130,7 +130,8 @@ def test_embedded_pipeline(tmp_path):
 
 
 def test_broker_pair_gateway_and_keys(tmp_path):
-    files = emit(tmp_path, "--max-body-bytes", "123456")
+    files = emit(tmp_path, "--max-body-bytes", "123456", "--otlp-traces-endpoint", "http://otel:4318/v1/traces",
+                 "--trace-sample-ratio", "0.25")
     deployments = objects(files, "Deployment")
     services = objects(files, "Service")
     a, b = deployments["omnirelay-broker-a"], deployments["omnirelay-broker-b"]
@@ -149,8 +150,10 @@ def test_broker_pair_gateway_and_keys(tmp_path):
     assert wait[-2:] == ["omnirelay-broker-a", "5555"]
     both = "tcp://omnirelay-broker-a:5555,tcp://omnirelay-broker-b:5555"
     for name, deployment in deployments.items():
-        if "broker" not in name:
-            for container in containers(deployment):
+        for container in containers(deployment):   # every daemon exports its spans
+            assert flag(container["command"], "--otlp-traces-endpoint") == "http://otel:4318/v1/traces"
+            assert flag(container["command"], "--trace-sample-ratio") == "0.25"
+            if "broker" not in name:
                 assert flag(container["command"], "--broker") == both
     # The gateway: behind its Service, ready on /health, its token socket at the pod's IP.
     gateway = containers(deployments["omnirelay-gateway"])[0]

@@ -36,10 +36,12 @@ from omnirelay.broker import protocol as p
 from omnirelay.broker.prefix_index import route_keys
 from omnirelay.lifecycle import Shutdown, ShutdownState
 from omnirelay.security import CurveKeys, require_curve_off_loopback
+from omnirelay.tracing import Tracing
 
 from omnirelay.workers.runtime.broker_link import BrokerLink
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.runtime.health_server import WorkerHealth
+from omnirelay.workers.runtime.tracing_hook import WorkerTracer
 from omnirelay.workers.runtime.reply_sockets import ReplySockets
 from omnirelay.workers.runtime.roles import BROKER, Outbound, RoleAdapter
 
@@ -53,10 +55,11 @@ PREFIX_FULL_EVERY = 30
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, role: RoleAdapter, engine_stats, shutdown: Shutdown | None = None,
-                 keys: CurveKeys | None = None, owned: tuple = ()):
+                 keys: CurveKeys | None = None, owned: tuple = (), tracing: Tracing | None = None):
         """``engine_stats()`` returns the counters and load figures that go into heartbeats;
         ``owned`` are resources (connectors, runners, groups) the runtime closes when it stops,
-        in order, after the role's engine (:meth:`close`)."""
+        in order, after the role's engine (:meth:`close`); ``tracing``: spans of traced tasks
+        (runtime/tracing_hook.py), its owner shuts it down."""
         require_curve_off_loopback(keys, config.broker)
         self.config = config
         self.role = role
@@ -73,6 +76,7 @@ class WorkerRuntime:
         self._prefix_cache = role.prefix_cache
         self._beats_to_full_prefix = 0   # 0: the next heartbeat sends the whole prefix set
         self._serving = False            # registered and looping (health(); the loop thread writes it)
+        self._tracer = WorkerTracer(tracing, config.role, config.worker_id) if tracing is not None else None
 
     # ------------------------------------------------------------------ loop
 
@@ -165,9 +169,13 @@ class WorkerRuntime:
                 self._tasks.add(msg.request_id)
                 if msg.reply_to:
                     self._gateways.note_key(msg.reply_to, msg.reply_key)
+                if self._tracer is not None and msg.traceparent:
+                    self._tracer.task_started(msg)
                 self._send(self.role.accept(msg))
             elif isinstance(msg, p.CancelTask):
                 self._tasks.discard(msg.request_id)
+                if self._tracer is not None:
+                    self._tracer.cancelled(msg.request_id)
                 self.role.cancel(msg.request_id)
                 self.role.release(msg.inputs)
             elif isinstance(msg, p.Reregister):
@@ -224,6 +232,8 @@ class WorkerRuntime:
         for dest, msg in out:
             if isinstance(msg, (p.StageDone, p.StageFailed)):
                 self._tasks.discard(msg.request_id)
+                if self._tracer is not None:
+                    self._tracer.reported(msg)
             if dest == BROKER:
                 self._send_broker(msg)
             else:
@@ -238,6 +248,8 @@ class WorkerRuntime:
     def close(self) -> None:
         """The engine first (its threads may use the connector), then what the role's builder
         handed over, in order, then the sockets."""
+        if self._tracer is not None:
+            self._tracer.close()
         for resource in (self.role.engine, *self._owned):
             try:
                 resource.close()

@@ -1,0 +1,188 @@
+"""Traces across the daemons (omnirelay/tracing.py): a real broker, prefill and decode workers and
+gateway export to a real OTLP/HTTP receiver in the test (an HTTP server decoding the protobuf with
+``opentelemetry-proto``), and a chat request's spans form one tree under the client's traceparent:
+gateway → broker → stage prefill → prefill worker, and broker → stage decode → decode worker.
+Tracing off: no traceparent on the wire and no OpenTelemetry module loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import msgspec
+import openai
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from omnirelay.broker import protocol as p
+
+from cluster import Cluster
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    start_ns: int
+    end_ns: int
+    attributes: dict
+    error: bool
+
+
+class OtlpReceiver:
+    """``POST /v1/traces`` (OTLP/HTTP, protobuf): every span received, by arrival."""
+
+    def __init__(self):
+        self.spans: list[Span] = []
+        self._changed = threading.Condition()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):   # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                receiver._add(request)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+
+    def _add(self, request: ExportTraceServiceRequest) -> None:
+        spans = []
+        for resource_spans in request.resource_spans:
+            service = next(a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name")
+            for scope in resource_spans.scope_spans:
+                for s in scope.spans:
+                    attributes = {a.key: _value(a.value) for a in s.attributes}
+                    spans.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                                      s.start_time_unix_nano, s.end_time_unix_nano, attributes,
+                                      s.status.code == 2))
+        with self._changed:
+            self.spans.extend(spans)
+            self._changed.notify_all()
+
+    def wait_for(self, trace_id: str, names: set[str], timeout: float = 60.0) -> list[Span]:
+        """The spans of ``trace_id`` once every name in ``names`` has arrived (bounded wait)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                spans = [s for s in self.spans if s.trace_id == trace_id]
+                if names <= {s.name for s in spans}:
+                    return spans
+                left = deadline - time.monotonic()
+                assert left > 0, f"spans never arrived: {names - {s.name for s in spans}} (got {spans})"
+                self._changed.wait(left)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._thread.join(10)
+        self._server.server_close()
+
+
+def _value(value):
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
+@pytest.fixture
+def receiver():
+    r = OtlpReceiver()
+    yield r
+    r.close()
+
+
+def test_submit_and_task_leave_traceparent_off_the_wire_when_untraced():
+    submit = p.Submit(request_id="r", model="m", stages=["prefill"], prompt_token_ids=[1], sampling={},
+                      deadline=1.0, reply_to="tcp://127.0.0.1:1")
+    assert b"traceparent" not in p.encode(submit)[2]
+    traced = msgspec.structs.replace(submit, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    assert p.decode(p.encode(traced)).traceparent == traced.traceparent
+
+
+def test_an_unsampled_request_hands_on_no_traceparent(receiver):
+    """Sampling is decided at the gateway: an unsampled span gives "" (nothing downstream traces),
+    a client's sampled traceparent is followed whatever the ratio."""
+    from omnirelay.tracing import Tracing
+    tracing = Tracing("test", receiver.url, ratio=0.0)
+    try:
+        unsampled = tracing.start("request")
+        assert tracing.traceparent(unsampled) == ""
+        unsampled.end()
+        parent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+        followed = tracing.start("request", parent)
+        assert tracing.traceparent(followed).startswith("00-" + "a" * 32 + "-")
+        followed.end()
+    finally:
+        tracing.shutdown()
+
+
+def test_no_opentelemetry_module_loads_without_the_flag():
+    code = ("import sys, omnirelay.gateway.daemon, omnirelay.broker.daemon, omnirelay.workers.daemon;"
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_chat_request_span_tree(tiny_model, tmp_path, receiver, monkeypatch):
+    # Export within a fraction of a second instead of the SDK's 5 s batches (read by each daemon).
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    trace_args = ("--otlp-traces-endpoint", receiver.url)
+    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
+    try:
+        cluster.start_broker(*trace_args)
+        cluster.start_worker("prefill", *trace_args, "--worker-id", "prefill-t")
+        cluster.start_worker("decode", *trace_args, "--worker-id", "decode-t")
+        cluster.start_gateway(*trace_args)
+        cluster.wait_healthy()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+        trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+        answer = client.chat.completions.create(
+            model="tiny-llm", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+            extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+        spans = receiver.wait_for(trace_id, {"POST /v1/chat/completions", "broker request", "stage prefill",
+                                             "stage decode", "prefill", "decode"})
+    finally:
+        cluster.stop()
+    by_name = {}
+    for span in spans:
+        assert span.name not in by_name, f"two {span.name!r} spans for one request without a resume"
+        by_name[span.name] = span
+    gateway, broker = by_name["POST /v1/chat/completions"], by_name["broker request"]
+    # The tree: the client's span → gateway → broker → each stage → its worker.
+    assert gateway.parent_id == client_span and gateway.service == "omni-gateway"
+    assert broker.parent_id == gateway.span_id and broker.service == "omni-broker"
+    for role in ("prefill", "decode"):
+        stage, worker = by_name[f"stage {role}"], by_name[role]
+        assert stage.parent_id == broker.span_id and stage.service == "omni-broker"
+        assert stage.attributes["worker_id"] == f"{role}-t" and stage.attributes["queue_wait_s"] >= 0
+        assert worker.parent_id == stage.span_id and worker.service == f"omni-worker-{role}"
+        assert worker.attributes["worker_id"] == f"{role}-t"
+        assert stage.start_ns <= worker.start_ns <= worker.end_ns
+        assert not stage.error and not worker.error
+    # Decode is queued the moment prefill reports (the broker's clock for both). The broker's span
+    # may end after the gateway's: decode pushes the last token to the gateway, then reports.
+    assert by_name["stage prefill"].end_ns == by_name["stage decode"].start_ns
+    assert gateway.start_ns <= broker.start_ns
+    assert gateway.attributes["model"] == "tiny-llm" and gateway.attributes["outcome"] == "ok"
+    assert gateway.attributes["completion_tokens"] == answer.usage.completion_tokens
+    assert gateway.attributes["http.status_code"] == 200

@@ -1,0 +1,54 @@
+"""A worker's spans of traced requests (``omni-worker --otlp-traces-endpoint``): one per task, the
+child of the broker's stage span whose context the task carries (``Task.traceparent``), from the
+task's arrival until the worker reports it (``StageDone`` or ``StageFailed``) or drops it on a
+``CancelTask``. Attributes: ``worker_id``, ``stage``, ``attempt``, ``prompt_tokens``,
+``position_offset``; a failure sets the span's error status and ``error_type``.
+
+The runtime's loop thread is the only caller; it calls :meth:`WorkerTracer.close` when it stops,
+which ends what is still open. Untraced tasks (no ``traceparent``) never reach this module.
+"""
+
+from __future__ import annotations
+
+from omnirelay.broker import protocol as p
+from omnirelay.tracing import Tracing, now_ns
+
+
+class WorkerTracer:
+    def __init__(self, tracing: Tracing, role: str, worker_id: str):
+        self._tracing = tracing
+        self._role = role
+        self._worker_id = worker_id
+        self._spans: dict[str, object] = {}   # request_id → the open span of its task
+
+    def task_started(self, task: p.Task) -> None:
+        old = self._spans.pop(task.request_id, None)
+        if old is not None:   # sent again (a new attempt replaces the held one)
+            old.add_event("replaced by attempt %d" % task.attempt)
+            old.end()
+        self._spans[task.request_id] = self._tracing.start(
+            self._role, task.traceparent, start_ns=now_ns(), kind="consumer",
+            attributes={"worker_id": self._worker_id, "stage": task.stage, "attempt": task.attempt,
+                        "prompt_tokens": len(task.prompt_token_ids), "position_offset": task.position_offset})
+
+    def reported(self, msg: p.StageDone | p.StageFailed) -> None:
+        span = self._spans.pop(msg.request_id, None)
+        if span is None:
+            return
+        if isinstance(msg, p.StageFailed):
+            from opentelemetry.trace import Status, StatusCode   # loaded: tracing is on
+            span.set_attribute("error_type", msg.error_type)
+            span.set_status(Status(StatusCode.ERROR, f"{msg.error_type}: {msg.message}"[:200]))
+        span.end()
+
+    def cancelled(self, request_id: str) -> None:
+        span = self._spans.pop(request_id, None)
+        if span is not None:
+            span.add_event("cancelled")
+            span.end()
+
+    def close(self) -> None:
+        for span in self._spans.values():
+            span.add_event("worker stopped")
+            span.end()
+        self._spans.clear()
