@@ -26,6 +26,8 @@ from omnirelay.gateway.sampling_options import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MA
 from omnirelay.gateway.schema import MAX_CHOICES
 from omnirelay.gateway.schema import NOT_SERVED   # options known but not served: 422
 
+from .openapi_text_routes import responses_paths, transcription_paths
+
 
 @dataclasses.dataclass(frozen=True)
 class SpeechDoc:
@@ -89,6 +91,20 @@ _TOOLS = {
                     "{\"type\": \"function\", \"function\": {\"name\"}} (its arguments, grammar-constrained; "
                     "a name not in tools: 400)"},
     "parallel_tool_calls": {"type": "boolean", "nullable": True, "description": "false: auto keeps the first call"},
+}
+# Chat-template switches and reasoning (schema.py template_options; reasoning.py).
+_TEMPLATE = {
+    "chat_template_kwargs": {"type": "object", "nullable": True,
+                             "description": "variables of the model's chat template, e.g. {\"enable_thinking\": false} "
+                                            "(a name the template does not read: 400)"},
+    "add_generation_prompt": {"type": "boolean", "nullable": True, "description": "default true"},
+    "continue_final_message": {"type": "boolean", "nullable": True,
+                               "description": "leave the last message open for the model to continue"},
+    "add_special_tokens": {"type": "boolean", "nullable": True, "description": "default false"},
+    "chat_template": {"type": "string", "nullable": True,
+                      "description": "a Jinja template of the request's own (422 without --trust-request-chat-template)"},
+    "include_reasoning": {"type": "boolean", "nullable": True,
+                          "description": "a thinking model's reasoning in message.reasoning (default true)"},
 }
 _TOOL_CALLS = {"type": "array", "nullable": True, "items": {"type": "object", "properties": {
     "index": {"type": "integer"}, "id": {"type": "string"}, "type": {"type": "string"},
@@ -470,9 +486,9 @@ _COMPLETION_LOGPROBS = {"type": "object", "nullable": True, "properties": {
 
 def build_openapi(max_model_len: int, models: list[str], video_models: list[str] | None = None, *,
                   image_models: list[str] | None = None, speech: SpeechDoc | None = None,
-                  vocab_size: int | None = None) -> dict:
-    """``models``: the served language models (chat, completions); ``video_models``, ``image_models``,
-    ``speech``: the served models of each kind. A route is documented only when some model answers it
+                  vocab_size: int | None = None, hearing_models: list[str] | None = None) -> dict:
+    """``models``: the served language models (chat, completions, responses); ``video_models``,
+    ``image_models``, ``speech``, ``hearing_models`` (speech to text): the served models of each kind. A route is documented only when some model answers it
     (a gateway without one answers such requests 400/404/422). ``max_model_len`` and ``vocab_size``:
     the smallest of the language models (token ids at or above it are 400)."""
     sampling = _sampling(max_model_len, models)
@@ -489,7 +505,7 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
     }}
     chat_request = {"type": "object", "required": ["model", "messages"], "properties": {
         **sampling, "messages": {"type": "array", "minItems": 1, "items": message}, **_chat_output(speech),
-        **_CHAT_LOGPROBS_REQUEST, **_STRUCTURED, **_TOOLS}}
+        **_CHAT_LOGPROBS_REQUEST, **_STRUCTURED, **_TOOLS, **_TEMPLATE}}
     completion_request = {"type": "object", "required": ["model", "prompt"], "properties": {
         **sampling, "prompt": {"oneOf": [text_prompt, token_prompt,
                                          {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
@@ -525,6 +541,8 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                                              "responses": _responses(_completion_response(text_choice))}}}
                if models else {}),
             **(_tokenizer_paths(models, vocab_size) if models else {}),
+            **(responses_paths(models, max_model_len) if models else {}),
+            **(transcription_paths(hearing_models) if hearing_models else {}),
             "/v1/models": {"get": {"operationId": "listModels", "responses": {
                 "200": {"description": "served models", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["object", "data"], "properties": {
