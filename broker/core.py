@@ -149,6 +149,17 @@ class BrokerCore:
             out += self._end_backoffs(now)
         return out
 
+    def forgive_silence(self, seconds: float) -> None:
+        """The broker itself did not run for ``seconds`` (stopped, starved of CPU): nobody could be
+        heard meanwhile, so that time does not count against any worker's or gateway's liveness
+        (the daemon calls this when its loop comes back late; a broker paused past the liveness
+        period would otherwise drop every healthy worker and gateway at its next tick)."""
+        for worker in self.workers.values():
+            worker.last_seen += seconds
+        for identity in self.gateways:
+            self.gateways[identity] += seconds
+        self.counters["broker_stalls"] += 1
+
     def status(self, now: float) -> p.StatusReply:
         return p.StatusReply(query_id=0, workers=[w.describe(now) for w in self.workers.values()],
                              queued={f"{m}/{r}": len(q) for (m, r), q in self.queues.items()},

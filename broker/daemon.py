@@ -76,13 +76,15 @@ class BrokerDaemon:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         tick_ms = int(self.config.heartbeat_interval_s * 1000 / 2)
-        next_tick = time.time()
+        next_tick = now = time.time()
         log.info("broker listening on %s", self.endpoint)
         try:
             while not self.shutdown.requested:
-                if poller.poll(tick_ms):
+                ready = poller.poll(tick_ms)
+                now = self._own_silence(now, tick_ms / 1000)
+                if ready:
                     self._drain_socket()
-                now = time.time()
+                now = self._own_silence(now, 0.0)   # the tick below runs on this very reading
                 if self._warm_until and now >= self._warm_until:
                     self._end_warm_up(now)
                 if now >= next_tick:
@@ -167,6 +169,18 @@ class BrokerDaemon:
             pending = tracer.after_pass(pending, core)
         if pending:
             self._send(pending)
+
+    def _own_silence(self, since: float, expected_s: float) -> float:
+        """The time now. First, when more than ``expected_s`` and a heartbeat interval passed since
+        ``since``, this process did not run meanwhile (stopped, starved of CPU): the silence of its
+        peers then was its own, and the core does not count it against their liveness. Checked on
+        both sides of a drain, so no tick runs on a reading taken across such a gap."""
+        now = time.time()
+        stalled = now - since - expected_s
+        if stalled > self.config.heartbeat_interval_s:
+            log.warning("broker did not run for %.1fs; that time does not count against liveness", stalled)
+            self.core.forgive_silence(stalled)
+        return now
 
     def _send(self, out) -> None:
         sock, encode_body = self._sock, p.encode_body

@@ -81,3 +81,17 @@ def test_a_worker_back_from_a_pause_is_told_once_and_its_held_tasks_are_cancelle
     # Dropped again later: told again.
     core.tick(9.0)
     assert core.on_message(ident, p.Heartbeat(on), 9.5) == [(ident, p.Reregister("unknown worker"))]
+
+
+def test_the_brokers_own_silence_does_not_count_against_its_peers():
+    core = _core()
+    _worker(core, b"dec", "decode")
+    _session(core, 0.0)
+    core.forgive_silence(6.0)             # the daemon found its loop 6 s late
+    assert core.tick(7.0) == []           # 7 s since anyone was heard, 1 s of it while the broker ran
+    assert list(core.workers) == ["dec"] and GW in core.gateways
+    assert core.counters["broker_stalls"] == 1
+    core.tick(8.9)
+    assert "dec" in core.workers          # 2.9 s of its own silence
+    core.tick(9.1)
+    assert "dec" not in core.workers      # 3.1 s, past liveness (3 s): dropped

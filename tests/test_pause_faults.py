@@ -1,5 +1,5 @@
-"""Pauses heal like deaths (issue #27, items 2-3): SIGSTOP of the gateway or of the decode worker for
-longer than the broker's liveness, then SIGCONT, under a few concurrent greedy streams.
+"""Pauses heal like deaths (issue #27, items 2-3): SIGSTOP of the gateway, of the decode worker or of
+the broker for longer than the broker's liveness, then SIGCONT, under a few concurrent greedy streams.
 
 A process that is stopped looks dead to the broker (no heartbeats, no hellos): it drops the gateway's
 requests, or the worker's stages. When the process comes back it must be told so and recover:
@@ -10,7 +10,9 @@ requests, or the worker's stages. When the process comes back it must be told so
 * the worker is told by ``Reregister`` and registers again; its streams were failed as resumable and
   the gateway resubmits them, waiting for a decode worker for ``ADMISSION_RETRY_S`` counted from the
   failure (before: from the request's start, which had passed, so every stream failed "no live decode
-  worker" though the worker was back two seconds later).
+  worker" though the worker was back two seconds later);
+* the broker notices that it did not run itself, and does not count that time against its peers'
+  liveness (before: its first tick after the pause found every heartbeat stale and dropped everyone).
 
 Every stream must end with exactly the tokens of the unpaused run (greedy), none missing, none
 twice. The pause is the fault itself (a fixed 6 s, as in the issue); nothing is asserted on time.
@@ -138,3 +140,18 @@ def test_a_paused_gateway_comes_back_and_every_stream_completes(cluster):
     # The broker dropped the streams while they ran: the gateway had to resume them.
     assert after.get("gateway_requests_dropped", 0) > before.get("gateway_requests_dropped", 0)
     assert "broker forgot this gateway" in gateway.output()
+
+
+def test_a_paused_broker_drops_nobody_and_every_stream_completes(cluster):
+    """The broker's own silence is not its peers': back from a pause, it drops no worker and no
+    gateway (before: its first tick found every heartbeat stale and dropped them all)."""
+    max_tokens = 400
+    baseline = asyncio.run(_streams(cluster.url, max_tokens))
+    broker = _proc(cluster, "broker")
+    before = cluster.broker_counters()
+    paused = asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(broker.pid)))
+    assert paused == baseline
+    after = cluster.broker_counters()
+    for counter in ("workers_expired", "gateways_expired", "registrations"):   # nobody dropped, nobody back
+        assert after.get(counter, 0) == before.get(counter, 0), (counter, before, after)
+    assert after.get("broker_stalls", 0) > before.get("broker_stalls", 0)   # it knew it had been away
