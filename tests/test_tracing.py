@@ -6,6 +6,7 @@ Tracing off: no traceparent on the wire and no OpenTelemetry module loaded."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import subprocess
@@ -78,16 +79,19 @@ class OtlpReceiver:
             self.spans.extend(spans)
             self._changed.notify_all()
 
-    def wait_for(self, trace_id: str, names: set[str], timeout: float = 60.0) -> list[Span]:
-        """The spans of ``trace_id`` once every name in ``names`` has arrived (bounded wait)."""
+    def wait_for(self, trace_id: str, names: set[str] | collections.Counter, timeout: float = 60.0) -> list[Span]:
+        """The spans of ``trace_id`` once ``names`` have arrived (a Counter: that many of each name),
+        waiting on their arrival, at most ``timeout`` seconds."""
+        wanted = collections.Counter(names)
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 spans = [s for s in self.spans if s.trace_id == trace_id]
-                if names <= {s.name for s in spans}:
+                missing = wanted - collections.Counter(s.name for s in spans)
+                if not missing:
                     return spans
                 left = deadline - time.monotonic()
-                assert left > 0, f"spans never arrived: {names - {s.name for s in spans}} (got {spans})"
+                assert left > 0, f"spans never arrived: {dict(missing)} (got {spans})"
                 self._changed.wait(left)
 
     def close(self) -> None:
@@ -186,3 +190,58 @@ def test_chat_request_span_tree(tiny_model, tmp_path, receiver, monkeypatch):
     assert gateway.attributes["model"] == "tiny-llm" and gateway.attributes["outcome"] == "ok"
     assert gateway.attributes["completion_tokens"] == answer.usage.completion_tokens
     assert gateway.attributes["http.status_code"] == 200
+
+
+@pytest.mark.slow
+def test_a_stream_resumed_after_kill9_of_its_decode_worker_shows_in_its_trace(tiny_model, tmp_path, receiver,
+                                                                             monkeypatch):
+    """kill -9 of the decode worker mid-stream: the broker fails the submission as resumable, the
+    gateway submits again from the tokens already sent, and the trace shows both submissions under
+    the one gateway span: the first ended in error, the second resumed at a position > 0 and served
+    by the surviving decode worker."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    trace_args = ("--otlp-traces-endpoint", receiver.url)
+    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
+    try:
+        cluster.start_broker(*trace_args)
+        cluster.start_worker("prefill", *trace_args)
+        cluster.start_worker("decode", *trace_args, "--worker-id", "decode-a")
+        cluster.start_worker("decode", *trace_args, "--worker-id", "decode-b")
+        cluster.start_gateway(*trace_args)
+        cluster.wait_healthy()
+        cluster.wait_for_workers(3)
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        trace_id = os.urandom(16).hex()
+        streamed, killed = [], None
+        for chunk in client.completions.create(model="tiny-llm", prompt="Once upon a time", max_tokens=600,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                               extra_headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}):
+            streamed += [chunk.choices[0].text] if chunk.choices else []
+            if killed is None and len(streamed) >= 8:
+                busy = [w for w in cluster.workers() if w["role"] == "decode" and w["assigned"] > 0]
+                assert len(busy) == 1, busy
+                victim = busy[0]["worker_id"]
+                killed = next(proc for proc in cluster.procs if proc.pid == busy[0]["pid"])
+                killed.kill9()
+        assert killed is not None and "resuming at position" in cluster.logs()
+        survivor = "decode-b" if victim == "decode-a" else "decode-a"
+        spans = receiver.wait_for(trace_id, {"POST /v1/completions": 1, "broker request": 2, "stage decode": 2,
+                                             "decode": 1})
+    finally:
+        cluster.stop()
+    (gateway,) = [s for s in spans if s.name == "POST /v1/completions"]
+    assert gateway.attributes["resumes"] == 1 and gateway.attributes["outcome"] == "ok"
+    first, second = sorted((s for s in spans if s.name == "broker request"), key=lambda s: s.start_ns)
+    assert first.parent_id == second.parent_id == gateway.span_id
+    # The first submission failed as resumable when its decode worker died …
+    assert first.error and first.attributes["resumable"] is True
+    assert first.attributes["error_type"] == "worker_lost"
+    assert first.attributes["position_offset"] == 0
+    lost = next(s for s in spans if s.name == "stage decode" and s.parent_id == first.span_id)
+    assert lost.attributes["worker_id"] == victim
+    # … and the second resumed from the tokens already sent, on the survivor.
+    assert second.attributes["position_offset"] > 0 and not second.error
+    resumed = next(s for s in spans if s.name == "stage decode" and s.parent_id == second.span_id)
+    assert resumed.attributes["worker_id"] == survivor
+    (worker,) = [s for s in spans if s.name == "decode"]   # the killed worker's span died with it
+    assert worker.parent_id == resumed.span_id and worker.attributes["worker_id"] == survivor
