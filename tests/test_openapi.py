@@ -36,12 +36,14 @@ def small_context_server(tiny_model, tmp_path_factory):
 def test_openapi_document_lists_the_routes(small_context_server):
     doc = requests.get(small_context_server.url + "/openapi.json", timeout=10).json()
     assert doc["openapi"].startswith("3.")
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(doc["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{response_id}",
+            "/v1/models", "/health"} <= set(doc["paths"])
     props = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert props["properties"]["model"]["enum"] == ["tiny-llm"]
     # Nothing here speaks, draws or films: those routes and chat's audio output are not offered.
     assert props["properties"]["modalities"]["enum"] == [["text"]] and "audio" not in props["properties"]
-    assert not {"/v1/audio/speech", "/v1/images/generations", "/v1/videos"} & set(doc["paths"])
+    assert not {"/v1/audio/speech", "/v1/images/generations", "/v1/videos", "/v1/audio/transcriptions"} \
+        & set(doc["paths"])   # nor hears
     for path in ("/v1/chat/completions", "/v1/completions"):
         assert {"408", "502"} <= set(doc["paths"][path]["post"]["responses"])
 
@@ -105,13 +107,14 @@ enabled = true
 expected-statuses = ["2xx", "404", "503", "504"]   # 404: a video id that does not exist
 
 [[operations]]
-include-path-regex = "^/v1/(audio/voices|images/edits)"
+include-path-regex = "^/v1/(audio/voices|images/edits|audio/transcriptions|audio/translations)"
 # The served families clone no voice: a valid upload is a 422 by design, a preset voice is not deleted;
-# an edit's image must be a real picture, which a schema cannot say (random bytes are a 400).
+# an edit's image and a transcription's audio must be real files, which a schema cannot say (random
+# bytes are a 400).
 checks.positive_data_acceptance.enabled = false
 
 [[operations]]
-include-path-regex = "^/v1/(chat/)?completions$"
+include-path-regex = "^/v1/((chat/)?completions|responses)$"
 # A prompt longer than the context is a 400 the document cannot rule out (it depends on tokenization).
 checks.positive_data_acceptance.enabled = false
 """
@@ -119,7 +122,8 @@ checks.positive_data_acceptance.enabled = false
 
 def test_media_routes_document_what_their_validators_accept(media_gateway, tmp_path):
     doc = requests.get(media_gateway.url + "/openapi.json", timeout=10).json()
-    assert {"/v1/audio/speech", "/v1/images/generations", "/v1/videos", "/v1/videos/{video_id}"} <= set(doc["paths"])
+    assert {"/v1/audio/speech", "/v1/images/generations", "/v1/videos", "/v1/videos/{video_id}",
+            "/v1/audio/transcriptions", "/v1/audio/translations"} <= set(doc["paths"])
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert chat["properties"]["model"]["enum"] == ["tiny-omni"]   # the pipelines do not chat
     assert chat["properties"]["audio"]["properties"]["voice"]["enum"] == ["Chelsie", "Ethan"]

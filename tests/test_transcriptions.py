@@ -20,7 +20,8 @@ import requests
 import soundfile
 
 from omnirelay.deploy.builders.omni import build_tiny_omni
-from omnirelay.gateway.routes.transcriptions import _decoders, _instruction
+from omnirelay.gateway import openapi_text_routes
+from omnirelay.gateway.routes.transcriptions import FORMATS, _decoders, _instruction
 
 from conftest import ServeProcess
 from media_support import audio_part, image_part, random_png, wav_bytes
@@ -96,7 +97,11 @@ def test_flac_and_mp3_files(client):
         assert isinstance(_transcribe(client, file=("tone.mp3", mp3.getvalue())).text, str)
 
 
-def test_response_formats(client):
+def test_response_formats(client, server):
+    doc = requests.get(server.url + "/openapi.json", timeout=10).json()["paths"]["/v1/audio/transcriptions"]["post"]
+    form = doc["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]
+    assert form["response_format"]["enum"] == list(FORMATS) == list(openapi_text_routes.FORMATS)
+    assert form["model"]["enum"] == ["tiny-omni"]   # the LLM beside it cannot hear
     text = _transcribe(client).text
     assert _transcribe(client, response_format="text") == text
     verbose = _transcribe(client, response_format="verbose_json", language="en")

@@ -96,8 +96,9 @@ async def openapi(request: web.Request) -> web.Response:
     images = sorted(name for name, m in models.items() if isinstance(m, ImageModel))
     text = sorted(name for name, m in models.items() if isinstance(m, ModelRuntime))
     vocab = min((m.vocab_size for m in models.values() if isinstance(m, ModelRuntime)), default=None)
+    hearing = sorted(name for name, m in models.items() if isinstance(m, ModelRuntime) and m.media is not None)
     return web.json_response(build_openapi(max_len, text, videos, image_models=images,
-                                           speech=_speech_doc(models), vocab_size=vocab))
+                                           speech=_speech_doc(models), vocab_size=vocab, hearing_models=hearing))
 
 
 def _speech_doc(models: dict) -> SpeechDoc | None:
