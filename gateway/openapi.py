@@ -488,8 +488,9 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                   image_models: list[str] | None = None, speech: SpeechDoc | None = None,
                   vocab_size: int | None = None, hearing_models: list[str] | None = None) -> dict:
     """``models``: the served language models (chat, completions, responses); ``video_models``,
-    ``image_models``, ``speech``, ``hearing_models`` (speech to text): the served models of each kind. A route is documented only when some model answers it
-    (a gateway without one answers such requests 400/404/422). ``max_model_len`` and ``vocab_size``:
+    ``image_models``, ``speech``, ``hearing_models`` (speech to text): the served models of each kind.
+    A route is documented only when some model answers it (a gateway without one answers such
+    requests 400/404/422). ``max_model_len`` and ``vocab_size``:
     the smallest of the language models (token ids at or above it are 400)."""
     sampling = _sampling(max_model_len, models)
     text_prompt = {"type": "string", "minLength": 1}
