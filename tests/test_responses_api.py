@@ -214,9 +214,9 @@ def test_store_evicts_least_recently_used_by_count_bytes_and_age():
     assert store.put({"id": "big"}, [{"role": "user", "content": "y" * 1700}])   # bytes: evicts until it fits
     assert store.nbytes <= 2000 and store.get("big") is not None and len(store) == 2 and store.evicted == 3
     assert not store.put({"id": "huge"}, [{"role": "user", "content": "z" * 3000}])   # alone over the bound
-    now[0] = 11.0                             # past the TTL: gone
-    assert store.get("big") is None and store.nbytes == sum(e.nbytes for e in store._entries.values())
-    assert store.delete("big") is False
+    now[0] = 11.0                             # past the TTL: gone, and swept by the next put
+    assert store.get("big") is None and store.delete("big") is False
+    assert store.put({"id": "e"}, msgs) and len(store) == 1 and store.nbytes == store.get("e").nbytes
 
 
 # -- a thinking model (tiny-qwen3, --reasoning-parser qwen3) ----------------------------------------
