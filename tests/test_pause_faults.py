@@ -1,5 +1,5 @@
-"""Pauses heal like deaths (issue #27, items 2-3): SIGSTOP of the gateway, of the decode worker or of
-the broker for longer than the broker's liveness, then SIGCONT, under a few concurrent greedy streams.
+"""Pauses heal like deaths (issue #27, items 2-3): SIGSTOP of the gateway, of a prefill or decode worker
+or of the broker for longer than the broker's liveness, then SIGCONT, under a few concurrent greedy streams.
 
 A process that is stopped looks dead to the broker (no heartbeats, no hellos): it drops the gateway's
 requests, or the worker's stages. When the process comes back it must be told so and recover:
@@ -124,6 +124,29 @@ def test_a_paused_decode_worker_comes_back_and_every_stream_completes(cluster):
     assert "broker asked to re-register" in decode.output()[log_before:]   # and the worker was told
     assert decode.alive()
     assert [w["role"] for w in cluster.workers()].count("decode") == 1
+
+
+def test_a_paused_prefill_worker_comes_back_and_every_stream_completes(cluster):
+    """Streams submitted while prefill is stopped are dispatched to it, taken back when the broker
+    drops it (no prefill left: ``unavailable``), and admitted again once it has re-registered."""
+    max_tokens = 64
+    baseline = asyncio.run(_streams(cluster.url, max_tokens))
+    prefill = _proc(cluster, "prefill")
+    before = cluster.broker_counters()
+
+    async def submitted_during_the_pause() -> list[list[int]]:
+        os.kill(prefill.pid, signal.SIGSTOP)
+        try:
+            streams = asyncio.ensure_future(_streams(cluster.url, max_tokens))
+            await asyncio.sleep(PAUSE_S)
+        finally:
+            os.kill(prefill.pid, signal.SIGCONT)
+        return await streams
+
+    assert asyncio.run(submitted_during_the_pause()) == baseline
+    after = cluster.broker_counters()
+    assert after.get("workers_expired", 0) == before.get("workers_expired", 0) + 1   # dropped while stopped
+    assert after.get("registrations", 0) > before.get("registrations", 0)            # and back
 
 
 def test_a_paused_gateway_comes_back_and_every_stream_completes(cluster):
