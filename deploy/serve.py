@@ -140,7 +140,6 @@ GATEWAY_LIMITS = (
     ("--max-image-pixels", GatewayConfig.max_image_pixels, int),
     ("--min-audio-sample-rate", GatewayConfig.min_audio_sample_rate, int),
     ("--max-audio-sample-rate", GatewayConfig.max_audio_sample_rate, int),
-    ("--max-tools", GatewayConfig.max_tools, int),
 )
 
 

@@ -53,7 +53,9 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app[METRICS] = GatewayMetrics()
     app[STREAMS] = collections.Counter()
     app[MODELS] = {m.name: VideoModel(m) if is_video_pipeline(m.path) else ImageModel(m) if is_image_pipeline(m.path)
-                   else ModelRuntime(m, config.media_limits(m.allowed_local_media_path)) for m in config.models}
+                   else ModelRuntime(m, config.media_limits(m.allowed_local_media_path),
+                                     special_tokens_in_content=config.allow_special_tokens_in_content)
+                   for m in config.models}
     cpu_work.install(app)   # request work too heavy for the event loop (gateway/cpu_work.py)
     app.cleanup_ctx.append(_bus_context)
     add_completion_routes(app)

@@ -66,8 +66,6 @@ class GatewayConfig:
                          decoded; at most ``omnirelay.handoffs.MAX_IMAGE_PIXELS_CEILING``).
     min_audio_sample_rate, max_audio_sample_rate: the sample rates (Hz) a chat WAV clip may declare (400
                          beyond, before it is read or resampled: a 1 Hz header would ask for a huge resample).
-    max_tools:           function tools one chat request may carry (400 beyond, before they are parsed;
-                         OpenAI's bound is 128).
     allow_special_tokens_in_content: tokenize special-token text in chat messages (``<|im_end|>`` typed by a
                          client) as the control tokens it spells, as before; off, message content is always
                          plain text and only the chat template's own markers are control tokens.
@@ -95,7 +93,6 @@ class GatewayConfig:
     max_image_pixels: int = 25_000_000
     min_audio_sample_rate: int = 8000
     max_audio_sample_rate: int = 192_000
-    max_tools: int = 128
     allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
@@ -121,8 +118,6 @@ class GatewayConfig:
             raise ValueError("header_timeout_s, read_timeout_s and stream_write_timeout_s must be positive")
         if self.max_websocket_sessions < 0 or self.websocket_idle_timeout_s <= 0:
             raise ValueError("max_websocket_sessions must be >= 0 and websocket_idle_timeout_s positive")
-        if self.max_tools < 0:
-            raise ValueError("max_tools must be >= 0")
         self.media_limits(None)   # the media bounds' own checks
 
     def media_limits(self, allowed_local_dir: str | None) -> MediaLimits:

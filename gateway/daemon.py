@@ -127,8 +127,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="lowest sample rate (Hz) a chat WAV clip may declare (400 below, before resampling)")
     parser.add_argument("--max-audio-sample-rate", type=int, default=GatewayConfig.max_audio_sample_rate,
                         help="highest sample rate (Hz) a chat WAV clip may declare")
-    parser.add_argument("--max-tools", type=int, default=GatewayConfig.max_tools,
-                        help="function tools one chat request may carry (400 beyond)")
     parser.add_argument("--allow-special-tokens-in-content", action="store_true",
                         help="tokenize special-token text in chat messages (e.g. <|im_end|>) as control tokens; "
                              "by default message content is plain text")
@@ -164,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,
             max_websocket_sessions=args.max_websocket_sessions, websocket_idle_timeout_s=args.websocket_idle_timeout,
             max_image_pixels=args.max_image_pixels, min_audio_sample_rate=args.min_audio_sample_rate,
-            max_audio_sample_rate=args.max_audio_sample_rate, max_tools=args.max_tools,
+            max_audio_sample_rate=args.max_audio_sample_rate,
             allow_special_tokens_in_content=args.allow_special_tokens_in_content)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")

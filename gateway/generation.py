@@ -86,12 +86,8 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
         items = []
         if media_param is not None:
             messages, items = model.media.extract(messages)
-        prompt_text = model.render_chat(messages, request.tools.template_tools() if request.tools else None,
-                                        request.template)
-        if len(prompt_text) > model.max_prompt_chars:   # the tools, the template's own text: still not tokenized
-            raise BadRequest(f"the chat renders to {len(prompt_text)} characters; no text over "
-                             f"{model.max_prompt_chars} fits this model's context", param="messages")
-        prompt_ids = model.encode_text(prompt_text, request.template.add_special_tokens)
+        prompt_ids, prompt_text = model.encode_chat_prompt(
+            messages, request.tools.template_tools() if request.tools else None, request.template)
         reasoning = reasoning_mode(model, request, prompt_text)
         if items:
             prompt_ids = model.media.expand(prompt_ids, items)

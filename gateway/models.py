@@ -16,6 +16,7 @@ from omnirelay.errors import BadRequest, NotFound, Unprocessable
 from omnirelay.model_kind import ModelKind, model_kind
 
 from .config import ServedModel
+from .control_tokens import ContentTokens, strip_marks
 from .media import MediaLimits, MediaProcessor
 from .schema import TemplateOptions
 
@@ -45,13 +46,18 @@ def template_variables(source: str) -> frozenset[str] | None:
 class ModelRuntime:
     """``media``: the media rules of a model that takes images and audio (Qwen2.5-Omni), else None."""
 
-    def __init__(self, served: ServedModel, media_limits: MediaLimits | None = None):
+    def __init__(self, served: ServedModel, media_limits: MediaLimits | None = None,
+                 special_tokens_in_content: bool = False):
+        """``special_tokens_in_content``: read control tokens typed in a client's chat strings as the
+        tokens they spell (``--allow-special-tokens-in-content``); by default they are plain text
+        (gateway/control_tokens.py)."""
         self.name = served.name
         self.path = served.path
         self.stages = tuple(served.stages)
         self.reasoning_parser = served.reasoning_parser
         self.default_chat_template_kwargs = dict(served.default_chat_template_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(served.path)
+        self.content_tokens = None if special_tokens_in_content else ContentTokens(self.tokenizer)
         config = json.loads((Path(served.path) / "config.json").read_text())
         kind = model_kind(served.path)
         self.media = None
@@ -107,7 +113,26 @@ class ModelRuntime:
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template: TemplateOptions = TemplateOptions()) -> list[int]:
-        return self.encode_text(self.render_chat(messages, tools, template), template.add_special_tokens)
+        return self.encode_chat_prompt(messages, tools, template)[0]
+
+    def encode_chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                           template: TemplateOptions = TemplateOptions()) -> tuple[list[int], str]:
+        """The chat's prompt ids and text: rendered (:meth:`render_chat`), refused past
+        ``max_prompt_chars`` before it is tokenized, then tokenized with the control tokens a client
+        typed read as plain text unless the server allows them (gateway/control_tokens.py)."""
+        marked = False
+        if self.content_tokens is not None:
+            marked_messages, in_messages = self.content_tokens.mark(messages)
+            marked_tools, in_tools = self.content_tokens.mark(tools)
+            marked = in_messages or in_tools
+        text = self.render_chat(marked_messages, marked_tools, template) if marked else \
+            self.render_chat(messages, tools, template)
+        if len(text) > self.max_prompt_chars:   # the tools, the template's own text: still not tokenized
+            raise BadRequest(f"the chat renders to {len(text)} characters; no text over {self.max_prompt_chars} "
+                             "fits this model's context", param="messages")
+        if marked:
+            return self.content_tokens.encode_marked(text, template.add_special_tokens), strip_marks(text)
+        return self.encode_text(text, template.add_special_tokens), text
 
     def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
