@@ -7,7 +7,8 @@ under the same gateway span)::
 
     "broker request"    from Submit until the request finishes, fails or is cancelled
     └─ "stage ROLE"     one per dispatch: from the moment the stage was queued (admission, or the
-                        previous stage's report) until its worker reports; ``queue_wait_s``,
+                        previous stage's report or streamed hand-off) until its worker reports (a
+                        stage streaming into the next one stays open until its own report); ``queue_wait_s``,
                         ``worker_id``, ``attempt``; a stage dispatched again (its worker was lost,
                         a transfer failed and the request restarted) ends the old span with an
                         event saying so and opens another
@@ -39,7 +40,10 @@ SWEEP_SLACK = 1024
 class _Traced:
     request: object                 # the broker span
     queued_ns: int                  # when the current stage was queued
-    stage: object | None = None     # the open stage span
+    stage: object | None = None     # the open span of the current stage …
+    stage_name: str = ""            # … and its stage
+    producer: object | None = None  # the span of a stage streaming into the current one (StageStreaming) …
+    producer_name: str = ""         # … until its own report
 
 
 class BrokerTracer:
@@ -72,12 +76,20 @@ class BrokerTracer:
             traced.request.add_event("cancelled", {"reason": msg.reason})
             return
         now = now_ns()
-        if traced.stage is not None:
-            if isinstance(msg, p.StageFailed):
-                traced.stage.set_attribute("error_type", msg.error_type)
-                traced.stage.set_status(_error_status(msg.error_type, msg.message))
-            traced.stage.end(end_time=now)
-            traced.stage = None
+        if traced.producer is not None and msg.stage == traced.producer_name \
+                and not isinstance(msg, p.StageStreaming):
+            _end_stage(traced.producer, msg, now)   # the producer of a streamed hand-off finished writing
+            traced.producer = None
+            return
+        if traced.stage is None or msg.stage != traced.stage_name:
+            return   # a late report of another stage: the core ignores it too
+        if isinstance(msg, p.StageStreaming):
+            # Its successor starts now; the stage runs on as the producer until its own report.
+            traced.stage.add_event("successor started on its streamed hand-off")
+            traced.producer, traced.producer_name = traced.stage, traced.stage_name
+        else:
+            _end_stage(traced.stage, msg, now)
+        traced.stage = None
         traced.queued_ns = now   # the next stage (or this one again, on a restart) waits from here
 
     def after_pass(self, out: list, core: BrokerCore) -> list:
@@ -121,6 +133,7 @@ class BrokerTracer:
             traced.stage.end(end_time=now)
         req = core.requests.get(task.request_id)
         worker_id = req.worker_id if req is not None else ""
+        traced.stage_name = task.stage
         traced.stage = self._tracing.start(
             f"stage {task.stage}", self._tracing.traceparent(traced.request), start_ns=traced.queued_ns,
             attributes={"stage": task.stage, "worker_id": worker_id or "", "attempt": task.attempt,
@@ -129,10 +142,18 @@ class BrokerTracer:
 
     def _end(self, request_id: str, traced: _Traced) -> None:
         now = now_ns()
-        if traced.stage is not None:
-            traced.stage.end(end_time=now)
+        for span in (traced.stage, traced.producer):
+            if span is not None:
+                span.end(end_time=now)
         traced.request.end(end_time=now)
         del self._traced[request_id]
+
+
+def _end_stage(span, msg: p.StageDone | p.StageFailed, now: int) -> None:
+    if isinstance(msg, p.StageFailed):
+        span.set_attribute("error_type", msg.error_type)
+        span.set_status(_error_status(msg.error_type, msg.message))
+    span.end(end_time=now)
 
 
 def _error_status(error_type: str, message: str):

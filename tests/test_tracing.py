@@ -6,8 +6,10 @@ Tracing off: no traceparent on the wire and no OpenTelemetry module loaded."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
+import io
 import os
 import subprocess
 import sys
@@ -16,8 +18,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import msgspec
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from omnirelay.broker import protocol as p
@@ -245,3 +249,48 @@ def test_a_stream_resumed_after_kill9_of_its_decode_worker_shows_in_its_trace(ti
     assert resumed.attributes["worker_id"] == survivor
     (worker,) = [s for s in spans if s.name == "decode"]   # the killed worker's span died with it
     assert worker.parent_id == resumed.span_id and worker.attributes["worker_id"] == survivor
+
+
+@pytest.mark.slow
+def test_spoken_answer_span_tree(tmp_path, receiver, monkeypatch):
+    """Chat with an image in and speech out on the tiny Qwen2.5-Omni: encode → prefill → decode →
+    generate, each a stage span under the broker's and each with its worker's span."""
+    from omnirelay.deploy.builders.omni import build_tiny_omni
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    model = str(build_tiny_omni(tmp_path / "tiny-omni", seed=0))
+    pipeline = os.path.join(os.path.dirname(__file__), "..", "deploy", "pipelines", "omni.yaml")
+    trace_args = ("--otlp-traces-endpoint", receiver.url, "--stage-configs-path", pipeline)
+    cluster = Cluster(model, str(tmp_path), model_name="tiny-omni")
+    roles = ("encode", "prefill", "decode", "generate")
+    try:
+        cluster.start_broker("--otlp-traces-endpoint", receiver.url)
+        for role in roles:
+            cluster.start_worker(role, *trace_args)
+        cluster.start_gateway(*trace_args)
+        cluster.wait_healthy(timeout=180)
+        png = io.BytesIO()
+        Image.fromarray((np.random.RandomState(5).rand(64, 80, 3) * 255).astype("uint8")).save(png, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        trace_id = os.urandom(16).hex()
+        answer = client.chat.completions.create(
+            model="tiny-omni", messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}],
+            modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"}, max_tokens=8,
+            extra_body={"max_audio_tokens": 16}, extra_headers={"traceparent": f"00-{trace_id}-{'c' * 16}-01"})
+        assert answer.choices[0].message.audio.data
+        spans = receiver.wait_for(trace_id, {"POST /v1/chat/completions", "broker request",
+                                             *(f"stage {role}" for role in roles), *roles})
+    finally:
+        cluster.stop()
+    by_name = {span.name: span for span in spans}
+    broker = by_name["broker request"]
+    assert broker.parent_id == by_name["POST /v1/chat/completions"].span_id
+    assert broker.attributes["stages"] == list(roles)
+    for role in roles:
+        stage, worker = by_name[f"stage {role}"], by_name[role]
+        assert stage.parent_id == broker.span_id and not stage.error, role
+        assert worker.parent_id == stage.span_id and worker.service == f"omni-worker-{role}", role
+    # Each stage is queued when the one before it reports or streams its hand-off.
+    for before, after in zip(roles, roles[1:]):
+        assert by_name[f"stage {after}"].start_ns >= by_name[f"stage {before}"].start_ns
