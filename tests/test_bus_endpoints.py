@@ -200,3 +200,32 @@ def test_a_worker_fails_a_task_with_a_bad_reply_to_and_still_shuts_down(tiny_mod
         router.close(0)
         pull.close(0)
         ctx.term()
+
+
+def test_a_socket_closed_for_room_reopens_with_its_gateways_curve_key():
+    ctx = zmq.Context()
+    server_public, server_secret = zmq.curve_keypair()
+    curve_gateway = ctx.socket(zmq.PULL)
+    curve_gateway.setsockopt(zmq.LINGER, 0)
+    curve_gateway.setsockopt(zmq.RCVTIMEO, 5000)
+    curve_gateway.curve_secretkey, curve_gateway.curve_publickey = server_secret, server_public
+    curve_gateway.curve_server = True
+    curve_gateway.bind("tcp://127.0.0.1:*")
+    endpoint = curve_gateway.getsockopt_string(zmq.LAST_ENDPOINT)
+    (other, other_pull), = _pulls(ctx, 1)
+    public, secret = zmq.curve_keypair()
+    replies = ReplySockets(ctx, CurveKeys(public=public, secret=secret), max_sockets=1)
+    try:
+        replies.note_key(endpoint, server_public.decode())
+        replies.send(endpoint, _delta(0))
+        assert p.decode(curve_gateway.recv_multipart()) == _delta(0)
+        replies.note_key(other, "")
+        replies.send(other, _delta(1))                 # the CURVE gateway's socket is closed for room
+        assert p.decode(other_pull.recv_multipart()) == _delta(1)
+        replies.send(endpoint, _delta(2))              # reopened, with the key noted before
+        assert p.decode(curve_gateway.recv_multipart()) == _delta(2)
+    finally:
+        replies.close()
+        curve_gateway.close(0)
+        other_pull.close(0)
+    assert _terminates(ctx)

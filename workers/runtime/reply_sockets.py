@@ -32,6 +32,8 @@ from omnirelay.security import CurveKeys, is_loopback
 log = logging.getLogger("omnirelay.worker")
 
 MAX_REPLY_SOCKETS = 64   # gateways one worker answers at once, in practice a handful
+MAX_KNOWN_KEYS = 4096    # CURVE keys remembered per endpoint: kept apart from (and longer than) the
+                         # sockets, so a socket closed for room reopens with its gateway's key
 IDLE_CLOSE_S = 120.0     # a socket unused this long is closed (a restarted gateway's old port)
 LINGER_MS = 1000         # what a closed socket still owes its gateway gets this long to leave
 SNDHWM = 100_000
@@ -39,7 +41,6 @@ SNDHWM = 100_000
 
 @dataclasses.dataclass
 class _Reply:
-    key: str = ""                      # the gateway's CURVE public key (z85), "" on loopback
     sock: zmq.Socket | None = None     # None until the first send, and after a refusal
     refused: bool = False              # set-up failed: drop what is sent here, quietly
     used: float = 0.0                  # monotonic time of the last send or key note
@@ -53,6 +54,8 @@ class ReplySockets:
         self._max = max_sockets
         self._idle_s = idle_s
         self._entries: collections.OrderedDict[str, _Reply] = collections.OrderedDict()
+        # endpoint → its gateway's CURVE public key (z85; "" on loopback), least recently noted first
+        self._known_keys: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     @property
     def open_sockets(self) -> int:
@@ -60,10 +63,16 @@ class ReplySockets:
 
     def note_key(self, endpoint: str, key: str, now: float | None = None) -> None:
         """Remember ``endpoint``'s CURVE key (from a Task's ``reply_key``) for its socket."""
+        if self._known_keys.get(endpoint) != key:
+            entry = self._entries.get(endpoint)
+            if entry is not None:
+                self._close(entry)   # a new key is a new server: reconnect with it
+        self._known_keys[endpoint] = key
+        self._known_keys.move_to_end(endpoint)
+        while len(self._known_keys) > MAX_KNOWN_KEYS:
+            self._known_keys.popitem(last=False)
         entry = self._touch(endpoint, time.monotonic() if now is None else now)
-        if entry.key != key and entry.sock is not None:
-            self._close(entry)   # a new key is a new server: reconnect with it
-        entry.key, entry.refused = key, False
+        entry.refused = False   # a new task for it: worth another try
 
     def send(self, endpoint: str, msg: p.Message, now: float | None = None) -> None:
         """Push ``msg`` to ``endpoint`` ("" = nobody: dropped), opening its socket if need be."""
@@ -73,7 +82,7 @@ class ReplySockets:
         if entry.sock is None:
             if entry.refused:
                 return
-            entry.sock = self._open(endpoint, entry.key)
+            entry.sock = self._open(endpoint, self._known_keys.get(endpoint, ""))
             if entry.sock is None:
                 entry.refused = True
                 return
