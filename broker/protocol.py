@@ -116,10 +116,16 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     JSON object; ``spec`` empty), ``regex`` or ``grammar`` (xgrammar's EBNF, root rule ``root``).
     The gateway checks the spec compiles before it submits (400 otherwise); the worker that
     samples compiles it again for its tokenizer (workers/llm/structured_output.py). Hashable: the
-    workers' compile cache is keyed by it."""
+    workers' compile cache is keyed by its kind and spec.
+
+    ``after``: the token ids that end a thinking model's reasoning (``</think>`` as its tokenizer
+    writes it); when given, the grammar applies only to the tokens after their first appearance in
+    the output (vLLM's rule: structured outputs shape the answer, not the reasoning). Empty: from
+    the first token."""
 
     kind: str
     spec: str = ""
+    after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -127,6 +133,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if (self.kind == "json_object") != (not self.spec) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
             raise ValueError(f"structured {self.kind}: spec must be {'empty' if self.kind == 'json_object' else 'a non-empty string'}"
                              f" of at most {MAX_STRUCTURED_SPEC_CHARS} characters")
+        if len(self.after) > 64 or any(t < 0 for t in self.after):
+            raise ValueError("structured after: at most 64 token ids, none negative")
 
     @classmethod
     def from_wire(cls, raw: Any) -> "StructuredOutput | None":
@@ -139,8 +147,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         except msgspec.ValidationError as exc:
             raise ValueError(f"invalid sampling.structured: {exc}") from None
 
-    def to_wire(self) -> dict[str, str]:
-        return {"kind": self.kind, "spec": self.spec}
+    def to_wire(self) -> dict:
+        return {"kind": self.kind, "spec": self.spec, **({"after": list(self.after)} if self.after else {})}
 
 
 _REGISTRY: dict[bytes, type["Message"]] = {}

@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "per model")
     chat.add_argument("--trust-request-chat-template", action="store_true",
                       help="let requests bring their own chat_template (otherwise 422)")
+    chat.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                      help="a thinking model's grammar applies to its reasoning too (default: after </think>)")
     limits = parser.add_argument_group("gateway limits (passed to omni-gateway as they are)")
     limits.add_argument("--protect-probes", action="store_true",
                         help="with --api-key, also protect /health, /metrics and /cluster")
@@ -475,6 +477,7 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             *[arg for value in args.default_chat_template_kwargs or []
               for arg in ("--default-chat-template-kwargs", value)],
             *(["--trust-request-chat-template"] if args.trust_request_chat_template else []),
+            *(["--structured-outputs-in-reasoning"] if args.structured_outputs_in_reasoning else []),
             *[arg for flag, _, _ in GATEWAY_LIMITS for arg in (flag, str(getattr(args, _dest(flag))))]]
 
 

@@ -18,7 +18,9 @@ class ServedModel:
     (omni models; None: data URLs only); reasoning_parser: how its chat output splits into reasoning
     and answer (a name of gateway/reasoning.py's ``PARSERS``; None: no split);
     default_chat_template_kwargs: variables given to its chat template on every request (a request's
-    ``chat_template_kwargs`` override them one by one)."""
+    ``chat_template_kwargs`` override them one by one); structured_outputs_in_reasoning: a grammar
+    (structured outputs, forced tool calls) shapes a thinking model's reasoning too, from its first
+    token (vLLM's ``enable_in_reasoning``); off, it starts after ``</think>``."""
 
     name: str
     path: str
@@ -27,6 +29,7 @@ class ServedModel:
     allowed_local_media_path: str | None = None
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    structured_outputs_in_reasoning: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,7 +71,8 @@ def _template_kwargs(text: str | None) -> dict:
 def _served_models(paths: list[str], names: list[str] | None, pipelines: list[str] | None,
                    max_model_len: int, allowed_local_media_path: str | None = None,
                    reasoning_parsers: list[str] | None = None,
-                   template_kwargs: list[str] | None = None) -> tuple[ServedModel, ...]:
+                   template_kwargs: list[str] | None = None,
+                   structured_in_reasoning: bool = False) -> tuple[ServedModel, ...]:
     """``reasoning_parsers`` (``--reasoning-parser``, an empty one: none) win over the pipeline
     file's ``reasoning_parser``."""
     names = names or []
@@ -87,7 +88,8 @@ def _served_models(paths: list[str], names: list[str] | None, pipelines: list[st
         models.append(ServedModel(name=names[i] if i < len(names) else path, path=os.path.abspath(path),
                                   stages=pipeline.roles, max_model_len=max_model_len,
                                   allowed_local_media_path=allowed_local_media_path, reasoning_parser=parser,
-                                  default_chat_template_kwargs=_template_kwargs(kwargs[i])))
+                                  default_chat_template_kwargs=_template_kwargs(kwargs[i]),
+                                  structured_outputs_in_reasoning=structured_in_reasoning))
     return tuple(models)
 
 
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                              "'{\"enable_thinking\": false}': one for all models or one per --model")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat_template (otherwise 422)")
+    parser.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                        help="a thinking model's grammar (structured outputs, forced tool calls) applies from its "
+                             "first token, reasoning included (vLLM's enable_in_reasoning); default: after </think>")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
     add_tracing_arguments(parser)
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         config = GatewayConfig(
             models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len,
                                   os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-                                  args.reasoning_parser, args.default_chat_template_kwargs),
+                                  args.reasoning_parser, args.default_chat_template_kwargs,
+                                  args.structured_outputs_in_reasoning),
             trust_request_chat_template=args.trust_request_chat_template,
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,

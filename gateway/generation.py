@@ -36,6 +36,7 @@ from omnirelay.handoffs import MediaInputs, MediaItem
 from .bus import BusClient, PositionLogprobs
 from .detokenizer import IncrementalDetokenizer
 from .models import ModelRuntime
+from .reasoning import END as REASONING_END
 from .reasoning import ReasoningMode, closed_in_prompt
 from .resubmit import Submissions
 from .sampling_options import check_vocab, submission_min_tokens, wire_options
@@ -63,6 +64,7 @@ class Generation:
     inputs: MediaInputs | None = None   # the first stage's (media for encode)
     sampling_options: dict = dataclasses.field(default_factory=dict)   # sampling_options.wire_options
     reasoning: ReasoningMode | None = None   # chat on a thinking model: how its output splits (reasoning.py)
+    structured: p.StructuredOutput | None = None   # request.structured, gated after the reasoning (prepare)
 
     @property
     def prompt_tokens(self) -> int:
@@ -118,7 +120,19 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
                            max_tokens=max_tokens)
     return Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=model, request=request,
                       prompt_token_ids=prompt_ids, max_tokens=max_tokens, stages=stages, inputs=inputs,
-                      sampling_options=options, reasoning=reasoning)
+                      sampling_options=options, reasoning=reasoning,
+                      structured=_answer_grammar(model, request.structured, reasoning))
+
+
+def _answer_grammar(model: ModelRuntime, spec: p.StructuredOutput | None,
+                    reasoning: ReasoningMode | None) -> p.StructuredOutput | None:
+    """The request's grammar, applied after the reasoning when the model thinks first (vLLM's rule):
+    unless the prompt closed the reasoning, the reasoning is not returned (include_reasoning false)
+    or the server applies grammars to the reasoning too (--structured-outputs-in-reasoning)."""
+    if spec is None or reasoning is None or reasoning.closed_in_prompt or not reasoning.include \
+            or model.structured_outputs_in_reasoning:
+        return spec
+    return p.StructuredOutput(spec.kind, spec.spec, tuple(model.encode_text(REASONING_END)))
 
 
 def reasoning_mode(model: ModelRuntime, request: GenerationRequest, prompt_text: str) -> ReasoningMode | None:
@@ -162,7 +176,7 @@ def _sampling(gen: Generation, generated: int) -> dict:
             "stop_token_ids": list(req.stop_token_ids), **gen.sampling_options,
             **submission_min_tokens(req.options, generated),
             **({"logprobs": req.logprobs} if req.logprobs >= 0 else {}),
-            **({"structured": req.structured.to_wire()} if req.structured else {})}
+            **({"structured": gen.structured.to_wire()} if gen.structured else {})}
 
 
 async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator[TextChunk]:

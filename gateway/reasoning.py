@@ -19,9 +19,12 @@ whole output is the answer, as vLLM decides from the prompt. ``include_reasoning
 reasoning from the answer (vLLM's meaning); the model still thinks.
 
 What reads the answer reads the part after the reasoning: tool-call parsing (gateway/tool_calls.py
-wraps under :class:`ReasoningFormat`, so it sees only the answer's text). Structured outputs
-constrain the generated tokens from the first one (the worker knows no reasoning), so a grammar
-also shapes the reasoning; vLLM applies it only after ``</think>``.
+wraps under :class:`ReasoningFormat`, so it sees only the answer's text), and the grammar of
+structured outputs and forced tool calls, which the sampling worker applies only once the output
+holds ``</think>``'s token ids (``StructuredOutput.after``, set by gateway/generation.py) — unless
+the prompt closed the reasoning, the reasoning is not returned (``include_reasoning: false``) or the
+server runs with ``--structured-outputs-in-reasoning`` (vLLM's ``enable_in_reasoning``), when it holds
+from the first token. A model that never writes the marker is never constrained, as in vLLM.
 
 The split is incremental (:class:`ReasoningSplitter`): a streamed answer holds back only a tail that
 could be the start of a tag, and the stream's pieces add up to the whole answer's fields.

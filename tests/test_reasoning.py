@@ -1,9 +1,11 @@
-"""Thinking models (issue #26): the reasoning split from the answer (gateway/reasoning.py) and the chat
-template switches, through the official ``openai`` client against a real ``omni-serve`` on tiny-qwen3
+"""Thinking models (issue #26): the reasoning split from the answer (gateway/reasoning.py), the
+grammar that starts after the reasoning (workers/llm/structured_output.py) and the chat template
+switches, through the official ``openai`` client against a real ``omni-serve`` on tiny-qwen3
 (Qwen3's chat template, ``--reasoning-parser qwen3``).
 
-The tiny model's weights are random: a regex structured output makes it write a ``<think>`` block,
-so the split is checked on an answer known in advance.
+The tiny model's weights are random: a regex structured output makes it write a ``<think>`` block
+(the server runs with ``--structured-outputs-in-reasoning``, so the grammar shapes the reasoning
+too), so the split is checked on an answer known in advance.
 """
 
 from __future__ import annotations
@@ -14,10 +16,17 @@ import openai
 import pytest
 import requests
 
+
+
+import torch
+from transformers import AutoTokenizer
+
+from omnirelay.broker.protocol import StructuredOutput
 from omnirelay.deploy.builders.qwen3 import cached_qwen3
 from omnirelay.gateway.daemon import _served_models
 from omnirelay.gateway.reasoning import ReasoningFormat, ReasoningMode, closed_in_prompt, split_whole
 from omnirelay.pipeline import PipelineError, parse_pipeline
+from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
 from conftest import ServeProcess
 
@@ -105,7 +114,7 @@ def test_reasoning_parser_from_pipeline_file_and_flag(tmp_path):
 def serve(tmp_path_factory):
     log = str(tmp_path_factory.mktemp("reasoning") / "serve.log")
     with ServeProcess(str(cached_qwen3()), "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
-                      log_path=log) as process:
+                      "--structured-outputs-in-reasoning", log_path=log) as process:
         yield process
 
 
@@ -221,3 +230,45 @@ def test_request_chat_template_behind_the_flag(tmp_path):
         # The server's default variables apply (thinking off: the empty block); a request's own override them.
         default, on = _tokenize(serve), _tokenize(serve, chat_template_kwargs={"enable_thinking": True})
         assert default["tokens"][:on["count"]] == on["tokens"] and default["count"] > on["count"]
+
+
+def test_the_grammar_starts_after_the_reasoning(tmp_path):
+    """Without --structured-outputs-in-reasoning a thinking model's grammar waits for </think>: the
+    random model never writes it, so its answer runs free to max_tokens, all of it reasoning; with
+    thinking off (the prompt closed the block) the grammar holds from the first token."""
+    with ServeProcess(str(cached_qwen3()), "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
+                      log_path=str(tmp_path / "serve.log")) as serve:
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        free = _forced(client, "(Yes|No)", ignore_eos=True, max_tokens=12)
+        assert free.choices[0].finish_reason == "length" and free.usage.completion_tokens == 12
+        assert free.choices[0].message.model_extra["reasoning"] and free.choices[0].message.content is None
+        held = _forced(client, "(Yes|No)", chat_template_kwargs={"enable_thinking": False})
+        assert held.choices[0].message.content in ("Yes", "No") and held.choices[0].finish_reason == "stop"
+
+
+def test_grammar_sampler_waits_for_the_marker():
+    path = str(cached_qwen3())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    vocab = json.loads(open(f"{path}/config.json").read())["vocab_size"]
+    grammars = GrammarSampler(GrammarCompilerCache(path, vocab, (tokenizer.eos_token_id,)))
+    marker = tuple(tokenizer("</think>", add_special_tokens=False)["input_ids"])
+    spec = StructuredOutput("regex", "(Yes|No)", marker)
+    logits = torch.zeros(1, vocab)
+    row = grammars.row("r1", spec, [1, 2], 0)
+    grammars.prepare(row)
+    thought = tokenizer("hmm", add_special_tokens=False)["input_ids"] + list(marker)
+    for token in thought:   # free while reasoning: nothing masked
+        assert torch.equal(grammars.mask(logits, [grammars.row("r1", spec, [1, 2], 0)]), logits)
+        assert grammars.accept([grammars.row("r1", spec, [1, 2], 0)], [token]) == [False]
+    masked = grammars.mask(logits, [grammars.row("r1", spec, [1, 2], 0)])
+    allowed = {tokenizer.decode([t]) for t in torch.nonzero(masked[0] > -1e30).flatten().tolist()}
+    assert allowed and all("Yes".startswith(a) or "No".startswith(a) for a in allowed)
+    # A hand-off (decode starting from prefill's tokens) replays only what follows the marker.
+    yes = tokenizer("Y", add_special_tokens=False)["input_ids"]
+    other = GrammarSampler(grammars.compilers)
+    handed = other.row("r2", spec, [1, 2], 0, thought + yes)
+    other.prepare(handed)
+    after = other.mask(logits, [other.row("r2", spec, [1, 2], 0)])
+    assert {tokenizer.decode([t]) for t in torch.nonzero(after[0] > -1e30).flatten().tolist()} <= {"e", "es"}
+    grammars.release("r1")
+    assert "r1" not in grammars

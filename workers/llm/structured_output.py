@@ -19,6 +19,9 @@ and a stream resumed on another worker arrives with the tokens the client alread
 its prompt (``position_offset`` of them). So whichever worker samples a position, it masks with
 the grammar state after every earlier output token.
 
+A spec with ``after`` (a thinking model's end-of-reasoning token ids) leaves its row free until
+those tokens appear in the output: the matcher is created then, and a replay starts after them.
+
 The bitmask of all grammar rows of a step is filled in one batched xgrammar call (on as many
 threads as torch uses in this process) into a buffer allocated once, and applied in place to a
 copy of the logits: the raw logits stay as they were, so logprobs keep their documented meaning
@@ -84,6 +87,7 @@ class GrammarCompilerCache:
 
     def get(self, spec: StructuredOutput):
         """The compiled grammar of ``spec``; raises ``ValueError`` if xgrammar refuses it."""
+        spec = StructuredOutput(spec.kind, spec.spec)   # the grammar is the same whatever its ``after``
         with self._lock:
             compiled = self._cache.get(spec)
             if compiled is not None:
@@ -125,6 +129,8 @@ class GrammarSampler:
         self.vocab_size = compilers.vocab_size
         self.stats = compilers.stats
         self._matchers: dict[str, object] = {}
+        # Rows whose spec has an ``after`` marker not yet emitted: request id → the last tokens seen.
+        self._waiting: dict[str, list[int]] = {}
         self._xgr = None       # xgrammar, imported by the first constrained request (it costs a second)
         self._batch = None
         self._bitmask: torch.Tensor | None = None
@@ -139,16 +145,27 @@ class GrammarSampler:
         return self._xgr
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._matchers
+        return request_id in self._matchers or request_id in self._waiting
 
     def _matcher(self, row: GrammarRow):
+        """The row's matcher, or None while its grammar waits for the end of the reasoning."""
         matcher = self._matchers.get(row.request_id)
         if matcher is None:
+            if row.request_id in self._waiting:
+                return None
+            emitted = list(row.emitted)
+            if row.spec.after:
+                end = _find(emitted, row.spec.after)
+                if end < 0:   # still reasoning: free until the marker (its tail kept to spot it)
+                    self.compilers.get(row.spec)   # compiled now: a bad spec fails the request at once
+                    self._waiting[row.request_id] = emitted[-len(row.spec.after):]
+                    return None
+                emitted = emitted[end:]
             matcher = self._load().GrammarMatcher(self.compilers.get(row.spec))
-            for token in row.emitted:   # a hand-off or a resumed stream: catch up with the output so far
+            for token in emitted:   # a hand-off or a resumed stream: catch up with the output so far
                 if not matcher.accept_token(int(token)):
                     raise ValueError(f"replayed token {token} does not fit the {row.spec.kind} grammar")
-            self.stats["grammar_replayed_tokens"] += len(row.emitted)
+            self.stats["grammar_replayed_tokens"] += len(emitted)
             self._matchers[row.request_id] = matcher
         return matcher
 
@@ -173,7 +190,7 @@ class GrammarSampler:
     def mask(self, logits: torch.Tensor, rows: list[GrammarRow | None]) -> torch.Tensor:
         """``logits`` [B, vocab] with every token a row's grammar forbids at -inf (a copy; the
         input is left as it was), or ``logits`` itself when no row has a grammar."""
-        indices = [i for i, row in enumerate(rows) if row is not None]
+        indices = [i for i, row in enumerate(rows) if row is not None and self._matcher(row) is not None]
         if not indices:
             return logits
         matchers = [self._matcher(rows[i]) for i in indices]
@@ -197,6 +214,16 @@ class GrammarSampler:
             if row is None:
                 ended.append(False)
                 continue
+            tail = self._waiting.get(row.request_id)
+            if tail is not None:   # reasoning: the grammar starts after the marker
+                tail = (tail + [int(token)])[-len(row.spec.after):]
+                if tail == list(row.spec.after):
+                    del self._waiting[row.request_id]
+                    self._matchers[row.request_id] = self._load().GrammarMatcher(self.compilers.get(row.spec))
+                else:
+                    self._waiting[row.request_id] = tail
+                ended.append(False)
+                continue
             matcher = self._matchers[row.request_id]
             if not matcher.accept_token(int(token)):
                 log.error("request %s: sampled token %d is outside its %s grammar", row.request_id, token,
@@ -209,3 +236,13 @@ class GrammarSampler:
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+
+
+def _find(tokens: list[int], marker: tuple[int, ...]) -> int:
+    """The index just past the first ``marker`` in ``tokens``, or -1."""
+    n = len(marker)
+    for i in range(len(tokens) - n + 1):
+        if tuple(tokens[i:i + n]) == marker:
+            return i + n
+    return -1
