@@ -36,6 +36,10 @@ A failed request's speech prompt key, like a cancelled one's, is deleted: it wil
 A spoken reply's states go to the generate stage on a transfer thread like the imports (the
 :class:`~omnirelay.workers.llm.handoff_jobs.SpeechReplySend` job): its last token is reported, with
 the hand-off, in the first step after the put returned, and the batch keeps stepping meanwhile.
+With ``stream_chunk_tokens`` K > 0 the reply is streamed instead (``reply_stream.py``): every K
+new tokens a chunk goes out, the first one announced in ``StepOutput.streams`` (the role sends
+``StageStreaming`` and generate starts on it), and a finished reply waits in ``_finishing`` (its
+blocks already freed) until its last chunk is written; then its last token is reported.
 
 Structured output (``DecodeTask.structured``): every token is sampled under the request's grammar
 (:mod:`~omnirelay.workers.llm.structured_output`). Its matcher is built when the sequence is first

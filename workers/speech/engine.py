@@ -34,17 +34,27 @@ equals ``torch.manual_seed(seed); model.generate(...)`` of transformers with a g
 A streamed request's talker samples from that same stream (the same codes); its token2wav noise
 comes from its own generator seeded with the seed, so its pieces too depend on seed and inputs only.
 
+A reply streamed in by decode (``SpeechTask.reply_stream``, a :class:`ReplySource` over the
+hand-off's chunks) is read as the talker needs it: the talker's forward reads its reply row of each
+step from the source (a forward pre-hook, :meth:`GenerateSpeechEngine._reading`), waiting for the
+thinker when it is ahead; a whole reply is read through the same source, so both give the same
+rows, the same codes and the same audio. The codec budget of a streamed reply (its length is known
+only at its end) is a stopping criterion that stops where ``max_new_tokens`` would.
+
 Batching: requests are not merged into one talker forward. transformers draws a batch's samples
 from one random stream (so a request's audio would depend on its neighbours) and decodes token2wav
 one sample at a time for the same reason; per-request determinism wins over the batching gain.
 
-Threads: one request's synthesis (transformers' ``generate`` + token2wav) runs whole, for seconds,
-so it runs on the engine's one synthesis thread; ``step()`` starts the next request there and
-returns at once (or after a short wait for the running one), so the worker's loop keeps
-heartbeating and taking cancels meanwhile. A streamed request's pieces pass from that thread to
-``step()`` through a deque (appended there, taken here). A cancelled running request is dropped:
-a streamed one stops at its next codec token (its ``CodeTap`` raises), a one-shot finishes first.
-:meth:`close` joins the thread (the worker runtime owns the engine and closes it on shutdown).
+Threads: each request held runs on its own synthesis thread (up to ``max_batch_size``), and the
+threads take turns computing (:class:`~omnirelay.workers.speech.turns.Turns`): one at a time,
+each under its own random stream, passing the turn on between talker steps and giving it up while
+it waits for the thinker's next chunk. So a talker that outruns its thinker holds back nobody, and
+a request's draws are exactly those it would make alone. ``step()`` starts waiting requests on free
+threads and returns at once (or after a short wait for one to finish), so the worker's loop keeps
+heartbeating and taking cancels meanwhile. Streamed pieces pass from the threads to ``step()``
+through a deque (appended there, taken here). A cancelled running request is dropped: it stops at
+its next codec token or while waiting for a chunk, a one-shot after its talker. :meth:`close`
+stops the waiting ones and joins the threads (the worker runtime owns the engine and closes it).
 
 The engine holds no sockets; the role adapter (``role.py``) encodes and sends the audio.
 """
