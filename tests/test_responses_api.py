@@ -81,7 +81,8 @@ def test_stream_events_add_up_to_the_answer(client):
     assert deltas == events[-4].text == final.output_text == whole.output_text
     assert final.usage.output_tokens == 10 and final.id == events[0].response.id
     # The SDK's own accumulator (it needs response.completed: a grammar that ends makes the answer end).
-    short = dict(kwargs, extra_body={}, max_output_tokens=40, text={"format": {"type": "json_schema", "name": "yn", "schema": YES_NO}})
+    short = dict(kwargs, extra_body={}, max_output_tokens=40,
+                 text={"format": {"type": "json_schema", "name": "yn", "schema": YES_NO}})
     with client.responses.stream(**short) as stream:
         final = stream.get_final_response()
     assert final.status == "completed" and json.loads(final.output_text)["a"] in ("yes", "no")
@@ -227,8 +228,9 @@ THOUGHT = "<think>\nThe sky scatters blue light\n</think>\n\nYes"   # forced by 
 @pytest.fixture(scope="module")
 def thinking(tmp_path_factory):
     log = str(tmp_path_factory.mktemp("responses-reasoning") / "serve.log")
+    # The grammar shapes the reasoning too (--structured-outputs-in-reasoning): it forces the <think> block.
     with ServeProcess(str(cached_qwen3()), "--served-model-name", "tiny-qwen3", "--reasoning-parser", "qwen3",
-                      "--log-level", "WARNING", log_path=log) as process:
+                      "--structured-outputs-in-reasoning", "--log-level", "WARNING", log_path=log) as process:
         yield openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -240,7 +242,8 @@ def test_reasoning_item_before_the_answer(thinking):
     assert resp.output[0].content[0].type == "reasoning_text"
     assert resp.output[0].content[0].text == "\nThe sky scatters blue light\n"
     assert resp.output_text == "\n\nYes"
-    chat = thinking.chat.completions.create(model="tiny-qwen3", messages=[{"role": "user", "content": "Is the sky blue?"}],
+    chat = thinking.chat.completions.create(model="tiny-qwen3",
+                                            messages=[{"role": "user", "content": "Is the sky blue?"}],
                                             max_tokens=64, temperature=0,
                                             extra_body={"structured_outputs": {"regex": THOUGHT}})
     assert resp.usage.output_tokens == chat.usage.completion_tokens

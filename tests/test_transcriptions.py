@@ -60,7 +60,8 @@ def client(server):
 def _chat_text(client, task: str, wav: bytes = WAV, **kwargs) -> str:
     reply = client.chat.completions.create(
         model="tiny-omni", max_tokens=MAX, temperature=0,
-        messages=[{"role": "user", "content": [audio_part(wav), {"type": "text", "text": _instruction(task, **kwargs)}]}])
+        messages=[{"role": "user",
+                   "content": [audio_part(wav), {"type": "text", "text": _instruction(task, **kwargs)}]}])
     return reply.choices[0].message.content.strip()
 
 
