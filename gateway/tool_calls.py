@@ -180,7 +180,7 @@ class ToolCallFormat:
         content, calls = parser.feed(text)
         tail, more = parser.finish()
         content, calls = content + tail, calls + more
-        message: dict = {"role": "assistant", "content": content}
+        message: dict = {"role": "assistant", "content": content, "reasoning": None}
         if calls:
             message["tool_calls"] = calls
             if not content.strip():

@@ -86,7 +86,8 @@ class ChatFormat:
         return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": finish}
 
     def full(self, text: str, finish: str, logprobs: dict | None = None) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+        # reasoning: vLLM's field, null unless a thinking model's reasoning is split off (gateway/reasoning.py)
+        return {"index": 0, "message": {"role": "assistant", "content": text, "reasoning": None}, "logprobs": logprobs,
                 "finish_reason": finish}
 
     @staticmethod
