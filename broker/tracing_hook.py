@@ -135,7 +135,7 @@ class BrokerTracer:
         worker_id = req.worker_id if req is not None else ""
         traced.stage_name = task.stage
         traced.stage = self._tracing.start(
-            f"stage {task.stage}", self._tracing.traceparent(traced.request), start_ns=traced.queued_ns,
+            f"stage {task.stage}", traced.request, start_ns=traced.queued_ns,
             attributes={"stage": task.stage, "worker_id": worker_id or "", "attempt": task.attempt,
                         "queue_wait_s": (now - traced.queued_ns) / 1e9})
         return msgspec.structs.replace(task, traceparent=self._tracing.traceparent(traced.stage))

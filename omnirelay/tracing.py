@@ -99,10 +99,14 @@ class Tracing:
         self._kinds = {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT,
                        "consumer": SpanKind.CONSUMER}
 
-    def start(self, name: str, parent: str = "", *, start_ns: int | None = None, kind: str = "internal",
+    def start(self, name: str, parent: Any = "", *, start_ns: int | None = None, kind: str = "internal",
               attributes: dict[str, Any] | None = None):
-        """A started span, the child of the W3C ``parent`` traceparent (a new trace if empty)."""
-        context = self._propagator.extract({"traceparent": parent}) if parent else None
+        """A started span, the child of ``parent``: a W3C traceparent string (a new trace if empty)
+        or, within one process, the parent span itself (no text round trip)."""
+        if isinstance(parent, str):
+            context = self._propagator.extract({"traceparent": parent}) if parent else None
+        else:
+            context = self._set_span_in_context(parent)
         return self._tracer.start_span(name, context=context, kind=self._kinds[kind], attributes=attributes,
                                        start_time=start_ns)
 
@@ -113,6 +117,10 @@ class Tracing:
         carrier: dict[str, str] = {}
         self._propagator.inject(carrier, context=self._set_span_in_context(span))
         return carrier.get("traceparent", "")
+
+    def flush(self, timeout_ms: int = 30_000) -> bool:
+        """Export every span ended so far; blocks up to ``timeout_ms``. True when all went out."""
+        return self._provider.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
         """Export what is queued and stop the exporter's thread."""
