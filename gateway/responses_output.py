@@ -27,6 +27,7 @@ content as null); an answer with no item at all still gets its (possibly empty) 
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from . import generation
@@ -72,8 +73,11 @@ class OutputBuilder:
             if text or logprobs:
                 events += self._text(text, logprobs)
         else:
-            content, calls = self.parser.feed(text)
-            events += self._tool_output(content, calls)
+            # Fed up to each '>' at a time: one feed then returns its text before the call it closes,
+            # so the items keep the answer's order (the parser returns a feed's text and calls apart).
+            for piece in re.split(r"(?<=>)", text):
+                if piece:
+                    events += self._tool_output(*self.parser.feed(piece))
             if chunk.finish_reason:
                 events += self._tool_output(*self.parser.finish())
         if chunk.finish_reason:
@@ -104,10 +108,10 @@ class OutputBuilder:
             if self.splitter.in_reasoning:
                 self.reasoning_tokens = len(self._generated)
             else:   # closed in this chunk: count up to the token that completes the tag
-                decode = self.gen.model.tokenizer.decode
                 start = len(self._generated) - len(chunk.token_ids)
                 self.reasoning_tokens = next((k for k in range(start + 1, len(self._generated) + 1)
-                                              if END in decode(self._generated[:k])), len(self._generated))
+                                              if END in self.gen.model.tokenizer.decode(self._generated[:k])),
+                                             len(self._generated))
                 self._generated = []
         events: list[dict] = []
         if reasoning:

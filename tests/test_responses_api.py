@@ -267,3 +267,68 @@ def _tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(cached_qwen3()))
+
+
+# -- the output items and their events, on text known in advance ------------------------------------
+
+def _replay(events: list[dict]) -> list[dict]:
+    """The output items as a client rebuilds them from the stream's events alone."""
+    items: list[dict] = []
+    for event in events:
+        kind = event["type"]
+        if kind == "response.output_item.added":
+            assert event["output_index"] == len(items)
+            items.append(json.loads(json.dumps(event["item"])))
+        elif kind == "response.content_part.added":
+            items[event["output_index"]]["content"].append(dict(event["part"]))
+        elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+            items[event["output_index"]]["content"][event["content_index"]]["text"] += event["delta"]
+        elif kind == "response.function_call_arguments.delta":
+            items[event["output_index"]]["arguments"] += event["delta"]
+        elif kind == "response.output_item.done":
+            assert items[event["output_index"]]["status"] == "in_progress"
+            items[event["output_index"]] = event["item"]
+    return items
+
+
+def _build(text: str, split: int, tools=None, reasoning=None, gen=None) -> tuple[list[dict], list[dict]]:
+    from omnirelay.gateway.generation import TextChunk
+    from omnirelay.gateway.responses_output import OutputBuilder
+
+    builder = OutputBuilder(gen, tools, False, None, reasoning)
+    pieces = [text[i:i + split] for i in range(0, len(text), split)] if split else [text]
+    events = []
+    for i, piece in enumerate(pieces):
+        events += builder.feed(TextChunk(piece, [], "stop" if i == len(pieces) - 1 else ""))
+    return builder.items, events
+
+
+CALLS = ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> done')
+
+
+@pytest.mark.parametrize("split", [0, 1, 2, 5, 13])
+def test_items_from_tool_markup_any_split(split):
+    from omnirelay.gateway.structured import ToolsRequest
+
+    tools = ToolsRequest(tuple({"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+                               for n in ("get_weather", "get_time")), "auto")
+    items, events = _build(CALLS, split, tools)
+    assert _replay(events) == items
+    assert [(i["type"], i.get("name") or i["content"][0]["text"]) for i in items] == [
+        ("message", "Sure. "), ("function_call", "get_weather"), ("function_call", "get_time"),
+        ("message", " done")]   # the whitespace between the calls makes no item
+    assert json.loads(items[1]["arguments"]) == {"city": "Paris"} and items[2]["arguments"] == "{}"
+    assert all(i["status"] == "completed" for i in items)
+
+
+@pytest.mark.parametrize("split", [0, 1, 3, 7])
+def test_reasoning_then_answer_any_split(split):
+    from omnirelay.gateway.reasoning import ReasoningMode
+
+    items, events = _build(THOUGHT, split, reasoning=ReasoningMode("qwen3"))
+    assert _replay(events) == items
+    assert [(i["type"], i["content"][0]["text"]) for i in items] == [
+        ("reasoning", "\nThe sky scatters blue light\n"), ("message", "\n\nYes")]
+    cut, events = _build("thinking still", split, reasoning=ReasoningMode("qwen3"))
+    assert [i["type"] for i in cut] == ["reasoning"] and _replay(events) == cut

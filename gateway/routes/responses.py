@@ -57,7 +57,7 @@ def _chat_request(call: ResponsesCall, history: list[dict]):
         raise
 
 
-def _response_object(call: ResponsesCall, response_id: str, created: float, model: str, status: str,
+def _response_object(call: ResponsesCall, response_id: str, created: int, model: str, status: str,
                      output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
     return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -96,7 +96,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         raise Unprocessable("logprobs are served for models without a reasoning parser", param="include")
     builder = OutputBuilder(gen, parsed.tools, call.logprobs, ChatFormat.logprobs, gen.reasoning)
     record = open_record(request, model.name, response_id, usage=gen, stages="+".join(gen.stages))
-    created = time.time()
+    created = generation.now()
     conversation = history + call.turn
 
     def finished(output: list[dict]) -> dict:
