@@ -13,8 +13,10 @@ request; its tree::
     └─ broker "broker request"                   (one per submission: a resumed stream is a second)
        ├─ "stage prefill"                        (queue wait, worker, attempt; from queued to reported)
        │  └─ worker "prefill"                    (from the task's arrival to its report)
+       │     └─ "put shared_memory"              (each connector transfer: key, bytes, backend)
        └─ "stage decode"
           └─ worker "decode"
+             └─ "get shared_memory"
 
 The context travels as a W3C ``traceparent`` string: the gateway puts its span's in
 ``Submit.traceparent``, the broker puts each stage span's in ``Task.traceparent``. Sampling is

@@ -1,7 +1,8 @@
 """Traces across the daemons (omnirelay/tracing.py): a real broker, prefill and decode workers and
 gateway export to a real OTLP/HTTP receiver in the test (an HTTP server decoding the protobuf with
 ``opentelemetry-proto``), and a chat request's spans form one tree under the client's traceparent:
-gateway → broker → stage prefill → prefill worker, and broker → stage decode → decode worker.
+gateway → broker → stage prefill → prefill worker (→ its KV put), and broker → stage decode → decode
+worker (→ its KV get).
 Tracing off: no traceparent on the wire and no OpenTelemetry module loaded."""
 
 from __future__ import annotations
@@ -168,13 +169,23 @@ def test_chat_request_span_tree(tiny_model, tmp_path, receiver, monkeypatch):
             model="tiny-llm", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
             extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
         spans = receiver.wait_for(trace_id, {"POST /v1/chat/completions", "broker request", "stage prefill",
-                                             "stage decode", "prefill", "decode"})
+                                             "stage decode", "prefill", "decode", "put shared_memory",
+                                             "get shared_memory"})
     finally:
         cluster.stop()
     by_name = {}
     for span in spans:
+        if span.name.startswith(("put ", "get ")):
+            continue   # a hand-off may be more than one transfer; checked below
         assert span.name not in by_name, f"two {span.name!r} spans for one request without a resume"
         by_name[span.name] = span
+    # The KV cache crosses the connector: prefill's put and decode's get, children of their worker spans.
+    for op, role in (("put", "prefill"), ("get", "decode")):
+        transfers = [s for s in spans if s.name == f"{op} shared_memory"]
+        assert transfers and all(t.parent_id == by_name[role].span_id for t in transfers), (op, transfers)
+        assert any(t.attributes["key"].startswith("kv/") for t in transfers)
+        assert sum(t.attributes["bytes"] for t in transfers) > 0
+        assert all(t.attributes["backend"] == "shared_memory" and not t.error for t in transfers)
     gateway, broker = by_name["POST /v1/chat/completions"], by_name["broker request"]
     # The tree: the client's span → gateway → broker → each stage → its worker.
     assert gateway.parent_id == client_span and gateway.service == "omni-gateway"
@@ -280,11 +291,16 @@ def test_spoken_answer_span_tree(tmp_path, receiver, monkeypatch):
             extra_body={"max_audio_tokens": 16}, extra_headers={"traceparent": f"00-{trace_id}-{'c' * 16}-01"})
         assert answer.choices[0].message.audio.data
         spans = receiver.wait_for(trace_id, {"POST /v1/chat/completions", "broker request",
-                                             *(f"stage {role}" for role in roles), *roles})
+                                             *(f"stage {role}" for role in roles), *roles,
+                                             "put shared_memory", "get shared_memory"})
     finally:
         cluster.stop()
-    by_name = {span.name: span for span in spans}
+    by_name = {span.name: span for span in spans if not span.name.startswith(("put ", "get "))}
     broker = by_name["broker request"]
+    # The image's embeddings cross the connector: encode puts them, prefill gets them.
+    for op, role in (("put", "encode"), ("get", "prefill")):
+        assert any(s.name == f"{op} shared_memory" and s.parent_id == by_name[role].span_id
+                   and s.attributes["key"].startswith("mm/") and s.attributes["bytes"] > 0 for s in spans), (op, role)
     assert broker.parent_id == by_name["POST /v1/chat/completions"].span_id
     assert broker.attributes["stages"] == list(roles)
     for role in roles:

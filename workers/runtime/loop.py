@@ -34,6 +34,7 @@ from omnirelay.endpoints import endpoint_error
 from omnirelay.errors import BadRequest, WorkerLost
 from omnirelay.broker import protocol as p
 from omnirelay.broker.prefix_index import route_keys
+from omnirelay.connectors.timing import TimedConnector
 from omnirelay.lifecycle import Shutdown, ShutdownState
 from omnirelay.security import CurveKeys, require_curve_off_loopback
 from omnirelay.tracing import Tracing
@@ -77,6 +78,10 @@ class WorkerRuntime:
         self._beats_to_full_prefix = 0   # 0: the next heartbeat sends the whole prefix set
         self._serving = False            # registered and looping (health(); the loop thread writes it)
         self._tracer = WorkerTracer(tracing, config.role, config.worker_id) if tracing is not None else None
+        if self._tracer is not None:   # connector transfers of traced requests become spans too
+            for resource in owned:
+                if isinstance(resource, TimedConnector):
+                    resource.watch(self._tracer.transfer_watcher(resource.name))
 
     # ------------------------------------------------------------------ loop
 

@@ -4,8 +4,16 @@ task's arrival until the worker reports it (``StageDone`` or ``StageFailed``) or
 ``CancelTask``. Attributes: ``worker_id``, ``stage``, ``attempt``, ``prompt_tokens``,
 ``position_offset``; a failure sets the span's error status and ``error_type``.
 
-The runtime's loop thread is the only caller; it calls :meth:`WorkerTracer.close` when it stops,
-which ends what is still open. Untraced tasks (no ``traceparent``) never reach this module.
+Each connector transfer of a traced request is a child span, ``put BACKEND`` or ``get BACKEND``
+(``key``, ``bytes``, ``backend``; error status when it failed), reported by the worker's
+:class:`~omnirelay.connectors.timing.TimedConnector` once it ends. The request is read from the key,
+whose second part names it in every hand-off key (``kv/REQ/ATTEMPT``, ``mm/REQ/ATTEMPT``,
+``speech/REQ/…``); a transfer of a request without an open span is not traced.
+
+The runtime's loop thread calls every method but :meth:`WorkerTracer.transfer`, which runs on the
+thread of the transfer (it only reads the span table, which the loop alone changes); the loop calls
+:meth:`WorkerTracer.close` when it stops, which ends what is still open. Untraced tasks (no
+``traceparent``) never reach this module.
 """
 
 from __future__ import annotations
@@ -40,6 +48,24 @@ class WorkerTracer:
             span.set_attribute("error_type", msg.error_type)
             span.set_status(Status(StatusCode.ERROR, f"{msg.error_type}: {msg.message}"[:200]))
         span.end()
+
+    def transfer_watcher(self, backend: str):
+        """The watcher to give the connector named ``backend`` (``TimedConnector.watch``)."""
+        def watcher(op: str, key: str, nbytes: int, start_ns: int, end_ns: int, error: str) -> None:
+            self.transfer(backend, op, key, nbytes, start_ns, end_ns, error)
+        return watcher
+
+    def transfer(self, backend: str, op: str, key: str, nbytes: int, start_ns: int, end_ns: int, error: str) -> None:
+        parts = key.split("/", 2)
+        parent = self._spans.get(parts[1]) if len(parts) > 1 else None
+        if parent is None:
+            return
+        span = self._tracing.start(f"{op} {backend}", parent, start_ns=start_ns,
+                                   attributes={"key": key, "bytes": nbytes, "backend": backend})
+        if error:
+            from opentelemetry.trace import Status, StatusCode   # loaded: tracing is on
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=end_ns)
 
     def cancelled(self, request_id: str) -> None:
         span = self._spans.pop(request_id, None)
