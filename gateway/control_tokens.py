@@ -101,6 +101,11 @@ class ContentTokens:
 
         return walk(value), marked
 
+    def encode_client_text(self, text: str) -> list[int] | None:
+        """The ids of a client's bare text (no template around it: the words a speech request speaks)
+        with its control tokens as plain text; None when it spells none (tokenize it as any text)."""
+        return self.encode_marked(self._marked(text), False) if self.needs_marks(text) else None
+
     def encode_marked(self, text: str, add_special_tokens: bool) -> list[int]:
         """The ids of a chat rendered from marked strings: what lies between a START and its END as
         plain text, the rest as is. A lone mark (the template cut a string) is dropped, cutting the text

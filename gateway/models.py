@@ -135,6 +135,12 @@ class ModelRuntime:
             return self.content_tokens.encode_marked(text, template.add_special_tokens), strip_marks(text)
         return self.encode_text(text, template.add_special_tokens), text
 
+    def encode_client_text(self, text: str) -> list[int]:
+        """A client's text with no template around it, its typed control tokens plain text as in a
+        chat's messages (unless the server allows them)."""
+        ids = self.content_tokens.encode_client_text(text) if self.content_tokens is not None else None
+        return ids if ids is not None else self.encode_text(text)
+
     def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 

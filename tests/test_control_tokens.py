@@ -92,3 +92,18 @@ def test_the_flag_restores_the_old_reading(gateways):
     _, allowing, tokenizer = gateways
     ids = _tokens(allowing, [{"role": "user", "content": INJECTION}])
     assert _controls(tokenizer, ids) == {"im_start": 3, "im_end": 2}
+
+
+def test_a_speech_input_reads_its_control_tokens_as_text_too(tiny_model):
+    """/v1/audio/speech tokenizes its input twice, in the chat prompt and as the reply the talker speaks
+    (gateway/routes/speech.py): both read a typed control token as text."""
+    from omnirelay.gateway.config import ServedModel
+    from omnirelay.gateway.models import ModelRuntime
+
+    model = ModelRuntime(ServedModel(MODEL, tiny_model))
+    ids = model.encode_client_text(INJECTION)
+    assert _controls(model.tokenizer, ids) == {"im_start": 0, "im_end": 0}
+    assert model.tokenizer.decode(ids) == INJECTION
+    assert model.encode_client_text("Hello there") == model.encode_text("Hello there")
+    allowing = ModelRuntime(ServedModel(MODEL, tiny_model), special_tokens_in_content=True)
+    assert _controls(allowing.tokenizer, allowing.encode_client_text(INJECTION)) == {"im_start": 1, "im_end": 1}

@@ -351,7 +351,7 @@ def prepare_speech(models: dict, body: dict, *, streamed: bool) -> SpeechJob:
     fmt = _speech_format(body)
     speed = body.get("speed", 1.0)
     prompt = model.encode_chat([{"role": "user", "content": text}])
-    reply = model.encode_text(text) + [_reply_end_token(model)]
+    reply = model.encode_client_text(text) + [_reply_end_token(model)]   # as the prompt reads it
     params = _speech_params(model, body.get("voice"), fmt, body, speed=speed, reply_start=len(prompt))
     ids = prompt + reply
     if len(ids) >= model.max_model_len:
