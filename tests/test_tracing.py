@@ -41,6 +41,7 @@ class Span:
     end_ns: int
     attributes: dict
     error: bool
+    events: tuple = ()    # (name, attributes) in order
 
 
 class OtlpReceiver:
@@ -77,9 +78,10 @@ class OtlpReceiver:
             for scope in resource_spans.scope_spans:
                 for s in scope.spans:
                     attributes = {a.key: _value(a.value) for a in s.attributes}
+                    events = tuple((e.name, {a.key: _value(a.value) for a in e.attributes}) for e in s.events)
                     spans.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                                       s.start_time_unix_nano, s.end_time_unix_nano, attributes,
-                                      s.status.code == 2))
+                                      s.status.code == 2, events))
         with self._changed:
             self.spans.extend(spans)
             self._changed.notify_all()
@@ -307,6 +309,9 @@ def test_spoken_answer_span_tree(tmp_path, receiver, monkeypatch):
         stage, worker = by_name[f"stage {role}"], by_name[role]
         assert stage.parent_id == broker.span_id and not stage.error, role
         assert worker.parent_id == stage.span_id and worker.service == f"omni-worker-{role}", role
+    # The spoken answer's audio leaves the generate worker in chunks, each an event of its span.
+    chunks = [attrs for name, attrs in by_name["generate"].events if name == "chunk"]
+    assert chunks and chunks[-1]["finish"] is True and all(c["mime"].startswith("audio/") for c in chunks)
     # Each stage is queued when the one before it reports or streams its hand-off.
     for before, after in zip(roles, roles[1:]):
         assert by_name[f"stage {after}"].start_ns >= by_name[f"stage {before}"].start_ns

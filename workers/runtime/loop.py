@@ -242,6 +242,8 @@ class WorkerRuntime:
             if dest == BROKER:
                 self._send_broker(msg)
             else:
+                if self._tracer is not None and isinstance(msg, p.MediaResult):
+                    self._tracer.pushed(msg)
                 self._send_gateway(dest, msg)
 
     def _send_broker(self, msg: p.Message) -> None:

@@ -4,6 +4,9 @@ task's arrival until the worker reports it (``StageDone`` or ``StageFailed``) or
 ``CancelTask``. Attributes: ``worker_id``, ``stage``, ``attempt``, ``prompt_tokens``,
 ``position_offset``; a failure sets the span's error status and ``error_type``.
 
+Each media item or chunk pushed to the gateway (``MediaResult``: an image, a spoken answer's audio
+chunks) is an event ``chunk`` on the span (``index``, ``bytes`` of its base64 text, ``mime``, ``finish``).
+
 Each connector transfer of a traced request is a child span, ``put BACKEND`` or ``get BACKEND``
 (``key``, ``bytes``, ``backend``; error status when it failed), reported by the worker's
 :class:`~omnirelay.connectors.timing.TimedConnector` once it ends. The request is read from the key,
@@ -48,6 +51,12 @@ class WorkerTracer:
             span.set_attribute("error_type", msg.error_type)
             span.set_status(Status(StatusCode.ERROR, f"{msg.error_type}: {msg.message}"[:200]))
         span.end()
+
+    def pushed(self, msg: p.MediaResult) -> None:
+        span = self._spans.get(msg.request_id)
+        if span is not None:
+            span.add_event("chunk", {"index": msg.index, "bytes": len(msg.data), "mime": msg.mime,
+                                     "finish": msg.finish})
 
     def transfer_watcher(self, backend: str):
         """The watcher to give the connector named ``backend`` (``TimedConnector.watch``)."""
