@@ -28,7 +28,7 @@ from .speech import chat_with_audio
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
-    parsed = parse_chat(body)
+    parsed = await off_loop(request.app, parse_chat, body)   # schemas and grammars are compiled here
     check_request_template(parsed.template, request.app[CONFIG].trust_request_chat_template)
     if "audio" in parsed.modalities:   # spoken answer too: talker + token2wav after decode
         return await chat_with_audio(request, parsed, body)
@@ -48,7 +48,7 @@ def chat_answer_format(parsed: GenerationRequest, mode: ReasoningMode | None):
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_completion(await json_body(request))
+    parsed = await off_loop(request.app, parse_completion, await json_body(request))
     if parsed.n > 1 or parsed.prompts or parsed.echo:
         return await _respond_choices(request, parsed, "cmpl", CompletionFormat)
     gen = await off_loop(request.app, generation.prepare, text_model(request.app[MODELS], parsed.model), parsed, "cmpl")
