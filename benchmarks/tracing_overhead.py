@@ -9,7 +9,7 @@ What runs, per request, exactly as the daemons call it:
   worker, fed Submit, StageDone (prefill), Credit, StageDone (decode), Credit, with the daemon's
   hook calls (:class:`~omnirelay.broker.tracing_hook.BrokerTracer` ``inbound`` / ``after_pass``)
   and every reply encoded as the daemon's ``_send`` does;
-* workers: :class:`~omnirelay.workers.runtime.tracing_hook.WorkerTracer` per task.
+* workers: :class:`~omnirelay.workers.runtime.tracing_hook.WorkerTracer` per task (one step each).
 
 Arms:
 
@@ -114,7 +114,8 @@ class Pipeline:
             if worker is not None and task.traceparent:
                 worker.task_started(task)
             done = p.StageDone(worker_id=role, request_id=request_id, stage=role, finished=role == "decode")
-            if worker is not None:
+            if worker is not None:   # the loop: the step's outputs, then their sending
+                worker.stepped([(b"", done)])
                 worker.reported(done)
             tasks = self._broker(role.encode(), done)
             self._broker(role.encode(), p.Credit(role, 1))

@@ -198,6 +198,9 @@ def test_chat_request_span_tree(tiny_model, tmp_path, receiver, monkeypatch):
         assert stage.attributes["worker_id"] == f"{role}-t" and stage.attributes["queue_wait_s"] >= 0
         assert worker.parent_id == stage.span_id and worker.service == f"omni-worker-{role}"
         assert worker.attributes["worker_id"] == f"{role}-t"
+        # Its engine steps: alone on the worker, every step that produced for it was a batch of one.
+        assert worker.attributes["steps"] >= 1 and worker.attributes["batch_size_max"] == 1
+        assert [name for name, _ in worker.events].count("first output") == 1
         assert stage.start_ns <= worker.start_ns <= worker.end_ns
         assert not stage.error and not worker.error
     # Decode is queued the moment prefill reports (the broker's clock for both). The broker's span

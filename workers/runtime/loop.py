@@ -117,7 +117,10 @@ class WorkerRuntime:
             if self._link.poll(min(wait_ms, 200)):
                 self._handle_broker_messages()
             if self.role_has_work():
-                self._send(self.role.step())
+                out = self.role.step()
+                if self._tracer is not None:
+                    self._tracer.stepped(out)
+                self._send(out)
             if drain_deadline is None:
                 self._top_up_credits()
             if time.monotonic() >= next_heartbeat:

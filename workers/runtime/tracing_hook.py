@@ -4,6 +4,12 @@ task's arrival until the worker reports it (``StageDone`` or ``StageFailed``) or
 ``CancelTask``. Attributes: ``worker_id``, ``stage``, ``attempt``, ``prompt_tokens``,
 ``position_offset``; a failure sets the span's error status and ``error_type``.
 
+Engine steps: a traced request's span counts the steps that produced something for it (tokens, a
+report, a media item) as ``steps``, with ``batch_size_mean`` and ``batch_size_max``, the number of
+requests each of those steps produced for (the batch as its outputs show it; a prefill chunk that
+yields nothing yet is not seen), and marks its first such step with an event ``first output`` (the
+time before it is the request's wait in the engine's queue plus its first step).
+
 Each media item or chunk pushed to the gateway (``MediaResult``: an image, a spoken answer's audio
 chunks) is an event ``chunk`` on the span (``index``, ``bytes`` of its base64 text, ``mime``, ``finish``).
 
@@ -31,12 +37,44 @@ class WorkerTracer:
         self._role = role
         self._worker_id = worker_id
         self._spans: dict[str, object] = {}   # request_id → the open span of its task
+        self._steps: dict[str, list[int]] = {}  # request_id → [steps, batch sizes summed, largest batch]
+
+    def stepped(self, out: list) -> None:
+        """One engine step's outputs (the loop calls this before sending them)."""
+        if not self._spans:
+            return
+        produced = set()
+        for _, msg in out:
+            if isinstance(msg, p.TokenDeltas):
+                produced.update(delta.request_id for delta in msg.deltas)
+            elif isinstance(msg, (p.TokenDelta, p.StageDone, p.StageFailed, p.StageStreaming, p.MediaResult)):
+                produced.add(msg.request_id)
+        batch = len(produced)
+        for request_id in produced:
+            span = self._spans.get(request_id)
+            if span is None:
+                continue
+            counts = self._steps.get(request_id)
+            if counts is None:
+                span.add_event("first output", {"batch_size": batch})
+                counts = self._steps[request_id] = [0, 0, 0]   # steps, batch sizes summed, largest
+            counts[0] += 1
+            counts[1] += batch
+            counts[2] = max(counts[2], batch)
+
+    def _end(self, request_id: str, span) -> None:
+        counts = self._steps.pop(request_id, None)
+        if counts is not None:
+            span.set_attribute("steps", counts[0])
+            span.set_attribute("batch_size_mean", counts[1] / counts[0])
+            span.set_attribute("batch_size_max", counts[2])
+        span.end()
 
     def task_started(self, task: p.Task) -> None:
         old = self._spans.pop(task.request_id, None)
         if old is not None:   # sent again (a new attempt replaces the held one)
             old.add_event("replaced by attempt %d" % task.attempt)
-            old.end()
+            self._end(task.request_id, old)
         self._spans[task.request_id] = self._tracing.start(
             self._role, task.traceparent, start_ns=now_ns(), kind="consumer",
             attributes={"worker_id": self._worker_id, "stage": task.stage, "attempt": task.attempt,
@@ -50,7 +88,7 @@ class WorkerTracer:
             from opentelemetry.trace import Status, StatusCode   # loaded: tracing is on
             span.set_attribute("error_type", msg.error_type)
             span.set_status(Status(StatusCode.ERROR, f"{msg.error_type}: {msg.message}"[:200]))
-        span.end()
+        self._end(msg.request_id, span)
 
     def pushed(self, msg: p.MediaResult) -> None:
         span = self._spans.get(msg.request_id)
@@ -80,10 +118,10 @@ class WorkerTracer:
         span = self._spans.pop(request_id, None)
         if span is not None:
             span.add_event("cancelled")
-            span.end()
+            self._end(request_id, span)
 
     def close(self) -> None:
-        for span in self._spans.values():
+        for request_id, span in list(self._spans.items()):
             span.add_event("worker stopped")
-            span.end()
+            self._end(request_id, span)
         self._spans.clear()
