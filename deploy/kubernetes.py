@@ -265,6 +265,8 @@ class Manifests:
     def _container(self, name: str, command: list[str], mounts: list[dict], **extra) -> dict:
         env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+               # The root file system is read-only: every cache (tokenizers, torch, triton) goes to /cache.
+               {"name": "HOME", "value": "/cache"},
                {"name": "XDG_CACHE_HOME", "value": "/cache"}, {"name": "HF_HOME", "value": "/cache/huggingface"},
                {"name": "HF_HUB_OFFLINE", "value": "1"}, *extra.pop("env", [])]
         return {"name": name, "image": self.args.k8s_image, "command": command, "env": env,
