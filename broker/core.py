@@ -274,6 +274,8 @@ class BrokerCore:
                 continue
             req.phase, req.worker_id = QUEUED, None
             if req.streamed:   # its consumed chunks are gone: the whole request starts again
+                # (What the producer wrote and the dead consumer did not read: _fail hands the
+                # queued-again request's inputs to a live worker of the role, which deletes them.)
                 out += self._fail(req, WorkerLost.error_type, f"{worker.role} worker {worker.worker_id} died "
                                   "while reading a streamed hand-off", resumable=True)
                 continue

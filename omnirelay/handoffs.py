@@ -30,7 +30,9 @@ The consumer reads the chunks in order (waiting for one not yet written) and del
 the producer never has more than ``window`` chunks written and unread (it writes chunk ``i`` only
 once chunk ``i - window`` is gone), so a slow consumer holds the producer's data back in the
 producer's own memory, never in the store. ``release`` deletes every chunk the stream may hold
-(``window`` bounds those not yet read), which is what a cancel, on either side, does.
+(``window`` bounds those not yet read from a known position; a holder that knows no position, as
+when the consumer was lost mid-read, deletes every index up to ``max_chunks``), which is what a
+cancel, on either side, does.
 
 Wire form and compatibility (a rolling upgrade). A hand-off is a msgpack map of its fields plus
 ``"handoff": <tag>``. Its field names are the string keys the maps carried before typed hand-offs
@@ -120,16 +122,22 @@ class ChunkStream(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fa
     def chunk(self, index: int) -> str:
         return chunk_key(self.key, index)
 
-    def release(self, store: KeyStore, first: int = 0) -> None:
-        """Delete the chunks that may be unread from ``first`` on (at most ``window`` of them: the
-        producer never writes further ahead of its consumer). A missing key is no error. The
-        consumer passes how many it read; anyone else 0; the producer releases what it wrote."""
-        last = min(first + max(0, min(self.window, MAX_STREAM_WINDOW)), self.max_chunks)
+    def release(self, store: KeyStore, first: int | None = None) -> None:
+        """Delete the chunks that may be unread. ``first``: the consumer's count of chunks read, or
+        the producer's first chunk not surely read: at most ``window`` chunks from there exist (the
+        producer never writes further ahead). None, for a holder that knows neither (a consumer
+        lost mid-read): every index the stream may use, up to ``max_chunks`` (a missing key is no
+        error, so this costs one delete per index, on a rare path)."""
+        if first is None:
+            first, last = 0, min(self.max_chunks, MAX_STREAM_CHUNKS)
+        else:
+            last = min(first + max(0, min(self.window, MAX_STREAM_WINDOW)), self.max_chunks)
         for index in range(max(0, first), last):
             delete_quietly(store, self.chunk(index))
 
 
-MAX_STREAM_WINDOW = 64   # a bound on the keys one release deletes, whatever a hand-off claims
+MAX_STREAM_WINDOW = 64        # bounds on the keys one release deletes, whatever a hand-off claims
+MAX_STREAM_CHUNKS = 1 << 14
 
 
 def chunk_key(key: str, index: int) -> str:

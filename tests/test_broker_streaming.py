@@ -107,3 +107,14 @@ def test_streaming_from_the_last_stage_is_stale(core):
     streaming(core)
     out = core.on_message(b"gen", p.StageStreaming("gen", "r1", "generate", STREAM), 0.2)
     assert cancels(out) == [b"gen"] and core.requests["r1"].worker_id == "gen"
+
+
+def test_what_a_lost_consumer_did_not_read_is_deleted_by_another_worker_of_its_role(core):
+    """The producer may be done (and no longer know the request): a live worker of the consuming
+    role gets the hand-off to release, whatever the dead one read."""
+    register(core, b"gen2", "generate", credits=1)
+    streaming(core)
+    done(core, b"dec", "r1", "decode", finished=True)
+    out = core.on_message(b"gen", p.Unregister("gen"), 0.2)
+    assert [(ident, msg.inputs) for ident, msg in of_type(out, p.CancelTask)] == [(b"gen2", STREAM)]
+    assert failures(out)[0].resumable
