@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,13 @@ def load_model():
     global _model
     with _model_lock:
         if _model is None:
-            from silero_vad import load_silero_vad   # imports torch: only a session with server VAD pays it
-            _model = load_silero_vad()._model
+            import torch
+            threads = torch.get_num_threads()
+            from silero_vad import load_silero_vad
+            torch.set_num_threads(threads)   # its import sets one thread for the whole process; not ours to change
+            with warnings.catch_warnings():   # torch.jit.load's deprecation notice is the package's to heed
+                warnings.simplefilter("ignore", DeprecationWarning)
+                _model = load_silero_vad()._model
     return _model
 
 

@@ -5,15 +5,24 @@ Life of a session (a subset of the Realtime GA protocol; every event is a JSON t
 
     connect (``?model=NAME`` optional) ──▶ session.created {session}
     session.update {session: {model, output_modalities, instructions, max_output_tokens,
-                              audio: {input: {format: {type: "audio/pcm", rate}}, output: {voice}}}}
+                              audio: {input: {format: {type: "audio/pcm", rate}, turn_detection},
+                                      output: {voice, speed}}}}
         ──▶ session.updated (the whole session as it now is) or an error event naming the field
+            (transcription, noise_reduction, tools and any other field not served are refused by name)
     input_audio_buffer.append {audio: base64 PCM16 mono at the input rate} ... (bounded: 15 MiB)
+        with turn_detection server_vad (the default; null turns it off), each append is read by
+        Silero VAD (gateway/vad.py, on the CPU pool, one feed per session at a time):
+        ──▶ input_audio_buffer.speech_started {audio_start_ms, item_id} (a response of the
+            conversation still running is cancelled: response.done cancelled, reason turn_detected)
+        ──▶ input_audio_buffer.speech_stopped {audio_end_ms, item_id} ──▶ the turn is committed as
+            below, and (create_response) a response starts as if response.create had come
     input_audio_buffer.commit ──▶ the buffer becomes a user item (a WAV clip of the conversation)
         ──▶ input_audio_buffer.committed, conversation.item.added, conversation.item.done
     input_audio_buffer.clear ──▶ input_audio_buffer.cleared
     conversation.item.create {item: {type: "message", role, content: [input_text | input_audio]}}
         ──▶ conversation.item.added, conversation.item.done (an item's text is bounded: MAX_ITEM_TEXT_CHARS)
-    response.create {response: {output_modalities?, instructions?, max_output_tokens?}}
+    response.create {response: {output_modalities?, instructions?, max_output_tokens?,
+                                audio?: {output: {voice}}, conversation?: "auto" | "none", metadata?}}
         ──▶ response.created ──▶ response.output_item.added
         ──▶ audio: the conversation as a chat request with ``modalities: ["text", "audio"]``
             (encode → prefill → decode → generate): response.output_audio_transcript.delta as the
@@ -22,7 +31,7 @@ Life of a session (a subset of the Realtime GA protocol; every event is a JSON t
             response.output_audio_transcript.done
         ──▶ text: the same without generate: response.output_text.delta, response.output_text.done
         ──▶ response.output_item.done ──▶ response.done {response: {status, usage}}; the reply joins
-            the conversation as an assistant item
+            the conversation as an assistant item (not with conversation "none": out of band)
     response.cancel ──▶ the response's request is cancelled on every stage ──▶ response.done
         {status: "cancelled"}
 
@@ -59,10 +68,12 @@ from ..detokenizer import IncrementalDetokenizer
 from ..models import ModelRuntime
 from ..schema import parse_chat
 from .speech import AudioChunk, has_speakers, start_spoken_chat, voices
+from .realtime_fields import OUTPUT_RATE, metadata as _metadata, output_format as _output_format, \
+    object_field as _object, refuse_others as _refuse_others, speed as _speed, tools as _tools, voice as _voice
+from ..vad import SpeechDetector, SpeechStarted, TurnDetection, load_model
 from ..websocket_session import EventSocket, SessionClosed, event_socket, install, join, unexpected
 
 ROUTE = "realtime"
-OUTPUT_RATE = 24000                      # the speech worker's PCM: 16-bit mono at 24 kHz
 MIN_INPUT_RATE, MAX_INPUT_RATE = 8000, 48000
 MAX_BUFFER_BYTES = 15 * 1024 * 1024      # OpenAI's bound on one turn's input audio
 MAX_ITEMS = 64                           # conversation items kept; the oldest go first
@@ -70,6 +81,7 @@ MAX_CONVERSATION_BYTES = 32 * 1024 * 1024   # their text (characters) and audio 
 MAX_ITEM_TEXT_CHARS = 1024 * 1024        # the text of one created item (more: an error event)
 MAX_INSTRUCTIONS_CHARS = 16384
 MODALITIES = (("audio",), ("text",))
+QUIET_KEEP_S = 30                        # with turn detection on, audio kept while nobody speaks
 
 
 def _new_id(prefix: str) -> str:
@@ -86,13 +98,19 @@ class SessionConfig:
     voice: str | None = None
     input_rate: int = OUTPUT_RATE
     max_output_tokens: int | None = None
+    turn_detection: TurnDetection | None = TurnDetection()   # OpenAI's default: server VAD on
+    speed: float = 1.0
 
     def to_json(self, session_id: str) -> dict:
+        turns = self.turn_detection.to_json() if self.turn_detection is not None else None
         return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": self.model,
                 "output_modalities": list(self.output_modalities), "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens if self.max_output_tokens is not None else "inf",
-                "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.input_rate}},
-                          "output": {"format": {"type": "audio/pcm", "rate": OUTPUT_RATE}, "voice": self.voice}}}
+                "tools": [], "tool_choice": "auto",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.input_rate},
+                                    "turn_detection": turns, "transcription": None, "noise_reduction": None},
+                          "output": {"format": {"type": "audio/pcm", "rate": OUTPUT_RATE}, "voice": self.voice,
+                                     "speed": self.speed}}}
 
     def updated(self, raw: Any, models: dict) -> "SessionConfig":
         if not isinstance(raw, dict):
@@ -113,27 +131,34 @@ class SessionConfig:
         if audio is not None:
             if not isinstance(audio, dict):
                 raise BadRequest("'session.audio' must be an object", param="session.audio")
-            audio_in = audio.get("input") or {}
+            audio_in = _object(audio.get("input"), "session.audio.input")
             if "format" in audio_in:
                 changes["input_rate"] = _input_format(audio_in["format"])
-            audio_out = audio.get("output") or {}
+            if "turn_detection" in audio_in:
+                changes["turn_detection"] = TurnDetection.parse(audio_in["turn_detection"],
+                                                                "session.audio.input.turn_detection")
+            for key in ("transcription", "noise_reduction"):
+                if audio_in.get(key) is not None:   # no ASR pass or denoiser runs here: refused, never ignored
+                    raise Unprocessable(f"session.audio.input.{key} is not served by this server; send null",
+                                        param=f"session.audio.input.{key}")
+            _refuse_others(audio_in, {"format", "turn_detection", "transcription", "noise_reduction"},
+                           "session.audio.input")
+            audio_out = _object(audio.get("output"), "session.audio.output")
             if "format" in audio_out:
-                fmt = audio_out["format"]
-                if not (isinstance(fmt, dict) and fmt.get("type") == "audio/pcm"
-                        and fmt.get("rate", OUTPUT_RATE) == OUTPUT_RATE):
-                    raise Unprocessable(f"output audio is audio/pcm at {OUTPUT_RATE} Hz", param="session.audio.output.format")
+                _output_format(audio_out["format"], "session.audio.output.format")
             if "voice" in audio_out:
                 changes["voice"] = audio_out["voice"]
-        for key in raw.keys() - {"type", "model", "output_modalities", "instructions", "max_output_tokens", "audio"}:
-            if raw[key] is not None:
-                raise Unprocessable(f"session.{key} is not supported by this server", param=f"session.{key}")
+            if audio_out.get("speed") is not None:
+                changes["speed"] = _speed(audio_out["speed"], "session.audio.output.speed")
+            _refuse_others(audio_out, {"format", "voice", "speed"}, "session.audio.output")
+            _refuse_others(audio, {"input", "output"}, "session.audio")
+        _tools(raw, "session")
+        _refuse_others(raw, {"type", "model", "output_modalities", "instructions", "max_output_tokens", "audio",
+                             "tools", "tool_choice"}, "session")
         config = dataclasses.replace(self, **changes)
         if config.voice is not None:
-            names = voices(models[config.model])
-            if not isinstance(config.voice, str) or (names is not None and config.voice not in names):
-                raise BadRequest(f"voice {config.voice!r} is not available for model {config.model!r}"
-                                 + (f"; choose one of {', '.join(names)}" if names else ""),
-                                 param="session.audio.output.voice")
+            config = dataclasses.replace(config, voice=_voice(models[config.model], config.voice,
+                                                              "session.audio.output.voice"))
         return config
 
 
@@ -222,6 +247,13 @@ class RealtimeSession:
         self.items: list[tuple[str, dict]] = []     # (item id, chat message)
         self.response: asyncio.Task | None = None
         self.response_id = ""
+        self.response_ended = ""                     # the last response that sent its own response.done
+        self.response_meta: dict = {}                # the running response's conversation_id, metadata, ...
+        self.conversation_id = _new_id("conv")
+        self.detector: SpeechDetector | None = None  # server VAD, made at the first append with it on
+        self.buffer_offset = 0                       # samples the detector read before buffer[0]
+        self.speech_item = ""                        # the item id a detected turn will commit as
+        self.speech_start_ms = 0                     # where that turn began, in the detector's time
 
     async def run(self) -> None:
         await self.socket.send({"type": "session.created", "session": self.config.to_json(self.id)})
@@ -243,6 +275,12 @@ class RealtimeSession:
 
     async def _session_update(self, event: dict) -> None:
         self.config = self.config.updated(event.get("session"), self.app[MODELS])
+        turns = self.config.turn_detection
+        if self.detector is not None and (turns is None or self.detector.rate != self.config.input_rate):
+            self._forget_buffer()        # the next append starts a detector at the new rate (or none)
+            self.detector = None
+        elif self.detector is not None:
+            self.detector.reconfigure(turns)
         await self.socket.send({"type": "session.updated", "session": self.config.to_json(self.id)})
 
     async def _append(self, event: dict) -> None:
@@ -251,15 +289,59 @@ class RealtimeSession:
             raise BadRequest(f"the input audio buffer holds at most {MAX_BUFFER_BYTES} bytes; commit or clear it",
                              param="audio")
         self.buffer += pcm
+        if self.config.turn_detection is not None:
+            await self._detect_turns(pcm)
+
+    async def _detect_turns(self, pcm: bytes) -> None:
+        """Server VAD: feed the appended audio to the detector (on the CPU pool; the session awaits it,
+        so one session has one feed running at most) and act on each turn event it finds."""
+        if self.detector is None:
+            model = await off_loop(self.app, load_model)
+            self.detector = SpeechDetector(self.config.turn_detection, self.config.input_rate, model)
+            self.buffer_offset = -(len(self.buffer) - len(pcm)) // 2   # the detector's time 0 is this append
+        for turn in await off_loop(self.app, self.detector.feed, pcm):
+            if isinstance(turn, SpeechStarted):
+                self.speech_item, self.speech_start_ms = _new_id("item"), turn.audio_start_ms
+                await self.socket.send({"type": "input_audio_buffer.speech_started",
+                                        "audio_start_ms": turn.audio_start_ms, "item_id": self.speech_item})
+                if self.config.turn_detection.interrupt_response and self._responding() \
+                        and self.response_meta.get("conversation_id"):
+                    await self._cancel_response("turn_detected")
+                continue
+            await self.socket.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": turn.audio_end_ms,
+                                    "item_id": self.speech_item})
+            # The turn is the audio from its start (prefix padding included) to the end of its silence.
+            rate = self.config.input_rate
+            end = min(len(self.buffer) // 2, max(0, turn.audio_end_ms * rate // 1000 - self.buffer_offset))
+            start = min(end, max(0, self.speech_start_ms * rate // 1000 - self.buffer_offset))
+            await self._commit_audio(bytes(self.buffer[2 * start:2 * end]), self.speech_item)
+            del self.buffer[:2 * end]
+            self.buffer_offset += end
+            if self.config.turn_detection.create_response and not self._responding():
+                await self._start_response({})
+        if not self.detector.speaking:   # nobody speaks: old quiet audio goes, so listening costs no memory
+            drop = max(0, len(self.buffer) // 2 - QUIET_KEEP_S * self.config.input_rate)
+            del self.buffer[:2 * drop]
+            self.buffer_offset += drop
+
+    def _forget_buffer(self) -> None:
+        """The buffer is committed or cleared by the client: the detector's turn (if any) ends with it."""
+        self.buffer_offset += len(self.buffer) // 2
+        self.buffer.clear()
+        if self.detector is not None:
+            self.detector.end_turn()
 
     async def _commit(self, event: dict) -> None:
         min_bytes = 2 * self.config.input_rate // 10   # 100 ms
         if len(self.buffer) < min_bytes:
             raise BadRequest(f"the input audio buffer holds {len(self.buffer) // 2} samples; commit needs at "
                              "least 100 ms of audio", param="input_audio_buffer")
-        clip = base64.b64encode(wav_clip(bytes(self.buffer), self.config.input_rate)).decode("ascii")
-        self.buffer.clear()
-        item_id = _new_id("item")
+        pcm = bytes(self.buffer)
+        self._forget_buffer()
+        await self._commit_audio(pcm, _new_id("item"))
+
+    async def _commit_audio(self, pcm: bytes, item_id: str) -> None:
+        clip = base64.b64encode(wav_clip(pcm, self.config.input_rate)).decode("ascii")
         previous = self.items[-1][0] if self.items else None
         self._add_item(item_id, {"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}}]})
@@ -268,7 +350,7 @@ class RealtimeSession:
         await self._announce_item(item_id, "user", [{"type": "input_audio", "transcript": None}])
 
     async def _clear(self, event: dict) -> None:
-        self.buffer.clear()
+        self._forget_buffer()
         await self.socket.send({"type": "input_audio_buffer.cleared"})
 
     async def _item_create(self, event: dict) -> None:
@@ -306,37 +388,67 @@ class RealtimeSession:
         await self._announce_item(item_id, role, shown)
 
     async def _response_create(self, event: dict) -> None:
-        if self._responding():
-            raise BadRequest("a response is already in progress; cancel it or wait for response.done",
-                             param="response")
         options = event.get("response") or {}
         if not isinstance(options, dict):
             raise BadRequest("'response' must be an object", param="response")
+        await self._start_response(options)
+
+    async def _start_response(self, options: dict) -> None:
+        """Validate a response's options (a field not served is an error naming it) and start its task."""
+        if self._responding():
+            raise BadRequest("a response is already in progress; cancel it or wait for response.done",
+                             param="response")
         modalities = _modalities(options["output_modalities"], "response.output_modalities") \
             if "output_modalities" in options else self.config.output_modalities
         instructions = _instructions(options["instructions"], "response.instructions") \
             if "instructions" in options else self.config.instructions
         max_tokens = _max_tokens(options["max_output_tokens"], "response.max_output_tokens") \
             if "max_output_tokens" in options else self.config.max_output_tokens
+        conversation = options.get("conversation") or "auto"
+        if conversation not in ("auto", "none"):
+            raise BadRequest("'response.conversation' must be \"auto\" or \"none\" (out of band: the reply "
+                             "does not join the conversation)", param="response.conversation")
+        metadata = _metadata(options.get("metadata"))
+        audio = _object(options.get("audio"), "response.audio")
+        audio_out = _object(audio.get("output"), "response.audio.output")
+        if "format" in audio_out:
+            _output_format(audio_out["format"], "response.audio.output.format")
+        voice = self.config.voice
+        if audio_out.get("voice") is not None:
+            voice = _voice(self.app[MODELS][self.config.model], audio_out["voice"], "response.audio.output.voice")
+        _refuse_others(audio_out, {"format", "voice"}, "response.audio.output")
+        _refuse_others(audio, {"output"}, "response.audio")
+        _tools(options, "response")
+        _refuse_others(options, {"output_modalities", "instructions", "max_output_tokens", "audio", "conversation",
+                                 "metadata", "tools", "tool_choice"}, "response")
         if not any(message["role"] == "user" for _, message in self.items):
             raise BadRequest("the conversation has no user item to answer; commit audio or create an item",
                              param="response")
-        body = self._chat_body(modalities, instructions, max_tokens)
+        body = self._chat_body(modalities, instructions, max_tokens, voice)
         parsed = parse_chat(body)      # 4xx here, before anything is submitted
         self.response_id = _new_id("resp")
+        self.response_meta = {"conversation_id": self.conversation_id if conversation == "auto" else None,
+                              "output_modalities": list(modalities), "metadata": metadata}
         self.response = asyncio.get_running_loop().create_task(
             self._respond(self.response_id, modalities, parsed, body), name=self.response_id)
 
     async def _response_cancel(self, event: dict) -> None:
         if not self._responding():
             raise BadRequest("there is no response in progress", param="response_id")
+        await self._cancel_response("client_cancelled")
+
+    async def _cancel_response(self, reason: str) -> None:
+        """Cancel the running response upstream (every stage frees its request) and end it with
+        ``response.done`` cancelled, unless it finished on its own meanwhile (it said so itself)."""
         await join(self.response)
-        await self.socket.send({"type": "response.done", "response": self._response_json(
-            self.response_id, "cancelled", [], {"type": "cancelled", "reason": "client_cancelled"})})
+        if self.response_ended != self.response_id:
+            await self.socket.send({"type": "response.done", "response": self._response_json(
+                self.response_id, "cancelled", [], {"type": "cancelled", "reason": reason})})
 
     # ------------------------------------------------------------------ the response
 
-    def _chat_body(self, modalities: tuple[str, ...], instructions: str, max_tokens: int | None) -> dict:
+    def _chat_body(self, modalities: tuple[str, ...], instructions: str, max_tokens: int | None,
+                   voice: str | None) -> dict:
         messages = [message for _, message in self.items]
         if instructions:
             messages = [{"role": "system", "content": instructions}] + messages
@@ -348,7 +460,7 @@ class RealtimeSession:
             if not has_speakers(model) or "generate" not in model.stages:
                 raise Unprocessable(f"model {model.name!r} does not speak; use output_modalities [\"text\"]",
                                     param="output_modalities")
-            voice = self.config.voice or (voices(model) or [None])[0]
+            voice = voice or (voices(model) or [None])[0]
             if voice is None:
                 raise BadRequest("choose a voice with session.update", param="session.audio.output.voice")
             body.update(modalities=["text", "audio"], audio={"voice": voice, "format": "pcm16"})
@@ -377,6 +489,7 @@ class RealtimeSession:
             error = exc if isinstance(exc, OmniError) else \
                 unexpected(exc, f"realtime session {self.id}: response {response_id}", response_id)
             error.request_id = error.request_id or response_id
+            self.response_ended = response_id
             await self.socket.send_error(error)
             await send({"type": "response.done", "response": self._response_json(
                 response_id, "failed", [], {"type": "failed", "error": {"type": error.error_type,
@@ -385,12 +498,14 @@ class RealtimeSession:
         done_item = {**item, "status": "completed", "content": content}
         await send({"type": "response.output_item.done", "response_id": response_id, "output_index": 0,
                     "item": done_item})
-        self._add_item(item_id, {"role": "assistant", "content": text})
+        if self.response_meta["conversation_id"] is not None:   # an out-of-band reply stays out of it
+            self._add_item(item_id, {"role": "assistant", "content": text})
+        self.response_ended = response_id
         await send({"type": "response.done", "response": self._response_json(response_id, "completed", [done_item],
                                                                               usage=usage)})
 
     async def _speak(self, parsed, body: dict, where: dict) -> tuple[str, dict]:
-        chat = start_spoken_chat(self.app, parsed, body, streamed=True, prefix="resp")
+        chat = start_spoken_chat(self.app, parsed, body, streamed=True, prefix="resp", speed=self.config.speed)
         detok = IncrementalDetokenizer(chat.gen.model.tokenizer)
         send = self.socket.send
         try:
@@ -445,7 +560,8 @@ class RealtimeSession:
     def _response_json(self, response_id: str, status: str, output: list, details: dict | None = None,
                        usage: dict | None = None) -> dict:
         return {"id": response_id, "object": "realtime.response", "status": status, "status_details": details,
-                "output": output, "output_modalities": list(self.config.output_modalities), "usage": usage}
+                "output": output, "output_modalities": list(self.config.output_modalities), "usage": usage,
+                **self.response_meta}
 
 
 def _message_bytes(message: dict) -> int:

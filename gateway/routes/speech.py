@@ -428,9 +428,10 @@ class SpokenChat:
 
 
 def start_spoken_chat(app: web.Application, parsed, body: dict, *, streamed: bool, prefix: str = "chatcmpl",
-                      deadline: float | None = None) -> SpokenChat:
+                      deadline: float | None = None, speed: float = 1.0) -> SpokenChat:
     """Validate a chat request with ``modalities`` holding audio and start it (nothing is sent before
-    the first item is awaited). ``streamed`` asks for incremental synthesis."""
+    the first item is awaited). ``streamed`` asks for incremental synthesis; ``speed`` plays the
+    answer faster or slower (resampled, as ``/v1/audio/speech`` does)."""
     model = _speech_model(app[MODELS], parsed.model)
     if parsed.stop:
         raise Unprocessable("'stop' strings are not supported with audio output", param="stop")
@@ -443,7 +444,7 @@ def start_spoken_chat(app: web.Application, parsed, body: dict, *, streamed: boo
     if gen.max_tokens < 2 or "decode" not in gen.stages:
         raise BadRequest("audio output needs a reply of at least 2 tokens: set max_tokens >= 2", param="max_tokens")
     fmt = CHAT_AUDIO_FORMATS[parsed.audio["format"]]
-    params = _speech_params(model, parsed.audio["voice"], fmt, body)
+    params = _speech_params(model, parsed.audio["voice"], fmt, body, speed=speed)
     sampling = {**generation._sampling(gen, 0), "audio": params.to_wire()}
     if streamed:
         sampling[AUDIO_STREAM_KEY] = True
