@@ -345,7 +345,9 @@ class BrokerCore:
         if msg.finished or req.stage_index + 1 >= len(req.spec.stages):
             if req.producer_id is not None:   # the stage streaming into this one still runs
                 req.worker_id, req.stages_done = None, True
-                return []
+                # Nobody reads its stream any more: it stops writing it (its own output goes on).
+                producer = self.workers.get(req.producer_id)
+                return [(producer.identity, p.CancelTask(msg.request_id, streams_only=True))] if producer else []
             del self.requests[msg.request_id]
             counters["requests_finished"] += 1
             return []

@@ -446,6 +446,9 @@ class CancelTask(Message):
     TAG = b"CTSK"
     request_id: str
     inputs: Handoff | None = None
+    # Only stop writing the streamed hand-off of this request (its consumer finished first, e.g. a
+    # talker that stopped before its thinker) and delete what is unread; the request goes on.
+    streams_only: bool = False
 
 
 @_register

@@ -41,8 +41,10 @@ def test_the_next_stage_starts_on_the_stream_and_the_request_ends_with_both_repo
     assert tasks(out) == [(b"gen", "r1", "generate")]
     assert of_type(out, p.Task)[0][1].inputs == STREAM
     assert core.requests["r1"].producer_id == "dec" and core.counters["streamed_handoffs"] == 1
-    # The talker finishes first (it may stop before the thinker): the request waits for decode.
-    assert done(core, b"gen", "r1", "generate", finished=True) == []
+    # The talker finishes first (it may stop before the thinker): the request waits for decode,
+    # which is told to stop writing the stream nobody reads any more (its text goes on).
+    out = done(core, b"gen", "r1", "generate", finished=True)
+    assert [(ident, msg.streams_only) for ident, msg in of_type(out, p.CancelTask)] == [(b"dec", True)]
     assert "r1" in core.requests
     done(core, b"dec", "r1", "decode", finished=True)
     assert "r1" not in core.requests and core.counters["requests_finished"] == 1

@@ -135,3 +135,48 @@ def test_a_cancelled_stream_leaves_no_key(model, tok, connector, tmp_path, monke
         assert shm_keys(tmp_path) == []
     finally:
         engine.close()
+
+
+def test_a_stream_its_consumer_finished_reading_is_closed_and_the_reply_goes_on(model, tok, connector, tmp_path,
+                                                                                monkeypatch):
+    """The talker stopped before the thinker (its codec budget): the broker's CancelTask.streams_only
+    closes the stream. Nothing more is written, nothing unread is left, and the reply's last token
+    leaves without waiting for a reader (a window-full writer would otherwise wait forever)."""
+    monkeypatch.setattr(reply_stream, "STREAM_WINDOW", 2)
+    ids = chat_ids(tok, QUESTIONS[3])
+    engine = make_decode(model, connector, 1)
+    try:
+        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
+        engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        seen = run(engine, until=lambda: engine.stats["speech_stream_deferred"] > 0)
+        ((_, handoff),) = seen["streams"]
+        reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
+        assert reader.wait_tokens(1) and not reader.ended   # read a little, then stop reading
+        engine.close_stream("r0")
+        rest = run(engine)
+        assert not rest["failed"] and engine.stats["speech_streams_closed"] == 1
+        (last,) = [t for t in seen["tokens"] + rest["tokens"] if t.finish_reason]
+        assert last.outputs is None and last.position == REPLY_TOKENS - 1
+        connector.delete(handoff.speech_prompt_key)   # the consumer's part: the prompt's states
+        assert shm_keys(tmp_path) == []               # no chunk left by the producer
+    finally:
+        engine.close()
+
+
+def test_a_stream_closed_after_decode_finished_writing_it_is_still_cleaned_up(model, tok, connector, tmp_path):
+    """The consumer's stop and decode's last chunk cross: CancelTask.streams_only arrives after
+    decode reported its last token. The chunks the consumer did not read are deleted all the same."""
+    ids = chat_ids(tok, QUESTIONS[4])
+    engine = make_decode(model, connector, CHUNK)
+    try:
+        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
+        engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        seen = run(engine)
+        ((_, handoff),) = seen["streams"]
+        reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
+        assert reader.wait_tokens(1) and not reader.ended   # the talker read one chunk, then stopped
+        engine.close_stream("r0")
+        connector.delete(handoff.speech_prompt_key)          # the consumer's part
+        assert shm_keys(tmp_path) == [] and engine.stats["speech_streams_closed"] == 1
+    finally:
+        engine.close()

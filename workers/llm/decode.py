@@ -77,6 +77,11 @@ from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
 
 
+# Finished streamed replies remembered for a late CancelTask.streams_only (which crosses decode's own
+# StageDone at the broker): a few seconds' worth of spoken replies on any worker.
+WRITTEN_STREAMS_KEPT = 256
+
+
 @dataclasses.dataclass
 class DecodeTask:
     request_id: str
@@ -190,6 +195,9 @@ class DecodeEngine:
         # Streamed spoken replies (stream_chunk_tokens > 0): finished, their last chunk still to be written.
         self.stream_chunk_tokens = stream_chunk_tokens
         self._finishing: list[tuple[Sequence, TokenOut]] = []
+        # Streams written to their end, most recent last: a consumer that stopped reading early may
+        # be reported (close_stream) after decode finished; then its unread chunks are deleted here.
+        self._written_streams: collections.OrderedDict[str, ReplyStreamWriter] = collections.OrderedDict()
         self.stats = collections.Counter()
         self.grammars = grammars
         self.processors = LogitsProcessors(self.eos_token_ids)
@@ -237,6 +245,24 @@ class DecodeEngine:
                 self.stats["cancelled"] += 1
                 return True
         return False
+
+    def close_stream(self, request_id: str) -> None:
+        """The generate stage finished reading ``request_id``'s streamed reply before decode finished
+        writing it: stop writing, delete what it will never read; the text goes on."""
+        for seq in [*self.running, *(s for s, _ in self._finishing)]:
+            if seq.request_id == request_id and seq.stream is not None and not seq.stream.closed:
+                writer = seq.stream
+                writer.closed = True
+                if writer.ticket is not None:   # deleted when its put returns
+                    self._transfers.cancel(writer.ticket)
+                    writer.ticket = writer.in_flight = None
+                writer.release_chunks(self.connector)
+                self.stats["speech_streams_closed"] += 1
+                return
+        written = self._written_streams.pop(request_id, None)
+        if written is not None:   # finished meanwhile: what the consumer did not read is deleted now
+            written.release_chunks(self.connector)
+            self.stats["speech_streams_closed"] += 1
 
     def wake(self) -> None:
         """A broker message is waiting for the loop: end a step's idle wait on transfers now."""
@@ -516,8 +542,12 @@ class DecodeEngine:
                     writer.announced = True
                     self.stats["speech_streams"] += 1
                     out.streams.append((seq.request_id, writer.handoff))
-            if writer.ended and token is not None:
+            if (writer.ended or writer.closed) and token is not None:
                 self._finishing.remove((seq, token))
+                if writer.ended and writer.announced:
+                    self._written_streams[seq.request_id] = writer
+                    while len(self._written_streams) > WRITTEN_STREAMS_KEPT:
+                        self._written_streams.popitem(last=False)
                 if not writer.announced:   # the whole reply fit one chunk: the stream is the hand-off
                     self.stats["speech_streams"] += 1
                     token.outputs = writer.handoff

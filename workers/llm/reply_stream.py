@@ -12,6 +12,9 @@ Life of a streamed reply (a speech request on a decode worker with ``stream_chun
         (outputs None once announced; the whole stream as the hand-off when the reply fit one chunk)
     a chunk whose put failed ──▶ the request fails with the put's error; every chunk key released
     cancel ──▶ the chunk in flight discarded, every chunk key and the prompt's states released
+    the consumer finished first (a talker stops at its codec budget or EOS before the thinker does;
+        the broker's CancelTask.streams_only) ──▶ closed: nothing more is written, the chunks that
+        may exist are deleted, the reply goes on and its last token leaves without waiting
 
 Back-pressure: the consumer deletes each chunk once read. Chunk i is written only once chunk
 ``i - window`` is gone (``ReplyChunkSend`` looks first and reports ``False`` without writing); until
@@ -88,6 +91,7 @@ class ReplyStreamWriter:
     ticket: Transfer[bool] | None = None
     announced: bool = False
     ended: bool = False                   # the last chunk is written
+    closed: bool = False                  # the consumer finished first: nothing more is written
 
     @classmethod
     def open(cls, prompt: SpeechHandoff, max_tokens: int, chunk_tokens: int, request_id: str) -> "ReplyStreamWriter":
@@ -105,7 +109,7 @@ class ReplyStreamWriter:
                    deadline: float) -> ReplyChunkSend | None:
         """The next chunk to write, when one is due and none is on its way: K new tokens, or what is
         left once the reply is ``final``."""
-        if self.in_flight is not None or self.ended:
+        if self.in_flight is not None or self.ended or self.closed:
             return None
         if not final and len(generated) - self.sent_tokens < self.chunk_tokens:
             return None
@@ -130,6 +134,10 @@ class ReplyStreamWriter:
 
     def release(self, connector: Connector) -> None:
         """A cancelled or failed reply: every chunk it may have written, and the prompt's states."""
-        # Chunks older than a window before the next were read (and deleted) before it was written.
-        self.stream.release(connector, first=max(0, self.next_index - self.stream.window))
+        self.release_chunks(connector)
         self.prompt.release(connector)
+
+    def release_chunks(self, connector: Connector) -> None:
+        """The chunks that may still exist: never more than the last ``window`` written (chunk i was
+        written only once chunk i - window was gone)."""
+        self.stream.release(connector, first=max(0, self.next_index - self.stream.window))

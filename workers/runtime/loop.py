@@ -180,6 +180,8 @@ class WorkerRuntime:
                 if self._tracer is not None and msg.traceparent:
                     self._tracer.task_started(msg)
                 self._send(self.role.accept(msg))
+            elif isinstance(msg, p.CancelTask) and msg.streams_only:
+                self.role.close_stream(msg.request_id)
             elif isinstance(msg, p.CancelTask):
                 self._tasks.discard(msg.request_id)
                 if self._tracer is not None:

@@ -64,6 +64,10 @@ class RoleAdapter:
         self._attempts.pop(request_id, None)
         return dropped
 
+    def close_stream(self, request_id: str) -> None:
+        """The consumer of a streamed hand-off this role writes for ``request_id`` finished first
+        (``CancelTask.streams_only``): stop writing it. Roles that stream nothing ignore it."""
+
     def failure(self, request_id: str, stage: str, error_type: str, message: str,
                 attempt: int | None = None) -> Outbound:
         """A StageFailed report for the broker (``attempt`` defaults to the held task's)."""
@@ -164,6 +168,9 @@ class DecodeRole(RoleAdapter):
 
     def __init__(self, worker_id: str, engine: DecodeEngine):
         super().__init__(worker_id, engine, engine.connector)
+
+    def close_stream(self, request_id: str) -> None:
+        self.engine.close_stream(request_id)
 
     def accept(self, task: p.Task) -> list[Outbound]:
         self._replace_held(task)
