@@ -277,8 +277,7 @@ class RealtimeSession:
         self.config = self.config.updated(event.get("session"), self.app[MODELS])
         turns = self.config.turn_detection
         if self.detector is not None and (turns is None or self.detector.rate != self.config.input_rate):
-            self._forget_buffer()        # the next append starts a detector at the new rate (or none)
-            self.detector = None
+            self.detector = None         # the next append starts one at the new rate (or none); the buffer stays
         elif self.detector is not None:
             self.detector.reconfigure(turns)
         await self.socket.send({"type": "session.updated", "session": self.config.to_json(self.id)})
