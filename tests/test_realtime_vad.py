@@ -147,13 +147,21 @@ def test_server_vad_commits_a_spoken_question_and_answers_it_without_a_client_co
         async with client, manager as connection:
             await _until(connection, "session.created")
             await connection.session.update(session={"type": "realtime", "max_output_tokens": 6, "audio": {
-                "input": {"format": {"type": "audio/pcm", "rate": RATE}, "turn_detection": VAD},
+                "input": {"format": {"type": "audio/pcm", "rate": RATE}, "turn_detection": VAD,
+                          "transcription": {"language": "en"}},   # by the session's model
                 "output": {"voice": "ethan"}}})     # voice names match whatever their case
             updated = (await _until(connection, "session.updated"))[-1]["session"]
             await _append(connection, silence(0.3) + QUESTION + silence(0.7))
-            return updated, await _until(connection, "response.done")
+            events = await _until(connection, "response.done")
+            kinds = [e["type"] for e in events]
+            if "conversation.item.input_audio_transcription.completed" not in kinds:
+                events += await _until(connection, "conversation.item.input_audio_transcription.completed")
+            return updated, events
 
     updated, events = asyncio.run(session())
+    transcript = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    events = [e for e in events if not e["type"].startswith("conversation.item.input_audio_transcription.")]
+    events = events[:next(i for i, e in enumerate(events) if e["type"] == "response.done") + 1]
     assert updated["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 400
     assert updated["audio"]["output"]["voice"] == "Ethan"
     kinds = [e["type"] for e in events]
@@ -171,6 +179,10 @@ def test_server_vad_commits_a_spoken_question_and_answers_it_without_a_client_co
     assert done["conversation_id"] and done["usage"]["output_tokens"] >= 2
     audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
     assert len(audio) > 0, "the answer was not spoken"
+    served = updated["audio"]["input"]["transcription"]
+    assert (served["model"], served["language"], served["prompt"]) == (MODEL, "en", "")
+    assert transcript["item_id"] == item and transcript["usage"]["input_tokens"] > 0
+    assert transcript["usage"]["output_tokens"] >= 1 and isinstance(transcript["transcript"], str)
 
 
 @pytest.mark.slow
@@ -214,7 +226,7 @@ def test_speech_during_a_reply_interrupts_it_and_the_new_turn_is_answered(cluste
 def test_fields_not_served_and_unknown_voices_are_error_events_naming_them(cluster):  # noqa: F811
     session_cases = [
         ({"audio": {"output": {"voice": "Nobody"}}}, "session.audio.output.voice"),
-        ({"audio": {"input": {"transcription": {"model": "whisper-1"}}}}, "session.audio.input.transcription"),
+        ({"audio": {"input": {"transcription": {"model": "whisper-1"}}}}, "session.audio.input.transcription.model"),
         ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
         ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
         ({"audio": {"output": {"speed": 3.0}}}, "session.audio.output.speed"),

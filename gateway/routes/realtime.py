@@ -8,7 +8,7 @@ Life of a session (a subset of the Realtime GA protocol; every event is a JSON t
                               audio: {input: {format: {type: "audio/pcm", rate}, turn_detection},
                                       output: {voice, speed}}}}
         ──▶ session.updated (the whole session as it now is) or an error event naming the field
-            (transcription, noise_reduction, tools and any other field not served are refused by name)
+            (noise_reduction, tools and any other field not served are refused by name)
     input_audio_buffer.append {audio: base64 PCM16 mono at the input rate} ... (bounded: 15 MiB)
         with turn_detection server_vad (the default; null turns it off), each append is read by
         Silero VAD (gateway/vad.py, on the CPU pool, one feed per session at a time):
@@ -18,6 +18,7 @@ Life of a session (a subset of the Realtime GA protocol; every event is a JSON t
             below, and (create_response) a response starts as if response.create had come
     input_audio_buffer.commit ──▶ the buffer becomes a user item (a WAV clip of the conversation)
         ──▶ input_audio_buffer.committed, conversation.item.added, conversation.item.done
+        ──▶ with audio.input.transcription, its transcript's events follow (realtime_transcription.py)
     input_audio_buffer.clear ──▶ input_audio_buffer.cleared
     conversation.item.create {item: {type: "message", role, content: [input_text | input_audio]}}
         ──▶ conversation.item.added, conversation.item.done (an item's text is bounded: MAX_ITEM_TEXT_CHARS)
@@ -70,6 +71,7 @@ from ..schema import parse_chat
 from .speech import AudioChunk, has_speakers, start_spoken_chat, voices
 from .realtime_fields import OUTPUT_RATE, metadata as _metadata, output_format as _output_format, \
     object_field as _object, refuse_others as _refuse_others, speed as _speed, tools as _tools, voice as _voice
+from .realtime_transcription import Transcriber, Transcription
 from ..vad import SpeechDetector, SpeechStarted, TurnDetection, load_model
 from ..websocket_session import EventSocket, SessionClosed, event_socket, install, join, unexpected
 
@@ -99,6 +101,7 @@ class SessionConfig:
     input_rate: int = OUTPUT_RATE
     max_output_tokens: int | None = None
     turn_detection: TurnDetection | None = TurnDetection()   # OpenAI's default: server VAD on
+    transcription: Transcription | None = None
     speed: float = 1.0
 
     def to_json(self, session_id: str) -> dict:
@@ -108,7 +111,8 @@ class SessionConfig:
                 "max_output_tokens": self.max_output_tokens if self.max_output_tokens is not None else "inf",
                 "tools": [], "tool_choice": "auto",
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.input_rate},
-                                    "turn_detection": turns, "transcription": None, "noise_reduction": None},
+                                    "turn_detection": turns, "noise_reduction": None,
+                                    "transcription": self.transcription and self.transcription.to_json()},
                           "output": {"format": {"type": "audio/pcm", "rate": OUTPUT_RATE}, "voice": self.voice,
                                      "speed": self.speed}}}
 
@@ -137,10 +141,13 @@ class SessionConfig:
             if "turn_detection" in audio_in:
                 changes["turn_detection"] = TurnDetection.parse(audio_in["turn_detection"],
                                                                 "session.audio.input.turn_detection")
-            for key in ("transcription", "noise_reduction"):
-                if audio_in.get(key) is not None:   # no ASR pass or denoiser runs here: refused, never ignored
-                    raise Unprocessable(f"session.audio.input.{key} is not served by this server; send null",
-                                        param=f"session.audio.input.{key}")
+            if "transcription" in audio_in:
+                changes["transcription"] = Transcription.parse(audio_in["transcription"], models,
+                                                               changes.get("model", self.model),
+                                                               "session.audio.input.transcription")
+            if audio_in.get("noise_reduction") is not None:   # no denoiser runs here: refused, never ignored
+                raise Unprocessable("session.audio.input.noise_reduction is not served by this server; send null",
+                                    param="session.audio.input.noise_reduction")
             _refuse_others(audio_in, {"format", "turn_detection", "transcription", "noise_reduction"},
                            "session.audio.input")
             audio_out = _object(audio.get("output"), "session.audio.output")
@@ -250,6 +257,7 @@ class RealtimeSession:
         self.response_ended = ""                     # the last response that sent its own response.done
         self.response_meta: dict = {}                # the running response's conversation_id, metadata, ...
         self.conversation_id = _new_id("conv")
+        self.transcriber = Transcriber(self.app, socket, self.id)
         self.detector: SpeechDetector | None = None  # server VAD, made at the first append with it on
         self.buffer_offset = 0                       # samples the detector read before buffer[0]
         self.speech_item = ""                        # the item id a detected turn will commit as
@@ -262,11 +270,12 @@ class RealtimeSession:
                     "conversation.item.create": self._item_create, "response.create": self._response_create,
                     "response.cancel": self._response_cancel}
         try:
-            await self.socket.serve(handlers, busy=self._responding)
+            await self.socket.serve(handlers, busy=lambda: self._responding() or self.transcriber.busy())
         except SessionClosed:
             return
         finally:
             await join(self.response)
+            await self.transcriber.close()
 
     def _responding(self) -> bool:
         return self.response is not None and not self.response.done()
@@ -347,6 +356,8 @@ class RealtimeSession:
         await self.socket.send({"type": "input_audio_buffer.committed", "previous_item_id": previous,
                                 "item_id": item_id})
         await self._announce_item(item_id, "user", [{"type": "input_audio", "transcript": None}])
+        if self.config.transcription is not None:
+            await self.transcriber.submit(item_id, clip, self.config.transcription)
 
     async def _clear(self, event: dict) -> None:
         self._forget_buffer()
