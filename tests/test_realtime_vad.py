@@ -249,7 +249,8 @@ def test_fields_not_served_and_unknown_voices_are_error_events_naming_them(clust
                 await connection.session.update(session={"type": "realtime", **fields})
                 errors.append((await _until(connection, "error"))[-1]["error"])
             await connection.session.update(session={"type": "realtime", "output_modalities": ["text"],
-                                                     "max_output_tokens": 3, "audio": {"output": {"speed": 1.25}}})
+                                                     "max_output_tokens": 3, "audio": {"output": {
+                                                         "speed": 1.25, "voice": "Ethan"}}})
             await _until(connection, "session.updated")
             await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
                 {"type": "input_text", "text": "Hello!"}]})
@@ -264,13 +265,21 @@ def test_fields_not_served_and_unknown_voices_are_error_events_naming_them(clust
             in_band = (await _until(connection, "response.done"))[-1]["response"]
             await connection.response.create()
             after = (await _until(connection, "response.done"))[-1]["response"]
-            return errors, out_of_band, in_band, after
+            await connection.response.create(response={"output_modalities": ["audio"],
+                                                       "audio": {"output": {"voice": "chelsie"}}})
+            spoken_reply = await _until(connection, "response.done")
+            return errors, out_of_band, in_band, after, spoken_reply
 
-    errors, out_of_band, in_band, after = asyncio.run(session())
+    errors, out_of_band, in_band, after, spoken_reply = asyncio.run(session())
     assert [e["param"] for e in errors] == [param for _, param in session_cases + response_cases]
     assert all(e["message"] for e in errors)
     assert out_of_band["status"] == in_band["status"] == after["status"] == "completed"
     assert out_of_band["conversation_id"] is None and out_of_band["metadata"] == {"topic": "oob"}
     assert in_band["conversation_id"] and in_band["metadata"] is None
+    assert in_band["audio"]["output"]["voice"] == "Chelsie" and out_of_band["audio"]["output"]["voice"] == "Ethan"
+    spoken_done = spoken_reply[-1]["response"]
+    assert spoken_done["status"] == "completed" and spoken_done["audio"]["output"]["voice"] == "Chelsie"
+    assert spoken_done["output_modalities"] == ["audio"]
+    assert any(e["type"] == "response.output_audio.delta" for e in spoken_reply)
     assert in_band["usage"]["input_tokens"] == out_of_band["usage"]["input_tokens"]
     assert after["usage"]["input_tokens"] > in_band["usage"]["input_tokens"]

@@ -437,8 +437,12 @@ class RealtimeSession:
         body = self._chat_body(modalities, instructions, max_tokens, voice)
         parsed = parse_chat(body)      # 4xx here, before anything is submitted
         self.response_id = _new_id("resp")
+        voice = body.get("audio", {}).get("voice", voice)   # the one that speaks, a default one included
         self.response_meta = {"conversation_id": self.conversation_id if conversation == "auto" else None,
-                              "output_modalities": list(modalities), "metadata": metadata}
+                              "output_modalities": list(modalities), "metadata": metadata,
+                              "max_output_tokens": max_tokens if max_tokens is not None else "inf",
+                              "audio": {"output": {"format": {"type": "audio/pcm", "rate": OUTPUT_RATE},
+                                                   "voice": voice}}}
         self.response = asyncio.get_running_loop().create_task(
             self._respond(self.response_id, modalities, parsed, body), name=self.response_id)
 
