@@ -72,6 +72,16 @@ class Proc:
             return handle.read()
 
 
+def pause_process(pid: int, seconds: float) -> None:
+    """Stop ``pid`` (SIGSTOP) for ``seconds``, then let it go on (SIGCONT, whatever happened meanwhile):
+    the pause is the fault itself, longer than the broker's liveness when a test wants it to look dead."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def settled_workers(url: str, timeout: float = 30.0) -> list[dict]:
     """The workers of the gateway at ``url`` (its ``/cluster`` view) once every answered request is
     counted in their stats: those travel in heartbeats (one a second), so a read right after an

@@ -24,13 +24,12 @@ import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx2
 import openai
 import pytest
 
-from cluster import TOPICS, Cluster, is_structured_error
+from cluster import TOPICS, Cluster, is_structured_error, pause_process
 
 N_STREAMS = 3
 PAUSE_S = 6.0            # longer than the broker's liveness (3.5 s)
@@ -86,11 +85,7 @@ async def _streams(url: str, max_tokens: int, fault=None) -> list[list[int]]:
 
 
 def _pause(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        time.sleep(PAUSE_S)
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    pause_process(pid, PAUSE_S)
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,18 @@ def run(engine: DecodeEngine, max_steps: int = 3000, until=None) -> dict:
     raise AssertionError("the engine did not get there")
 
 
+def read_to_the_end(handoff: SpeechHandoff, connector, engine: DecodeEngine) -> tuple[ReplySource, dict]:
+    """A consumer reading ``handoff``'s stream on a thread (as the talker does) while the engine steps
+    to its end: the reader, and what the steps produced (none failed)."""
+    reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
+    got = threading.Thread(target=reader.wait_end)
+    got.start()
+    rest = run(engine)
+    got.join(30)
+    assert not got.is_alive() and not rest["failed"]
+    return reader, rest
+
+
 def test_a_streamed_reply_carries_what_the_whole_handoff_carries(model, tok, connector, tmp_path):
     ids = chat_ids(tok, QUESTIONS[2])
     whole = make_decode(model, connector, 0)
@@ -72,12 +84,7 @@ def test_a_streamed_reply_carries_what_the_whole_handoff_carries(model, tok, con
         ((rid, handoff),) = seen["streams"]
         assert rid == "r1" and handoff.reply_stream is not None and not handoff.speech_reply_key
         assert not any(t.finish_reason for t in seen["tokens"])   # announced while the reply goes on
-        reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
-        got = threading.Thread(target=reader.wait_end)
-        got.start()
-        rest = run(streamed)
-        got.join(30)
-        assert not got.is_alive() and not rest["failed"]
+        reader, rest = read_to_the_end(handoff, connector, streamed)
         (end,) = [t for t in seen["tokens"] + rest["tokens"] if t.finish_reason]
         assert end.outputs is None   # the stream was the hand-off
         assert reader.token_ids == expected["token_ids"]
@@ -104,12 +111,7 @@ def test_a_consumer_a_window_behind_holds_the_producer_back_not_its_batch(model,
         # Nobody reads: two chunks in the store, the reply itself decoded to its end meanwhile.
         # (the connector names its keys by hash: the prompt's states and two chunks)
         assert len(shm_keys(tmp_path)) == 1 + 2 and engine.num_requests == 1
-        reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
-        got = threading.Thread(target=reader.wait_end)
-        got.start()
-        rest = run(engine)
-        got.join(30)
-        assert not got.is_alive() and not rest["failed"]
+        reader, rest = read_to_the_end(handoff, connector, engine)
         assert len(reader.token_ids) == REPLY_TOKENS and reader.num_states == REPLY_TOKENS - 1
         handoff.release(connector)
         assert shm_keys(tmp_path) == []

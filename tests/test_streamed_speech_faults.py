@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import os
 import pathlib
-import signal
 import threading
 import time
 
@@ -26,7 +25,7 @@ import yaml
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.deploy.builders.omni import build_tiny_omni
 
-from cluster import Cluster, settled_workers
+from cluster import Cluster, pause_process, settled_workers
 
 pytestmark = pytest.mark.slow
 
@@ -115,14 +114,6 @@ def busy(cluster: Cluster, role: str):
     raise AssertionError(f"no {role} worker holds the request")
 
 
-def pause(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        time.sleep(PAUSE_S)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
 @pytest.fixture(scope="module")
 def baseline(cluster):
     transcript, audio, finish, completion = spoken(cluster, seed=5)
@@ -167,7 +158,7 @@ def test_a_paused_generate_worker_mid_answer_completes_it_once(cluster, baseline
     def stop_and_go():
         victim = busy(cluster, "generate")
         paused.append(victim)
-        pause(victim.pid)
+        pause_process(victim.pid, PAUSE_S)
 
     transcript, audio, finish, completion = spoken(cluster, seed=5, on_first_audio=stop_and_go)
     assert paused and paused[0].alive()

@@ -239,7 +239,6 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         reply's tokens as it needs them)."""
         dev, talker, cfg = self.device, self.talker, self.config
         embed = self.thinker_embed
-        reply = task.reply()
         ids = torch.tensor(task.prompt_token_ids, dtype=torch.long, device=dev)
         n = ids.shape[0]
         # User turns: every token whose latest <|im_start|> opens a "user" turn (that one included).
