@@ -13,6 +13,7 @@ Usage::
     omni-make-model tiny-zimage DIR [--seed N] [--force] # Z-Image (ZImagePipeline, zimage.py)
     omni-make-model tiny-qwen3-tts DIR [--seed N] [--force]   # Qwen3-TTS 12 Hz CustomVoice (qwen3_tts.py)
     omni-make-model tiny-wan DIR [--seed N] [--force]    # Wan 2.2 text-to-video (WanPipeline, wan.py)
+    omni-make-model tiny-lora BASE_DIR DIR [--rank R --targets q_proj,v_proj --seed N]   # PEFT adapter (lora.py)
 
 The result is an ordinary Hugging Face model directory, loadable offline with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``:
@@ -339,6 +340,10 @@ FAMILY_BUILDERS: dict[str, tuple[str, str, dict]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tiny-lora"]:   # takes a base directory too: its own parser (lora.py)
+        from omnirelay.deploy.builders.lora import main as lora_main
+        return lora_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="omni-make-model", description="Write a tiny random-weight model directory."
     )
