@@ -38,6 +38,8 @@ class ForwardBatch:
         ``values`` (encoder outputs at media placeholders) instead of the token's embedding.
     deepstack: ``(index [V], values [L, V, hidden])`` (Qwen3-Omni's DeepStack): after decoder layer
         ``i < L`` the hidden states of rows ``index`` (image tokens) get ``values[i]`` added.
+    lora_slots: [T] the LoRA adapter slot of each token (-1: the base), or None when no sequence of
+        the step has an adapter (:mod:`omnirelay.workers.llm.lora`).
     """
 
     input_ids: torch.Tensor
@@ -50,6 +52,7 @@ class ForwardBatch:
     rope_positions: torch.Tensor | None = None
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
+    lora_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.num_seqs = int(self.query_lens.shape[0])
@@ -75,7 +78,8 @@ class ForwardBatch:
                            rope_positions=move(self.rope_positions),
                            embeds=None if self.embeds is None else (move(self.embeds[0]), move(self.embeds[1])),
                            deepstack=None if self.deepstack is None else (move(self.deepstack[0]),
-                                                                          move(self.deepstack[1])))
+                                                                          move(self.deepstack[1])),
+                           lora_slots=move(self.lora_slots))
         out._host_lens = self._lens()
         return out
 

@@ -68,6 +68,7 @@ from safetensors import safe_open
 
 from omnirelay.workers.runtime.load_progress import LoadProgress
 
+from omnirelay.workers.llm import lora as lora_terms
 from omnirelay.workers.llm import native_attention
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.expert_parallel import check_expert_parallel
@@ -261,6 +262,7 @@ class _Layer:
     down: _Linear | None      # this rank's input columns (row-parallel)
     moe: SparseMoE | None = None           # instead of gate_up/down in a Qwen3-MoE sparse layer
     qk_norm: torch.Tensor | None = None    # [q heads + kv heads, head_dim]: q_norm rows, then k_norm
+    lora: dict | None = None               # fused linear → (A, B) slot stacks (:class:`~omnirelay.workers.llm.lora.LoraSlots`)
 
 
 class _Weights:
@@ -361,6 +363,9 @@ class LlamaModel:
             self._mrope_axis = torch.cat((axis, axis)).to(self.device)
         self._native = native_attention.load() if attention == "auto" and dtype == torch.float32 and on_cpu else None
         self._scale = cfg.head_dim ** -0.5
+        # LoRA (off unless a LoraSlots attaches itself): the step's adapter segments, set per forward.
+        self.lora = None
+        self._lora_groups: list = []
 
     def _load_layer(self, w: _Weights, i: int, rank: int, tp: int) -> _Layer:
         pre = f"model.layers.{i}."
@@ -399,7 +404,10 @@ class LlamaModel:
         """h [T, hidden] → q [T, H, D], k and v [T, Hkv, D], rotary applied to q and k at once."""
         cfg = self.config
         t, d = h.shape[0], cfg.head_dim
-        qkv = layer.qkv(_rms_norm(h, layer.input_norm, cfg.rms_norm_eps))
+        x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+        qkv = layer.qkv(x)
+        if self._lora_groups:
+            qkv = lora_terms.apply(layer, "qkv", x, qkv, self._lora_groups)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : heads * d].view(t, heads, d)
         if layer.qk_norm is not None:
@@ -414,12 +422,23 @@ class LlamaModel:
         return x
 
     def _finish_layer(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = h + self._reduce(layer.o(attn))
+        groups = self._lora_groups
+        o = layer.o(attn)
+        if groups:
+            o = lora_terms.apply(layer, "o", attn, o, groups)
+        h = h + self._reduce(o)
         x = _rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
         if layer.moe is not None:
             return h + layer.moe(x)   # the block reduces (TP) or combines (EP) by itself
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return h + self._reduce(layer.down(F.silu(gate) * up))
+        gate_up = layer.gate_up(x)
+        if groups:
+            gate_up = lora_terms.apply(layer, "gate_up", x, gate_up, groups)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = layer.down(act)
+        if groups:
+            down = lora_terms.apply(layer, "down", act, down, groups)
+        return h + self._reduce(down)
 
     def _decode_attention(self, q, index, cache, batch: ForwardBatch) -> torch.Tensor:
         """q [B, H, D] against each sequence's cached keys (including the one just written)."""
@@ -474,6 +493,9 @@ class LlamaModel:
         start moving it while the later layers compute (the prefill's layerwise KV export).
         ``capture``: keep the states the speech stage reads (see :class:`HiddenCapture`)."""
         cos, sin = self._rotary(batch.positions if batch.rope_positions is None else batch.rope_positions)
+        # LoRA: tokens grouped by adapter slot once per step; empty (the base path) without slots.
+        self._lora_groups = ([] if batch.lora_slots is None or self.lora is None
+                             else self.lora.groups(batch.lora_slots))
         h = self.embed.index_select(0, batch.input_ids) if self.first_stage else hidden
         if batch.embeds is not None and self.first_stage:
             index, values = batch.embeds   # encoder outputs at media placeholders (prompt embeddings)
