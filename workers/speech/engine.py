@@ -166,11 +166,12 @@ class GenerateSpeechEngine:
         self.config = config
         self.device = torch.device(device)
         self.media_token_ids = self._media_token_ids(config.thinker_config)
-        self._init_queue(max_batch_size)
+        self._init_queue(max_batch_size, talker)
 
-    def _init_queue(self, max_batch_size: int) -> None:
-        """The queue, synthesis thread and counters that step()/cancel()/close() run on (shared with
-        the Qwen3-TTS engine, qwen3_tts.py, which synthesises differently)."""
+    def _init_queue(self, max_batch_size: int, model: torch.nn.Module) -> None:
+        """The queue, synthesis threads, their turns and the counters that step()/cancel()/close()
+        run on (shared with the Qwen3-TTS engine, qwen3_tts.py, which synthesises differently);
+        ``model``: what the threads take turns computing (its per-generation state is kept per thread)."""
         self.max_batch_size = max(1, max_batch_size)
         self.waiting: RequestQueue[SpeechTask] = RequestQueue()
         # request → (task, its synthesis future, the event that stops it between tokens)
@@ -183,7 +184,7 @@ class GenerateSpeechEngine:
         # thinker's next chunk never holds back another request.
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_batch_size,
                                                              thread_name_prefix="speech-synth")
-        self.turns = Turns(tuple(m for m in self.talker.modules() if hasattr(m, "rope_deltas")))
+        self.turns = Turns(tuple(m for m in model.modules() if hasattr(m, "rope_deltas")))
         self.stats = collections.Counter()
 
     @staticmethod
@@ -269,7 +270,7 @@ class GenerateSpeechEngine:
         while len(self.running) < self.max_batch_size and self.waiting:
             task = self.waiting.popleft()
             cancelled = threading.Event()
-            task.reply().cancelled = cancelled
+            self._stops_with(task, cancelled)
             self.running[task.request_id] = (task, self._thread.submit(self._synthesize_any, task, cancelled), cancelled)
         if not self.running:
             return out
@@ -285,6 +286,10 @@ class GenerateSpeechEngine:
         for request_id in [r for r in self._first_chunk_codes if r not in self.running]:
             del self._first_chunk_codes[request_id]
         return out
+
+    def _stops_with(self, task: SpeechTask, cancelled: threading.Event) -> None:
+        """A streamed reply's wait for the thinker ends when the request is cancelled."""
+        task.reply().cancelled = cancelled
 
     def _finish(self, task: SpeechTask, future: concurrent.futures.Future, out: SpeechStep) -> None:
         """A request's synthesis ended: its output, or its failure (nothing for a cancelled one)."""

@@ -51,6 +51,7 @@ from omnirelay.speech_params import MAX_CODES, SpeechParams
 from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, _change_speed, _load_prefixed
 from omnirelay.workers.speech.qwen3_tts_package import check_supported, load_classes
 from omnirelay.workers.speech.stream import SynthesisCancelled
+from omnirelay.workers.speech.turns import RandomState
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -104,7 +105,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         self.im_end = int(model.config.im_end_token_id)
         self.head: list[int] = []    # <|im_start|>assistant\n
         self.tail: list[int] = []    # <|im_end|>\n<|im_start|>assistant\n
-        self._init_queue(max_batch_size)
+        self._init_queue(max_batch_size, model)
 
     def set_template(self, tokenizer: Any) -> None:
         """The ids around the text, as the package's processor tokenizes its prompt string."""
@@ -173,11 +174,13 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
 
     @contextlib.contextmanager
     def _seeded(self, seed: int) -> Iterator[None]:
-        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
-            if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.manual_seed(seed)
+        """Synthesise holding the engine's turn under the request's own random stream: the synthesis
+        threads of a worker holding several requests run one at a time, each drawing only its own."""
+        with self.turns.hold(RandomState(seed, self.device)):
             yield
+
+    def _stops_with(self, task: TTSTask, cancelled: threading.Event) -> None:
+        """Nothing to wire: a TTS request has no streamed reply to wait for (its stream stops at a frame)."""
 
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
         """``frames`` [n, groups] → float32 waveform [n * upsample] (``Qwen3TTSTokenizerV2Model.decode``)."""
