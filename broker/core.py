@@ -161,9 +161,11 @@ class BrokerCore:
         self.counters["broker_stalls"] += 1
 
     def status(self, now: float) -> p.StatusReply:
-        return p.StatusReply(query_id=0, workers=[w.describe(now) for w in self.workers.values()],
+        workers = [w.describe(now) for w in self.workers.values()]
+        return p.StatusReply(query_id=0, workers=workers,
                              queued={f"{m}/{r}": len(q) for (m, r), q in self.queues.items()},
-                             counters=dict(self.counters))
+                             counters=dict(self.counters), requests=len(self.requests),
+                             unsettled=sum(not w["settled"] for w in workers))
 
     # ------------------------------------------------------------------ workers
 
@@ -181,7 +183,8 @@ class BrokerCore:
             return [(identity, p.ErrorReply(Overloaded.error_type, f"registry full ({self.config.max_workers} workers)"))]
         worker = WorkerState(
             worker_id=msg.worker_id, identity=identity, role=msg.role, model=msg.model,
-            capacity=max(0, msg.capacity), pid=msg.pid, host=msg.host, last_seen=now)
+            capacity=max(0, msg.capacity), pid=msg.pid, host=msg.host, last_seen=now, reports=msg.reports,
+            sent=msg.received)
         if msg.block_size > 0 and self.config.prefix_keys_per_worker > 0:
             worker.block_size, worker.prefix = msg.block_size, PrefixSet(self.config.prefix_keys_per_worker)
         if old is not None:
@@ -199,7 +202,7 @@ class BrokerCore:
         # gateways resume them elsewhere): stop them, so no compute is spent on orphans.
         # Whatever it still holds is not its task any more: the broker never knew it (it restarted)
         # or took it back when it dropped the worker (re-queued, or failed for the gateway to resume).
-        out += [(identity, p.CancelTask(rid)) for rid in msg.held]
+        out += [self._to_worker(worker, p.CancelTask(rid)) for rid in msg.held]
         self._told_to_reregister.pop(identity, None)
         self.counters["registrations"] += 1
         log.info("worker %s registered: role=%s model=%s capacity=%d", msg.worker_id, msg.role,
@@ -237,6 +240,7 @@ class BrokerCore:
         if worker is None:
             return self._unknown_worker(identity, now)
         worker.running, worker.waiting = msg.running, msg.waiting
+        worker.reported, worker.handled = msg.reports, msg.received
         worker.free_kv_blocks, worker.stats = msg.free_kv_blocks, msg.stats   # shared: see _on_stage_done
         prefix = worker.prefix
         if prefix is not None:
@@ -322,6 +326,7 @@ class BrokerCore:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
             return self._unknown_worker(identity, now)
+        worker.reports += 1   # counted whatever the report's fate (WorkerState.settled)
         req = self.requests.get(msg.request_id)
         if req is not None and req.producer_id == worker.worker_id and req.attempts == msg.attempt \
                 and req.spec.stages[req.stage_index - 1] == msg.stage:
@@ -334,7 +339,7 @@ class BrokerCore:
                 if msg.outputs:
                     # The request died while this stage ran (cancel, deadline): nobody will read
                     # what it just wrote, so have its producer delete it now rather than at TTL.
-                    return [(identity, p.CancelTask(msg.request_id, inputs=msg.outputs))]
+                    return [self._to_worker(worker, p.CancelTask(msg.request_id, inputs=msg.outputs))]
             return []
         worker.tasks.discard(msg.request_id)
         self._offer(worker)
@@ -347,7 +352,7 @@ class BrokerCore:
                 req.worker_id, req.stages_done = None, True
                 # Nobody reads its stream any more: it stops writing it (its own output goes on).
                 producer = self.workers.get(req.producer_id)
-                return [(producer.identity, p.CancelTask(msg.request_id, streams_only=True))] if producer else []
+                return [self._to_worker(producer, p.CancelTask(msg.request_id, streams_only=True))] if producer else []
             del self.requests[msg.request_id]
             counters["requests_finished"] += 1
             return []
@@ -362,12 +367,13 @@ class BrokerCore:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
             return self._unknown_worker(identity, now)
+        worker.reports += 1   # counted whatever the report's fate (WorkerState.settled)
         req = self.requests.get(msg.request_id)
         if (req is None or req.worker_id != worker.worker_id or req.stage != msg.stage
                 or req.attempts != msg.attempt or req.stage_index + 1 >= len(req.spec.stages)):
             self.counters["stale_stage_reports"] += 1
             # Nobody will read the stream: its producer deletes what it wrote and stops writing.
-            return [(identity, p.CancelTask(msg.request_id, inputs=msg.outputs))]
+            return [self._to_worker(worker, p.CancelTask(msg.request_id, inputs=msg.outputs))]
         self.counters["streamed_handoffs"] += 1
         req.producer_id, req.streamed = worker.worker_id, True
         req.stage_index += 1
@@ -399,6 +405,7 @@ class BrokerCore:
         worker = self._known_worker(identity, msg.worker_id, now)
         if worker is None:
             return self._unknown_worker(identity, now)
+        worker.reports += 1   # counted whatever the report's fate (WorkerState.settled)
         req = self.requests.get(msg.request_id)
         if req is not None and req.producer_id == worker.worker_id and req.attempts == msg.attempt:
             # The producer of a streamed hand-off failed: its consumer cannot go on without it.
@@ -628,6 +635,7 @@ class BrokerCore:
             else:
                 self._offer(worker)
             req.phase, req.worker_id, req.dispatched_at = RUNNING, worker.worker_id, now
+            worker.sent += 1   # WorkerState.settled
             out.append((worker.identity, p.Task(
                 request_id=request_id, stage=spec.stages[req.stage_index], model=model,
                 prompt_token_ids=spec.prompt_token_ids, sampling=spec.sampling, inputs=req.inputs,
@@ -652,7 +660,7 @@ class BrokerCore:
         if producer is not None:
             producer.tasks.discard(req.spec.request_id)
             self._offer(producer)
-            out.append((producer.identity, p.CancelTask(req.spec.request_id)))
+            out.append(self._to_worker(producer, p.CancelTask(req.spec.request_id)))
         req.producer_id = None
         if req.stages_done:
             return out
@@ -672,13 +680,19 @@ class BrokerCore:
             if not consumers:
                 return []
             consumer = min(consumers.values(), key=lambda w: len(w.tasks))
-            return [(consumer.identity, p.CancelTask(req.spec.request_id, inputs=req.inputs))]
+            return [self._to_worker(consumer, p.CancelTask(req.spec.request_id, inputs=req.inputs))]
         worker = self.workers.get(req.worker_id or "")
         if worker is None:
             return []
         worker.tasks.discard(req.spec.request_id)
         self._offer(worker)
-        return [(worker.identity, p.CancelTask(req.spec.request_id))]
+        return [self._to_worker(worker, p.CancelTask(req.spec.request_id))]
+
+    @staticmethod
+    def _to_worker(worker: WorkerState, msg: p.CancelTask) -> Outgoing:
+        """``msg`` for ``worker``, counted: it is settled only once a heartbeat says it handled it."""
+        worker.sent += 1
+        return worker.identity, msg
 
     _handlers = {
         p.Register: _on_register,

@@ -289,6 +289,8 @@ class Register(Message):
     host: str = ""
     held: list[str] = msgspec.field(default_factory=list)   # requests still held (re-registration)
     block_size: int = 0
+    reports: int = 0    # stage reports sent so far (Heartbeat.reports): the broker counts on from here
+    received: int = 0   # Tasks and CancelTasks received so far (Heartbeat.received), likewise
 
 
 @_register
@@ -304,7 +306,15 @@ class Heartbeat(Message):
     block names, :func:`~omnirelay.broker.prefix_index.route_keys`) of blocks it cached
     (``prefix_added``) and evicted (``prefix_evicted``) since its last heartbeat — or, with
     ``prefix_full``, its whole set in ``prefix_added`` (after registering, when the deltas overflow,
-    and now and then), which replaces the broker's copy. The broker keeps a bounded number per worker."""
+    and now and then), which replaces the broker's copy. The broker keeps a bounded number per worker.
+
+    ``reports`` and ``received``: how many stage reports (StageDone, StageFailed, StageStreaming)
+    the worker had sent, and Tasks and CancelTasks it had handled, when it read ``stats``, counted
+    over its life (its ``Register`` says where both stood). The broker counts the reports it
+    received and the messages it sent; when both agree and the worker holds and runs nothing,
+    ``stats`` include every request it finished or dropped — the worker is *settled*
+    (``StatusReply.unsettled``). Messages both ways keep their order on the one connection, and a
+    worker re-registers only after handling all the broker sent before its ``Reregister``."""
 
     TAG = b"HB"
     worker_id: str
@@ -315,6 +325,8 @@ class Heartbeat(Message):
     prefix_added: list[int] = msgspec.field(default_factory=list)
     prefix_evicted: list[int] = msgspec.field(default_factory=list)
     prefix_full: bool = False
+    reports: int = 0
+    received: int = 0
 
 
 @_register
@@ -485,11 +497,19 @@ class RequestFailed(Message):
 
 @_register
 class StatusReply(Message):
+    """``requests``: requests in flight at the broker; ``unsettled``: live workers that are not
+    settled (each worker's ``settled`` in ``workers``: it runs and holds nothing, and its last
+    heartbeat counted every stage report the broker received from it, so its ``stats`` are final).
+    Both 0: the cluster is idle and its figures fresh — what tests wait on instead of sleeping
+    across heartbeats."""
+
     TAG = b"STR"
     query_id: int
     workers: list[dict[str, Any]]
     queued: dict[str, int] = msgspec.field(default_factory=dict)
     counters: dict[str, int] = msgspec.field(default_factory=dict)
+    requests: int = 0
+    unsettled: int = 0
 
 
 @_register

@@ -44,6 +44,19 @@ class WorkerState:
     prefix: PrefixSet | None = None
     dispatched: int = 0                 # tasks sent to it since it registered
     prefix_routed: int = 0              # … of which went to it for a cached prefix
+    # Freshness (p.Heartbeat.reports/received), each count on from where its Register said it stood:
+    reports: int = 0                    # stage reports received from it
+    sent: int = 0                       # Tasks and CancelTasks sent to it
+    reported: int = -1                  # Heartbeat.reports of its last heartbeat (-1: none yet)
+    handled: int = -1                   # Heartbeat.received of its last heartbeat
+
+    @property
+    def settled(self) -> bool:
+        """It holds and runs nothing, and its last heartbeat was made after it had handled every
+        message sent to it and counts every stage report received from it: its ``stats`` include
+        each request it finished or dropped."""
+        return (not self.tasks and self.running == 0 and self.waiting == 0
+                and self.reported == self.reports and self.handled == self.sent)
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.model, "pid": self.pid,
@@ -52,7 +65,8 @@ class WorkerState:
                 "free_kv_blocks": self.free_kv_blocks, "stats": dict(self.stats),
                 "last_seen_s": round(now - self.last_seen, 3), "dispatched": self.dispatched,
                 "prefix_routed": self.prefix_routed, "block_size": self.block_size,
-                "prefix_keys": len(self.prefix) if self.prefix is not None else 0}
+                "prefix_keys": len(self.prefix) if self.prefix is not None else 0,
+                "reports": self.reports, "settled": self.settled}
 
 
 @dataclasses.dataclass(slots=True)

@@ -84,20 +84,17 @@ def pause_process(pid: int, seconds: float) -> None:
 
 def settled_workers(url: str, timeout: float = 30.0) -> list[dict]:
     """The workers of the gateway at ``url`` (its ``/cluster`` view) once every answered request is
-    counted in their stats: those travel in heartbeats (one a second), so a read right after an
-    answer can miss part of it. Settled means no worker reports a running request and two reads more
-    than a heartbeat apart agree."""
+    counted in their stats. Those travel in heartbeats; the cluster says when they are final
+    (``settled``: no request in flight, and each worker's last heartbeat counts every stage report
+    the broker has from it), and a worker heartbeats right after going idle, so this asks the
+    cluster until it says so — no sleeping across heartbeats."""
     deadline = time.monotonic() + timeout
-    last = None
     while True:
-        workers = requests.get(url + "/cluster", timeout=10).json()["workers"]
-        idle = not any(worker["running"] for worker in workers)
-        stats = [worker["stats"] for worker in workers]
-        if idle and stats == last:
-            return workers
-        assert time.monotonic() < deadline, f"the workers' stats did not settle: {stats}"
-        last = stats if idle else None
-        time.sleep(1.2)
+        view = requests.get(url + "/cluster", timeout=10).json()
+        if view["settled"]:
+            return view["workers"]
+        assert time.monotonic() < deadline, f"the cluster did not settle: {view}"
+        time.sleep(0.02)   # a settling worker is one message away
 
 
 class Cluster:

@@ -1,22 +1,18 @@
 """What the streamed-speech tests read from a running cluster: the generate workers' streamed-speech
-counters (they travel in heartbeats) and ``stream_format="sse"`` speech through the official client."""
+counters (they travel in heartbeats: read once the cluster says they are final, :func:`settled_workers`)
+and ``stream_format="sse"`` speech through the official client."""
 
 from __future__ import annotations
 
 import base64
 import json
-import time
 
 from cluster import settled_workers
 
 
-def speech_stream_stats(cluster) -> dict:
-    """The generate workers' streamed-speech counters, summed (from their last heartbeats)."""
-    return _speech_stream_counters(cluster.workers())
-
-
 def settled_speech_stream_stats(cluster) -> dict:
-    """:func:`speech_stream_stats` once every answered request is counted in it (:func:`settled_workers`)."""
+    """The generate workers' streamed-speech counters, summed, once every answered request is
+    counted in them (:func:`settled_workers`)."""
     return _speech_stream_counters(settled_workers(cluster.url))
 
 
@@ -31,16 +27,12 @@ def _speech_stream_counters(workers: list[dict]) -> dict:
 
 
 def speech_stream_stats_after(cluster, before: dict, requests: int) -> dict:
-    """How the counters moved since ``before`` once ``requests`` more streamed requests are counted
-    (the counters travel in heartbeats, so they lag the answers a little)."""
-    deadline = time.monotonic() + 30
-    while True:
-        stats = speech_stream_stats(cluster)
-        delta = {key: value - before.get(key, 0) for key, value in stats.items()}
-        if delta.get("speech_stream_requests", 0) >= requests:
-            return delta
-        assert time.monotonic() < deadline, f"the worker's streamed-speech counters did not move: {delta}"
-        time.sleep(0.2)
+    """How the counters moved since ``before``, read once the cluster settled; exactly ``requests``
+    more streamed requests must be counted (the answered ones are all in by then)."""
+    stats = settled_speech_stream_stats(cluster)
+    delta = {key: value - before.get(key, 0) for key, value in stats.items()}
+    assert delta.get("speech_stream_requests", 0) == requests, delta
+    return delta
 
 
 def speech_events(client, **kwargs) -> tuple[list[bytes], dict]:

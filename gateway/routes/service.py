@@ -2,7 +2,7 @@
 naming an unknown id), ``GET /health`` (200 only while every role each model needs has a live
 worker; ``GET``/``POST /ping`` is the same probe under the name vLLM and SageMaker use),
 ``GET /version`` (``{"version"}``: this package's), ``GET /cluster`` (the broker's view: workers, load,
-counters), ``GET /metrics`` (Prometheus), ``GET /status`` (a live page), ``GET /status.json`` and
+counters, and ``settled``: nothing in flight and every worker's stats final), ``GET /metrics`` (Prometheus), ``GET /status`` (a live page), ``GET /status.json`` and
 ``GET /openapi.json``."""
 
 from __future__ import annotations
@@ -127,4 +127,6 @@ async def cluster(request: web.Request) -> web.Response:
     status = await request.app[BUS].status(request.app[CONFIG].status_timeout_s)
     if status is None:
         raise Unavailable("broker did not answer", retry_after=1)
-    return web.json_response({"workers": status.workers, "queued": status.queued, "broker": status.counters})
+    # settled: no request in flight and every worker's stats final (p.StatusReply) — fresh figures.
+    return web.json_response({"workers": status.workers, "queued": status.queued, "broker": status.counters,
+                              "requests": status.requests, "settled": not status.requests and not status.unsettled})

@@ -273,7 +273,8 @@ class BrokerLink:
         """The loop's last reported load, no prefix-cache changes, and how long the loop is busy."""
         stats = {**load.stats, "step_age_s": round(step_age_s, 3), "keepalives": self.keepalives}
         return p.Heartbeat(worker_id=load.worker_id, running=load.running, waiting=load.waiting,
-                           free_kv_blocks=load.free_kv_blocks, stats=stats)
+                           free_kv_blocks=load.free_kv_blocks, stats=stats, reports=load.reports,
+                           received=load.received)
 
     def _report_wedge(self, busy_since: float, now: float) -> None:
         if self._wedge_logged_for != busy_since:

@@ -7,7 +7,7 @@ Loop, as a table of contents::
         handle bus messages: Task → engine, CancelTask → engine, Reregister → register again
         step the engine once and send what it produced (deltas to gateways, stage reports to broker)
         top up credits: grant the broker as many tasks as the engine has room for
-        heartbeat when due
+        heartbeat when due, or soon after going idle with something not yet reported
 
 The broker socket itself lives on the :class:`~omnirelay.workers.runtime.broker_link.BrokerLink` thread,
 which relays this loop's messages and keeps the worker alive at the broker while one step (and the
@@ -52,6 +52,11 @@ log = logging.getLogger("omnirelay.worker")
 # heartbeat, and the whole set every PREFIX_FULL_EVERY heartbeats so a lost delta heals.
 PREFIX_KEYS_PER_HEARTBEAT = 4096
 PREFIX_FULL_EVERY = 30
+# An idle worker that sent stage reports or handled tasks since its last heartbeat heartbeats again
+# this fraction of an interval after the last one, not a whole interval: the broker then sees it
+# settled (p.Heartbeat.reports/received) soon after its last report, and a worker finishing request
+# after request still heartbeats at most 1/IDLE_HEARTBEAT_GAP times an interval.
+IDLE_HEARTBEAT_GAP = 0.05
 
 
 class WorkerRuntime:
@@ -76,6 +81,10 @@ class WorkerRuntime:
         self._tasks: set[str] = set()
         self._prefix_cache = role.prefix_cache
         self._beats_to_full_prefix = 0   # 0: the next heartbeat sends the whole prefix set
+        # Freshness (p.Heartbeat.reports/received): stage reports sent, Tasks and CancelTasks
+        # handled, and both as the last heartbeat said them.
+        self._reports = self._received = 0
+        self._beat_counts = (-1, -1)
         self._serving = False            # registered and looping (health(); the loop thread writes it)
         self._tracer = WorkerTracer(tracing, config.role, config.worker_id) if tracing is not None else None
         if self._tracer is not None:   # connector transfers of traced requests become spans too
@@ -101,7 +110,7 @@ class WorkerRuntime:
             self.close()
 
     def _serve(self) -> None:
-        next_heartbeat = 0.0
+        next_heartbeat = last_heartbeat = 0.0
         drain_deadline = None
         while True:
             if self.shutdown.requested and drain_deadline is None:
@@ -123,10 +132,18 @@ class WorkerRuntime:
                 self._send(out)
             if drain_deadline is None:
                 self._top_up_credits()
-            if time.monotonic() >= next_heartbeat:
-                self._heartbeat()
-                self._gateways.close_idle()
-                next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+            if not self.role_has_work() and (self._reports, self._received) != self._beat_counts:
+                # Idle now: say so, with what the stats count, soon rather than an interval later.
+                next_heartbeat = min(next_heartbeat,
+                                     last_heartbeat + IDLE_HEARTBEAT_GAP * self.config.heartbeat_interval_s)
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                periodic = now >= last_heartbeat + self.config.heartbeat_interval_s
+                self._heartbeat(periodic)
+                if periodic:
+                    self._gateways.close_idle()
+                last_heartbeat = time.monotonic()
+                next_heartbeat = last_heartbeat + self.config.heartbeat_interval_s
 
     def health(self) -> WorkerHealth:
         """The worker's state for its probes (:mod:`~omnirelay.workers.runtime.health_server`). Called
@@ -152,7 +169,7 @@ class WorkerRuntime:
         self._send_broker(p.Register(worker_id=self.config.worker_id, role=self.config.role,
                                      model=self.config.model_name, capacity=self.config.capacity,
                                      pid=os.getpid(), host=socket.gethostname(), held=sorted(self._tasks),
-                                     block_size=block_size))
+                                     block_size=block_size, reports=self._reports, received=self._received))
 
     def _handle_broker_messages(self, budget: int = 256) -> None:
         for _ in range(budget):
@@ -164,6 +181,8 @@ class WorkerRuntime:
             except p.ProtocolError as exc:
                 log.warning("dropping malformed message from broker: %s", exc)
                 continue
+            if isinstance(msg, (p.Task, p.CancelTask)):
+                self._received += 1   # counted before handling: the next heartbeat is made after it
             if isinstance(msg, p.Task):
                 self._credits_outstanding -= 1
                 if self.shutdown.requested:
@@ -206,23 +225,27 @@ class WorkerRuntime:
             self._send_broker(p.Credit(self.config.worker_id, -self._credits_outstanding))
             self._credits_outstanding = 0
 
-    def _heartbeat(self) -> None:
-        stats = self.engine_stats()
+    def _heartbeat(self, periodic: bool = True) -> None:
+        """``periodic``: an interval's heartbeat, not an early one sent on going idle (those do not
+        count towards the next full prefix report)."""
+        # Read together: the stats include every request whose report was sent before this point.
+        stats, (reports, received) = self.engine_stats(), (self._reports, self._received)
+        self._beat_counts = (reports, received)
         stats["keepalives"] = self._link.keepalives   # steps that outlasted a heartbeat interval
         self._link.send_heartbeat(p.Heartbeat(worker_id=self.config.worker_id, running=stats.pop("running", 0),
                                               waiting=stats.pop("waiting", 0),
                                               free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats,
-                                              **self._prefix_report()))
+                                              reports=reports, received=received, **self._prefix_report(periodic)))
 
-    def _prefix_report(self) -> dict:
+    def _prefix_report(self, periodic: bool) -> dict:
         """Heartbeat fields for prefix-aware routing: the route keys of blocks cached and evicted
         since the last heartbeat, or the whole (bounded) set after registering, when the changes
-        overflow the bound, and every PREFIX_FULL_EVERY heartbeats."""
+        overflow the bound, and every PREFIX_FULL_EVERY periodic heartbeats."""
         cache = self._prefix_cache
         if cache is None:
             return {}
         added, evicted = cache.prefix_events()
-        self._beats_to_full_prefix -= 1
+        self._beats_to_full_prefix -= periodic
         if self._beats_to_full_prefix < 0 or len(added) + len(evicted) > PREFIX_KEYS_PER_HEARTBEAT:
             self._beats_to_full_prefix = PREFIX_FULL_EVERY
             return {"prefix_full": True,
@@ -244,6 +267,8 @@ class WorkerRuntime:
                 self._tasks.discard(msg.request_id)
                 if self._tracer is not None:
                     self._tracer.reported(msg)
+            if isinstance(msg, (p.StageDone, p.StageFailed, p.StageStreaming)):
+                self._reports += 1
             if dest == BROKER:
                 self._send_broker(msg)
             else:
