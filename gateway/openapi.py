@@ -24,6 +24,7 @@ from omnirelay import video_params as vid
 from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
 from omnirelay.gateway.sampling_options import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from omnirelay.gateway.schema import MAX_CHOICES
+from omnirelay.gateway.request_body import INT64_MAX, INT64_MIN
 from omnirelay.gateway.schema import NOT_SERVED   # options known but not served: 422
 
 from .openapi_text_routes import responses_paths, transcription_paths
@@ -529,7 +530,7 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
         "finish_reason": {"type": "string", "nullable": True}}}
     json_body = lambda schema: {"required": True, "content": {"application/json": {"schema": schema}}}  # noqa: E731
     error_ref = {"$ref": "#/components/schemas/Error"}
-    return {
+    doc = {
         "openapi": "3.0.3",
         "info": {"title": "omnirelay gateway", "version": __version__,
                  "description": "OpenAI-compatible API of an omnirelay cluster."},
@@ -562,6 +563,40 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                 "503": {"description": "a role has no live worker",
                         "content": {"application/json": {"schema": error_ref}}}}}},
         },
-        "components": {"schemas": {"Error": _ERROR},
+        "components": {"schemas": {"Error": _ERROR, "BoundedValue": _BOUNDED_VALUE},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
+    for path in doc["paths"].values():
+        for operation in path.values():
+            body = operation.get("requestBody", {}).get("content", {}).get("application/json")
+            if body is not None:
+                _bound_open_objects(body["schema"])
+    return doc
+
+
+# What any JSON value in a request body may be (gateway/request_body.py parse_json, for every route
+# alike): integers within int64, nesting within the parser's bound. An object a schema leaves open
+# (extra keys) takes such values, so the document promises no more than the parser accepts.
+_BOUNDED_VALUE = {"nullable": True, "anyOf": [
+    {"type": "string"}, {"type": "boolean"}, {"type": "number"},
+    {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX},
+    {"type": "array", "items": {"$ref": "#/components/schemas/BoundedValue"}},
+    {"type": "object", "additionalProperties": {"$ref": "#/components/schemas/BoundedValue"}}]}
+
+
+def _bound_open_objects(schema) -> None:
+    """Give every object schema under ``schema`` that allows extra keys bounded values for them."""
+    if isinstance(schema, list):
+        for item in schema:
+            _bound_open_objects(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    if schema.get("type") == "object" and schema.get("additionalProperties", True) is True:
+        schema["additionalProperties"] = {"$ref": "#/components/schemas/BoundedValue"}
+    for key, value in schema.items():
+        if key in ("properties",):
+            for sub in value.values():
+                _bound_open_objects(sub)
+        elif key in ("items", "oneOf", "anyOf", "allOf", "additionalProperties", "not"):
+            _bound_open_objects(value)
