@@ -4,6 +4,10 @@ Plain Python (hashlib, struct; no torch) so the broker or gateway can import it 
 block's name is ``blake2b(parent name || its token ids as little-endian int64)``, 16 bytes, so a
 name stands for the block's tokens *and* everything before them; a partial last block has none.
 Equal names on two workers mean equal KV (same model and block size).
+
+A LoRA adapter changes every block's KV: under adapter ``X`` the chain starts from
+``blake2b("lora:" + X)`` instead of the empty parent (``salt``), so a prefix computed under one
+adapter never matches another adapter's or the base's. Without an adapter the names are unchanged.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ HASH_BYTES = 16
 DEFAULT_BLOCK_SIZE = 16
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chain hashes of the full blocks of ``token_ids``, first block first."""
+def block_hashes(token_ids: list[int], block_size: int, lora: str = "") -> list[bytes]:
+    """Chain hashes of the full blocks of ``token_ids``, first block first; ``lora``: the
+    adapter the KV is computed under ("": the base)."""
     out: list[bytes] = []
-    parent = b""
+    parent = hashlib.blake2b(b"lora:" + lora.encode(), digest_size=HASH_BYTES).digest() if lora else b""
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start:start + block_size]
         parent = hashlib.blake2b(parent + struct.pack(f"<{block_size}q", *block), digest_size=HASH_BYTES).digest()

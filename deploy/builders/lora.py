@@ -19,7 +19,7 @@ import sys
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Std of the random A and B entries: large enough that the product changes the tiny model's greedy
 # tokens, small enough that activations stay in the base's range.
-LORA_STD = 0.15
+LORA_STD = 0.08
 
 
 def _complete(path: pathlib.Path) -> bool:

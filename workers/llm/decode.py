@@ -62,6 +62,7 @@ from omnirelay.errors import BadRequest, DeadlineExceeded, OutOfMemory
 from omnirelay.handoffs import SpeechHandoff, release_kv
 
 from omnirelay.workers.llm.forward_batch import ForwardBatch
+from omnirelay.workers.llm.lora import LoraSlots
 from omnirelay.workers.llm.handoff_jobs import SpeechReplySend
 from omnirelay.workers.llm.reply_stream import ReplyStreamWriter
 from omnirelay.workers.kv.cache import BlockAllocator, PagedKVCache
@@ -174,7 +175,7 @@ class DecodeEngine:
 
     def __init__(self, model: LlamaModel | ModelRunner, cache: PagedKVCache | None, connector: Connector, *,
                  max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0, kv_import_threads: int = 2,
-                 grammars: GrammarSampler | None = None, stream_chunk_tokens: int = 0):
+                 grammars: GrammarSampler | None = None, stream_chunk_tokens: int = 0, lora: LoraSlots | None = None):
         if isinstance(model, LlamaModel):
             self.runner: ModelRunner = LocalRunner(model, cache)
             self.allocator = cache.allocator
@@ -200,6 +201,7 @@ class DecodeEngine:
         self._written_streams: collections.OrderedDict[str, ReplyStreamWriter] = collections.OrderedDict()
         self.stats = collections.Counter()
         self.grammars = grammars
+        self.lora = lora   # None: LoRA off (a sequence naming an adapter is refused)
         self.processors = LogitsProcessors(self.eos_token_ids)
 
     @property
@@ -329,6 +331,8 @@ class DecodeEngine:
                      "(tensor and pipeline parallel size 1)")
         elif grammar_error := self._grammar_error(seq):
             error = (BadRequest.error_type, grammar_error)
+        elif lora_error := self._lora_error(seq):
+            error = (BadRequest.error_type, lora_error)
         else:
             return False
         self.waiting.remove_task(seq)
@@ -356,6 +360,9 @@ class DecodeEngine:
                 error = seq.kv_import.error
                 out.failed.append(RequestFailure(seq.request_id, error.error_type, str(error)))
                 continue
+            if self.lora is not None and not self.lora.fits(seq.task.params.lora,
+                                                            {s.task.params.lora for s in self.running}):
+                continue   # a step holds at most max_loras adapters
             # Room for the cached tokens plus the one this step writes.
             cached = seq.total_len - 1
             needed = self.blocks_needed(cached + 1)
@@ -382,7 +389,10 @@ class DecodeEngine:
         if not todo:
             return
         chunks = [(s.task.prompt_token_ids + s.generated[:-1], 0, s.blocks) for s in todo]
-        self.runner.forward(ForwardBatch.build(chunks, self.block_size))
+        batch = ForwardBatch.build(chunks, self.block_size)
+        if self.lora is not None:
+            batch.lora_slots = self.lora.token_slots([s.task.params.lora for s in todo], [len(c[0]) for c in chunks])
+        self.runner.forward(batch)
         for seq, (tokens, _, _) in zip(todo, chunks):
             seq.num_cached, seq.needs_recompute = len(tokens), False
             self.stats["recomputed_tokens"] += len(tokens)
@@ -434,6 +444,12 @@ class DecodeEngine:
         seq.blocks = []
         self._release_grammar(seq)
 
+    def _lora_error(self, seq: Sequence) -> str:
+        name = seq.task.params.lora
+        if name and (self.lora is None or name not in self.lora.paths):
+            return f"LoRA adapter {name!r} is not loaded on this worker"
+        return ""
+
     def _grammar_row(self, seq: Sequence):
         if self.grammars is None:
             return None
@@ -465,6 +481,8 @@ class DecodeEngine:
         input_ids = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
         positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
         decode_batch = ForwardBatch.decode(input_ids, positions, tables, self.block_size)
+        if self.lora is not None:
+            decode_batch.lora_slots = self.lora.token_slots([s.task.params.lora for s in batch], [1] * len(batch))
         if any(s.task.rope_delta for s in batch):
             decode_batch.rope_positions = positions + torch.tensor([s.task.rope_delta for s in batch])
         logits = self._forward_batch(decode_batch, batch)

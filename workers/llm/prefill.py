@@ -67,6 +67,7 @@ from omnirelay.mrope import MropeSpec
 from omnirelay.workers.kv.export import LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport
 from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
 from omnirelay.workers.llm.forward_batch import ForwardBatch
+from omnirelay.workers.llm.lora import LoraSlots
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
 from omnirelay.workers.llm.model_runner import ModelRunner, local_runner, logits_for_sampling
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
@@ -178,7 +179,7 @@ class PrefillEngine:
                  block_size: int = 16, prefix_caching: bool = True, mrope: MropeSpec | None = None,
                  transfer_timeout_s: float = 30.0, kv_transfer: str = "auto",
                  layerwise_min_bytes: int = LAYERWISE_MIN_BYTES, grammars: GrammarSampler | None = None,
-                 transfer_threads: int = 2):
+                 transfer_threads: int = 2, lora: LoraSlots | None = None):
         if kv_transfer not in TRANSFER_MODES:
             raise ValueError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got {kv_transfer!r}")
         self.runner: ModelRunner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
@@ -199,6 +200,7 @@ class PrefillEngine:
         self.running: list[_Running] = []
         self.stats = collections.Counter()
         self.grammars = grammars
+        self.lora = lora    # None: LoRA off, a request naming an adapter is refused
         self.processors = LogitsProcessors(self.runner.config.eos_token_ids)
         self._grammar_complete: set[str] = set()   # requests whose first token completed their grammar
         # Media fetches and hand-off sends are each held to one batch's worth by the engine (see
@@ -257,11 +259,12 @@ class PrefillEngine:
             fetch.job.delete_on_discard = False
         self._transfers.close()
 
-    def prefix_hit_tokens(self, token_ids: list[int]) -> int:
-        """Prompt tokens whose KV this worker holds now (what routing would maximise)."""
+    def prefix_hit_tokens(self, token_ids: list[int], lora: str = "") -> int:
+        """Prompt tokens whose KV this worker holds now (what routing would maximise); ``lora``:
+        the adapter the prompt would run under."""
         if not self.prefix_caching:
             return 0
-        usable = block_hashes(token_ids, self.block_size)[: (len(token_ids) - 1) // self.block_size]
+        usable = block_hashes(token_ids, self.block_size, lora)[: (len(token_ids) - 1) // self.block_size]
         return len(self.allocator.match(usable)) * self.block_size
 
     def prefix_events(self) -> tuple[list[bytes], list[bytes]]:
@@ -313,7 +316,12 @@ class PrefillEngine:
                                            "(tensor and pipeline parallel size 1)")
         if -(-n // self.block_size) > self.runner.num_blocks - 1:
             return OutOfMemory.error_type, f"prompt of {n} tokens exceeds the prefill KV pool"
+        if task.params.lora and (self.lora is None or task.params.lora not in self.lora.paths):
+            return BadRequest.error_type, f"LoRA adapter {task.params.lora!r} is not loaded on this worker"
         return None
+
+    def _running_loras(self) -> set[str]:
+        return {seq.task.params.lora for seq in self.running}
 
     def _start_media_fetches(self, results: list[PrefillOutcome]) -> None:
         """Start the encoder outputs' gets of new media prompts (failing first those this worker can
@@ -373,7 +381,10 @@ class PrefillEngine:
             total = -(-n // self.block_size)
             # Placeholder ids say nothing about the media behind them: a media prompt neither reuses
             # nor publishes cached blocks.
-            hashes = block_hashes(task.prompt_token_ids, self.block_size) if self.prefix_caching and not task.media else []
+            if self.lora is not None and not self.lora.fits(task.params.lora, self._running_loras()):
+                continue   # a step holds at most max_loras adapters: wait for a slot's sequences
+            hashes = (block_hashes(task.prompt_token_ids, self.block_size, task.params.lora)
+                      if self.prefix_caching and not task.media else [])
             # The last prompt token is always computed: its logits give the first output token.
             # A speech request needs every prompt token's hidden state: no cached prefix is skipped.
             hits = [] if task.speech else self.allocator.match(hashes[: (n - 1) // self.block_size])
@@ -416,6 +427,8 @@ class PrefillEngine:
             self.block_size)
         for name, value in media_fields([(seq.media, seq.computed, n) for seq, n in chunks]).items():
             setattr(batch, name, value)
+        if self.lora is not None:
+            batch.lora_slots = self.lora.token_slots([seq.task.params.lora for seq, _ in chunks], [n for _, n in chunks])
         export = self._start_export([seq for seq, n in chunks if seq.computed + n == len(seq.task.prompt_token_ids)])
         try:
             logits = self._forward_batch(batch, chunks, export)

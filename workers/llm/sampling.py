@@ -49,6 +49,7 @@ class SamplingParams:
     min_tokens: int = 0                 # like max_tokens, counted from this submission's first token
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()   # empty: every token
+    lora: str = ""            # the LoRA adapter's name ("": the base model; absent from the wire)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -147,6 +148,8 @@ class SamplingParams:
         out["allowed_token_ids"] = list(self.allowed_token_ids)
         out["logit_bias"] = [list(pair) for pair in self.logit_bias]
         out["bad_words_token_ids"] = [list(word) for word in self.bad_words_token_ids]
+        if not self.lora:   # the base: the key stays off the wire, as before LoRA existed
+            del out["lora"]
         return out
 
 

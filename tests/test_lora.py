@@ -1,0 +1,206 @@
+"""LoRA adapters in the compact engines (issue #29): PEFT's files, checked at load; batched,
+unmerged LoRA terms in one prefill and one decode batch mixing adapters and the base, token for
+token equal to transformers + peft (each adapter applied by peft to the base, unmerged); the prefix
+cache keyed by adapter; more adapters than slots (LRU eviction)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from omnirelay.block_hash import block_hashes
+from omnirelay.deploy.builders.lora import build_tiny_lora
+from omnirelay.workers.kv.cache import PagedKVCache
+from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.llm.lora import LoraError, LoraSlots, load_adapter
+from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.sampling import SamplingParams
+
+from engine_support import QUESTIONS, SYSTEM, chat_ids, connector, drain_prefill, tok  # noqa: F401  (fixtures)
+
+peft = pytest.importorskip("peft")
+
+NEW_TOKENS = 24
+# Adapter name → (rank, targets, rsLoRA): attention only, MLP only, everything with rsLoRA, ...
+RECIPES = {"a1": (8, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", False),
+           "a2": (4, "q_proj,v_proj", False), "a3": (16, "gate_proj,up_proj,down_proj,o_proj", True)}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for seed, (name, (rank, targets, rslora)) in enumerate(RECIPES.items(), 1):
+        out[name] = str(build_tiny_lora(tiny_model, root / name, rank=rank, targets=tuple(targets.split(",")),
+                                        seed=seed, use_rslora=rslora))
+    return out
+
+
+@pytest.fixture(scope="module")
+def peft_reference(tiny_model):
+    """``greedy(adapter_dir or None, ids, n)``: transformers' greedy tokens, the adapter applied by
+    peft to the base (unmerged)."""
+    memo: dict = {}
+    models: dict = {}
+
+    def greedy(adapter: str | None, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+        key = (adapter, tuple(ids), n)
+        if key not in memo:
+            if adapter not in models:
+                hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+                models[adapter] = hf if adapter is None else peft.PeftModel.from_pretrained(hf, adapter).eval()
+            with torch.no_grad():
+                out = models[adapter].generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                                               do_sample=False)
+            memo[key] = out[0, len(ids):].tolist()
+        return memo[key]
+
+    return greedy
+
+
+def _params(name: str, n: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lora=name)
+
+
+def _engines(tiny_model, adapters, connector, *, max_loras: int, max_batched_tokens: int = 256):
+    """A prefill and a decode engine on their own model copies (each holds its own LoRA slots)."""
+    torch.set_num_threads(1)
+    pm, dm = LlamaModel(tiny_model), LlamaModel(tiny_model)
+    p_slots = LoraSlots(pm, adapters, max_loras=max_loras, max_rank=16)
+    d_slots = LoraSlots(dm, adapters, max_loras=max_loras, max_rank=16)
+    prefill = PrefillEngine(pm, connector, max_model_len=2048, block_size=8, kv_cache_bytes=8 << 20,
+                            max_batched_tokens=max_batched_tokens, lora=p_slots)
+    cfg = dm.config
+    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=16, num_blocks=256)
+    decode = DecodeEngine(dm, cache, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5,
+                          lora=d_slots)
+    return prefill, decode
+
+
+def _generate(prefill: PrefillEngine, decode: DecodeEngine, jobs: list[tuple[str, list[int]]],
+              n: int = NEW_TOKENS) -> list[list[int]]:
+    """Every job ``(adapter, prompt ids)`` submitted at once through prefill, then decode."""
+    for i, (name, ids) in enumerate(jobs):
+        prefill.add(PrefillTask(f"r{i}", ids, _params(name, n), time.time() + 120))
+    prefilled = drain_prefill(prefill, max_steps=400)
+    outputs = {}
+    for i, (name, ids) in enumerate(jobs):
+        result = prefilled[f"r{i}"]
+        outputs[f"r{i}"] = [result.first_token]
+        decode.add(DecodeTask(f"r{i}", ids, result.first_token, _params(name, n), time.time() + 120, "",
+                              result.outputs.kv_key, result.outputs.kv_handle))
+    for _ in range(4000):
+        out = decode.step()
+        assert not out.failed, out.failed
+        for token in out.tokens:
+            outputs[token.request_id].append(token.token)
+        if not decode.has_work:
+            return [outputs[f"r{i}"] for i in range(len(jobs))]
+    raise AssertionError("decode did not finish")
+
+
+def test_mixed_batch_of_base_and_three_adapters_equals_peft(tiny_model, adapters, tok, connector, peft_reference):
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:4]]
+    names = ["", *RECIPES]
+    # Every prompt under every adapter and the base, all in one load: 16 sequences per batch.
+    jobs = [(name, ids) for ids in prompts for name in names]
+    prefill, decode = _engines(tiny_model, adapters, connector, max_loras=3)
+    outputs = _generate(prefill, decode, jobs)
+    for (name, ids), got in zip(jobs, outputs):
+        assert got == peft_reference(adapters.get(name), ids), (name, ids)
+    # The adapters really change the answers (a LoRA term that is never added would fail above too).
+    for ids in prompts:
+        assert len({tuple(peft_reference(adapters.get(n), ids)) for n in names}) == len(names)
+
+
+def test_prefix_cached_under_one_adapter_is_not_reused_by_another(tiny_model, adapters, tok, connector,
+                                                                  peft_reference):
+    prompt = chat_ids(tok, QUESTIONS[1], SYSTEM)
+    prefill, decode = _engines(tiny_model, adapters, connector, max_loras=3)
+    _generate(prefill, decode, [("a1", prompt)], n=2)
+    assert prefill.prefix_hit_tokens(prompt, "a1") >= 40
+    assert prefill.prefix_hit_tokens(prompt, "a2") == prefill.prefix_hit_tokens(prompt) == 0
+    assert prefill.stats["prefix_cached_tokens"] == 0
+    # The same prompt under a2 and under the base: nothing reused, and their own right answers.
+    outputs = _generate(prefill, decode, [("a2", prompt), ("", prompt)], n=4)
+    assert prefill.stats["prefix_cached_tokens"] == 0
+    assert outputs == [peft_reference(adapters["a2"], prompt, 4), peft_reference(None, prompt, 4)]
+    # Under a1 again it is reused.
+    again = _generate(prefill, decode, [("a1", prompt)], n=4)
+    assert prefill.stats["prefix_cached_tokens"] >= 40
+    assert again == [peft_reference(adapters["a1"], prompt, 4)]
+    # Without an adapter the block names are what they always were.
+    assert block_hashes(prompt, 8, "") == block_hashes(prompt, 8) != block_hashes(prompt, 8, "a1")
+
+
+def test_eight_adapters_through_two_slots(tiny_model, tok, connector, tmp_path, peft_reference):
+    many = {f"m{i}": str(build_tiny_lora(tiny_model, tmp_path / f"m{i}", rank=4, targets=("q_proj", "v_proj", "down_proj"),
+                                         seed=10 + i)) for i in range(8)}
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
+    jobs = [(name, ids) for name in many for ids in prompts]
+    prefill, decode = _engines(tiny_model, many, connector, max_loras=2)
+    outputs = _generate(prefill, decode, jobs, n=8)
+    for (name, ids), got in zip(jobs, outputs):
+        assert got == peft_reference(many[name], ids, 8), name
+    assert prefill.lora.stats["lora_evictions"] >= 6 and decode.lora.stats["lora_evictions"] >= 6
+    assert len(prefill.lora.resident) == len(decode.lora.resident) == 2
+
+
+def test_bad_adapters_are_refused_at_load(tiny_model, adapters, tmp_path):
+    config = LlamaModel(tiny_model).config
+    good = adapters["a1"]
+    assert load_adapter("a1", good, config, max_rank=8).rank == 8
+    with pytest.raises(LoraError, match=r"'a1'.*rank 8 is above --max-lora-rank 4"):
+        load_adapter("a1", good, config, max_rank=4)
+    with pytest.raises(LoraError, match=r"adapter_config.json is missing"):
+        load_adapter("x", tmp_path, config, max_rank=16)
+
+    def variant(name: str, edit_config=None, edit_weights=None) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        raw = json.loads((tmp_path.parent / "x").joinpath().read_text()) if False else \
+            json.loads(open(f"{good}/adapter_config.json").read())
+        weights = load_file(f"{good}/adapter_model.safetensors")
+        if edit_config:
+            edit_config(raw)
+        if edit_weights:
+            edit_weights(weights)
+        (path / "adapter_config.json").write_text(json.dumps(raw))
+        save_file(weights, str(path / "adapter_model.safetensors"))
+        return str(path)
+
+    def narrow(weights):   # an adapter made for another base: A of q_proj one column short
+        key = next(k for k in weights if "q_proj.lora_A" in k)
+        weights[key] = weights[key][:, :-1].contiguous()
+
+    with pytest.raises(LoraError, match=r"q_proj: A \(8, 255\).*do not fit the base"):
+        load_adapter("narrow", variant("narrow", edit_weights=narrow), config, max_rank=16)
+    with pytest.raises(LoraError, match=r"target modules \['lm_head'\] are not supported"):
+        load_adapter("head", variant("head", lambda r: r.update(target_modules=["q_proj", "lm_head"])),
+                     config, max_rank=16)
+    with pytest.raises(LoraError, match="use_dora"):
+        load_adapter("dora", variant("dora", lambda r: r.update(use_dora=True)), config, max_rank=16)
+    # LoraSlots checks every module when it is built: the bad one is named before any request.
+    with pytest.raises(LoraError, match="'big'"):
+        LoraSlots(LlamaModel(tiny_model), {"a2": adapters["a2"], "big": good}, max_loras=1, max_rank=4)
+
+
+def test_a_request_for_an_adapter_the_worker_lacks_fails_by_name(tiny_model, adapters, tok, connector):
+    prefill, _ = _engines(tiny_model, {"a2": adapters["a2"]}, connector, max_loras=1)
+    prefill.add(PrefillTask("r0", chat_ids(tok, "Hi!"), _params("nope"), time.time() + 60))
+    failures = [r for r in prefill.step() if hasattr(r, "error_type")]
+    assert len(failures) == 1 and "'nope'" in failures[0].message
+    plain = PrefillEngine(LlamaModel(tiny_model), connector, max_model_len=2048)   # LoRA off
+    plain.add(PrefillTask("r1", chat_ids(tok, "Hi!"), _params("a2"), time.time() + 60))
+    failures = [r for r in plain.step() if hasattr(r, "error_type")]
+    assert len(failures) == 1 and "'a2'" in failures[0].message
+    assert SamplingParams(max_tokens=2).to_wire().keys() == SamplingParams.from_wire(
+        SamplingParams(max_tokens=2).to_wire()).to_wire().keys() and "lora" not in SamplingParams().to_wire()
+    assert SamplingParams.from_wire(_params("a2").to_wire()).lora == "a2"
