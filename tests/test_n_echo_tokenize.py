@@ -9,13 +9,14 @@ heartbeats) show the prompt's full blocks computed once, not n times.
 from __future__ import annotations
 
 import json
-import time
 
 import openai
 import pytest
 import requests
 
 from omnirelay.gateway.schema import MAX_CHOICES
+
+from cluster import settled_workers
 
 MODEL = "tiny-llm"
 BLOCK = 16   # omni-worker's default --block-size
@@ -116,25 +117,16 @@ def test_n_with_logprobs_and_stop(client):
         assert all(c.text == text[:text.index(stop)] for c in stopped.choices)
 
 
-def _prefill_stats(server) -> dict:
-    prefill = [w for w in requests.get(server.url + "/cluster", timeout=10).json()["workers"] if w["role"] == "prefill"]
-    assert len(prefill) == 1, prefill
-    return prefill[0]["stats"]
+def _settled_worker(server, role: str) -> dict:
+    """The one ``role`` worker once every answered request is counted in its stats (they travel in
+    heartbeats: :func:`settled_workers` waits for the cluster to say they are final)."""
+    workers = [w for w in settled_workers(server.url) if w["role"] == role]
+    assert len(workers) == 1, workers
+    return workers[0]
 
 
-def _settled_prefill_stats(server, previous: dict | None = None) -> dict:
-    """The prefill worker's counters once its heartbeats have caught up (the same for two in a row,
-    and past ``previous`` when given)."""
-    deadline = time.monotonic() + 20
-    last = _prefill_stats(server)
-    while time.monotonic() < deadline:
-        time.sleep(1.2)   # a heartbeat is sent every second
-        now = _prefill_stats(server)
-        moved = previous is None or now.get("prefill_tokens", 0) > previous.get("prefill_tokens", 0)
-        if now == last and moved:
-            return now
-        last = now
-    raise AssertionError(f"prefill counters never settled: {last}")
+def _settled_prefill_stats(server) -> dict:
+    return _settled_worker(server, "prefill")["stats"]
 
 
 def test_n_choices_prefill_the_shared_prompt_once(client, server):
@@ -146,7 +138,7 @@ def test_n_choices_prefill_the_shared_prompt_once(client, server):
     n = 4
     reply = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=3, temperature=0.7, seed=11, n=n)
     assert len(reply.choices) == n and reply.usage.prompt_tokens == prompt_tokens
-    after = _settled_prefill_stats(server, before)
+    after = _settled_prefill_stats(server)
     computed = after["prefill_tokens"] - before.get("prefill_tokens", 0)
     reused = after.get("prefix_cached_tokens", 0) - before.get("prefix_cached_tokens", 0)
     # Choice 0 computes the whole prompt (or less, if an earlier test left its blocks cached); each
@@ -215,15 +207,8 @@ def test_bad_choice_requests_are_refused_before_any_work(client):
     assert (info.value.status_code, info.value.body["param"]) == (422, "echo")
 
 
-def _decode_worker(server) -> dict:
-    decode = [w for w in requests.get(server.url + "/cluster", timeout=10).json()["workers"] if w["role"] == "decode"]
-    assert len(decode) == 1, decode
-    return decode[0]
-
-
 def test_a_client_leaving_cancels_every_choice_upstream(server):
-    time.sleep(1.5)   # a heartbeat carries the effects of the earlier tests
-    cancelled_before = _decode_worker(server)["stats"].get("cancelled", 0)
+    cancelled_before = _settled_worker(server, "decode")["stats"].get("cancelled", 0)   # earlier tests' all in
     body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True,
             "temperature": 0.5, "n": 3, "stream": True}
     chunks = [0, 0, 0]
@@ -236,13 +221,8 @@ def test_a_client_leaving_cancels_every_choice_upstream(server):
             # flight; from the third on, decode is running it.
             if min(chunks) >= 3:
                 break   # every choice is decoding: hang up
-    deadline = time.monotonic() + 20
-    while True:
-        decode = _decode_worker(server)
-        cancelled = decode["stats"].get("cancelled", 0) - cancelled_before
-        if (cancelled >= 3 and decode["running"] == 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    decode = _settled_worker(server, "decode")   # settled: the cancels reached decode and a heartbeat says so
+    cancelled = decode["stats"].get("cancelled", 0) - cancelled_before
     assert cancelled == 3 and decode["running"] == 0, decode   # stopped by the hang-up, not by 400 tokens
 
 
@@ -330,14 +310,10 @@ def test_the_choices_of_a_prompt_land_on_the_prefill_worker_that_holds_it(two_pr
     n = 3
     reply = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2, temperature=0.7, seed=5, n=n)
     assert len(reply.choices) == n
-    deadline = time.monotonic() + 15
-    while True:   # the engines' counters travel in heartbeats
-        prefill = sorted((w for w in cluster.workers() if w["role"] == "prefill"),
-                         key=lambda w: w["dispatched"], reverse=True)
-        hits = [w["stats"].get("prefix_hit_requests", 0) for w in prefill]
-        if hits == [n - 1, 0] or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    # The engines' counters travel in heartbeats: read once the cluster says they are final.
+    prefill = sorted((w for w in settled_workers(cluster.url) if w["role"] == "prefill"),
+                     key=lambda w: w["dispatched"], reverse=True)
+    hits = [w["stats"].get("prefix_hit_requests", 0) for w in prefill]
     assert [w["dispatched"] for w in prefill] == [n, 0], prefill
     assert [w["prefix_routed"] for w in prefill] == [n - 1, 0], prefill
     assert hits == [n - 1, 0], prefill
@@ -384,12 +360,7 @@ def test_a_failing_choice_fails_the_request_with_the_error_contract(failing_stor
         assert last["error"]["code"] == "transfer_failed" and last["request_id"].startswith("cmpl-"), events
     else:   # failed before its first token
         assert streamed.status_code == 502
-    deadline = time.monotonic() + 15
-    while True:   # nothing left running anywhere: the sibling was cancelled with the failed choice
-        workers = failing_store.workers()
-        if all(w["running"] == 0 for w in workers) or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    workers = settled_workers(failing_store.url)   # nothing left anywhere: the sibling was cancelled too
     assert all(w["running"] == 0 for w in workers), workers
 
 
