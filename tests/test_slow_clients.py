@@ -23,7 +23,7 @@ import aiohttp
 import openai
 import pytest
 
-from cluster import Cluster
+from cluster import Cluster, settled_workers
 from omnirelay.gateway.config import GatewayConfig, ServedModel
 
 HEADER_TIMEOUT_S, READ_TIMEOUT_S = 3.0, 4.0
@@ -51,8 +51,10 @@ def gateway(tiny_model, tmp_path_factory):
         cluster.stop()
 
 
-def _decode(cluster: Cluster) -> dict:
-    return next(w for w in cluster.workers() if w["role"] == "decode")
+def _decode(cluster: Cluster, timeout: float = 30.0) -> dict:
+    """The decode worker once every answered or cancelled request is counted in its figures (they
+    travel in heartbeats: :func:`settled_workers` waits for the cluster to say they are final)."""
+    return next(w for w in settled_workers(cluster.url, timeout) if w["role"] == "decode")
 
 
 class SlowClient(threading.Thread):
@@ -159,13 +161,9 @@ def test_stalled_body_gets_408_and_holds_no_kv_or_stream_slot(gateway, dribble):
     client = SlowClient(gateway.url, _head(len(body)), dribble=body[:-1] if dribble else b"")
     client.start()
     client.connected.wait(5)
-    # While it stalls, the decode worker is idle (once the heartbeat after the last test's request
-    # is in) and the one stream this client address may hold is free.
-    deadline = time.monotonic() + 2
-    decode = _decode(gateway)
-    while (decode["running"], decode["free_kv_blocks"]) != (0, gateway.idle_kv) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        decode = _decode(gateway)
+    # While it stalls, the decode worker is idle (the last test's requests all counted) and the one
+    # stream this client address may hold is free. Bounded well within the read timeout.
+    decode = _decode(gateway, timeout=2)
     assert decode["running"] == 0 and decode["free_kv_blocks"] == gateway.idle_kv, decode
     assert _normal_stream(gateway.url) == 8
     assert client.closed_after is None, "cut off before the read timeout"
@@ -211,7 +209,6 @@ def test_clients_leaving_mid_stream_under_load_give_back_every_kv_block(gateway)
     stream, the rest read theirs to the end. Every leaver's generation is cancelled upstream and the
     decode worker's free KV blocks return to their idle count; the others complete."""
     n, concurrency, leave_after = 24, 8, 3
-    time.sleep(1.5)   # a heartbeat carries the effects of the earlier tests
     cancelled_before = _decode(gateway)["stats"].get("cancelled", 0)
 
     async def one(session: aiohttp.ClientSession, i: int) -> str:
@@ -253,18 +250,7 @@ def test_clients_leaving_mid_stream_under_load_give_back_every_kv_block(gateway)
     results = asyncio.run(run())
     counts = {key: results.count(key) for key in ("completed", "left", "error", "hung", "unstructured")}
     counts["lost"] = results.count(None)
-    deadline = time.monotonic() + 20
-
-    def settled(worker: dict) -> bool:
-        # Counters ride on heartbeats, and last_seen_s is refreshed by any message (credits too):
-        # wait, bounded, for the heartbeat that shows every leaver cancelled and every block back.
-        cancelled = worker["stats"].get("cancelled", 0) - cancelled_before
-        return cancelled >= counts["left"] and (worker["running"], worker["free_kv_blocks"]) == (0, gateway.idle_kv)
-
-    decode = _decode(gateway)
-    while time.monotonic() < deadline and not settled(decode):
-        time.sleep(0.3)
-        decode = _decode(gateway)
+    decode = _decode(gateway)   # settled: every hang-up's cancel reached decode and a heartbeat says so
     cancelled = decode["stats"].get("cancelled", 0) - cancelled_before
     print(f"\nclients leaving mid-stream: {counts}; {cancelled} generation(s) cancelled upstream; decode KV "
           f"{decode['free_kv_blocks']}/{gateway.idle_kv} free blocks")
