@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from omnirelay.scheduling import check_policy
+
 
 @dataclasses.dataclass(frozen=True)
 class BrokerConfig:
@@ -24,6 +26,8 @@ class BrokerConfig:
                          routing; ~100 bytes each), least recently touched dropped first.
     prefix_load_slack:   a worker with a longer cached prefix wins only while it has at most this
                          many more assigned tasks than the least-loaded worker of its role.
+    scheduling_policy:   ``fcfs`` (FIFO queues) or ``priority`` (lowest ``Submit.priority`` first, aged
+                         by the wait: omnirelay/scheduling.py).
     """
 
     endpoint: str = "tcp://127.0.0.1:5555"
@@ -37,6 +41,7 @@ class BrokerConfig:
     max_workers: int = 10_000
     prefix_keys_per_worker: int = 16_384
     prefix_load_slack: int = 4
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if "://" not in self.endpoint:
@@ -49,3 +54,4 @@ class BrokerConfig:
             raise ValueError("need 0 <= retry_backoff_s <= retry_backoff_max_s, both finite")
         if self.prefix_keys_per_worker < 0 or self.prefix_load_slack < 0:
             raise ValueError("prefix_keys_per_worker and prefix_load_slack must be >= 0")
+        check_policy(self.scheduling_policy)

@@ -60,6 +60,7 @@ from . import protocol as p
 from .config import BrokerConfig
 from .prefix_index import MAX_PROMPT_BLOCKS, PrefixSet, pick_worker
 from .records import BACKOFF, QUEUED, RUNNING, RequestState, WorkerState
+from .role_queue import PriorityRoleQueue
 
 log = logging.getLogger("omnirelay.broker")
 
@@ -83,7 +84,10 @@ class BrokerCore:
         # scan the registry. A key exists only while its pool has a live worker.
         self.pools: dict[tuple[str, str], dict[str, WorkerState]] = {}
         self.requests: dict[str, RequestState] = {}
-        self.queues: dict[tuple[str, str], collections.deque[str]] = collections.defaultdict(collections.deque)
+        # FIFO deques under fcfs; under --scheduling-policy priority, lowest aged priority first
+        # (broker/role_queue.py, the rule in omnirelay/scheduling.py).
+        self.queues: dict[tuple[str, str], collections.deque[str] | PriorityRoleQueue] = collections.defaultdict(
+            self._new_queue if config.scheduling_policy == "priority" else collections.deque)
         self.counters: collections.Counter[str] = collections.Counter()
         self.gateways: dict[bytes, float] = {}   # identity → last hello, for gateways that say hello
         # identity → the session it was given (HelloAck.session): a new one whenever a gateway is
@@ -110,6 +114,10 @@ class BrokerCore:
         self._prefix_workers: collections.Counter[tuple[str, str]] = collections.Counter()
         # reply_to endpoints already checked (a gateway sends the same one with every Submit).
         self._good_endpoints: set[str] = set()
+        self._priority = config.scheduling_policy == "priority"   # else Task.priority stays 0
+
+    def _new_queue(self) -> PriorityRoleQueue:
+        return PriorityRoleQueue(lambda request_id: self.requests[request_id].spec.priority, lambda: self._now)
 
     # ------------------------------------------------------------------ entry points
 
@@ -640,7 +648,8 @@ class BrokerCore:
                 request_id=request_id, stage=spec.stages[req.stage_index], model=model,
                 prompt_token_ids=spec.prompt_token_ids, sampling=spec.sampling, inputs=req.inputs,
                 reply_to=spec.reply_to, deadline=spec.deadline, attempt=req.attempts,
-                position_offset=spec.position_offset, reply_key=spec.reply_key, traceparent=spec.traceparent)))
+                position_offset=spec.position_offset, reply_key=spec.reply_key, traceparent=spec.traceparent,
+                priority=spec.priority if self._priority else 0)))
         return out
 
     def _fail(self, req: RequestState, error_type: str, message: str, *, retry_after: float = 0.0,

@@ -18,6 +18,7 @@ import zmq
 import zmq.auth
 
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
+from omnirelay.scheduling import POLICIES, PRIORITY_AGING_S
 from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
 from omnirelay.security import (CurveKeys, SecurityError, add_curve_arguments, keys_from_args,
                                 require_curve_off_loopback, start_authenticator)
@@ -235,6 +236,9 @@ def make_parser() -> argparse.ArgumentParser:
                              "further attempt (0: restart at once; default %(default)s)")
     parser.add_argument("--retry-backoff-max", type=float, default=BrokerConfig.retry_backoff_max_s,
                         metavar="SECONDS", help="cap of that wait (default %(default)s)")
+    parser.add_argument("--scheduling-policy", choices=POLICIES, default=BrokerConfig.scheduling_policy,
+                        help="fcfs: queues in arrival order; priority: lowest request priority first, aged by "
+                             "1 per %g s waited so nobody starves (default %%(default)s)" % PRIORITY_AGING_S)
     parser.add_argument("--standby-of", default=None, metavar="ENDPOINT",
                         help="start as the standby of the broker at ENDPOINT: bind --endpoint and serve only once "
                              "that one has been silent for --liveness (workers and gateways get --broker ACTIVE,STANDBY). "
@@ -250,7 +254,8 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     """The :class:`BrokerConfig` the parsed flags describe (ValueError when they do not make one)."""
     return BrokerConfig(endpoint=args.endpoint, heartbeat_interval_s=args.heartbeat_interval,
                         liveness_s=args.liveness, max_queue_per_role=args.max_queue_per_role,
-                        retry_backoff_s=args.retry_backoff, retry_backoff_max_s=args.retry_backoff_max)
+                        retry_backoff_s=args.retry_backoff, retry_backoff_max_s=args.retry_backoff_max,
+                        scheduling_policy=args.scheduling_policy)
 
 
 def main(argv: list[str] | None = None) -> int:

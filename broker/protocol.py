@@ -412,6 +412,8 @@ class Submit(Message):
     prefix_hashes: list[int] = msgspec.field(default_factory=list)
     prefix_block_size: int = 0
     traceparent: str = ""      # W3C trace context of the gateway's span (omnirelay/tracing.py); "" untraced
+    # Lower first under --scheduling-policy priority (omnirelay/scheduling.py); 0 under fcfs.
+    priority: int = 0
 
 
 @_register
@@ -446,6 +448,7 @@ class Task(Message):
     position_offset: int = 0
     reply_key: str = ""
     traceparent: str = ""      # the broker's span of this stage (omnirelay/tracing.py); "" untraced
+    priority: int = 0          # the Submit's under the priority policy, else 0: the engine's queue order
 
 
 @_register

@@ -306,6 +306,7 @@ class Manifests:
         for half, other in (("a", "b"), ("b", "a")):
             name = f"omnirelay-broker-{half}"
             command = ["omni-broker", "--endpoint", f"tcp://0.0.0.0:{BROKER_PORT}",
+                       "--scheduling-policy", getattr(self.args, "scheduling_policy", "fcfs"),
                        "--standby-of", f"tcp://omnirelay-broker-{other}:{BROKER_PORT}",
                        "--curve-secret-key", f"{KEYS_DIR}/broker.key_secret",
                        "--curve-authorized-keys", AUTHORIZED_DIR,

@@ -370,7 +370,8 @@ def build_specs(args, plans, broker: str, has_gpus: bool) -> list[DaemonSpec]:
         return _curve_argv(server, client, secret), _curve_files(args.curve_keys, secret, server, client)
 
     argv, files = keyed("broker", server=True, client=False)
-    specs = [DaemonSpec("broker", ("omnirelay.broker.daemon", "--endpoint", broker, *argv, *log_args),
+    specs = [DaemonSpec("broker", ("omnirelay.broker.daemon", "--endpoint", broker, *argv, *log_args,
+                                   "--scheduling-policy", getattr(args, "scheduling_policy", "fcfs")),
                         on_head=True, files=files)]
     argv, files = keyed("worker", server=False, client=True)
     for command in worker_commands(args, plans, broker):

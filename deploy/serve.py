@@ -55,6 +55,7 @@ from omnirelay.pipeline import PipelineError
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
 from omnirelay.gateway.config import GatewayConfig
 from omnirelay.lifecycle import Shutdown
+from omnirelay.scheduling import POLICIES
 from omnirelay.security import is_loopback
 from omnirelay.tracing import add_tracing_arguments, tracing_argv
 
@@ -199,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "per model")
     chat.add_argument("--trust-request-chat-template", action="store_true",
                       help="let requests bring their own chat_template (otherwise 422)")
+    chat.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                      help="fcfs (default): arrival order, a request's non-zero priority is a 400; priority: lower "
+                           "priority first in the broker's and engines' queues, aged so none starves (broker and "
+                           "gateway)")
     chat.add_argument("--structured-outputs-in-reasoning", action="store_true",
                       help="a thinking model's grammar applies to its reasoning too (default: after </think>)")
     limits = parser.add_argument_group("gateway limits (passed to omni-gateway as they are)")
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     curve = _local_curve_args(args.curve_keys)
     exit_code = 0
     try:
-        children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker, *curve["broker"]],
+        children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker, *curve["broker"],
+                                         "--scheduling-policy", args.scheduling_policy],
                               log_args))
         for command in worker_commands(args, plans, broker):
             children.append(Child(command.name, [*command.argv, *curve["worker"]], log_args))
@@ -478,6 +484,7 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
               for arg in ("--default-chat-template-kwargs", value)],
             *(["--trust-request-chat-template"] if args.trust_request_chat_template else []),
             *(["--structured-outputs-in-reasoning"] if args.structured_outputs_in_reasoning else []),
+            "--scheduling-policy", getattr(args, "scheduling_policy", "fcfs"),
             *[arg for flag, _, _ in GATEWAY_LIMITS for arg in (flag, str(getattr(args, _dest(flag))))]]
 
 

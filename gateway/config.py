@@ -20,7 +20,9 @@ class ServedModel:
     default_chat_template_kwargs: variables given to its chat template on every request (a request's
     ``chat_template_kwargs`` override them one by one); structured_outputs_in_reasoning: a grammar
     (structured outputs, forced tool calls) shapes a thinking model's reasoning too, from its first
-    token (vLLM's ``enable_in_reasoning``); off, it starts after ``</think>``."""
+    token (vLLM's ``enable_in_reasoning``); off, it starts after ``</think>``; scheduling_policy: the
+    cluster's ``--scheduling-policy`` (``priority``: a request's ``priority`` is served, else it must
+    be 0; omnirelay/scheduling.py)."""
 
     name: str
     path: str
@@ -30,6 +32,7 @@ class ServedModel:
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     structured_outputs_in_reasoning: bool = False
+    scheduling_policy: str = "fcfs"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ import signal
 from aiohttp import web
 
 from omnirelay.pipeline import default_llm_pipeline, load_pipeline
+from omnirelay.scheduling import POLICIES
 from omnirelay.lifecycle import add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
@@ -72,7 +73,8 @@ def _served_models(paths: list[str], names: list[str] | None, pipelines: list[st
                    max_model_len: int, allowed_local_media_path: str | None = None,
                    reasoning_parsers: list[str] | None = None,
                    template_kwargs: list[str] | None = None,
-                   structured_in_reasoning: bool = False) -> tuple[ServedModel, ...]:
+                   structured_in_reasoning: bool = False,
+                   scheduling_policy: str = "fcfs") -> tuple[ServedModel, ...]:
     """``reasoning_parsers`` (``--reasoning-parser``, an empty one: none) win over the pipeline
     file's ``reasoning_parser``."""
     names = names or []
@@ -89,7 +91,8 @@ def _served_models(paths: list[str], names: list[str] | None, pipelines: list[st
                                   stages=pipeline.roles, max_model_len=max_model_len,
                                   allowed_local_media_path=allowed_local_media_path, reasoning_parser=parser,
                                   default_chat_template_kwargs=_template_kwargs(kwargs[i]),
-                                  structured_outputs_in_reasoning=structured_in_reasoning))
+                                  structured_outputs_in_reasoning=structured_in_reasoning,
+                                  scheduling_policy=scheduling_policy))
     return tuple(models)
 
 
@@ -149,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--structured-outputs-in-reasoning", action="store_true",
                         help="a thinking model's grammar (structured outputs, forced tool calls) applies from its "
                              "first token, reasoning included (vLLM's enable_in_reasoning); default: after </think>")
+    parser.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                        help="the broker's: with priority, a request's 'priority' is served (lower first); with "
+                             "fcfs (default) a non-zero one is a 400")
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
     add_tracing_arguments(parser)
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len,
                                   os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                                   args.reasoning_parser, args.default_chat_template_kwargs,
-                                  args.structured_outputs_in_reasoning),
+                                  args.structured_outputs_in_reasoning, args.scheduling_policy),
             trust_request_chat_template=args.trust_request_chat_template,
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
             request_timeout_s=args.request_timeout, api_key=args.api_key or None,

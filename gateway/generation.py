@@ -40,7 +40,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import ReasoningMode, closed_in_prompt
 from .resubmit import Submissions
 from .sampling_options import check_vocab, submission_min_tokens, wire_options
-from .schema import GenerationRequest
+from .schema import GenerationRequest, check_priority
 
 
 @dataclasses.dataclass
@@ -76,6 +76,7 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
     that grows with the request: routes run it on the gateway's CPU pool (gateway/cpu_work.py), after
     :func:`check_size` has refused what cannot fit without doing it."""
     check_size(model, request)
+    check_priority(request.priority, model.scheduling_policy)
     stages, inputs, reasoning = tuple(model.stages), None, None
     if request.kind == "chat":
         messages = request.messages
@@ -196,7 +197,8 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                                   sampling={**sampling, "max_tokens": gen.max_tokens - len(generated),
                                             **submission_min_tokens(gen.request.options, len(generated))},
                                   deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
-                                  position_offset=len(generated), inputs=gen.inputs)
+                                  position_offset=len(generated), inputs=gen.inputs,
+                                  priority=gen.request.priority)
                 stream = await bus.submit(submit)
                 async for event in stream.events():
                     logprobs = _checked_logprobs(gen, event.tokens, event.logprobs)

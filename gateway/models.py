@@ -56,6 +56,7 @@ class ModelRuntime:
         self.stages = tuple(served.stages)
         self.reasoning_parser = served.reasoning_parser
         self.structured_outputs_in_reasoning = served.structured_outputs_in_reasoning
+        self.scheduling_policy = served.scheduling_policy
         self.default_chat_template_kwargs = dict(served.default_chat_template_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(served.path)
         self.content_tokens = None if special_tokens_in_content else ContentTokens(self.tokenizer)

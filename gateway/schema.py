@@ -6,7 +6,8 @@ something we do not do yet gets :class:`~omnirelay.errors.Unprocessable` (422) w
 the answer (non-text content, logprobs of a spoken answer, ``echo`` with logprobs, ``n`` > 1 with a
 spoken answer, and every option of :data:`NOT_SERVED`), never a 200 that ignored it. Hints that cannot change the answer's tokens
 (``user``, ``metadata``, ``store``, ``service_tier``, ``prediction``, ``prompt_cache_key``,
-``safety_identifier``, ``priority``) are accepted and ignored.
+``safety_identifier``) are accepted and ignored. ``priority`` (vLLM's: lower first) is served under
+``--scheduling-policy priority`` and a 400 otherwise unless 0 (omnirelay/scheduling.py).
 
 Logprobs, as OpenAI spells them: chat takes ``logprobs: true`` and optionally ``top_logprobs``
 (0 … :data:`MAX_TOP_LOGPROBS`, only with ``logprobs: true``); completions take ``logprobs: k``
@@ -26,6 +27,7 @@ from typing import Any
 
 from omnirelay.broker.protocol import MAX_TOP_LOGPROBS, StructuredOutput
 from omnirelay.errors import BadRequest, Unprocessable
+from omnirelay.scheduling import PRIORITY_MAX, PRIORITY_MIN
 
 from .sampling_options import SamplingOptions, parse_options
 from .structured import ToolsRequest, parse_structured
@@ -81,6 +83,7 @@ class GenerationRequest:
     template: TemplateOptions = TemplateOptions()   # chat: template switches; completions: add_special_tokens
     include_reasoning: bool = True                # chat: return a thinking model's reasoning (gateway/reasoning.py)
     continuous_usage: bool = False                # stream: usage so far on every chunk (stream_options)
+    priority: int = 0                             # lower first under --scheduling-policy priority
 
 
 
@@ -352,7 +355,23 @@ def _common(body: dict) -> dict:
         include_usage=include_usage,
         # vLLM: usage on every chunk, only together with include_usage
         continuous_usage=include_usage and boolean_field(stream_options, "continuous_usage_stats"),
-        return_token_ids=boolean_field(body, "return_token_ids"), n=n)
+        return_token_ids=boolean_field(body, "return_token_ids"), n=n, priority=_priority(body))
+
+
+def _priority(body: dict) -> int:
+    """vLLM's ``priority`` (any int64; whether the server serves it is checked by
+    :func:`check_priority`)."""
+    value = _integer(body, "priority", 0)
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise BadRequest(f"'priority' must be a 64-bit integer, got {value}", param="priority")
+    return value
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """A non-zero ``priority`` needs ``--scheduling-policy priority``: a 400 otherwise, as vLLM's."""
+    if priority and policy != "priority":
+        raise BadRequest(f"Got priority {priority} but Priority scheduling is not enabled "
+                         "(this server runs --scheduling-policy fcfs)", param="priority")
 
 
 def _top_logprobs_count(body: dict, name: str) -> int | None:

@@ -102,6 +102,7 @@ class DecodeTask:
     # with ours (each reply token's state); None: a text-only request.
     speech_inputs: SpeechHandoff | None = None
     structured: StructuredOutput | None = None   # the output must match this grammar
+    priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
 
 
 @dataclasses.dataclass
@@ -123,6 +124,10 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.task.request_id
+
+    @property
+    def priority(self) -> int:
+        return self.task.priority
 
     @property
     def deadline(self) -> float:

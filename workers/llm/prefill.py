@@ -97,6 +97,7 @@ class PrefillTask:
     # prompt's tail is the text to speak (/v1/audio/speech), so generate follows even if we finish.
     speech: str = ""
     structured: StructuredOutput | None = None   # the output must match this grammar
+    priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
 
 
 @dataclasses.dataclass

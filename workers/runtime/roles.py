@@ -136,7 +136,7 @@ class PrefillRole(RoleAdapter):
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset, speech=_speech_mode(task.sampling),
                                     media=task.inputs,
-                                    structured=structured))
+                                    structured=structured, priority=task.priority))
         return []
 
     def step(self) -> list[Outbound]:
@@ -186,7 +186,7 @@ class DecodeRole(RoleAdapter):
                 reply_to=task.reply_to, kv_key=kv.kv_key, kv_handle=kv.kv_handle,
                 position_offset=task.position_offset, speech_inputs=_speech_inputs(task.sampling, kv),
                 rope_delta=kv.rope_delta, has_media=kv.has_media,
-                structured=p.StructuredOutput.from_wire(task.sampling.get("structured")))
+                structured=p.StructuredOutput.from_wire(task.sampling.get("structured")), priority=task.priority)
         except (TypeError, ValueError) as exc:
             self.release(kv)   # the request fails here: nobody will import its KV
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid decode task: {exc!r}")]

@@ -107,6 +107,7 @@ class SpeechTask:
     stream: bool = False
     # The reply arriving in chunks while decode writes it (then reply_token_ids/reply_hidden are empty).
     reply_stream: ReplySource | None = None
+    priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
 
     def reply(self) -> ReplySource:
         """The reply as the talker reads it (complete unless it is streamed)."""

@@ -135,6 +135,7 @@ class GenerateSpeechRole(RoleAdapter):
                                  param="response_format")
             speech = self._read_inputs(task, params)
             speech.stream = task.sampling.get(STREAM_KEY) is True and params.format != "flac"
+            speech.priority = task.priority   # the waiting queue's order (omnirelay/scheduling.py)
             self.engine.add(speech)
         except BadRequest as exc:
             self._streams.pop(task.request_id, None)
