@@ -389,8 +389,9 @@ class GenerateSpeechEngine:
                 wav = _change_speed(wav, task.params.speed)
             emit(SpeechChunk(task.request_id, index, wav, codes, final))
             index += 1
+            self.turns.spoke()
 
-        with self.turns.hold(RandomState(task.params.seed, self.device)):
+        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=True):
             talker_inputs = self._talker_inputs(task)
             cond = speaker["cond"].to(self.device).float().expand(1, -1)
             ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)

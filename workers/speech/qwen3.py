@@ -171,8 +171,9 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
                 wav = _change_speed(wav, task.params.speed)
             emit(SpeechChunk(task.request_id, index, wav, codes, final))
             index += 1
+            self.turns.spoke()
 
-        with self.turns.hold(RandomState(task.params.seed, self.device)):
+        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=True):
             vocoder = StreamedCode2Wav(self.token2wav, on_piece)
 
             def on_codes(codes: torch.Tensor) -> None:

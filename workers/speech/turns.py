@@ -11,7 +11,10 @@ request are exactly those it would make alone after ``torch.manual_seed(seed)``.
 
 A thread takes the turn (:meth:`Turns.hold`), gives it up while it blocks (:meth:`Turns.outside`)
 and passes it on between talker steps (:meth:`Turns.pass_on`) so that ready requests take turns
-step by step; waiting threads are served in arrival order.
+step by step; waiting threads are served in arrival order, except that a streamed request whose
+first audio has not left yet (``hold(..., urgent=True)`` until :meth:`Turns.spoke`) goes before the
+others: time to first audio is what a listener waits for, so a new request's first few steps are
+not spread over every running request's (the way a scheduler runs a new prompt's prefill first).
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ class Turns:
         (transformers' M-RoPE talkers): each thread's value is put back when it takes the turn."""
         self._stateful = stateful
         self._cond = threading.Condition()
-        self._holder: object | None = None
-        self._queue: collections.deque[object] = collections.deque()
+        self._holder: _Waiter | None = None
+        self._queue: collections.deque[_Waiter] = collections.deque()
         self._local = threading.local()
 
     def _save_modules(self) -> None:
@@ -67,13 +70,17 @@ class Turns:
         for module, value in zip(self._stateful, getattr(self._local, "modules", None) or [None] * len(self._stateful)):
             module.rope_deltas = value
 
+    def _next_locked(self) -> _Waiter | None:
+        """Who takes the turn next: the first urgent waiter, else the first waiter."""
+        return next((w for w in self._queue if w.urgent), self._queue[0] if self._queue else None)
+
     def _acquire(self) -> None:
-        me = object()
+        me = _Waiter(bool(getattr(self._local, "urgent", False)))
         with self._cond:
             self._queue.append(me)
-            while self._holder is not None or self._queue[0] is not me:
+            while self._holder is not None or self._next_locked() is not me:
                 self._cond.wait()
-            self._queue.popleft()
+            self._queue.remove(me)
             self._holder = me
 
     def _release(self) -> None:
@@ -82,8 +89,10 @@ class Turns:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def hold(self, rng: RandomState) -> Iterator[None]:
-        """Run the block holding the turn, under ``rng``'s stream."""
+    def hold(self, rng: RandomState, urgent: bool = False) -> Iterator[None]:
+        """Run the block holding the turn, under ``rng``'s stream; ``urgent``: first in line until
+        :meth:`spoke`."""
+        self._local.urgent = urgent
         self._acquire()
         self._local.rng = rng
         self._local.modules = None   # a new generation starts from no state
@@ -94,7 +103,12 @@ class Turns:
         finally:
             rng.save()
             self._local.rng = None
+            self._local.urgent = False
             self._release()
+
+    def spoke(self) -> None:
+        """The calling thread's request has sent its first audio: from now on it waits in line."""
+        self._local.urgent = False
 
     def outside(self, wait: Callable[[], None]) -> None:
         """Run ``wait`` (a blocking read) with the turn given up; take it back after. Outside a
@@ -117,7 +131,16 @@ class Turns:
         """Between two talker steps: let a thread that is waiting for the turn run first."""
         if getattr(self._local, "rng", None) is None:
             return
+        urgent = bool(getattr(self._local, "urgent", False))
         with self._cond:
-            if not self._queue:
+            # An urgent holder lets only urgent waiters go first; anyone else lets anyone.
+            if not any(w.urgent or not urgent for w in self._queue):
                 return
         self.outside(lambda: None)
+
+
+class _Waiter:
+    __slots__ = ("urgent",)
+
+    def __init__(self, urgent: bool):
+        self.urgent = urgent
