@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 
 import numpy as np
 import openai
@@ -17,7 +16,7 @@ from PIL import Image
 
 from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
 
-from cluster import Cluster
+from cluster import Cluster, settled_workers
 from media_fixtures import pipeline_file, tiny_model_fixture
 from media_support import tiny_model_dir
 
@@ -43,10 +42,7 @@ def bf16_cluster(tiny_sd, tmp_path_factory):
 
 
 def test_generate_worker_holds_bfloat16_weights_and_still_makes_images(bf16_cluster, tiny_sd):
-    deadline = time.monotonic() + 30
-    while "denoiser_weight_bits" not in (stats := bf16_cluster.workers()[0]["stats"]):
-        assert time.monotonic() < deadline, "no heartbeat with the worker's stats"
-        time.sleep(0.2)
+    stats = settled_workers(bf16_cluster.url)[0]["stats"]   # settled: a heartbeat with its stats is in
     assert stats["denoiser_weight_bits"] == 16
     assert "denoiser weights torch.bfloat16" in bf16_cluster.worker.output()
 

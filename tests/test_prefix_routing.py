@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -227,6 +226,7 @@ def two_prefill_cluster(tiny_model, tmp_path):
 
 def test_shared_system_prompt_goes_to_the_worker_that_holds_it(two_prefill_cluster):
     import openai
+    from cluster import settled_workers
     cluster = two_prefill_cluster
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     system_a = "You are a careful assistant. " + " ".join(f"rule{i} applies" for i in range(60))
@@ -239,15 +239,10 @@ def test_shared_system_prompt_goes_to_the_worker_that_holds_it(two_prefill_clust
             assert reply.choices[0].finish_reason in ("stop", "length")
     # All four A requests on one worker, all three B requests on the other; every request after a
     # prefix's first was routed for its prefix, and each engine reused the cached blocks (its
-    # counters travel in heartbeats, so wait for the next one).
-    deadline = time.monotonic() + 15
-    while True:
-        prefill = sorted((w for w in cluster.workers() if w["role"] == "prefill"),
-                         key=lambda w: w["dispatched"], reverse=True)
-        hits = [w["stats"].get("prefix_hit_requests", 0) for w in prefill]
-        if hits == [3, 2] or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    # counters travel in heartbeats: read once the cluster says they are final).
+    prefill = sorted((w for w in settled_workers(cluster.url) if w["role"] == "prefill"),
+                     key=lambda w: w["dispatched"], reverse=True)
+    hits = [w["stats"].get("prefix_hit_requests", 0) for w in prefill]
     assert {w["worker_id"] for w in prefill} == {"prefill-a", "prefill-b"}
     assert [w["dispatched"] for w in prefill] == [4, 3], prefill
     assert [w["prefix_routed"] for w in prefill] == [3, 2], prefill
