@@ -326,7 +326,10 @@ class RealtimeSession:
             del self.buffer[:2 * end]
             self.buffer_offset += end
             if self.config.turn_detection.create_response and not self._responding():
-                await self._start_response({})
+                try:
+                    await self._start_response({})
+                except OmniError as exc:   # said as the event's error; the turns after it still count
+                    await self.socket.send_error(exc)
         if not self.detector.speaking:   # nobody speaks: old quiet audio goes, so listening costs no memory
             drop = max(0, len(self.buffer) // 2 - QUIET_KEEP_S * self.config.input_rate)
             del self.buffer[:2 * drop]
