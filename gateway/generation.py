@@ -40,6 +40,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import ReasoningMode, closed_in_prompt
 from .resubmit import Submissions
 from .sampling_options import check_vocab, submission_min_tokens, wire_options
+from .output_options import truncate_prompt
 from .schema import GenerationRequest, check_priority
 
 
@@ -104,6 +105,11 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
         if max(prompt_ids) >= model.vocab_size:
             raise BadRequest(f"token id {max(prompt_ids)} is outside the vocabulary ({model.vocab_size})",
                              param="prompt")
+    if request.output.truncate_prompt_tokens is not None:
+        if inputs is not None:
+            raise Unprocessable("truncate_prompt_tokens is not served with media parts (a cut could split an "
+                                "item's placeholder tokens)", param="truncate_prompt_tokens")
+        prompt_ids = truncate_prompt(prompt_ids, request.output.truncate_prompt_tokens, model.max_model_len)
     if not prompt_ids:
         raise BadRequest("the prompt is empty after tokenization", param="prompt")
     check_vocab(list(request.stop_token_ids), model.vocab_size, "stop_token_ids")
@@ -182,7 +188,13 @@ def _sampling(gen: Generation, generated: int) -> dict:
 
 async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator[TextChunk]:
     """Yield text chunks until the generation finishes; cancels upstream if the caller stops early."""
-    detok = IncrementalDetokenizer(gen.model.tokenizer, gen.request.stop, min_tokens=gen.request.options.min_tokens)
+    output = gen.request.output
+    detok = IncrementalDetokenizer(gen.model.tokenizer, gen.request.stop, min_tokens=gen.request.options.min_tokens,
+                                   include_stop=output.include_stop_str_in_output,
+                                   skip_special=output.skip_special_tokens,
+                                   spaces_between=output.spaces_between_special_tokens)
+    stop_tokens = () if output.include_stop_str_in_output else (
+        set(gen.model.eos_token_ids) | set(gen.request.stop_token_ids))
     generated: list[int] = []
     sampling = _sampling(gen, 0)
     # A pause for a role briefly without workers (a restart in progress) is not a resume.
@@ -202,7 +214,14 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                 stream = await bus.submit(submit)
                 async for event in stream.events():
                     logprobs = _checked_logprobs(gen, event.tokens, event.logprobs)
-                    taken = detok.add_until_stop(event.tokens, final=bool(event.finish_reason))
+                    text_tokens = event.tokens
+                    if event.finish_reason == "stop" and text_tokens and text_tokens[-1] in stop_tokens:
+                        # The worker stopped on it (EOS, stop_token_ids): not text, as vLLM answers,
+                        # unless include_stop_str_in_output. It stays a token (usage, logprobs).
+                        text_tokens = text_tokens[:-1]
+                    taken = detok.add_until_stop(text_tokens, final=bool(event.finish_reason))
+                    if not detok.stopped:
+                        taken = len(event.tokens)
                     generated.extend(event.tokens[:taken])
                     gen.completion_tokens = len(generated)
                     if detok.stopped:
@@ -232,7 +251,10 @@ def _checked_logprobs(gen: Generation, tokens: list[int],
 def token_text(gen: Generation, token_id: int) -> str:
     """A token's text as the logprobs answer shows it: the id decoded on its own, as vLLM does
     (``convert_ids_to_tokens`` would give byte-level BPE symbols such as ``Ġthe``). A token that
-    holds part of a multi-byte character decodes to U+FFFD."""
+    holds part of a multi-byte character decodes to U+FFFD. ``return_tokens_as_token_ids``:
+    ``"token_id:N"`` instead (vLLM's form, for clients that read ids, not text)."""
+    if gen.request.output.return_tokens_as_token_ids:
+        return f"token_id:{token_id}"
     return gen.model.tokenizer.decode([token_id])
 
 

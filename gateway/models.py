@@ -72,6 +72,12 @@ class ModelRuntime:
             config = {"vocab_size": talker["text_vocab_size"],
                       "max_position_embeddings": talker.get("max_position_embeddings", 2048)}
         self.vocab_size = int(config["vocab_size"])
+        # The ids the workers stop on (generation_config.json's win, as the workers read them): the
+        # text leaves them out unless include_stop_str_in_output (gateway/output_options.py).
+        eos = config.get("eos_token_id")
+        if (Path(served.path) / "generation_config.json").exists():
+            eos = json.loads((Path(served.path) / "generation_config.json").read_text()).get("eos_token_id", eos)
+        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         model_max = int(config.get("max_position_embeddings", 2048))
         self.max_model_len = min(served.max_model_len or model_max, model_max)
         # No token covers more characters than the vocabulary's longest entry (byte-level BPE spells each

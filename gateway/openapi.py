@@ -152,6 +152,12 @@ def _sampling(max_model_len: int, models: list[str]) -> dict:
         "stop_token_ids": {**_TOKEN_IDS, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "return_token_ids": {"type": "boolean", "nullable": True},
+        # vLLM's output knobs (gateway/output_options.py)
+        **{name: {"type": "boolean", "nullable": True} for name in (
+            "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+            "return_tokens_as_token_ids")},
+        "truncate_prompt_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len, "nullable": True,
+                                   "description": "keep the last k prompt tokens (-1: the context length)"},
         **_SAMPLING_OPTIONS,
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
               "description": "choices per prompt; with a seed, choice j samples with seed + j (vLLM's children); "

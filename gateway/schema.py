@@ -29,6 +29,7 @@ from omnirelay.broker.protocol import MAX_TOP_LOGPROBS, StructuredOutput
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.scheduling import PRIORITY_MAX, PRIORITY_MIN
 
+from .output_options import OutputOptions, parse_output_options
 from .sampling_options import SamplingOptions, parse_options
 from .structured import ToolsRequest, parse_structured
 
@@ -84,6 +85,7 @@ class GenerationRequest:
     include_reasoning: bool = True                # chat: return a thinking model's reasoning (gateway/reasoning.py)
     continuous_usage: bool = False                # stream: usage so far on every chunk (stream_options)
     priority: int = 0                             # lower first under --scheduling-policy priority
+    output: OutputOptions = OutputOptions()       # vLLM's output knobs (gateway/output_options.py)
 
 
 
@@ -148,7 +150,9 @@ def _chat_audio(body: dict) -> dict:
 # other value answers 422 naming the option. Implementing one means removing its entry here. Served
 # and so gone from here: the chat-template switches (chat_template_kwargs, add_generation_prompt,
 # continue_final_message, add_special_tokens, chat_template behind --trust-request-chat-template:
-# TemplateOptions) and include_reasoning (gateway/reasoning.py).
+# TemplateOptions), include_reasoning (gateway/reasoning.py) and vLLM's output knobs
+# (include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
+# truncate_prompt_tokens, return_tokens_as_token_ids: gateway/output_options.py).
 NOT_SERVED: dict[str, tuple] = {
     # sampling (the served options: sampling_options.py)
     "best_of": (1,),
@@ -160,12 +164,7 @@ NOT_SERVED: dict[str, tuple] = {
     "function_call": ("none",),
     # what the prompt or the answer's text is made of
     "prompt_logprobs": (),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (),
     "suffix": ("",),
-    "return_tokens_as_token_ids": (False,),
     "reasoning_effort": (),
     "web_search_options": (),
 }
@@ -355,7 +354,8 @@ def _common(body: dict) -> dict:
         include_usage=include_usage,
         # vLLM: usage on every chunk, only together with include_usage
         continuous_usage=include_usage and boolean_field(stream_options, "continuous_usage_stats"),
-        return_token_ids=boolean_field(body, "return_token_ids"), n=n, priority=_priority(body))
+        return_token_ids=boolean_field(body, "return_token_ids"), n=n, priority=_priority(body),
+        output=parse_output_options(body))
 
 
 def _priority(body: dict) -> int:
