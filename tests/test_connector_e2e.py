@@ -8,14 +8,13 @@ and the KV must have crossed the connector between the prefill and decode proces
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import openai
 import pytest
-import requests
 import yaml
 
+from cluster import settled_workers
 from conftest import ServeProcess
 from connector_servers import mooncake_skip_reason, started_mooncake_master, started_redis
 
@@ -61,14 +60,10 @@ def test_greedy_parity_over_backend(kv_connector, tiny_model, reference, tmp_pat
                 model="tiny-llm", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=16,
                 extra_body={"return_token_ids": True})
             assert response.choices[0].model_extra["token_ids"] == reference(content, 16), content
-        deadline = time.time() + 10
-        while True:   # the stats arrive with the workers' heartbeats
-            workers = {w["role"]: w for w in requests.get(serve.url + "/cluster", timeout=10).json()["workers"]}
-            put = workers["prefill"]["stats"].get("connector_bytes_put", 0)
-            got = workers["decode"]["stats"].get("connector_bytes_got", 0)
-            if (put > 0 and got == put) or time.time() > deadline:
-                break
-            time.sleep(0.3)
+        # The stats arrive with the workers' heartbeats: read once the cluster says they are final.
+        workers = {w["role"]: w for w in settled_workers(serve.url)}
+        put = workers["prefill"]["stats"].get("connector_bytes_put", 0)
+        got = workers["decode"]["stats"].get("connector_bytes_got", 0)
         assert put > 0 and got == put, (put, got)
         assert workers["prefill"]["pid"] != workers["decode"]["pid"]
     finally:

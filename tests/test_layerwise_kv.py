@@ -22,6 +22,7 @@ from omnirelay.workers.llm.model_runner import local_runner
 from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
 from omnirelay.workers.llm.sampling import SamplingParams
 
+from cluster import settled_workers
 from connector_servers import started_redis
 from engine_support import (  # noqa: F401  (fixtures)
     GREEDY, QUESTIONS, chat_ids, connector, decode_engine, model, reference, run_decode, run_prefill,
@@ -279,7 +280,6 @@ def test_pipeline_switch_reaches_the_prefill_worker(mode, tiny_model, tmp_path):
     """omni-serve with the stage's ``engine_args.kv_transfer``: the prefill worker hands off that way
     (its heartbeat stats count layerwise handoffs) and the answer equals transformers."""
     import openai
-    import requests
     import yaml
     from conftest import ServeProcess, hf_chat_greedy
 
@@ -298,13 +298,8 @@ def test_pipeline_switch_reaches_the_prefill_worker(mode, tiny_model, tmp_path):
             model="tiny-llm", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=8,
             extra_body={"return_token_ids": True})
         assert response.choices[0].model_extra["token_ids"] == hf_chat_greedy(tiny_model, content, 8)
-        deadline = time.time() + 10
-        while True:   # the stats arrive with the workers' heartbeats
-            workers = {w["role"]: w for w in requests.get(serve.url + "/cluster", timeout=10).json()["workers"]}
-            stats = workers["prefill"]["stats"]
-            if stats.get("kv_handoffs") or time.time() > deadline:
-                break
-            time.sleep(0.3)
+        # The stats arrive with the workers' heartbeats: read once the cluster says they are final.
+        stats = next(w for w in settled_workers(serve.url) if w["role"] == "prefill")["stats"]
         assert stats.get("kv_handoffs") == 1, stats
         assert stats.get("kv_layerwise_handoffs", 0) == (1 if mode == "layerwise" else 0), stats
     finally:
