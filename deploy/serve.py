@@ -50,6 +50,7 @@ import urllib.error
 import urllib.request
 from typing import NamedTuple
 
+from omnirelay import lora_modules
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.pipeline import PipelineError
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="omni-keygen directory with broker, gateway and worker keys; required when the "
                           "Ray head or --broker is not on loopback")
     add_tracing_arguments(parser)   # handed on to every daemon (omnirelay/tracing.py)
+    lora_modules.add_arguments(parser, gateway=True)   # passed to the gateway and the prefill/decode workers
     from omnirelay.deploy.kubernetes import add_arguments as add_kubernetes_arguments
     add_kubernetes_arguments(parser)
     return parser
@@ -232,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)   # models may come before or after the options
+    try:
+        lora_modules.options_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     if args.emit:   # manifests for a cluster instead of serving here (omnirelay.deploy.kubernetes)
         return _emit(parser, args)
@@ -459,7 +465,9 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
                     "--served-model-name", plan.name, "--broker", broker,
                     "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
                     "--dtype", args.dtype, "--connector", args.connector, *plan.pipeline_args(), *parallel,
-                    "--drain-timeout", str(args.drain_timeout)], tp * pp * sp))
+                    "--drain-timeout", str(args.drain_timeout),
+                    *(lora_modules.to_args(lora_modules.options_from_args(args))
+                      if role in ("prefill", "decode") else [])], tp * pp * sp))
     return commands
 
 
@@ -485,7 +493,8 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             *(["--trust-request-chat-template"] if args.trust_request_chat_template else []),
             *(["--structured-outputs-in-reasoning"] if args.structured_outputs_in_reasoning else []),
             "--scheduling-policy", getattr(args, "scheduling_policy", "fcfs"),
-            *[arg for flag, _, _ in GATEWAY_LIMITS for arg in (flag, str(getattr(args, _dest(flag))))]]
+            *[arg for flag, _, _ in GATEWAY_LIMITS for arg in (flag, str(getattr(args, _dest(flag))))],
+            *lora_modules.to_args(lora_modules.options_from_args(args), gateway=True)]
 
 
 def _dest(flag: str) -> str:

@@ -23,7 +23,7 @@ from aiohttp import web
 from omnirelay.security import CurveKeys
 from omnirelay.video_params import is_video_pipeline
 
-from . import cpu_work
+from . import cpu_work, lora
 from .app_keys import BUS, CONFIG, HISTORY, KEYS, METRICS, MODELS, STREAMS
 from .bus import BusClient
 from .config import GatewayConfig
@@ -56,6 +56,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
                    else ModelRuntime(m, config.media_limits(m.allowed_local_media_path),
                                      special_tokens_in_content=config.allow_special_tokens_in_content)
                    for m in config.models}
+    lora.install(app, config.lora)   # adapters as models of their own names; nothing without --enable-lora
     cpu_work.install(app)   # request work too heavy for the event loop (gateway/cpu_work.py)
     app.cleanup_ctx.append(_bus_context)
     add_completion_routes(app)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from omnirelay.lora_modules import LoraOptions
 from omnirelay.pipeline import REASONING_PARSERS
 
 from .media import MediaLimits
@@ -100,6 +101,7 @@ class GatewayConfig:
     min_audio_sample_rate: int = 8000
     max_audio_sample_rate: int = 192_000
     allow_special_tokens_in_content: bool = False
+    lora: LoraOptions | None = None     # --enable-lora: adapters served by name (gateway/lora.py); None: off
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -10,6 +10,7 @@ import signal
 
 from aiohttp import web
 
+from omnirelay import lora_modules
 from omnirelay.pipeline import default_llm_pipeline, load_pipeline
 from omnirelay.scheduling import POLICIES
 from omnirelay.lifecycle import add_logging_arguments, setup_logging
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
                         help="the broker's: with priority, a request's 'priority' is served (lower first); with "
                              "fcfs (default) a non-zero one is a 400")
+    lora_modules.add_arguments(parser, gateway=True)
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
     add_tracing_arguments(parser)
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             max_websocket_sessions=args.max_websocket_sessions, websocket_idle_timeout_s=args.websocket_idle_timeout,
             max_image_pixels=args.max_image_pixels, min_audio_sample_rate=args.min_audio_sample_rate,
             max_audio_sample_rate=args.max_audio_sample_rate,
-            allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+            allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+            lora=lora_modules.options_from_args(args))
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
         tracing = tracing_from_args("omni-gateway", args)

@@ -183,7 +183,8 @@ def _sampling(gen: Generation, generated: int) -> dict:
             "stop_token_ids": list(req.stop_token_ids), **gen.sampling_options,
             **submission_min_tokens(req.options, generated),
             **({"logprobs": req.logprobs} if req.logprobs >= 0 else {}),
-            **({"structured": gen.structured.to_wire()} if gen.structured else {})}
+            **({"structured": gen.structured.to_wire()} if gen.structured else {}),
+            **({"lora": {"name": gen.model.lora, "path": gen.model.lora_path}} if gen.model.lora else {})}
 
 
 async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator[TextChunk]:
@@ -203,7 +204,7 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
         while not submissions.done:
             async with submissions.attempt() as upstream_id:
                 # A resumed stream replays prompt + tokens: media must be encoded again for its prefill.
-                submit = p.Submit(request_id=upstream_id, model=gen.model.name,
+                submit = p.Submit(request_id=upstream_id, model=gen.model.base_name,
                                   stages=list(gen.stages or gen.model.stages),
                                   prompt_token_ids=gen.prompt_token_ids + generated,
                                   sampling={**sampling, "max_tokens": gen.max_tokens - len(generated),

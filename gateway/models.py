@@ -151,6 +151,15 @@ class ModelRuntime:
     def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
+    # A LoRA adapter served under its own name (gateway/lora.py) sets these; a base model has none.
+    lora = ""
+    lora_path = ""
+
+    @property
+    def base_name(self) -> str:
+        """The name its workers serve (``Submit.model``): its own, or an adapter's base's."""
+        return self.name
+
     def card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",
                 "root": self.path, "max_model_len": self.max_model_len}

@@ -55,9 +55,11 @@ def peft_reference(tiny_model):
         if key not in memo:
             if adapter not in models:
                 hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+                # ignore_eos as the requests ask: no EOS stop (min_new_tokens would mask EOS out instead)
+                hf.generation_config.eos_token_id = None
                 models[adapter] = hf if adapter is None else peft.PeftModel.from_pretrained(hf, adapter).eval()
             with torch.no_grad():
-                out = models[adapter].generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                out = models[adapter].generate(input_ids=torch.tensor([ids]), max_new_tokens=n,
                                                do_sample=False)
             memo[key] = out[0, len(ids):].tolist()
         return memo[key]

@@ -29,6 +29,7 @@ import torch
 from omnirelay.pipeline import (ConnectorSpec, PipelineError, default_llm_pipeline, load_pipeline,
                                        parse_pipeline)
 from omnirelay.lifecycle import Shutdown, add_logging_arguments, setup_logging
+from omnirelay import lora_modules
 from omnirelay.model_kind import model_kind
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
@@ -36,6 +37,7 @@ from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
 from omnirelay.workers.generate.sequence_parallel_group import SequenceParallelGroupLost
 from omnirelay.workers.role_table import role_builder
 from omnirelay.workers.runtime.assembly import RoleBuilder, closed_on_error
+from omnirelay.workers.llm.lora import LoraError
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.runtime.devices import KVBudgetError, parse_device_ids, resolve_devices
 from omnirelay.workers.runtime.health_server import HealthServer
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=WorkerConfig.max_num_batched_tokens,
                         help="prefill tokens per step; longer prompts are chunked")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill recomputes every prompt")
+    lora_modules.add_arguments(parser)
     parser.add_argument("--kv-transfer", choices=("auto", "layerwise", "whole"), default=None,
                         help="prefill: how the KV leaves (default: the stage's engine_args.kv_transfer, else auto)")
     parser.add_argument("--health-port", type=int, default=None,
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             sequence_parallel_size=(stage.sequence_parallel_size if args.sequence_parallel_size is None
                                     else args.sequence_parallel_size),
-            expert_parallel=bool(args.enable_expert_parallel or stage.enable_expert_parallel))
+            expert_parallel=bool(args.enable_expert_parallel or stage.enable_expert_parallel),
+            lora=lora_modules.options_from_args(args))
         devices = _resolve_worker_devices(config)
         build = role_builder(config.role, model_kind(config.model_path))   # before anything loads
         keys = keys_from_args(args)
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         runtime = build_runtime(config, build, shutdown, keys, on_fatal, tracing)
-    except KVBudgetError as exc:
+    except (KVBudgetError, LoraError) as exc:   # LoraError: a bad --lora-modules adapter, named
         parser.error(str(exc))
     except SequenceParallelGroupLost as exc:   # a rank died while starting: its own output is above
         log.error("%s worker %s could not start: %s", config.role, config.worker_id, exc)

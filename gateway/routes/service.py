@@ -73,7 +73,7 @@ async def health(request: web.Request) -> web.Response:
     live = await _live_roles(request)
     if live is None:
         raise Unavailable("broker did not answer", retry_after=1)
-    missing = {name: sorted(set(m.stages) - live.get(name, set()))
+    missing = {name: sorted(set(m.stages) - live.get(getattr(m, "base_name", name), set()))
                for name, m in request.app[MODELS].items()}
     missing = {k: v for k, v in missing.items() if v}
     if missing:

@@ -451,9 +451,11 @@ class DecodeEngine:
 
     def _lora_error(self, seq: Sequence) -> str:
         name = seq.task.params.lora
-        if name and (self.lora is None or name not in self.lora.paths):
-            return f"LoRA adapter {name!r} is not loaded on this worker"
-        return ""
+        if not name:
+            return ""
+        if self.lora is None:
+            return f"LoRA adapter {name!r}: LoRA is not enabled on this worker"
+        return self.lora.ensure(name, seq.task.params.lora_path)
 
     def _grammar_row(self, seq: Sequence):
         if self.grammars is None:

@@ -182,6 +182,19 @@ class LoraSlots:
         self.paths[name] = Path(path)
         self._cache(adapter)
 
+    def ensure(self, name: str, path: str = "") -> str:
+        """Make adapter ``name`` known, registering ``path`` (a request's, from a gateway that
+        loaded it at run time) when it is new or differs; "" when ready, else why not."""
+        if name in self.paths and (not path or Path(path) == self.paths[name]):
+            return ""
+        if not path:
+            return f"LoRA adapter {name!r} is not loaded on this worker"
+        try:
+            self.register(name, path)
+        except LoraError as exc:
+            return str(exc)
+        return ""
+
     def unregister(self, name: str) -> bool:
         self._cpu.pop(name, None)
         self._resident.pop(name, None)   # its slot is free again; its rows are overwritten on reuse

@@ -317,8 +317,11 @@ class PrefillEngine:
                                            "(tensor and pipeline parallel size 1)")
         if -(-n // self.block_size) > self.runner.num_blocks - 1:
             return OutOfMemory.error_type, f"prompt of {n} tokens exceeds the prefill KV pool"
-        if task.params.lora and (self.lora is None or task.params.lora not in self.lora.paths):
-            return BadRequest.error_type, f"LoRA adapter {task.params.lora!r} is not loaded on this worker"
+        if task.params.lora:
+            error = (f"LoRA adapter {task.params.lora!r}: LoRA is not enabled on this worker" if self.lora is None
+                     else self.lora.ensure(task.params.lora, task.params.lora_path))
+            if error:
+                return BadRequest.error_type, error
         return None
 
     def _running_loras(self) -> set[str]:

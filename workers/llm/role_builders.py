@@ -21,6 +21,7 @@ from omnirelay.mrope import MropeSpec
 
 from omnirelay.connectors.timing import TimedConnector
 from omnirelay.workers.llm.decode import DecodeEngine
+from omnirelay.workers.llm.lora import LoraError, LoraSlots
 from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import PrefillEngine
@@ -68,7 +69,8 @@ def build_prefill_role(config: WorkerConfig, on_fatal: Callable[[str], None] | N
         mrope = MropeSpec.from_config(json.loads((Path(config.model_path) / "config.json").read_text()))
         engine = PrefillEngine(llm.runner, llm.connector, max_model_len=llm.max_model_len,
                                max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
-                               kv_transfer=config.kv_transfer, mrope=mrope, grammars=llm.grammars)
+                               kv_transfer=config.kv_transfer, mrope=mrope, grammars=llm.grammars,
+                               lora=_lora_slots(config, llm.runner))
     _log_ready(config, llm)
     return BuiltRole(PrefillRole(config.worker_id, engine), _stats(engine, llm, prefill=True),
                      owned=(llm.connector, llm.runner))
@@ -80,11 +82,25 @@ def build_decode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | No
     with closed_on_error(llm.connector, llm.runner):
         engine = DecodeEngine(llm.runner, None, llm.connector, max_num_seqs=config.capacity,
                               max_model_len=llm.max_model_len, grammars=llm.grammars,
-                              stream_chunk_tokens=config.stream_chunk_tokens)
+                              stream_chunk_tokens=config.stream_chunk_tokens, lora=_lora_slots(config, llm.runner))
     _log_ready(config, llm)
     # The engine first: closing it joins its KV import threads, which use the connector.
     return BuiltRole(DecodeRole(config.worker_id, engine), _stats(engine, llm, prefill=False),
                      owned=(llm.connector, llm.runner))
+
+
+def _lora_slots(config: WorkerConfig, runner: ModelRunner) -> LoraSlots | None:
+    """The worker's LoRA slots (``--enable-lora``): every ``--lora-modules`` adapter of this model
+    is read and checked now, so a bad one stops the worker at start, naming it."""
+    if config.lora is None:
+        return None
+    if not runner.in_process:
+        raise LoraError("--enable-lora: LoRA is served by single-process workers only (tensor and pipeline "
+                         "parallel size 1) in this build")
+    options = config.lora
+    modules = {m.name: m.path for m in options.modules if m.base_model_name in ("", config.model_name)}
+    return LoraSlots(runner.model, modules, max_loras=options.max_loras, max_rank=options.max_lora_rank,
+                     max_cpu_loras=options.max_cpu_loras or None)
 
 
 def model_runner(config: WorkerConfig) -> ModelRunner:

@@ -49,7 +49,10 @@ class SamplingParams:
     min_tokens: int = 0                 # like max_tokens, counted from this submission's first token
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()   # empty: every token
-    lora: str = ""            # the LoRA adapter's name ("": the base model; absent from the wire)
+    # The LoRA adapter ("": the base model; then absent from the wire) and its directory on the
+    # worker's host ("": the worker's own --lora-modules). On the wire: "lora": name or {name, path}.
+    lora: str = ""
+    lora_path: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -129,7 +132,15 @@ class SamplingParams:
         unknown = set(raw) - _FIELDS - OTHER_SAMPLING_KEYS
         if unknown:
             raise ValueError(f"unknown sampling keys {sorted(unknown)}")
-        values = {k: v for k, v in raw.items() if k in _FIELDS}
+        values = {k: v for k, v in raw.items() if k in _FIELDS and k != "lora_path"}
+        if isinstance(values.get("lora"), dict):
+            adapter = values.pop("lora")
+            if set(adapter) - {"name", "path"} or not isinstance(adapter.get("name"), str) \
+                    or not isinstance(adapter.get("path", ""), str):
+                raise ValueError(f"sampling key lora: expected a name or {{name, path}}, got {adapter!r}")
+            values["lora"], values["lora_path"] = adapter["name"], adapter.get("path", "")
+        if not isinstance(values.get("lora", ""), str):
+            raise TypeError(f"sampling key lora: expected a string, got {values['lora']!r}")
         for name in ("stop_token_ids", "allowed_token_ids"):
             if name in values:
                 values[name] = tuple(values[name] or ())
@@ -148,8 +159,9 @@ class SamplingParams:
         out["allowed_token_ids"] = list(self.allowed_token_ids)
         out["logit_bias"] = [list(pair) for pair in self.logit_bias]
         out["bad_words_token_ids"] = [list(word) for word in self.bad_words_token_ids]
-        if not self.lora:   # the base: the key stays off the wire, as before LoRA existed
-            del out["lora"]
+        del out["lora"], out["lora_path"]
+        if self.lora:   # the base: the key stays off the wire, as before LoRA existed
+            out["lora"] = {"name": self.lora, "path": self.lora_path} if self.lora_path else self.lora
         return out
 
 

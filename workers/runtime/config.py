@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
+from omnirelay.lora_modules import LoraOptions
 
 ROLES = ("encode", "prefill", "decode", "generate")
 ENGINE_ROLES = ("encode", "prefill", "decode", "generate")   # roles this build can run
@@ -84,6 +85,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     sequence_parallel_size: int = 1
     expert_parallel: bool = False
+    lora: LoraOptions | None = None     # --enable-lora (prefill and decode of a causal LM); None: off
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
