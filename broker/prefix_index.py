@@ -35,15 +35,17 @@ def route_keys(names: Iterable[bytes]) -> list[int]:
     return [int.from_bytes(name[:ROUTE_KEY_BYTES], "little") for name in names]
 
 
-def prompt_route_keys(token_ids: list[int], block_size: int, max_blocks: int = MAX_PROMPT_BLOCKS) -> list[int]:
+def prompt_route_keys(token_ids: list[int], block_size: int, max_blocks: int = MAX_PROMPT_BLOCKS,
+                      lora: str = "") -> list[int]:
     """Keys of the prompt blocks a prefill worker could reuse: full blocks only, and never the block
-    holding the last prompt token (the worker always computes that token's logits)."""
+    holding the last prompt token (the worker always computes that token's logits). ``lora``: the
+    adapter the prompt runs under (its blocks are named apart, as the worker names them)."""
     if block_size <= 0:
         return []
     usable = min(max_blocks, (len(token_ids) - 1) // block_size)
     if usable <= 0:
         return []
-    return route_keys(block_hashes(token_ids[:usable * block_size], block_size))
+    return route_keys(block_hashes(token_ids[:usable * block_size], block_size, lora))
 
 
 class PrefixSet:

@@ -207,7 +207,9 @@ class BusClient:
         prompts with inline media do not, since their placeholder ids say nothing about the media."""
         if (not submit.prefix_hashes and not submit.inputs and "prefill" in submit.stages
                 and len(submit.prompt_token_ids) > PREFIX_BLOCK_SIZE):
-            keys = prompt_route_keys(submit.prompt_token_ids, PREFIX_BLOCK_SIZE)
+            adapter = submit.sampling.get("lora") or ""   # LoRA: {name, path}; its prefixes are its own
+            keys = prompt_route_keys(submit.prompt_token_ids, PREFIX_BLOCK_SIZE,
+                                     lora=adapter.get("name", "") if isinstance(adapter, dict) else adapter)
             submit = msgspec.structs.replace(submit, prefix_hashes=keys, prefix_block_size=PREFIX_BLOCK_SIZE)
         if not submit.traceparent and (traceparent := CURRENT_TRACEPARENT.get()):
             submit = msgspec.structs.replace(submit, traceparent=traceparent)   # the request's span is traced

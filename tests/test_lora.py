@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from omnirelay.block_hash import block_hashes
+from omnirelay.broker.prefix_index import prompt_route_keys, route_keys
 from omnirelay.deploy.builders.lora import build_tiny_lora
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
@@ -128,6 +129,10 @@ def test_prefix_cached_under_one_adapter_is_not_reused_by_another(tiny_model, ad
     prefill, decode = _engines(tiny_model, adapters, connector, max_loras=3)
     _generate(prefill, decode, [("a1", prompt)], n=2)
     assert prefill.prefix_hit_tokens(prompt, "a1") >= 40
+    # The broker's routing keys (the gateway's hint, the worker's heartbeat) are the adapter's too.
+    added = set(route_keys(prefill.prefix_events()[0]))
+    hint = prompt_route_keys(prompt, 8, lora="a1")
+    assert len(hint) >= 5 and set(hint) <= added and not set(prompt_route_keys(prompt, 8)) & added
     assert prefill.prefix_hit_tokens(prompt, "a2") == prefill.prefix_hit_tokens(prompt) == 0
     assert prefill.stats["prefix_cached_tokens"] == 0
     # The same prompt under a2 and under the base: nothing reused, and their own right answers.
