@@ -134,6 +134,7 @@ def _read_ready_file(path: str) -> str | None:
 # omni-gateway's limit flags that omni-serve takes and forwards unchanged: (flag, default, type).
 GATEWAY_LIMITS = (
     ("--request-timeout", GatewayConfig.request_timeout_s, float),
+    ("--video-timeout", GatewayConfig.video_timeout_s, float),
     ("--max-body-bytes", GatewayConfig.max_body_bytes, int),
     ("--max-streams-per-client", GatewayConfig.max_streams_per_client, int),
     ("--stream-write-timeout", GatewayConfig.stream_write_timeout_s, float),

@@ -45,6 +45,9 @@ class GatewayConfig:
     reply_port:          that socket's port (0: any free port).
     models:              the models served.
     request_timeout_s:   deadline of a request from arrival to its last token.
+    video_timeout_s:     deadline of a video job (``/v1/videos`` and ``/v1/videos/sync``) from its start;
+                         within it a job lives as long as it makes progress: one that reports none for
+                         ``request_timeout_s`` fails (gateway/routes/videos.py).
     max_body_bytes:      largest accepted request body.
     status_timeout_s:    how long /health waits for the broker's answer.
     api_key:             when set, /v1 routes need ``Authorization: Bearer <api_key>``.
@@ -85,6 +88,7 @@ class GatewayConfig:
     reply_host: str = "127.0.0.1"
     reply_port: int = 0
     request_timeout_s: float = 600.0
+    video_timeout_s: float = 4 * 3600.0
     max_body_bytes: int = 8 * 1024 * 1024
     status_timeout_s: float = 2.0
     api_key: str | None = None
@@ -120,8 +124,8 @@ class GatewayConfig:
                 raise ValueError(f"model {model.name!r}: default chat template kwargs must be a JSON object")
         if not 0 <= self.port < 65536 or not 0 <= self.reply_port < 65536:
             raise ValueError(f"port out of range: {self.port}")
-        if self.request_timeout_s <= 0 or self.max_body_bytes <= 0:
-            raise ValueError("request_timeout_s and max_body_bytes must be positive")
+        if self.request_timeout_s <= 0 or self.max_body_bytes <= 0 or self.video_timeout_s <= 0:
+            raise ValueError("request_timeout_s, video_timeout_s and max_body_bytes must be positive")
         if self.header_timeout_s <= 0 or self.read_timeout_s <= 0 or self.stream_write_timeout_s <= 0:
             raise ValueError("header_timeout_s, read_timeout_s and stream_write_timeout_s must be positive")
         if self.max_websocket_sessions < 0 or self.websocket_idle_timeout_s <= 0:

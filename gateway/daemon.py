@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-port", type=int, default=0, help="port of the token socket (default: any free)")
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--video-timeout", type=float, default=GatewayConfig.video_timeout_s,
+                        help="seconds a video job may run in all (default 4 h); within it a job that reports no "
+                             "progress for --request-timeout fails")
     parser.add_argument("--api-key", default=os.environ.get("OMNIRELAY_API_KEY"),
                         help="require this bearer token on /v1 routes (default: $OMNIRELAY_API_KEY)")
     parser.add_argument("--protect-probes", action="store_true", help="with --api-key, also protect /health, "
@@ -170,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                                   args.structured_outputs_in_reasoning, args.scheduling_policy),
             trust_request_chat_template=args.trust_request_chat_template,
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
-            request_timeout_s=args.request_timeout, api_key=args.api_key or None,
+            request_timeout_s=args.request_timeout, video_timeout_s=args.video_timeout,
+            api_key=args.api_key or None,
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
             max_streams_per_client=args.max_streams_per_client, stream_write_timeout_s=args.stream_write_timeout,
             max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,

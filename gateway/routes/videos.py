@@ -9,7 +9,7 @@ Life of a job::
     job task (owned by VideoJobs): Submit(stages of the model's pipeline) ──▶ VideoStream
         progress MediaResults ──▶ "in_progress", progress %
         chunk MediaResults (index 0..last, finish on the last) ──▶ bytes joined ──▶ "completed"
-        RequestFailed / deadline ──▶ "failed" with error {code, message}
+        RequestFailed / deadline / stall ──▶ "failed" with error {code, message naming the stage}
     GET /v1/videos/{id}            the job object
     GET /v1/videos/{id}/content    the file (video/mp4; image/webp where the worker has no MP4 encoder)
     DELETE /v1/videos/{id}         unfinished: cancels upstream (the worker stops denoising), the
@@ -24,6 +24,13 @@ shape, plus ``cancelled``. A finished job (and its content) lives ``ttl_s`` afte
 (``expires_at``); the store holds at most ``max_jobs`` jobs and ``max_bytes`` of content, evicting
 the oldest finished jobs first. Jobs are state of one gateway process: a client polls the gateway
 that created the job (a load balancer needs affinity on the job id) and a gateway restart loses them.
+
+Deadline: a job is not a request waiting for tokens. It may run up to ``--video-timeout`` (hours by
+default; the Submit's deadline, so the broker and the worker hold it as long) and lives as long as
+it makes progress: a job that reports nothing (no progress report, no chunk) for
+``--request-timeout`` fails with ``deadline_exceeded``, as does one past its video timeout; the
+message names where it was (queued, or the pipeline stage, denoising or sending the file, and the
+progress).
 
 Accepted fields: ``prompt`` (required), ``model`` (optional when exactly one video model is
 served), ``size`` ("WxH", multiples of 8; default the model's native size), ``seconds`` (default
@@ -51,8 +58,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from omnirelay.broker import protocol as p
 from omnirelay.dit_families import family_of_dir
-from omnirelay.errors import (BadRequest, NotFound, OmniError, Overloaded, PayloadTooLarge, Unprocessable,
-                              WorkerLost)
+from omnirelay.errors import (BadRequest, DeadlineExceeded, NotFound, OmniError, Overloaded, PayloadTooLarge,
+                              Unprocessable, WorkerLost)
 from omnirelay.video_params import (DEFAULT_FPS, MAX_FRAMES, MAX_SECONDS, MAX_SEED, MAX_VIDEO_BYTES, PROGRESS_MIME,
                                     VideoParams, check_int, native_size)
 
@@ -215,7 +222,10 @@ class VideoJob:
         if status == "completed":
             self.progress = 100
         if error is not None:
-            self.error = {"code": error.error_type, "message": error.message}
+            message = error.message
+            if error.stage and error.stage not in message:   # where it failed (a worker's, the broker's error)
+                message += f" (stage {error.stage})"
+            self.error = {"code": error.error_type, "message": message}
 
 
 class VideoJobs:
@@ -282,15 +292,21 @@ JOBS = web.AppKey("video_jobs", VideoJobs)
 
 
 class VideoStream(RequestStream):
-    """One attempt's worker messages for a job: progress into ``job``, chunks joined into ``data``."""
+    """One attempt's worker messages for a job: progress into ``job``, chunks joined into ``data``.
+    It waits until ``deadline`` (the job's video timeout) while messages keep coming, and at most
+    ``stall_s`` after the last one (or its start); ``stage`` is the pipeline stage that reports."""
 
-    def __init__(self, request_id: str, deadline: float, job: VideoJob):
+    def __init__(self, request_id: str, deadline: float, job: VideoJob, *, stall_s: float = float("inf"),
+                 stage: str = "generate"):
         super().__init__(request_id, deadline)
         self.job = job
         self.chunks: dict[int, bytes] = {}
         self.last: int | None = None
         self.mime = ""
         self.size = 0
+        self.stall_s, self.stage = stall_s, stage
+        self.heard_at = time.time()   # the last sign of progress (wall clock, as the deadline)
+        self.phase = "queued"         # → denoising → sending the file
 
     def on_delta(self, delta: p.TokenDelta) -> None:
         """Video requests produce no tokens; a stray delta is ignored."""
@@ -298,7 +314,10 @@ class VideoStream(RequestStream):
     def on_media(self, media: p.MediaResult) -> None:
         if self.finished:
             return
+        self.heard_at = time.time()
         if media.mime == PROGRESS_MIME:
+            if self.phase == "queued":
+                self.phase = "denoising"
             if media.data.isdigit() and self.job.status in ("queued", "in_progress"):
                 self.job.status = "in_progress"
                 self.job.progress = max(self.job.progress, min(99, int(media.data)))
@@ -323,6 +342,7 @@ class VideoStream(RequestStream):
             return
         self.mime = media.mime
         self.chunks[media.index] = chunk
+        self.phase = "sending the file"
         if self.job.status == "queued":
             self.job.status = "in_progress"
         if media.finish:
@@ -335,19 +355,42 @@ class VideoStream(RequestStream):
                                      stage="generate", resumable=True))
 
     async def wait(self) -> bytes:
-        """The whole file once every chunk is in; raise the request's error or DeadlineExceeded."""
-        async for _ in self.events():
-            pass
-        return b"".join(self.chunks[k] for k in range(self.last + 1))
+        """The whole file once every chunk is in; raise the request's error, or DeadlineExceeded
+        past the deadline or ``stall_s`` without a message."""
+        while True:
+            stalled_at = self.heard_at + self.stall_s
+            try:
+                async with asyncio.timeout(max(0.0, min(self.deadline, stalled_at) - time.time())):
+                    event = await self._queue.get()
+            except TimeoutError:
+                if time.time() < min(self.deadline, self.heard_at + self.stall_s):
+                    continue   # progress came meanwhile (it moves heard_at, not the queue): wait on
+                raise self._timed_out() from None
+            if isinstance(event, OmniError):
+                raise event
+            if event.finish_reason:
+                return b"".join(self.chunks[k] for k in range(self.last + 1))
+
+    def _timed_out(self) -> DeadlineExceeded:
+        where = ("queued (no stage reported yet)" if self.phase == "queued" else
+                 f"in stage {self.stage} ({self.phase}, {self.job.progress} %)")
+        if time.time() >= self.deadline:
+            what = "passed its video timeout (--video-timeout)"
+        else:
+            what = f"made no progress for {self.stall_s:g} s (--request-timeout)"
+        return DeadlineExceeded(f"the video job {what} {where}", request_id=self.request_id,
+                                stage="" if self.phase == "queued" else self.stage)
 
 
-async def run_job(bus: BusClient, model: VideoModel, job: VideoJob, deadline: float) -> tuple[bytes, str]:
+async def run_job(bus: BusClient, model: VideoModel, job: VideoJob, deadline: float,
+                  stall_s: float = float("inf")) -> tuple[bytes, str]:
     """Generate ``job``'s file: (bytes, MIME). Resubmits after a lost worker or broker (same
     seed, so the same file); waits briefly for a generate role with no live worker; cancels
-    upstream when cancelled or failed."""
+    upstream when cancelled or failed, or after ``stall_s`` without progress (VideoStream)."""
     submit = p.Submit(request_id=job.id, model=model.name, stages=list(model.stages), prompt_token_ids=[],
                       sampling=job.params.to_wire(), deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key)
-    data, stream = await submit_until_done(bus, submit, lambda upstream_id: VideoStream(upstream_id, deadline, job),
+    data, stream = await submit_until_done(bus, submit, lambda upstream_id: VideoStream(upstream_id, deadline, job, stall_s=stall_s,
+                                                                                 stage=model.stages[-1]),
                                            cancel_reason="video job cancelled or failed")
     return data, stream.mime
 
@@ -359,7 +402,9 @@ async def _generate(app: web.Application, model: VideoModel, job: VideoJob) -> t
     with RequestRecord(app[METRICS], model.name, job.id, log_requests=not config.disable_log_requests, kind="video",
                        size=f"{params.width}x{params.height}", frames=params.num_frames, fps=params.fps,
                        steps=params.num_inference_steps, seed=params.seed, bytes=0) as record:
-        data, mime = await run_job(app[BUS], model, job, time.time() + config.request_timeout_s)
+        # The job's own deadline, not a request's: it lives while it progresses (module docstring).
+        data, mime = await run_job(app[BUS], model, job, time.time() + config.video_timeout_s,
+                                   stall_s=config.request_timeout_s)
         record.fields["bytes"] = len(data)
         return data, mime
 
