@@ -27,6 +27,7 @@ import pytest
 import requests
 import zmq
 
+from cluster import settled_workers
 from kv_fault_support import kv_fault_cluster, kv_fault_pipeline, segments_of
 from omnirelay.broker import protocol as p
 from omnirelay.workers.runtime.broker_link import KEEPALIVE_AFTER, BrokerLink
@@ -122,15 +123,13 @@ def test_slow_connector_past_the_deadline_under_load(slow_link):
 
     # Nothing is held afterwards: the decode worker is idle with its pool free, and the outputs
     # of the late puts were deleted once their stage reported done, not left for the TTL.
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        [decode] = [w for w in requests.get(slow_link.url + "/cluster", timeout=10).json()["workers"]
-                    if w["role"] == "decode"]
-        if (decode["running"] == 0 and decode["free_kv_blocks"] == decode["stats"]["kv_blocks_total"]
-                and not segments_of(slow_link.prefill.pid)):
-            break
-        time.sleep(0.3)
+    # Decode's figures travel in heartbeats: read once the cluster says they are final. The segments
+    # are the prefill process's own state (no heartbeat): polled, bounded, while its deletes run.
+    [decode] = [w for w in settled_workers(slow_link.url) if w["role"] == "decode"]
     assert decode["running"] == 0 and decode["free_kv_blocks"] == decode["stats"]["kv_blocks_total"], decode
+    deadline = time.monotonic() + 15
+    while segments_of(slow_link.prefill.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert segments_of(slow_link.prefill.pid) == []
 
 

@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from cluster import Cluster, assert_contract, classify, greedy_chat, run_load
+from cluster import Cluster, assert_contract, classify, greedy_chat, run_load, settled_workers
 
 N_REQUESTS, CONCURRENCY, MAX_TOKENS = 64, 8, 24
 REQUEST_TIMEOUT_S = 60.0
@@ -121,9 +121,6 @@ def test_sigterm_drains_a_worker_and_a_new_one_takes_work(cluster):
     assert leaving.proc.wait(30) == 0
     assert "unregistered" in cluster.logs()
     # The newcomer registered and decoded part of the load.
-    newcomer = next(w for w in cluster.workers() if w["pid"] == joined["proc"].pid)
-    deadline = time.monotonic() + 5
-    while newcomer["stats"].get("decode_tokens", 0) == 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        newcomer = next(w for w in cluster.workers() if w["pid"] == joined["proc"].pid)
+    # Its counters travel in heartbeats: read once the cluster says they are final.
+    newcomer = next(w for w in settled_workers(cluster.url) if w["pid"] == joined["proc"].pid)
     assert newcomer["stats"].get("decode_tokens", 0) > 0

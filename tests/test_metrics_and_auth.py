@@ -4,13 +4,13 @@ gauges), and the API key on /v1 routes."""
 from __future__ import annotations
 
 import re
-import time
 
 import openai
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster import settled_workers
 from conftest import ServeProcess
 from omnirelay.broker.protocol import StatusReply
 from omnirelay.gateway.metrics import GatewayMetrics
@@ -31,16 +31,8 @@ def test_metrics_after_traffic(server):
                                                   extra_body={"ignore_eos": True})
         if stream:
             list(response)
-    # Worker counters ride on heartbeats: poll (bounded) until one sent after the traffic arrived.
-    deadline = time.monotonic() + 15
-    while True:
-        text = requests.get(server.url + "/metrics", timeout=10).text
-        transfers = [_sample(text, "omnirelay_connector_transfer_seconds_sum", f'role="{role}"')
-                     for role in ("prefill", "decode")]
-        decoded = re.search(r'^omnirelay_decode_tokens_total\{[^}]*\} (\S+)$', text, re.MULTILINE)
-        if (min(transfers) > 0 and decoded and float(decoded.group(1)) >= 14) or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    settled_workers(server.url)   # worker counters ride on heartbeats: read once the cluster says they are final
+    text = requests.get(server.url + "/metrics", timeout=10).text
     assert _sample(text, "vllm:generation_tokens_total") >= 16
     assert _sample(text, "vllm:prompt_tokens_total") > 0
     assert _sample(text, "vllm:time_to_first_token_seconds_count") >= 2
