@@ -135,6 +135,7 @@ def _read_ready_file(path: str) -> str | None:
 GATEWAY_LIMITS = (
     ("--request-timeout", GatewayConfig.request_timeout_s, float),
     ("--video-timeout", GatewayConfig.video_timeout_s, float),
+    ("--video-stall-timeout", GatewayConfig.video_stall_timeout_s, float),
     ("--max-body-bytes", GatewayConfig.max_body_bytes, int),
     ("--max-streams-per-client", GatewayConfig.max_streams_per_client, int),
     ("--stream-write-timeout", GatewayConfig.stream_write_timeout_s, float),

@@ -46,8 +46,11 @@ class GatewayConfig:
     models:              the models served.
     request_timeout_s:   deadline of a request from arrival to its last token.
     video_timeout_s:     deadline of a video job (``/v1/videos`` and ``/v1/videos/sync``) from its start;
-                         within it a job lives as long as it makes progress: one that reports none for
-                         ``request_timeout_s`` fails (gateway/routes/videos.py).
+                         within it a job lives as long as it makes progress (gateway/routes/videos.py).
+    video_stall_timeout_s: a started video job (one its worker reported on) that reports nothing more
+                         for this long fails: its worker is alive (the broker drops a silent one) but
+                         stuck. Generous: a whole-call runner or a long VAE decode reports nothing
+                         for minutes.
     max_body_bytes:      largest accepted request body.
     status_timeout_s:    how long /health waits for the broker's answer.
     api_key:             when set, /v1 routes need ``Authorization: Bearer <api_key>``.
@@ -89,6 +92,7 @@ class GatewayConfig:
     reply_port: int = 0
     request_timeout_s: float = 600.0
     video_timeout_s: float = 4 * 3600.0
+    video_stall_timeout_s: float = 1800.0
     max_body_bytes: int = 8 * 1024 * 1024
     status_timeout_s: float = 2.0
     api_key: str | None = None
@@ -124,8 +128,10 @@ class GatewayConfig:
                 raise ValueError(f"model {model.name!r}: default chat template kwargs must be a JSON object")
         if not 0 <= self.port < 65536 or not 0 <= self.reply_port < 65536:
             raise ValueError(f"port out of range: {self.port}")
-        if self.request_timeout_s <= 0 or self.max_body_bytes <= 0 or self.video_timeout_s <= 0:
-            raise ValueError("request_timeout_s, video_timeout_s and max_body_bytes must be positive")
+        if self.request_timeout_s <= 0 or self.max_body_bytes <= 0 or self.video_timeout_s <= 0 \
+                or self.video_stall_timeout_s <= 0:
+            raise ValueError("request_timeout_s, video_timeout_s, video_stall_timeout_s and max_body_bytes must be "
+                             "positive")
         if self.header_timeout_s <= 0 or self.read_timeout_s <= 0 or self.stream_write_timeout_s <= 0:
             raise ValueError("header_timeout_s, read_timeout_s and stream_write_timeout_s must be positive")
         if self.max_websocket_sessions < 0 or self.websocket_idle_timeout_s <= 0:

@@ -18,6 +18,7 @@ from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, r
 from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
 
 from .app import create_app
+from .lora import check_modules as check_lora_modules
 from .app_keys import TRACING
 from .config import GatewayConfig, ServedModel
 
@@ -111,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--video-timeout", type=float, default=GatewayConfig.video_timeout_s,
-                        help="seconds a video job may run in all (default 4 h); within it a job that reports no "
-                             "progress for --request-timeout fails")
+                        help="seconds a video job may run in all (default 4 h), as long as it makes progress")
+    parser.add_argument("--video-stall-timeout", type=float, default=GatewayConfig.video_stall_timeout_s,
+                        help="a started video job that reports no progress for this long fails (default 30 min)")
     parser.add_argument("--api-key", default=os.environ.get("OMNIRELAY_API_KEY"),
                         help="require this bearer token on /v1 routes (default: $OMNIRELAY_API_KEY)")
     parser.add_argument("--protect-probes", action="store_true", help="with --api-key, also protect /health, "
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             trust_request_chat_template=args.trust_request_chat_template,
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
             request_timeout_s=args.request_timeout, video_timeout_s=args.video_timeout,
+            video_stall_timeout_s=args.video_stall_timeout,
             api_key=args.api_key or None,
             protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
             max_streams_per_client=args.max_streams_per_client, stream_write_timeout_s=args.stream_write_timeout,
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             max_audio_sample_rate=args.max_audio_sample_rate,
             allow_special_tokens_in_content=args.allow_special_tokens_in_content,
             lora=lora_modules.options_from_args(args))
+        check_lora_modules(config.lora)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")
         tracing = tracing_from_args("omni-gateway", args)

@@ -71,10 +71,20 @@ def check_adapter_dir(name: str, path: str, max_rank: int) -> None:
                          param="lora_path")
 
 
+def check_modules(options: LoraOptions | None) -> None:
+    """At start: ValueError naming the first ``--lora-modules`` directory that is not an adapter."""
+    for module in options.modules if options is not None else ():
+        try:
+            check_adapter_dir(module.name, module.path, options.max_lora_rank)
+        except BadRequest as exc:
+            raise ValueError(f"--lora-modules: {exc}") from None
+
+
 def install(app: web.Application, options: LoraOptions | None) -> None:
     """Serve ``options``' adapters beside their base models; the runtime routes when allowed."""
     if options is None:
         return
+    check_modules(options)
     app[LORA_OPTIONS] = options
     models = app[MODELS]
     text = [m for m in models.values() if isinstance(m, ModelRuntime)]
@@ -85,10 +95,6 @@ def install(app: web.Application, options: LoraOptions | None) -> None:
                              "is not a served text model")
         if module.name in models:
             raise ValueError(f"--lora-modules: {module.name!r} is already a served model's name")
-        try:
-            check_adapter_dir(module.name, module.path, options.max_lora_rank)
-        except BadRequest as exc:   # at start: the daemon's error, naming the adapter
-            raise ValueError(f"--lora-modules: {exc}") from None
         models[module.name] = AdapterModel(base, module.name, module.path)
     if options.allow_runtime_updating:
         app.router.add_post("/v1/load_lora_adapter", load_adapter)

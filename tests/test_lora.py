@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -211,3 +213,14 @@ def test_a_request_for_an_adapter_the_worker_lacks_fails_by_name(tiny_model, ada
     assert SamplingParams(max_tokens=2).to_wire().keys() == SamplingParams.from_wire(
         SamplingParams(max_tokens=2).to_wire()).to_wire().keys() and "lora" not in SamplingParams().to_wire()
     assert SamplingParams.from_wire(_params("a2").to_wire()).lora == "a2"
+
+
+@pytest.mark.parametrize("daemon", ["omnirelay.workers.daemon", "omnirelay.gateway.daemon"])
+def test_daemons_refuse_a_bad_adapter_at_start_by_name(daemon, tiny_model, tmp_path):
+    role = ["--role", "prefill"] if "workers" in daemon else []
+    base = [sys.executable, "-m", daemon, *role, "--model", tiny_model, "--broker", "tcp://127.0.0.1:9"]
+    bad = subprocess.run([*base, "--enable-lora", "--lora-modules", f"broken={tmp_path}"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "'broken'" in bad.stderr, bad.stderr[-2000:]
+    off = subprocess.run([*base, "--max-loras", "2"], capture_output=True, text=True, timeout=120)
+    assert off.returncode == 2 and "--max-loras needs --enable-lora" in off.stderr, off.stderr[-2000:]

@@ -58,16 +58,27 @@ def test_a_stalled_job_fails_naming_its_stage_and_progress():
 
     error = run(scenario(VideoJob("v", "m", PARAMS, "1", 0), lambda s: s.on_media(progress(77))))
     assert error.stage == "generate" and "in stage generate (denoising, 77 %)" in error.message
-    assert "no progress for 0.3 s" in error.message
+    assert "no progress for 0.3 s (--video-stall-timeout)" in error.message
     error = run(scenario(VideoJob("v", "m", PARAMS, "1", 0), lambda s: s.on_media(chunk(0, False))))
     assert "in stage generate (sending the file" in error.message
-    error = run(scenario(VideoJob("v", "m", PARAMS, "1", 0), lambda s: None))
-    assert error.stage == "" and "queued" in error.message
-
     # The job's error carries it (OpenAI's {code, message}).
     job = VideoJob("v", "m", PARAMS, "1", 0)
     job.finish("failed", time.time(), 60, error)
-    assert job.error["code"] == "deadline_exceeded" and "queued" in job.error["message"]
+    assert job.error["code"] == "deadline_exceeded" and "sending the file" in job.error["message"]
+
+
+def test_a_queued_job_waits_its_turn_under_the_video_timeout_alone():
+    async def scenario() -> tuple[bool, DeadlineExceeded]:
+        stream = VideoStream("v", time.time() + 1.0, VideoJob("v", "m", PARAMS, "1", 0), stall_s=0.1)
+        waiting = asyncio.ensure_future(stream.wait())
+        await asyncio.sleep(0.5)            # five stall bounds in the broker's queue: still waiting
+        alive = not waiting.done()
+        with pytest.raises(DeadlineExceeded) as caught:
+            await waiting
+        return alive, caught.value
+
+    alive, error = run(scenario())
+    assert alive and error.stage == "" and "video timeout" in error.message and "queued" in error.message
 
 
 def test_the_video_timeout_ends_a_job_that_still_progresses():
@@ -97,4 +108,7 @@ def test_the_video_timeout_is_a_gateway_setting_hours_by_default(tmp_path):
     assert GatewayConfig(models=(model,)).video_timeout_s >= 3600
     with pytest.raises(ValueError, match="video_timeout_s"):
         GatewayConfig(models=(model,), video_timeout_s=0)
-    assert "--video-timeout" in [flag for flag, _, _ in GATEWAY_LIMITS]   # omni-serve hands it on
+    with pytest.raises(ValueError, match="video_stall_timeout_s"):
+        GatewayConfig(models=(model,), video_stall_timeout_s=-1)
+    flags = [flag for flag, _, _ in GATEWAY_LIMITS]   # omni-serve hands them on
+    assert "--video-timeout" in flags and "--video-stall-timeout" in flags

@@ -27,10 +27,11 @@ that created the job (a load balancer needs affinity on the job id) and a gatewa
 
 Deadline: a job is not a request waiting for tokens. It may run up to ``--video-timeout`` (hours by
 default; the Submit's deadline, so the broker and the worker hold it as long) and lives as long as
-it makes progress: a job that reports nothing (no progress report, no chunk) for
-``--request-timeout`` fails with ``deadline_exceeded``, as does one past its video timeout; the
-message names where it was (queued, or the pipeline stage, denoising or sending the file, and the
-progress).
+it makes progress: once its worker reported on it, a job that reports nothing more (no progress
+report, no chunk) for ``--video-stall-timeout`` fails with ``deadline_exceeded``, as does one past
+its video timeout; the message names where it was (queued, or the pipeline stage, denoising or
+sending the file, and the progress). A queued job waits its turn under the video timeout alone (the
+broker's queues are bounded, and a worker that dies is dropped by the broker, its job resubmitted).
 
 Accepted fields: ``prompt`` (required), ``model`` (optional when exactly one video model is
 served), ``size`` ("WxH", multiples of 8; default the model's native size), ``seconds`` (default
@@ -293,8 +294,8 @@ JOBS = web.AppKey("video_jobs", VideoJobs)
 
 class VideoStream(RequestStream):
     """One attempt's worker messages for a job: progress into ``job``, chunks joined into ``data``.
-    It waits until ``deadline`` (the job's video timeout) while messages keep coming, and at most
-    ``stall_s`` after the last one (or its start); ``stage`` is the pipeline stage that reports."""
+    It waits until ``deadline`` (the job's video timeout), and once the worker reported on it at
+    most ``stall_s`` after its last message; ``stage`` is the pipeline stage that reports."""
 
     def __init__(self, request_id: str, deadline: float, job: VideoJob, *, stall_s: float = float("inf"),
                  stage: str = "generate"):
@@ -358,12 +359,11 @@ class VideoStream(RequestStream):
         """The whole file once every chunk is in; raise the request's error, or DeadlineExceeded
         past the deadline or ``stall_s`` without a message."""
         while True:
-            stalled_at = self.heard_at + self.stall_s
             try:
-                async with asyncio.timeout(max(0.0, min(self.deadline, stalled_at) - time.time())):
+                async with asyncio.timeout(max(0.0, self._until() - time.time())):
                     event = await self._queue.get()
             except TimeoutError:
-                if time.time() < min(self.deadline, self.heard_at + self.stall_s):
+                if time.time() < self._until():
                     continue   # progress came meanwhile (it moves heard_at, not the queue): wait on
                 raise self._timed_out() from None
             if isinstance(event, OmniError):
@@ -371,13 +371,17 @@ class VideoStream(RequestStream):
             if event.finish_reason:
                 return b"".join(self.chunks[k] for k in range(self.last + 1))
 
+    def _until(self) -> float:
+        """When the wait ends without a message: the deadline, or a stall once the job started."""
+        return self.deadline if self.phase == "queued" else min(self.deadline, self.heard_at + self.stall_s)
+
     def _timed_out(self) -> DeadlineExceeded:
         where = ("queued (no stage reported yet)" if self.phase == "queued" else
                  f"in stage {self.stage} ({self.phase}, {self.job.progress} %)")
         if time.time() >= self.deadline:
             what = "passed its video timeout (--video-timeout)"
         else:
-            what = f"made no progress for {self.stall_s:g} s (--request-timeout)"
+            what = f"made no progress for {self.stall_s:g} s (--video-stall-timeout)"
         return DeadlineExceeded(f"the video job {what} {where}", request_id=self.request_id,
                                 stage="" if self.phase == "queued" else self.stage)
 
@@ -404,7 +408,7 @@ async def _generate(app: web.Application, model: VideoModel, job: VideoJob) -> t
                        steps=params.num_inference_steps, seed=params.seed, bytes=0) as record:
         # The job's own deadline, not a request's: it lives while it progresses (module docstring).
         data, mime = await run_job(app[BUS], model, job, time.time() + config.video_timeout_s,
-                                   stall_s=config.request_timeout_s)
+                                   stall_s=config.video_stall_timeout_s)
         record.fields["bytes"] = len(data)
         return data, mime
 
