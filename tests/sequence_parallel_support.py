@@ -19,7 +19,7 @@ import openai
 import yaml
 from PIL import Image
 
-from cluster import Cluster, Proc
+from cluster import Cluster, Proc, settled_workers
 
 T = TypeVar("T")
 
@@ -34,24 +34,22 @@ def sp_yaml(directory: pathlib.Path, size: int) -> str:
 
 
 def only_worker(cluster: Cluster, sp_size: int, timeout: float = 60.0) -> dict:
-    """The one registered worker, once it has heartbeated that it runs ``sp_size`` ranks."""
+    """The one registered worker, once it has heartbeated that it runs ``sp_size`` ranks: read from
+    the settled cluster (:func:`settled_workers`), asked again while a (re)starting worker has yet
+    to register — registration is the broker's own state, not a heartbeat's."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        workers = cluster.workers()
+    while True:
+        workers = settled_workers(cluster.url, timeout=max(1.0, deadline - time.monotonic()))
         if len(workers) == 1 and workers[0]["stats"].get("sequence_parallel_size") == sp_size:
             return workers[0]
+        assert time.monotonic() < deadline, f"expected one generate worker of {sp_size} rank(s), got {workers}"
         time.sleep(0.2)
-    raise AssertionError(f"expected one generate worker of {sp_size} rank(s), got {cluster.workers()}")
 
 
-def group_stats(cluster: Cluster, sp_forwards: int) -> dict:
-    """The two-rank worker's heartbeated stats, once they count ``sp_forwards`` forwards run over its
-    group (or after 10 s, whatever they count then)."""
-    deadline = time.monotonic() + 10
-    while (stats := only_worker(cluster, 2)["stats"]).get("sp_forwards", 0) < sp_forwards \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return stats
+def group_stats(cluster: Cluster) -> dict:
+    """The two-rank worker's heartbeated stats once every answered request is counted in them (the
+    settled cluster)."""
+    return only_worker(cluster, 2)["stats"]
 
 
 def start_fleet(cluster: Cluster, worker_yaml: str, gateway_yaml: str, sp_size: int) -> tuple[Proc, openai.OpenAI]:

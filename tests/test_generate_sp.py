@@ -98,7 +98,7 @@ def test_two_rank_worker_makes_the_single_rank_workers_images(tiny_dit, tmp_path
         with pytest.raises(openai.BadRequestError, match="at most 512 pixels a side"):
             _generate(client, "1024x512", 1.0)
         # Every denoising forward ran through the group: 2 steps × 2 images (batch 2 when guided: one call).
-        stats = group_stats(cluster, 4)
+        stats = group_stats(cluster)
         assert stats["sp_forwards"] == 4 and stats["images_generated"] == 2
         assert split.stop() == 0   # SIGTERM: drains, closes the engine, which stops and joins rank 1
     finally:
