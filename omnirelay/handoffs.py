@@ -176,6 +176,7 @@ class KVHandoff(_Handoff, tag="kv"):
     has_media: bool = False
     speech_prompt_key: str = ""
     speech_prompt_handle: Handle | None = None
+    lora: str = ""   # the LoRA adapter the KV was computed under; absent (the base) on the wire by default
 
     def speech_prompt(self) -> SpeechHandoff | None:
         """Prefill's prompt states as the start of the speech hand-off (None: no speech out)."""

@@ -224,3 +224,33 @@ def test_daemons_refuse_a_bad_adapter_at_start_by_name(daemon, tiny_model, tmp_p
     assert bad.returncode == 2 and "'broken'" in bad.stderr, bad.stderr[-2000:]
     off = subprocess.run([*base, "--max-loras", "2"], capture_output=True, text=True, timeout=120)
     assert off.returncode == 2 and "--max-loras needs --enable-lora" in off.stderr, off.stderr[-2000:]
+
+
+def test_the_kv_hand_off_names_its_adapter_and_decode_checks_it(tiny_model, adapters, tok, connector):
+    import msgspec
+
+    from omnirelay.broker import protocol as p
+    from omnirelay.handoffs import KVHandoff
+    from omnirelay.workers.runtime.roles import DecodeRole
+
+    prefill, decode = _engines(tiny_model, adapters, connector, max_loras=2)
+    ids = chat_ids(tok, "Hi!")
+    for i, name in enumerate(("a1", "")):
+        prefill.add(PrefillTask(f"r{i}", ids, _params(name, 4), time.time() + 60))
+    results = drain_prefill(prefill)
+    under_a1, base = results["r0"].outputs, results["r1"].outputs
+    assert isinstance(under_a1, KVHandoff) and under_a1.lora == "a1" and base.lora == ""
+    assert b"lora" not in msgspec.msgpack.encode(base)   # the base's hand-off is as before LoRA
+    role = DecodeRole("dec-1", decode)
+
+    def task(request_id: str, handoff: KVHandoff, name: str) -> p.Task:
+        return p.Task(request_id=request_id, stage="decode", model="tiny-llm", prompt_token_ids=ids,
+                      sampling=_params(name, 4).to_wire(), inputs=handoff, reply_to="gw", deadline=time.time() + 60)
+
+    # a1's KV continued under a2, or the base's under a1: refused by name, the KV released.
+    for request_id, handoff, name in (("r0", under_a1, "a2"), ("r1", base, "a1")):
+        out = role.accept(task(request_id, handoff, name))
+        (_, failure), = out
+        assert isinstance(failure, p.StageFailed) and failure.error_type == "bad_request"
+        assert f"computed under LoRA adapter {handoff.lora!r}, the request names {name!r}" in failure.message
+    assert decode.num_requests == 0

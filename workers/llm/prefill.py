@@ -153,6 +153,7 @@ class _Handoff:
     rope_delta: int = 0
     has_media: bool = False
     dropped: bool = False     # cancelled meanwhile: what arrives is deleted, nothing reported
+    lora: str = ""            # the LoRA adapter the KV was computed under ("": the base)
 
 
 @dataclasses.dataclass
@@ -498,7 +499,7 @@ class PrefillEngine:
             media = seq.media
             handoffs.append(_Handoff(result, item.kv_key, layerwise=export is not None and bool(item.kv_key),
                                      speech=speech, rope_delta=media.rope_delta if media else 0,
-                                     has_media=media is not None))
+                                     has_media=media is not None, lora=task.params.lora))
         held: list[int] = []
         for seq in done:
             held += self._retire(seq, keep_blocks=export is not None)
@@ -547,7 +548,7 @@ class PrefillEngine:
             self.stats["kv_layerwise_handoffs"] += handoff.layerwise
             speech = sent.speech
             result.outputs = KVHandoff(handoff.kv_key, sent.kv_handle, result.first_token,
-                                       rope_delta=handoff.rope_delta, has_media=handoff.has_media,
+                                       rope_delta=handoff.rope_delta, has_media=handoff.has_media, lora=handoff.lora,
                                        speech_prompt_key=speech.speech_prompt_key if speech else "",
                                        speech_prompt_handle=speech.speech_prompt_handle if speech else None)
         results.append(result)

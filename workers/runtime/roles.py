@@ -180,6 +180,8 @@ class DecodeRole(RoleAdapter):
                 raise ValueError(f"decode reads a prefilled KV, not {type(kv).__name__}")
             params = SamplingParams.from_wire(task.sampling)
             _check_token_ids(params, self.engine)
+            if kv.lora != params.lora:   # KV of one adapter never continues under another (or the base)
+                raise ValueError(f"the KV was computed under LoRA adapter {kv.lora!r}, the request names {params.lora!r}")
             decode_task = DecodeTask(
                 request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
                 first_token=kv.first_token, params=params, deadline=task.deadline,
