@@ -12,9 +12,7 @@ all agree with transformers for the greedy tokens to match.
 from __future__ import annotations
 
 import base64
-import json
 import os
-import time
 import urllib.request
 
 import numpy as np
@@ -23,6 +21,7 @@ import pytest
 
 from omnirelay.deploy.builders.omni import build_tiny_omni
 
+from cluster import settled_workers
 from conftest import ServeProcess
 from media_support import audio_part, image_part, random_png, thinker_reference, wav_bytes
 from omni_engine_support import decode_prefilled, encode_then_prefill
@@ -85,22 +84,12 @@ def _chat(client, content, **kwargs):
 
 
 def _encode_stats(server) -> dict:
-    """The encode worker's engine counters as the broker last heard them (its heartbeat)."""
-    with urllib.request.urlopen(server.url + "/cluster", timeout=10) as response:
-        cluster = json.load(response)
-    stats = [w["stats"] for w in cluster["workers"] if w["role"] == "encode"]
-    assert len(stats) == 1, cluster["workers"]
+    """The encode worker's engine counters once every answered request is counted in them (they
+    travel in heartbeats: :func:`settled_workers` waits for the cluster to say they are final)."""
+    workers = settled_workers(server.url)
+    stats = [w["stats"] for w in workers if w["role"] == "encode"]
+    assert len(stats) == 1, workers
     return stats[0]
-
-
-def _wait_encode_stat(server, name: str, expected: int, timeout: float = 15.0) -> int:
-    """Wait for the next heartbeats to carry the counter to ``expected``; return what it reached."""
-    deadline = time.monotonic() + timeout
-    value = _encode_stats(server).get(name, 0)
-    while value < expected and time.monotonic() < deadline:
-        time.sleep(0.2)
-        value = _encode_stats(server).get(name, 0)
-    return value
 
 
 def test_image_and_audio_in_text_out_equals_transformers(client, server, hf):
@@ -113,7 +102,7 @@ def test_image_and_audio_in_text_out_equals_transformers(client, server, hf):
     assert len(set(expected)) > 3, "the reference itself is degenerate"
     assert reply.choices[0].token_ids == expected
     # The media went through the encode worker (its engine counted the request) ...
-    assert _wait_encode_stat(server, "encoded_requests", before + 1) == before + 1
+    assert _encode_stats(server).get("encoded_requests", 0) == before + 1
     # ... and the answer depends on it: another picture gives another reply.
     other = _chat(client, [content[0], image_part(_png(1)), *content[2:]])
     assert other.choices[0].token_ids == hf(content, png=_png(1), pcm=pcm)
@@ -125,11 +114,12 @@ def test_audio_only_and_text_only_match_and_repeats_hit_the_encoder_cache(client
     content = [audio_part(wav_bytes(pcm)), {"type": "text", "text": "Listen."}]
     before = _encode_stats(server).get("encoded_requests", 0)
     assert _chat(client, content).choices[0].token_ids == hf(content, pcm=pcm)
-    served = _wait_encode_stat(server, "encoded_requests", before + 1)
-    hits = _encode_stats(server).get("encoder_cache_hits", 0)
+    stats = _encode_stats(server)
+    served, hits = stats.get("encoded_requests", 0), stats.get("encoder_cache_hits", 0)
+    assert served == before + 1
     assert _chat(client, content).choices[0].token_ids == hf(content, pcm=pcm)
-    assert _wait_encode_stat(server, "encoded_requests", served + 1) == served + 1
-    assert _encode_stats(server)["encoder_cache_hits"] == hits + 1
+    stats = _encode_stats(server)
+    assert stats.get("encoded_requests", 0) == served + 1 and stats["encoder_cache_hits"] == hits + 1
     text = [{"type": "text", "text": "What is the weather like today?"}]
     assert _chat(client, text).choices[0].token_ids == hf(text)
 
@@ -154,17 +144,11 @@ def test_encode_worker_counters_are_exported_on_metrics(client, server):
     hits_before = _pool_metric(server, "omnirelay_encoder_cache_hits_total", "encode")
     for _ in range(2):   # the same picture twice: the second is taken from the encoder cache
         assert _chat(client, [image_part(png), {"type": "text", "text": "Again?"}]).choices[0].token_ids
-    # Worker counters ride on heartbeats: poll (bounded) until one sent after the traffic arrived.
-    deadline = time.monotonic() + 15
-    while True:
-        encoded = _pool_metric(server, "omnirelay_encode_requests_total", "encode")
-        hits = _pool_metric(server, "omnirelay_encoder_cache_hits_total", "encode")
-        media_prompts = _pool_metric(server, "omnirelay_media_prompts_total", "prefill")
-        decoded = _pool_metric(server, "omnirelay_decode_tokens_total", "decode")
-        if (encoded >= requests_before + 2 and hits >= hits_before + 1 and media_prompts >= 2
-                and decoded >= 2 * (MAX_TOKENS - 1)) or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    settled_workers(server.url)   # worker counters ride on heartbeats: read once the cluster says they are final
+    encoded = _pool_metric(server, "omnirelay_encode_requests_total", "encode")
+    hits = _pool_metric(server, "omnirelay_encoder_cache_hits_total", "encode")
+    media_prompts = _pool_metric(server, "omnirelay_media_prompts_total", "prefill")
+    decoded = _pool_metric(server, "omnirelay_decode_tokens_total", "decode")
     assert encoded >= requests_before + 2 and hits >= hits_before + 1, (encoded, hits)
     assert media_prompts >= 2 and decoded >= 2 * (MAX_TOKENS - 1), (media_prompts, decoded)
     assert _pool_metric(server, "omnirelay_encoder_cache_items", "encode") >= 1
