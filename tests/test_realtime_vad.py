@@ -186,48 +186,6 @@ def test_server_vad_commits_a_spoken_question_and_answers_it_without_a_client_co
 
 
 @pytest.mark.slow
-def test_speech_during_a_reply_interrupts_it_and_the_new_turn_is_answered(cluster):  # noqa: F811
-    async def session():
-        client, manager = _connect(cluster)
-        async with client, manager as connection:
-            await _until(connection, "session.created")
-            # The spoken reply is interrupted; the new turn is answered in text. (A spoken reply right after a
-            # cancelled streamed one sometimes gets no audio at all, about 1 in 10 fresh clusters, with
-            # response.cancel as well: a generate-stage issue reported apart, kept out of this test.)
-            await connection.session.update(session={"type": "realtime", "max_output_tokens": 6,
-                                                     "output_modalities": ["text"], "audio": {
-                "input": {"turn_detection": VAD}, "output": {"voice": "Chelsie"}}})
-            await _until(connection, "session.updated")
-            # The sampled reply may end early (the tiny model can sample its end token): then nothing was
-            # running to interrupt, and the turn is tried again (at most 3 times).
-            for _ in range(3):
-                await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                    {"type": "input_text", "text": "Talk for long."}]})
-                await connection.response.create(response={"max_output_tokens": 400, "output_modalities": ["audio"]})
-                first = await _until(connection, ("response.output_audio_transcript.delta", "response.done"))
-                if first[-1]["type"] == "response.done":
-                    continue
-                await _append(connection, QUESTION + silence(0.7))   # the user speaks over the reply
-                interrupted = await _until(connection, "response.done")
-                answered = await _until(connection, "response.done")
-                if "input_audio_buffer.speech_started" in [e["type"] for e in interrupted]:
-                    return first, interrupted, answered
-            pytest.fail("every reply ended before the user spoke")
-
-    first, interrupted, answered = asyncio.run(session())
-    running = next(e for e in first if e["type"] == "response.created")["response"]["id"]
-    kinds = [e["type"] for e in interrupted]
-    cancelled = interrupted[-1]["response"]
-    assert cancelled["id"] == running and cancelled["status"] == "cancelled", kinds
-    assert (cancelled["status_details"]["type"], cancelled["status_details"]["reason"]) == ("cancelled", "turn_detected")
-    kinds = [e["type"] for e in answered]
-    assert "input_audio_buffer.committed" in kinds and "response.created" in kinds
-    assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created")
-    assert answered[-1]["response"]["status"] == "completed" and answered[-1]["response"]["id"] != running
-    assert "response.output_text.done" in kinds
-
-
-@pytest.mark.slow
 def test_fields_not_served_and_unknown_voices_are_error_events_naming_them(cluster):  # noqa: F811
     session_cases = [
         ({"audio": {"output": {"voice": "Nobody"}}}, "session.audio.output.voice"),
@@ -288,3 +246,45 @@ def test_fields_not_served_and_unknown_voices_are_error_events_naming_them(clust
     assert any(e["type"] == "response.output_audio.delta" for e in spoken_reply)
     assert in_band["usage"]["input_tokens"] == out_of_band["usage"]["input_tokens"]
     assert after["usage"]["input_tokens"] > in_band["usage"]["input_tokens"]
+
+
+@pytest.mark.slow
+def test_speech_during_a_reply_interrupts_it_and_the_new_turn_is_answered(cluster):  # noqa: F811
+    async def session():
+        client, manager = _connect(cluster)
+        async with client, manager as connection:
+            await _until(connection, "session.created")
+            # The spoken reply is interrupted; the new turn is answered in text. (A spoken reply after a
+            # cancelled streamed one sometimes gets no audio at all, in about 1 of 10 fresh clusters: a
+            # generate-stage issue reported apart, kept out of this module, whose last test this is.)
+            await connection.session.update(session={"type": "realtime", "max_output_tokens": 6,
+                                                     "output_modalities": ["text"], "audio": {
+                "input": {"turn_detection": VAD}, "output": {"voice": "Chelsie"}}})
+            await _until(connection, "session.updated")
+            # The sampled reply may end early (the tiny model can sample its end token): then nothing was
+            # running to interrupt, and the turn is tried again (at most 3 times).
+            for _ in range(3):
+                await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "Talk for long."}]})
+                await connection.response.create(response={"max_output_tokens": 400, "output_modalities": ["audio"]})
+                first = await _until(connection, ("response.output_audio_transcript.delta", "response.done"))
+                if first[-1]["type"] == "response.done":
+                    continue
+                await _append(connection, QUESTION + silence(0.7))   # the user speaks over the reply
+                interrupted = await _until(connection, "response.done")
+                answered = await _until(connection, "response.done")
+                if "input_audio_buffer.speech_started" in [e["type"] for e in interrupted]:
+                    return first, interrupted, answered
+            pytest.fail("every reply ended before the user spoke")
+
+    first, interrupted, answered = asyncio.run(session())
+    running = next(e for e in first if e["type"] == "response.created")["response"]["id"]
+    kinds = [e["type"] for e in interrupted]
+    cancelled = interrupted[-1]["response"]
+    assert cancelled["id"] == running and cancelled["status"] == "cancelled", kinds
+    assert (cancelled["status_details"]["type"], cancelled["status_details"]["reason"]) == ("cancelled", "turn_detected")
+    kinds = [e["type"] for e in answered]
+    assert "input_audio_buffer.committed" in kinds and "response.created" in kinds
+    assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created")
+    assert answered[-1]["response"]["status"] == "completed" and answered[-1]["response"]["id"] != running
+    assert "response.output_text.done" in kinds
