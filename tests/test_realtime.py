@@ -24,7 +24,7 @@ from omnirelay.errors import BadRequest, NotFound, Unprocessable
 from omnirelay.gateway.routes.realtime import SessionConfig, wav_clip
 from omnirelay.gateway.routes.speech_ws import split_sentences
 
-from cluster import Cluster
+from cluster import Cluster, settled_workers
 
 MODEL = "tiny-omni"
 PIPELINE = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "deploy" / "pipelines" / "omni.yaml")
@@ -203,13 +203,10 @@ def test_realtime_text_turns_keep_the_conversation_and_bad_events_keep_the_sessi
         assert text == next(e["text"] for e in events if e["type"] == "response.output_text.done")
 
 
-def _busy(cluster) -> dict[str, int]:
-    return {w["role"]: w["running"] + w["waiting"] for w in cluster.workers()}
-
-
 @pytest.mark.slow
 def test_a_client_that_leaves_mid_answer_frees_every_stage(cluster):
-    free_before = {w["role"]: w["free_kv_blocks"] for w in cluster.workers()}
+    # The workers' figures travel in heartbeats: read once the cluster says they are final.
+    free_before = {w["role"]: w["free_kv_blocks"] for w in settled_workers(cluster.url)}
 
     async def leave_mid_answer():
         async with aiohttp.ClientSession() as http, http.ws_connect(_ws_url(cluster, "/v1/realtime")) as ws:
@@ -224,15 +221,10 @@ def test_a_client_that_leaves_mid_answer_frees_every_stage(cluster):
             # leaving the block closes the socket while the answer is still being generated
 
     asyncio.run(leave_mid_answer())
-    deadline = time.monotonic() + 60
-    while True:
-        busy, free = _busy(cluster), {w["role"]: w["free_kv_blocks"] for w in cluster.workers()}
-        # >=: the snapshot before may still count blocks of the previous test that were being freed
-        if not any(busy.values()) and all(free[role] >= free_before[role] for role in free):
-            break
-        assert time.monotonic() < deadline, f"stages still hold the request: busy={busy} free={free} " \
-                                            f"(before {free_before})"
-        time.sleep(0.2)
+    # Settled: every stage let the request go (cancelled) and a heartbeat since says so.
+    workers = settled_workers(cluster.url, timeout=60)
+    free = {w["role"]: w["free_kv_blocks"] for w in workers}
+    assert free == free_before and not any(w["running"] + w["waiting"] for w in workers), workers
     assert cluster.broker_counters().get("cancellations", 0) >= 1
 
 
