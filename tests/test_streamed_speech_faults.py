@@ -171,7 +171,12 @@ def no_key_left(cluster, keys_dir):
     swept by the test that killed it)."""
     yield
     settled_workers(cluster.url)
-    left = {name: os.readlink(keys_dir / name) for name in os.listdir(keys_dir) if os.path.islink(keys_dir / name)}
+    # Deletes run on the workers' transfer threads, after the reports that settle them: the keys
+    # are the store's own state (no heartbeat), asked again, bounded, until they are gone.
+    deadline = time.monotonic() + 10
+    while (left := {name: os.readlink(keys_dir / name) for name in os.listdir(keys_dir)
+                    if os.path.islink(keys_dir / name)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
     owners = {int(target.split("-")[1]) for target in left.values() if target.split("-")[1].isdigit()}
     assert left == {}, [(proc.name, proc.pid) for proc in cluster.procs if proc.pid in owners]
 
