@@ -159,6 +159,8 @@ def test_eight_adapters_through_two_slots(tiny_model, tok, connector, tmp_path, 
     for (name, ids), got in zip(jobs, outputs):
         assert got == peft_reference(many[name], ids, 8), name
     assert prefill.lora.stats["lora_evictions"] >= 6 and decode.lora.stats["lora_evictions"] >= 6
+    # Only max_cpu_loras (= max_loras here) stay read: an evicted adapter comes back from disk.
+    assert prefill.lora.stats["lora_disk_loads"] >= 1 and len(prefill.lora._cpu) == 2
     assert len(prefill.lora.resident) == len(decode.lora.resident) == 2
 
 

@@ -6,6 +6,7 @@ or unloaded adapter is a 404 naming it; 8 adapters through --max-loras 2."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 
 import openai
@@ -108,7 +109,11 @@ def test_six_adapters_through_two_slots(lora_server, adapters, peft_greedy):
 
 
 def test_runtime_load_and_unload(lora_server, adapters, peft_greedy):
+    """Loaded and unloaded while other adapters' requests are running: none of those fails."""
     client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="unused", max_retries=0)
+    load_jobs = [(name, content) for content in PROMPTS[:2] for name in (MODEL, "a1", "a2")]
+    background = concurrent.futures.ThreadPoolExecutor(1)
+    under_load = background.submit(_run, lora_server, load_jobs, 16)
     with pytest.raises(openai.NotFoundError, match="'m7'"):
         client.chat.completions.create(model="m7", messages=[{"role": "user", "content": "Hi!"}], max_tokens=2)
     load = requests.post(lora_server.url + "/v1/load_lora_adapter",
@@ -124,6 +129,9 @@ def test_runtime_load_and_unload(lora_server, adapters, peft_greedy):
         client.chat.completions.create(model="m7", messages=[{"role": "user", "content": "Hi!"}], max_tokens=2)
     again = requests.post(lora_server.url + "/v1/unload_lora_adapter", json={"lora_name": "m7"}, timeout=30)
     assert again.status_code == 404 and "'m7'" in again.text
+    for (name, content), tokens in zip(load_jobs, under_load.result(timeout=300)):
+        assert tokens == peft_greedy(adapters.get(name), content, 16), name
+    background.shutdown()
 
 
 def test_runtime_routes_need_the_flag(server):
