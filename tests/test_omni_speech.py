@@ -174,6 +174,43 @@ def test_engine_queue_cancel_and_deadline(tiny_omni, prompt_ids, reference):
         engine.close()
 
 
+def test_a_talker_waiting_for_its_thinker_holds_back_no_other_request(tiny_omni, prompt_ids, tmp_path):
+    """Request a's reply is streamed and its first chunk never comes; b's reply is whole. b is spoken
+    while a waits (a gives its turn up while it waits for the thinker), then a is cancelled."""
+    from omnirelay.connectors import create_connector
+    from omnirelay.handoffs import ChunkStream
+    from omnirelay.workers.speech.reply_source import ReplySource
+
+    connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
+    engine = GenerateSpeechEngine.from_pretrained(tiny_omni, max_batch_size=2)
+    try:
+        hidden = engine.thinker_embed.shape[1]
+        params = SpeechParams("Chelsie", seed=1, max_codes=4)
+        waiting = ReplySource.streamed(ChunkStream("speech/a/0/reply", max_chunks=4, window=2), connector,
+                                       timeout_s=120, deadline=time.time() + 120)
+        engine.add(SpeechTask("a", prompt_ids, torch.randn(len(prompt_ids), hidden), [], torch.zeros(0, 0), params,
+                              time.time() + 120, reply_stream=waiting))
+        engine.add(SpeechTask("b", prompt_ids, torch.randn(len(prompt_ids), hidden), [5, 6, 7],
+                              torch.randn(2, hidden), params, time.time() + 120))
+        outputs, failed = [], []
+        for _ in range(2000):   # b is done in well under a second of steps; a's wait is two minutes
+            out = engine.step()
+            outputs += out.outputs
+            failed += out.failed
+            if outputs:
+                break
+        assert [o.request_id for o in outputs] == ["b"] and not failed and "a" in engine.running
+        assert engine.cancel("a")
+        for _ in range(2000):
+            if not engine.has_work:
+                break
+            failed += engine.step().failed
+        assert not engine.has_work and not failed
+    finally:
+        engine.close()
+        connector.close()
+
+
 def test_engine_streams_pieces_while_the_talker_speaks(tiny_omni, prompt_ids):
     """A streamed request: pieces in order, the first emitted after 24 codes (one token2wav block
     and its look-ahead) of 72, concatenating to the one-shot's length, audible, the same on a second

@@ -480,6 +480,7 @@ class GenerateSpeechEngine:
         dev, talker = self.device, self.talker
         dtype = self.thinker_embed.dtype
         reply = task.reply()
+        reply.waiting = self.turns.outside   # a wait for the thinker's first chunk gives the turn up
         if not reply.wait_states(1):
             raise BadRequest("the reply to speak has fewer than 2 tokens")
         ids = torch.tensor([task.prompt_token_ids], dtype=torch.long, device=dev)
