@@ -363,7 +363,10 @@ class BrokerCore:
                 return [self._to_worker(producer, p.CancelTask(msg.request_id, streams_only=True))] if producer else []
             del self.requests[msg.request_id]
             counters["requests_finished"] += 1
-            return []
+            # A producer that finished first may have written its last chunks after the consumer
+            # released what it had not read (their reports cross): it deletes what may be left.
+            former = self.workers.get(req.former_producer or "")
+            return [self._to_worker(former, p.CancelTask(msg.request_id, streams_only=True))] if former else []
         req.stage_index += 1
         # A decoded message is the broker's own and never changed: its maps are shared, not copied.
         req.inputs, req.phase, req.worker_id = msg.outputs, QUEUED, None
@@ -395,7 +398,7 @@ class BrokerCore:
         done_key, seconds_key = self._stage_counter_keys(stage)
         self.counters[done_key] += 1
         self.counters[seconds_key] += int((now - req.dispatched_at) * 1e6)
-        req.producer_id = None
+        req.producer_id, req.former_producer = None, worker.worker_id
         if req.stages_done:
             del self.requests[req.spec.request_id]
             self.counters["requests_finished"] += 1

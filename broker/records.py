@@ -82,6 +82,7 @@ class RequestState:
     not_before: float = 0.0             # in BACKOFF: when it may be queued again
     # A stage streaming into the current one (StageStreaming): its worker, until its own report.
     producer_id: str | None = None
+    former_producer: str | None = None  # … and once it reported: told when the consumer finishes
     streamed: bool = False              # the current stage reads a stream: it cannot be replayed alone
     stages_done: bool = False           # the last stage finished while its producer still ran
 

@@ -583,11 +583,14 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
 # What any JSON value in a request body may be (gateway/request_body.py parse_json, for every route
 # alike): integers within int64, nesting within the parser's bound. An object a schema leaves open
 # (extra keys) takes such values, so the document promises no more than the parser accepts.
+# (Not recursive: a schema generator such as schemathesis' spends minutes expanding a recursive one,
+# and promising one level of nesting is promising no more than the parser accepts.)
+_BOUNDED_SCALAR = [{"type": "string"}, {"type": "boolean"}, {"type": "number"},
+                   {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}]
 _BOUNDED_VALUE = {"nullable": True, "anyOf": [
-    {"type": "string"}, {"type": "boolean"}, {"type": "number"},
-    {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX},
-    {"type": "array", "items": {"$ref": "#/components/schemas/BoundedValue"}},
-    {"type": "object", "additionalProperties": {"$ref": "#/components/schemas/BoundedValue"}}]}
+    *_BOUNDED_SCALAR,
+    {"type": "array", "items": {"anyOf": _BOUNDED_SCALAR}},
+    {"type": "object", "additionalProperties": {"anyOf": _BOUNDED_SCALAR}}]}
 
 
 def _bound_open_objects(schema) -> None:

@@ -52,11 +52,14 @@ def test_the_next_stage_starts_on_the_stream_and_the_request_ends_with_both_repo
 
 
 def test_the_producer_may_finish_before_its_consumer(core):
+    """Their reports may cross: the producer's last chunks can be written after the consumer let go
+    of what it had not read, so the former producer is told to delete what may be left."""
     streaming(core)
     done(core, b"dec", "r1", "decode", finished=True)
     assert "r1" in core.requests and core.requests["r1"].producer_id is None
-    done(core, b"gen", "r1", "generate", finished=True)
+    out = done(core, b"gen", "r1", "generate", finished=True)
     assert "r1" not in core.requests and core.counters["requests_finished"] == 1
+    assert [(ident, msg.streams_only) for ident, msg in of_type(out, p.CancelTask)] == [(b"dec", True)]
 
 
 def test_a_producer_lost_mid_stream_fails_the_request_as_resumable_and_stops_the_consumer(core):

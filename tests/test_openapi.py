@@ -72,13 +72,13 @@ def media_gateway(tmp_path_factory):
     cluster = Cluster(model=str(omni), model_name="tiny-omni", log_dir=str(tmp_path_factory.mktemp("media-openapi")))
     try:
         cluster.start_broker()
-        # 0.3 s: a request that passed validation waits no longer for a worker that never comes.
+        # 0.3 s: a request (or video job) that passed validation waits no longer for a worker that never comes.
         cluster.start_gateway("--stage-configs-path", str(PIPELINES / "omni.yaml"),
                               "--model", str(image), "--served-model-name", "tiny-image",
                               "--stage-configs-path", str(PIPELINES / "text_to_image.yaml"),
                               "--model", str(video), "--served-model-name", "tiny-video",
                               "--stage-configs-path", str(PIPELINES / "text_to_video.yaml"),
-                              "--request-timeout", "0.3")
+                              "--request-timeout", "0.3", "--video-timeout", "0.3")
         yield cluster
     finally:
         cluster.stop()

@@ -53,7 +53,7 @@ a request's draws are exactly those it would make alone. ``step()`` starts waiti
 threads and returns at once (or after a short wait for one to finish), so the worker's loop keeps
 heartbeating and taking cancels meanwhile. Streamed pieces pass from the threads to ``step()``
 through a deque (appended there, taken here). A cancelled running request is dropped: it stops at
-its next codec token or while waiting for a chunk, a one-shot after its talker. :meth:`close`
+its next talker step or while waiting for a chunk, streamed or one-shot. :meth:`close`
 stops the waiting ones and joins the threads (the worker runtime owns the engine and closes it).
 
 The engine holds no sockets; the role adapter (``role.py``) encodes and sends the audio.
@@ -256,7 +256,7 @@ class GenerateSpeechEngine:
             return True
         if request_id in self.running:
             self._dropped.add(request_id)
-            self.running[request_id][2].set()   # it stops at its next token (a one-shot after its talker)
+            self.running[request_id][2].set()   # it stops at its next talker step
             return True
         return False
 
@@ -442,6 +442,8 @@ class GenerateSpeechEngine:
 
         def before_forward(module, args, kwargs):
             nonlocal step
+            if reply.cancelled.is_set():   # a cancelled request stops at its next step, streamed or not
+                raise SynthesisCancelled()
             if kwargs.get("inputs_embeds") is not None:   # the prompt's forward reads no row
                 return None
             turns.pass_on()

@@ -224,6 +224,8 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         step's full codes (the previous token's first codebook plus the code predictor's rest)."""
         reading = getattr(self._local, "reading", None)
         step = kwargs.get("generation_step")
+        if reading is not None and reading[0].reply.cancelled.is_set():
+            raise SynthesisCancelled()   # a cancelled request stops at its next step, streamed or not
         if reading is not None and step is not None and not is_first_iteration:
             self.turns.pass_on()
             kwargs["trailing_text_hidden"] = reading[0].through(int(step))
