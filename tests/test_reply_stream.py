@@ -67,6 +67,12 @@ def read_to_the_end(handoff: SpeechHandoff, connector, engine: DecodeEngine) -> 
     return reader, rest
 
 
+def speak(model, connector, engine: DecodeEngine, ids: list[int]) -> None:
+    """Prefill ``ids`` and hand the engine request r0, whose reply is spoken."""
+    prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
+    engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+
+
 def test_a_streamed_reply_carries_what_the_whole_handoff_carries(model, tok, connector, tmp_path):
     ids = chat_ids(tok, QUESTIONS[2])
     whole = make_decode(model, connector, 0)
@@ -103,8 +109,7 @@ def test_a_consumer_a_window_behind_holds_the_producer_back_not_its_batch(model,
     ids = chat_ids(tok, QUESTIONS[1])
     engine = make_decode(model, connector, 1)
     try:
-        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
-        engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        speak(model, connector, engine, ids)
         seen = run(engine, until=lambda: engine.stats["speech_stream_deferred"] > 0
                    and len([t for t in engine.running]) == 0)
         ((_, handoff),) = seen["streams"]
@@ -125,8 +130,7 @@ def test_a_cancelled_stream_leaves_no_key(model, tok, connector, tmp_path, monke
     ids = chat_ids(tok, QUESTIONS[0])
     engine = make_decode(model, connector, 2)
     try:
-        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
-        engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        speak(model, connector, engine, ids)
         if when == "streaming":
             run(engine, until=lambda: bool(engine.stats["speech_streams"]))
         else:   # decoded to its end, the last chunks held back by the window
@@ -148,8 +152,7 @@ def test_a_stream_its_consumer_finished_reading_is_closed_and_the_reply_goes_on(
     ids = chat_ids(tok, QUESTIONS[3])
     engine = make_decode(model, connector, 1)
     try:
-        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
-        engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        speak(model, connector, engine, ids)
         seen = run(engine, until=lambda: engine.stats["speech_stream_deferred"] > 0)
         ((_, handoff),) = seen["streams"]
         reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
@@ -171,8 +174,7 @@ def test_a_stream_closed_after_decode_finished_writing_it_is_still_cleaned_up(mo
     ids = chat_ids(tok, QUESTIONS[4])
     engine = make_decode(model, connector, CHUNK)
     try:
-        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
-        engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
+        speak(model, connector, engine, ids)
         seen = run(engine)
         ((_, handoff),) = seen["streams"]
         reader = ReplySource.streamed(handoff.reply_stream, connector, timeout_s=10, deadline=time.time() + 60)
