@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--reasoning-parser", action="append", default=None,
                       help="qwen3 | deepseek_r1 ('' for none): split <think> reasoning from the answer; one for "
                            "all models or one per model; wins over a pipeline file's reasoning_parser")
+    chat.add_argument("--tool-call-parser", action="append", default=None,
+                      help="hermes (default) | qwen3_coder: the markup a model writes tool calls in; one for all "
+                           "models or one per model")
     chat.add_argument("--default-chat-template-kwargs", action="append", default=None,
                       help="JSON object of chat-template variables for every request; one for all models or one "
                            "per model")
@@ -490,6 +493,7 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             *(["--protect-probes"] if args.protect_probes else []),
             *(["--allow-special-tokens-in-content"] if args.allow_special_tokens_in_content else []),
             *[arg for value in args.reasoning_parser or [] for arg in ("--reasoning-parser", value)],
+            *[arg for value in args.tool_call_parser or [] for arg in ("--tool-call-parser", value)],
             *[arg for value in args.default_chat_template_kwargs or []
               for arg in ("--default-chat-template-kwargs", value)],
             *(["--trust-request-chat-template"] if args.trust_request_chat_template else []),

@@ -9,6 +9,7 @@ from omnirelay.lora_modules import LoraOptions
 from omnirelay.pipeline import REASONING_PARSERS
 
 from .media import MediaLimits
+from .tool_call_formats import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +24,8 @@ class ServedModel:
     (structured outputs, forced tool calls) shapes a thinking model's reasoning too, from its first
     token (vLLM's ``enable_in_reasoning``); off, it starts after ``</think>``; scheduling_policy: the
     cluster's ``--scheduling-policy`` (``priority``: a request's ``priority`` is served, else it must
-    be 0; omnirelay/scheduling.py)."""
+    be 0; omnirelay/scheduling.py); tool_call_parser: the markup its ``auto`` tool calls are written
+    in (``--tool-call-parser``: gateway/tool_call_formats.py's ``TOOL_CALL_PARSERS``)."""
 
     name: str
     path: str
@@ -34,6 +36,7 @@ class ServedModel:
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     structured_outputs_in_reasoning: bool = False
     scheduling_policy: str = "fcfs"
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +126,9 @@ class GatewayConfig:
             if model.reasoning_parser is not None and model.reasoning_parser not in REASONING_PARSERS:
                 raise ValueError(f"model {model.name!r}: reasoning parser {model.reasoning_parser!r} is not one of "
                                  f"{', '.join(REASONING_PARSERS)}")
+            if model.tool_call_parser not in TOOL_CALL_PARSERS:
+                raise ValueError(f"model {model.name!r}: tool-call parser {model.tool_call_parser!r} is not one of "
+                                 f"{', '.join(TOOL_CALL_PARSERS)}")
             if not isinstance(model.default_chat_template_kwargs, dict) \
                     or not all(isinstance(k, str) for k in model.default_chat_template_kwargs):
                 raise ValueError(f"model {model.name!r}: default chat template kwargs must be a JSON object")

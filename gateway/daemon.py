@@ -21,6 +21,7 @@ from .app import create_app
 from .lora import check_modules as check_lora_modules
 from .app_keys import TRACING
 from .config import GatewayConfig, ServedModel
+from .tool_call_formats import DEFAULT_TOOL_CALL_PARSER
 
 
 async def serve(config: GatewayConfig, ready_file: str | None = None, keys: CurveKeys | None = None,
@@ -76,15 +77,18 @@ def _served_models(paths: list[str], names: list[str] | None, pipelines: list[st
                    reasoning_parsers: list[str] | None = None,
                    template_kwargs: list[str] | None = None,
                    structured_in_reasoning: bool = False,
-                   scheduling_policy: str = "fcfs") -> tuple[ServedModel, ...]:
+                   scheduling_policy: str = "fcfs",
+                   tool_call_parsers: list[str] | None = None) -> tuple[ServedModel, ...]:
     """``reasoning_parsers`` (``--reasoning-parser``, an empty one: none) win over the pipeline
-    file's ``reasoning_parser``."""
+    file's ``reasoning_parser``; ``tool_call_parsers`` (``--tool-call-parser``, one for all models
+    or one per model; default hermes)."""
     names = names or []
     if len(names) > len(paths):
         raise ValueError("more --served-model-name than --model")
     pipelines = _per_model(pipelines, len(paths), "--stage-configs-path")
     parsers = _per_model(reasoning_parsers, len(paths), "--reasoning-parser")
     kwargs = _per_model(template_kwargs, len(paths), "--default-chat-template-kwargs")
+    tool_parsers = _per_model(tool_call_parsers, len(paths), "--tool-call-parser")
     models = []
     for i, path in enumerate(paths):
         pipeline = load_pipeline(pipelines[i]) if pipelines[i] else default_llm_pipeline()
@@ -94,7 +98,8 @@ def _served_models(paths: list[str], names: list[str] | None, pipelines: list[st
                                   allowed_local_media_path=allowed_local_media_path, reasoning_parser=parser,
                                   default_chat_template_kwargs=_template_kwargs(kwargs[i]),
                                   structured_outputs_in_reasoning=structured_in_reasoning,
-                                  scheduling_policy=scheduling_policy))
+                                  scheduling_policy=scheduling_policy,
+                                  tool_call_parser=tool_parsers[i] or DEFAULT_TOOL_CALL_PARSER))
     return tuple(models)
 
 
@@ -150,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="split a thinking model's <think> reasoning from its answer (qwen3 | deepseek_r1; "
                              "'' for none): one for all models or one per --model; wins over the pipeline "
                              "file's reasoning_parser")
+    parser.add_argument("--tool-call-parser", action="append", default=None,
+                        help="the markup a model writes its tool calls in (hermes, the default | qwen3_coder): "
+                             "one for all models or one per --model")
     parser.add_argument("--default-chat-template-kwargs", action="append", default=None,
                         help="JSON object of chat-template variables for every request, e.g. "
                              "'{\"enable_thinking\": false}': one for all models or one per --model")
@@ -172,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len,
                                   os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                                   args.reasoning_parser, args.default_chat_template_kwargs,
-                                  args.structured_outputs_in_reasoning, args.scheduling_policy),
+                                  args.structured_outputs_in_reasoning, args.scheduling_policy,
+                                  args.tool_call_parser),
             trust_request_chat_template=args.trust_request_chat_template,
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
             request_timeout_s=args.request_timeout, video_timeout_s=args.video_timeout,

@@ -55,6 +55,7 @@ class ModelRuntime:
         self.path = served.path
         self.stages = tuple(served.stages)
         self.reasoning_parser = served.reasoning_parser
+        self.tool_call_parser = served.tool_call_parser
         self.structured_outputs_in_reasoning = served.structured_outputs_in_reasoning
         self.scheduling_policy = served.scheduling_policy
         self.default_chat_template_kwargs = dict(served.default_chat_template_kwargs)

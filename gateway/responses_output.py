@@ -16,7 +16,7 @@ events are dropped), so both carry the same items. Items, in order of appearance
   The answer after it (text and tool calls) is read as below; ``usage.output_tokens_details.
   reasoning_tokens`` counts the output tokens up to the one that closes the reasoning.
 * ``function_call``: a tool call found by gateway/tool_calls.py's :class:`ToolCallParser` (``auto``:
-  Hermes markup, ``required``: the whole constrained call at the end, named: arguments as they come).
+  the model's markup, ``required``: the whole constrained call at the end, named: arguments as they come).
   Events: ``response.output_item.added`` (arguments "") → ``response.function_call_arguments.delta``
   → ``response.function_call_arguments.done`` → ``response.output_item.done``.
 
@@ -46,7 +46,8 @@ class OutputBuilder:
     def __init__(self, gen: generation.Generation, tools: ToolsRequest | None, logprobs: bool, render_logprobs,
                  reasoning: ReasoningMode | None = None):
         self.gen = gen
-        self.parser = ToolCallParser(tools) if tools is not None and tools.choice != "none" else None
+        self.parser = ToolCallParser(tools, gen.model.tool_call_parser) \
+            if tools is not None and tools.choice != "none" else None
         self.splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
         self.reasoning_tokens = 0
         self._generated: list[int] = []     # while reasoning: the output's ids so far

@@ -5,7 +5,9 @@
 streamed text piece) and ``full`` (the whole text) run the same incremental parser, so a streamed
 answer carries the same content and calls as the whole one:
 
-* ``auto``: Hermes/Qwen markup, ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``. Text
+* ``auto``: the model's markup (its ``--tool-call-parser``: gateway/tool_call_formats.py), Hermes/Qwen's
+  ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` by default, Qwen3-Coder's
+  ``<tool_call><function=…><parameter=…>…</parameter></function></tool_call>`` with ``qwen3_coder``. Text
   outside the markup is ``content`` (streamed as it comes, holding back only what could be the start
   of ``<tool_call>``); each complete call becomes one ``tool_calls`` entry, streamed as one delta
   when its closing tag arrives. Markup that does not hold a call to one of the tools (bad JSON, an
@@ -29,6 +31,7 @@ import re
 import uuid
 
 from .structured import ToolsRequest
+from .tool_call_formats import DEFAULT_TOOL_CALL_PARSER, PARSE_BLOCK, parse_hermes
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The start of a required call as its grammar writes it (name first; tool names need no escapes).
@@ -42,30 +45,21 @@ def _call_id() -> str:
 
 def parse_call(text: str, names: set[str]) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` of a call object's text, or None if it is not a call to a tool."""
-    try:
-        call = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or call.get("name") not in names:
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):   # some templates emit the arguments already serialised
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return call["name"], json.dumps(arguments, ensure_ascii=False)
+    calls = parse_hermes(text, dict.fromkeys(names, {}))
+    return calls[0] if calls else None
 
 
 class ToolCallParser:
     """Incremental: :meth:`feed` text pieces, then :meth:`finish`; each returns ``(content, calls)``
-    with ``calls`` as OpenAI's stream entries (``index``, ``id``, ``type``, ``function``)."""
+    with ``calls`` as OpenAI's stream entries (``index``, ``id``, ``type``, ``function``).
+    ``markup``: the model's ``--tool-call-parser`` (gateway/tool_call_formats.py), how an ``auto``
+    answer writes a call inside its tags."""
 
-    def __init__(self, tools: ToolsRequest):
+    def __init__(self, tools: ToolsRequest, markup: str = DEFAULT_TOOL_CALL_PARSER):
         self.tools = tools
         self.names = {t["function"]["name"] for t in tools.tools}
+        self._functions = {t["function"]["name"]: t["function"] for t in tools.tools}
+        self._parse_block = PARSE_BLOCK[markup]
         self.num_calls = 0
         self._pending = ""      # auto: text not yet given out; required: everything so far
         self._named_id = ""
@@ -107,14 +101,14 @@ class ToolCallParser:
                 content.append(self._pending[:start])
                 self._pending = self._pending[start:]
                 break
-            body = self._pending[start + len(OPEN):end]
-            parsed = parse_call(body.strip(), self.names)
+            parsed = self._parse_block(self._pending[start + len(OPEN):end], self._functions)
             if parsed is None:
                 content.append(self._pending[:end + len(CLOSE)])
             else:
                 content.append(self._pending[:start])
-                if self.tools.parallel or not self.num_calls:
-                    calls.append(self._call(*parsed))
+                for call in parsed:
+                    if self.tools.parallel or not self.num_calls:
+                        calls.append(self._call(*call))
             self._pending = self._pending[end + len(CLOSE):]
         return "".join(content), calls
 
@@ -148,12 +142,13 @@ class ToolCallFormat:
     ``full`` and ``logprobs`` as the plain one, with content and calls split by a
     :class:`ToolCallParser`. One instance per request (the stream's parser lives in it)."""
 
-    def __init__(self, base, tools: ToolsRequest):
+    def __init__(self, base, tools: ToolsRequest, markup: str = DEFAULT_TOOL_CALL_PARSER):
         self.base = base
         self.tools = tools
+        self.markup = markup
         self.object_full, self.object_chunk = base.object_full, base.object_chunk
         self.logprobs = base.logprobs
-        self._stream = ToolCallParser(tools)
+        self._stream = ToolCallParser(tools, markup)
 
     def first_delta(self) -> dict | None:
         return self.base.first_delta()
@@ -176,7 +171,7 @@ class ToolCallFormat:
                 "finish_reason": self._finish(finish, self._stream.num_calls)}
 
     def full(self, text: str, finish: str, logprobs: dict | None = None) -> dict:
-        parser = ToolCallParser(self.tools)
+        parser = ToolCallParser(self.tools, self.markup)
         content, calls = parser.feed(text)
         tail, more = parser.finish()
         content, calls = content + tail, calls + more
@@ -189,8 +184,9 @@ class ToolCallFormat:
                 "finish_reason": self._finish(finish, len(calls))}
 
 
-def chat_format(base, tools: ToolsRequest | None):
-    """``base`` for a request without tools (or ``tool_choice: "none"``), else its tool-call form."""
+def chat_format(base, tools: ToolsRequest | None, markup: str = DEFAULT_TOOL_CALL_PARSER):
+    """``base`` for a request without tools (or ``tool_choice: "none"``), else its tool-call form
+    reading ``markup`` (the model's ``--tool-call-parser``)."""
     if tools is None or tools.choice == "none":
         return base
-    return ToolCallFormat(base, tools)
+    return ToolCallFormat(base, tools, markup)

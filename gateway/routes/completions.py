@@ -15,7 +15,7 @@ from omnirelay.errors import OmniError
 from .. import generation
 from ..app_keys import BUS, CONFIG, MODELS
 from ..cpu_work import off_loop
-from ..models import text_model
+from ..models import ModelRuntime, text_model
 from ..request_body import json_body
 from ..request_record import RequestRecord, open_record
 from ..reasoning import ReasoningMode, reasoning_format
@@ -36,15 +36,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if parsed.n > 1:
         plan = await off_loop(request.app, choices.plan, model, parsed, "chatcmpl")
         mode = plan.gens[0].reasoning   # one prompt: every choice reads its output alike
-        return await choices.respond(request, plan, lambda: chat_answer_format(parsed, mode))
+        return await choices.respond(request, plan, lambda: chat_answer_format(model, parsed, mode))
     gen = await off_loop(request.app, generation.prepare, model, parsed, "chatcmpl")
-    return await _respond(request, gen, chat_answer_format(parsed, gen.reasoning))
+    return await _respond(request, gen, chat_answer_format(model, parsed, gen.reasoning))
 
 
-def chat_answer_format(parsed: GenerationRequest, mode: ReasoningMode | None):
+def chat_answer_format(model: ModelRuntime, parsed: GenerationRequest, mode: ReasoningMode | None):
     """One chat choice's renderer: the reasoning split off first (a thinking model), then tool calls
-    parsed from the answer that follows it."""
-    return reasoning_format(chat_format(ChatFormat(), parsed.tools), mode)
+    parsed from the answer that follows it, in the model's tool-call markup."""
+    return reasoning_format(chat_format(ChatFormat(), parsed.tools, model.tool_call_parser), mode)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
