@@ -536,7 +536,11 @@ class TokenDelta(Message):
     raw logprob of ``token_ids[i]``; ``top_token_ids[i]`` and ``top_logprobs[i]`` are the most likely
     ids of that position and their logprobs, most likely first (both lists empty for
     ``"logprobs": 0``). Two flat lists rather than pairs keep every element strictly typed. Checked on
-    decode: lengths that do not line up make the message malformed."""
+    decode: lengths that do not line up make the message malformed.
+
+    ``cached_tokens``: on the delta of a submission's first token (from prefill), how many of its
+    prompt tokens prefill took from its prefix cache instead of computing (the answer's
+    ``usage.prompt_tokens_details.cached_tokens``); 0, and so off the wire, everywhere else."""
 
     TAG = b"TOK"
     request_id: str
@@ -547,8 +551,11 @@ class TokenDelta(Message):
     logprobs: list[float] = msgspec.field(default_factory=list)
     top_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.cached_tokens < 0:
+            raise ValueError("cached_tokens must be >= 0")
         if not self.logprobs and not self.top_token_ids and not self.top_logprobs:
             return   # the common case: nobody asked
         if len(self.logprobs) != len(self.token_ids) or len(self.top_token_ids) != len(self.top_logprobs) \

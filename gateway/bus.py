@@ -68,19 +68,23 @@ class StreamEvent:
 
 
 class RequestStream:
-    """Ordered tokens of one request. The handler iterates :meth:`events` until a finish or error."""
+    """Ordered tokens of one request. The handler iterates :meth:`events` until a finish or error.
+    ``cached_tokens``: the prompt tokens prefill took from its prefix cache (its first token's
+    ``TokenDelta.cached_tokens``; 0 until that token came)."""
 
     def __init__(self, request_id: str, deadline: float):
         self.request_id = request_id
         self.deadline = deadline
         self.next_position = 0
         self.finished = False
+        self.cached_tokens = 0
         self._early: dict[int, tuple[int, str, PositionLogprobs | None]] = {}
         self._queue: asyncio.Queue[StreamEvent | OmniError] = asyncio.Queue()
 
     def on_delta(self, delta: p.TokenDelta) -> None:
         if self.finished:
             return
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         for i, token in enumerate(delta.token_ids):
             position = delta.start + i
             last = i == len(delta.token_ids) - 1

@@ -66,10 +66,20 @@ class Generation:
     sampling_options: dict = dataclasses.field(default_factory=dict)   # sampling_options.wire_options
     reasoning: ReasoningMode | None = None   # chat on a thinking model: how its output splits (reasoning.py)
     structured: p.StructuredOutput | None = None   # request.structured, gated after the reasoning (prepare)
+    cached_tokens: int = 0   # prompt tokens prefill took from its prefix cache (the first submission's)
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def usage(gen: Generation) -> dict:
+    """A chat or completion answer's ``usage``, with ``prompt_tokens_details.cached_tokens`` (the prompt
+    tokens prefill took from its prefix cache). OpenAI reports the details on every answer; vLLM only
+    with ``--enable-prompt-tokens-details``: here always, since it costs nothing."""
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Generation:
@@ -214,6 +224,8 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                                   priority=gen.request.priority)
                 stream = await bus.submit(submit)
                 async for event in stream.events():
+                    if not submit.position_offset:   # a resumed stream's prompt holds the answer so far
+                        gen.cached_tokens = stream.cached_tokens
                     logprobs = _checked_logprobs(gen, event.tokens, event.logprobs)
                     text_tokens = event.tokens
                     if event.finish_reason == "stop" and text_tokens and text_tokens[-1] in stop_tokens:

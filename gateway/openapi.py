@@ -169,8 +169,11 @@ def _sampling(max_model_len: int, models: list[str]) -> dict:
 
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer", "minimum": 0}
-                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+          "properties": {**{k: {"type": "integer", "minimum": 0}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                         "prompt_tokens_details": {
+                             "type": "object", "description": "cached_tokens: prompt tokens taken from the prefix cache",
+                             "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}}}}
 
 
 def _completion_response(choice: dict) -> dict:

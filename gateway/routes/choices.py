@@ -69,6 +69,12 @@ class Plan:
         return sum(gen.completion_tokens for gen in self.gens)
 
     @property
+    def cached_tokens(self) -> int:
+        """Per prompt, the fewest any of its choices found cached: its siblings reuse the prefix the
+        first one prefilled, which was not in the cache before this request."""
+        return sum(min(gen.cached_tokens for gen in self.gens[i:i + self.n]) for i in range(0, len(self.gens), self.n))
+
+    @property
     def resumes(self) -> int:
         return sum(gen.resumes for gen in self.gens)
 
@@ -154,7 +160,8 @@ def _echo_text(gen: generation.Generation) -> str:
 
 def _usage(plan_: Plan) -> dict:
     prompt, completion = plan_.prompt_tokens, plan_.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": plan_.cached_tokens}}
 
 
 async def respond(request: web.Request, plan_: Plan, make_format: Callable[[], Any]) -> web.StreamResponse:

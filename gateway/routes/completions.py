@@ -137,9 +137,7 @@ class CompletionFormat:
                 "text_offset": offsets}, offset
 
 
-def _usage(gen: generation.Generation) -> dict:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+_usage = generation.usage
 
 
 async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web.StreamResponse:

@@ -66,7 +66,7 @@ def _response_object(call: ResponsesCall, response_id: str, created: int, model:
 
 
 def _usage(gen: generation.Generation, builder: OutputBuilder) -> dict:
-    return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": gen.cached_tokens},
             "output_tokens": gen.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": builder.reasoning_tokens},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}

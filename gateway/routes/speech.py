@@ -471,8 +471,7 @@ async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.Strea
 
 
 def _usage(gen) -> dict:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+    return generation.usage(gen)
 
 
 async def _chat_audio_full(gen, items, audio_id: str, record: RequestRecord) -> web.Response:

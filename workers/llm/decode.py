@@ -147,6 +147,7 @@ class TokenOut:
     finish_reason: str
     outputs: SpeechHandoff | None = None   # speech: for the generate stage, which runs after this one
     logprobs: TokenLogprobs | None = None   # the request asked for logprobs (SamplingParams.logprobs)
+    cached_tokens: int = 0   # prefill's first token: prompt tokens from its prefix cache (TokenDelta's)
 
 
 @dataclasses.dataclass

@@ -110,6 +110,7 @@ class PrefillResult:
     speech_next: bool = False   # the request goes on to a speech stage although its text finished
     logprobs: TokenLogprobs | None = None   # the first token's, when the request asked
     token_sent: bool = False    # its first token was reported already, as a FirstToken
+    cached_tokens: int = 0      # prompt tokens taken from the prefix cache, not computed
 
 
 @dataclasses.dataclass
@@ -124,6 +125,7 @@ class FirstToken:
     position: int
     finish_reason: str = ""
     logprobs: TokenLogprobs | None = None
+    cached_tokens: int = 0      # PrefillResult.cached_tokens
 
 
 # What a step reports of a request: an early first token, prefilled (its first token and hand-off),
@@ -138,6 +140,7 @@ class _Running:
     hashes: list[bytes]
     computed: int     # prompt tokens whose KV is in the blocks (cached prefix + chunks done)
     named: int        # leading blocks already registered under their hash
+    cached: int = 0   # prompt tokens found in the prefix cache at admission (not computed)
     media: PlacedMedia | None = None
     hidden: list = dataclasses.field(default_factory=list)   # speech: captured states per chunk
 
@@ -414,7 +417,8 @@ class PrefillEngine:
                 self.stats["media_prompts"] += 1
             blocks = hits + self.allocator.allocate(total - len(hits))
             cached = len(hits) * self.block_size
-            self.running.append(_Running(task, blocks, hashes, computed=cached, named=len(hits), media=media))
+            self.running.append(_Running(task, blocks, hashes, computed=cached, named=len(hits), cached=cached,
+                                         media=media))
             self.stats["prefix_cached_tokens"] += cached
             self.stats["prefix_hit_requests"] += bool(hits)
 
@@ -476,7 +480,7 @@ class PrefillEngine:
             task = seq.task
             reason = self._finish_reason(seq, token)
             result = PrefillResult(task.request_id, first_token=token, position=task.position_offset,
-                                   finish_reason=reason, logprobs=token_logprobs)
+                                   finish_reason=reason, logprobs=token_logprobs, cached_tokens=seq.cached)
             speech = task.speech == "prompt" or bool(task.speech and not reason)
             if reason and not speech:
                 results.append(result)
@@ -494,7 +498,7 @@ class PrefillEngine:
                         results.append(RequestFailure(task.request_id, exc.error_type, str(exc)))
                         continue
             outgoing.append(item)
-            results.append(FirstToken(task.request_id, token, task.position_offset, reason, token_logprobs))
+            results.append(FirstToken(task.request_id, token, task.position_offset, reason, token_logprobs, seq.cached))
             result.token_sent = True
             media = seq.media
             handoffs.append(_Handoff(result, item.kv_key, layerwise=export is not None and bool(item.kv_key),

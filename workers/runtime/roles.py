@@ -148,7 +148,8 @@ class PrefillRole(RoleAdapter):
         for result in self.engine.step():
             if isinstance(result, FirstToken):   # its hand-off is still on its way: the report follows
                 tokens.append(TokenOut(result.request_id, self._reply_to.get(result.request_id, ""), result.position,
-                                       result.token, result.finish_reason, logprobs=result.logprobs))
+                                       result.token, result.finish_reason, logprobs=result.logprobs,
+                                       cached_tokens=result.cached_tokens))
                 continue
             reply_to = self._reply_to.pop(result.request_id, "")
             if isinstance(result, RequestFailure):
@@ -157,7 +158,8 @@ class PrefillRole(RoleAdapter):
             # The first token goes to the gateway at once (time to first token), before decode's.
             if not result.token_sent:
                 tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
-                                       result.finish_reason, logprobs=result.logprobs))
+                                       result.finish_reason, logprobs=result.logprobs,
+                                       cached_tokens=result.cached_tokens))
             reports.append(self._done(result.request_id, result.outputs,
                                       bool(result.finish_reason) and not result.speech_next))
         return token_messages(tokens, self.worker_id) + reports + failures
@@ -236,11 +238,12 @@ def token_messages(tokens: list[TokenOut], worker_id: str) -> list[Outbound]:
 def _delta(t: TokenOut, worker_id: str = "") -> p.TokenDelta:
     """One token as a delta, with its logprobs when the request asked (``TokenOut.logprobs``)."""
     if t.logprobs is None:
-        return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id)
+        return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
+                            cached_tokens=t.cached_tokens)
     top = t.logprobs.top
     return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
                         logprobs=[t.logprobs.logprob], top_token_ids=[[i for i, _ in top]] if top else [],
-                        top_logprobs=[[v for _, v in top]] if top else [])
+                        top_logprobs=[[v for _, v in top]] if top else [], cached_tokens=t.cached_tokens)
 
 
 def _check_token_ids(params: SamplingParams, engine: PrefillEngine | DecodeEngine) -> None:
