@@ -24,7 +24,7 @@ from omnirelay.security import CurveKeys
 from omnirelay.video_params import is_video_pipeline
 
 from . import cpu_work, lora
-from .app_keys import BUS, CONFIG, HISTORY, KEYS, METRICS, MODELS, STREAMS
+from .app_keys import BUS, CONFIG, HISTORY, KEYS, METRICS, MODELS, SPOKEN_ANSWERS, STREAMS
 from .bus import BusClient
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
@@ -42,6 +42,7 @@ from .routes.tokenization import add_tokenize_routes
 from .routes.transcriptions import add_transcription_routes
 from .routes.videos import VideoModel, add_video_routes
 from .routes.voices import add_voice_routes
+from .spoken_answers import SpokenAnswers
 from .status_page import StatusHistory
 
 
@@ -52,6 +53,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     app[KEYS] = keys
     app[METRICS] = GatewayMetrics()
     app[STREAMS] = collections.Counter()
+    app[SPOKEN_ANSWERS] = SpokenAnswers()   # spoken chat answers' transcripts, for later turns that name them
     app[MODELS] = {m.name: VideoModel(m) if is_video_pipeline(m.path) else ImageModel(m) if is_image_pipeline(m.path)
                    else ModelRuntime(m, config.media_limits(m.allowed_local_media_path),
                                      special_tokens_in_content=config.allow_special_tokens_in_content)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .config import GatewayConfig
     from .metrics import GatewayMetrics
     from .response_store import ResponseStore
+    from .spoken_answers import SpokenAnswers
     from .status_page import StatusHistory
 
 CONFIG: web.AppKey[GatewayConfig] = web.AppKey("config")
@@ -31,3 +32,4 @@ HISTORY: web.AppKey[StatusHistory] = web.AppKey("history")
 STREAMS: web.AppKey[collections.Counter] = web.AppKey("streams_per_client")   # client address → open streams
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")   # stored Responses (routes/responses.py)
 TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")   # request spans (omnirelay/tracing.py), or None
+SPOKEN_ANSWERS: web.AppKey[SpokenAnswers] = web.AppKey("spoken_answers")   # transcripts by audio id

@@ -513,6 +513,10 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
             {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
                 "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
         "tool_calls": _TOOL_CALLS, "tool_call_id": {"type": "string", "nullable": True},
+        "audio": {"type": "object", "nullable": True, "required": ["id"],
+                  "properties": {"id": {"type": "string", "minLength": 1}},
+                  "description": "an assistant turn given by the id of an earlier spoken answer of this gateway "
+                                 "(until its expires_at): it reads as that answer's transcript"},
     }}
     chat_request = {"type": "object", "required": ["model", "messages"], "properties": {
         **sampling, "messages": {"type": "array", "minItems": 1, "items": message}, **_chat_output(speech),

@@ -31,6 +31,7 @@ from omnirelay.scheduling import PRIORITY_MAX, PRIORITY_MIN
 
 from .output_options import OutputOptions, parse_output_options
 from .sampling_options import SamplingOptions, parse_options
+from .spoken_answers import audio_reference
 from .structured import ToolsRequest, parse_structured
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -284,6 +285,9 @@ def chat_messages(body: dict) -> list[dict]:
         if role not in _ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}", param=f"messages[{i}].role")
         out.append({"role": role, "content": _content_text(message.get("content"), i), **_tool_fields(message, i)})
+        audio_id = audio_reference(message, i)   # an earlier spoken answer: its transcript goes in (spoken_answers.py)
+        if audio_id is not None:
+            out[-1]["audio_id"] = audio_id
     return out
 
 

@@ -6,6 +6,7 @@ echo fan out in gateway/routes/choices.py; a chat asking for audio is spoken
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from aiohttp import web
@@ -13,13 +14,14 @@ from aiohttp import web
 from omnirelay.errors import OmniError
 
 from .. import generation
-from ..app_keys import BUS, CONFIG, MODELS
+from ..app_keys import BUS, CONFIG, MODELS, SPOKEN_ANSWERS
 from ..cpu_work import off_loop
 from ..models import ModelRuntime, text_model
 from ..request_body import json_body
 from ..request_record import RequestRecord, open_record
 from ..reasoning import ReasoningMode, reasoning_format
 from ..schema import GenerationRequest, check_request_template, parse_chat, parse_completion
+from ..spoken_answers import resolve_audio_turns
 from ..sse import SseWriter, stream_slot
 from ..tool_calls import chat_format
 from . import choices
@@ -30,6 +32,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     parsed = await off_loop(request.app, parse_chat, body)   # schemas and grammars are compiled here
     check_request_template(parsed.template, request.app[CONFIG].trust_request_chat_template)
+    # An assistant turn given by the audio id of an earlier spoken answer reads as its transcript.
+    parsed = dataclasses.replace(parsed, messages=resolve_audio_turns(parsed.messages, request.app[SPOKEN_ANSWERS]))
     if "audio" in parsed.modalities:   # spoken answer too: talker + token2wav after decode
         return await chat_with_audio(request, parsed, body)
     model = text_model(request.app[MODELS], parsed.model)

@@ -72,7 +72,7 @@ from omnirelay.model_kind import ModelKind, model_kind, read_json
 from omnirelay.speech_params import MAX_CODES, MAX_SEED, SpeechParams
 
 from .. import generation
-from ..app_keys import BUS, CONFIG, MODELS
+from ..app_keys import BUS, CONFIG, MODELS, SPOKEN_ANSWERS
 from ..bus import BusClient, RequestStream, StreamEvent
 from ..detokenizer import IncrementalDetokenizer
 from ..models import ModelRuntime
@@ -80,11 +80,12 @@ from ..request_body import json_body
 from ..request_record import RequestRecord, Usage, open_record
 from ..resubmit import Submissions
 from ..schema import CHAT_AUDIO_FORMATS
+from ..spoken_answers import SpokenAnswers
 from ..sse import SseWriter
 from .speech_responses import CODES_PER_SECOND, SpokenAudio, speech_body_stream, speech_event_stream
 
 MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
-AUDIO_TTL_S = 3600               # ``expires_at``: nothing is stored, but clients read the field
+AUDIO_TTL_S = 3600               # ``expires_at``: until then a later turn may name the answer by its id
 MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 UNSUPPORTED_FORMATS = ("mp3", "opus", "aac")
 # The sampling key asking the speech worker to stream (workers/speech/role.py's STREAM_KEY).
@@ -465,7 +466,7 @@ async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.Strea
     try:
         if parsed.stream:
             return await _chat_audio_stream(request, gen, items, audio_id, record)
-        return await _chat_audio_full(gen, items, audio_id, record)
+        return await _chat_audio_full(gen, items, audio_id, record, request.app[SPOKEN_ANSWERS])
     finally:
         await items.aclose()
 
@@ -474,7 +475,8 @@ def _usage(gen) -> dict:
     return generation.usage(gen)
 
 
-async def _chat_audio_full(gen, items, audio_id: str, record: RequestRecord) -> web.Response:
+async def _chat_audio_full(gen, items, audio_id: str, record: RequestRecord,
+                           answers: SpokenAnswers) -> web.Response:
     detok = IncrementalDetokenizer(gen.model.tokenizer)
     finish, audio = "stop", []
     async for item in items:
@@ -486,11 +488,14 @@ async def _chat_audio_full(gen, items, audio_id: str, record: RequestRecord) -> 
         detok.add(item.tokens, final=bool(item.finish_reason))
         finish = item.finish_reason or finish
     text = detok.take(final=True)
+    expires_at = int(time.time()) + AUDIO_TTL_S
     message = {"role": "assistant", "content": None,
                "audio": {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode("ascii"),
-                         "transcript": text, "expires_at": int(time.time()) + AUDIO_TTL_S}}
+                         "transcript": text, "expires_at": expires_at}}
     if not audio:   # a one-token reply is not spoken: the text alone
         message = {"role": "assistant", "content": text, "audio": None}
+    else:   # a later turn may give this answer back by its id (gateway/spoken_answers.py)
+        answers.keep(audio_id, text, expires_at)
     body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
             "usage": _usage(gen)}
@@ -513,7 +518,7 @@ async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str,
     detok = IncrementalDetokenizer(gen.model.tokenizer)
     first = await anext(items, None)   # errors before anything arrives still get a proper status
     await response.prepare(request)
-    finish = "stop"
+    finish, transcript = "stop", []
     try:
         await send(choice({"role": "assistant", "content": None}))
         item = first
@@ -527,9 +532,13 @@ async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str,
                 finish = item.finish_reason or finish
                 text = detok.take(final=bool(item.finish_reason))
                 if text:
+                    transcript.append(text)
                     await send(choice({"audio": {"id": audio_id, "transcript": text}}))
             item = await anext(items, None)
-        await send(choice({"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_TTL_S}}, finish))
+        expires_at = int(time.time()) + AUDIO_TTL_S
+        # kept first: a client may send the next turn as soon as it reads the id's last event
+        request.app[SPOKEN_ANSWERS].keep(audio_id, "".join(transcript), expires_at)
+        await send(choice({"audio": {"id": audio_id, "expires_at": expires_at}}, finish))
         if gen.request.include_usage:
             await send({"choices": [], "usage": _usage(gen)})
     except OmniError as exc:

@@ -29,11 +29,12 @@ from aiohttp import web
 
 from omnirelay.errors import BadRequest, Unprocessable
 
-from ..app_keys import CONFIG, MODELS
+from ..app_keys import CONFIG, MODELS, SPOKEN_ANSWERS
 from ..cpu_work import off_loop
 from ..models import ModelRuntime, text_model
 from ..request_body import json_body
 from ..schema import boolean_field, chat_messages, check_request_template, template_options, token_ids_field
+from ..spoken_answers import SpokenAnswers, resolve_audio_turns
 
 _UNSERVED_CHAT_OPTIONS = ("tools", "mm_processor_kwargs")
 
@@ -57,8 +58,10 @@ def _runtime(request: web.Request, body: Any) -> ModelRuntime:
     return text_model(request.app[MODELS], name)
 
 
-def tokenize_body(model: ModelRuntime, body: dict, trusted: bool = False) -> dict:
-    """The answer to one ``/tokenize`` body (validated here: 400/422 naming the param)."""
+def tokenize_body(model: ModelRuntime, body: dict, trusted: bool = False,
+                  answers: SpokenAnswers | None = None) -> dict:
+    """The answer to one ``/tokenize`` body (validated here: 400/422 naming the param). ``answers``:
+    the transcripts an assistant turn given by its audio id reads as (as chat does)."""
     if ("prompt" in body) == ("messages" in body):
         raise BadRequest("give either 'prompt' or 'messages' (exactly one)", param="prompt")
     if "prompt" in body:
@@ -71,7 +74,7 @@ def tokenize_body(model: ModelRuntime, body: dict, trusted: bool = False) -> dic
         for name in _UNSERVED_CHAT_OPTIONS:
             if body.get(name) is not None:
                 raise Unprocessable(f"'{name}' is not supported by this server's /tokenize", param=name)
-        messages = chat_messages(body)
+        messages = resolve_audio_turns(chat_messages(body), answers or SpokenAnswers())
         for i, message in enumerate(messages):
             if not isinstance(message["content"], str):
                 raise Unprocessable(f"messages[{i}].content: /tokenize takes text messages",
@@ -96,7 +99,8 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await json_body(request)
     # Off the event loop: the tokenizer's work, and the JSON of its answer, grow with the prompt.
     answer = await off_loop(request.app, lambda: json.dumps(tokenize_body(
-        _runtime(request, body), body, request.app[CONFIG].trust_request_chat_template)))
+        _runtime(request, body), body, request.app[CONFIG].trust_request_chat_template,
+        request.app[SPOKEN_ANSWERS])))
     return web.Response(text=answer, content_type="application/json")
 
 
