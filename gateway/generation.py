@@ -156,7 +156,7 @@ def reasoning_mode(model: ModelRuntime, request: GenerationRequest, prompt_text:
     """How a chat's output splits into reasoning and answer (None: the model has no reasoning parser)."""
     if model.reasoning_parser is None:
         return None
-    variables = {**model.default_chat_template_kwargs, **request.template.kwargs}
+    variables = model.chat_variables(request.template, request.tools.template_tools() if request.tools else None)
     return ReasoningMode(model.reasoning_parser, closed_in_prompt(prompt_text),
                          thinking_off=variables.get("enable_thinking", True) is False,
                          include=request.include_reasoning)

@@ -94,7 +94,7 @@ class ModelRuntime:
         variables overridden by the request's. ``tools``: OpenAI function tools, rendered by the
         template. A variable the template does not read, or one that names an argument of the
         rendering itself, is a 400 naming it; a template that refuses the messages too."""
-        variables = {**self.default_chat_template_kwargs, **template.kwargs}
+        variables = self.chat_variables(template, tools)
         reserved = sorted(set(variables) & _RENDER_ARGUMENTS)
         if reserved:
             raise BadRequest(f"chat_template_kwargs.{reserved[0]} is an argument of the rendering itself, not a "
@@ -113,6 +113,17 @@ class ModelRuntime:
         except (ValueError, TemplateError) as exc:   # the template (or transformers) refused these messages
             param = "chat_template" if template.chat_template else "messages"
             raise BadRequest(f"the chat template cannot render these messages: {exc}"[:500], param=param) from None
+
+    def chat_variables(self, template: TemplateOptions = TemplateOptions(), tools: list[dict] | None = None) -> dict:
+        """The variables the chat template is rendered with: the server's defaults, then what other
+        request fields imply (``template.implied``: only those the template reads, as vLLM filters
+        them), then the request's ``chat_template_kwargs``."""
+        implied = {}
+        if template.implied:
+            source = template.chat_template or self._template_source(tools)
+            names = template_variables(source) if source else None
+            implied = {k: v for k, v in template.implied.items() if names is not None and k in names}
+        return {**self.default_chat_template_kwargs, **implied, **template.kwargs}
 
     def _template_source(self, tools: list[dict] | None) -> str | None:
         try:

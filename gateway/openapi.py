@@ -106,6 +106,11 @@ _TEMPLATE = {
                       "description": "a Jinja template of the request's own (422 without --trust-request-chat-template)"},
     "include_reasoning": {"type": "boolean", "nullable": True,
                           "description": "a thinking model's reasoning in message.reasoning (default true)"},
+    "reasoning_effort": {"type": "string", "nullable": True,
+                         "enum": ["none", "minimal", "low", "medium", "high", "xhigh", "max"],
+                         "description": "given to the chat template as reasoning_effort, and enable_thinking = "
+                                        "(value != none) unless chat_template_kwargs set it; each only where "
+                                        "the template reads it"},
 }
 _TOOL_CALLS = {"type": "array", "nullable": True, "items": {"type": "object", "properties": {
     "index": {"type": "integer"}, "id": {"type": "string"}, "type": {"type": "string"},

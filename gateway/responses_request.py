@@ -24,6 +24,7 @@ Responses                   chat
 ``text.format``             ``response_format`` (text, json_object, json_schema)
 ``top_logprobs`` and/or     ``logprobs`` + ``top_logprobs`` on each ``output_text``
 ``include`` logprobs
+``reasoning.effort``        ``reasoning_effort`` (``reasoning.summary`` is refused)
 ==========================  ===============================================================
 
 Anything else that would change the answer is a 422 naming it (:data:`REFUSED`, any key not listed
@@ -54,7 +55,6 @@ REFUSED: dict[str, tuple] = {
     "conversation": (),
     "prompt": (),
     "max_tool_calls": (),
-    "reasoning": ({},),
     "truncation": ("disabled",),
     "context_management": (),
 }
@@ -62,7 +62,7 @@ REFUSED: dict[str, tuple] = {
 HINTS = ("user", "safety_identifier", "prompt_cache_key", "service_tier", "prompt_cache_retention")
 _SERVED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
            "parallel_tool_calls", "text", "stream", "stream_options", "store", "previous_response_id", "metadata",
-           "include", "top_logprobs", *SAMPLING_KEYS, *REFUSED, *HINTS}
+           "include", "top_logprobs", "reasoning", *SAMPLING_KEYS, *REFUSED, *HINTS}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ROLES = ("user", "assistant", "system", "developer")
 MAX_METADATA = 16
@@ -294,6 +294,9 @@ def parse_responses(body: Any) -> ResponsesCall:
     if body.get("max_output_tokens") is not None:
         options["max_tokens"] = body["max_output_tokens"]
     options.update(tools)
+    effort = _reasoning_effort(body)
+    if effort is not None:
+        options["reasoning_effort"] = effort
     options.update(_text_format(body))
     options.update(logprob_options)
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
@@ -302,14 +305,30 @@ def parse_responses(body: Any) -> ResponsesCall:
             "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "metadata": metadata or {}, "top_logprobs": body.get("top_logprobs"), "truncation": "disabled",
-            "background": False, "reasoning": None, **{k: body.get(k) for k in HINTS}}
+            "background": False, "reasoning": {"effort": effort, "summary": None} if effort else None,
+            **{k: body.get(k) for k in HINTS}}
     return ResponsesCall(model=model, turn=_input_items(body["input"]), instructions=instructions,
                          chat_options=options, stream=bool(body.get("stream")), store=body.get("store") is not False,
                          previous_response_id=previous, logprobs=logprobs, echo=echo)
 
 
+def _reasoning_effort(body: dict) -> str | None:
+    """``reasoning.effort``, served as chat's ``reasoning_effort`` (checked there); a summary of the
+    reasoning is not (the reasoning item carries the text itself)."""
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise BadRequest("'reasoning' must be an object", param="reasoning")
+    for key, value in reasoning.items():
+        if key != "effort" and value is not None:
+            raise _refuse(f"reasoning.{key}")
+    return reasoning.get("effort")
+
+
 # Chat param → Responses param, for errors raised by the chat validation (first match wins).
 _RENAMES = ((re.compile(r"^max_tokens"), "max_output_tokens"),
+            (re.compile(r"^reasoning_effort"), "reasoning.effort"),
             (re.compile(r"^response_format\.json_schema"), "text.format"),
             (re.compile(r"^response_format"), "text.format"),
             (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),

@@ -45,13 +45,33 @@ class TemplateOptions:
     """How a request's messages become its prompt (vLLM's names): ``kwargs`` (``chat_template_kwargs``,
     over the server's defaults), ``add_generation_prompt``, ``continue_final_message`` (the last
     message is left open for the model to continue), ``add_special_tokens`` (the tokenizer's, on top
-    of the template's), ``chat_template`` (a request's own template; None: the model's)."""
+    of the template's), ``chat_template`` (a request's own template; None: the model's). ``implied``:
+    variables other request fields imply (``reasoning_effort``, :func:`implied_variables`), given
+    to the template only where it reads them and ``kwargs`` do not set them (vLLM's rule)."""
 
     kwargs: dict = dataclasses.field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template: str | None = None
+    implied: dict = dataclasses.field(default_factory=dict)
+
+
+# vLLM's (and OpenAI's) reasoning_effort values; "none" turns thinking off.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def implied_variables(body: dict) -> dict:
+    """The chat-template variables ``reasoning_effort`` implies, as vLLM renders it: the value
+    itself as ``reasoning_effort`` (templates that grade their thinking read it) and, unless the
+    request's ``chat_template_kwargs`` set it, ``enable_thinking`` (false for ``"none"``, true
+    otherwise): what switches Qwen3's thinking, so the effort does change a Qwen3 answer."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return {}
+    if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
+        raise BadRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning_effort")
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +128,7 @@ def template_options(body: dict) -> TemplateOptions:
     if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
         raise BadRequest("'chat_template' must be a non-empty string (a Jinja template)", param="chat_template")
     return TemplateOptions(dict(kwargs), generation_prompt, continue_final,
-                           boolean_field(body, "add_special_tokens"), chat_template)
+                           boolean_field(body, "add_special_tokens"), chat_template, implied_variables(body))
 
 
 def check_request_template(template: TemplateOptions, trusted: bool) -> None:
@@ -153,7 +173,8 @@ def _chat_audio(body: dict) -> dict:
 # continue_final_message, add_special_tokens, chat_template behind --trust-request-chat-template:
 # TemplateOptions), include_reasoning (gateway/reasoning.py) and vLLM's output knobs
 # (include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
-# truncate_prompt_tokens, return_tokens_as_token_ids: gateway/output_options.py).
+# truncate_prompt_tokens, return_tokens_as_token_ids: gateway/output_options.py) and reasoning_effort
+# (chat: the template variables it implies, implied_variables; a Qwen3 answer thinks or not by it).
 NOT_SERVED: dict[str, tuple] = {
     # sampling (the served options: sampling_options.py)
     "best_of": (1,),
@@ -166,7 +187,6 @@ NOT_SERVED: dict[str, tuple] = {
     # what the prompt or the answer's text is made of
     "prompt_logprobs": (),
     "suffix": ("",),
-    "reasoning_effort": (),
     "web_search_options": (),
 }
 
@@ -441,7 +461,7 @@ def _prompts(body: dict) -> list[str | tuple[int, ...]]:
 
 # Chat template switches a completions prompt has no use for: the values that change nothing pass.
 _CHAT_ONLY = {"add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
-              "chat_template_kwargs": ({},), "include_reasoning": (True,)}
+              "chat_template_kwargs": ({},), "include_reasoning": (True,), "reasoning_effort": ()}
 
 
 def parse_completion(body: Any) -> GenerationRequest:

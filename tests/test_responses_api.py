@@ -184,7 +184,8 @@ def test_logprobs_on_output_text(client):
 @pytest.mark.parametrize("kwargs, status, param", [
     ({"background": True}, 422, "background"),
     ({"truncation": "auto"}, 422, "truncation"),
-    ({"reasoning": {"effort": "high"}}, 422, "reasoning"),
+    ({"reasoning": {"summary": "auto"}}, 422, "reasoning.summary"),
+    ({"reasoning": {"effort": "huge"}}, 400, "reasoning.effort"),
     ({"include": ["reasoning.encrypted_content"]}, 422, "include"),
     ({"tools": [{"type": "web_search"}]}, 422, "tools[0].type"),
     ({"extra_body": {"best_of": 2}}, 422, "best_of"),
