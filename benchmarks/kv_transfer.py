@@ -43,11 +43,11 @@ from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
 from omnirelay.workers.runtime.engine import RequestFailure
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 from servers import start_redis, stop
 
 MODES = ("whole", "layerwise")
-PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)   # first token + one decode token
+PARAMS = TextParams(max_tokens=2, temperature=0, ignore_eos=True)   # first token + one decode token
 
 
 class TimedForward:

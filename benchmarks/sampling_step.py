@@ -26,16 +26,17 @@ import time
 import torch
 
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
-from omnirelay.workers.llm.sampling import SamplingParams, sample
+from omnirelay.request_params import TextParams
+from omnirelay.workers.llm.sampling import sample
 
 
-def _cases(vocab: int) -> dict[str, SamplingParams]:
+def _cases(vocab: int) -> dict[str, TextParams]:
     greedy = dict(temperature=0.0, max_tokens=64)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
     return {
-        "no options": SamplingParams(**greedy),
-        "penalties": SamplingParams(**greedy, **penalties),
-        "every option": SamplingParams(**greedy, **penalties, min_p=0.05, min_tokens=70,
+        "no options": TextParams(**greedy),
+        "penalties": TextParams(**greedy, **penalties),
+        "every option": TextParams(**greedy, **penalties, min_p=0.05, min_tokens=70,
                                        logit_bias=tuple((t, 2.0) for t in range(0, vocab, vocab // 16)),
                                        bad_words_token_ids=((5, 6), (7,), (8, 9, 10)),
                                        allowed_token_ids=tuple(range(0, vocab, 3))),

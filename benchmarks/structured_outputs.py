@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    from omnirelay.broker.protocol import StructuredOutput
+    from omnirelay.request_params import StructuredOutput
     from omnirelay.connectors import create_connector
     from omnirelay.deploy.builders.llm import default_model_dir
     from omnirelay.gateway.structured import check_spec
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from omnirelay.workers.kv.cache import PagedKVCache
     from omnirelay.workers.llm.models.llama import LlamaModel
     from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
-    from omnirelay.workers.llm.sampling import SamplingParams
+    from omnirelay.request_params import TextParams
     from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
     path = str(args.model or default_model_dir())
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = StructuredOutput("json_schema", spec_text)
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for q in (QUESTIONS * args.batch)[: args.batch]]
-    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    params = TextParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
 
     import xgrammar  # noqa: F401  (its import, about a second, is not the check's cost)
 

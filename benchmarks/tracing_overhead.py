@@ -41,6 +41,7 @@ import sys
 import time
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.broker.tracing_hook import BrokerTracer
@@ -104,7 +105,7 @@ class Pipeline:
                                                                  "omnirelay.request_id": request_id})
             traceparent = self.tracing.traceparent(span)   # "" when the sampler said no
         submit = p.Submit(request_id=request_id, model="m", stages=["prefill", "decode"], prompt_token_ids=[1] * 16,
-                          sampling={"max_tokens": 16}, deadline=time.time() + 60, reply_to="tcp://127.0.0.1:1",
+                          params=TextParams(max_tokens=16), deadline=time.time() + 60, reply_to="tcp://127.0.0.1:1",
                           traceparent=traceparent or "")
         p.encode_body(submit)
         tasks = self._broker(b"gw", submit)

@@ -26,8 +26,12 @@ Hand-offs. What a stage leaves for the next (``StageDone.outputs`` → ``Task.in
 stage's in ``Submit.inputs``; ``CancelTask.inputs`` to release) is a typed hand-off of
 :mod:`omnirelay.handoffs` (``KVHandoff``, ``EmbedsHandoff``, ``SpeechHandoff``, ``MediaInputs``),
 a msgpack map tagged by its ``"handoff"`` key, validated here like every field; the broker passes it
-on without looking inside. A sender older than typed hand-offs sends the same map untagged: the
-decoder recognises it by its keys and tags it (:func:`_decode_legacy`, the slow path, only then).
+on without looking inside.
+
+Request parameters. What a request asks its stages for (``Submit.params``, copied into every
+``Task.params``) is one struct of :mod:`omnirelay.request_params`, tagged by its kind (``text``,
+``speech``, ``image``, ``video``) and validated here like every field, each struct's own range
+checks included; the broker reads only its LoRA adapter, for routing.
 
 Who sends what:
 
@@ -45,7 +49,7 @@ Unregister            worker → broker         I am leaving (drain finished)
 GatewayHello          gateway → broker        I own requests; also my liveness ping
 HelloAck              broker → gateway        the broker's instance id (changes on restart) and
                                               the gateway's session (changes when given up)
-Submit                gateway → broker        a new request: stages, prompt, sampling, deadline
+Submit                gateway → broker        a new request: stages, prompt, params, deadline
 Cancel                gateway → broker        drop a request everywhere (client went away, stop)
 StatusQuery           gateway → broker        who is alive?
 Task                  broker → worker         run one stage of one request
@@ -64,98 +68,37 @@ and detect gaps: a stage that is replayed elsewhere may resend positions the cli
 A :class:`TokenDeltas` is only a batch of such deltas (one per request of a prefill or decode step,
 all bound for the same gateway): the receiver handles each as if it had come alone.
 
-Log-probabilities. ``Submit.sampling`` (copied into ``Task.sampling``) may hold ``"logprobs"``, an
-int: -1 or absent, none; 0, the chosen token's; k (1 … :data:`MAX_TOP_LOGPROBS`), also the k most
-likely tokens of each position (workers/llm/sampling.py validates it; anything else fails the task as
-``bad_request``). The worker that samples a token then fills ``TokenDelta.logprobs`` (one float per
-token id) and, for k > 0, ``TokenDelta.top_token_ids`` and ``TokenDelta.top_logprobs`` (per token
-id, the k most likely ids and their logprobs, most likely first): raw logprobs, ``log_softmax`` of the logits before temperature, top-k
-and top-p. Both stay empty, and so off the wire, for a request that did not ask, so a gateway that
-knows nothing of them keeps working as long as nobody asks. A gateway that asks must check that
-they came: a worker older than this field ignores ``"logprobs"`` in ``sampling``.
+Log-probabilities. A request whose ``TextParams.logprobs`` is k >= 0 gets, from the worker that
+samples each token, ``TokenDelta.logprobs`` (one float per token id) and, for k > 0,
+``TokenDelta.top_token_ids`` and ``TokenDelta.top_logprobs`` (per token id, the k most likely ids
+and their logprobs, most likely first): raw logprobs, ``log_softmax`` of the logits before
+temperature, top-k and top-p. Both stay empty, and so off the wire, for a request that did not ask.
 
-Sampling options. ``sampling`` may hold ``presence_penalty``, ``frequency_penalty``,
-``repetition_penalty``, ``min_p`` (floats), ``min_tokens`` (int, counted from this submission's first
-token like ``max_tokens``), ``logit_bias`` (``[[token id, bias], …]``), ``bad_words_token_ids``
-(``[[token id, …], …]``) and ``allowed_token_ids`` (``[token id, …]``); absent means off. The worker
-validates them (workers/llm/sampling.py ``SamplingParams.from_wire``, which also rejects a key nobody
-reads) and fails the task as ``bad_request`` otherwise. A gateway sends only the options a request
-set; a worker older than these keys drops them silently, so workers are upgraded before gateways.
-
-Structured outputs. ``sampling`` may hold ``"structured"``: a :class:`StructuredOutput` map
-(``{"kind", "spec"}``) that the sampling worker enforces with a grammar; a worker that cannot
-parse it fails the task as ``bad_request``.
+Version 2 (2026-12-06) replaced version 1's untyped ``sampling`` map by ``params`` and dropped the
+decoding of untagged hand-offs; a version-1 peer is refused at its first message.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, get_args
+from typing import Any, ClassVar
 
 import msgspec
 
-from omnirelay.handoffs import TAG_FIELD, Handoff, MediaInputs, tag_legacy
+from omnirelay.handoffs import Handoff, MediaInputs
+from omnirelay.request_params import RequestParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 VERSION_FRAME = bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 8 * 1024 * 1024   # a 1M-token prompt fits; bulk data goes through connectors
-MAX_TOP_LOGPROBS = 20              # sampling["logprobs"] asks for at most this many alternatives per token (OpenAI's and vLLM's default limit)
 
 
 class ProtocolError(ValueError):
     """A frame sequence that is not a valid message of this protocol version."""
 
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
-MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
-
-
-class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``Submit.sampling["structured"]`` (copied into ``Task.sampling``): the output must match a
-    grammar. ``kind``: ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any
-    JSON object; ``spec`` empty), ``regex`` or ``grammar`` (xgrammar's EBNF, root rule ``root``).
-    The gateway checks the spec compiles before it submits (400 otherwise); the worker that
-    samples compiles it again for its tokenizer (workers/llm/structured_output.py). Hashable: the
-    workers' compile cache is keyed by its kind and spec.
-
-    ``after``: the token ids that end a thinking model's reasoning (``</think>`` as its tokenizer
-    writes it); when given, the grammar applies only to the tokens after their first appearance in
-    the output (vLLM's rule: structured outputs shape the answer, not the reasoning). Empty: from
-    the first token."""
-
-    kind: str
-    spec: str = ""
-    after: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.kind not in STRUCTURED_KINDS:
-            raise ValueError(f"structured kind must be one of {', '.join(STRUCTURED_KINDS)}")
-        if (self.kind == "json_object") != (not self.spec) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
-            raise ValueError(f"structured {self.kind}: spec must be {'empty' if self.kind == 'json_object' else 'a non-empty string'}"
-                             f" of at most {MAX_STRUCTURED_SPEC_CHARS} characters")
-        if len(self.after) > 64 or any(t < 0 for t in self.after):
-            raise ValueError("structured after: at most 64 token ids, none negative")
-
-    @classmethod
-    def from_wire(cls, raw: Any) -> "StructuredOutput | None":
-        """The spec of a ``sampling`` map's ``"structured"`` value (None: absent); ``ValueError``
-        for anything else than a map of exactly these fields with these types."""
-        if raw is None:
-            return None
-        try:
-            return msgspec.convert(raw, cls, strict=True)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"invalid sampling.structured: {exc}") from None
-
-    def to_wire(self) -> dict:
-        return {"kind": self.kind, "spec": self.spec, **({"after": list(self.after)} if self.after else {})}
-
-
 _REGISTRY: dict[bytes, type["Message"]] = {}
 _DECODERS: dict[bytes, tuple[type["Message"], msgspec.msgpack.Decoder]] = {}
-# Message tag → its fields that carry a hand-off (omnirelay.handoffs), for the legacy fallback.
-_HANDOFF_FIELDS: dict[bytes, tuple[str, ...]] = {}
-_HANDOFF_TYPES = set(get_args(Handoff))
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, gc=False):
@@ -184,16 +127,13 @@ def _register(cls):
     # strict: no str → int coercion and no bool where an int is declared; int is accepted for float.
     _DECODERS[cls.TAG] = (cls, msgspec.msgpack.Decoder(cls, strict=True, ext_hook=_reject_ext))
     cls._checks = tuple((f.name, f.type, f.required) for f in msgspec.structs.fields(cls))
-    handoffs = tuple(name for name, annotation, _ in cls._checks if set(get_args(annotation)) & _HANDOFF_TYPES)
-    if handoffs:
-        _HANDOFF_FIELDS[cls.TAG] = handoffs
     return cls
 
 
 _ENCODER = msgspec.msgpack.Encoder()
 # msgspec's messages, turned into this protocol's wording ("Submit.deadline: expected float, …").
-# A nested struct (TokenDeltas.deltas) adds where in the body: "… - at `$.deltas[3]`".
-_AT_FIELD = re.compile(r"^(?P<what>.*?) - at `(?:key` in `)?\$\.(?P<field>\w+(?:\[\d+\]\.\w+)*)")
+# A nested struct (TokenDeltas.deltas, Submit.params) adds where in the body: "… - at `$.deltas[3]`".
+_AT_FIELD = re.compile(r"^(?P<what>.*?) - at `(?:key` in `)?\$\.(?P<field>\w+(?:\[\d+\])*(?:\.\w+(?:\[\d+\])*)*)")
 _NESTED = r"(?: - at `\$(?P<at>\.\w+\[\d+\])`)?$"
 _MISSING = re.compile(r"^Object missing required field `(?P<field>\w+)`" + _NESTED)
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>.*?)`" + _NESTED, re.S)
@@ -238,37 +178,11 @@ def decode(frames: list[bytes]) -> Message:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        if tag in _HANDOFF_FIELDS:
-            legacy = _decode_legacy(cls, _HANDOFF_FIELDS[tag], body)
-            if legacy is not None:
-                return legacy
         raise ProtocolError(_explain(cls, str(exc))) from None
     except ProtocolError:
         raise
     except Exception as exc:  # DecodeError on garbage; RecursionError on absurd nesting
         raise ProtocolError(f"body is not valid msgpack: {type(exc).__name__}") from None
-
-
-def _decode_legacy(cls: type[Message], fields: tuple[str, ...], body: bytes) -> Message | None:
-    """``body`` from a sender older than typed hand-offs (an untagged map where a hand-off goes,
-    see :mod:`omnirelay.handoffs`), decoded with the hand-offs tagged; None when it is not that
-    (the caller reports the typed decoder's error). The slow path: only during a rolling upgrade."""
-    try:
-        raw = msgspec.msgpack.decode(body, ext_hook=_reject_ext)
-    except Exception:
-        return None
-    if not isinstance(raw, dict) or not any(isinstance(raw.get(name), dict) and TAG_FIELD not in raw[name]
-                                            for name in fields):
-        return None
-    for name in fields:
-        if name in raw:
-            raw[name] = tag_legacy(raw[name])
-    try:
-        return msgspec.convert(raw, cls, strict=True)
-    except msgspec.ValidationError as exc:   # a legacy map, malformed: say what is wrong with it
-        raise ProtocolError(_explain(cls, str(exc))) from None
-    except Exception:   # anything stranger: the typed decoder's error stands
-        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,6 +205,7 @@ class Register(Message):
     block_size: int = 0
     reports: int = 0    # stage reports sent so far (Heartbeat.reports): the broker counts on from here
     received: int = 0   # Tasks and CancelTasks received so far (Heartbeat.received), likewise
+    loras: list[str] | None = None   # LoRA adapters held (Heartbeat.loras); None: LoRA off
 
 
 @_register
@@ -327,6 +242,9 @@ class Heartbeat(Message):
     prefix_full: bool = False
     reports: int = 0
     received: int = 0
+    # A worker with --enable-lora: every adapter it holds now (the whole list; None: no report, as in
+    # a keepalive), for adapter affinity (omnirelay.broker.lora_affinity).
+    loras: list[str] | None = None
 
 
 @_register
@@ -401,7 +319,7 @@ class Submit(Message):
     model: str
     stages: list[str]
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    params: RequestParams
     deadline: float
     reply_to: str
     position_offset: int = 0
@@ -440,7 +358,7 @@ class Task(Message):
     stage: str
     model: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    params: RequestParams
     inputs: Handoff | None      # Submit.inputs for the first stage, else the previous stage's outputs
     reply_to: str
     deadline: float
@@ -531,7 +449,7 @@ class TokenDelta(Message):
     """Tokens ``token_ids`` at absolute positions ``start`` … of the generated sequence.
     ``finish_reason`` is ``"stop"``/``"length"`` on the last delta, else empty.
 
-    ``logprobs``, ``top_token_ids``, ``top_logprobs``: empty unless the request's ``sampling`` asked
+    ``logprobs``, ``top_token_ids``, ``top_logprobs``: empty unless the request's ``TextParams.logprobs`` asked
     for logprobs (see the module docstring); else aligned with ``token_ids``: ``logprobs[i]`` is the
     raw logprob of ``token_ids[i]``; ``top_token_ids[i]`` and ``top_logprobs[i]`` are the most likely
     ids of that position and their logprobs, most likely first (both lists empty for

@@ -37,6 +37,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 from omnirelay.broker.prefix_index import prompt_route_keys
 from omnirelay.errors import DeadlineExceeded, OmniError, WorkerLost, error_from_type
+from omnirelay.request_params import adapter_of
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
 from omnirelay.tracing import CURRENT_TRACEPARENT
 
@@ -211,9 +212,8 @@ class BusClient:
         prompts with inline media do not, since their placeholder ids say nothing about the media."""
         if (not submit.prefix_hashes and not submit.inputs and "prefill" in submit.stages
                 and len(submit.prompt_token_ids) > PREFIX_BLOCK_SIZE):
-            adapter = submit.sampling.get("lora") or ""   # LoRA: {name, path}; its prefixes are its own
             keys = prompt_route_keys(submit.prompt_token_ids, PREFIX_BLOCK_SIZE,
-                                     lora=adapter.get("name", "") if isinstance(adapter, dict) else adapter)
+                                     lora=adapter_of(submit.params))   # an adapter's prefixes are its own
             submit = msgspec.structs.replace(submit, prefix_hashes=keys, prefix_block_size=PREFIX_BLOCK_SIZE)
         if not submit.traceparent and (traceparent := CURRENT_TRACEPARENT.get()):
             submit = msgspec.structs.replace(submit, traceparent=traceparent)   # the request's span is traced

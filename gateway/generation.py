@@ -13,7 +13,7 @@ plus the tokens the client already has, at the next position, so the client's st
 with no duplicated or missing token (the resubmission policy: ``resubmit.Submissions``). Leaving
 early (client gone, error) always cancels upstream.
 
-Logprobs: a request that asks (``GenerationRequest.logprobs`` >= 0) sends ``sampling["logprobs"]``
+Logprobs: a request that asks (``GenerationRequest.logprobs`` >= 0) sends ``TextParams.logprobs``
 with every submission, a resumed one too, so each token's chunk carries its position's logprobs
 (:class:`~omnirelay.gateway.bus.PositionLogprobs`); positions delivered before a resume keep the
 ones they came with. A token that arrives without them (a worker older than the field ignores it)
@@ -29,9 +29,12 @@ import time
 import uuid
 from typing import AsyncIterator
 
+import msgspec
+
 from omnirelay.broker import protocol as p
 from omnirelay.errors import BadRequest, OmniError, Unprocessable
 from omnirelay.handoffs import MediaInputs, MediaItem
+from omnirelay.request_params import StructuredOutput, TextParams
 
 from .bus import BusClient, PositionLogprobs
 from .detokenizer import IncrementalDetokenizer
@@ -63,9 +66,9 @@ class Generation:
     resumes: int = 0
     stages: tuple[str, ...] = ()
     inputs: MediaInputs | None = None   # the first stage's (media for encode)
-    sampling_options: dict = dataclasses.field(default_factory=dict)   # sampling_options.wire_options
+    sampling_options: dict = dataclasses.field(default_factory=dict)   # TextParams fields: sampling_options.wire_options
     reasoning: ReasoningMode | None = None   # chat on a thinking model: how its output splits (reasoning.py)
-    structured: p.StructuredOutput | None = None   # request.structured, gated after the reasoning (prepare)
+    structured: StructuredOutput | None = None   # request.structured, gated after the reasoning (prepare)
     cached_tokens: int = 0   # prompt tokens prefill took from its prefix cache (the first submission's)
 
     @property
@@ -141,15 +144,15 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
                       structured=_answer_grammar(model, request.structured, reasoning))
 
 
-def _answer_grammar(model: ModelRuntime, spec: p.StructuredOutput | None,
-                    reasoning: ReasoningMode | None) -> p.StructuredOutput | None:
+def _answer_grammar(model: ModelRuntime, spec: StructuredOutput | None,
+                    reasoning: ReasoningMode | None) -> StructuredOutput | None:
     """The request's grammar, applied after the reasoning when the model thinks first (vLLM's rule):
     unless the prompt closed the reasoning, the reasoning is not returned (include_reasoning false)
     or the server applies grammars to the reasoning too (--structured-outputs-in-reasoning)."""
     if spec is None or reasoning is None or reasoning.closed_in_prompt or not reasoning.include \
             or model.structured_outputs_in_reasoning:
         return spec
-    return p.StructuredOutput(spec.kind, spec.spec, tuple(model.encode_text(REASONING_END)))
+    return StructuredOutput(spec.kind, spec.spec, tuple(model.encode_text(REASONING_END)))
 
 
 def reasoning_mode(model: ModelRuntime, request: GenerationRequest, prompt_text: str) -> ReasoningMode | None:
@@ -181,20 +184,20 @@ def check_size(model: ModelRuntime, request: GenerationRequest) -> None:
                          f"this model's context of {model.max_model_len} tokens", param=param)
 
 
-def _sampling(gen: Generation, generated: int) -> dict:
+def text_params(gen: Generation, generated: int) -> TextParams:
+    """What the LLM stages sample for ``gen``'s submission that starts after ``generated`` tokens.
+    Without a seed, a sampled request gets one here: it keys every position's random draw, so a
+    resumed stream samples the same way whichever worker continues it."""
     req = gen.request
     seed = req.seed
     if seed is None and req.temperature > 0:
-        # A seed chosen here keys every position's random draw, so a resumed stream samples the
-        # same way whichever worker continues it.
         seed = random.getrandbits(63)
-    return {"max_tokens": gen.max_tokens - generated, "temperature": req.temperature, "top_p": req.top_p,
-            "top_k": req.top_k, "seed": seed, "ignore_eos": req.ignore_eos,
-            "stop_token_ids": list(req.stop_token_ids), **gen.sampling_options,
-            **submission_min_tokens(req.options, generated),
-            **({"logprobs": req.logprobs} if req.logprobs >= 0 else {}),
-            **({"structured": gen.structured.to_wire()} if gen.structured else {}),
-            **({"lora": {"name": gen.model.lora, "path": gen.model.lora_path}} if gen.model.lora else {})}
+    return TextParams(max_tokens=gen.max_tokens - generated, temperature=req.temperature, top_p=req.top_p,
+                      top_k=req.top_k, seed=seed, ignore_eos=req.ignore_eos,
+                      stop_token_ids=tuple(req.stop_token_ids), logprobs=req.logprobs,
+                      min_tokens=submission_min_tokens(req.options, generated), structured=gen.structured,
+                      lora=gen.model.lora, lora_path=gen.model.lora_path if gen.model.lora else "",
+                      **gen.sampling_options)
 
 
 async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator[TextChunk]:
@@ -207,7 +210,7 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
     stop_tokens = () if output.include_stop_str_in_output else (
         set(gen.model.eos_token_ids) | set(gen.request.stop_token_ids))
     generated: list[int] = []
-    sampling = _sampling(gen, 0)
+    params = text_params(gen, 0)
     # A pause for a role briefly without workers (a restart in progress) is not a resume.
     async with Submissions(bus, gen.request_id, deadline, unavailable_spends_a_resubmit=False,
                            retry_note=lambda: f"resuming at position {len(generated)}") as submissions:
@@ -217,8 +220,9 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                 submit = p.Submit(request_id=upstream_id, model=gen.model.base_name,
                                   stages=list(gen.stages or gen.model.stages),
                                   prompt_token_ids=gen.prompt_token_ids + generated,
-                                  sampling={**sampling, "max_tokens": gen.max_tokens - len(generated),
-                                            **submission_min_tokens(gen.request.options, len(generated))},
+                                  params=msgspec.structs.replace(
+                                      params, max_tokens=gen.max_tokens - len(generated),
+                                      min_tokens=submission_min_tokens(gen.request.options, len(generated))),
                                   deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
                                   position_offset=len(generated), inputs=gen.inputs,
                                   priority=gen.request.priority)

@@ -3,8 +3,8 @@
 An adapter's entry in the app's model table is an :class:`AdapterModel`: its base's
 :class:`~omnirelay.gateway.models.ModelRuntime` (tokenizer, template, context, stages) under the
 adapter's name, with ``lora``/``lora_path`` set. A request naming it runs on the base's workers
-(``Submit.model`` is ``base_name``) with the adapter in the sampling map's ``lora`` key
-(``{name, path}``: a worker registers an adapter it has not seen yet, checking it as at start);
+(``Submit.model`` is ``base_name``) with the adapter in ``TextParams.lora`` and ``lora_path``
+(a worker registers an adapter it has not seen yet, checking it as at start);
 responses echo the adapter's name, as vLLM's do. ``GET /v1/models`` lists it with ``parent`` = its
 base. A request for an unknown or unloaded adapter is the table's 404 naming it.
 

@@ -21,7 +21,7 @@ from omnirelay import __version__
 from omnirelay import image_params as img
 from omnirelay import speech_params as sp
 from omnirelay import video_params as vid
-from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
+from omnirelay.request_params import MAX_TOP_LOGPROBS
 from omnirelay.gateway.sampling_options import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from omnirelay.gateway.schema import MAX_CHOICES
 from omnirelay.gateway.request_body import INT64_MAX, INT64_MIN

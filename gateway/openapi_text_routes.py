@@ -8,7 +8,7 @@ input items beyond messages with text): the rest is in the routes' docstrings.
 
 from __future__ import annotations
 
-from omnirelay.broker.protocol import MAX_TOP_LOGPROBS
+from omnirelay.request_params import MAX_TOP_LOGPROBS
 
 from .responses_request import LOGPROBS_INCLUDE, MAX_METADATA
 

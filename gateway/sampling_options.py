@@ -141,9 +141,9 @@ def bad_words_token_ids(tokenizer, words: tuple[str, ...]) -> list[list[int]]:
 
 
 def wire_options(options: SamplingOptions, *, vocab_size: int, tokenizer, max_tokens: int) -> dict[str, Any]:
-    """The ``sampling`` keys of ``options`` for a model (400 for ids outside its vocabulary, or
-    ``min_tokens`` above ``max_tokens``); neutral options are left out, and so is ``min_tokens``,
-    which each submission sends itself (:func:`submission_min_tokens`)."""
+    """The :class:`~omnirelay.request_params.TextParams` fields of ``options`` for a model (400 for
+    ids outside its vocabulary, or ``min_tokens`` above ``max_tokens``); neutral options are left
+    out, and so is ``min_tokens``, which each submission sets itself (:func:`submission_min_tokens`)."""
     out: dict[str, Any] = {}
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                           ("min_p", 0.0)):
@@ -151,17 +151,17 @@ def wire_options(options: SamplingOptions, *, vocab_size: int, tokenizer, max_to
             out[name] = getattr(options, name)
     if options.logit_bias:
         check_vocab([t for t, _ in options.logit_bias], vocab_size, "logit_bias")
-        out["logit_bias"] = [[t, b] for t, b in options.logit_bias if b != 0] or None
+        out["logit_bias"] = tuple((t, float(b)) for t, b in options.logit_bias if b != 0) or None
     if options.allowed_token_ids is not None:
         check_vocab(list(options.allowed_token_ids), vocab_size, "allowed_token_ids")
-        out["allowed_token_ids"] = list(options.allowed_token_ids)
+        out["allowed_token_ids"] = tuple(options.allowed_token_ids)
     if options.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens={options.min_tokens} is more than max_tokens={max_tokens}", param="min_tokens")
     if options.bad_words:
-        out["bad_words_token_ids"] = bad_words_token_ids(tokenizer, options.bad_words)
+        out["bad_words_token_ids"] = tuple(map(tuple, bad_words_token_ids(tokenizer, options.bad_words)))
     return {k: v for k, v in out.items() if v is not None}
 
 
-def submission_min_tokens(options: SamplingOptions, generated: int) -> dict[str, int]:
-    """The ``min_tokens`` key of a submission that starts after ``generated`` output tokens."""
-    return {"min_tokens": max(options.min_tokens - generated, 0)} if options.min_tokens else {}
+def submission_min_tokens(options: SamplingOptions, generated: int) -> int:
+    """The ``min_tokens`` of a submission that starts after ``generated`` output tokens."""
+    return max(options.min_tokens - generated, 0)

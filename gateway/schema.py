@@ -12,7 +12,7 @@ spoken answer, and every option of :data:`NOT_SERVED`), never a 200 that ignored
 Logprobs, as OpenAI spells them: chat takes ``logprobs: true`` and optionally ``top_logprobs``
 (0 … :data:`MAX_TOP_LOGPROBS`, only with ``logprobs: true``); completions take ``logprobs: k``
 (0 … :data:`MAX_TOP_LOGPROBS`). Both become :attr:`GenerationRequest.logprobs` (-1: off; k: the
-chosen token's and the top k), which travels as ``sampling["logprobs"]`` (broker/protocol.py).
+chosen token's and the top k), which travels as ``TextParams.logprobs`` (omnirelay/request_params.py).
 
 Choices: ``n`` (1 … :data:`MAX_CHOICES`) per prompt; ``/v1/completions`` takes ``prompt`` as vLLM
 does — a string, a list of token ids, or a list of several of either (one set of ``n`` choices per
@@ -25,7 +25,7 @@ import dataclasses
 import json
 from typing import Any
 
-from omnirelay.broker.protocol import MAX_TOP_LOGPROBS, StructuredOutput
+from omnirelay.request_params import MAX_TOP_LOGPROBS, StructuredOutput
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.scheduling import PRIORITY_MAX, PRIORITY_MIN
 

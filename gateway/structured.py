@@ -18,7 +18,7 @@ Every spec is checked before anything is submitted: a JSON schema against its me
 What xgrammar refuses is a 400 naming the param; the outcome is cached per spec text
 (:func:`check_spec`), so a schema sent with every request is checked once. The full compilation
 against a tokenizer happens on the sampling worker (workers/llm/structured_output.py), once per spec.
-The result travels as ``sampling["structured"]`` (broker/protocol.py :class:`StructuredOutput`).
+The result travels as ``TextParams.structured`` (omnirelay/request_params.py :class:`StructuredOutput`).
 
 Tools (chat): ``tools`` is a list of ``{"type": "function", "function": {"name", "description"?,
 "parameters"?}}``; they go to the chat template (``apply_chat_template(tools=…)``). ``tool_choice``:
@@ -40,7 +40,7 @@ import json
 import re
 from typing import Any
 
-from omnirelay.broker.protocol import MAX_STRUCTURED_SPEC_CHARS, StructuredOutput
+from omnirelay.request_params import MAX_STRUCTURED_SPEC_CHARS, StructuredOutput
 from omnirelay.errors import BadRequest, Unprocessable
 
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

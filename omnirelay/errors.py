@@ -112,3 +112,9 @@ _BY_TYPE = {cls.error_type: cls for cls in (
 def error_from_type(error_type: str, message: str, **kwargs) -> OmniError:
     """The error class for a wire ``error_type``; unknown names become a 500 ``OmniError``."""
     return _BY_TYPE.get(error_type, OmniError)(message, **kwargs)
+
+
+class InvalidParam(BadRequest, ValueError):
+    """A request-parameter struct (omnirelay/request_params.py) refused a value. Where the gateway
+    builds the struct it is a 400 naming ``param``; where the bus decodes one, being a
+    ``ValueError`` makes msgspec report it as a validation error of the message."""

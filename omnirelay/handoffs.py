@@ -34,14 +34,9 @@ producer's own memory, never in the store. ``release`` deletes every chunk the s
 when the consumer was lost mid-read, deletes every index up to ``max_chunks``), which is what a
 cancel, on either side, does.
 
-Wire form and compatibility (a rolling upgrade). A hand-off is a msgpack map of its fields plus
-``"handoff": <tag>``. Its field names are the string keys the maps carried before typed hand-offs
-(``kv_key``, ``kv_handle``, ``first_token`` …), deliberately: a worker older than this module reads
-a typed hand-off as the map it always read (it ignores the extra ``handoff`` key), and an old
-worker or gateway sends a map without the tag, which :func:`tag_legacy` recognises by its keys so
-the decoder (:func:`omnirelay.broker.protocol.decode`) accepts it as the typed hand-off; the map is
-validated exactly like a tagged one. Old and new workers can therefore serve one pipeline in any
-order. A field added later needs a default, like any protocol field.
+Wire form. A hand-off is a msgpack map of its fields plus ``"handoff": <tag>``, validated by the
+bus decoder (:func:`omnirelay.broker.protocol.decode`) like every field; a map without the tag is
+malformed. A field added later needs a default, like any protocol field.
 """
 
 from __future__ import annotations
@@ -191,24 +186,6 @@ class KVHandoff(_Handoff, tag="kv"):
 
 
 Handoff = Union[MediaInputs, EmbedsHandoff, KVHandoff, SpeechHandoff]
-
-# The key that tells an untagged (pre-typed) map's kind, in the order they are tried: a prefill
-# output with speech states is a KV hand-off first.
-_LEGACY_KINDS = (("kv_key", "kv"), ("mm_key", "embeds"), ("speech_prompt_key", "speech"), ("media", "media"))
-
-
-def tag_legacy(value: Any) -> Any:
-    """An untagged hand-off map from a sender older than typed hand-offs, with its tag added (None
-    for the empty map it sent for "nothing"); anything else unchanged, for the decoder to judge."""
-    if not isinstance(value, dict) or TAG_FIELD in value:
-        return value
-    if not value:
-        return None
-    for key, tag in _LEGACY_KINDS:
-        if key in value:
-            return {**value, TAG_FIELD: tag}
-    return value
-
 
 # ------------------------------------------------------------------------------------------------
 # Releasing a KV hand-off. A layer-wise KV (workers/kv/export.py) is a manifest under the key and

@@ -1,11 +1,11 @@
 """What an image request asks for: one typed object shared by the gateway and the generate worker.
 
 The gateway builds :class:`ImageParams` from ``POST /v1/images/generations`` and sends it in the
-``sampling`` map of :class:`~omnirelay.broker.protocol.Submit` (:meth:`ImageParams.to_wire`); the
-generate worker rebuilds it from :class:`~omnirelay.broker.protocol.Task` (:meth:`ImageParams.from_wire`).
-Both sides run the same checks, so a request the gateway let through is never rejected for its shape
-by the worker, and a malformed map on the bus is refused with ``bad_request`` instead of crashing.
-The prompt travels in this map because a diffusion pipeline tokenizes with its own text encoder's
+``params`` of :class:`~omnirelay.broker.protocol.Submit` (tag ``image``); the generate worker
+reads it from :class:`~omnirelay.broker.protocol.Task`, decoded and checked by the bus decoder.
+Its checks run where the gateway builds it and where the bus decodes it, so a request the gateway
+let through is never rejected for its shape by the worker, and a malformed one is refused on the bus.
+The prompt travels in these params because a diffusion pipeline tokenizes with its own text encoder's
 tokenizer, which the gateway does not load (``prompt_token_ids`` stays empty).
 
 Bounds are the gateway's; a model may narrow them (a size its VAE cannot produce is refused by the
@@ -15,11 +15,12 @@ default" (the pipeline's native resolution, diffusers' 50 steps).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
-from omnirelay.errors import BadRequest
+import msgspec
+
+from omnirelay.errors import InvalidParam
 
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGES = 10                 # OpenAI's bound on ``n``
@@ -36,8 +37,7 @@ MAX_EDIT_IMAGE_CHARS = 6 * 1024 * 1024
 EDITABLE_PIPELINES = frozenset({"StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline"})
 
 
-@dataclasses.dataclass(frozen=True)
-class ImageParams:
+class ImageParams(msgspec.Struct, tag="image", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """prompt: the text; negative_prompt: what to steer away from (classifier-free guidance);
     n: how many images (image ``k`` uses seed ``seed + k``, so each is reproducible on its own);
     width/height: pixels, multiples of 8 (0: the model's default); num_inference_steps: denoising
@@ -64,40 +64,40 @@ class ImageParams:
     def __post_init__(self) -> None:
         _check_type(self.prompt, str, "prompt")
         if not self.prompt.strip():
-            raise BadRequest("'prompt' must not be empty", param="prompt")
+            raise InvalidParam("'prompt' must not be empty", param="prompt")
         if len(self.prompt) > MAX_PROMPT_CHARS:
-            raise BadRequest(f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", param="prompt")
+            raise InvalidParam(f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", param="prompt")
         _check_type(self.negative_prompt, str, "negative_prompt")
         if len(self.negative_prompt) > MAX_PROMPT_CHARS:
-            raise BadRequest(f"'negative_prompt' is longer than {MAX_PROMPT_CHARS} characters",
+            raise InvalidParam(f"'negative_prompt' is longer than {MAX_PROMPT_CHARS} characters",
                              param="negative_prompt")
         _check_int(self.n, "n", 1, MAX_IMAGES)
         for name in ("width", "height"):
             value = getattr(self, name)
             _check_int(value, name, 0, MAX_SIDE, param="size")
             if value % SIZE_MULTIPLE:
-                raise BadRequest(f"'{name}' must be a multiple of {SIZE_MULTIPLE}, got {value}", param="size")
+                raise InvalidParam(f"'{name}' must be a multiple of {SIZE_MULTIPLE}, got {value}", param="size")
         if (self.width == 0) != (self.height == 0):
-            raise BadRequest("give both width and height, or neither", param="size")
+            raise InvalidParam("give both width and height, or neither", param="size")
         _check_int(self.num_inference_steps, "num_inference_steps", 0, MAX_STEPS)
         if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)) \
                 or not math.isfinite(self.guidance_scale) or not 0 <= self.guidance_scale <= MAX_GUIDANCE:
-            raise BadRequest(f"'guidance_scale' must be a number between 0 and {MAX_GUIDANCE}",
+            raise InvalidParam(f"'guidance_scale' must be a number between 0 and {MAX_GUIDANCE}",
                              param="guidance_scale")
-        object.__setattr__(self, "guidance_scale", float(self.guidance_scale))
+        msgspec.structs.force_setattr(self, "guidance_scale", float(self.guidance_scale))
         if self.seed is not None:
             _check_int(self.seed, "seed", 0, MAX_SEED - MAX_IMAGES)
         _check_type(self.image, str, "image")
         _check_type(self.mask, str, "mask")
         if len(self.image) + len(self.mask) > MAX_EDIT_IMAGE_CHARS:
-            raise BadRequest(f"the image and mask take more than {MAX_EDIT_IMAGE_CHARS} base64 characters",
+            raise InvalidParam(f"the image and mask take more than {MAX_EDIT_IMAGE_CHARS} base64 characters",
                              param="image")
         if self.mask and not self.image:
-            raise BadRequest("a mask needs an image", param="mask")
+            raise InvalidParam("a mask needs an image", param="mask")
         if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) \
                 or not math.isfinite(self.strength) or not 0 <= self.strength <= 1:
-            raise BadRequest("'strength' must be a number between 0 and 1", param="strength")
-        object.__setattr__(self, "strength", float(self.strength))
+            raise InvalidParam("'strength' must be a number between 0 and 1", param="strength")
+        msgspec.structs.force_setattr(self, "strength", float(self.strength))
 
     def image_seed(self, index: int) -> int:
         """The seed of image ``index`` (requires a seed: the gateway always sets one)."""
@@ -105,30 +105,15 @@ class ImageParams:
             raise ValueError("no seed")
         return self.seed + index
 
-    @classmethod
-    def from_wire(cls, raw: Any) -> "ImageParams":
-        """Rebuild from a ``sampling`` map; anything malformed raises :class:`BadRequest`."""
-        if not isinstance(raw, dict):
-            raise BadRequest("image parameters must be a map")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise BadRequest(f"unknown image parameters {sorted(map(str, unknown))[:5]}")
-        if "prompt" not in raw:
-            raise BadRequest("'prompt' is required", param="prompt")
-        return cls(**raw)
-
-    def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _check_type(value: Any, kind: type, name: str) -> None:
     if not isinstance(value, kind):
-        raise BadRequest(f"'{name}' must be a {kind.__name__}", param=name)
+        raise InvalidParam(f"'{name}' must be a {kind.__name__}", param=name)
 
 
 def _check_int(value: Any, name: str, lo: int, hi: int, param: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"'{name}' must be an integer", param=param or name)
+        raise InvalidParam(f"'{name}' must be an integer", param=param or name)
     if not lo <= value <= hi:
-        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=param or name)
+        raise InvalidParam(f"'{name}' must be between {lo} and {hi}, got {value}", param=param or name)

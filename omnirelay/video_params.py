@@ -3,7 +3,7 @@
 Life of a video request on the wire::
 
     gateway: POST /v1/videos ──▶ VideoParams (all defaults resolved: size, frames, fps, steps, seed)
-        ──Submit.sampling = VideoParams.to_wire()──▶ broker ──Task──▶ generate worker
+        ──Submit.params = VideoParams──▶ broker ──Task──▶ generate worker
     worker ──MediaResult(mime=PROGRESS_MIME, index=-1, data="<percent>")──▶ gateway   (after each step)
     worker ──MediaResult(mime=video/mp4, index=k, data=<base64 chunk k>)… finish on the last chunk──▶ gateway
     worker ──StageDone──▶ broker
@@ -18,20 +18,21 @@ Progress rides on the same message type with :data:`PROGRESS_MIME` and ``index =
 chunk index), because the bus has no progress message; it is advisory (dropped or reordered
 updates only make the percentage lag) and the receiver keeps the maximum.
 
-Both sides run the same checks (:meth:`VideoParams.from_wire` refuses malformed maps with
-:class:`BadRequest`), so a request the gateway let through is not rejected for its shape by the
+Its checks run where the gateway builds it (400 naming the param) and where the bus decodes it (a
+malformed message), so a request the gateway let through is not rejected for its shape by the
 worker; the model may still refuse a size its VAE cannot produce.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 from typing import Any
 
-from omnirelay.errors import BadRequest
+import msgspec
+
+from omnirelay.errors import InvalidParam
 
 MAX_PROMPT_CHARS = 4000
 MAX_SIDE = 1792              # pixels: OpenAI's largest video size is 1792x1024
@@ -52,8 +53,7 @@ MAX_CHUNK_CHARS = (8 * 1024 * 1024 - 64 * 1024) // 4 * 4
 MAX_VIDEO_BYTES = 512 * 1024 * 1024   # an encoded video larger than this fails with payload_too_large
 
 
-@dataclasses.dataclass(frozen=True)
-class VideoParams:
+class VideoParams(msgspec.Struct, tag="video", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """prompt / negative_prompt: the text and what to steer away from; width, height: pixels,
     multiples of 8; num_frames: frames to generate; fps: frames per second of the encoded file
     (``num_frames / fps`` is the clip's length); num_inference_steps: denoising steps;
@@ -74,50 +74,33 @@ class VideoParams:
         for name in ("prompt", "negative_prompt"):
             value = getattr(self, name)
             if not isinstance(value, str):
-                raise BadRequest(f"'{name}' must be a string", param=name)
+                raise InvalidParam(f"'{name}' must be a string", param=name)
             if len(value) > MAX_PROMPT_CHARS:
-                raise BadRequest(f"'{name}' is longer than {MAX_PROMPT_CHARS} characters", param=name)
+                raise InvalidParam(f"'{name}' is longer than {MAX_PROMPT_CHARS} characters", param=name)
         if not self.prompt.strip():
-            raise BadRequest("'prompt' must not be empty", param="prompt")
+            raise InvalidParam("'prompt' must not be empty", param="prompt")
         for name in ("width", "height"):
             value = getattr(self, name)
             check_int(value, name, SIZE_MULTIPLE, MAX_SIDE, param="size")
             if value % SIZE_MULTIPLE:
-                raise BadRequest(f"'{name}' must be a multiple of {SIZE_MULTIPLE}, got {value}", param="size")
+                raise InvalidParam(f"'{name}' must be a multiple of {SIZE_MULTIPLE}, got {value}", param="size")
         check_int(self.num_frames, "num_frames", 1, MAX_FRAMES)
         check_int(self.fps, "fps", 1, MAX_FPS)
         check_int(self.num_inference_steps, "num_inference_steps", 1, MAX_STEPS)
         check_int(self.seed, "seed", 0, MAX_SEED)
         if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)) \
                 or not math.isfinite(self.guidance_scale) or not 0 <= self.guidance_scale <= MAX_GUIDANCE:
-            raise BadRequest(f"'guidance_scale' must be a number between 0 and {MAX_GUIDANCE}",
+            raise InvalidParam(f"'guidance_scale' must be a number between 0 and {MAX_GUIDANCE}",
                              param="guidance_scale")
-        object.__setattr__(self, "guidance_scale", float(self.guidance_scale))
+        msgspec.structs.force_setattr(self, "guidance_scale", float(self.guidance_scale))
 
-    @classmethod
-    def from_wire(cls, raw: Any) -> "VideoParams":
-        """Rebuild from a ``sampling`` map; anything malformed raises :class:`BadRequest`."""
-        if not isinstance(raw, dict):
-            raise BadRequest("video parameters must be a map")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(raw) - fields
-        if unknown:
-            raise BadRequest(f"unknown video parameters {sorted(map(str, unknown))[:5]}")
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in raw]
-        if missing:
-            raise BadRequest(f"video parameters lack {missing}", param=missing[0])
-        return cls(**raw)
-
-    def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def check_int(value: Any, name: str, lo: int, hi: int, param: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"'{name}' must be an integer", param=param or name)
+        raise InvalidParam(f"'{name}' must be an integer", param=param or name)
     if not lo <= value <= hi:
-        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=param or name)
+        raise InvalidParam(f"'{name}' must be between {lo} and {hi}, got {value}", param=param or name)
 
 
 # Video pipelines whose class name does not say "video".

@@ -14,10 +14,10 @@ from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 
 NEW_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+GREEDY = TextParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SYSTEM = ("You are a careful assistant. Answer in short sentences, cite nothing, and never "
           "repeat the question back to the user. Keep every answer under fifty words.")
 QUESTIONS = ["Hi!", "What is the capital of France?", "Write one sentence about the sea and the sky.",

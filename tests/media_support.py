@@ -78,6 +78,17 @@ def run_engine(engine, *tasks, max_steps: int) -> list:
     return outputs
 
 
+def decode_params(params, kind: type | None = None):
+    """``params`` (a params struct, or a raw map of ``kind``) through the bus codec: what a worker
+    receives, decoded and checked; ``msgspec.ValidationError`` for what the bus refuses."""
+    import msgspec
+
+    if kind is None:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=type(params))
+    raw = {**params, "type": msgspec.inspect.type_info(kind).tag} if isinstance(params, dict) else params
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=kind)
+
+
 def run_image_engine(engine, *tasks, max_steps: int):
     """:func:`run_engine` on an image engine: (every image made, every failure)."""
     outputs = run_engine(engine, *tasks, max_steps=max_steps)

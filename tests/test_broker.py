@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.broker.daemon import config_from_args, make_parser
@@ -46,7 +47,7 @@ def register(core, identity: bytes, role: str, capacity: int = 4, credits: int =
 
 def submit(core, request_id: str, stages=("prefill", "decode"), deadline: float = FAR, now: float = 0.0,
            model: str = MODEL) -> list:
-    spec = p.Submit(request_id, model, list(stages), [1, 2, 3], {"temperature": 0.0}, deadline,
+    spec = p.Submit(request_id, model, list(stages), [1, 2, 3], TextParams(temperature=0.0), deadline,
                     "tcp://gw:7000", position_offset=0)
     return core.on_message(GW, spec, now)
 
@@ -210,7 +211,7 @@ def test_credit_releases_queued_work_as_a_complete_task(core):
     ((ident, task),) = core.on_message(b"w1", p.Credit("w1", 1), 1.0)
     assert ident == b"w1"
     assert task == p.Task(request_id="r1", stage="prefill", model=MODEL, prompt_token_ids=[1, 2, 3],
-                          sampling={"temperature": 0.0}, inputs=None, reply_to="tcp://gw:7000", deadline=FAR,
+                          params=TextParams(temperature=0.0), inputs=None, reply_to="tcp://gw:7000", deadline=FAR,
                           attempt=0, position_offset=0)
 
 
@@ -458,13 +459,13 @@ def test_daemon_survives_garbage_and_dispatches_a_task(tmp_path):
         rng = random.Random(5)
         garbage = [
             [rng.randbytes(64)],                                           # one frame
-            [b"\x01", b"STQ"],                                             # two frames
-            [b"\x01", b"STQ", msgpack.packb({"query_id": 1}), b"extra"],   # four frames
-            [b"\x02", b"STQ", msgpack.packb({"query_id": 1})],             # wrong version
-            [b"\x01", b"X" * 100_000, msgpack.packb({})],                  # huge unknown tag
-            [b"\x01", b"STQ", b"\xc1\x92\xa3"],                            # not msgpack
-            [b"\x01", b"STQ", msgpack.packb([1, 2])],                      # not a map
-            [b"\x01", b"SUB", msgpack.packb({"request_id": 7})],           # invalid fields
+            [p.VERSION_FRAME, b"STQ"],                                             # two frames
+            [p.VERSION_FRAME, b"STQ", msgpack.packb({"query_id": 1}), b"extra"],   # four frames
+            [b"\x01", b"STQ", msgpack.packb({"query_id": 1})],             # wrong version
+            [p.VERSION_FRAME, b"X" * 100_000, msgpack.packb({})],                  # huge unknown tag
+            [p.VERSION_FRAME, b"STQ", b"\xc1\x92\xa3"],                            # not msgpack
+            [p.VERSION_FRAME, b"STQ", msgpack.packb([1, 2])],                      # not a map
+            [p.VERSION_FRAME, b"SUB", msgpack.packb({"request_id": 7})],           # invalid fields
             [b"", b"", b""],                                               # empty frames
             p.encode(p.CancelTask("r1")),                                  # valid, but not for the broker
         ] + [[rng.randbytes(rng.randint(0, 30)) for _ in range(rng.randint(1, 5))] for _ in range(100)]
@@ -480,7 +481,7 @@ def test_daemon_survives_garbage_and_dispatches_a_task(tmp_path):
         status = _recv(worker)
         assert isinstance(status, p.StatusReply) and [w["worker_id"] for w in status.workers] == ["w1"]
 
-        gw.send_multipart(p.encode(p.Submit("r1", MODEL, ["prefill"], [1, 2], {}, FAR, "ipc://reply")))
+        gw.send_multipart(p.encode(p.Submit("r1", MODEL, ["prefill"], [1, 2], TextParams(), FAR, "ipc://reply")))
         task = _recv(worker)
         assert isinstance(task, p.Task) and (task.request_id, task.stage, task.prompt_token_ids) == ("r1", "prefill", [1, 2])
 
@@ -495,7 +496,7 @@ def test_daemon_survives_garbage_and_dispatches_a_task(tmp_path):
             burst.send_multipart(p.encode(msg))
         assert _recv(burst).query_id == 4
         for i in range(300):
-            gw.send_multipart(p.encode(p.Submit(f"b{i}", MODEL, ["encode"], [i], {}, FAR, "ipc://reply")))
+            gw.send_multipart(p.encode(p.Submit(f"b{i}", MODEL, ["encode"], [i], TextParams(), FAR, "ipc://reply")))
         assert [_recv(burst).request_id for _ in range(300)] == [f"b{i}" for i in range(300)]
         assert proc.poll() is None, "the broker exited"
 

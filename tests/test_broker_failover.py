@@ -26,6 +26,7 @@ import zmq
 
 from cluster import TOPICS, Cluster, assert_contract, classify, free_tcp_endpoint, is_structured_error
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.daemon import BrokerDaemon
 from omnirelay.lifecycle import Shutdown
@@ -271,7 +272,7 @@ def test_a_broker_that_took_over_holds_gateway_messages_until_its_workers_regist
     try:
         gateway, worker = dealer(b"gw-1"), dealer(b"w1")
         gateway.send_multipart(p.encode(p.GatewayHello("gw-1")))
-        gateway.send_multipart(p.encode(p.Submit("r1", model, ["prefill"], [1, 2], {}, far, "ipc://reply")))
+        gateway.send_multipart(p.encode(p.Submit("r1", model, ["prefill"], [1, 2], TextParams(), far, "ipc://reply")))
         gateway.send_multipart(p.encode(p.StatusQuery(1)))   # answered at once: the gateway sees no worker yet
         assert recv(gateway) == p.StatusReply(1, [], {})
         for msg in (p.Register("w1", "prefill", model, capacity=2), p.Credit("w1", 2), p.StatusQuery(2)):

@@ -41,6 +41,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omnirelay.broker import protocol as p
+from omnirelay.image_params import ImageParams
+from omnirelay.request_params import MAX_TOP_LOGPROBS, RequestParams, TextParams
+from omnirelay.speech_params import SpeechParams
+from omnirelay.video_params import VideoParams
 
 from zmq_dealers import Dealers
 
@@ -62,10 +66,17 @@ def msgpack_values(max_leaves: int = 8) -> st.SearchStrategy:
                         max_leaves=max_leaves)
 
 
+VALID_PARAMS = [TextParams(), TextParams(max_tokens=2**62, top_k=2**31, seed=-2**63, logprobs=20, lora="a"),
+                TextParams(speech=SpeechParams("v", stream=True)), SpeechParams("v", reply_start=3),
+                ImageParams("p", n=2), VideoParams("p", 64, 48, 8, seed=1)]
+
+
 def strategy_for(hint: Any) -> st.SearchStrategy:
     """A strategy of valid values for one field annotation of a message class."""
     if hint is Any:
         return msgpack_values()
+    if hint == RequestParams:   # range-checked on construction: valid ones of each kind
+        return st.sampled_from(VALID_PARAMS)
     if isinstance(hint, type) and issubclass(hint, msgspec.Struct):   # nested: TokenDeltas, a hand-off
         return messages_of(hint)
     origin = typing.get_origin(hint)
@@ -105,7 +116,7 @@ def messages_of(cls) -> st.SearchStrategy:
 def token_deltas(draw, fields: dict) -> p.TokenDelta:
     values = {name: draw(strategy) for name, strategy in fields.items()
               if name not in ("logprobs", "top_token_ids", "top_logprobs")}
-    n, k = len(values["token_ids"]), draw(st.integers(0, p.MAX_TOP_LOGPROBS))
+    n, k = len(values["token_ids"]), draw(st.integers(0, MAX_TOP_LOGPROBS))
     if draw(st.booleans()):
         values["logprobs"] = draw(st.lists(st.floats(allow_nan=False), min_size=n, max_size=n))
         if k:
@@ -249,12 +260,12 @@ class Fuzzer(threading.Thread):
                                  [VERSION, self._big[:size], b""]])
         elif kind == "not_for_broker":
             frames = p.encode(rng.choice([
-                p.Task("r", ROLE, MODEL, [1], {}, {}, "ipc://x", 1e12), p.TokenDelta("r", 0, [1, 2]),
+                p.Task("r", ROLE, MODEL, [1], TextParams(), {}, "ipc://x", 1e12), p.TokenDelta("r", 0, [1, 2]),
                 p.TokenDeltas([p.TokenDelta("r", 0, [1]), p.TokenDelta("s", 4, [2], "stop")]),
                 p.StatusReply(1, []), p.ErrorReply("x", "y"), p.Reregister(), p.CancelTask("r")]))
         elif kind == "mutated":
             frames = p.encode(p.Submit(f"fz-{rng.random()}", "no-such-model", [ROLE], [1, 2, 3],
-                                       {"temperature": 0.0}, 1e12, "ipc://x"))
+                                       TextParams(temperature=0.0), 1e12, "ipc://x"))
             body = bytearray(frames[2])
             for _ in range(rng.randint(1, 4)):
                 body[rng.randrange(len(body))] = rng.randrange(256)
@@ -274,7 +285,7 @@ class Fuzzer(threading.Thread):
                 f"fz-sub-{rng.randint(0, 20)}", model,
                 rng.choice([[], [ROLE], [ROLE, ROLE], ["no-such-role"], [""]]),
                 rng.choice([[], [0], list(range(5000))]),
-                rng.choice([{}, {"temperature": math.inf}, {"nested": [[[[{"a": None}]]]]}]),
+                rng.choice([TextParams(), TextParams(max_tokens=2**62, top_k=2**31), TextParams(seed=-2**63)]),
                 rng.choice([0.0, 1e12, -1.0, math.inf, math.nan, time.time() + 0.2]),
                 rng.choice(["", "ipc://nowhere", "x" * 1000]),
                 position_offset=rng.choice([0, -1, 2**63 - 1])))

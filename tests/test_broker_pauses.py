@@ -13,6 +13,7 @@ The end-to-end pauses (SIGSTOP/SIGCONT of real processes) are in ``test_pause_fa
 from __future__ import annotations
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 
@@ -30,7 +31,7 @@ def _worker(core: BrokerCore, identity: bytes, role: str, now: float = 0.0) -> N
 
 
 def _submit(core: BrokerCore, request_id: str, now: float, stages=("decode",)) -> list:
-    return core.on_message(GW, p.Submit(request_id, "m", list(stages), [1, 2], {}, FAR, "tcp://127.0.0.1:5555"), now)
+    return core.on_message(GW, p.Submit(request_id, "m", list(stages), [1, 2], TextParams(), FAR, "tcp://127.0.0.1:5555"), now)
 
 
 def _session(core: BrokerCore, now: float) -> int:

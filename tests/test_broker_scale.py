@@ -9,6 +9,7 @@ import random
 import sys
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.broker.prefix_index import _load
@@ -39,7 +40,7 @@ def test_indexed_pick_matches_a_scan_of_the_pool():
             pool = [w for w in core.pools[("m", "prefill")].values() if w.credits > 0]
             if pool and not core.queues.get(("m", "prefill")):
                 expected = min(_load(w) for w in pool)
-            out = core.on_message(b"gw", p.Submit(f"r{n}", "m", ["prefill"], [1], {}, deadline=now + 1e6,
+            out = core.on_message(b"gw", p.Submit(f"r{n}", "m", ["prefill"], [1], TextParams(), deadline=now + 1e6,
                                                   reply_to="tcp://x:1"), now)
             for identity, msg in out:
                 if isinstance(msg, p.Task):

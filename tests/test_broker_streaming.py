@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.handoffs import ChunkStream, SpeechHandoff
@@ -23,7 +24,7 @@ def core() -> BrokerCore:
                                    max_queue_per_role=4, max_attempts=3, retry_after_s=2.5))
     register(core, b"dec", "decode", credits=2)
     register(core, b"gen", "generate", credits=2)
-    spec = p.Submit("r1", MODEL, list(STAGES), [1, 2, 3], {"temperature": 0.0}, FAR, "tcp://gw:7000")
+    spec = p.Submit("r1", MODEL, list(STAGES), [1, 2, 3], TextParams(temperature=0.0), FAR, "tcp://gw:7000")
     assert tasks(core.on_message(GW, spec, 0.0)) == [(b"dec", "r1", "decode")]
     return core
 

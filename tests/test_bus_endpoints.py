@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.endpoints import endpoint_error
@@ -43,7 +44,7 @@ def _core() -> BrokerCore:
 @pytest.mark.parametrize("endpoint", BAD)
 def test_broker_refuses_a_submit_whose_reply_to_is_not_an_endpoint(endpoint):
     core = _core()
-    out = core.on_message(b"gw", p.Submit("r1", "m", ["prefill"], [1, 2], {}, FAR, endpoint), 0.0)
+    out = core.on_message(b"gw", p.Submit("r1", "m", ["prefill"], [1, 2], TextParams(), FAR, endpoint), 0.0)
     assert [type(msg) for _, msg in out] == [p.RequestFailed], out   # no Task reaches a worker
     failed = out[0][1]
     assert (failed.request_id, failed.error_type) == ("r1", "bad_request")
@@ -54,7 +55,7 @@ def test_broker_refuses_a_submit_whose_reply_to_is_not_an_endpoint(endpoint):
 @pytest.mark.parametrize("endpoint", GOOD)
 def test_broker_admits_a_well_formed_reply_to(endpoint):
     assert endpoint_error(endpoint) == ""
-    out = _core().on_message(b"gw", p.Submit("r1", "m", ["prefill"], [1, 2], {}, FAR, endpoint), 0.0)
+    out = _core().on_message(b"gw", p.Submit("r1", "m", ["prefill"], [1, 2], TextParams(), FAR, endpoint), 0.0)
     assert [(type(msg), msg.reply_to) for _, msg in out] == [(p.Task, endpoint)]
 
 
@@ -175,7 +176,7 @@ def test_a_worker_fails_a_task_with_a_bad_reply_to_and_still_shuts_down(tiny_mod
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         _recv(router, p.Credit, 120)
-        sampling = {"temperature": 0.0, "max_tokens": 1}
+        sampling = TextParams(temperature=0.0, max_tokens=1)
         bad = p.Task("bad", "prefill", "tiny-llm", [1, 2, 3], sampling, None, "tcp://127.0.0.1:notaport", FAR)
         router.send_multipart([b"pre-1", *p.encode(bad)])
         failed = _recv(router, p.StageFailed, 30)

@@ -21,7 +21,7 @@ from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.runtime.transfers import TransferPool, TransferState
 from omnirelay.workers.llm.prefill import PrefillEngine
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 
 from held_connector import HeldConnector
 from engine_support import (  # noqa: F401  (fixtures)
@@ -365,7 +365,7 @@ def test_a_held_speech_reply_put_does_not_stall_the_batch(model, tok, reference,
             prompt_key = f"speech/{rid}/0/prompt"
             held.hold(f"speech/{rid}/0/reply")
             t = task(rid, prompts[int(rid[1])], prefilled[rid])
-            t.params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            t.params = TextParams(max_tokens=3, temperature=0, ignore_eos=True)
             t.speech_inputs = SpeechHandoff(prompt_key, connector.put(prompt_key, {"hidden": torch.zeros(2, 4)}))
             speaking[rid] = t
         engine.add(speaking["r0"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.handoffs import KVHandoff
 from omnirelay.workers.llm.decode import DecodeEngine
 from omnirelay.workers.llm.prefill import PrefillEngine
@@ -20,7 +21,7 @@ from engine_support import connector, decode_engine, model  # noqa: F401  (fixtu
 
 GW = "tcp://127.0.0.1:5001"
 PROMPT = [1, 5, 9, 14, 3, 7, 2, 11]
-SAMPLING = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+SAMPLING = TextParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def _task(stage: str, attempt: int, inputs=None) -> p.Task:
@@ -80,5 +81,5 @@ def test_decode_holds_a_task_sent_twice_once(model, connector):  # noqa: F811
     assert role.engine.num_requests == 1
     out = _drain(role)
     positions = [pos for pos, _ in _tokens(out)]
-    assert positions == list(range(1, SAMPLING["max_tokens"])), positions   # each position once
+    assert positions == list(range(1, SAMPLING.max_tokens)), positions   # each position once
     assert [(type(m), m.request_id, m.attempt, m.finished) for m in _reports(out)] == [(p.StageDone, "r1", 1, True)]

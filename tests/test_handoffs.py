@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.connectors import create_connector
 from omnirelay.errors import TransferFailed
-from omnirelay.handoffs import (EmbedsHandoff, KVHandoff, MediaInputs, MediaItem, SpeechHandoff, piece_key,
-                                tag_legacy)
+from omnirelay.handoffs import EmbedsHandoff, KVHandoff, MediaInputs, MediaItem, SpeechHandoff, piece_key
 
 KV = KVHandoff("kv/r1/0", {"segment": "a"}, 11, rope_delta=-3, has_media=True,
                speech_prompt_key="speech/r1/0/prompt", speech_prompt_handle={"segment": "b"})
@@ -26,7 +26,7 @@ HANDOFFS = [KV, KVHandoff("kv/r2/0", {}, 5), EMBEDS, SPEECH, SpeechHandoff("spee
 
 
 def _task(inputs) -> p.Task:
-    return p.Task("r1", "decode", "m", [1, 2], {}, inputs, "tcp://gw:1", 1e9)
+    return p.Task("r1", "decode", "m", [1, 2], TextParams(), inputs, "tcp://gw:1", 1e9)
 
 
 def _frames(tag: bytes, body: dict) -> list[bytes]:
@@ -41,47 +41,16 @@ def test_a_handoff_crosses_the_bus_as_itself(handoff):
         assert type(getattr(decoded, "outputs", None) or decoded.inputs) is type(handoff)
 
 
-def test_an_old_worker_reads_the_map_it_always_read():
-    """What a worker older than typed hand-offs decodes (a plain map): the keys it reads, plus the tag."""
-    body = msgpack.unpackb(p.encode(_task(KV))[2], raw=False)
-    assert body["inputs"] == {"handoff": "kv", "kv_key": "kv/r1/0", "kv_handle": {"segment": "a"}, "first_token": 11,
-                              "rope_delta": -3, "has_media": True, "speech_prompt_key": "speech/r1/0/prompt",
-                              "speech_prompt_handle": {"segment": "b"}}
-    body = msgpack.unpackb(p.encode(_task(MEDIA))[2], raw=False)
-    assert body["inputs"]["media"] == [{"kind": "image", "data": b"\x89PNG"}, {"kind": "audio", "data": b"\x00\x00\x80?"}]
-    # Defaults stay off the wire, as old readers expect (they read them with .get and a default).
-    body = msgpack.unpackb(p.encode(_task(KVHandoff("kv/r2/0", {}, 5)))[2], raw=False)
-    assert body["inputs"] == {"handoff": "kv", "kv_key": "kv/r2/0", "kv_handle": {}, "first_token": 5}
+def test_a_version_1_peer_is_refused_at_its_first_message():
+    """Version 2 dropped the untyped sampling map and the untagged hand-offs: there was no release
+    with them, so an old peer is refused outright instead of half understood."""
+    frames = p.encode(_task(KV))
+    with pytest.raises(p.ProtocolError, match="unsupported protocol version"):
+        p.decode([bytes([1]), *frames[1:]])
 
 
-# The maps each producer sent before typed hand-offs, exactly as it built them.
-LEGACY = [
-    ({"kv_key": "kv/r1/0", "kv_handle": {"segment": "a"}, "first_token": 11, "rope_delta": -3, "has_media": True,
-      "speech_prompt_key": "speech/r1/0/prompt", "speech_prompt_handle": {"segment": "b"}}, KV),        # prefill
-    ({"mm_key": "mm/r1/0", "mm_handle": {"segment": "c"}, "image_grids": [[1, 4, 4]], "audio_lengths": [25]},
-     EMBEDS),                                                                                           # encode
-    ({"speech_prompt_key": "speech/r1/0/prompt", "speech_prompt_handle": {"segment": "b"},
-      "speech_reply_key": "speech/r1/0/reply", "speech_reply_handle": {"segment": "d"}}, SPEECH),       # decode
-    ({"media": [{"kind": "image", "data": b"\x89PNG"}, {"kind": "audio", "data": b"\x00\x00\x80?"}]}, MEDIA),  # gateway
-    ({}, None),                                                                                         # nothing
-]
-
-
-@pytest.mark.parametrize("legacy, typed", LEGACY, ids=["kv", "embeds", "speech", "media", "empty"])
-def test_an_old_senders_map_decodes_as_the_typed_handoff(legacy, typed):
-    done = p.decode(_frames(b"DONE", {"worker_id": "w", "request_id": "r1", "stage": "prefill", "outputs": legacy}))
-    assert done.outputs == typed and type(done.outputs) is type(typed)
-    task = msgpack.unpackb(p.encode(_task(None))[2], raw=False)
-    assert p.decode(_frames(b"TASK", {**task, "inputs": legacy})).inputs == typed
-    assert p.decode(_frames(b"CTSK", {"request_id": "r1", "inputs": legacy})).inputs == typed
-    if isinstance(typed, MediaInputs):   # the first stage's inputs come from an old gateway's Submit
-        submit = msgpack.unpackb(p.encode(p.Submit("r1", "m", ["encode"], [1], {}, 1e9, ""))[2], raw=False)
-        assert p.decode(_frames(b"SUB", {**submit, "inputs": legacy})).inputs == typed
-
-
-def test_an_unrecognised_or_malformed_map_is_a_protocol_error():
-    assert tag_legacy({"weights": 1}) == {"weights": 1}   # no legacy key: left for the decoder to reject
-    for bad in ({"weights": 1}, {"kv_key": "k", "first_token": 1}, {"mm_key": 7},
+def test_an_untagged_or_malformed_map_is_a_protocol_error():
+    for bad in ({"weights": 1}, {"kv_key": "k", "kv_handle": {}, "first_token": 1}, {"mm_key": 7},
                 {"media": [{"kind": "image", "data": "not bytes"}]}):
         with pytest.raises(p.ProtocolError, match="StageDone.outputs"):
             p.decode(_frames(b"DONE", {"worker_id": "w", "request_id": "r1", "stage": "prefill", "outputs": bad}))

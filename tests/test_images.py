@@ -11,6 +11,7 @@ import json
 import pathlib
 import time
 
+import msgspec
 import numpy as np
 import openai
 import pytest
@@ -22,12 +23,13 @@ from omnirelay.broker import protocol as p
 from omnirelay.deploy.builders.stable_diffusion import build_tiny_text_to_image
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.image_params import ImageParams
+from omnirelay.request_params import RequestParams, TextParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
 from omnirelay.workers.generate.image_role import GenerateImageRole
 
 from cluster import settled_workers
 from media_fixtures import client_fixture, cluster_fixture, pipeline_file, pipeline_fixture, tiny_model_fixture
-from media_support import generate_images, run_image_engine
+from media_support import decode_params, generate_images, run_image_engine
 
 MODEL = "tiny-sd"
 PIPELINE_YAML = pipeline_file("text_to_image")
@@ -153,26 +155,28 @@ def test_cancel_deadline_and_sizes_the_model_cannot_make(pipe):
 
 
 def test_image_params_validate_on_both_sides():
-    assert ImageParams.from_wire(ImageParams("x", n=2, seed=1).to_wire()) == ImageParams("x", n=2, seed=1)
+    assert decode_params(ImageParams("x", n=2, seed=1)) == ImageParams("x", n=2, seed=1)
+    with pytest.raises(BadRequest, match="'n'"):
+        ImageParams("x", n=11)
     for bad in ({"prompt": ""}, {"prompt": "x", "n": 0}, {"prompt": "x", "n": 11}, {"prompt": "x", "width": 65,
                 "height": 64}, {"prompt": "x", "width": 64}, {"prompt": "x", "num_inference_steps": 1000},
                 {"prompt": "x", "guidance_scale": float("nan")}, {"prompt": "x", "n": True}, {"prompt": 3},
                 {"prompt": "x", "surprise": 1}, {"n": 1}, ["prompt"]):
-        with pytest.raises(BadRequest):
-            ImageParams.from_wire(bad)
+        with pytest.raises(msgspec.ValidationError):
+            decode_params(bad, ImageParams)
 
 
 def test_role_adapter_reports_media_then_done_and_refuses_bad_tasks(pipe):
     role = GenerateImageRole("gen-1", GenerateImageEngine(pipe))
 
-    def task(request_id: str, sampling: dict) -> p.Task:
-        return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=[], sampling=sampling,
+    def task(request_id: str, params: RequestParams) -> p.Task:
+        return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=[], params=params,
                       inputs=None, reply_to="tcp://127.0.0.1:1", deadline=time.time() + 60, attempt=2)
 
-    [(dest, failure)] = role.accept(task("bad", {"prompt": "x", "width": 12, "height": 16}))
+    [(dest, failure)] = role.accept(task("bad", TextParams()))   # not what it serves
     assert dest == "" and isinstance(failure, p.StageFailed) and failure.error_type == "bad_request"
     assert failure.attempt == 2
-    assert role.accept(task("ok", ImageParams(PROMPT, n=2, num_inference_steps=2, seed=4).to_wire())) == []
+    assert role.accept(task("ok", ImageParams(PROMPT, n=2, num_inference_steps=2, seed=4))) == []
     out = []
     while role.engine.has_work:
         out += role.step()

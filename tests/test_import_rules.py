@@ -60,7 +60,6 @@ SUBPACKAGE_RULES: dict[str, tuple[str, ...]] = {"omnirelay.workers.runtime": _EN
 KNOWN_SUBPACKAGE_DEBTS: set[tuple[str, str]] = {
     ("workers/runtime/roles.py", "omnirelay.workers.llm.decode"),
     ("workers/runtime/roles.py", "omnirelay.workers.llm.prefill"),
-    ("workers/runtime/roles.py", "omnirelay.workers.llm.sampling"),
     ("workers/runtime/parallel.py", "omnirelay.workers.kv.cache"),
     ("workers/runtime/parallel.py", "omnirelay.workers.llm.expert_parallel"),
     ("workers/runtime/parallel.py", "omnirelay.workers.llm.forward_batch"),

@@ -20,7 +20,7 @@ from omnirelay.handoffs import piece_key, release_kv
 from omnirelay.workers.kv.export import ExportSequence, ExportState, LayerwiseExport, import_kv
 from omnirelay.workers.llm.model_runner import local_runner
 from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 
 from cluster import settled_workers
 from connector_servers import started_redis
@@ -70,7 +70,7 @@ def test_long_chunked_prompt_with_prefix_hit_exports_the_whole_sequence(model, c
     for mode in ("layerwise", "whole"):
         engine = prefill_engine(model, connector, mode, max_batched_tokens=256, block_size=16,
                                 kv_cache_bytes=32 << 20, prefix_caching=True)
-        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        params = TextParams(max_tokens=4, temperature=0, ignore_eos=True)
         for rid, ids in (("a", first), ("b", second)):
             engine.add(PrefillTask(rid, ids, params, time.time() + 60))
             results = []
@@ -92,7 +92,7 @@ def test_long_chunked_prompt_with_prefix_hit_exports_the_whole_sequence(model, c
 
 def test_first_token_that_ends_the_request_leaves_no_piece(model, tok, connector, tmp_path):
     engine = prefill_engine(model, connector, "layerwise")
-    engine.add(PrefillTask("one", chat_ids(tok, QUESTIONS[1]), SamplingParams(max_tokens=1, temperature=0),
+    engine.add(PrefillTask("one", chat_ids(tok, QUESTIONS[1]), TextParams(max_tokens=1, temperature=0),
                            time.time() + 60))
     results = []
     while engine.has_work:

@@ -15,7 +15,8 @@ import torch
 
 from omnirelay.broker import protocol as p
 from omnirelay.gateway.bus import RequestStream
-from omnirelay.workers.llm.sampling import SamplingParams, chosen_logprobs, sample
+from omnirelay.request_params import MAX_TOP_LOGPROBS, TextParams
+from omnirelay.workers.llm.sampling import chosen_logprobs, sample
 
 MODEL = "tiny-llm"
 PROMPT = "Tell me a short story about a cat and a dog."
@@ -195,8 +196,8 @@ def test_completion_logprobs_out_of_range_is_400(client):
 def test_sampler_computes_only_the_rows_that_asked():
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 3
-    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0),
-              SamplingParams(temperature=0.7, top_k=5, seed=1, logprobs=0), SamplingParams(temperature=0, logprobs=5)]
+    params = [TextParams(temperature=0, logprobs=3), TextParams(temperature=0),
+              TextParams(temperature=0.7, top_k=5, seed=1, logprobs=0), TextParams(temperature=0, logprobs=5)]
     tokens = sample(logits, params, [0, 0, 0, 0])
     out = chosen_logprobs(logits, params, tokens)
     raw = torch.log_softmax(logits, dim=-1)
@@ -205,10 +206,10 @@ def test_sampler_computes_only_the_rows_that_asked():
         assert math.isclose(out[row].logprob, raw[row, tokens[row]].item(), abs_tol=1e-6)
     assert [i for i, _ in out[0].top] == raw[0].topk(3).indices.tolist() and out[0].top[0][0] == tokens[0]
     assert out[2].top == [] and len(out[3].top) == 5
-    with pytest.raises(ValueError):
-        SamplingParams.from_wire({"logprobs": 21})
-    with pytest.raises(ValueError):
-        SamplingParams.from_wire({"logprobs": True})
+    with pytest.raises(ValueError, match="logprobs"):
+        TextParams(logprobs=MAX_TOP_LOGPROBS + 1)
+    with pytest.raises(ValueError, match="logprobs"):
+        TextParams(logprobs=True)
 
 
 def test_request_stream_keeps_logprobs_with_their_positions():

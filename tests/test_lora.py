@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,13 +19,13 @@ from transformers import AutoModelForCausalLM
 
 from omnirelay.block_hash import block_hashes
 from omnirelay.broker.prefix_index import prompt_route_keys, route_keys
+from omnirelay.request_params import TextParams
 from omnirelay.deploy.builders.lora import build_tiny_lora
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.llm.lora import LoraError, LoraSlots, load_adapter
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
-from omnirelay.workers.llm.sampling import SamplingParams
 
 from engine_support import QUESTIONS, SYSTEM, chat_ids, connector, drain_prefill, tok  # noqa: F401  (fixtures)
 
@@ -70,8 +71,8 @@ def peft_reference(tiny_model):
     return greedy
 
 
-def _params(name: str, n: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lora=name)
+def _params(name: str, n: int = NEW_TOKENS) -> TextParams:
+    return TextParams(max_tokens=n, temperature=0, ignore_eos=True, lora=name)
 
 
 def _engines(tiny_model, adapters, connector, *, max_loras: int, max_batched_tokens: int = 256):
@@ -212,9 +213,8 @@ def test_a_request_for_an_adapter_the_worker_lacks_fails_by_name(tiny_model, ada
     plain.add(PrefillTask("r1", chat_ids(tok, "Hi!"), _params("a2"), time.time() + 60))
     failures = [r for r in plain.step() if hasattr(r, "error_type")]
     assert len(failures) == 1 and "'a2'" in failures[0].message
-    assert SamplingParams(max_tokens=2).to_wire().keys() == SamplingParams.from_wire(
-        SamplingParams(max_tokens=2).to_wire()).to_wire().keys() and "lora" not in SamplingParams().to_wire()
-    assert SamplingParams.from_wire(_params("a2").to_wire()).lora == "a2"
+    assert b"lora" not in msgspec.msgpack.encode(TextParams(max_tokens=2))   # the base's params name none
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(_params("a2")), type=TextParams).lora == "a2"
 
 
 @pytest.mark.parametrize("daemon", ["omnirelay.workers.daemon", "omnirelay.gateway.daemon"])
@@ -229,8 +229,6 @@ def test_daemons_refuse_a_bad_adapter_at_start_by_name(daemon, tiny_model, tmp_p
 
 
 def test_the_kv_hand_off_names_its_adapter_and_decode_checks_it(tiny_model, adapters, tok, connector):
-    import msgspec
-
     from omnirelay.broker import protocol as p
     from omnirelay.handoffs import KVHandoff
     from omnirelay.workers.runtime.roles import DecodeRole
@@ -247,7 +245,7 @@ def test_the_kv_hand_off_names_its_adapter_and_decode_checks_it(tiny_model, adap
 
     def task(request_id: str, handoff: KVHandoff, name: str) -> p.Task:
         return p.Task(request_id=request_id, stage="decode", model="tiny-llm", prompt_token_ids=ids,
-                      sampling=_params(name, 4).to_wire(), inputs=handoff, reply_to="gw", deadline=time.time() + 60)
+                      params=_params(name, 4), inputs=handoff, reply_to="gw", deadline=time.time() + 60)
 
     # a1's KV continued under a2, or the base's under a1: refused by name, the KV released.
     for request_id, handoff, name in (("r0", under_a1, "a2"), ("r1", base, "a1")):

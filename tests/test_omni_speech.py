@@ -277,7 +277,8 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
     A voice the model lacks is a StageFailed(bad_request) that also frees the keys."""
     from omnirelay.broker import protocol as p
     from omnirelay.connectors import create_connector
-    from omnirelay.workers.speech.role import STREAM_KEY, WAV_STREAM_HEADER, GenerateSpeechRole
+    from omnirelay.request_params import TextParams
+    from omnirelay.workers.speech.role import WAV_STREAM_HEADER, GenerateSpeechRole
 
     connector = create_connector("shared_memory", {})
     engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
@@ -285,16 +286,16 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
         role = GenerateSpeechRole("w", engine, connector, chunk_bytes=1000)
         hidden = engine.thinker_embed.shape[1]
 
-        def task(request_id: str, voice: str, params: SpeechParams | None = None, **sampling) -> p.Task:
+        def task(request_id: str, voice: str, params: SpeechParams | None = None) -> p.Task:
             stored = {}
             for name, payload in (("prompt", {"hidden": torch.randn(len(prompt_ids), hidden)}),
                                   ("reply", {"hidden": torch.randn(2, hidden), "token_ids": [5, 6, 7]})):
                 key = f"speech/{request_id}/{name}"
                 stored[name] = key, connector.put(key, payload)
             inputs = SpeechHandoff(*stored["prompt"], *stored["reply"])
-            audio = (params or SpeechParams(voice, format="pcm", seed=3, max_codes=4)).to_wire()
+            speech = params or SpeechParams(voice, format="pcm", seed=3, max_codes=4)
             return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=prompt_ids,
-                          sampling={"audio": audio, **sampling}, inputs=inputs, reply_to="tcp://127.0.0.1:1",
+                          params=TextParams(speech=speech), inputs=inputs, reply_to="tcp://127.0.0.1:1",
                           deadline=time.time() + 60)
 
         bad = task("bad", "alloy")
@@ -316,10 +317,10 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
                 with pytest.raises(TransferFailed):
                     connector.get(getattr(t.inputs, f"speech_{name}_key"), timeout=0.2)
 
-        # Streamed (sampling["audio_stream"]): the pieces go out as MediaResults numbered on across
+        # Streamed (SpeechParams.stream): the pieces go out as MediaResults numbered on across
         # pieces, the WAV header (unknown length) first, finish on the very last, then StageDone.
-        streamed = task("streamed", "Ethan", SpeechParams("Ethan", format="wav", seed=3, max_codes=30),
-                        **{STREAM_KEY: True})
+        streamed = task("streamed", "Ethan", SpeechParams("Ethan", format="wav", seed=3, max_codes=30,
+                                                                stream=True))
         assert role.accept(streamed) == []
         out = []
         while engine.has_work:

@@ -215,7 +215,7 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
     from omnirelay.connectors import create_connector
     from omnirelay.gateway.media import MediaLimits, MediaProcessor
     from omnirelay.workers.encode.engine import OmniEncoders
-    from omnirelay.workers.llm.sampling import SamplingParams
+    from omnirelay.request_params import TextParams
 
     png, pcm = _png(5), _tone(660.0, 0.5)
     media_content = [{"type": "text", "text": "See"}, image_part(png), audio_part(wav_bytes(pcm)),
@@ -230,7 +230,7 @@ def test_engines_chunk_media_prompts_mix_them_with_text_and_swap_them_when_preem
                                            add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
     connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
     try:
-        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        greedy = TextParams(max_tokens=MAX_TOKENS, temperature=0.0)
         encoded, model, done = encode_then_prefill(tiny_omni, OmniEncoders(tiny_omni), connector, items, ids,
                                                    text_ids, greedy)
         assert encoded.image_grids and encoded.audio_lengths

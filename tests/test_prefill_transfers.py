@@ -20,7 +20,7 @@ from omnirelay.connectors import create_connector
 from omnirelay.deploy.builders.omni import build_tiny_omni
 from omnirelay.workers.kv.export import import_kv
 from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 
 from engine_support import GREEDY, QUESTIONS, chat_ids, connector, model, shm_keys, tok  # noqa: F401  (fixtures)
 from held_connector import HeldConnector
@@ -86,7 +86,7 @@ def test_a_held_media_get_does_not_stall_other_prefills(tiny_omni, tmp_path):
     text_ids, _ = prompt([{"type": "text", "text": "Tell me about rivers."}])
     mrope = MropeSpec.from_config(json.loads(open(os.path.join(tiny_omni, "config.json")).read()))
     model = LlamaModel(tiny_omni)
-    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    greedy = TextParams(max_tokens=4, temperature=0.0)
     connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
     encoder = EncodeEngine(OmniEncoders(tiny_omni), connector)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.broker.prefix_index import PrefixSet, prompt_route_keys, route_keys
@@ -44,7 +45,7 @@ def register(core, name: str, credits: int = 8, block_size: int = BS, role: str 
 
 def submit(core, request_id: str, prompt: list[int], block_size: int = BS) -> str | None:
     """Submit a prefill-only request with its prefix hint; the worker it was sent to (or None)."""
-    spec = p.Submit(request_id, MODEL, ["prefill"], prompt, {}, FAR, "tcp://gw:1",
+    spec = p.Submit(request_id, MODEL, ["prefill"], prompt, TextParams(), FAR, "tcp://gw:1",
                     prefix_hashes=prompt_route_keys(prompt, block_size), prefix_block_size=block_size)
     sent = [ident.decode() for ident, msg in core.on_message(GW, spec, 1.0) if isinstance(msg, p.Task)]
     assert len(sent) <= 1
@@ -188,7 +189,7 @@ def test_key_sets_are_bounded_per_worker():
     prefix = core.workers["w1"].prefix
     assert len(prefix) == 50 and 39_999 in prefix and 30_000 not in prefix
     register(core, "w2")   # a long hint is cut to MAX_PROMPT_BLOCKS, and the set stays bounded
-    spec = p.Submit("r1", MODEL, ["prefill"], [1], {}, FAR, "tcp://gw:1",
+    spec = p.Submit("r1", MODEL, ["prefill"], [1], TextParams(), FAR, "tcp://gw:1",
                     prefix_hashes=list(range(100_000)), prefix_block_size=BS)
     core.on_message(GW, spec, 1.0)
     assert all(len(w.prefix) <= 50 for w in core.workers.values())

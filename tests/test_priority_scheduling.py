@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.scheduling import PRIORITY_AGING_S
@@ -30,7 +31,7 @@ def make_core(policy: str) -> BrokerCore:
 
 
 def submit(core: BrokerCore, request_id: str, priority: int, now: float) -> list:
-    return core.on_message(GW, p.Submit(request_id, MODEL, ["prefill"], [1, 2], {}, FAR, "tcp://gw:7000",
+    return core.on_message(GW, p.Submit(request_id, MODEL, ["prefill"], [1, 2], TextParams(), FAR, "tcp://gw:7000",
                                         priority=priority), now)
 
 

@@ -18,6 +18,8 @@ import msgspec
 import pytest
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import RequestParams, StructuredOutput, TextParams
+from omnirelay.speech_params import SpeechParams
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MESSAGE_CLASSES = sorted(p._REGISTRY.values(), key=lambda cls: cls.__name__)
@@ -31,6 +33,9 @@ def _sample(hint: typing.Any) -> typing.Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is typing.Any:
         return {"nested": [1, "two", 3.5, None, True, b"\x00raw"]}
+    if hint == RequestParams:   # range-checked structs: a valid sample with every part set
+        return TextParams(max_tokens=7, temperature=0.5, seed=3, logprobs=2, logit_bias=((4, -1.5),),
+                          structured=StructuredOutput("regex", "a+"), lora="a1", speech=SpeechParams("Ethan", stream=True))
     if isinstance(hint, type) and issubclass(hint, msgspec.Struct):   # nested: TokenDeltas, a hand-off
         return sample_message(hint)
     if origin in (typing.Union, types.UnionType):
@@ -113,16 +118,16 @@ def test_int_is_accepted_where_float_is_declared():
 
 @pytest.mark.parametrize("frames", [
     [],
-    [b"\x01"],
-    [b"\x01", b"STQ"],
-    [b"\x01", b"STQ", msgpack.packb({"query_id": 1}), b""],
+    [p.VERSION_FRAME],
+    [p.VERSION_FRAME, b"STQ"],
+    [p.VERSION_FRAME, b"STQ", msgpack.packb({"query_id": 1}), b""],
 ], ids=["zero", "one", "two", "four"])
 def test_wrong_frame_count_is_rejected(frames):
     with pytest.raises(p.ProtocolError, match="frames"):
         p.decode(frames)
 
 
-@pytest.mark.parametrize("version", [b"", b"\x00", b"\x02", b"\x01\x00", b"1", b"\xff" * 1000])
+@pytest.mark.parametrize("version", [b"", b"\x00", b"\x01", b"\x03", b"\x02\x00", b"2", b"\xff" * 1000])
 def test_wrong_version_is_rejected(version):
     with pytest.raises(p.ProtocolError, match="version"):
         p.decode([version, b"STQ", msgpack.packb({"query_id": 1})])
@@ -131,7 +136,7 @@ def test_wrong_version_is_rejected(version):
 @pytest.mark.parametrize("tag", [b"", b"stq", b"NOPE", b"STQ\x00", b"T" * 100_000])
 def test_unknown_tag_is_rejected(tag):
     with pytest.raises(p.ProtocolError, match="unknown message type") as info:
-        p.decode([b"\x01", tag, msgpack.packb({"query_id": 1})])
+        p.decode([p.VERSION_FRAME, tag, msgpack.packb({"query_id": 1})])
     assert len(str(info.value)) < 200  # a huge tag is not echoed back in full
 
 
@@ -141,19 +146,19 @@ def test_unknown_tag_is_rejected(tag):
                               "truncated-str", "invalid-utf8", "int-key", "list-key", "too-deep"])
 def test_garbage_body_is_rejected(body):
     with pytest.raises(p.ProtocolError):
-        p.decode([b"\x01", b"STQ", body])
+        p.decode([p.VERSION_FRAME, b"STQ", body])
 
 
 @pytest.mark.parametrize("value", [[1, 2], "query", 1, None, b"raw", True])
 def test_non_map_body_is_rejected(value):
     with pytest.raises(p.ProtocolError, match="map"):
-        p.decode([b"\x01", b"STQ", msgpack.packb(value, use_bin_type=True)])
+        p.decode([p.VERSION_FRAME, b"STQ", msgpack.packb(value, use_bin_type=True)])
 
 
 def test_body_over_the_size_bound_is_rejected(monkeypatch):
     monkeypatch.setattr(p, "MAX_BODY_BYTES", 16)
     with pytest.raises(p.ProtocolError, match="too large"):
-        p.decode([b"\x01", b"STQ", msgpack.packb({"query_id": 1, "pad": "x" * 32})])
+        p.decode([p.VERSION_FRAME, b"STQ", msgpack.packb({"query_id": 1, "pad": "x" * 32})])
 
 
 def test_trailing_bytes_after_the_body_are_rejected():
@@ -182,7 +187,7 @@ def test_unknown_field_is_rejected(cls):
 def test_field_name_given_as_bytes_is_an_unknown_field():
     body = msgpack.packb({b"query_id": 1}, use_bin_type=True)
     with pytest.raises(p.ProtocolError):
-        p.decode([b"\x01", b"STQ", body])
+        p.decode([p.VERSION_FRAME, b"STQ", body])
 
 
 @pytest.mark.parametrize("cls, field, bad", [
@@ -200,12 +205,15 @@ def test_field_name_given_as_bytes_is_an_unknown_field():
     (p.Submit, "stages", ["prefill", 2]),              # int item where str
     (p.Submit, "deadline", "soon"),                    # str where float
     (p.Submit, "deadline", False),                     # bool where float
-    (p.Submit, "sampling", [["temperature", 0.5]]),    # list where dict
+    (p.Submit, "params", [["temperature", 0.5]]),      # list where a params struct
+    (p.Submit, "params", {"temperature": 0.5}),        # untagged: version 1's sampling map
+    (p.Submit, "params", {"type": "text", "top_p": 2}),   # out of range
+    (p.Task, "params", {"type": "sound", "voice": "v"}),  # no such kind
     (p.StageDone, "finished", 1),                      # int where bool
     (p.StageDone, "outputs", "kv://handle"),           # str where a hand-off
     (p.StageDone, "outputs", {"handoff": "kv", "kv_key": "k", "kv_handle": {}}),   # a field missing
     (p.StageDone, "outputs", {"handoff": "tea", "kv_key": "k"}),                   # no such hand-off
-    (p.Task, "inputs", {"kv_key": "k", "kv_handle": {}, "first_token": "1"}),      # legacy map, bad field
+    (p.Task, "inputs", {"kv_key": "k", "kv_handle": {}, "first_token": 1}),        # untagged (version 1)
     (p.Heartbeat, "stats", {"tokens": "many"}),        # str value where int | float
     (p.Heartbeat, "stats", {"ok": True}),              # bool value where int | float
     (p.Heartbeat, "stats", {b"tokens": 1}),            # bytes key where str
@@ -248,12 +256,12 @@ GOOD_DELTA = {"request_id": "r1", "start": 0, "token_ids": [1]}
 @pytest.mark.parametrize("bad, expected", [
     ({**GOOD_DELTA, "start": "0"}, r"TokenDeltas.deltas\[1\].start: Expected int, got str"),
     ({**GOOD_DELTA, "start": True}, r"TokenDeltas.deltas\[1\].start: Expected int, got bool"),
-    ({**GOOD_DELTA, "token_ids": [1, 2.5]}, r"TokenDeltas.deltas\[1\].token_ids: Expected int"),
+    ({**GOOD_DELTA, "token_ids": [1, 2.5]}, r"TokenDeltas.deltas\[1\].token_ids\[1\]: Expected int"),
     ({**GOOD_DELTA, "finish_reason": None}, r"TokenDeltas.deltas\[1\].finish_reason: Expected str"),
     ({"request_id": "r1", "token_ids": [1]}, r"TokenDeltas.deltas\[1\]: missing field 'start'"),
     ({**GOOD_DELTA, "surprise": 1}, r"TokenDeltas.deltas\[1\]: unknown fields \['surprise'\]"),
     ({**GOOD_DELTA, "a`b": 1}, r"TokenDeltas.deltas\[1\]: unknown fields \['a`b'\]"),
-    ("r1", r"TokenDeltas.deltas: Expected object, got str"),
+    ("r1", r"TokenDeltas.deltas\[1\]: Expected object, got str"),
 ], ids=["str-start", "bool-start", "float-token", "nil-finish", "missing-start", "unknown-field",
         "backtick-field", "not-a-map"])
 def test_malformed_nested_delta_rejects_the_whole_message(bad, expected):
@@ -300,7 +308,7 @@ def test_decode_of_arbitrary_frames_returns_a_message_or_raises_protocol_error()
         count = rng.choice([0, 1, 2, 3, 3, 3, 4])
         frames = [rng.randbytes(rng.randint(0, 40)) for _ in range(count)]
         if count >= 2 and rng.random() < 0.6:
-            frames[0] = b"\x01"
+            frames[0] = p.VERSION_FRAME
             frames[1] = rng.choice(tags)
         if count == 3 and rng.random() < 0.3:
             frames[2] = msgpack.packb(_random_value(rng), use_bin_type=True)

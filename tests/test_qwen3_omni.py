@@ -105,7 +105,7 @@ def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tin
     from omnirelay.connectors import create_connector
     from omnirelay.gateway.media import MediaLimits, MediaProcessor
     from omnirelay.workers.encode.qwen3 import Qwen3OmniEncoders
-    from omnirelay.workers.llm.sampling import SamplingParams
+    from omnirelay.request_params import TextParams
 
     png, pcm = _png(5), _tone(660.0, 0.5)
     media_content = [{"type": "text", "text": "See"}, image_part(png), audio_part(wav_bytes(pcm)),
@@ -120,7 +120,7 @@ def test_chunked_prefill_cuts_through_the_image_and_keeps_deepstack_in_place(tin
                                            tokenize=False), add_special_tokens=False)["input_ids"]
     connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
     try:
-        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        greedy = TextParams(max_tokens=MAX_TOKENS, temperature=0.0)
         _, model, done = encode_then_prefill(tiny, Qwen3OmniEncoders(tiny), connector, items, ids, text_ids, greedy)
         outputs, _ = decode_prefilled(model, connector, done, {"t": text_ids, "m": ids}, greedy, num_blocks=64)
         assert outputs["m"] == hf(media_content, png=png, pcm=pcm)

@@ -21,7 +21,7 @@ import requests
 import torch
 from transformers import AutoTokenizer
 
-from omnirelay.broker.protocol import StructuredOutput
+from omnirelay.request_params import StructuredOutput
 from omnirelay.deploy.builders.qwen3 import cached_qwen3
 from omnirelay.gateway.daemon import _served_models
 from omnirelay.gateway.reasoning import ReasoningFormat, ReasoningMode, closed_in_prompt, split_whole

@@ -17,7 +17,7 @@ from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm import reply_stream
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.llm.prefill import PrefillEngine
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 from omnirelay.workers.speech.reply_source import ReplySource
 
 from engine_support import (  # noqa: F401  (fixtures)
@@ -37,7 +37,7 @@ def make_decode(model, connector, chunk_tokens: int) -> DecodeEngine:
 def speaking_task(connector, rid: str, ids: list[int], result) -> DecodeTask:
     prompt_key = f"speech/{rid}/0/prompt"
     speech = SpeechHandoff(prompt_key, connector.put(prompt_key, {"hidden": torch.zeros(2, 4)}))
-    return DecodeTask(rid, ids, result.first_token, SamplingParams(max_tokens=REPLY_TOKENS, temperature=0,
+    return DecodeTask(rid, ids, result.first_token, TextParams(max_tokens=REPLY_TOKENS, temperature=0,
                                                                    ignore_eos=True),
                       time.time() + 60, "", result.outputs.kv_key, result.outputs.kv_handle, speech_inputs=speech)
 

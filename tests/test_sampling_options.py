@@ -92,14 +92,20 @@ import random  # noqa: E402
 
 import torch  # noqa: E402
 
+import msgspec  # noqa: E402
+
+from omnirelay.broker import protocol as p  # noqa: E402
+from omnirelay.errors import BadRequest  # noqa: E402
+from omnirelay.request_params import StructuredOutput, TextParams  # noqa: E402
+from omnirelay.speech_params import SpeechParams  # noqa: E402
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory  # noqa: E402
-from omnirelay.workers.llm.sampling import SamplingParams, sample  # noqa: E402
+from omnirelay.workers.llm.sampling import sample  # noqa: E402
 
 VOCAB = 50
 EOS = (2, 7)
 
 
-def _reference(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+def _reference(logits: torch.Tensor, params: TextParams, history: TokenHistory) -> torch.Tensor:
     """vLLM's semantics, one row, one token at a time."""
     raw = logits.float()
     row = raw.clone()
@@ -130,9 +136,9 @@ def _reference(logits: torch.Tensor, params: SamplingParams, history: TokenHisto
     return row
 
 
-def _random_params(rng: random.Random) -> SamplingParams:
+def _random_params(rng: random.Random) -> TextParams:
     pick = lambda p: rng.random() < p  # noqa: E731
-    return SamplingParams(
+    return TextParams(
         temperature=rng.choice([0.0, 0.7, 1.3]), ignore_eos=pick(0.3),
         stop_token_ids=tuple(rng.sample(range(VOCAB), 2)) if pick(0.5) else (),
         presence_penalty=rng.uniform(-2, 2) if pick(0.4) else 0.0,
@@ -168,7 +174,7 @@ def test_processors_match_the_reference(seed):
 
 def test_no_options_is_the_input_itself():
     logits = torch.randn(4, VOCAB)
-    params = [SamplingParams(temperature=t) for t in (0.0, 1.0, 0.5, 0.0)]
+    params = [TextParams(temperature=t) for t in (0.0, 1.0, 0.5, 0.0)]
     assert LogitsProcessors(EOS).apply(logits, params, [TokenHistory([1])] * 4) is logits
 
 
@@ -176,8 +182,8 @@ def test_greedy_rows_obey_the_options():
     logits = torch.ones(3, VOCAB)
     logits[:, 9] = 5.0
     greedy = dict(temperature=0.0)
-    params = [SamplingParams(logit_bias=((4, 100.0),), **greedy), SamplingParams(allowed_token_ids=(11, 12), **greedy),
-              SamplingParams(repetition_penalty=10.0, **greedy)]
+    params = [TextParams(logit_bias=((4, 100.0),), **greedy), TextParams(allowed_token_ids=(11, 12), **greedy),
+              TextParams(repetition_penalty=10.0, **greedy)]
     histories = [TokenHistory([1]), TokenHistory([1]), TokenHistory([1, 9])]
     scores = LogitsProcessors(EOS).apply(logits, params, histories)
     tokens = sample(scores, params, [0, 0, 0])
@@ -188,7 +194,7 @@ def test_a_resumed_history_counts_its_resumed_tokens_as_output():
     """Frequency/presence see output only: the same ids in the prompt part do not count; after a
     resume the replayed tail of the context does."""
     logits = torch.zeros(2, VOCAB)
-    params = [SamplingParams(frequency_penalty=1.0)] * 2
+    params = [TextParams(frequency_penalty=1.0)] * 2
     fresh = TokenHistory([5, 5, 6], resumed=0, generated=[6])
     resumed = TokenHistory([5, 5, 6], resumed=2, generated=[6])   # output: 5, 6, 6
     out = LogitsProcessors(EOS).apply(logits, params, [fresh, resumed])
@@ -201,7 +207,7 @@ def test_a_tiny_repetition_penalty_leaves_finite_scores_a_sampler_can_draw_from(
     the sampler's softmax into NaN, which killed the worker."""
     logits = torch.randn(2, VOCAB).abs() + 1
     logits[1, 3] = float("-inf")   # masked upstream (a grammar): stays masked
-    params = [SamplingParams(repetition_penalty=5e-324, temperature=t) for t in (1.0, 0.0)]
+    params = [TextParams(repetition_penalty=5e-324, temperature=t) for t in (1.0, 0.0)]
     histories = [TokenHistory([1, 2, 3, 4]), TokenHistory([1, 2, 3, 4])]
     scores = LogitsProcessors(EOS).apply(logits, params, histories)
     assert not torch.isposinf(scores).any() and not torch.isnan(scores).any() and scores[1, 3] == float("-inf")
@@ -211,12 +217,12 @@ def test_a_tiny_repetition_penalty_leaves_finite_scores_a_sampler_can_draw_from(
 
 def test_a_temperature_below_vllms_epsilon_is_greedy():
     logits = torch.randn(1, VOCAB) * 5
-    assert sample(logits, [SamplingParams(temperature=1e-300)], [0]) == [int(logits.argmax())]
+    assert sample(logits, [TextParams(temperature=1e-300)], [0]) == [int(logits.argmax())]
 
 
 def test_a_row_left_without_tokens_keeps_its_input():
     logits = torch.randn(1, VOCAB)
-    params = [SamplingParams(allowed_token_ids=(EOS[0],), min_tokens=3)]
+    params = [TextParams(allowed_token_ids=(EOS[0],), min_tokens=3)]
     assert torch.equal(LogitsProcessors(EOS).apply(logits, params, [TokenHistory([1])]), logits)
 
 
@@ -225,21 +231,29 @@ def test_a_row_left_without_tokens_keeps_its_input():
     ({"logit_bias": [[1, 200]]}, "logit_bias"), ({"logit_bias": [[-1, 2]]}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"), ({"bad_words_token_ids": [[]]}, "bad_words"),
     ({"allowed_token_ids": [True]}, "allowed_token_ids"), ({"min_p": "0.1"}, "min_p"),
-    ({"frequency_penallty": 1.0}, "unknown sampling keys"),
+    ({"frequency_penallty": 1.0}, "unknown fields"), ({"audio_stream": True}, "unknown fields"),
 ])
-def test_sampling_params_reject_what_they_cannot_serve(raw, error):
-    with pytest.raises((TypeError, ValueError), match=error):
-        SamplingParams.from_wire(raw)
+def test_the_bus_refuses_text_params_no_worker_could_serve(raw, error):
+    """A Submit whose params fail a range check or name a field nobody reads is a malformed message
+    at the broker (and a Task one at the worker): the checks run in the bus decoder."""
+    body = msgspec.msgpack.encode({"request_id": "r", "model": "m", "stages": ["prefill"], "prompt_token_ids": [1],
+                                   "params": {"type": "text", **raw}, "deadline": 1.0, "reply_to": ""})
+    with pytest.raises(p.ProtocolError, match=error):
+        p.decode([p.VERSION_FRAME, p.Submit.TAG, body])
 
 
-def test_sampling_params_round_trip_and_vocab_check():
-    params = SamplingParams(presence_penalty=0.5, logit_bias=((3, -1.0),), bad_words_token_ids=((1, 2),),
-                            allowed_token_ids=(3, 4), min_tokens=2, min_p=0.1)
-    assert SamplingParams.from_wire(params.to_wire()) == params
+def test_text_params_travel_whole_and_check_the_vocabulary():
+    params = TextParams(presence_penalty=0.5, logit_bias=((3, -1.0),), bad_words_token_ids=((1, 2),),
+                        allowed_token_ids=(3, 4), min_tokens=2, min_p=0.1, lora="a1",
+                        structured=StructuredOutput("regex", "a+"), speech=SpeechParams("Ethan", stream=True))
+    submit = p.Submit("r", "m", ["prefill"], [1], params, 1.0, "")
+    assert p.decode(p.encode(submit)).params == params
     params.check_vocab(5)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         params.check_vocab(4)
-    SamplingParams.from_wire({"audio": {}, "audio_stream": True, "structured": None, "temperature": 0})
+    with pytest.raises(BadRequest, match="top_p") as refused:   # built by the gateway: a 400 naming it
+        TextParams(top_p=0)
+    assert refused.value.param == "top_p"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 
@@ -36,7 +37,7 @@ def beat(core: BrokerCore, name: str, reports: int, received: int, running: int 
 
 
 def submit(core: BrokerCore, request_id: str, stages=("prefill", "decode")) -> list:
-    return core.on_message(GW, p.Submit(request_id, MODEL, list(stages), [1, 2, 3], {}, 1e9, "tcp://gw:7000"), 0.0)
+    return core.on_message(GW, p.Submit(request_id, MODEL, list(stages), [1, 2, 3], TextParams(), 1e9, "tcp://gw:7000"), 0.0)
 
 
 def settled(core: BrokerCore) -> dict[str, bool]:

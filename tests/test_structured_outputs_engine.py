@@ -13,10 +13,10 @@ import time
 import jsonschema
 import pytest
 
-from omnirelay.broker.protocol import StructuredOutput
+from omnirelay.request_params import StructuredOutput
 from omnirelay.workers.llm.decode import DecodeTask
 from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
 from engine_support import chat_ids, connector, decode_engine, model, tok  # noqa: F401  (fixtures)
@@ -27,7 +27,7 @@ SCHEMA = {"type": "object",
                          "rating": {"type": "integer", "minimum": 1, "maximum": 5}},
           "required": ["city", "sunny", "rating"], "additionalProperties": False}
 JSON_SPEC = StructuredOutput("json_schema", json.dumps(SCHEMA))
-GREEDY = SamplingParams(max_tokens=64, temperature=0)
+GREEDY = TextParams(max_tokens=64, temperature=0)
 
 
 def grammar_sampler(tiny_model, model) -> GrammarSampler:
@@ -43,7 +43,7 @@ def engines(tiny_model, model, connector):
 
 
 def generate(prefill, decode, prompts: dict[str, list[int]], spec: dict[str, StructuredOutput | None],
-             params: SamplingParams = GREEDY, offsets: dict[str, int] | None = None) -> dict[str, tuple[list[int], str]]:
+             params: TextParams = GREEDY, offsets: dict[str, int] | None = None) -> dict[str, tuple[list[int], str]]:
     """Prefill then decode every prompt; → request id: (output tokens, finish reason)."""
     offsets = offsets or {}
     for rid, ids in prompts.items():
@@ -121,13 +121,13 @@ def test_resumed_stream_replays_its_tokens_into_the_grammar(tiny_model, model, t
     """A stream cut after k tokens and resumed with prompt + those tokens (position_offset k), as
     the gateway does when a decode worker dies, continues under the same grammar state: the result
     equals the uninterrupted run and still validates. Sampled (seeded), so the grammar matters."""
-    params = SamplingParams(max_tokens=64, temperature=0.8, seed=7)
+    params = TextParams(max_tokens=64, temperature=0.8, seed=7)
     prompt = chat_ids(tok, "Weather report as JSON, please.")
     prefill, decode = engines(tiny_model, model, connector)
     whole, reason = generate(prefill, decode, {"r": prompt}, {"r": JSON_SPEC}, params)["r"]
     assert reason == "stop" and len(whole) > 8
     k = 6
-    rest_params = SamplingParams(max_tokens=64 - k, temperature=0.8, seed=7)
+    rest_params = TextParams(max_tokens=64 - k, temperature=0.8, seed=7)
     prefill2, decode2 = engines(tiny_model, model, connector)
     rest, reason2 = generate(prefill2, decode2, {"r": prompt + whole[:k]}, {"r": JSON_SPEC}, rest_params,
                              offsets={"r": k})["r"]

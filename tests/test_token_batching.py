@@ -14,6 +14,7 @@ import time
 import zmq
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.gateway.bus import BusClient, RequestStream
 from omnirelay.handoffs import KVHandoff, SpeechHandoff
 from omnirelay.workers.llm.decode import StepOutput, TokenOut
@@ -74,7 +75,7 @@ def _prefill_role(step: list[PrefillResult], gateways: dict[str, str]) -> Prefil
     """A prefill role holding tasks ``request_id → reply_to`` (attempt 1), whose next step yields ``step``."""
     role = PrefillRole("pre-1", ScriptedEngine(step))
     for rid, reply_to in gateways.items():
-        assert role.accept(p.Task(rid, "prefill", "m", [1, 2, 3], {}, None, reply_to, time.time() + 60, attempt=1)) == []
+        assert role.accept(p.Task(rid, "prefill", "m", [1, 2, 3], TextParams(), None, reply_to, time.time() + 60, attempt=1)) == []
     return role
 
 
@@ -127,7 +128,7 @@ def test_an_early_first_token_goes_to_the_gateway_and_the_report_follows_alone()
     kv = KVHandoff("kv/a1/1", {}, first_token=11)
     role = PrefillRole("pre-1", ScriptedEngine([FirstToken("a1", 11, 0)],
                                                [PrefillResult("a1", 11, 0, "", kv, token_sent=True)]))
-    assert role.accept(p.Task("a1", "prefill", "m", [1, 2, 3], {}, None, GW_A, time.time() + 60, attempt=1)) == []
+    assert role.accept(p.Task("a1", "prefill", "m", [1, 2, 3], TextParams(), None, GW_A, time.time() + 60, attempt=1)) == []
     assert role.step() == [(GW_A, p.TokenDelta("a1", 0, [11], "", "pre-1"))]
     ((dest, done),) = role.step()
     assert dest == BROKER and (type(done), done.request_id, done.outputs, done.attempt) == (p.StageDone, "a1", kv, 1)
@@ -146,7 +147,7 @@ async def _bus_receives_batched_deltas():
         deadline = time.time() + 10
         streams = {}
         for rid in ("x", "y"):
-            submit = p.Submit(rid, "m", ["decode"], [1], {}, deadline, bus.reply_to)
+            submit = p.Submit(rid, "m", ["decode"], [1], TextParams(), deadline, bus.reply_to)
             streams[rid] = await bus.submit(submit)
         push.connect(bus.reply_to)
         # Out of order, a duplicate, a request this gateway does not know: each delta is handled

@@ -18,13 +18,14 @@ import zmq.asyncio
 
 from cluster import free_tcp_endpoint
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.gateway.bus import BusClient
 
 
 async def _sentinel(bus: BusClient, push: zmq.asyncio.Socket, name: str) -> None:
     """Send a real token delta for a request opened on ``bus`` and wait until it is delivered: what the
     same PUSH connection sent before it has then been read (or refused) by the bus, in order."""
-    submit = p.Submit(request_id=name, model="m", stages=["decode"], prompt_token_ids=[1], sampling={},
+    submit = p.Submit(request_id=name, model="m", stages=["decode"], prompt_token_ids=[1], params=TextParams(),
                       deadline=time.time() + 60, reply_to=bus.reply_to)
     stream = await bus.submit(submit)   # queued toward a broker that is not there: only the stream matters
     await push.send_multipart(p.encode(p.TokenDelta(request_id=name, start=0, token_ids=[7], finish_reason="stop")))

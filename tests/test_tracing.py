@@ -26,6 +26,7 @@ from PIL import Image
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 
 from cluster import Cluster
 
@@ -122,7 +123,7 @@ def receiver():
 
 
 def test_submit_and_task_leave_traceparent_off_the_wire_when_untraced():
-    submit = p.Submit(request_id="r", model="m", stages=["prefill"], prompt_token_ids=[1], sampling={},
+    submit = p.Submit(request_id="r", model="m", stages=["prefill"], prompt_token_ids=[1], params=TextParams(),
                       deadline=1.0, reply_to="tcp://127.0.0.1:1")
     assert b"traceparent" not in p.encode(submit)[2]
     traced = msgspec.structs.replace(submit, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")

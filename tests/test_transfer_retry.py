@@ -15,6 +15,7 @@ import requests
 
 from kv_fault_support import kv_fault_cluster, kv_fault_pipeline
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.handoffs import KVHandoff
@@ -36,7 +37,7 @@ def _start(core: BrokerCore, deadline: float = FAR, request_id: str = "r1") -> N
         for identity, role in ((b"pre", "prefill"), (b"dec", "decode")):
             core.on_message(identity, p.Register(identity.decode(), role, MODEL, 8), 0.0)
             core.on_message(identity, p.Credit(identity.decode(), 8), 0.0)
-    out = core.on_message(GW, p.Submit(request_id, MODEL, ["prefill", "decode"], [1, 2, 3], {}, deadline,
+    out = core.on_message(GW, p.Submit(request_id, MODEL, ["prefill", "decode"], [1, 2, 3], TextParams(), deadline,
                                        "tcp://gw:1"), 0.0)
     assert _tasks(out) == [("pre", request_id, 0)]
 
@@ -89,9 +90,9 @@ def test_a_restart_goes_ahead_of_requests_queued_while_it_waited(core):
     _start(core)
     # b"pre" spends its credit on r1's first attempt plus seven others.
     for i in range(7):
-        core.on_message(GW, p.Submit(f"other{i}", MODEL, ["prefill", "decode"], [1], {}, FAR, "tcp://gw:1"), 0.0)
+        core.on_message(GW, p.Submit(f"other{i}", MODEL, ["prefill", "decode"], [1], TextParams(), FAR, "tcp://gw:1"), 0.0)
     _fail_transfer(core, 0.0, 0)
-    core.on_message(GW, p.Submit("late", MODEL, ["prefill", "decode"], [1], {}, FAR, "tcp://gw:1"), 0.1)
+    core.on_message(GW, p.Submit("late", MODEL, ["prefill", "decode"], [1], TextParams(), FAR, "tcp://gw:1"), 0.1)
     assert core.tick(0.3) == []   # due, but no credit: queued in front of "late"
     out = core.on_message(b"pre", p.Credit("pre", 2), 0.4)
     assert [request_id for _, request_id, _ in _tasks(out)] == ["r1", "late"]

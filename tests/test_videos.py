@@ -14,6 +14,7 @@ import socket
 import time
 import urllib.parse
 
+import msgspec
 import numpy as np
 import openai
 import pytest
@@ -24,12 +25,14 @@ from PIL import Image
 from omnirelay.broker import protocol as p
 from omnirelay.deploy.builders.video import build_tiny_text_to_video
 from omnirelay.errors import BadRequest, NotFound, Overloaded, Unprocessable
+from omnirelay.image_params import ImageParams
+from omnirelay.request_params import RequestParams
 from omnirelay.video_params import MAX_CHUNK_CHARS, PROGRESS_MIME, VideoParams
 from omnirelay.workers.generate.video import GenerateVideoEngine, VideoTask, encode_video, video_encoder
 from omnirelay.workers.generate.video_role import GenerateVideoRole
 
 from media_fixtures import client_fixture, cluster_fixture, pipeline_file, pipeline_fixture, tiny_model_fixture
-from media_support import create_video, run_engine, wait_for_video
+from media_support import create_video, decode_params, run_engine, wait_for_video
 
 MODEL = "tiny-video"
 PIPELINE_YAML = pipeline_file("text_to_video")
@@ -186,22 +189,25 @@ def test_cancel_stops_denoising_and_the_next_job_runs(pipe):
 
 
 def test_video_params_validate_on_both_sides():
+    """Where the gateway builds them (a 400) and where the bus decodes them (a malformed message)."""
     params = _params(guidance_scale=2)
-    assert VideoParams.from_wire(params.to_wire()) == params and params.guidance_scale == 2.0
-    good = params.to_wire()
+    assert decode_params(params) == params and decode_params(params).guidance_scale == 2.0
+    good = msgspec.to_builtins(params)
+    with pytest.raises(BadRequest, match="guidance_scale"):
+        _params(guidance_scale=float("inf"))
     for bad in ({**good, "prompt": ""}, {**good, "width": 65}, {**good, "height": 0}, {**good, "num_frames": 0},
                 {**good, "num_frames": 241}, {**good, "fps": 0}, {**good, "num_inference_steps": 151},
                 {**good, "guidance_scale": float("inf")}, {**good, "seed": -1}, {**good, "seed": True},
                 {**good, "surprise": 1}, {k: v for k, v in good.items() if k != "seed"}, ["prompt"]):
-        with pytest.raises(BadRequest):
-            VideoParams.from_wire(bad)
+        with pytest.raises(msgspec.ValidationError):
+            decode_params(bad, VideoParams)
 
 
 # ------------------------------------------------------------------------------------ role and bus
 
 
-def _task(request_id: str, sampling: dict, attempt: int = 0) -> p.Task:
-    return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=[], sampling=sampling,
+def _task(request_id: str, params: RequestParams, attempt: int = 0) -> p.Task:
+    return p.Task(request_id=request_id, stage="generate", model=MODEL, prompt_token_ids=[], params=params,
                   inputs=None, reply_to="tcp://127.0.0.1:1", deadline=time.time() + 60, attempt=attempt)
 
 
@@ -209,10 +215,10 @@ def test_role_sends_progress_then_chunks_that_the_gateway_joins(pipe):
     from omnirelay.gateway.routes.videos import VideoJob, VideoStream
 
     role = GenerateVideoRole("gen-1", GenerateVideoEngine(pipe), chunk_chars=4096)
-    [(dest, failure)] = role.accept(_task("bad", {**_params().to_wire(), "width": 12}))
-    assert dest == "" and failure.error_type == "bad_request"
+    [(dest, failure)] = role.accept(_task("bad", ImageParams("a picture")))   # not what it serves
+    assert dest == "" and failure.error_type == "bad_request" and "ImageParams" in failure.message
     params = _params(num_frames=16, num_inference_steps=2)
-    assert role.accept(_task("ok", params.to_wire(), attempt=2)) == []
+    assert role.accept(_task("ok", params, attempt=2)) == []
     out = []
     while role.engine.has_work:
         out += role.step()
@@ -245,7 +251,7 @@ def test_role_sends_progress_then_chunks_that_the_gateway_joins(pipe):
     big = p.MediaResult("x", 0, "video/mp4", "A" * MAX_CHUNK_CHARS, finish=True)
     assert p.decode(p.encode(big)) == big
     small = GenerateVideoRole("gen-2", role.engine, max_video_bytes=100)
-    small.accept(_task("huge", params.to_wire()))
+    small.accept(_task("huge", params))
     out = []
     while small.engine.has_work:
         out += small.step()

@@ -10,6 +10,7 @@ Before: the claimant took the live worker's slot and was sent its next task.
 from __future__ import annotations
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 
@@ -25,7 +26,7 @@ def _core() -> BrokerCore:
 
 
 def _submit(core: BrokerCore, request_id: str, now: float) -> list:
-    return core.on_message(b"gw", p.Submit(request_id, "m", ["prefill"], [1, 2], {}, FAR, "tcp://127.0.0.1:5555"), now)
+    return core.on_message(b"gw", p.Submit(request_id, "m", ["prefill"], [1, 2], TextParams(), FAR, "tcp://127.0.0.1:5555"), now)
 
 
 def test_a_live_worker_id_from_another_identity_is_refused():

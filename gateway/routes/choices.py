@@ -6,7 +6,7 @@ Life of such a request through the gateway::
         one Generation per choice, index = prompt_index * n + j (vLLM's order), each with its own
         upstream request id (``<id>-<index>``) and its own random stream: with a ``seed``, choice j
         of a prompt samples with ``seed + j`` (as vLLM seeds the children of an n > 1 request);
-        without one, each choice draws its own seed (generation._sampling)
+        without one, each choice draws its own seed (generation.text_params)
     ──▶ per prompt, choice 0 is submitted first and choices 1 … n-1 once choice 0 has its first
         token: its prefill is then done, its full prompt blocks are named in the prefill worker's
         prefix cache, and the broker's prefix index (updated when choice 0 was dispatched) sends

@@ -20,12 +20,12 @@ prompt (image-to-image); with one only the masked area is repainted (inpainting,
 from __future__ import annotations
 
 import base64
-import dataclasses
 import io
 import random
 import uuid
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -129,7 +129,7 @@ def prepare_edit(model: ImageModel, fields: dict, files: dict[str, bytes]):
         mask_png = _png(repaint.resize((width, height), Image.NEAREST))
     image_png = _png(image.convert("RGB").resize((width, height), Image.LANCZOS))
     extra = {"strength": strength} if strength is not None else {}
-    return dataclasses.replace(params, width=width, height=height, image=image_png, mask=mask_png, **extra)
+    return msgspec.structs.replace(params, width=width, height=height, image=image_png, mask=mask_png, **extra)
 
 
 async def image_edits(request: web.Request) -> web.Response:
@@ -137,7 +137,7 @@ async def image_edits(request: web.Request) -> web.Response:
     model = ImageModel.find(request.app[MODELS], fields.get("model"))
     params = prepare_edit(model, fields, files)
     if params.seed is None:
-        params = dataclasses.replace(params, seed=random.randrange(MAX_SEED - params.n))
+        params = msgspec.structs.replace(params, seed=random.randrange(MAX_SEED - params.n))
     return await answer_images(request, model, params, f"imgedit-{uuid.uuid4().hex}")
 
 

@@ -5,7 +5,7 @@ Life of a request through the gateway::
     JSON body ──parse_image_request──▶ ImageRequest (400 malformed, 422 asks for what we do not do)
         ──resolve the model──▶ 404 unknown, 422 not an image model
         ──seed chosen here when absent (a retried stage then redraws the same images)
-        ──▶ Submit(stages of the model's pipeline, sampling = ImageParams, deadline, reply_to)
+        ──▶ Submit(stages of the model's pipeline, params = ImageParams, deadline, reply_to)
         ──▶ MediaStream: one MediaResult per image, kept by index (duplicates from a retried
             stage dropped), until all n are in — or RequestFailed, or the deadline (504)
         ──▶ {"created", "data": [{"b64_json": …}, …], "output_format": "png"}
@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from omnirelay.broker import protocol as p
@@ -74,7 +75,7 @@ class ImageModel(PipelineModel):
         if params.width:
             family.check_size(params.width, params.height)
         defaults = {"num_inference_steps": family.default_steps, "guidance_scale": family.default_guidance}
-        return dataclasses.replace(params, **{k: v for k, v in defaults.items() if k not in request.given})
+        return msgspec.structs.replace(params, **{k: v for k, v in defaults.items() if k not in request.given})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +173,7 @@ async def generate(bus: BusClient, model: ImageModel, params: ImageParams, deadl
     cancels upstream when the caller goes away or fails."""
     received: dict[int, str] = {}   # shared by the resubmissions: an image already in is not awaited again
     submit = p.Submit(request_id=request_id, model=model.name, stages=list(model.stages), prompt_token_ids=[],
-                      sampling=params.to_wire(), deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key)
+                      params=params, deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key)
     await submit_until_done(bus, submit, lambda upstream_id: MediaStream(upstream_id, deadline, params.n, received),
                             progress=lambda: f" ({len(received)} of {params.n} images in)")
     return [received[i] for i in range(params.n)]
@@ -183,7 +184,7 @@ async def image_generations(request: web.Request) -> web.Response:
     model = ImageModel.find(request.app[MODELS], parsed.model)
     params = model.resolve(parsed)
     if params.seed is None:
-        params = dataclasses.replace(params, seed=random.randrange(MAX_SEED - params.n))
+        params = msgspec.structs.replace(params, seed=random.randrange(MAX_SEED - params.n))
     return await answer_images(request, model, params, f"img-{uuid.uuid4().hex}")
 
 

@@ -5,14 +5,14 @@ answers; the streamed answers of ``/v1/audio/speech`` are rendered by ``speech_r
 Life of a chat request with audio out through the gateway::
 
     parse_chat (modalities, audio {voice, format}) ──generation.prepare──▶ prompt ids, stages
-        ──▶ Submit(stages … decode, generate; sampling + {"audio": SpeechParams}) ──▶ SpeechStream:
+        ──▶ Submit(stages … decode, generate; TextParams with .speech = SpeechParams) ──▶ SpeechStream:
         TokenDeltas (prefill, decode: reordered, de-duplicated) → transcript text, then MediaResults
         (generate: the encoded audio in chunks, kept by index, duplicates from a retried stage dropped)
         ──▶ non-stream: message.audio {id, data: base64 of the whole file, transcript, expires_at}
         ──▶ stream: SSE deltas {"audio": {"id", "transcript"}} as text arrives, then
             {"audio": {"id", "data"}} per chunk as it arrives; the chunks' bytes concatenated are the file
 
-A streamed chat asks the worker for incremental synthesis (``sampling[AUDIO_STREAM_KEY]``): its
+A streamed chat asks the worker for incremental synthesis (``SpeechParams.stream``): its
 first audio chunk leaves while the talker is still speaking, instead of after the whole utterance.
 Such audio is PCM as it comes (``pcm16``), or a WAV whose header says "unknown length" (0xFFFFFFFF;
 readers take the data to the end); FLAC is still synthesised whole. Streamed samples differ slightly
@@ -69,6 +69,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.errors import BadRequest, DeadlineExceeded, NotFound, OmniError, Unprocessable
 from omnirelay.handoffs import MediaInputs
 from omnirelay.model_kind import ModelKind, model_kind, read_json
+from omnirelay.request_params import RequestParams
 from omnirelay.speech_params import MAX_CODES, MAX_SEED, SpeechParams
 
 from .. import generation
@@ -88,8 +89,6 @@ MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
 AUDIO_TTL_S = 3600               # ``expires_at``: until then a later turn may name the answer by its id
 MIMES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 UNSUPPORTED_FORMATS = ("mp3", "opus", "aac")
-# The sampling key asking the speech worker to stream (workers/speech/role.py's STREAM_KEY).
-AUDIO_STREAM_KEY = "audio_stream"
 STREAM_FORMATS = ("sse", "audio")
 
 
@@ -275,7 +274,7 @@ class SpeechStream(RequestStream):
 
 
 async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_token_ids: list[int],
-                sampling: dict, inputs: MediaInputs | None, mime: str, deadline: float, request_id: str,
+                params: RequestParams, inputs: MediaInputs | None, mime: str, deadline: float, request_id: str,
                 text_expected: bool) -> AsyncIterator[StreamEvent | AudioChunk]:
     """Submit one speech request and yield its token events (when ``text_expected``) and audio chunks.
     Resubmits from scratch after a lost worker or broker (same seeds: same tokens and audio),
@@ -283,7 +282,7 @@ async def speak(bus: BusClient, *, model: str, stages: tuple[str, ...], prompt_t
     upstream when the caller goes away or fails (``resubmit.Submissions``)."""
     tokens_out = chunks_out = 0
     submit = p.Submit(request_id=request_id, model=model, stages=list(stages), prompt_token_ids=prompt_token_ids,
-                      sampling=sampling, deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
+                      params=params, deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
                       **({"inputs": inputs} if inputs else {}))
 
     def note() -> str:
@@ -336,7 +335,6 @@ class SpeechJob:
     prompt_token_ids: list[int]
     text_tokens: int
     stages: tuple[str, ...]
-    sampling: dict
     request_id: str = dataclasses.field(default_factory=lambda: f"speech-{uuid.uuid4().hex}")
 
 
@@ -353,23 +351,19 @@ def prepare_speech(models: dict, body: dict, *, streamed: bool) -> SpeechJob:
     speed = body.get("speed", 1.0)
     prompt = model.encode_chat([{"role": "user", "content": text}])
     reply = model.encode_client_text(text) + [_reply_end_token(model)]   # as the prompt reads it
-    params = _speech_params(model, body.get("voice"), fmt, body, speed=speed, reply_start=len(prompt))
+    params = _speech_params(model, body.get("voice"), fmt, body, speed=speed, reply_start=len(prompt), stream=streamed)
     ids = prompt + reply
     if len(ids) >= model.max_model_len:
         raise BadRequest(f"'input' takes {len(ids)} tokens with its prompt; this model's context is "
                          f"{model.max_model_len}", param="input")
-    # Prefill samples one token nobody reads; greedy keeps it out of any random stream.
-    sampling = {"max_tokens": 1, "temperature": 0.0, "audio": params.to_wire()}
-    if streamed:
-        sampling[AUDIO_STREAM_KEY] = True
     stages = tuple(s for s in model.stages if s in ("prefill", "generate"))
-    return SpeechJob(model, fmt, params, ids, len(reply), stages, sampling)
+    return SpeechJob(model, fmt, params, ids, len(reply), stages)
 
 
 def speech_items(bus: BusClient, job: SpeechJob, deadline: float) -> AsyncIterator[StreamEvent | AudioChunk]:
     """The audio chunks of ``job`` as they arrive (see :func:`speak`)."""
     return speak(bus, model=job.model.name, stages=job.stages, prompt_token_ids=job.prompt_token_ids,
-                 sampling=job.sampling, inputs=None, mime=MIMES[job.fmt], deadline=deadline,
+                 params=job.params, inputs=None, mime=MIMES[job.fmt], deadline=deadline,
                  request_id=job.request_id, text_expected=False)
 
 
@@ -406,7 +400,7 @@ async def audio_speech(request: web.Request) -> web.Response:
                 record.failed(error)
             return response
         # The whole file is collected before answering, so a failure still gets its status code;
-        # the worker synthesises it whole (no AUDIO_STREAM_KEY), as transformers' generate would.
+        # the worker synthesises it whole (SpeechParams.stream off), as transformers' generate would.
         async for item in items:
             parts.append(base64.b64decode(item.data))
     finally:
@@ -445,13 +439,12 @@ def start_spoken_chat(app: web.Application, parsed, body: dict, *, streamed: boo
     if gen.max_tokens < 2 or "decode" not in gen.stages:
         raise BadRequest("audio output needs a reply of at least 2 tokens: set max_tokens >= 2", param="max_tokens")
     fmt = CHAT_AUDIO_FORMATS[parsed.audio["format"]]
-    params = _speech_params(model, parsed.audio["voice"], fmt, body, speed=speed)
-    sampling = {**generation._sampling(gen, 0), "audio": params.to_wire()}
-    if streamed:
-        sampling[AUDIO_STREAM_KEY] = True
+    params = _speech_params(model, parsed.audio["voice"], fmt, body, speed=speed, stream=streamed)
+    text_params = msgspec.structs.replace(generation.text_params(gen, 0), speech=params)
     deadline = deadline if deadline is not None else time.time() + app[CONFIG].request_timeout_s
-    items = speak(app[BUS], model=model.name, stages=gen.stages, prompt_token_ids=gen.prompt_token_ids,
-                  sampling=sampling, inputs=gen.inputs, mime=MIMES[fmt], deadline=deadline,
+    # A LoRA adapter's request runs on its base model's workers (gateway/lora.py).
+    items = speak(app[BUS], model=model.base_name, stages=gen.stages, prompt_token_ids=gen.prompt_token_ids,
+                  params=text_params, inputs=gen.inputs, mime=MIMES[fmt], deadline=deadline,
                   request_id=gen.request_id, text_expected=True)
     return SpokenChat(gen, fmt, params, items)
 

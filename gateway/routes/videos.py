@@ -392,7 +392,7 @@ async def run_job(bus: BusClient, model: VideoModel, job: VideoJob, deadline: fl
     seed, so the same file); waits briefly for a generate role with no live worker; cancels
     upstream when cancelled or failed, or after ``stall_s`` without progress (VideoStream)."""
     submit = p.Submit(request_id=job.id, model=model.name, stages=list(model.stages), prompt_token_ids=[],
-                      sampling=job.params.to_wire(), deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key)
+                      params=job.params, deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key)
     data, stream = await submit_until_done(bus, submit, lambda upstream_id: VideoStream(upstream_id, deadline, job, stall_s=stall_s,
                                                                                  stage=model.stages[-1]),
                                            cancel_reason="video job cancelled or failed")

@@ -1,6 +1,6 @@
 """The generate role for images, between the bus and :class:`GenerateImageEngine`.
 
-``Task`` in (its ``sampling`` map is an :class:`~omnirelay.image_params.ImageParams`), and out:
+``Task`` in (its ``params`` are an :class:`~omnirelay.image_params.ImageParams`), and out:
 
 * one :class:`~omnirelay.broker.protocol.MediaResult` per image, straight to the gateway's
   ``reply_to`` as soon as it is decoded (base64 PNG; the last one has ``finish``);
@@ -24,6 +24,7 @@ import torch
 from omnirelay.broker import protocol as p
 from omnirelay.errors import PayloadTooLarge
 from omnirelay.image_params import ImageParams
+from omnirelay.request_params import expect_params
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, load_pipeline
@@ -45,7 +46,7 @@ class GenerateImageRole(RoleAdapter):
     def accept(self, task: p.Task) -> list[Outbound]:
         self._replace_held(task)
         return self._queue(task, "image request",
-                           lambda: ImageTask(task.request_id, ImageParams.from_wire(task.sampling), task.deadline))
+                           lambda: ImageTask(task.request_id, expect_params(task.params, ImageParams), task.deadline))
 
     def step(self) -> list[Outbound]:
         result = self.engine.step()

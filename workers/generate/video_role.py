@@ -1,6 +1,6 @@
 """The generate role for video, between the bus and :class:`GenerateVideoEngine`.
 
-``Task`` in (its ``sampling`` map is a :class:`~omnirelay.video_params.VideoParams`), and out,
+``Task`` in (its ``params`` are a :class:`~omnirelay.video_params.VideoParams`), and out,
 straight to the gateway's ``reply_to``:
 
 * a progress :class:`~omnirelay.broker.protocol.MediaResult` (``PROGRESS_MIME``, index -1, the
@@ -30,6 +30,7 @@ import torch
 from omnirelay.broker import protocol as p
 from omnirelay.errors import OmniError, PayloadTooLarge, WorkerLost
 from omnirelay.video_params import MAX_CHUNK_CHARS, MAX_VIDEO_BYTES, PROGRESS_INDEX, PROGRESS_MIME, VideoParams
+from omnirelay.request_params import expect_params
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.generate.image import load_pipeline
@@ -63,7 +64,7 @@ class GenerateVideoRole(RoleAdapter):
         if lost:
             return [self.failure(task.request_id, task.stage, WorkerLost.error_type, lost, attempt=task.attempt)]
         return self._queue(task, "video request",
-                           lambda: VideoTask(task.request_id, VideoParams.from_wire(task.sampling), task.deadline))
+                           lambda: VideoTask(task.request_id, expect_params(task.params, VideoParams), task.deadline))
 
     def cancel(self, request_id: str) -> None:
         if super().cancel(request_id):

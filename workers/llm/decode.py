@@ -56,7 +56,7 @@ import time
 
 import torch
 
-from omnirelay.broker.protocol import StructuredOutput
+from omnirelay.request_params import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, DeadlineExceeded, OutOfMemory
 from omnirelay.handoffs import SpeechHandoff, release_kv
@@ -73,7 +73,8 @@ from omnirelay.workers.runtime.transfers import Transfer, TransferState
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
 from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
-from omnirelay.workers.llm.sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
+from omnirelay.request_params import TextParams
+from omnirelay.workers.llm.sampling import TokenLogprobs, chosen_logprobs, sample
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
 
@@ -88,7 +89,7 @@ class DecodeTask:
     request_id: str
     prompt_token_ids: list[int]
     first_token: int
-    params: SamplingParams
+    params: TextParams
     deadline: float
     reply_to: str
     kv_key: str
@@ -146,7 +147,7 @@ class TokenOut:
     token: int
     finish_reason: str
     outputs: SpeechHandoff | None = None   # speech: for the generate stage, which runs after this one
-    logprobs: TokenLogprobs | None = None   # the request asked for logprobs (SamplingParams.logprobs)
+    logprobs: TokenLogprobs | None = None   # the request asked for logprobs (TextParams.logprobs)
     cached_tokens: int = 0   # prefill's first token: prompt tokens from its prefix cache (TokenDelta's)
 
 
@@ -449,6 +450,12 @@ class DecodeEngine:
         self.allocator.release(seq.blocks)
         seq.blocks = []
         self._release_grammar(seq)
+
+    def held_loras(self) -> list[str] | None:
+        """The adapters this worker holds (slots, and its requests'), for the broker; None: LoRA off."""
+        if self.lora is None:
+            return None
+        return self.lora.held({s.task.params.lora for s in [*self.waiting, *self.running]})
 
     def _lora_error(self, seq: Sequence) -> str:
         name = seq.task.params.lora

@@ -2,7 +2,7 @@
 steps, each one batched tensor operation over the rows that ask for it.
 
 Contract. :meth:`LogitsProcessors.apply` takes one engine step's logits ``[B, vocab]``, the rows'
-:class:`~omnirelay.workers.llm.sampling.SamplingParams` and their :class:`TokenHistory`, and returns the
+:class:`~omnirelay.workers.llm.sampling.TextParams` and their :class:`TokenHistory`, and returns the
 scores :func:`~omnirelay.workers.llm.sampling.sample` draws from (greedy rows take their argmax, so
 these options bind greedy requests too). The input is never written: the engines compute logprobs
 from the raw logits (sampling.py's documented "raw logprobs"). When no row asks for anything the
@@ -45,7 +45,7 @@ import dataclasses
 
 import torch
 
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 
 _NEG_INF = float("-inf")
 MAX_LOGIT = 1e4   # the largest score a penalty may leave (see _penalties)
@@ -85,7 +85,7 @@ class LogitsProcessors:
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def apply(self, logits: torch.Tensor, params: list[SamplingParams],
+    def apply(self, logits: torch.Tensor, params: list[TextParams],
               histories: list[TokenHistory]) -> torch.Tensor:
         """The scores to sample row ``i`` from, given ``params[i]`` and ``histories[i]`` (see the
         module docstring); ``logits`` itself when no row asks for any option."""
@@ -110,7 +110,7 @@ class LogitsProcessors:
             out.index_copy_(0, index, keep)
         return out
 
-    def _min_tokens(self, out: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    def _min_tokens(self, out: torch.Tensor, rows: list[int], params: list[TextParams]) -> None:
         vocab = out.shape[-1]
         pairs = [(i, t) for i in rows for t in
                  (params[i].stop_token_ids if params[i].ignore_eos else self.eos_token_ids + params[i].stop_token_ids)
@@ -125,7 +125,7 @@ def _fill(out: torch.Tensor, pairs: list[tuple[int, int]], value: float) -> None
         out.index_put_((index[0], index[1]), torch.tensor(value, device=out.device))
 
 
-def _allowed(out: torch.Tensor, rows: list[int], params: list[SamplingParams], device: torch.device) -> None:
+def _allowed(out: torch.Tensor, rows: list[int], params: list[TextParams], device: torch.device) -> None:
     """Rows with ``allowed_token_ids``: -inf everywhere but those tokens (one mask, one fill)."""
     if not rows:
         return
@@ -137,7 +137,7 @@ def _allowed(out: torch.Tensor, rows: list[int], params: list[SamplingParams], d
     out.index_copy_(0, index, out.index_select(0, index).masked_fill_(banned, _NEG_INF))
 
 
-def _bad_words(out: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[TokenHistory],
+def _bad_words(out: torch.Tensor, rows: list[int], params: list[TextParams], histories: list[TokenHistory],
                device: torch.device) -> None:
     """Every (row, bad word) pair at once: the word's leading tokens, right-aligned and padded
     with -1, are compared with the row's last output tokens (padded with -2, which matches
@@ -158,7 +158,7 @@ def _bad_words(out: torch.Tensor, rows: list[int], params: list[SamplingParams],
     out.index_put_((row, last), torch.where(match, _NEG_INF, 0.0).to(out.dtype), accumulate=True)
 
 
-def _logit_bias(out: torch.Tensor, rows: list[int], params: list[SamplingParams], device: torch.device) -> None:
+def _logit_bias(out: torch.Tensor, rows: list[int], params: list[TextParams], device: torch.device) -> None:
     if not rows:
         return
     tensors = [params[i].logit_bias_tensors for i in rows]
@@ -173,7 +173,7 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
 
 
-def _penalties(out: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[TokenHistory],
+def _penalties(out: torch.Tensor, rows: list[int], params: list[TextParams], histories: list[TokenHistory],
                device: torch.device) -> None:
     """vLLM's ``apply_penalties`` over the rows that set any penalty, computed only where it can
     change anything: at the distinct (row, token) pairs of the rows' prompts and outputs (a few
@@ -202,7 +202,7 @@ def _penalties(out: torch.Tensor, rows: list[int], params: list[SamplingParams],
     out[row, token] = values - frequency * counts - presence * (counts > 0).to(out.dtype)
 
 
-def _min_p(out: torch.Tensor, rows: list[int], params: list[SamplingParams], device: torch.device) -> None:
+def _min_p(out: torch.Tensor, rows: list[int], params: list[TextParams], device: torch.device) -> None:
     if not rows:
         return
     index = torch.tensor(rows, dtype=torch.long, device=device)

@@ -29,7 +29,7 @@ from omnirelay.workers.runtime.devices import DEFAULT_GPU_MEMORY_UTILIZATION, bl
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaConfig, LlamaModel
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 
 
 class ModelRunner(Protocol):
@@ -105,7 +105,7 @@ def local_runner(model: LlamaModel, *, block_size: int, budget_bytes: int = 0,
     return LocalRunner(model, cache)
 
 
-def logits_for_sampling(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def logits_for_sampling(logits: torch.Tensor, params: list[TextParams]) -> torch.Tensor:
     """``logits`` where :func:`~omnirelay.workers.llm.sampling.sample` should read them: as they are
     when every row is greedy (the argmax runs on the device, one ``tolist`` brings the tokens back),
     else on the host in one copy, so random rows draw from CPU generators and a seeded request

@@ -58,7 +58,7 @@ import time
 
 
 from omnirelay.block_hash import block_hashes
-from omnirelay.broker.protocol import StructuredOutput
+from omnirelay.request_params import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.connectors.base import Payload, Reservation
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
@@ -74,7 +74,8 @@ from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
 from omnirelay.workers.llm.prefill_media import PlacedMedia, media_fields, place_media
 from omnirelay.workers.llm.handoff_jobs import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
                                                      speech_payload)
-from omnirelay.workers.llm.sampling import SamplingParams, TokenLogprobs, chosen_logprobs, sample
+from omnirelay.request_params import TextParams
+from omnirelay.workers.llm.sampling import TokenLogprobs, chosen_logprobs, sample
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
 from omnirelay.workers.runtime.engine import RequestFailure
@@ -88,7 +89,7 @@ DEFAULT_KV_BYTES = 256 * 1024 * 1024
 class PrefillTask:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: TextParams
     deadline: float
     attempt: int = 0
     position_offset: int = 0
@@ -330,6 +331,12 @@ class PrefillEngine:
 
     def _running_loras(self) -> set[str]:
         return {seq.task.params.lora for seq in self.running}
+
+    def held_loras(self) -> list[str] | None:
+        """The adapters this worker holds (slots, and its requests'), for the broker; None: LoRA off."""
+        if self.lora is None:
+            return None
+        return self.lora.held(self._running_loras() | {task.params.lora for task in self.waiting})
 
     def _start_media_fetches(self, results: list[PrefillOutcome]) -> None:
         """Start the encoder outputs' gets of new media prompts (failing first those this worker can

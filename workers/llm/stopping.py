@@ -4,10 +4,10 @@ with a cancel."""
 
 from __future__ import annotations
 
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import TextParams
 
 
-def finish_reason_for(token: int, num_generated: int, total_len: int, params: SamplingParams,
+def finish_reason_for(token: int, num_generated: int, total_len: int, params: TextParams,
                       eos_token_ids: tuple[int, ...], max_model_len: int) -> str:
     """``"stop"``, ``"length"`` or ``""`` (go on) after ``token`` became the ``num_generated``-th
     output token and the sequence (prompt + output) is ``total_len`` tokens long."""

@@ -44,7 +44,7 @@ import threading
 
 import torch
 
-from omnirelay.broker.protocol import StructuredOutput
+from omnirelay.request_params import StructuredOutput
 
 log = logging.getLogger("omnirelay.worker")
 

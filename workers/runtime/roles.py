@@ -26,7 +26,7 @@ from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff
 
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask, TokenOut
 from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
-from omnirelay.workers.llm.sampling import SamplingParams
+from omnirelay.request_params import RequestParams, TextParams, speech_of, text_params_of
 from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource, RequestFailure
 
 BROKER = ""
@@ -63,6 +63,11 @@ class RoleAdapter:
         self._forget(request_id)
         self._attempts.pop(request_id, None)
         return dropped
+
+    def held_loras(self) -> list[str] | None:
+        """The LoRA adapters the worker holds, heartbeated for the broker's adapter affinity
+        (:mod:`omnirelay.broker.lora_affinity`); None for a role or worker without LoRA."""
+        return None
 
     def close_stream(self, request_id: str) -> None:
         """The consumer of a streamed hand-off this role writes for ``request_id`` finished first
@@ -120,23 +125,25 @@ class PrefillRole(RoleAdapter):
         super().__init__(worker_id, engine, engine.connector)
         self.prefix_cache = engine if engine.prefix_caching else None
 
+    def held_loras(self) -> list[str] | None:
+        return self.engine.held_loras()
+
     def accept(self, task: p.Task) -> list[Outbound]:
         self._replace_held(task)
         try:
-            params = SamplingParams.from_wire(task.sampling)
+            params = text_params_of(task.params)
             _check_token_ids(params, self.engine)
-            structured = p.StructuredOutput.from_wire(task.sampling.get("structured"))
-        except (TypeError, ValueError) as exc:
-            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid sampling: {exc}")]
+        except ValueError as exc:
+            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid params: {exc}")]
         if task.inputs is not None and not isinstance(task.inputs, EmbedsHandoff):
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, BadRequest.error_type,
                                  f"prefill reads media embeddings, not {type(task.inputs).__name__}")]
         self._hold(task)
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
-                                    task.attempt, task.position_offset, speech=_speech_mode(task.sampling),
+                                    task.attempt, task.position_offset, speech=_speech_mode(task.params),
                                     media=task.inputs,
-                                    structured=structured, priority=task.priority))
+                                    structured=params.structured, priority=task.priority))
         return []
 
     def step(self) -> list[Outbound]:
@@ -171,6 +178,9 @@ class DecodeRole(RoleAdapter):
     def __init__(self, worker_id: str, engine: DecodeEngine):
         super().__init__(worker_id, engine, engine.connector)
 
+    def held_loras(self) -> list[str] | None:
+        return self.engine.held_loras()
+
     def close_stream(self, request_id: str) -> None:
         self.engine.close_stream(request_id)
 
@@ -180,7 +190,7 @@ class DecodeRole(RoleAdapter):
         try:
             if not isinstance(kv, KVHandoff):
                 raise ValueError(f"decode reads a prefilled KV, not {type(kv).__name__}")
-            params = SamplingParams.from_wire(task.sampling)
+            params = text_params_of(task.params)
             _check_token_ids(params, self.engine)
             if kv.lora != params.lora:   # KV of one adapter never continues under another (or the base)
                 raise ValueError(f"the KV was computed under LoRA adapter {kv.lora!r}, the request names {params.lora!r}")
@@ -188,10 +198,10 @@ class DecodeRole(RoleAdapter):
                 request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
                 first_token=kv.first_token, params=params, deadline=task.deadline,
                 reply_to=task.reply_to, kv_key=kv.kv_key, kv_handle=kv.kv_handle,
-                position_offset=task.position_offset, speech_inputs=_speech_inputs(task.sampling, kv),
+                position_offset=task.position_offset, speech_inputs=_speech_inputs(task.params, kv),
                 rope_delta=kv.rope_delta, has_media=kv.has_media,
-                structured=p.StructuredOutput.from_wire(task.sampling.get("structured")), priority=task.priority)
-        except (TypeError, ValueError) as exc:
+                structured=params.structured, priority=task.priority)
+        except ValueError as exc:
             self.release(kv)   # the request fails here: nobody will import its KV
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid decode task: {exc!r}")]
         self._hold(task, reply_to=False)   # its DecodeTask carries the gateway
@@ -246,26 +256,25 @@ def _delta(t: TokenOut, worker_id: str = "") -> p.TokenDelta:
                         top_logprobs=[[v for _, v in top]] if top else [], cached_tokens=t.cached_tokens)
 
 
-def _check_token_ids(params: SamplingParams, engine: PrefillEngine | DecodeEngine) -> None:
+def _check_token_ids(params: TextParams, engine: PrefillEngine | DecodeEngine) -> None:
     """``ValueError`` for a token id of the logits processors outside the model's vocabulary (the
     gateway checks too; a worker never indexes the logits out of range)."""
     if params.max_token_id >= 0:
         params.check_vocab(engine.runner.config.vocab_size)
 
 
-def _speech_mode(sampling: dict) -> str:
+def _speech_mode(params: RequestParams) -> str:
     """What prefill does for speech out: "" none, "reply" (decode's reply is spoken), "prompt"
     (``/v1/audio/speech``: the prompt's teacher-forced tail is spoken). See ``omnirelay.speech_params``."""
-    audio = sampling.get("audio")
-    if not isinstance(audio, dict):
+    speech = speech_of(params)
+    if speech is None:
         return ""
-    reply_start = audio.get("reply_start", -1)
-    return "prompt" if isinstance(reply_start, int) and reply_start >= 0 else "reply"
+    return "prompt" if speech.reply_start >= 0 else "reply"
 
 
-def _speech_inputs(sampling: dict, kv: KVHandoff) -> SpeechHandoff | None:
+def _speech_inputs(params: RequestParams, kv: KVHandoff) -> SpeechHandoff | None:
     """Prefill's prompt states, which a speech request's decode passes on; None for text only."""
-    if not isinstance(sampling.get("audio"), dict):
+    if speech_of(params) is None:
         return None
     speech = kv.speech_prompt()
     if speech is None:

@@ -3,8 +3,8 @@
 Life of a request through this adapter::
 
     Task (what the gateway sends every speech model for ``POST /v1/audio/speech``: the chat prompt,
-          then from ``SpeechParams.reply_start`` on the text's ids + ``<|im_end|>``; sampling["audio"] =
-          SpeechParams; sampling["audio_stream"] for streamed requests; no inputs: no stage before)
+          then from ``SpeechParams.reply_start`` on the text's ids + ``<|im_end|>``; params: the
+          SpeechParams, ``stream`` for streamed requests; no inputs: no stage before)
         ──accept: the text's ids wrapped as the package wraps its text (``Qwen3TTSEngine.wrap``; the chat
           prompt before them is a thinker's and unused here) ──▶ a TTSTask queued in the engine
           (bad_request for an unknown voice, a chat reply to speak, or a malformed text)

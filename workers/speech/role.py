@@ -3,7 +3,8 @@ same interface), between the bus and :class:`GenerateSpeechEngine`.
 
 Life of a request through this adapter::
 
-    Task (sampling["audio"] = SpeechParams; inputs = a SpeechHandoff: the thinker's hidden states)
+    Task (params: a spoken answer's TextParams.speech or a SpeechParams; inputs = a SpeechHandoff:
+          the thinker's hidden states)
         ──accept: read the prompt states (prefill's) and the reply states (decode's) from the
           connector, queue a SpeechTask──▶ engine (the keys are deleted once the audio is out, the
           request failed or was cancelled: a retry after this worker's death still finds them)
@@ -13,7 +14,7 @@ Life of a request through this adapter::
     never forgets a request whose audio is still on its way; or one StageFailed (``bad_request``
     for an unknown voice or malformed inputs, ``deadline_exceeded``, ``transfer_failed`` …).
 
-Streamed requests (``sampling[STREAM_KEY]``, wav or pcm): the engine hands out waveform pieces while
+Streamed requests (``SpeechParams.stream``, wav or pcm): the engine hands out waveform pieces while
 the talker still speaks; each piece is sent at once as 16-bit PCM (the first behind a streamed WAV
 header, :data:`WAV_STREAM_HEADER`) in MediaResults of ≤ CHUNK_BYTES, numbered on from the previous
 piece's; ``finish`` on the last of the final piece, then StageDone. A failure mid-stream is one
@@ -52,6 +53,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, OmniError
 from omnirelay.handoffs import Handoff, SpeechHandoff
+from omnirelay.request_params import speech_of
 from omnirelay.speech_params import SpeechParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
@@ -66,11 +68,6 @@ log = logging.getLogger("omnirelay.worker.speech")
 # Raw bytes per MediaResult: a quarter second of 24 kHz 16-bit mono, the granularity a streaming client
 # receives (16 KiB of base64, far under one bus message).
 CHUNK_BYTES = SAMPLE_RATE // 4 * 2
-# ``sampling[STREAM_KEY] is True``: the client streams (chat ``stream: true``; ``/v1/audio/speech``
-# with ``stream_format: "audio"``), so the audio is
-# synthesised incrementally and sent piece by piece while the talker speaks (see speech_stream.py).
-# Beside "audio", not inside it: prefill/decode ignore unknown sampling keys, SpeechParams refuses them.
-STREAM_KEY = "audio_stream"
 # A streamed WAV's header is sent before the length is known: RIFF and data sizes say 0xFFFFFFFF,
 # the usual "unknown length" of streamed WAV (readers take the data up to the end of the stream).
 WAV_STREAM_HEADER = (b"RIFF" + (0xFFFFFFFF).to_bytes(4, "little") + b"WAVEfmt " + (16).to_bytes(4, "little")
@@ -129,12 +126,14 @@ class GenerateSpeechRole(RoleAdapter):
         self._inputs.pop(task.request_id, None)
         self._replace_held(task)
         try:
-            params = SpeechParams.from_wire(task.sampling.get("audio"))
+            params = speech_of(task.params)
+            if params is None:
+                raise BadRequest(f"a speech worker speaks, it cannot serve a {type(task.params).__name__} request")
             if params.format == "flac" and not flac_available():
                 raise BadRequest("flac needs the soundfile package on the generate worker; use wav or pcm",
                                  param="response_format")
             speech = self._read_inputs(task, params)
-            speech.stream = task.sampling.get(STREAM_KEY) is True and params.format != "flac"
+            speech.stream = params.stream and params.format != "flac"
             speech.priority = task.priority   # the waiting queue's order (omnirelay/scheduling.py)
             self.engine.add(speech)
         except BadRequest as exc:
