@@ -26,6 +26,9 @@ class BrokerConfig:
                          routing; ~100 bytes each), least recently touched dropped first.
     prefix_load_slack:   a worker with a longer cached prefix wins only while it has at most this
                          many more assigned tasks than the least-loaded worker of its role.
+    lora_load_slack:     a worker holding a request's LoRA adapter wins only while it has at most this
+                         many more assigned tasks than the least-loaded worker of its role (beyond
+                         it the adapter goes to a cold worker too: broker/lora_affinity.py).
     scheduling_policy:   ``fcfs`` (FIFO queues) or ``priority`` (lowest ``Submit.priority`` first, aged
                          by the wait: omnirelay/scheduling.py).
     """
@@ -41,6 +44,7 @@ class BrokerConfig:
     max_workers: int = 10_000
     prefix_keys_per_worker: int = 16_384
     prefix_load_slack: int = 4
+    lora_load_slack: int = 4
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -52,6 +56,6 @@ class BrokerConfig:
             raise ValueError("max_queue_per_role and max_attempts must be >= 1")
         if not 0 <= self.retry_backoff_s <= self.retry_backoff_max_s < float("inf"):
             raise ValueError("need 0 <= retry_backoff_s <= retry_backoff_max_s, both finite")
-        if self.prefix_keys_per_worker < 0 or self.prefix_load_slack < 0:
-            raise ValueError("prefix_keys_per_worker and prefix_load_slack must be >= 0")
+        if self.prefix_keys_per_worker < 0 or self.prefix_load_slack < 0 or self.lora_load_slack < 0:
+            raise ValueError("prefix_keys_per_worker, prefix_load_slack and lora_load_slack must be >= 0")
         check_policy(self.scheduling_policy)

@@ -19,7 +19,9 @@ once (``overloaded``/``unavailable`` with a retry-after) instead of queueing wit
 Dispatch is by credit: a worker grants credits, the broker never sends more tasks than granted,
 and picks the least-loaded worker of the role — or, for a request with prefix hints, the worker
 that caches the longest prefix of its prompt unless that one is much busier
-(:mod:`~omnirelay.broker.prefix_index`). The least-loaded worker comes from a per-pool heap of
+(:mod:`~omnirelay.broker.prefix_index`); for a request under a LoRA adapter, a worker that holds
+the adapter unless that one is much busier (:mod:`~omnirelay.broker.lora_affinity`). The
+least-loaded worker comes from a per-pool heap of
 load entries (:meth:`BrokerCore._pick_least`), so a dispatch costs O(log pool) rather than a scan
 of the pool: with 700 workers in a role the scan cost ~1 ms a dispatch and capped one broker at
 ~2k requests/s (``benchmarks/broker_sim.py``). Workers that miss heartbeats for ``liveness``
@@ -58,6 +60,7 @@ from omnirelay.errors import BadRequest, DeadlineExceeded, Overloaded, TransferF
 
 from . import protocol as p
 from .config import BrokerConfig
+from .lora_affinity import AdapterHolders, request_adapter
 from .prefix_index import MAX_PROMPT_BLOCKS, PrefixSet, pick_worker
 from .records import BACKOFF, QUEUED, RUNNING, RequestState, WorkerState
 from .role_queue import PriorityRoleQueue
@@ -112,6 +115,7 @@ class BrokerCore:
         self._ready: dict[tuple[str, str], list] = {}
         self._ready_seq = itertools.count()
         self._prefix_workers: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._adapters = AdapterHolders(config.lora_load_slack)   # LoRA affinity: who holds which adapter
         # reply_to endpoints already checked (a gateway sends the same one with every Submit).
         self._good_endpoints: set[str] = set()
         self._priority = config.scheduling_policy == "priority"   # else Task.priority stays 0
@@ -199,6 +203,8 @@ class BrokerCore:
             self._unindex(old)
         self.workers[msg.worker_id] = worker
         self.pools.setdefault((worker.model, worker.role), {})[worker.worker_id] = worker
+        if msg.loras is not None:
+            self._adapters.report(worker, msg.loras, msg.received)
         if worker.prefix is not None:
             self._prefix_workers[(worker.model, worker.role)] += 1
         out: list[Outgoing] = []
@@ -260,6 +266,8 @@ class BrokerCore:
             else:
                 prefix.discard(msg.prefix_evicted)
                 prefix.add(msg.prefix_added[-bound:])
+        if msg.loras is not None:
+            self._adapters.report(worker, msg.loras, msg.received)
         return []
 
     def _on_unregister(self, identity: bytes, msg: p.Unregister, now: float) -> list[Outgoing]:
@@ -309,6 +317,7 @@ class BrokerCore:
         pool = self.pools.get(key)
         if pool is not None and pool.get(worker.worker_id) is worker:
             del pool[worker.worker_id]
+            self._adapters.drop(worker)
             if worker.prefix is not None:
                 self._prefix_workers[key] -= 1
             if not pool:
@@ -606,6 +615,7 @@ class BrokerCore:
             return out
         requests, slack, now = self.requests, self.config.prefix_load_slack, self._now
         prefix_pool = self._prefix_workers.get(key, 0) > 0
+        adapters = self._adapters if self._adapters.active(key) else None
         while queue:
             least = self._pick_least(key, pool)
             if least is None:
@@ -625,6 +635,14 @@ class BrokerCore:
                 worker, hits = pick_worker(candidates, keys, spec.prefix_block_size, slack)
             else:
                 worker, hits = least, 0
+            lora = request_adapter(spec) if adapters is not None else ""
+            if lora and not hits:
+                holder = adapters.pick(key, lora, least)
+                if holder is not None:
+                    worker = holder
+                    if holder is not least:   # routed for its adapter, not by load alone
+                        worker.lora_routed += 1
+                        self.counters["lora_routed"] += 1
             worker.credits -= 1
             worker.tasks.add(request_id)
             worker.dispatched += 1
@@ -647,9 +665,11 @@ class BrokerCore:
                 self._offer(worker)
             req.phase, req.worker_id, req.dispatched_at = RUNNING, worker.worker_id, now
             worker.sent += 1   # WorkerState.settled
+            if lora:
+                self._adapters.dispatched(worker, lora)   # it holds the adapter from now on
             out.append((worker.identity, p.Task(
                 request_id=request_id, stage=spec.stages[req.stage_index], model=model,
-                prompt_token_ids=spec.prompt_token_ids, sampling=spec.sampling, inputs=req.inputs,
+                prompt_token_ids=spec.prompt_token_ids, params=spec.params, inputs=req.inputs,
                 reply_to=spec.reply_to, deadline=spec.deadline, attempt=req.attempts,
                 position_offset=spec.position_offset, reply_key=spec.reply_key, traceparent=spec.traceparent,
                 priority=spec.priority if self._priority else 0)))

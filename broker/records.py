@@ -44,6 +44,10 @@ class WorkerState:
     prefix: PrefixSet | None = None
     dispatched: int = 0                 # tasks sent to it since it registered
     prefix_routed: int = 0              # … of which went to it for a cached prefix
+    # LoRA adapters it holds (broker/lora_affinity.py), and those sent since: name → ``sent`` then.
+    loras: set[str] | None = None       # None: it serves no LoRA
+    lora_pending: dict[str, int] = dataclasses.field(default_factory=dict)
+    lora_routed: int = 0                # tasks sent to it because it held their adapter
     # Freshness (p.Heartbeat.reports/received), each count on from where its Register said it stood:
     reports: int = 0                    # stage reports received from it
     sent: int = 0                       # Tasks and CancelTasks sent to it
@@ -66,6 +70,7 @@ class WorkerState:
                 "last_seen_s": round(now - self.last_seen, 3), "dispatched": self.dispatched,
                 "prefix_routed": self.prefix_routed, "block_size": self.block_size,
                 "prefix_keys": len(self.prefix) if self.prefix is not None else 0,
+                "loras": sorted(self.loras or ()), "lora_routed": self.lora_routed,
                 "reports": self.reports, "settled": self.settled}
 
 

@@ -3,8 +3,10 @@
 An adapter is a local directory as PEFT writes it: ``adapter_config.json`` (``peft_type`` LORA,
 ``r``, ``lora_alpha``, ``use_rslora``, ``target_modules``) and ``adapter_model.safetensors`` with
 ``base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight`` (A ``[r, in]``,
-B ``[out, r]``). Targets are the q/k/v/o attention and gate/up/down MLP projections. The scale is
-``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``. :func:`load_adapter` checks
+B ``[out, r]``; ``model.language_model.layers`` for an omni thinker's adapter, as peft names them
+on transformers' thinker class). Targets are the q/k/v/o attention and gate/up/down MLP
+projections. The scale is ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``.
+:func:`load_adapter` checks
 everything against the base model's shapes and the rank limit when the adapter is registered, so a
 bad adapter is an error at load (:class:`LoraError`, naming the file and what is wrong), never at
 the first request. Options that change the math in ways not served here (DoRA, per-module rank or
@@ -43,7 +45,7 @@ from safetensors import safe_open
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 _PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^base_model\.model\.model\.(?:language_model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # adapter_config.json options that would change the math; refused unless at their neutral value.
 _NEUTRAL = {"use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
             "fan_in_fan_out": False, "layers_to_transform": None, "target_parameters": None}
@@ -212,6 +214,11 @@ class LoraSlots:
     def resident(self) -> list[str]:
         """Adapters in slots now, least recently used first."""
         return list(self._resident)
+
+    def held(self, requested: set[str]) -> list[str]:
+        """What the worker reports holding (the broker's adapter affinity): the resident adapters,
+        least recently used first, then those ``requested`` by the requests it holds."""
+        return [*self._resident, *sorted(requested - self._resident.keys() - {""})]
 
     def fits(self, name: str, running: set[str]) -> bool:
         """Whether a sequence of adapter ``name`` may join sequences of adapters ``running`` (one

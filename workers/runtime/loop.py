@@ -169,7 +169,8 @@ class WorkerRuntime:
         self._send_broker(p.Register(worker_id=self.config.worker_id, role=self.config.role,
                                      model=self.config.model_name, capacity=self.config.capacity,
                                      pid=os.getpid(), host=socket.gethostname(), held=sorted(self._tasks),
-                                     block_size=block_size, reports=self._reports, received=self._received))
+                                     block_size=block_size, reports=self._reports, received=self._received,
+                                     loras=self.role.held_loras()))
 
     def _handle_broker_messages(self, budget: int = 256) -> None:
         for _ in range(budget):
@@ -235,7 +236,8 @@ class WorkerRuntime:
         self._link.send_heartbeat(p.Heartbeat(worker_id=self.config.worker_id, running=stats.pop("running", 0),
                                               waiting=stats.pop("waiting", 0),
                                               free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats,
-                                              reports=reports, received=received, **self._prefix_report(periodic)))
+                                              reports=reports, received=received, loras=self.role.held_loras(),
+                                              **self._prefix_report(periodic)))
 
     def _prefix_report(self, periodic: bool) -> dict:
         """Heartbeat fields for prefix-aware routing: the route keys of blocks cached and evicted
