@@ -103,6 +103,21 @@ def _served_models(paths: list[str], names: list[str] | None, pipelines: list[st
     return tuple(models)
 
 
+def _pipeline_lora(models: tuple[ServedModel, ...], pipelines: list[str] | None) -> lora_modules.LoraOptions | None:
+    """Without ``--enable-lora``: the LoRA keys of the models' pipeline files, each model's adapters
+    served under it (None when no stage enables LoRA)."""
+    files = _per_model(pipelines, len(models), "--stage-configs-path")
+    found = [options for options in (load_pipeline(f).lora_options(m.name) for m, f in zip(models, files) if f)
+             if options is not None]
+    if not found:
+        return None
+    modules = tuple(m for options in found for m in options.modules)
+    if len({m.name for m in modules}) != len(modules):
+        raise ValueError(f"--stage-configs-path: a LoRA adapter name is given twice: {[m.name for m in modules]}")
+    return lora_modules.LoraOptions(modules=modules, max_loras=max(o.max_loras for o in found),
+                                    max_lora_rank=max(o.max_lora_rank for o in found))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-gateway", description="omnirelay OpenAI-compatible gateway")
     parser.add_argument("--model", required=True, action="append",
@@ -176,12 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("omni-gateway", args.log_level, args.log_format)
     try:
+        models = _served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len,
+                                os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+                                args.reasoning_parser, args.default_chat_template_kwargs,
+                                args.structured_outputs_in_reasoning, args.scheduling_policy,
+                                args.tool_call_parser)
         config = GatewayConfig(
-            models=_served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len,
-                                  os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-                                  args.reasoning_parser, args.default_chat_template_kwargs,
-                                  args.structured_outputs_in_reasoning, args.scheduling_policy,
-                                  args.tool_call_parser),
+            models=models,
             trust_request_chat_template=args.trust_request_chat_template,
             host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
             request_timeout_s=args.request_timeout, video_timeout_s=args.video_timeout,
@@ -194,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             max_image_pixels=args.max_image_pixels, min_audio_sample_rate=args.min_audio_sample_rate,
             max_audio_sample_rate=args.max_audio_sample_rate,
             allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-            lora=lora_modules.options_from_args(args))
+            lora=lora_modules.options_from_args(args) or _pipeline_lora(models, args.stage_configs_path))
         check_lora_modules(config.lora)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")

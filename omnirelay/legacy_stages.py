@@ -60,7 +60,7 @@ GENERATE_MODEL_STAGES = ("talker", "code2wav", "token2wav", "dit", "vae", "vocod
 ENCODE_MODEL_STAGES = ("encoder", "encode", "vision_encoder", "audio_encoder")
 MEDIA_OUTPUTS = ("audio", "image", "video")
 KEPT_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization",
-                    "max_model_len")
+                    "max_model_len", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 STAGE_KEYS = {"stage_id", "stage_type", "is_prefill_only", "is_decode_only", "runtime", "engine_args",
               "engine_input_source", "input_connectors", "output_connectors"}
 # Keys vLLM-Omni reads and omnirelay has no use for (its roles know their own handoff and sampling).

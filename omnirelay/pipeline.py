@@ -19,6 +19,9 @@ A pipeline file (YAML) looks like::
           # kv_transfer: auto  (prefill stages: layerwise streams each layer's KV while the later layers
           #                     compute; whole puts it after the forward; auto (default) streams a step
           #                     with at least 16 MiB of KV)
+          # enable_lora: true   (prefill/decode: LoRA adapters, as omni-worker's --enable-lora; then
+          # lora_modules: [a1=/path/a1, {name: a2, path: /path/a2}]   --lora-modules, one per entry
+          # max_loras: 2, max_lora_rank: 16, max_cpu_loras: 4         and the other LoRA flags)
       - name: decode
         role: decode
         runtime: {max_batch_size: 64}
@@ -37,6 +40,13 @@ role's engine default otherwise. ``runtime.stream_chunk_tokens`` (decode only, d
 chunks of that many new tokens while the thinker still writes, so the talker starts on the first
 chunk (``omnirelay.handoffs.ChunkStream``); 0 hands the reply over whole after its last token.
 
+LoRA (:data:`LORA_KEYS` in a prefill or decode stage's ``engine_args``) means what vLLM's flags of
+the same names mean (``omnirelay/lora_modules.py``; a ``lora_modules`` entry is a ``name=path``
+string or a ``{name, path, base_model_name}`` map, a relative path taken from the working
+directory as on the command line). The worker of the stage uses them unless its own command line
+says ``--enable-lora`` (then the flags alone count); the gateway serves the adapters of every LoRA
+stage as models whose parent is the pipeline's model (:meth:`Pipeline.lora_options`).
+
 :func:`load_pipeline` validates everything and raises :class:`PipelineError` whose message names the
 offending entry (``stages[1].role: …``).
 
@@ -48,17 +58,22 @@ schema first, and its errors name the legacy entry (``stage_args[2].engine_input
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .lora_modules import LoraOptions, parse_module
+
 ROLES = ("encode", "prefill", "decode", "generate")
 # A spoken reply's first chunk after this many tokens: the talker's first audio needs a few rows only.
 DEFAULT_STREAM_CHUNK_TOKENS = 4
 # vLLM's --reasoning-parser names the gateway serves (gateway/reasoning.py reads the output by them).
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# A prefill or decode stage's engine_args that turn LoRA on: vLLM's engine arguments (and flags).
+LORA_KEYS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 log = logging.getLogger("omnirelay.pipeline")
 
@@ -80,6 +95,7 @@ class Stage:
     # decode: a spoken reply's states go to the generate stage in chunks of this many new tokens
     # while the thinker still writes (0: whole, after its last token); see omnirelay/handoffs.py.
     stream_chunk_tokens: int = 0
+    lora: LoraOptions | None = None   # engine_args' LoRA keys (None: no enable_lora: true)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -140,6 +156,16 @@ class Pipeline:
             if stage.role == role:
                 return stage
         raise PipelineError(f"the pipeline has no stage with role {role!r}")
+
+    def lora_options(self, model_name: str) -> LoraOptions | None:
+        """What the gateway serves of the stages' LoRA keys: every adapter of a LoRA stage, as one
+        of ``model_name`` (the largest rank limit of those stages); None when no stage enables LoRA."""
+        stages = [s.lora for s in self.stages if s.lora is not None]
+        if not stages:
+            return None
+        modules = {m.name: dataclasses.replace(m, base_model_name=model_name) for s in stages for m in s.modules}
+        return LoraOptions(modules=tuple(modules.values()), max_loras=max(s.max_loras for s in stages),
+                           max_lora_rank=max(s.max_lora_rank for s in stages))
 
     def connector_for(self, role: str) -> ConnectorSpec:
         """The connector a worker of ``role`` uses: the one on the edge into or out of its stage."""
@@ -220,6 +246,56 @@ def _devices(value: Any, where: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _lora(engine_args: dict, role: str, where: str) -> LoraOptions | None:
+    """A stage's LoRA keys as omni-worker's flags would give them; None without ``enable_lora: true``."""
+    given = [key for key in LORA_KEYS if key in engine_args]
+    if not given:
+        return None
+    if role not in ("prefill", "decode"):
+        raise PipelineError(f"{where}.{given[0]}: only prefill and decode stages serve LoRA adapters, not {role}")
+    enable = engine_args.get("enable_lora", False)
+    if not isinstance(enable, bool):
+        raise PipelineError(f"{where}.enable_lora: must be true or false, got {enable!r}")
+    if not enable:
+        others = [key for key in given if key != "enable_lora"]
+        if others:
+            raise PipelineError(f"{where}.{others[0]}: needs enable_lora: true")
+        return None
+    entries = engine_args.get("lora_modules", [])
+    if not isinstance(entries, list):
+        raise PipelineError(f"{where}.lora_modules: expected a list of name=path strings or {{name, path}} maps")
+    modules = []
+    for j, entry in enumerate(entries):
+        try:
+            if isinstance(entry, dict):
+                entry = json.dumps(entry)
+            elif not isinstance(entry, str):
+                raise ValueError(f"expected name=path or a {{name, path}} map, got {entry!r}")
+            modules.append(parse_module(entry))
+        except ValueError as exc:
+            raise PipelineError(f"{where}.lora_modules[{j}]: {str(exc).removeprefix('--lora-modules: ')}") from None
+    if len({m.name for m in modules}) != len(modules):
+        raise PipelineError(f"{where}.lora_modules: a name is given twice: {[m.name for m in modules]}")
+    limits = {}
+    for key, default, least in (("max_loras", 1, 1), ("max_lora_rank", 16, 1), ("max_cpu_loras", 0, 0)):
+        value = engine_args.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise PipelineError(f"{where}.{key}: must be an integer >= {least}, got {value!r}")
+        limits[key] = value
+    return LoraOptions(modules=tuple(modules), **limits)
+
+
+def _check_lora_paths(stages: list[Stage]) -> None:
+    """One adapter name, one directory, across the stages (the gateway serves it once)."""
+    paths: dict[str, tuple[str, str]] = {}
+    for stage in stages:
+        for module in stage.lora.modules if stage.lora is not None else ():
+            seen = paths.setdefault(module.name, (module.path, stage.name))
+            if seen[0] != module.path:
+                raise PipelineError(f"stage {stage.name!r}: LoRA adapter {module.name!r} is {module.path}, "
+                                    f"but {seen[0]} in stage {seen[1]!r}")
+
+
 def _parse_native(raw: Any) -> Pipeline:
     raw = _mapping(raw, "pipeline")
     _only(raw, {"model", "stages", "connectors", "edges", "reasoning_parser"}, "pipeline")
@@ -265,7 +341,7 @@ def _parse_native(raw: Any) -> Pipeline:
             raise PipelineError(f"{where}.engine_args.sequence_parallel_size: only generate stages (diffusion "
                                 f"transformers) run sequence parallelism, not {role}")
         stage = Stage(name=name, role=role, max_batch_size=batch, engine_args=dict(engine_args),
-                      stream_chunk_tokens=chunk_tokens,
+                      stream_chunk_tokens=chunk_tokens, lora=_lora(engine_args, role, f"{where}.engine_args"),
                       devices=_devices(runtime["devices"], f"{where}.runtime.devices") if "devices" in runtime
                       else ())
         if stage.devices and len(stage.devices) != stage.group_size:
@@ -276,6 +352,7 @@ def _parse_native(raw: Any) -> Pipeline:
                 + (f" × sequence_parallel_size {stage.sequence_parallel_size}" if stage.sequence_parallel_size > 1
                    else "") + f" = {stage.group_size}")
         stages.append(stage)
+    _check_lora_paths(stages)
 
     connectors: dict[str, ConnectorSpec] = {}
     for name, entry in _mapping(raw.get("connectors", {}), "connectors").items():

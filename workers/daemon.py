@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             sequence_parallel_size=(stage.sequence_parallel_size if args.sequence_parallel_size is None
                                     else args.sequence_parallel_size),
             expert_parallel=bool(args.enable_expert_parallel or stage.enable_expert_parallel),
-            lora=lora_modules.options_from_args(args))
+            lora=lora_modules.options_from_args(args) or stage.lora)   # the flags, else the stage's keys
         devices = _resolve_worker_devices(config)
         build = role_builder(config.role, model_kind(config.model_path))   # before anything loads
         keys = keys_from_args(args)
