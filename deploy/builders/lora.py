@@ -7,6 +7,14 @@ use_rslora, base_model_name_or_path) and ``adapter_model.safetensors`` with tens
 B ``[out, r]``). PEFT initialises B to zero (an adapter that changes nothing); here every A and B is
 drawn from a seeded normal instead, scaled so the adapter visibly moves greedy output of the tiny
 base while keeping clear margins between logits (parity tests then compare something real).
+
+An omni base (a ``thinker_config`` in its config.json: Qwen2.5-Omni, Qwen3-Omni) gets an adapter for
+its thinker, as peft applies one to transformers' thinker class (``…ThinkerForConditionalGeneration``,
+whose language model is ``model.language_model``): the audio and vision encoders, which have
+``q_proj`` … modules of their own, are excluded (``exclude_modules``), and the tensors are named
+``base_model.model.model.language_model.layers.…``. Qwen3-Omni's thinker is a mixture of experts
+in every layer and experts carry no LoRA here, so its adapters target the attention projections
+only (the MLP targets are dropped).
 """
 
 from __future__ import annotations
@@ -37,11 +45,19 @@ def build_tiny_lora(base_dir: str | os.PathLike, path: str | os.PathLike, *, ran
     from omnirelay.deploy.builders.llm import build_atomically
 
     base_dir = pathlib.Path(base_dir).expanduser().absolute()
+    thinker = thinker_class(base_dir)
 
     def write(tmp: pathlib.Path) -> None:
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
-                            use_rslora=use_rslora, bias="none", task_type="CAUSAL_LM")
+        modules, exclude = list(targets), None
+        if thinker is None:
+            base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        else:   # the language model's layers only
+            cls, experts = thinker
+            base, exclude = cls.from_pretrained(base_dir, dtype=torch.float32), r".*\b(audio_tower|visual)\b.*"
+            if experts:
+                modules = [t for t in modules if t not in ("gate_proj", "up_proj", "down_proj")]
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, exclude_modules=exclude,
+                            lora_dropout=0.0, use_rslora=use_rslora, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(base, config)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -57,6 +73,25 @@ def build_tiny_lora(base_dir: str | os.PathLike, path: str | os.PathLike, *, ran
         cfg.write_text(json.dumps(raw, indent=2, sort_keys=True))
 
     return build_atomically(path, write, force=force, complete=_complete, what="adapter")
+
+
+# An omni model_type → its thinker class in transformers, and whether its MLPs are experts.
+THINKERS = {"qwen2_5_omni": ("Qwen2_5OmniThinkerForConditionalGeneration", False),
+            "qwen3_omni_moe": ("Qwen3OmniMoeThinkerForConditionalGeneration", True)}
+
+
+def thinker_class(base_dir: pathlib.Path) -> tuple[type, bool] | None:
+    """(transformers' thinker class, experts) of an omni checkpoint at ``base_dir``; None for a causal LM."""
+    import json
+
+    raw = json.loads((base_dir / "config.json").read_text())
+    if "thinker_config" not in raw:
+        return None
+    if raw.get("model_type") not in THINKERS:
+        raise ValueError(f"{base_dir}: no LoRA builder for omni model_type {raw.get('model_type')!r}")
+    import transformers
+    name, experts = THINKERS[raw["model_type"]]
+    return getattr(transformers, name), experts
 
 
 def main(argv: list[str]) -> int:
