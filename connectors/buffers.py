@@ -172,11 +172,6 @@ class BufferPool:
 
     # ---------------------------------------------------------------------------------- state
 
-    def free_bytes(self) -> int:
-        with self._lock:
-            self._drain_pending()
-            return self.capacity - self.in_use
-
     def stats(self) -> dict:
         """Counters for ``health()``; lock-free (may be a moment stale)."""
         return {"pool_bytes": self.capacity, "pool_in_use": self.in_use, "pool_pending_frees": len(self._pending)}

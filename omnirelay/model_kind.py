@@ -36,10 +36,6 @@ class ModelKind(enum.StrEnum):
         """A thinker that takes images and audio and a talker that speaks (Qwen2.5-Omni, Qwen3-Omni)."""
         return self in (ModelKind.OMNI, ModelKind.QWEN3_OMNI)
 
-    @property
-    def is_diffusers(self) -> bool:
-        return self in (ModelKind.TEXT_TO_IMAGE, ModelKind.TEXT_TO_VIDEO)
-
 
 _BY_MODEL_TYPE = {"qwen2_5_omni": ModelKind.OMNI, "qwen3_omni_moe": ModelKind.QWEN3_OMNI,
                   "qwen3_tts": ModelKind.QWEN3_TTS}

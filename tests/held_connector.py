@@ -26,6 +26,8 @@ class HeldConnector(Connector):
         self.entered: dict[str, threading.Event] = {}
         self.gets: list[str] = []
         self.puts: list[str] = []
+        self.deletes: list[str] = []
+        self._delete_gates: dict[str, threading.Event] = {}
         self.threads: set[threading.Thread] = set()
 
     def hold(self, key: str) -> None:
@@ -33,9 +35,14 @@ class HeldConnector(Connector):
         self.entered[key] = threading.Event()
 
     def let_through(self, key: str | None = None) -> None:
-        for name, gate in self._gates.items():
+        for name, gate in [*self._gates.items(), *self._delete_gates.items()]:
             if key is None or name == key:
                 gate.set()
+
+    def hold_delete(self, key: str) -> None:
+        """Deletes of ``key`` wait until :meth:`let_through` (its gets and puts pass)."""
+        self._delete_gates[key] = threading.Event()
+        self.entered[key] = threading.Event()
 
     def fail_once(self, key: str) -> None:
         self._failing.add(key)
@@ -81,6 +88,11 @@ class HeldConnector(Connector):
         self.inner.release(reservation)
 
     def delete(self, key):
+        self.deletes.append(key)
+        self.threads.add(threading.current_thread())
+        if key in self._delete_gates:
+            self.entered[key].set()
+            assert self._delete_gates[key].wait(30), "the test never let the delete through"
         self.inner.delete(key)
 
     def close(self):

@@ -221,12 +221,47 @@ def test_failed_import_releases_its_keys_and_the_speech_key(model, tok, connecto
         engine.add(t)
         outputs = {"r0": [result.first_token]}
         failed = step_until(engine, outputs, lambda: not engine.has_work)
-        # By the time the failure is reported, the keys are gone (released before the import is FAILED).
+        # By the time the failure is reported, the KV is gone (released before the import is FAILED);
+        # the speech key's delete is on its way on a transfer thread (close() joins it).
         assert [(f.request_id, f.error_type) for f in failed] == [("r0", "transfer_failed")] and "on purpose" in failed[0].message
-        assert shm_keys(tmp_path) == []
     finally:
         engine.close()
+    held.join_threads()
+    assert shm_keys(tmp_path) == []
     assert outputs["r0"] == [result.first_token] and engine.stats["kv_loads"] == 0
+
+
+def test_a_blocked_delete_does_not_stall_the_batch(model, tok, reference, connector, tmp_path):
+    """A cancelled speech request's states are deleted on a transfer thread: with that delete
+    blocked (a store that hangs), the running sequence still gets a token every step."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
+    prefilled = prefill(model, connector, prompts)
+    speech_key = "speech/r1/0/prompt"
+    speech_handle = connector.put(speech_key, {"hidden": torch.zeros(2, 4)})
+    held = HeldConnector(connector)
+    held.hold_delete(speech_key)
+    engine = make_decode(model, held)
+    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(2)}
+    try:
+        engine.add(task("r0", prompts[0], prefilled["r0"]))
+        spoken = task("r1", prompts[1], prefilled["r1"])
+        spoken.speech_inputs = SpeechHandoff(speech_key, speech_handle)
+        engine.add(spoken)
+        step_until(engine, outputs, lambda: is_running(engine, "r0") and is_running(engine, "r1"))
+        assert engine.cancel("r1")
+        held.wait_entered(speech_key)
+        for _ in range(6):   # the delete is blocked: every step still makes r0's next token
+            out = engine.step()
+            assert [t.request_id for t in out.tokens] == ["r0"] and not out.failed
+            outputs["r0"].append(out.tokens[0].token)
+        assert len(shm_keys(tmp_path)) == 1   # the speech states: their delete waits
+        held.let_through(speech_key)
+        assert not step_until(engine, outputs, lambda: not engine.has_work)
+    finally:
+        held.let_through()
+        engine.close()
+    held.join_threads()
+    assert outputs["r0"] == reference(prompts[0]) and shm_keys(tmp_path) == []
 
 
 def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connector, tmp_path):

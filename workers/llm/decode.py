@@ -73,6 +73,7 @@ from omnirelay.workers.runtime.transfers import Transfer, TransferState
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
 from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, logits_for_sampling
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
+from omnirelay.workers.llm.prompt_logprobs import PromptLogprobs
 from omnirelay.request_params import TextParams
 from omnirelay.workers.llm.sampling import TokenLogprobs, chosen_logprobs, sample
 from omnirelay.workers.llm.stopping import finish_reason_for
@@ -149,6 +150,7 @@ class TokenOut:
     outputs: SpeechHandoff | None = None   # speech: for the generate stage, which runs after this one
     logprobs: TokenLogprobs | None = None   # the request asked for logprobs (TextParams.logprobs)
     cached_tokens: int = 0   # prefill's first token: prompt tokens from its prefix cache (TokenDelta's)
+    prompt_logprobs: PromptLogprobs | None = None   # prefill's first token, when the request asked
 
 
 @dataclasses.dataclass
@@ -265,12 +267,12 @@ class DecodeEngine:
                 if writer.ticket is not None:   # deleted when its put returns
                     self._transfers.cancel(writer.ticket)
                     writer.ticket = writer.in_flight = None
-                writer.release_chunks(self.connector)
+                self._transfers.release(f"unread chunks of {request_id}", writer.release_chunks)
                 self.stats["speech_streams_closed"] += 1
                 return
         written = self._written_streams.pop(request_id, None)
         if written is not None:   # finished meanwhile: what the consumer did not read is deleted now
-            written.release_chunks(self.connector)
+            self._transfers.release(f"unread chunks of {request_id}", written.release_chunks)
             self.stats["speech_streams_closed"] += 1
 
     def wake(self) -> None:
@@ -409,7 +411,8 @@ class DecodeEngine:
             self._transfers.cancel(seq.kv_import)
             seq.kv_import = None
         elif seq.task.kv_key:
-            release_kv(self.connector, seq.task.kv_key, seq.task.kv_handle)   # a layerwise KV's pieces too
+            key, handle = seq.task.kv_key, seq.task.kv_handle
+            self._transfers.release(key, lambda connector: release_kv(connector, key, handle))   # pieces too
             seq.task.kv_key = ""
 
     def _drop_speech_key(self, seq: Sequence) -> None:
@@ -418,9 +421,9 @@ class DecodeEngine:
         if seq.stream is not None:
             if seq.stream.ticket is not None:   # the chunk on its way is deleted when its put returns
                 self._transfers.cancel(seq.stream.ticket)
-            seq.stream.release(self.connector)
+            self._transfers.release(f"speech stream of {seq.request_id}", seq.stream.release)
         elif seq.task.speech_inputs is not None:
-            seq.task.speech_inputs.release(self.connector)
+            self._transfers.release(f"speech states of {seq.request_id}", seq.task.speech_inputs.release)
 
     def _make_room(self, out: StepOutput) -> None:
         """Give every running sequence a slot for its next token, preempting the newest when short."""

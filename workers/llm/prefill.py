@@ -72,6 +72,7 @@ from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHisto
 from omnirelay.workers.llm.model_runner import ModelRunner, local_runner, logits_for_sampling
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
 from omnirelay.workers.llm.prefill_media import PlacedMedia, media_fields, place_media
+from omnirelay.workers.llm.prompt_logprobs import PromptCapture, PromptLogprobs
 from omnirelay.workers.llm.handoff_jobs import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
                                                      speech_payload)
 from omnirelay.request_params import TextParams
@@ -99,6 +100,8 @@ class PrefillTask:
     speech: str = ""
     structured: StructuredOutput | None = None   # the output must match this grammar
     priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
+    prompt_logprobs: int = -1   # k >= 0: the prompt tokens' logprobs and top k (prompt_logprobs.py)
+    cache_salt: str = ""   # enters the prefix-cache block names: equal prompts of other salts share nothing
 
 
 @dataclasses.dataclass
@@ -111,6 +114,7 @@ class PrefillResult:
     speech_next: bool = False   # the request goes on to a speech stage although its text finished
     logprobs: TokenLogprobs | None = None   # the first token's, when the request asked
     token_sent: bool = False    # its first token was reported already, as a FirstToken
+    prompt_logprobs: PromptLogprobs | None = None   # the request asked (PrefillTask.prompt_logprobs)
     cached_tokens: int = 0      # prompt tokens taken from the prefix cache, not computed
 
 
@@ -127,6 +131,7 @@ class FirstToken:
     finish_reason: str = ""
     logprobs: TokenLogprobs | None = None
     cached_tokens: int = 0      # PrefillResult.cached_tokens
+    prompt_logprobs: PromptLogprobs | None = None   # PrefillResult.prompt_logprobs
 
 
 # What a step reports of a request: an early first token, prefilled (its first token and hand-off),
@@ -144,6 +149,7 @@ class _Running:
     cached: int = 0   # prompt tokens found in the prefix cache at admission (not computed)
     media: PlacedMedia | None = None
     hidden: list = dataclasses.field(default_factory=list)   # speech: captured states per chunk
+    prompt_lp: PromptLogprobs | None = None   # the prompt's logprobs so far, when the request asked
 
 
 @dataclasses.dataclass
@@ -265,12 +271,12 @@ class PrefillEngine:
             fetch.job.delete_on_discard = False
         self._transfers.close()
 
-    def prefix_hit_tokens(self, token_ids: list[int], lora: str = "") -> int:
+    def prefix_hit_tokens(self, token_ids: list[int], lora: str = "", cache_salt: str = "") -> int:
         """Prompt tokens whose KV this worker holds now (what routing would maximise); ``lora``:
-        the adapter the prompt would run under."""
+        the adapter the prompt would run under, ``cache_salt`` its request's salt."""
         if not self.prefix_caching:
             return 0
-        usable = block_hashes(token_ids, self.block_size, lora)[: (len(token_ids) - 1) // self.block_size]
+        usable = block_hashes(token_ids, self.block_size, lora, cache_salt)[: (len(token_ids) - 1) // self.block_size]
         return len(self.allocator.match(usable)) * self.block_size
 
     def prefix_events(self) -> tuple[list[bytes], list[bytes]]:
@@ -320,6 +326,9 @@ class PrefillEngine:
         if task.speech and not self.runner.in_process:
             return BadRequest.error_type, ("speech output needs a single-process prefill worker "
                                            "(tensor and pipeline parallel size 1)")
+        if task.prompt_logprobs >= 0 and not self.runner.in_process:
+            return BadRequest.error_type, ("prompt_logprobs need a single-process prefill worker "
+                                           "(tensor and pipeline parallel size 1)")
         if -(-n // self.block_size) > self.runner.num_blocks - 1:
             return OutOfMemory.error_type, f"prompt of {n} tokens exceeds the prefill KV pool"
         if task.params.lora:
@@ -358,7 +367,7 @@ class PrefillEngine:
         if task.request_id in self._media_fetches:
             self._cancel_fetch(task.request_id)   # the fetch owns the media key: it deletes it
         elif task.media is not None:
-            task.media.release(self.connector)
+            self._transfers.release(task.media.mm_key, task.media.release)
         results.append(RequestFailure(task.request_id, refusal[0], refusal[1]))
 
     def _cancel_fetch(self, request_id: str) -> None:
@@ -398,11 +407,13 @@ class PrefillEngine:
             # nor publishes cached blocks.
             if self.lora is not None and not self.lora.fits(task.params.lora, self._running_loras()):
                 continue   # a step holds at most max_loras adapters: wait for a slot's sequences
-            hashes = (block_hashes(task.prompt_token_ids, self.block_size, task.params.lora)
+            hashes = (block_hashes(task.prompt_token_ids, self.block_size, task.params.lora, task.cache_salt)
                       if self.prefix_caching and not task.media else [])
             # The last prompt token is always computed: its logits give the first output token.
-            # A speech request needs every prompt token's hidden state: no cached prefix is skipped.
-            hits = [] if task.speech else self.allocator.match(hashes[: (n - 1) // self.block_size])
+            # A speech request needs every prompt token's hidden state, prompt logprobs every prompt
+            # token's logits: no cached prefix is skipped.
+            fresh = task.speech or task.prompt_logprobs >= 0
+            hits = [] if fresh else self.allocator.match(hashes[: (n - 1) // self.block_size])
             self.allocator.acquire(hits)
             if total - len(hits) > self.allocator.free:
                 self.allocator.release(hits)
@@ -416,7 +427,7 @@ class PrefillEngine:
                         media = place_media(task.prompt_token_ids, task.media, payload, self.mrope,
                                             self.runner.config.hidden_size)
                     except (ValueError, KeyError, TypeError) as exc:
-                        task.media.release(self.connector)
+                        self._transfers.release(task.media.mm_key, task.media.release)
                         self.allocator.release(hits)
                         results.append(RequestFailure(task.request_id, BadRequest.error_type,
                                                      message=f"multimodal inputs: {exc}"))
@@ -425,7 +436,8 @@ class PrefillEngine:
             blocks = hits + self.allocator.allocate(total - len(hits))
             cached = len(hits) * self.block_size
             self.running.append(_Running(task, blocks, hashes, computed=cached, named=len(hits), cached=cached,
-                                         media=media))
+                                         media=media, prompt_lp=PromptLogprobs(task.prompt_logprobs)
+                                         if task.prompt_logprobs >= 0 else None))
             self.stats["prefix_cached_tokens"] += cached
             self.stats["prefix_hit_requests"] += bool(hits)
 
@@ -487,7 +499,8 @@ class PrefillEngine:
             task = seq.task
             reason = self._finish_reason(seq, token)
             result = PrefillResult(task.request_id, first_token=token, position=task.position_offset,
-                                   finish_reason=reason, logprobs=token_logprobs, cached_tokens=seq.cached)
+                                   finish_reason=reason, logprobs=token_logprobs, cached_tokens=seq.cached,
+                                   prompt_logprobs=seq.prompt_lp)
             speech = task.speech == "prompt" or bool(task.speech and not reason)
             if reason and not speech:
                 results.append(result)
@@ -505,7 +518,8 @@ class PrefillEngine:
                         results.append(RequestFailure(task.request_id, exc.error_type, str(exc)))
                         continue
             outgoing.append(item)
-            results.append(FirstToken(task.request_id, token, task.position_offset, reason, token_logprobs, seq.cached))
+            results.append(FirstToken(task.request_id, token, task.position_offset, reason, token_logprobs, seq.cached,
+                                      seq.prompt_lp))
             result.token_sent = True
             media = seq.media
             handoffs.append(_Handoff(result, item.kv_key, layerwise=export is not None and bool(item.kv_key),
@@ -545,7 +559,8 @@ class PrefillEngine:
 
     def _deliver(self, handoff: _Handoff, sent: SentHandoff, results: list[PrefillOutcome]) -> None:
         if handoff.dropped:   # cancelled while its hand-off was on its way: nobody will read it
-            sent.release(self.connector, handoff.kv_key)
+            key = handoff.kv_key
+            self._transfers.release(key, lambda connector: sent.release(connector, key))
             return
         result = handoff.result
         if sent.error is not None:
@@ -608,16 +623,49 @@ class PrefillEngine:
         """One forward (streaming each layer's KV to ``export``); for speech requests also keep
         their tokens' captured hidden states."""
         options = {} if export is None else {"on_layer": export.layer_done}   # in-process runners only
+        prompt = self._prompt_capture(chunks)   # in-process runners only: _refusal turns the others away
+        if prompt is not None:
+            options["prompt"] = prompt
         if not any(seq.task.speech for seq, _ in chunks):
-            return self.runner.forward(batch, **options)
-        capture = HiddenCapture()   # in-process runners only: _refusal turns speech away from a group
-        logits = self.runner.forward(batch, capture=capture, **options)
+            logits = self.runner.forward(batch, **options)
+        else:
+            capture = HiddenCapture()   # in-process runners only: _refusal turns speech away from a group
+            logits = self.runner.forward(batch, capture=capture, **options)
+            start = 0
+            for seq, n in chunks:
+                if seq.task.speech:
+                    seq.hidden.append(capture.states[start:start + n].clone())
+                start += n
+        if prompt is not None:
+            self._take_prompt_logprobs(chunks, prompt)
+        return logits
+
+    @staticmethod
+    def _scored(seq: _Running, n: int) -> int:
+        """How many of this chunk's rows are followed by a prompt token (all but the prompt's last)."""
+        return min(n, len(seq.task.prompt_token_ids) - 1 - seq.computed)
+
+    def _prompt_capture(self, chunks: list[tuple[_Running, int]]) -> PromptCapture | None:
+        """The rows of this step whose next token is a prompt token, of the requests that asked for
+        their prompt's logprobs (None: nobody did)."""
+        rows, targets, top, start = [], [], -1, 0
+        for seq, n in chunks:
+            if seq.prompt_lp is not None:
+                count = self._scored(seq, n)
+                rows += range(start, start + count)
+                prompt = seq.task.prompt_token_ids
+                targets += prompt[seq.computed + 1: seq.computed + 1 + count]
+                top = max(top, seq.prompt_lp.k)
+            start += n
+        return PromptCapture(rows, targets, top) if top >= 0 else None
+
+    def _take_prompt_logprobs(self, chunks: list[tuple[_Running, int]], prompt: PromptCapture) -> None:
         start = 0
         for seq, n in chunks:
-            if seq.task.speech:
-                seq.hidden.append(capture.states[start:start + n].clone())
-            start += n
-        return logits
+            if seq.prompt_lp is not None:
+                count = self._scored(seq, n)
+                seq.prompt_lp.take(prompt, start, count)
+                start += count
 
     def _name_full_blocks(self, seq: _Running) -> None:
         full = min(seq.computed // self.block_size, len(seq.hashes))
@@ -632,7 +680,8 @@ class PrefillEngine:
         if self.grammars is not None:
             self.grammars.release(seq.task.request_id)
         if seq.media is not None:
-            delete_quietly(self.connector, seq.media.key)
+            key = seq.media.key
+            self._transfers.release(key, lambda connector: delete_quietly(connector, key))
         if keep_blocks:
             return seq.blocks
         self.allocator.release(seq.blocks)

@@ -67,7 +67,7 @@ def build_prefill_role(config: WorkerConfig, on_fatal: Callable[[str], None] | N
     llm = _LLMParts.open(config)
     with closed_on_error(llm.connector, llm.runner):
         mrope = MropeSpec.from_config(json.loads((Path(config.model_path) / "config.json").read_text()))
-        engine = PrefillEngine(llm.runner, llm.connector, max_model_len=llm.max_model_len,
+        engine = PrefillEngine(llm.runner, llm.connector, max_model_len=llm.max_model_len, max_batch=config.capacity,
                                max_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
                                kv_transfer=config.kv_transfer, mrope=mrope, grammars=llm.grammars,
                                lora=_lora_slots(config, llm.runner))

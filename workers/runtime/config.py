@@ -12,7 +12,6 @@ from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 from omnirelay.lora_modules import LoraOptions
 
 ROLES = ("encode", "prefill", "decode", "generate")
-ENGINE_ROLES = ("encode", "prefill", "decode", "generate")   # roles this build can run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +89,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.role not in ENGINE_ROLES:
-            raise ValueError(f"role {self.role!r} has no engine in this build (available: {', '.join(ENGINE_ROLES)})")
         if not os.path.isdir(self.model_path):
             raise ValueError(f"model directory {self.model_path!r} does not exist")
         if self.kv_transfer not in ("auto", "layerwise", "whole"):

@@ -53,6 +53,11 @@ logged and left to finish it. Threads are daemon threads so that such a one does
 process's exit; when its call returns it only discards (any exception logged and swallowed: the
 connector may have been closed meanwhile) and ends.
 
+Releases (:meth:`TransferPool.release`): the keys of a request that went away (cancelled, failed,
+refused) are deleted through the pool too, since a delete is a connector call like any other (on
+Redis one can block for the socket timeout). Fire and forget: a release is a write-only job that
+leaves no result to take; one still queued when the pool closes runs on close()'s release thread.
+
 Scratch memory: a pool made with ``scratch`` keeps one such object per thread (decode's layerwise
 assembly buffers); a running transfer borrows a free one and a READY result keeps it until taken.
 """
@@ -117,6 +122,7 @@ class Transfer(Generic[Result]):
     result: Result | None = None
     error: OmniError | None = None
     scratch: Any = None   # borrowed while RUNNING or READY
+    detached: bool = False   # a release: nobody takes its result, so it ends TAKEN, not READY
 
     @property
     def finished(self) -> bool:
@@ -187,6 +193,25 @@ class TransferPool:
         else:
             self._execute(ticket, inline=True)
         return ticket
+
+    def release(self, name: str, free: Callable[[Connector], None]) -> None:
+        """Run ``free`` (deletes of keys nobody will read: ``name`` says which, for logs) off the
+        caller's thread, or inline on a connector whose writes are local. Fire and forget: a free
+        that fails is logged and its keys are left to their TTL."""
+        ticket = Transfer(_Release(name, free), detached=True)
+        with self._cond:
+            if self._closed:   # close() has run: nobody joins a thread any more, free it here
+                ticket.state = TransferState.CANCELLED
+            elif self.connector.local_writes:
+                self._start_locked(ticket, from_queue=False)
+            else:
+                self._queue.append(ticket)
+                self._spawn_locked()
+                return
+        if ticket.state is TransferState.CANCELLED:
+            self._discard_quietly(ticket, None)
+        else:
+            self._execute(ticket, inline=True)
 
     @contextlib.contextmanager
     def take(self, ticket: Transfer[Result]) -> Iterator[Result]:
@@ -345,6 +370,9 @@ class TransferPool:
                 if ticket.state is not TransferState.CANCELLED:
                     ticket.state, ticket.error = TransferState.FAILED, error
                 self._let_go_locked(ticket)
+            elif ticket.detached:
+                ticket.state = TransferState.TAKEN
+                self._let_go_locked(ticket)
             else:
                 ticket.state, ticket.result = TransferState.READY, result
                 self._ready.add(ticket)
@@ -361,6 +389,27 @@ class TransferPool:
         except Exception as exc:   # noqa: BLE001 - best-effort clean-up; keys expire by their TTL
             log.warning("could not discard the %s of %r (left to expire): %s: %s", self.name, ticket.job.name,
                         type(exc).__name__, exc)
+
+
+@dataclasses.dataclass(eq=False)
+class _Release:
+    """A :meth:`TransferPool.release`: ``free`` runs once as the job, or as its discard when the job
+    never ran to its end (the pool closed first, or the free raised: deletes may be repeated)."""
+
+    name: str
+    free: Callable[[Connector], None]
+    deadline: float = float("inf")   # it waits for no key
+    writes_only: bool = True
+    done: bool = False
+
+    def run(self, connector: Connector, timeout: float, scratch: Any) -> None:
+        self.free(connector)
+        self.done = True
+
+    def discard(self, connector: Connector, result: None) -> None:
+        if not self.done:
+            self.done = True
+            self.free(connector)
 
 
 class _StopsWhenCancelled(Connector):
