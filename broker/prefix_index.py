@@ -36,16 +36,17 @@ def route_keys(names: Iterable[bytes]) -> list[int]:
 
 
 def prompt_route_keys(token_ids: list[int], block_size: int, max_blocks: int = MAX_PROMPT_BLOCKS,
-                      lora: str = "") -> list[int]:
+                      lora: str = "", salt: str = "") -> list[int]:
     """Keys of the prompt blocks a prefill worker could reuse: full blocks only, and never the block
     holding the last prompt token (the worker always computes that token's logits). ``lora``: the
-    adapter the prompt runs under (its blocks are named apart, as the worker names them)."""
+    adapter the prompt runs under (its blocks are named apart, as the worker names them); ``salt``:
+    the request's ``cache_salt``, likewise."""
     if block_size <= 0:
         return []
     usable = min(max_blocks, (len(token_ids) - 1) // block_size)
     if usable <= 0:
         return []
-    return route_keys(block_hashes(token_ids[:usable * block_size], block_size, lora))
+    return route_keys(block_hashes(token_ids[:usable * block_size], block_size, lora, salt))
 
 
 class PrefixSet:

@@ -444,6 +444,24 @@ class ErrorReply(Message):
 # worker → gateway
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The logprobs of a prompt's tokens 1 … n-1 (token 0 has none), in order: ``logprobs[i]`` and
+    ``ranks[i]`` (1 = the likeliest) of prompt token ``i + 1``; ``top_token_ids[i]`` and
+    ``top_logprobs[i]`` the position's k likeliest (both empty lists for k = 0). Raw, as the sampled
+    tokens' (workers/llm/prompt_logprobs.py)."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != len(self.logprobs) or len(self.top_token_ids) != len(self.top_logprobs) \
+                or (self.top_token_ids and len(self.top_token_ids) != len(self.logprobs)) \
+                or any(len(ids) != len(values) for ids, values in zip(self.top_token_ids, self.top_logprobs)):
+            raise ValueError("prompt logprobs, ranks and top lists must line up")
+
+
 @_register
 class TokenDelta(Message):
     """Tokens ``token_ids`` at absolute positions ``start`` … of the generated sequence.
@@ -458,7 +476,8 @@ class TokenDelta(Message):
 
     ``cached_tokens``: on the delta of a submission's first token (from prefill), how many of its
     prompt tokens prefill took from its prefix cache instead of computing (the answer's
-    ``usage.prompt_tokens_details.cached_tokens``); 0, and so off the wire, everywhere else."""
+    ``usage.prompt_tokens_details.cached_tokens``); 0, and so off the wire, everywhere else.
+    ``prompt_logprobs``: on the same delta, when the request asked for them, its prompt's."""
 
     TAG = b"TOK"
     request_id: str
@@ -470,6 +489,7 @@ class TokenDelta(Message):
     top_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
     cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         if self.cached_tokens < 0:

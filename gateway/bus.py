@@ -37,7 +37,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 from omnirelay.broker.prefix_index import prompt_route_keys
 from omnirelay.errors import DeadlineExceeded, OmniError, WorkerLost, error_from_type
-from omnirelay.request_params import adapter_of
+from omnirelay.request_params import adapter_of, salt_of
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
 from omnirelay.tracing import CURRENT_TRACEPARENT
 
@@ -79,6 +79,7 @@ class RequestStream:
         self.next_position = 0
         self.finished = False
         self.cached_tokens = 0
+        self.prompt_logprobs: p.PromptLogprobs | None = None   # the first token's, when the request asked
         self._early: dict[int, tuple[int, str, PositionLogprobs | None]] = {}
         self._queue: asyncio.Queue[StreamEvent | OmniError] = asyncio.Queue()
 
@@ -86,6 +87,8 @@ class RequestStream:
         if self.finished:
             return
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         for i, token in enumerate(delta.token_ids):
             position = delta.start + i
             last = i == len(delta.token_ids) - 1
@@ -212,8 +215,8 @@ class BusClient:
         prompts with inline media do not, since their placeholder ids say nothing about the media."""
         if (not submit.prefix_hashes and not submit.inputs and "prefill" in submit.stages
                 and len(submit.prompt_token_ids) > PREFIX_BLOCK_SIZE):
-            keys = prompt_route_keys(submit.prompt_token_ids, PREFIX_BLOCK_SIZE,
-                                     lora=adapter_of(submit.params))   # an adapter's prefixes are its own
+            keys = prompt_route_keys(submit.prompt_token_ids, PREFIX_BLOCK_SIZE,   # an adapter's and a salt's
+                                     lora=adapter_of(submit.params), salt=salt_of(submit.params))   # are their own
             submit = msgspec.structs.replace(submit, prefix_hashes=keys, prefix_block_size=PREFIX_BLOCK_SIZE)
         if not submit.traceparent and (traceparent := CURRENT_TRACEPARENT.get()):
             submit = msgspec.structs.replace(submit, traceparent=traceparent)   # the request's span is traced

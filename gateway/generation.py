@@ -43,6 +43,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import ReasoningMode, closed_in_prompt
 from .resubmit import Submissions
 from .sampling_options import check_vocab, submission_min_tokens, wire_options
+from . import prompt_logprobs
 from .output_options import truncate_prompt
 from .schema import GenerationRequest, check_priority
 
@@ -70,6 +71,8 @@ class Generation:
     reasoning: ReasoningMode | None = None   # chat on a thinking model: how its output splits (reasoning.py)
     structured: StructuredOutput | None = None   # request.structured, gated after the reasoning (prepare)
     cached_tokens: int = 0   # prompt tokens prefill took from its prefix cache (the first submission's)
+    prompt_k: int = -1       # prefill scores the prompt with the top k (gateway/prompt_logprobs.py); -1: not
+    prompt_logprobs: p.PromptLogprobs | None = None   # what it sent, when asked
 
     @property
     def prompt_tokens(self) -> int:
@@ -138,10 +141,12 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
         stages = tuple(s for s in stages if s != "encode")
     options = wire_options(request.options, vocab_size=model.vocab_size, tokenizer=model.tokenizer,
                            max_tokens=max_tokens)
+    prompt_k = prompt_logprobs.asked(request)
+    prompt_logprobs.check_size(prompt_k, len(prompt_ids), "prompt_logprobs" if request.prompt_logprobs >= 0 else "logprobs")
     return Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=model, request=request,
                       prompt_token_ids=prompt_ids, max_tokens=max_tokens, stages=stages, inputs=inputs,
                       sampling_options=options, reasoning=reasoning,
-                      structured=_answer_grammar(model, request.structured, reasoning))
+                      structured=_answer_grammar(model, request.structured, reasoning), prompt_k=prompt_k)
 
 
 def _answer_grammar(model: ModelRuntime, spec: StructuredOutput | None,
@@ -197,6 +202,7 @@ def text_params(gen: Generation, generated: int) -> TextParams:
                       stop_token_ids=tuple(req.stop_token_ids), logprobs=req.logprobs,
                       min_tokens=submission_min_tokens(req.options, generated), structured=gen.structured,
                       lora=gen.model.lora, lora_path=gen.model.lora_path if gen.model.lora else "",
+                      prompt_logprobs=gen.prompt_k if not generated else -1, cache_salt=req.cache_salt,
                       **gen.sampling_options)
 
 
@@ -222,7 +228,9 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                                   prompt_token_ids=gen.prompt_token_ids + generated,
                                   params=msgspec.structs.replace(
                                       params, max_tokens=gen.max_tokens - len(generated),
-                                      min_tokens=submission_min_tokens(gen.request.options, len(generated))),
+                                      min_tokens=submission_min_tokens(gen.request.options, len(generated)),
+                                      # the prompt's logprobs come from the first submission only
+                                      prompt_logprobs=-1 if generated else params.prompt_logprobs),
                                   deadline=deadline, reply_to=bus.reply_to, reply_key=bus.reply_key,
                                   position_offset=len(generated), inputs=gen.inputs,
                                   priority=gen.request.priority)
@@ -230,6 +238,8 @@ async def run(bus: BusClient, gen: Generation, deadline: float) -> AsyncIterator
                 async for event in stream.events():
                     if not submit.position_offset:   # a resumed stream's prompt holds the answer so far
                         gen.cached_tokens = stream.cached_tokens
+                        if gen.prompt_k >= 0 and gen.prompt_logprobs is None:
+                            gen.prompt_logprobs = prompt_logprobs.received(gen, stream.prompt_logprobs)
                     logprobs = _checked_logprobs(gen, event.tokens, event.logprobs)
                     text_tokens = event.tokens
                     if event.finish_reason == "stop" and text_tokens and text_tokens[-1] in stop_tokens:

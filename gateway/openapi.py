@@ -157,6 +157,13 @@ def _sampling(max_model_len: int, models: list[str]) -> dict:
         "stop_token_ids": {**_TOKEN_IDS, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "return_token_ids": {"type": "boolean", "nullable": True},
+        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True,
+                            "description": "the prompt tokens' raw logprobs and the k likeliest of each position "
+                                           "(vLLM's list, first null: chat at the top level, completions per choice); "
+                                           "not with stream (400); -1 (the whole vocabulary): 422"},
+        "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024, "nullable": True,
+                       "description": "salts the prompt's prefix-cache blocks: equal prompts with other salts "
+                                      "share none"},
         # vLLM's output knobs (gateway/output_options.py)
         **{name: {"type": "boolean", "nullable": True} for name in (
             "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
@@ -493,9 +500,10 @@ _CHAT_LOGPROBS = {"type": "object", "nullable": True, "required": ["content"], "
         **_TOKEN_LOGPROB["properties"], "top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}}}}}
 _COMPLETION_LOGPROBS = {"type": "object", "nullable": True, "properties": {
     "tokens": {"type": "array", "items": {"type": "string"}},
-    "token_logprobs": {"type": "array", "items": {"type": "number"}},
+    "token_logprobs": {"type": "array", "items": {"type": "number", "nullable": True},
+                       "description": "echo: the prompt's first, null for its first token"},
     "top_logprobs": {"type": "array", "nullable": True,
-                     "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+                     "items": {"type": "object", "nullable": True, "additionalProperties": {"type": "number"}}},
     "text_offset": {"type": "array", "items": {"type": "integer"}}}}
 
 
@@ -534,7 +542,8 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
                                               "index = prompt index × n + j (at most "
                                               f"{MAX_CHOICES} choices in all)"},
         "echo": {"type": "boolean", "nullable": True,
-                 "description": "the prompt's text before each choice's text (not with logprobs: 422)"},
+                 "description": "the prompt's text before each choice's text; with logprobs, the prompt's "
+                                "token logprobs lead (the first null)"},
         **_COMPLETION_LOGPROBS_REQUEST, **_STRUCTURED}}
     chat_choice = {"type": "object", "properties": {
         "index": {"type": "integer"}, "finish_reason": {"type": "string", "nullable": True},

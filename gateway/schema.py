@@ -3,8 +3,8 @@
 Every check raises :class:`~omnirelay.errors.BadRequest` (400) naming the offending ``param``, so a
 bad request gets an OpenAI-style body before anything is submitted. A well-formed request for
 something we do not do yet gets :class:`~omnirelay.errors.Unprocessable` (422) when it would change
-the answer (non-text content, logprobs of a spoken answer, ``echo`` with logprobs, ``n`` > 1 with a
-spoken answer, and every option of :data:`NOT_SERVED`), never a 200 that ignored it. Hints that cannot change the answer's tokens
+the answer (non-text content, logprobs of a spoken answer, ``n`` > 1 with a spoken answer, and every
+option of :data:`NOT_SERVED`), never a 200 that ignored it. Hints that cannot change the answer's tokens
 (``user``, ``metadata``, ``store``, ``service_tier``, ``prediction``, ``prompt_cache_key``,
 ``safety_identifier``) are accepted and ignored. ``priority`` (vLLM's: lower first) is served under
 ``--scheduling-policy priority`` and a 400 otherwise unless 0 (omnirelay/scheduling.py).
@@ -25,7 +25,7 @@ import dataclasses
 import json
 from typing import Any
 
-from omnirelay.request_params import MAX_TOP_LOGPROBS, StructuredOutput
+from omnirelay.request_params import MAX_CACHE_SALT_CHARS, MAX_TOP_LOGPROBS, StructuredOutput
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.scheduling import PRIORITY_MAX, PRIORITY_MIN
 
@@ -107,6 +107,8 @@ class GenerationRequest:
     continuous_usage: bool = False                # stream: usage so far on every chunk (stream_options)
     priority: int = 0                             # lower first under --scheduling-policy priority
     output: OutputOptions = OutputOptions()       # vLLM's output knobs (gateway/output_options.py)
+    prompt_logprobs: int = -1                     # k >= 0: the prompt tokens' logprobs (gateway/prompt_logprobs.py)
+    cache_salt: str = ""                          # salts the prompt's prefix-cache blocks (omnirelay/block_hash.py)
 
 
 
@@ -173,7 +175,8 @@ def _chat_audio(body: dict) -> dict:
 # continue_final_message, add_special_tokens, chat_template behind --trust-request-chat-template:
 # TemplateOptions), include_reasoning (gateway/reasoning.py) and vLLM's output knobs
 # (include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
-# truncate_prompt_tokens, return_tokens_as_token_ids: gateway/output_options.py) and reasoning_effort
+# truncate_prompt_tokens, return_tokens_as_token_ids: gateway/output_options.py), prompt_logprobs and
+# completions' echo with logprobs (gateway/prompt_logprobs.py), cache_salt (omnirelay/block_hash.py) and reasoning_effort
 # (chat: the template variables it implies, implied_variables; a Qwen3 answer thinks or not by it).
 NOT_SERVED: dict[str, tuple] = {
     # sampling (the served options: sampling_options.py)
@@ -185,7 +188,6 @@ NOT_SERVED: dict[str, tuple] = {
     "functions": ([],),
     "function_call": ("none",),
     # what the prompt or the answer's text is made of
-    "prompt_logprobs": (),
     "suffix": ("",),
     "web_search_options": (),
 }
@@ -379,7 +381,37 @@ def _common(body: dict) -> dict:
         # vLLM: usage on every chunk, only together with include_usage
         continuous_usage=include_usage and boolean_field(stream_options, "continuous_usage_stats"),
         return_token_ids=boolean_field(body, "return_token_ids"), n=n, priority=_priority(body),
-        output=parse_output_options(body))
+        output=parse_output_options(body), prompt_logprobs=_prompt_logprobs(body, stream),
+        cache_salt=_cache_salt(body))
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> int:
+    """vLLM's ``prompt_logprobs`` (-1 when absent): k alternatives per prompt position, at most
+    :data:`MAX_TOP_LOGPROBS`; vLLM's -1 (the whole vocabulary per position) is not served."""
+    value = _integer(body, "prompt_logprobs", None)
+    if value is None:
+        return -1
+    if value == -1:
+        raise Unprocessable(f"'prompt_logprobs': -1 (every token of the vocabulary at every position) is not served; "
+                            f"ask for at most {MAX_TOP_LOGPROBS}", param="prompt_logprobs")
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"'prompt_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {value}",
+                         param="prompt_logprobs")
+    if stream:   # vLLM's rule
+        raise BadRequest("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+    return value
+
+
+def _cache_salt(body: dict) -> str:
+    """vLLM's ``cache_salt``: a non-empty string that salts the prompt's prefix-cache blocks."""
+    value = body.get("cache_salt")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise BadRequest(f"'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
+    return value
 
 
 def _priority(body: dict) -> int:
@@ -427,6 +459,9 @@ def parse_chat(body: Any) -> GenerationRequest:
                             "(modalities with audio)", param="stream_options.continuous_usage_stats")
     if common["n"] > 1 and "audio" in audio["modalities"]:
         raise Unprocessable("a spoken answer (modalities with audio) has one choice: n must be 1", param="n")
+    if common["prompt_logprobs"] >= 0 and "audio" in audio["modalities"]:
+        raise Unprocessable("prompt_logprobs are not served for a spoken answer (modalities with audio)",
+                            param="prompt_logprobs")
     if boolean_field(body, "echo"):   # vLLM's chat echo (the last message again) is not served; completions' is
         raise Unprocessable("echo is served by /v1/completions, not chat", param="echo")
     structured, tools = parse_structured(body, "chat")
@@ -474,10 +509,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise BadRequest("'top_logprobs' is a chat parameter; completions take 'logprobs': k", param="top_logprobs")
     logprobs = _top_logprobs_count(body, "logprobs")
     common["logprobs"] = -1 if logprobs is None else logprobs
-    common["echo"] = boolean_field(body, "echo")
-    if common["echo"] and common["logprobs"] >= 0:
-        raise Unprocessable("echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                            param="echo")
+    common["echo"] = boolean_field(body, "echo")   # with logprobs: the prompt's too (gateway/prompt_logprobs.py)
     prompts = _prompts(body)
     if len(prompts) * common["n"] > MAX_CHOICES:
         raise BadRequest(f"{len(prompts)} prompts × n={common['n']} exceeds {MAX_CHOICES} choices", param="prompt")

@@ -8,6 +8,9 @@ Equal names on two workers mean equal KV (same model and block size).
 A LoRA adapter changes every block's KV: under adapter ``X`` the chain starts from
 ``blake2b("lora:" + X)`` instead of the empty parent (``salt``), so a prefix computed under one
 adapter never matches another adapter's or the base's. Without an adapter the names are unchanged.
+A request's ``cache_salt`` (vLLM's) enters the same seed (``"lora:" + X + "\\0salt:" + S``), so equal
+prompts under different salts share no block: a tenant cannot learn by timing whether another
+tenant's prompt is cached. Without a salt the names are unchanged.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ HASH_BYTES = 16
 DEFAULT_BLOCK_SIZE = 16
 
 
-def block_hashes(token_ids: list[int], block_size: int, lora: str = "") -> list[bytes]:
+def block_hashes(token_ids: list[int], block_size: int, lora: str = "", salt: str = "") -> list[bytes]:
     """Chain hashes of the full blocks of ``token_ids``, first block first; ``lora``: the
-    adapter the KV is computed under ("": the base)."""
+    adapter the KV is computed under ("": the base); ``salt``: the request's ``cache_salt``."""
     out: list[bytes] = []
-    parent = hashlib.blake2b(b"lora:" + lora.encode(), digest_size=HASH_BYTES).digest() if lora else b""
+    parent = b""
+    if lora or salt:
+        seed = b"lora:" + lora.encode() + (b"\x00salt:" + salt.encode() if salt else b"")
+        parent = hashlib.blake2b(seed, digest_size=HASH_BYTES).digest()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start:start + block_size]
         parent = hashlib.blake2b(parent + struct.pack(f"<{block_size}q", *block), digest_size=HASH_BYTES).digest()

@@ -38,6 +38,7 @@ from omnirelay.video_params import VideoParams
 MAX_TOP_LOGPROBS = 20              # alternatives per token a request may ask for (OpenAI's and vLLM's limit)
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
 MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+MAX_CACHE_SALT_CHARS = 1024
 _SAMPLING_EPS = 1e-5
 
 
@@ -88,7 +89,10 @@ class TextParams(msgspec.Struct, tag="text", frozen=True, forbid_unknown_fields=
     sends what is left). ``top_k`` 0 or -1: off. ``logprobs`` -1: none; 0: the chosen token's; k:
     also the top k. ``logit_bias``: (token id, bias) pairs; ``bad_words_token_ids``: token sequences
     never completed; ``allowed_token_ids``: empty means every token. ``speech``: the answer is also
-    spoken (prefill and decode export the thinker's hidden states; the generate stage speaks)."""
+    spoken (prefill and decode export the thinker's hidden states; the generate stage speaks).
+    ``prompt_logprobs`` -1: none; k >= 0: prefill also scores the prompt's own tokens, with the top
+    k of each position (workers/llm/prompt_logprobs.py). ``cache_salt``: enters the names of the
+    prompt's prefix-cache blocks (omnirelay/block_hash.py), so equal prompts of other salts share none."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -113,6 +117,8 @@ class TextParams(msgspec.Struct, tag="text", frozen=True, forbid_unknown_fields=
     lora: str = ""
     lora_path: str = ""
     speech: SpeechParams | None = None
+    prompt_logprobs: int = -1
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -144,6 +150,11 @@ class TextParams(msgspec.Struct, tag="text", frozen=True, forbid_unknown_fields=
                 raise InvalidParam(f"{name} must be token ids", param=name)
         if self.lora_path and not self.lora:
             raise InvalidParam("lora_path needs a lora name", param="model")
+        if not _is_int(self.prompt_logprobs) or not -1 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParam(f"prompt_logprobs must be an integer from -1 to {MAX_TOP_LOGPROBS}",
+                               param="prompt_logprobs")
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidParam(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
 
     # Views the sampler reads every step, computed once per request.
 
@@ -227,4 +238,9 @@ def expect_params(params: RequestParams, kind: type[_Kind]) -> _Kind:
 def adapter_of(params: RequestParams) -> str:
     """The LoRA adapter a request names ("" for the base model or a non-text request)."""
     return params.lora if isinstance(params, TextParams) else ""
+
+
+def salt_of(params: RequestParams) -> str:
+    """The ``cache_salt`` a request names ("" for none or a non-text request)."""
+    return params.cache_salt if isinstance(params, TextParams) else ""
 

@@ -191,7 +191,7 @@ def test_bad_choice_requests_are_refused_before_any_work(client):
         (dict(prompt=["a", [1, -2]]), 400, "prompt[1]"),
         (dict(prompt=[]), 400, "prompt"),
         (dict(prompt=["a"] * (MAX_CHOICES // 2 + 1), n=2), 400, "prompt"),
-        (dict(prompt="x", echo=True, logprobs=1), 422, "echo"),
+        (dict(prompt="x", echo=True, logprobs=21), 400, "logprobs"),   # echo with logprobs is served (up to 20)
         (dict(prompt=["a", "word " * 5000], n=2), 400, "prompt[1]"),   # too long for the context: nothing runs
     ]
     for kwargs, status, param in cases:

@@ -24,8 +24,8 @@ deadline) cancels every choice upstream — :func:`interleave` owns one task per
 and joins them all when it ends, however it ends.
 
 ``echo`` (completions) puts the prompt's text before each choice's text (the first chunk of each
-choice when streaming). Echo with logprobs needs the prompt's logprobs, which prefill does not
-compute: schema answers 422 for that pair.
+choice when streaming); with ``logprobs``, the prompt's logprobs lead the choice's (computed by
+prefill for each prompt's first choice: gateway/prompt_logprobs.py), as vLLM answers.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .. import generation
 from ..app_keys import BUS, CONFIG
 from ..bus import BusClient
 from ..models import ModelRuntime
+from ..prompt_logprobs import echo_logprobs, joined, prompt_logprobs_field
 from ..request_record import RequestRecord, open_record
 from ..schema import GenerationRequest
 from ..sse import SseWriter, stream_slot
@@ -67,6 +68,10 @@ class Plan:
     @property
     def completion_tokens(self) -> int:
         return sum(gen.completion_tokens for gen in self.gens)
+
+    def scored(self, index: int) -> generation.Generation:
+        """The choice of ``index``'s prompt that was asked for the prompt's logprobs (its first)."""
+        return self.gens[index - index % self.n]
 
     @property
     def cached_tokens(self) -> int:
@@ -95,8 +100,10 @@ def plan(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Plan:
             raise
         for j in range(request.n):
             seed = None if request.seed is None else request.seed + j
+            # The prompt's logprobs are the same for every choice: its first one asks (Plan.scored).
             gens.append(dataclasses.replace(base, request_id=f"{request_id}-{len(gens)}",
-                                            request=dataclasses.replace(one, seed=seed)))
+                                            request=dataclasses.replace(one, seed=seed),
+                                            prompt_k=base.prompt_k if j == 0 else -1))
     return Plan(request_id, request, gens, request.n)
 
 
@@ -195,11 +202,20 @@ async def _respond_full(request: web.Request, plan_: Plan, fmts: list, record: R
     choices = []
     for index, gen in enumerate(plan_.gens):
         fmt = fmts[index]
-        rendered = fmt.logprobs(gen, token_ids[index], logprobs[index], 0)[0] if gen.request.logprobs >= 0 else None
+        scored = plan_.scored(index)   # the prompt's logprobs, computed for its first choice
+        offset, echoed = 0, None
+        if plan_.request.echo and gen.request.logprobs >= 0:
+            echoed, offset = echo_logprobs(scored, generation.token_text)
+        rendered = (fmt.logprobs(gen, token_ids[index], logprobs[index], offset)[0]
+                    if gen.request.logprobs >= 0 else None)
+        if echoed is not None:
+            rendered = joined(echoed, rendered)
         text = "".join(texts[index])
         if plan_.request.echo:
             text = _echo_text(gen) + text
         choice = {**fmt.full(text, finish[index], rendered), "index": index}
+        if gen.request.prompt_logprobs >= 0 and plan_.request.kind != "chat":   # a completion choice: its own
+            choice["prompt_logprobs"] = prompt_logprobs_field(scored, generation.token_text)
         if plan_.request.return_token_ids:
             choice["token_ids"] = token_ids[index]
             if plan_.request.kind != "chat":   # a completion choice: its own prompt's (vLLM)
@@ -209,6 +225,8 @@ async def _respond_full(request: web.Request, plan_: Plan, fmts: list, record: R
             "object": fmts[0].object_full, "choices": choices, "usage": _usage(plan_)}
     if plan_.request.return_token_ids and plan_.request.kind == "chat":   # one prompt: at the top level (vLLM)
         body["prompt_token_ids"] = plan_.gens[0].prompt_token_ids
+    if plan_.request.prompt_logprobs >= 0 and plan_.request.kind == "chat":
+        body["prompt_logprobs"] = prompt_logprobs_field(plan_.gens[0], generation.token_text)
     return web.json_response(body, headers={"X-Request-Id": plan_.request_id})
 
 
@@ -249,9 +267,13 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, record: Request
             index, chunk = item
             gen, fmt = plan_.gens[index], fmts[index]
             record.tokens(len(chunk.token_ids))
-            logprobs = None
+            logprobs, echoed = None, None
+            if echo[index] and gen.request.logprobs >= 0:   # the echoed prompt's logprobs lead
+                echoed, offsets[index] = echo_logprobs(plan_.scored(index), generation.token_text)
             if gen.request.logprobs >= 0 and chunk.token_ids:
                 logprobs, offsets[index] = fmt.logprobs(gen, chunk.token_ids, chunk.logprobs, offsets[index])
+            if echoed is not None:
+                logprobs = joined(echoed, logprobs)
             text = chunk.text
             if echo[index]:
                 text, echo[index] = _echo_text(gen) + text, False

@@ -21,6 +21,7 @@ from ..request_body import json_body
 from ..request_record import RequestRecord, open_record
 from ..reasoning import ReasoningMode, reasoning_format
 from ..schema import GenerationRequest, check_request_template, parse_chat, parse_completion
+from ..prompt_logprobs import prompt_logprobs_field
 from ..spoken_answers import resolve_audio_turns
 from ..sse import SseWriter, stream_slot
 from ..tool_calls import chat_format
@@ -165,6 +166,9 @@ async def _respond_full(request: web.Request, gen: generation.Generation, fmt,
     choice = fmt.full("".join(texts), finish, rendered)
     body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": fmt.object_full,
             "choices": [choice], "usage": _usage(gen)}
+    if gen.request.prompt_logprobs >= 0:   # vLLM: chat's at the top level, a completion choice its own
+        (body if gen.request.kind == "chat" else choice)["prompt_logprobs"] = \
+            prompt_logprobs_field(gen, generation.token_text)
     if gen.request.return_token_ids:
         choice["token_ids"] = token_ids
         # vLLM: chat carries the prompt's ids at the top level, a completion choice its own prompt's

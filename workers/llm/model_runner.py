@@ -29,6 +29,7 @@ from omnirelay.workers.runtime.devices import DEFAULT_GPU_MEMORY_UTILIZATION, bl
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaConfig, LlamaModel
+from omnirelay.workers.llm.prompt_logprobs import PromptCapture
 from omnirelay.request_params import TextParams
 
 
@@ -71,11 +72,12 @@ class LocalRunner:
         self.num_blocks = cache.num_blocks
 
     def forward(self, batch: ForwardBatch, on_layer: Callable[[int], None] | None = None,
-                capture: HiddenCapture | None = None) -> torch.Tensor:
-        """``on_layer``, ``capture``: see :meth:`LlamaModel.forward` (in-process runners only: a
-        group's layers are on other ranks, so the prefill exports a group's KV whole and speech
-        needs a single-process worker)."""
-        return self.model.forward(batch.to(self.model.device), self.cache, on_layer=on_layer, capture=capture)
+                capture: HiddenCapture | None = None, prompt: PromptCapture | None = None) -> torch.Tensor:
+        """``on_layer``, ``capture``, ``prompt``: see :meth:`LlamaModel.forward` (in-process runners
+        only: a group's layers are on other ranks, so the prefill exports a group's KV whole, and
+        speech and prompt logprobs need a single-process worker)."""
+        return self.model.forward(batch.to(self.model.device), self.cache, on_layer=on_layer, capture=capture,
+                                  prompt=prompt)
 
     def kv_spec(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
         return self.cache.sequence_spec(num_tokens)

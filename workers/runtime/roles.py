@@ -143,7 +143,8 @@ class PrefillRole(RoleAdapter):
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset, speech=_speech_mode(task.params),
                                     media=task.inputs,
-                                    structured=params.structured, priority=task.priority))
+                                    structured=params.structured, priority=task.priority,
+                                    prompt_logprobs=params.prompt_logprobs, cache_salt=params.cache_salt))
         return []
 
     def step(self) -> list[Outbound]:
@@ -156,7 +157,7 @@ class PrefillRole(RoleAdapter):
             if isinstance(result, FirstToken):   # its hand-off is still on its way: the report follows
                 tokens.append(TokenOut(result.request_id, self._reply_to.get(result.request_id, ""), result.position,
                                        result.token, result.finish_reason, logprobs=result.logprobs,
-                                       cached_tokens=result.cached_tokens))
+                                       cached_tokens=result.cached_tokens, prompt_logprobs=result.prompt_logprobs))
                 continue
             reply_to = self._reply_to.pop(result.request_id, "")
             if isinstance(result, RequestFailure):
@@ -166,7 +167,7 @@ class PrefillRole(RoleAdapter):
             if not result.token_sent:
                 tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
                                        result.finish_reason, logprobs=result.logprobs,
-                                       cached_tokens=result.cached_tokens))
+                                       cached_tokens=result.cached_tokens, prompt_logprobs=result.prompt_logprobs))
             reports.append(self._done(result.request_id, result.outputs,
                                       bool(result.finish_reason) and not result.speech_next))
         return token_messages(tokens, self.worker_id) + reports + failures
@@ -247,13 +248,18 @@ def token_messages(tokens: list[TokenOut], worker_id: str) -> list[Outbound]:
 
 def _delta(t: TokenOut, worker_id: str = "") -> p.TokenDelta:
     """One token as a delta, with its logprobs when the request asked (``TokenOut.logprobs``)."""
+    prompt = None
+    if t.prompt_logprobs is not None:
+        lp = t.prompt_logprobs
+        prompt = p.PromptLogprobs(lp.logprobs, lp.ranks, lp.top_ids if lp.k else [], lp.top_logprobs if lp.k else [])
     if t.logprobs is None:
         return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
-                            cached_tokens=t.cached_tokens)
+                            cached_tokens=t.cached_tokens, prompt_logprobs=prompt)
     top = t.logprobs.top
     return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
                         logprobs=[t.logprobs.logprob], top_token_ids=[[i for i, _ in top]] if top else [],
-                        top_logprobs=[[v for _, v in top]] if top else [], cached_tokens=t.cached_tokens)
+                        top_logprobs=[[v for _, v in top]] if top else [], cached_tokens=t.cached_tokens,
+                        prompt_logprobs=prompt)
 
 
 def _check_token_ids(params: TextParams, engine: PrefillEngine | DecodeEngine) -> None:

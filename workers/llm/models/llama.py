@@ -73,6 +73,7 @@ from omnirelay.workers.llm import native_attention
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.expert_parallel import check_expert_parallel
 from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE, load_moe
+from omnirelay.workers.llm.prompt_logprobs import PromptCapture
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Per-head q/k RMSNorm before rotary (Qwen3 and Qwen3-MoE).
@@ -484,14 +485,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache, hidden: torch.Tensor | None = None,
-                on_layer: Callable[[int], None] | None = None, capture: HiddenCapture | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None, capture: HiddenCapture | None = None,
+                prompt: PromptCapture | None = None) -> torch.Tensor:
         """Run one step. ``cache`` holds this rank's layers and KV heads; the new tokens' K/V go to
         ``batch.slots``. Returns logits ``[B, vocab]`` of each sequence's last new token on the last
         pipeline stage, else the hidden states ``[T, hidden]`` for the next stage (``hidden`` is
         the previous stage's output; the first stage embeds ``batch.input_ids``). ``on_layer(i)``
         runs as soon as layer ``i`` (of this rank's cache) holds the step's K/V, so a caller can
         start moving it while the later layers compute (the prefill's layerwise KV export).
-        ``capture``: keep the states the speech stage reads (see :class:`HiddenCapture`)."""
+        ``capture``: keep the states the speech stage reads (see :class:`HiddenCapture`). ``prompt``:
+        score the prompt tokens that follow its rows (workers/llm/prompt_logprobs.py)."""
         cos, sin = self._rotary(batch.positions if batch.rope_positions is None else batch.rope_positions)
         # LoRA: tokens grouped by adapter slot once per step; empty (the base path) without slots.
         self._lora_groups = ([] if batch.lora_slots is None or self.lora is None
@@ -522,6 +525,8 @@ class LlamaModel:
         if capture is not None and not self.config.capture_layer:
             # On the host: these states only leave through a connector (speech requests only).
             capture.states = _rms_norm(h, self.norm, self.config.rms_norm_eps).cpu()
+        if prompt is not None:
+            prompt.read(h, self._logits)
         return self._logits(h.index_select(0, batch.last_index))
 
     @torch.inference_mode()
