@@ -141,3 +141,16 @@ def test_runtime_routes_need_the_flag(server):
         assert response.status_code in (404, 405), response.text
     models = requests.get(server.url + "/v1/models", timeout=30).json()["data"]
     assert all("parent" not in m for m in models)
+
+
+def test_base_and_three_adapters_at_tensor_parallel_size_2_equal_peft(tiny_model, adapters, peft_greedy, tmp_path):
+    """The same load with prefill and decode each a group of two tensor ranks: every rank holds its
+    shard of each adapter (B's rows of q/k/v/gate/up, A's columns of o/down), loaded into the slot
+    rank 0 chose; with 1 slot the three adapters also take turns in it (the ranks follow rank 0)."""
+    modules = [arg for name in RECIPES for arg in ("--lora-modules", f"{name}={adapters[name]}")]
+    with ServeProcess(tiny_model, "--served-model-name", MODEL, "--log-level", "WARNING",
+                      "--tensor-parallel-size", "2", "--enable-lora", *modules, "--max-loras", "1",
+                      "--max-lora-rank", "16", log_path=str(tmp_path / "omni-serve.log")) as server:
+        jobs = [(name, content) for content in PROMPTS for name in (MODEL, *RECIPES)]
+        for (name, content), tokens in zip(jobs, _run(server, jobs)):
+            assert tokens == peft_greedy(adapters.get(name), content), (name, content)

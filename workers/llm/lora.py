@@ -27,6 +27,15 @@ LoRA term of every adapter segment: tokens grouped by slot once per step (:meth:
 one ``(x @ A.T) @ B.T`` per adapter present in the step (a loop over adapters, never over tokens),
 added back with ``index_add_``. A batch without adapters carries no slots and runs the base path
 unchanged.
+
+Tensor parallelism: each rank's stacks hold its shard of every adapter, cut as the base weights
+are (:func:`write_slot`). The column-parallel projections (q/k/v, gate/up) keep all of A and their
+rows of B (the output rows the rank computes); the row-parallel ones (o, down) keep their columns
+of A (the input the rank holds) and all of B, so their LoRA term is a partial sum that the layer's
+all-reduce adds up with the base's. Rank 0's :class:`LoraSlots` decides which adapter goes in which
+slot and tells the other ranks (``peers``: the group runner's LOAD_LORA), whose :class:`RankSlots`
+read the same adapter and write their shard into the same slot; the batch's ``lora_slots`` travel
+to them with the step.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -132,43 +142,112 @@ def load_adapter(name: str, path: str | Path, config, *, max_rank: int) -> LoraA
     return LoraAdapter(name, path, rank, scaling, weights)
 
 
+_ROW_PARALLEL = ("o_proj", "down_proj")   # input sharded across tensor ranks; the rest shard their output
+
+
+def _layout(model) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """(in, out) of each target on this rank of ``model`` (its tensor shard), and each target's
+    row offset inside its fused linear's output (q, k, v; gate, up)."""
+    tp = model.shard.tp_size
+    shapes = {target: (n_in // tp, n_out) if target in _ROW_PARALLEL else (n_in, n_out // tp)
+              for target, (n_in, n_out) in _shapes(model.config).items()}
+    offsets = {"q_proj": 0, "k_proj": shapes["q_proj"][1], "v_proj": shapes["q_proj"][1] + shapes["k_proj"][1],
+               "o_proj": 0, "gate_proj": 0, "up_proj": shapes["gate_proj"][1], "down_proj": 0}
+    return shapes, offsets
+
+
+def attach_stacks(model, max_loras: int, max_rank: int) -> None:
+    """Zeroed slot stacks (``layer.lora``) on every layer ``model`` holds, sized for its shard."""
+    shapes, _ = _layout(model)
+    fused_in = {"qkv": shapes["q_proj"][0], "o": shapes["o_proj"][0], "gate_up": shapes["gate_proj"][0],
+                "down": shapes["down_proj"][0]}
+    fused_out = {"qkv": shapes["q_proj"][1] + 2 * shapes["k_proj"][1], "o": shapes["o_proj"][1],
+                 "gate_up": 2 * shapes["gate_proj"][1], "down": shapes["down_proj"][1]}
+    for layer in model.layers:
+        layer.lora = {}
+        for fused, parts in _PARTS.items():
+            if fused in ("gate_up", "down") and layer.gate_up is None:
+                continue   # a sparse MoE layer: experts carry no LoRA
+            width = parts * max_rank
+            layer.lora[fused] = (torch.zeros(max_loras, width, fused_in[fused], dtype=model.dtype, device=model.device),
+                                 torch.zeros(max_loras, fused_out[fused], width, dtype=model.dtype, device=model.device))
+
+
+def write_slot(model, slot: int, adapter: LoraAdapter, max_rank: int) -> None:
+    """This rank's shard of ``adapter`` into ``slot`` of ``model``'s stacks (the rest zeroed): B's
+    rows of a column-parallel target, A's columns of a row-parallel one, cut as the base weights are."""
+    shapes, offsets = _layout(model)
+    rank, first = model.shard.tp_rank, model.layer_ids.start
+    for index, layer in enumerate(model.layers):
+        for a_stack, b_stack in layer.lora.values():
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+        for (layer_id, target), (a, b) in adapter.weights.items():
+            if layer_id != first + index:
+                continue
+            n_in, n_out = shapes[target]
+            if target in _ROW_PARALLEL:
+                a = a[:, rank * n_in:(rank + 1) * n_in]
+            else:
+                b = b[rank * n_out:(rank + 1) * n_out]
+            fused, part = TARGETS[target]
+            a_stack, b_stack = layer.lora[fused]
+            rows = slice(part * max_rank, part * max_rank + adapter.rank)
+            out = slice(offsets[target], offsets[target] + n_out)
+            a_stack[slot, rows] = a.to(a_stack.device, a_stack.dtype)
+            b_stack[slot, out, rows] = b.to(b_stack.device, b_stack.dtype)
+
+
+def groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(slot, rows)`` of each adapter present in a step: its tokens' rows in the packed batch."""
+    order = torch.argsort(token_slots, stable=True)
+    values, counts = torch.unique_consecutive(token_slots.index_select(0, order), return_counts=True)
+    out, start = [], 0
+    for slot, n in zip(values.tolist(), counts.tolist()):
+        if slot >= 0:
+            out.append((slot, order[start:start + n]))
+        start += n
+    return out
+
+
+class RankSlots:
+    """The slot stacks of a tensor or pipeline rank other than 0: it loads what rank 0's
+    :class:`LoraSlots` chose, into the same slot (:meth:`load`); attaches itself as ``model.lora``."""
+
+    groups = staticmethod(groups)
+
+    def __init__(self, model, max_loras: int, max_rank: int):
+        self.model, self.max_rank = model, max_rank
+        attach_stacks(model, max_loras, max_rank)
+        model.lora = self
+
+    def load(self, slot: int, name: str, path: str) -> None:
+        write_slot(self.model, slot, load_adapter(name, path, self.model.config, max_rank=self.max_rank),
+                   self.max_rank)
+
+
 class LoraSlots:
     """The adapters of one model: ``modules`` (name → directory) are checked at construction;
     up to ``max_loras`` are resident in the model's slot stacks at once. Attaches itself to
-    ``model`` (``model.lora``); single-rank models only (TP sharding of A and B is not done yet)."""
+    ``model`` (``model.lora``). ``peers(slot, name, path)``: for rank 0 of a parallel group, makes
+    the other ranks load the adapter into the same slot (their shards; None: a single process)."""
+
+    groups = staticmethod(groups)
 
     def __init__(self, model, modules: dict[str, str], *, max_loras: int = 1, max_rank: int = 16,
-                 max_cpu_loras: int | None = None):
-        if model.shard.tp_size != 1:
-            raise LoraError("LoRA is not served with tensor parallelism yet")
+                 max_cpu_loras: int | None = None, peers: Callable[[int, str, str], None] | None = None):
         if max_loras < 1 or max_rank < 1:
             raise LoraError(f"--max-loras and --max-lora-rank must be at least 1, got {max_loras}, {max_rank}")
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.peers = peers
         self.paths: dict[str, Path] = {}
         self._cpu: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()   # LRU first
         self._resident: collections.OrderedDict[str, int] = collections.OrderedDict()       # name → slot, LRU first
         self.stats = collections.Counter()
-        cfg, dtype, device = model.config, model.dtype, model.device
-        shapes = _shapes(cfg)
-        fused_in = {"qkv": shapes["q_proj"][0], "o": shapes["o_proj"][0], "gate_up": shapes["gate_proj"][0],
-                    "down": shapes["down_proj"][0]}
-        fused_out = {"qkv": shapes["q_proj"][1] + 2 * shapes["k_proj"][1], "o": shapes["o_proj"][1],
-                     "gate_up": 2 * shapes["gate_proj"][1], "down": shapes["down_proj"][1]}
-        # Row offset of each target inside its fused linear's output (q, k, v; gate, up).
-        self._out_offset = {"q_proj": 0, "k_proj": shapes["q_proj"][1],
-                            "v_proj": shapes["q_proj"][1] + shapes["k_proj"][1], "o_proj": 0,
-                            "gate_proj": 0, "up_proj": shapes["gate_proj"][1], "down_proj": 0}
-        for layer_id, layer in zip(model.layer_ids, model.layers):
-            layer.lora = {}
-            for fused, parts in _PARTS.items():
-                if fused in ("gate_up", "down") and layer.gate_up is None:
-                    continue   # a sparse MoE layer: experts carry no LoRA
-                width = parts * max_rank
-                layer.lora[fused] = (torch.zeros(max_loras, width, fused_in[fused], dtype=dtype, device=device),
-                                     torch.zeros(max_loras, fused_out[fused], width, dtype=dtype, device=device))
+        attach_stacks(model, max_loras, max_rank)
         for name, path in modules.items():
             self.register(name, path)
         model.lora = self
@@ -248,26 +327,12 @@ class LoraSlots:
             adapter = load_adapter(name, self.paths[name], self.model.config, max_rank=self.max_rank)
             self.stats["lora_disk_loads"] += 1
         self._cache(adapter)
-        self._write(slot, adapter)
+        write_slot(self.model, slot, adapter, self.max_rank)
+        if self.peers is not None:
+            self.peers(slot, name, str(self.paths[name]))
         self._resident[name] = slot
         self.stats["lora_loads"] += 1
         return slot
-
-    def _write(self, slot: int, adapter: LoraAdapter) -> None:
-        r, first = adapter.rank, self.model.layer_ids.start
-        for index, layer in enumerate(self.model.layers):
-            for a_stack, b_stack in layer.lora.values():
-                a_stack[slot].zero_()
-                b_stack[slot].zero_()
-            for (layer_id, target), (a, b) in adapter.weights.items():
-                if layer_id != first + index:
-                    continue
-                fused, part = TARGETS[target]
-                a_stack, b_stack = layer.lora[fused]
-                rows = slice(part * self.max_rank, part * self.max_rank + r)
-                out = slice(self._out_offset[target], self._out_offset[target] + b.shape[0])
-                a_stack[slot, rows] = a.to(a_stack.device, a_stack.dtype)
-                b_stack[slot, out, rows] = b.to(b_stack.device, b_stack.dtype)
 
     def token_slots(self, names: list[str], counts: list[int]) -> torch.Tensor | None:
         """Per-token slot index ``[sum(counts)]`` for sequences of adapters ``names`` (``""``: base,
@@ -277,18 +342,6 @@ class LoraSlots:
         busy = set(names) - {""}
         slots = [self.slot(n, busy) if n else -1 for n in names]
         return torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), torch.tensor(counts, dtype=torch.long))
-
-    @staticmethod
-    def groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """``(slot, rows)`` of each adapter present in a step: its tokens' rows in the packed batch."""
-        order = torch.argsort(token_slots, stable=True)
-        values, counts = torch.unique_consecutive(token_slots.index_select(0, order), return_counts=True)
-        out, start = [], 0
-        for slot, n in zip(values.tolist(), counts.tolist()):
-            if slot >= 0:
-                out.append((slot, order[start:start + n]))
-            start += n
-        return out
 
 
 def apply(layer, fused: str, x: torch.Tensor, y: torch.Tensor, groups) -> torch.Tensor:

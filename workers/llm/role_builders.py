@@ -21,7 +21,7 @@ from omnirelay.mrope import MropeSpec
 
 from omnirelay.connectors.timing import TimedConnector
 from omnirelay.workers.llm.decode import DecodeEngine
-from omnirelay.workers.llm.lora import LoraError, LoraSlots
+from omnirelay.workers.llm.lora import LoraSlots
 from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import PrefillEngine
@@ -94,13 +94,12 @@ def _lora_slots(config: WorkerConfig, runner: ModelRunner) -> LoraSlots | None:
     is read and checked now, so a bad one stops the worker at start, naming it."""
     if config.lora is None:
         return None
-    if not runner.in_process:
-        raise LoraError("--enable-lora: LoRA is served by single-process workers only (tensor and pipeline "
-                         "parallel size 1) in this build")
     options = config.lora
     modules = {m.name: m.path for m in options.modules if m.base_model_name in ("", config.model_name)}
+    # A parallel group's other ranks load each adapter rank 0 puts in a slot (their shards).
     return LoraSlots(runner.model, modules, max_loras=options.max_loras, max_rank=options.max_lora_rank,
-                     max_cpu_loras=options.max_cpu_loras or None)
+                     max_cpu_loras=options.max_cpu_loras or None,
+                     peers=None if runner.in_process else runner.load_lora)
 
 
 def model_runner(config: WorkerConfig) -> ModelRunner:
@@ -113,7 +112,9 @@ def model_runner(config: WorkerConfig) -> ModelRunner:
     group = GroupConfig(config.model_path, tp_size=config.tensor_parallel_size,
                         pp_size=config.pipeline_parallel_size, dtype=config.dtype, block_size=config.block_size,
                         threads=config.threads, devices=devices, kv_cache_bytes=config.kv_cache_bytes,
-                        gpu_memory_utilization=config.gpu_memory_utilization, expert_parallel=config.expert_parallel)
+                        gpu_memory_utilization=config.gpu_memory_utilization, expert_parallel=config.expert_parallel,
+                        max_loras=config.lora.max_loras if config.lora else 0,
+                        max_lora_rank=config.lora.max_lora_rank if config.lora else 0)
     return GroupRunner(group)
 
 

@@ -17,6 +17,9 @@ Life of one engine call through the group (rank 0's :class:`GroupRunner`, the ot
     FORWARD:  every rank runs its shard; TP ranks all-reduce after o_proj and down_proj; stage s
               sends its hidden states to stage s + 1 (same tensor rank); the last stage's tensor
               rank 0 sends the logits to rank 0
+    LOAD_LORA: rank 0's LoraSlots put an adapter in a slot; every rank reads it (``name``, ``path``)
+              and writes its shard into the same slot (workers/llm/lora.py); a FORWARD then
+              carries the batch's per-token slots after its other fields
     READ_KV:  each rank reads its layers × heads of the blocks and sends them to rank 0, which
               assembles the full-head KV (the connector payload is independent of sharding)
     WRITE_KV: rank 0 sends each rank its layers × heads of a full-head KV; each writes its pool
@@ -69,13 +72,14 @@ import torch.distributed as dist
 from omnirelay.workers.runtime.devices import DEFAULT_GPU_MEMORY_UTILIZATION, KVBudgetError, blocks_in_budget, rank_kv_budget
 from omnirelay.workers.llm.expert_parallel import check_expert_parallel
 from omnirelay.workers.llm.forward_batch import ForwardBatch
+from omnirelay.workers.llm.lora import RankSlots
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaConfig, LlamaModel, Shard
 from omnirelay.workers.runtime.process_group import join_world, leave_world
 
 log = logging.getLogger("omnirelay.worker")
 
-FORWARD, READ_KV, WRITE_KV, STOP = 1, 2, 3, 4
+FORWARD, READ_KV, WRITE_KV, STOP, LOAD_LORA = 1, 2, 3, 4, 5
 HEADER = 6
 # Start-up and collectives inside a step are bounded (a rank that died surfaces as an error) ...
 _STEP_TIMEOUT = datetime.timedelta(seconds=120)
@@ -90,7 +94,8 @@ class GroupConfig:
     every rank's KV pool geometry (same block ids everywhere; ``num_blocks`` 0: sized from
     ``kv_cache_bytes`` / ``gpu_memory_utilization`` on each rank, see the module docstring);
     devices: torch device of each rank (empty: all on the CPU); threads: torch threads per rank;
-    init_method: torch.distributed rendezvous (a ``file://`` path rank 0 makes)."""
+    init_method: torch.distributed rendezvous (a ``file://`` path rank 0 makes); max_loras,
+    max_lora_rank: every rank's LoRA slot stacks (``--enable-lora``; 0: LoRA off)."""
 
     model_path: str
     tp_size: int = 1
@@ -104,6 +109,8 @@ class GroupConfig:
     kv_cache_bytes: int = 0
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     expert_parallel: bool = False
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
@@ -131,7 +138,9 @@ class GroupConfig:
                 "--init-method", self.init_method, "--devices", ",".join(self.devices),
                 "--kv-cache-bytes", str(self.kv_cache_bytes),
                 "--gpu-memory-utilization", str(self.gpu_memory_utilization),
-                *(["--enable-expert-parallel"] if self.expert_parallel else [])]
+                *(["--enable-expert-parallel"] if self.expert_parallel else []),
+                *(["--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
+                  if self.max_loras else [])]
 
 
 def layer_ranges(num_layers: int, stages: int) -> list[range]:
@@ -185,6 +194,8 @@ class _Rank:
         num_layers = LlamaConfig.from_dir(Path(config.model_path)).num_layers
         self.model = LlamaModel(config.model_path, getattr(torch, config.dtype), device=self.device,
                                 shard=config.shard(rank, num_layers), comm=_TPGroup(groups[self.stage]))
+        if config.max_loras and rank > 0:   # rank 0's LoraSlots attaches to its model (role_builders)
+            RankSlots(self.model, config.max_loras, config.max_lora_rank)
         self.cache = PagedKVCache(len(self.model.layers), self.model.num_kv_heads, self.model.config.head_dim,
                                   block_size=config.block_size, num_blocks=config.num_blocks or self._agree_on_blocks(),
                                   dtype=self.model.dtype, device=self.device)
@@ -278,6 +289,7 @@ class GroupRunner:
         self.block_size = config.block_size
         self.num_blocks = self._rank.cache.num_blocks
         self._last = (config.pp_size - 1) * config.tp_size
+        self.model = self._rank.model   # rank 0's shard (its LoraSlots, when LoRA is on)
         self._closed = False
         self._lost = ""   # why the group cannot run again (a rank died), once it happened
 
@@ -294,8 +306,10 @@ class GroupRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         width = batch.block_tables.shape[1]
-        _send_header(self._rank.commands, FORWARD, batch.num_tokens, batch.num_seqs, width, batch.block_size)
-        payload = torch.cat(batch.tensors())
+        lora = batch.lora_slots is not None
+        _send_header(self._rank.commands, FORWARD, batch.num_tokens, batch.num_seqs, width, batch.block_size,
+                     int(lora))
+        payload = torch.cat([*batch.tensors(), *([batch.lora_slots.cpu()] if lora else [])])
         dist.broadcast(payload, src=0)
         out = self._rank.forward(batch)
         if self.group.pp_size == 1:
@@ -303,6 +317,12 @@ class GroupRunner:
         logits = torch.empty(batch.num_seqs, self.config.vocab_size, dtype=torch.float32, device=self._rank.device)
         dist.recv(logits, src=self._last)
         return logits
+
+    def load_lora(self, slot: int, name: str, path: str) -> None:
+        """Every other rank reads adapter ``name`` at ``path`` into ``slot`` (LoraSlots' ``peers``)."""
+        data = torch.frombuffer(bytearray(f"{name}\0{path}".encode()), dtype=torch.uint8)
+        _send_header(self._rank.commands, LOAD_LORA, slot, data.numel())
+        dist.broadcast(data, src=0)
 
     def kv_spec(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
         cfg = self.config
@@ -382,17 +402,24 @@ def serve_rank(config: GroupConfig, rank: int) -> None:
     header = torch.zeros(HEADER, dtype=torch.long)
     while True:
         dist.broadcast(header, src=0, group=me.commands)
-        cmd, a, b, c, d, _ = header.tolist()
+        cmd, a, b, c, d, e = header.tolist()
         if cmd == STOP:
             break
         if cmd == FORWARD:
-            t, nseq, width, block_size = a, b, c, d
-            payload = torch.empty(3 * t + 2 * nseq + nseq * width, dtype=torch.long)
+            t, nseq, width, block_size, lora = a, b, c, d, e
+            payload = torch.empty(3 * t + 2 * nseq + nseq * width + (t if lora else 0), dtype=torch.long)
             dist.broadcast(payload, src=0)
-            parts = list(torch.split(payload, [t, t, t, nseq, nseq, nseq * width]))
-            out = me.forward(ForwardBatch.from_tensors(parts, width, block_size))   # moved to the device there
+            parts = list(torch.split(payload, [t, t, t, nseq, nseq, nseq * width, *([t] if lora else [])]))
+            batch = ForwardBatch.from_tensors(parts[:6], width, block_size)
+            batch.lora_slots = parts[6] if lora else None
+            out = me.forward(batch)   # moved to the device there
             if out is not None and me.tp_rank == 0 and config.pp_size > 1:
                 dist.send(out.contiguous(), dst=0)
+        elif cmd == LOAD_LORA:
+            data = torch.empty(b, dtype=torch.uint8)
+            dist.broadcast(data, src=0)
+            name, path = bytes(data.tolist()).decode().split("\0", 1)
+            me.model.lora.load(a, name, path)
         elif cmd in (READ_KV, WRITE_KV):
             blocks = torch.empty(a, dtype=torch.long)
             dist.broadcast(blocks, src=0)
@@ -421,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-bytes", type=int, default=0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--max-loras", type=int, default=0)
+    ap.add_argument("--max-lora-rank", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
@@ -428,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     devices = tuple(d for d in args.devices.split(",") if d)
     config = GroupConfig(args.model, args.tp, args.pp, args.dtype, args.block_size, args.num_blocks, args.threads,
                          args.init_method, devices, args.kv_cache_bytes, args.gpu_memory_utilization,
-                         args.enable_expert_parallel)
+                         args.enable_expert_parallel, args.max_loras, args.max_lora_rank)
     try:
         serve_rank(config, args.rank)
     except (KVBudgetError, ValueError) as exc:   # rank 0 reports it to the user; no traceback from here
