@@ -129,6 +129,7 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
     if not prompt_ids:
         raise BadRequest("the prompt is empty after tokenization", param="prompt")
     check_vocab(list(request.stop_token_ids), model.vocab_size, "stop_token_ids")
+    check_vocab(list(request.logprob_token_ids), model.vocab_size, "logprob_token_ids")
     room = model.max_model_len - len(prompt_ids)
     if room < 1:
         raise BadRequest(f"prompt has {len(prompt_ids)} tokens; this model's context is "
@@ -203,6 +204,7 @@ def text_params(gen: Generation, generated: int) -> TextParams:
                       min_tokens=submission_min_tokens(req.options, generated), structured=gen.structured,
                       lora=gen.model.lora, lora_path=gen.model.lora_path if gen.model.lora else "",
                       prompt_logprobs=gen.prompt_k if not generated else -1, cache_salt=req.cache_salt,
+                      logprob_token_ids=req.logprob_token_ids,
                       **gen.sampling_options)
 
 

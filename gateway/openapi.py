@@ -161,6 +161,9 @@ def _sampling(max_model_len: int, models: list[str]) -> dict:
                             "description": "the prompt tokens' raw logprobs and the k likeliest of each position "
                                            "(vLLM's list, first null: chat at the top level, completions per choice); "
                                            "not with stream (400); -1 (the whole vocabulary): 422"},
+        "logprob_token_ids": {**_TOKEN_IDS, "nullable": True, "minItems": 1, "maxItems": 128,
+                              "description": "with logprobs: each position's top_logprobs are these ids' (not the "
+                                             "top k)"},
         "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024, "nullable": True,
                        "description": "salts the prompt's prefix-cache blocks: equal prompts with other salts "
                                       "share none"},

@@ -25,7 +25,7 @@ import dataclasses
 import json
 from typing import Any
 
-from omnirelay.request_params import MAX_CACHE_SALT_CHARS, MAX_TOP_LOGPROBS, StructuredOutput
+from omnirelay.request_params import MAX_CACHE_SALT_CHARS, MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS, StructuredOutput
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.scheduling import PRIORITY_MAX, PRIORITY_MIN
 
@@ -108,6 +108,7 @@ class GenerationRequest:
     priority: int = 0                             # lower first under --scheduling-policy priority
     output: OutputOptions = OutputOptions()       # vLLM's output knobs (gateway/output_options.py)
     prompt_logprobs: int = -1                     # k >= 0: the prompt tokens' logprobs (gateway/prompt_logprobs.py)
+    logprob_token_ids: tuple[int, ...] = ()       # with logprobs: these ids' logprobs instead of the top k
     cache_salt: str = ""                          # salts the prompt's prefix-cache blocks (omnirelay/block_hash.py)
 
 
@@ -447,9 +448,26 @@ def _chat_logprobs(body: dict) -> int:
     return top or 0
 
 
+def _logprob_token_ids(body: dict, logprobs: int) -> tuple[int, ...]:
+    """vLLM's ``logprob_token_ids``: each position reports these ids' logprobs instead of its top k
+    (the sampled token's as always); needs logprobs, a non-empty list of at most
+    :data:`MAX_LOGPROB_TOKEN_IDS` ids (the vocabulary is checked by generation.prepare)."""
+    value = body.get("logprob_token_ids")
+    if value is None:
+        return ()
+    ids = token_ids_field(value, "logprob_token_ids")
+    if not ids or len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise BadRequest(f"'logprob_token_ids' must hold 1 to {MAX_LOGPROB_TOKEN_IDS} token ids",
+                         param="logprob_token_ids")
+    if logprobs < 0:
+        raise BadRequest("when using 'logprob_token_ids', 'logprobs' must be set", param="logprob_token_ids")
+    return ids
+
+
 def parse_chat(body: Any) -> GenerationRequest:
     common = _common(body)
     logprobs = _chat_logprobs(body)
+    common["logprob_token_ids"] = _logprob_token_ids(body, logprobs)
     audio = _chat_audio(body)
     if logprobs >= 0 and "audio" in audio["modalities"]:
         raise Unprocessable("logprobs are not available for a spoken answer (modalities with audio)",
@@ -509,6 +527,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise BadRequest("'top_logprobs' is a chat parameter; completions take 'logprobs': k", param="top_logprobs")
     logprobs = _top_logprobs_count(body, "logprobs")
     common["logprobs"] = -1 if logprobs is None else logprobs
+    common["logprob_token_ids"] = _logprob_token_ids(body, common["logprobs"])
     common["echo"] = boolean_field(body, "echo")   # with logprobs: the prompt's too (gateway/prompt_logprobs.py)
     prompts = _prompts(body)
     if len(prompts) * common["n"] > MAX_CHOICES:

@@ -39,6 +39,7 @@ MAX_TOP_LOGPROBS = 20              # alternatives per token a request may ask fo
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
 MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
 MAX_CACHE_SALT_CHARS = 1024
+MAX_LOGPROB_TOKEN_IDS = 128        # logprob_token_ids: ids whose logprobs each position reports
 _SAMPLING_EPS = 1e-5
 
 
@@ -90,7 +91,8 @@ class TextParams(msgspec.Struct, tag="text", frozen=True, forbid_unknown_fields=
     also the top k. ``logit_bias``: (token id, bias) pairs; ``bad_words_token_ids``: token sequences
     never completed; ``allowed_token_ids``: empty means every token. ``speech``: the answer is also
     spoken (prefill and decode export the thinker's hidden states; the generate stage speaks).
-    ``prompt_logprobs`` -1: none; k >= 0: prefill also scores the prompt's own tokens, with the top
+    ``logprob_token_ids`` (with ``logprobs`` >= 0): each position reports these ids' logprobs instead
+    of its top k (vLLM's). ``prompt_logprobs`` -1: none; k >= 0: prefill also scores the prompt's own tokens, with the top
     k of each position (workers/llm/prompt_logprobs.py). ``cache_salt``: enters the names of the
     prompt's prefix-cache blocks (omnirelay/block_hash.py), so equal prompts of other salts share none."""
 
@@ -119,6 +121,7 @@ class TextParams(msgspec.Struct, tag="text", frozen=True, forbid_unknown_fields=
     speech: SpeechParams | None = None
     prompt_logprobs: int = -1
     cache_salt: str = ""
+    logprob_token_ids: tuple[int, ...] = ()   # with logprobs: these ids' logprobs instead of the top k
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -153,6 +156,10 @@ class TextParams(msgspec.Struct, tag="text", frozen=True, forbid_unknown_fields=
         if not _is_int(self.prompt_logprobs) or not -1 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParam(f"prompt_logprobs must be an integer from -1 to {MAX_TOP_LOGPROBS}",
                                param="prompt_logprobs")
+        if not all(_is_token(t) for t in self.logprob_token_ids) or len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS \
+                or (self.logprob_token_ids and self.logprobs < 0):
+            raise InvalidParam(f"logprob_token_ids must be at most {MAX_LOGPROB_TOKEN_IDS} token ids, with logprobs",
+                               param="logprob_token_ids")
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidParam(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
 
@@ -164,7 +171,7 @@ class TextParams(msgspec.Struct, tag="text", frozen=True, forbid_unknown_fields=
         ``stop_token_ids``: an id outside the vocabulary there just never matches (and the
         ``min_tokens`` step skips it)."""
         return max((*self.allowed_token_ids, *(t for t, _ in self.logit_bias),
-                    *(t for word in self.bad_words_token_ids for t in word)), default=-1)
+                    *(t for word in self.bad_words_token_ids for t in word), *self.logprob_token_ids), default=-1)
 
     @functools.cached_property
     def allowed_ids(self) -> "torch.Tensor":

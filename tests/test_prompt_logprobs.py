@@ -1,8 +1,9 @@
 """The prompt's own logprobs, computed by prefill (workers/llm/prompt_logprobs.py) and answered as
 vLLM does (gateway/prompt_logprobs.py): ``prompt_logprobs`` on chat and completions, and completions'
 ``echo`` with ``logprobs`` — through the official ``openai`` client against the session's
-``omni-serve``, checked against transformers' ``log_softmax`` over the prompt. And ``cache_salt``:
-equal prompts under different salts share no prefix-cache block."""
+``omni-serve``, checked against transformers' ``log_softmax`` over the prompt. ``logprob_token_ids``:
+the named ids' logprobs instead of the top k. And ``cache_salt``: equal prompts under different salts
+share no prefix-cache block."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 
 from omnirelay.block_hash import block_hashes
 from omnirelay.broker.prefix_index import prompt_route_keys
+from omnirelay.request_params import TextParams
+from omnirelay.workers.llm.sampling import chosen_logprobs
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 
 from engine_support import GREEDY, QUESTIONS, chat_ids, connector, drain_prefill, model, tok  # noqa: F401
@@ -153,3 +156,37 @@ def test_cache_salt_shares_no_prefix(client):
     assert cached("tenant-a") == 0
     assert cached("tenant-b") == 0 and cached(None) == 0   # another salt, or none: nothing shared
     assert cached("tenant-a") > 0                          # the same salt: its own prefix is reused
+
+
+NAMED = [5, 17, 300]
+
+
+def test_named_ids_replace_the_top_k_in_a_mixed_batch():
+    logits = torch.randn(3, 400)
+    params = [TextParams(logprobs=2), TextParams(logprobs=0, logprob_token_ids=tuple(NAMED)), TextParams()]
+    out = chosen_logprobs(logits, params, [1, 2, 3])
+    reference = torch.log_softmax(logits, dim=-1)
+    assert [i for i, _ in out[0].top] == reference[0].topk(2).indices.tolist() and out[2] is None
+    assert [i for i, _ in out[1].top] == NAMED
+    assert torch.allclose(torch.tensor([v for _, v in out[1].top]), reference[1, NAMED], atol=1e-6)
+    assert abs(out[1].logprob - reference[1, 2].item()) < 1e-6
+
+
+def test_logprob_token_ids_through_the_client(client, hf):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
+                                          temperature=0, logprobs=True,
+                                          extra_body={"logprob_token_ids": NAMED, "return_token_ids": True})
+    prompt, generated = chat.model_extra["prompt_token_ids"], chat.choices[0].model_extra["token_ids"]
+    rows = hf(prompt + generated)[len(prompt) - 1:]
+    for j, entry in enumerate(chat.choices[0].logprobs.content):
+        assert [t.token for t in entry.top_logprobs] == [hf.tokenizer.decode([i]) for i in NAMED]
+        assert all(abs(t.logprob - rows[j, i].item()) < TOLERANCE for t, i in zip(entry.top_logprobs, NAMED))
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=0,
+                                           extra_body={"logprob_token_ids": NAMED})
+    for token, top in zip(completion.choices[0].logprobs.tokens, completion.choices[0].logprobs.top_logprobs):
+        assert set(top) == {token, *(hf.tokenizer.decode([i]) for i in NAMED)}   # the sampled token's too
+    for extra, kwargs in (({"logprob_token_ids": NAMED}, {}), ({"logprob_token_ids": []}, {"logprobs": 1}),
+                          ({"logprob_token_ids": [10 ** 6]}, {"logprobs": 1})):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=extra, **kwargs)
+        assert caught.value.body["param"] == "logprob_token_ids"

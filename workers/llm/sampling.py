@@ -80,10 +80,16 @@ def chosen_logprobs(logits: torch.Tensor, params: list[TextParams],
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
     chosen_ids = torch.tensor([tokens[row] for row in rows], dtype=torch.long, device=logits.device)
     chosen = logprobs.gather(1, chosen_ids[:, None])
-    k = max(params[row].logprobs for row in rows)
+    # Rows naming their ids (logprob_token_ids) report those instead of a top k.
+    k = max((params[row].logprobs for row in rows if not params[row].logprob_token_ids), default=0)
     top_values, top_ids = logprobs.topk(k, dim=-1)    # k = 0: empty
     values, top_ids = torch.cat([chosen, top_values], dim=1).tolist(), top_ids.tolist()
     for i, row in enumerate(rows):
+        named = params[row].logprob_token_ids
+        if named:
+            picked = logprobs[i].index_select(0, torch.tensor(named, dtype=torch.long, device=logits.device))
+            out[row] = TokenLogprobs(values[i][0], list(zip(named, picked.tolist())))
+            continue
         own = params[row].logprobs
         out[row] = TokenLogprobs(values[i][0], list(zip(top_ids[i][:own], values[i][1:own + 1])))
     return out
