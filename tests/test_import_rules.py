@@ -63,6 +63,7 @@ KNOWN_SUBPACKAGE_DEBTS: set[tuple[str, str]] = {
     ("workers/runtime/parallel.py", "omnirelay.workers.kv.cache"),
     ("workers/runtime/parallel.py", "omnirelay.workers.llm.expert_parallel"),
     ("workers/runtime/parallel.py", "omnirelay.workers.llm.forward_batch"),
+    ("workers/runtime/parallel.py", "omnirelay.workers.llm.lora"),   # the ranks' LoRA shards (issue #29)
     ("workers/runtime/parallel.py", "omnirelay.workers.llm.models.llama"),
     ("workers/runtime/config.py", "omnirelay.workers.generate.sequence_parallel_group"),
     ("workers/runtime/config.py", "omnirelay.workers.llm.expert_parallel"),
