@@ -45,6 +45,10 @@ is short; only a prompt larger than the whole pool fails (``out_of_memory``). Th
 sockets; its owner calls :meth:`PrefillEngine.close` before closing the connector (it joins the
 transfer threads, see ``TransferPool.CLOSE_JOIN_S``).
 
+A request asking for its prompt's logprobs (``PrefillTask.prompt_logprobs``) takes no cached prefix
+and has its prompt tokens scored by the forwards that prefill them; they leave with its first
+token. ``PrefillTask.cache_salt`` salts its prefix-cache block names (``omnirelay.block_hash``).
+
 Prefix hits are visible to routing: :meth:`PrefillEngine.prefix_hit_tokens` says how many tokens of a
 prompt this worker would reuse now, and :meth:`PrefillEngine.prefix_events` hands out the block
 hashes cached and evicted since the last call (what a heartbeat would carry to the broker).
@@ -621,9 +625,13 @@ class PrefillEngine:
     def _forward_batch(self, batch: ForwardBatch, chunks: list[tuple[_Running, int]],
                        export: LayerwiseExport | None = None):
         """One forward (streaming each layer's KV to ``export``); for speech requests also keep
-        their tokens' captured hidden states."""
+        their tokens' captured hidden states, for requests asking for their prompt's logprobs score
+        this chunk's prompt tokens (:mod:`~omnirelay.workers.llm.prompt_logprobs`)."""
         options = {} if export is None else {"on_layer": export.layer_done}   # in-process runners only
-        prompt = self._prompt_capture(chunks)   # in-process runners only: _refusal turns the others away
+        # The prompt rows to score, of requests asking for their prompt's logprobs (in-process runners
+        # only: _refusal turns the others away).
+        scoring = [(seq.task.prompt_token_ids, seq.computed, n, seq.prompt_lp) for seq, n in chunks]
+        prompt = PromptCapture.of_step(scoring)
         if prompt is not None:
             options["prompt"] = prompt
         if not any(seq.task.speech for seq, _ in chunks):
@@ -637,35 +645,8 @@ class PrefillEngine:
                     seq.hidden.append(capture.states[start:start + n].clone())
                 start += n
         if prompt is not None:
-            self._take_prompt_logprobs(chunks, prompt)
+            prompt.deal(scoring)
         return logits
-
-    @staticmethod
-    def _scored(seq: _Running, n: int) -> int:
-        """How many of this chunk's rows are followed by a prompt token (all but the prompt's last)."""
-        return min(n, len(seq.task.prompt_token_ids) - 1 - seq.computed)
-
-    def _prompt_capture(self, chunks: list[tuple[_Running, int]]) -> PromptCapture | None:
-        """The rows of this step whose next token is a prompt token, of the requests that asked for
-        their prompt's logprobs (None: nobody did)."""
-        rows, targets, top, start = [], [], -1, 0
-        for seq, n in chunks:
-            if seq.prompt_lp is not None:
-                count = self._scored(seq, n)
-                rows += range(start, start + count)
-                prompt = seq.task.prompt_token_ids
-                targets += prompt[seq.computed + 1: seq.computed + 1 + count]
-                top = max(top, seq.prompt_lp.k)
-            start += n
-        return PromptCapture(rows, targets, top) if top >= 0 else None
-
-    def _take_prompt_logprobs(self, chunks: list[tuple[_Running, int]], prompt: PromptCapture) -> None:
-        start = 0
-        for seq, n in chunks:
-            if seq.prompt_lp is not None:
-                count = self._scored(seq, n)
-                seq.prompt_lp.take(prompt, start, count)
-                start += count
 
     def _name_full_blocks(self, seq: _Running) -> None:
         full = min(seq.computed // self.block_size, len(seq.hashes))

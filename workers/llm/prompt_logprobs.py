@@ -40,6 +40,29 @@ class PromptCapture:
     top_ids: list[list[int]] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
 
+    @classmethod
+    def of_step(cls, chunks: list[tuple[list[int], int, int, "PromptLogprobs | None"]]) -> "PromptCapture | None":
+        """The capture of a step whose chunks are ``(prompt ids, tokens computed before, tokens now,
+        the request's PromptLogprobs or None)`` in packed order; None when no request asks."""
+        rows, targets, top, start = [], [], -1, 0
+        for prompt, computed, n, lp in chunks:
+            if lp is not None:
+                count = _scored(prompt, computed, n)
+                rows += range(start, start + count)
+                targets += prompt[computed + 1: computed + 1 + count]
+                top = max(top, lp.k)
+            start += n
+        return cls(rows, targets, top) if top >= 0 else None
+
+    def deal(self, chunks: list[tuple[list[int], int, int, "PromptLogprobs | None"]]) -> None:
+        """Hand each asking request of :meth:`of_step`'s ``chunks`` its rows' results (after :meth:`read`)."""
+        start = 0
+        for prompt, computed, n, lp in chunks:
+            if lp is not None:
+                count = _scored(prompt, computed, n)
+                lp.take(self, start, count)
+                start += count
+
     def read(self, hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Score the rows of ``hidden`` (``[T, hidden]``, before the final norm) with ``logits_of``
         (the model's final norm and head, float32)."""
@@ -56,6 +79,11 @@ class PromptCapture:
                 values, ids = logprobs.topk(self.top, dim=-1)
                 self.top_ids += ids.tolist()
                 self.top_logprobs += values.tolist()
+
+
+def _scored(prompt: list[int], computed: int, n: int) -> int:
+    """How many of a chunk's rows a prompt token follows (all but the prompt's last token's)."""
+    return min(n, len(prompt) - 1 - computed)
 
 
 @dataclasses.dataclass
