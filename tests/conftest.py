@@ -133,16 +133,34 @@ def _leaks() -> list[str]:
     return leaks
 
 
+# Leaks the pytest-xdist workers reported (``-n``), for the controlling process to fail the run on.
+_WORKER_LEAKS: list[str] = []
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """After the whole suite: no process, no segment, no Redis key left behind."""
+    """After the whole suite: no process, no segment, no Redis key left behind. Under pytest-xdist
+    each worker checks what it started and hands its findings to the controller
+    (``workeroutput``), which fails the run: a worker's own exit status is not the run's."""
     deadline = time.monotonic() + 10
     leaks = _leaks()
     while leaks and time.monotonic() < deadline:
         time.sleep(0.5)
         leaks = _leaks()
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["leaks"] = leaks
+        return
+    leaks += _WORKER_LEAKS
     if leaks:
         print("\nLEAKED after the test session:\n  " + "\n  ".join(leaks))
         session.exitstatus = 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist: a worker finished; keep what it found left behind."""
+    leaks = getattr(node, "workeroutput", {}).get("leaks", [])
+    _WORKER_LEAKS.extend(f"{node.gateway.id}: {leak}" for leak in leaks)
 
 
 _HF_MODELS: dict[str, tuple] = {}
