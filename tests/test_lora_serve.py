@@ -143,13 +143,16 @@ def test_runtime_routes_need_the_flag(server):
     assert all("parent" not in m for m in models)
 
 
-def test_base_and_three_adapters_at_tensor_parallel_size_2_equal_peft(tiny_model, adapters, peft_greedy, tmp_path):
-    """The same load with prefill and decode each a group of two tensor ranks: every rank holds its
-    shard of each adapter (B's rows of q/k/v/gate/up, A's columns of o/down), loaded into the slot
-    rank 0 chose; with 1 slot the three adapters also take turns in it (the ranks follow rank 0)."""
+@pytest.mark.slow   # two groups of two ranks on 2 shared cores: about two minutes
+@pytest.mark.parametrize("parallel", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_base_and_three_adapters_in_parallel_groups_equal_peft(tiny_model, adapters, peft_greedy, tmp_path, parallel):
+    """The same load with prefill and decode each a group of two ranks. Tensor parallel: every rank
+    holds its shard of each adapter (B's rows of q/k/v/gate/up, A's columns of o/down); pipeline
+    parallel: its layers' part. Each loads the adapter into the slot rank 0 chose; with 1 slot the
+    three adapters also take turns in it (the ranks follow rank 0)."""
     modules = [arg for name in RECIPES for arg in ("--lora-modules", f"{name}={adapters[name]}")]
     with ServeProcess(tiny_model, "--served-model-name", MODEL, "--log-level", "WARNING",
-                      "--tensor-parallel-size", "2", "--enable-lora", *modules, "--max-loras", "1",
+                      parallel, "2", "--enable-lora", *modules, "--max-loras", "1",
                       "--max-lora-rank", "16", log_path=str(tmp_path / "omni-serve.log")) as server:
         jobs = [(name, content) for content in PROMPTS for name in (MODEL, *RECIPES)]
         for (name, content), tokens in zip(jobs, _run(server, jobs)):
