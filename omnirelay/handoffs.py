@@ -172,6 +172,10 @@ class KVHandoff(_Handoff, tag="kv"):
     speech_prompt_key: str = ""
     speech_prompt_handle: Handle | None = None
     lora: str = ""   # the LoRA adapter the KV was computed under; absent (the base) on the wire by default
+    # The KV's layout: 0, one value under kv_key; L, a manifest under kv_key and one piece per layer
+    # under piece_key(kv_key, layer), so a holder that must delete it knows every key without a get
+    # (prefill always says; None, unknown: the manifest is read to learn it).
+    layers: int | None = None
 
     def speech_prompt(self) -> SpeechHandoff | None:
         """Prefill's prompt states as the start of the speech hand-off (None: no speech out)."""
@@ -180,7 +184,7 @@ class KVHandoff(_Handoff, tag="kv"):
         return SpeechHandoff(self.speech_prompt_key, self.speech_prompt_handle)
 
     def release(self, store: KeyStore) -> None:
-        release_kv(store, self.kv_key, self.kv_handle)
+        release_kv(store, self.kv_key, self.kv_handle, layers=self.layers)
         if self.speech_prompt_key:
             delete_quietly(store, self.speech_prompt_key)
 
@@ -196,9 +200,15 @@ def piece_key(key: str, layer: int) -> str:
     return f"{key}/layer/{layer}"
 
 
-def release_kv(store: KeyStore, key: str, handle: Handle | None = None) -> None:
+def release_kv(store: KeyStore, key: str, handle: Handle | None = None, *, layers: int | None = None) -> None:
     """Delete a KV hand-off nobody will import (a cancelled or failed request): the manifest and,
-    for a layerwise one, every piece. Does not wait for a key that is not there."""
+    for a layerwise one, every piece. ``layers`` is its layout (:attr:`KVHandoff.layers`); a holder
+    that does not know it (None) reads the key to learn it. Does not wait for a key that is not there."""
+    if layers is not None:
+        for layer in range(max(0, min(layers, 1 << 16))):
+            delete_quietly(store, piece_key(key, layer))
+        delete_quietly(store, key)
+        return
     try:
         payload = store.get(key, handle, timeout=0.0)
     except OmniError:

@@ -93,8 +93,13 @@ def test_a_layerwise_kv_handoff_releases_every_piece(connector, tmp_path):
                for i in range(layers)]
     manifest = connector.put("kv/r1/0", {"layerwise": layers, "num_tokens": 3, "handles": handles})
     assert len(_keys(tmp_path)) == layers + 1
-    KVHandoff("kv/r1/0", manifest, 7).release(connector)
+    KVHandoff("kv/r1/0", manifest, 7).release(connector)   # layout unknown: the manifest is read
     assert _keys(tmp_path) == [] and _gone(connector, *(piece_key("kv/r1/0", i) for i in range(layers)))
+    handles = [connector.put(piece_key("kv/r2/0", i), {"k": torch.ones(3, 1, 4), "v": torch.ones(3, 1, 4)})
+               for i in range(layers)]
+    connector.put("kv/r2/0", {"layerwise": layers, "num_tokens": 3, "handles": handles})
+    KVHandoff("kv/r2/0", {}, 7, layers=layers).release(connector)   # layout given: no read, same keys deleted
+    assert _keys(tmp_path) == []
 
 
 def test_embeds_and_speech_handoffs_release_their_keys_and_media_holds_none(connector, tmp_path):

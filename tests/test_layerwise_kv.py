@@ -191,9 +191,10 @@ def test_decode_cancel_before_admission_deletes_the_pieces(model, tok, connector
     decode = decode_engine(model, connector, num_blocks=64)
     from omnirelay.workers.llm.decode import DecodeTask
     r = prefilled["r0"]
+    assert r.outputs.layers == model.config.num_layers   # the hand-off says its layout
     decode.add(DecodeTask("r0", prompts[0], r.first_token, GREEDY, time.time() + 60, "", r.outputs.kv_key,
-                          r.outputs.kv_handle))
-    assert decode.cancel("r0")
+                          r.outputs.kv_handle, kv_layers=r.outputs.layers))
+    assert decode.cancel("r0")   # every piece deleted by name: the manifest is not read
     assert shm_keys(tmp_path) == []
 
 

@@ -45,6 +45,7 @@ class KVImport:
     handle: Handle | None
     num_tokens: int      # the prompt length the KV must cover
     deadline: float
+    layers: int | None = None   # its layout (KVHandoff.layers; None: read it) for deleting it unread
     writes_only: ClassVar[bool] = False   # a get: waits for the key, always on a transfer thread
 
     def run(self, connector: Connector, timeout: float, scratch: StagingBuffer | None) -> torch.Tensor:
@@ -55,7 +56,7 @@ class KVImport:
 
     def discard(self, connector: Connector, result: torch.Tensor | None) -> None:
         if result is None:   # an import that returned has deleted every key already
-            release_kv(connector, self.name, self.handle)
+            release_kv(connector, self.name, self.handle, layers=self.layers)
 
 
 def kv_prefetcher(connector: Connector, *, timeout_s: float, max_held: int, threads: int = 2) -> TransferPool:

@@ -105,6 +105,7 @@ class DecodeTask:
     speech_inputs: SpeechHandoff | None = None
     structured: StructuredOutput | None = None   # the output must match this grammar
     priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
+    kv_layers: int | None = None   # the KV's layout (KVHandoff.layers; None: read it) for deleting it unread
 
 
 @dataclasses.dataclass
@@ -324,7 +325,7 @@ class DecodeEngine:
                 continue
             key, seq.task.kv_key = seq.task.kv_key, ""
             seq.kv_import = self._transfers.submit(KVImport(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
-                                                           seq.task.deadline))
+                                                           seq.task.deadline, layers=seq.task.kv_layers))
 
     def _rejected(self, seq: Sequence, out: StepOutput) -> bool:
         """Fail (and take out of waiting) a sequence this worker can never run."""
@@ -411,8 +412,8 @@ class DecodeEngine:
             self._transfers.cancel(seq.kv_import)
             seq.kv_import = None
         elif seq.task.kv_key:
-            key, handle = seq.task.kv_key, seq.task.kv_handle
-            self._transfers.release(key, lambda connector: release_kv(connector, key, handle))   # pieces too
+            key, handle, layers = seq.task.kv_key, seq.task.kv_handle, seq.task.kv_layers
+            self._transfers.release(key, lambda connector: release_kv(connector, key, handle, layers=layers))
             seq.task.kv_key = ""
 
     def _drop_speech_key(self, seq: Sequence) -> None:

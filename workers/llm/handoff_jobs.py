@@ -81,12 +81,13 @@ class SentHandoff:
     speech: SpeechHandoff | None = None
     error: OmniError | None = None
 
-    def release(self, connector: Connector, kv_key: str) -> None:
-        """Delete what was published (the request went away before its hand-off reached the broker)."""
+    def release(self, connector: Connector, kv_key: str, layers: int | None = None) -> None:
+        """Delete what was published (the request went away before its hand-off reached the broker);
+        ``layers``: the KV's layout, when the caller knows it (else the key is read to learn it)."""
         if self.speech is not None:
             self.speech.release(connector)
         if self.kv_handle is not None:
-            release_kv(connector, kv_key, self.kv_handle)
+            release_kv(connector, kv_key, self.kv_handle, layers=layers)
 
 
 class HandoffSend:

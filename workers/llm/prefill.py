@@ -162,7 +162,7 @@ class _Handoff:
 
     result: PrefillResult
     kv_key: str = ""          # "" when no KV goes on
-    layerwise: bool = False
+    layers: int = 0           # the KV's layout (KVHandoff.layers): 0 whole, else one piece per layer
     speech: bool = False      # prompt states go to the speech stage
     rope_delta: int = 0
     has_media: bool = False
@@ -526,7 +526,7 @@ class PrefillEngine:
                                       seq.prompt_lp))
             result.token_sent = True
             media = seq.media
-            handoffs.append(_Handoff(result, item.kv_key, layerwise=export is not None and bool(item.kv_key),
+            handoffs.append(_Handoff(result, item.kv_key, layers=export.num_layers if export and item.kv_key else 0,
                                      speech=speech, rope_delta=media.rope_delta if media else 0,
                                      has_media=media is not None, lora=task.params.lora))
         held: list[int] = []
@@ -563,8 +563,8 @@ class PrefillEngine:
 
     def _deliver(self, handoff: _Handoff, sent: SentHandoff, results: list[PrefillOutcome]) -> None:
         if handoff.dropped:   # cancelled while its hand-off was on its way: nobody will read it
-            key = handoff.kv_key
-            self._transfers.release(key, lambda connector: sent.release(connector, key))
+            key, layers = handoff.kv_key, handoff.layers
+            self._transfers.release(key, lambda connector: sent.release(connector, key, layers))
             return
         result = handoff.result
         if sent.error is not None:
@@ -575,10 +575,11 @@ class PrefillEngine:
             result.outputs, result.speech_next = sent.speech, True
         if handoff.kv_key:
             self.stats["kv_handoffs"] += 1
-            self.stats["kv_layerwise_handoffs"] += handoff.layerwise
+            self.stats["kv_layerwise_handoffs"] += bool(handoff.layers)
             speech = sent.speech
             result.outputs = KVHandoff(handoff.kv_key, sent.kv_handle, result.first_token,
                                        rope_delta=handoff.rope_delta, has_media=handoff.has_media, lora=handoff.lora,
+                                       layers=handoff.layers,
                                        speech_prompt_key=speech.speech_prompt_key if speech else "",
                                        speech_prompt_handle=speech.speech_prompt_handle if speech else None)
         results.append(result)

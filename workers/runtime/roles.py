@@ -198,7 +198,7 @@ class DecodeRole(RoleAdapter):
             decode_task = DecodeTask(
                 request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
                 first_token=kv.first_token, params=params, deadline=task.deadline,
-                reply_to=task.reply_to, kv_key=kv.kv_key, kv_handle=kv.kv_handle,
+                reply_to=task.reply_to, kv_key=kv.kv_key, kv_handle=kv.kv_handle, kv_layers=kv.layers,
                 position_offset=task.position_offset, speech_inputs=_speech_inputs(task.params, kv),
                 rope_delta=kv.rope_delta, has_media=kv.has_media,
                 structured=params.structured, priority=task.priority)
