@@ -29,72 +29,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import pathlib
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 from omnirelay.bench import metrics
 from omnirelay.bench.client import Target, send_request
 from omnirelay.bench.datasets import Tokenizer, random_prompts
 from omnirelay.bench.runner import new_session
+from servers import HttpServer, free_port   # benchmarks/servers.py, beside this script
 
 FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S', time.gmtime())}Z] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """An omni-serve in its own process group, ready once ``/v1/models`` lists ``served``."""
-
-    def __init__(self, args_: list[str], served: str, log_path: pathlib.Path, timeout_s: float):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "omnirelay.deploy.serve", *args_, "--host", "127.0.0.1",
-                                      "--port", str(self.port), "--log-level", "WARNING"],
-                                     stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:   # bounded by timeout_s
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"omni-serve exited with {self.proc.returncode}; see {log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as reply:
-                    if served in [m["id"] for m in json.load(reply)["data"]]:
-                        return
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"omni-serve not ready after {timeout_s:.0f}s; see {log_path}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        """SIGTERM to the group we started, SIGKILL after 60 s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
 
 
 async def load(url: str, models: list[str], prompts, args, seed: int) -> dict:
@@ -152,9 +104,13 @@ def run(args) -> dict:
     for round_no in range(args.rounds):
         for kind in (("plain", "lora") if round_no % 2 == 0 else ("lora", "plain")):
             log(f"round {round_no + 1}: starting the {kind} server")
-            server = Server(base_args if kind == "plain" else lora_args, served,
-                            work / f"serve-{kind}-{round_no}.log", args.start_timeout)
+            port = free_port()
+            server = HttpServer(kind, [sys.executable, "-m", "omnirelay.deploy.serve",
+                                       *(base_args if kind == "plain" else lora_args), "--host", "127.0.0.1",
+                                       "--port", str(port), "--log-level", "WARNING"],
+                                port, served, work / f"serve-{kind}-{round_no}.log")
             try:
+                server.wait_ready(args.start_timeout)
                 for label, models in loads[kind]:
                     figures = asyncio.run(load(server.url, models, prompts, args, seed=args.seed + round_no))
                     log(f"  {label}: {figures['output_throughput']:.1f} tok/s, TTFT p50 "

@@ -39,8 +39,8 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+
+from servers import HttpServer   # benchmarks/servers.py, beside this script
 
 CLIENT_FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "p99_ttft_ms")
 FIGURES = (*CLIENT_FIGURES, "server_cpu_ms_per_token")
@@ -114,32 +114,15 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-class Server:
+class Server(HttpServer):
     """One tree's omni-serve, in its own process group; stopped by that group's id."""
 
     def __init__(self, tree: Tree, served: str, log_path: pathlib.Path):
-        self.tree, self.served = tree, served
-        self.cmd = [tree.python, "-m", "omnirelay.deploy.serve", tree.model, "--host", "127.0.0.1",
-                    "--port", str(tree.port), "--served-model-name", served]
-        self.url = f"http://127.0.0.1:{tree.port}"
-        self._log = open(log_path, "w")
+        self.tree = tree
         # cwd=/ so neither interpreter can pick up a tree from the current directory.
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, cwd="/")
-
-    def wait_ready(self, timeout_s: float) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.tree.name} exited with {self.proc.returncode}; see {self._log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as reply:
-                    if self.served in [m["id"] for m in json.load(reply)["data"]]:
-                        return time.monotonic() - start
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.tree.name} not ready after {timeout_s:.0f}s; see {self._log.name}")
+        super().__init__(tree.name, [tree.python, "-m", "omnirelay.deploy.serve", tree.model, "--host", "127.0.0.1",
+                                     "--port", str(tree.port), "--served-model-name", served],
+                         tree.port, served, log_path, cwd="/")
 
     def stop(self) -> set[int]:
         """Stops the group; returns the PIDs it had (their shared-memory names start omnirelay-PID-)."""

@@ -21,9 +21,16 @@ What one invocation does:
 5. prints medians (and every run) as JSON and as a markdown table; stops both servers by the PIDs
    (process groups) it started.
 
+With ``--loras N`` (issue #29) both servers start with LoRA on (``--enable-lora``, the same N
+random-weight adapters ``a0`` … written by the tiny-lora builder for the model, ``--max-loras N``) and
+each round runs one load per ``--lora-mix`` count k: k = 0 is base-only traffic, k > 0 names the
+adapters ``a0`` … ``a(k-1)`` through the client's ``--lora-modules`` (each request picks one at
+random, as vLLM's client does).
+
 Usage::
 
     python benchmarks/serve_vs_vllm.py --peer /tmp/vllm-peer [--smollm2] [--repeats 3] [--json out.json]
+    python benchmarks/serve_vs_vllm.py --peer /tmp/vllm-peer --loras 8 --lora-mix 0,1,4,8
 """
 
 from __future__ import annotations
@@ -33,14 +40,13 @@ import json
 import os
 import pathlib
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+
+from servers import HttpServer   # benchmarks/servers.py, beside this script
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_VLLM_CLI = REPO.parent / "shared" / "bench" / "vllm_cli.py"
@@ -79,47 +85,22 @@ def smollm2_model(peer: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
     return out
 
 
+def lora_adapters(model: pathlib.Path, work: pathlib.Path, count: int, rank: int) -> dict[str, pathlib.Path]:
+    """``count`` random-weight adapters for ``model`` (all seven projections), built once."""
+    from omnirelay.deploy.builders.lora import build_tiny_lora
+    return {f"a{i}": build_tiny_lora(model, work / "adapters" / f"a{i}", rank=rank, seed=i + 1) for i in range(count)}
+
+
+def lora_server_args(adapters: dict[str, pathlib.Path], rank: int) -> list[str]:
+    """The LoRA flags both servers take (vLLM's names, which omni-serve takes too)."""
+    return ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in adapters.items()),
+            "--max-loras", str(len(adapters)), "--max-lora-rank", str(rank)]
+
+
 # ---------------------------------------------------------------------- servers
 
-class Server:
-    """A server process group we started; stopped by its PID."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, served: str, log_path: pathlib.Path, env: dict):
-        self.name, self.port, self.served = name, port, served
-        self.cmd = cmd
-        self._log = open(log_path, "w")
-        log(f"start {name}: {' '.join(cmd)}")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=env, stdin=subprocess.DEVNULL)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def wait_ready(self, timeout_s: float) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self._log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
-                    if self.served in [m["id"] for m in json.load(r)["data"]]:
-                        return time.monotonic() - start
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s; see {self._log.name}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
-
-
-def client(args, peer_python: str, server: Server, model: pathlib.Path, seed: int, num_prompts: int,
-           out_dir: pathlib.Path, tag: str) -> dict:
+def client(args, peer_python: str, server: HttpServer, model: pathlib.Path, seed: int, num_prompts: int,
+           out_dir: pathlib.Path, tag: str, loras: list[str] = ()) -> dict:
     name = f"{tag}.json"
     cmd = [peer_python, str(args.vllm_cli), "bench", "serve", "--backend", "vllm", "--base-url", server.url,
            "--model", str(model), "--tokenizer", str(model), "--served-model-name", server.served,
@@ -127,7 +108,7 @@ def client(args, peer_python: str, server: Server, model: pathlib.Path, seed: in
            "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
            "--max-concurrency", str(args.concurrency), "--ignore-eos", "--temperature", "0",
            "--seed", str(seed), "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", name]
+           "--result-filename", name, *(["--lora-modules", *loras] if loras else [])]
     with open(out_dir / f"{tag}.log", "w") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **PEER_ENV},
                        timeout=1800)
@@ -189,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--omni-args", default="", help="extra omni-serve arguments")
     ap.add_argument("--only", choices=["both", "omni", "vllm"], default="both")
     ap.add_argument("--json", type=pathlib.Path, help="write the full results here")
+    ap.add_argument("--loras", type=int, default=0, help="serve this many LoRA adapters on both servers")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-mix", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1, 4, 8],
+                    help="adapter counts of the loads run each round (0: base-only traffic)")
     args = ap.parse_args(argv)
 
     if args.setup_peer:
@@ -204,32 +189,39 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or tiny_model(work)
     served = model.name
     results: dict = {"machine": machine(), "model": str(model), "settings": {
-        k: getattr(args, k) for k in ("num_prompts", "concurrency", "input_len", "output_len", "repeats")}}
+        k: getattr(args, k) for k in ("num_prompts", "concurrency", "input_len", "output_len", "repeats", "loras")}}
+    adapters = lora_adapters(model, work, args.loras, args.lora_rank) if args.loras else {}
+    lora_args = lora_server_args(adapters, args.lora_rank) if adapters else []
+    mixes = [k for k in args.lora_mix if k <= len(adapters)] if adapters else [0]
 
-    servers: dict[str, Server] = {}
+    servers: dict[str, HttpServer] = {}
     try:
         if args.only in ("both", "vllm"):
-            servers["vllm"] = Server("vllm", [
+            servers["vllm"] = HttpServer("vllm", [
                 peer_python, str(args.vllm_cli), "serve", str(model), "--host", "127.0.0.1", "--port",
-                str(args.vllm_port), "--max-model-len", "1024", "--dtype", "float32", "--served-model-name", served],
+                str(args.vllm_port), "--max-model-len", "1024", "--dtype", "float32", "--served-model-name", served,
+                *lora_args],
                 args.vllm_port, served, work / "vllm-serve.log", {**os.environ, **PEER_ENV})
         if args.only in ("both", "omni"):
-            servers["omni"] = Server("omni", [
+            servers["omni"] = HttpServer("omni", [
                 sys.executable, "-m", "omnirelay.deploy.serve", str(model), "--port", str(args.omni_port),
-                "--served-model-name", served, *args.omni_args.split()],
+                "--served-model-name", served, *lora_args, *args.omni_args.split()],
                 args.omni_port, served, work / "omni-serve.log", dict(os.environ))
         results["commands"] = {name: s.cmd for name, s in servers.items()}
         for name, server in servers.items():
             log(f"{name} ready after {server.wait_ready(600):.0f}s")
             client(args, peer_python, server, model, 1000, args.concurrency, work, f"{name}-warmup")
-        runs: dict[str, list[dict]] = {name: [] for name in servers}
+        runs: dict[str, list[dict]] = {_label(name, k, adapters): [] for k in mixes for name in servers}
         for rep in range(args.repeats):
             order = list(servers) if rep % 2 == 0 else list(reversed(servers))
-            for name in order:
-                res = client(args, peer_python, servers[name], model, rep, args.num_prompts, work, f"{name}-{rep}")
-                log(f"round {rep} {name}: {res['output_tok_s']:.0f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
-                    f"TPOT p50 {res['tpot_p50_ms']:.1f} ms")
-                runs[name].append(res)
+            for k in mixes:
+                for name in order:
+                    label = _label(name, k, adapters)
+                    res = client(args, peer_python, servers[name], model, rep, args.num_prompts, work,
+                                 f"{label.replace(' ', '-')}-{rep}", loras=list(adapters)[:k])
+                    log(f"round {rep} {label}: {res['output_tok_s']:.0f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
+                        f"TPOT p50 {res['tpot_p50_ms']:.1f} ms")
+                    runs[label].append(res)
         results["runs"] = runs
     finally:
         for server in servers.values():
@@ -242,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(results, indent=2))
     print(markdown(results))
     return 0
+
+
+def _label(server: str, k: int, adapters: dict) -> str:
+    """A load's row: the server, and with LoRA on, how many adapters its requests name."""
+    if not adapters:
+        return server
+    return f"{server} base only (LoRA on)" if k == 0 else f"{server} {k} adapter{'s' if k > 1 else ''}"
 
 
 def markdown(results: dict) -> str:

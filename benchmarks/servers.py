@@ -1,10 +1,14 @@
 """Servers the benchmark scripts start for themselves (not a benchmark): ``redis-server`` and
 ``mooncake_master``, each on a free port of 127.0.0.1, waited on until it accepts connections, and
-stopped by the PID we started — never by name. Used by ``connectors.py`` and ``kv_transfer.py``.
+stopped by the PID we started — never by name (``connectors.py``, ``kv_transfer.py``); and an
+OpenAI-compatible HTTP server (omni-serve, ``vllm serve``) in a process group of its own, ready once
+``/v1/models`` lists the served name, stopped by that group's id (``serve_vs_vllm.py``,
+``lora_serving.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,7 +16,52 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+
+
+class HttpServer:
+    """``cmd`` (a server listening on ``port`` of 127.0.0.1) in its own process group, its output in
+    ``log_path``; :meth:`wait_ready` until ``/v1/models`` lists ``served``; :meth:`stop` the group."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, served: str, log_path: Path, env: dict | None = None,
+                 cwd: str | None = None):
+        self.name, self.port, self.served, self.cmd = name, port, served, cmd
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "w")
+        print(f"[{time.strftime('%H:%M:%S')}] start {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env, stdin=subprocess.DEVNULL, cwd=cwd)
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until ready; stops the server and raises if it exits or is not ready in time."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self._log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as reply:
+                    if self.served in [m["id"] for m in json.load(reply)["data"]]:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s; see {self._log.name}")
+
+    def stop(self) -> None:
+        """SIGTERM to the group we started, SIGKILL after 60 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
 
 
 def free_port() -> int:
