@@ -161,9 +161,6 @@ def _sampling(max_model_len: int, models: list[str]) -> dict:
                             "description": "the prompt tokens' raw logprobs and the k likeliest of each position "
                                            "(vLLM's list, first null: chat at the top level, completions per choice); "
                                            "not with stream (400); -1 (the whole vocabulary): 422"},
-        "logprob_token_ids": {**_TOKEN_IDS, "nullable": True, "minItems": 1, "maxItems": 128,
-                              "description": "with logprobs: each position's top_logprobs are these ids' (not the "
-                                             "top k)"},
         "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024, "nullable": True,
                        "description": "salts the prompt's prefix-cache blocks: equal prompts with other salts "
                                       "share none"},
@@ -485,15 +482,21 @@ _MESSAGE_AUDIO = {"type": "object", "nullable": True, "required": ["id", "data",
 
 # Logprobs (schema.py; routes/completions.py renders them): chat asks with logprobs/top_logprobs, completions with
 # logprobs: k. A chat top_logprobs without logprobs: true is a 400, which no schema here rules out.
+# vLLM's logprob_token_ids, described here rather than listed as a property: it needs logprobs (a 400
+# otherwise), a dependency schemathesis would otherwise fill the request bodies with.
+_NAMED_IDS = ("vLLM's logprob_token_ids (1 to 128 token ids, only with logprobs) reports those ids' "
+              "logprobs at each position instead of the k most likely")
 _CHAT_LOGPROBS_REQUEST = {
     "logprobs": {"type": "boolean", "nullable": True,
                  "description": "each generated token's log-probability under the model's raw distribution "
                                 "(before temperature, top_p, top_k); 422 with audio output"},
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True,
-                     "description": "also the most likely tokens of each position; needs logprobs: true (400)"}}
+                     "description": "also the most likely tokens of each position; needs logprobs: true (400). "
+                                    + _NAMED_IDS}}
 _COMPLETION_LOGPROBS_REQUEST = {
     "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True,
-                 "description": "each generated token's raw log-probability and the k most likely tokens"}}
+                 "description": "each generated token's raw log-probability and the k most likely tokens. "
+                                + _NAMED_IDS}}
 _TOKEN_LOGPROB = {"type": "object", "required": ["token", "logprob", "bytes"], "properties": {
     "token": {"type": "string"}, "logprob": {"type": "number"},
     "bytes": {"type": "array", "items": {"type": "integer"}, "nullable": True}}}
