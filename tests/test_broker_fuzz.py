@@ -115,7 +115,12 @@ def messages_of(cls) -> st.SearchStrategy:
 @st.composite
 def token_deltas(draw, fields: dict) -> p.TokenDelta:
     values = {name: draw(strategy) for name, strategy in fields.items()
-              if name not in ("logprobs", "top_token_ids", "top_logprobs")}
+              if name not in ("logprobs", "top_token_ids", "top_logprobs", "cached_tokens", "prompt_logprobs")}
+    values["cached_tokens"] = draw(st.integers(0, 2**62))   # checked: never negative
+    if draw(st.booleans()):   # checked: its lists line up
+        m = draw(st.integers(0, 4))
+        values["prompt_logprobs"] = p.PromptLogprobs(draw(st.lists(st.floats(allow_nan=False), min_size=m, max_size=m)),
+                                                     draw(st.lists(fields["start"], min_size=m, max_size=m)))
     n, k = len(values["token_ids"]), draw(st.integers(0, MAX_TOP_LOGPROBS))
     if draw(st.booleans()):
         values["logprobs"] = draw(st.lists(st.floats(allow_nan=False), min_size=n, max_size=n))
@@ -390,7 +395,7 @@ def test_live_broker_keeps_serving_while_random_frames_fly(tmp_path):
             assert WORKER_ID in [w["worker_id"] for w in reply.workers], "our worker was dropped"
 
             rid = f"ok-{rounds}"
-            gw.send_multipart(p.encode(p.Submit(rid, MODEL, [ROLE], [1, 2, 3], {"temperature": 0.0},
+            gw.send_multipart(p.encode(p.Submit(rid, MODEL, [ROLE], [1, 2, 3], TextParams(temperature=0.0),
                                                 time.time() + 30, "ipc://reply")))
             task, took = expect(worker, p.Task, lambda m: m.request_id == rid, ANSWER_TIMEOUT_S,
                                 on_other=answer_task)

@@ -208,7 +208,7 @@ def test_workers_without_a_prefix_cache_route_least_loaded():
     core = make_core()
     register(core, "d1", role="decode", block_size=0)
     register(core, "d2", role="decode", block_size=0)
-    spec = p.Submit("r1", MODEL, ["decode"], SYSTEM_A, {}, FAR, "tcp://gw:1",
+    spec = p.Submit("r1", MODEL, ["decode"], SYSTEM_A, TextParams(), FAR, "tcp://gw:1",
                     prefix_hashes=prompt_route_keys(SYSTEM_A, BS), prefix_block_size=BS)
     out = core.on_message(GW, spec, 1.0)
     assert [ident for ident, msg in out if isinstance(msg, p.Task)] == [b"d1"]
