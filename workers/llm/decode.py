@@ -71,11 +71,11 @@ from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.runtime.transfers import Transfer, TransferState
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
-from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner, logits_for_sampling
+from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
 from omnirelay.workers.llm.prompt_logprobs import PromptLogprobs
 from omnirelay.request_params import TextParams
-from omnirelay.workers.llm.sampling import TokenLogprobs, chosen_logprobs, sample
+from omnirelay.workers.llm.sampling import TokenLogprobs, sample_step
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
 
@@ -506,13 +506,10 @@ class DecodeEngine:
             decode_batch.rope_positions = positions + torch.tensor([s.task.rope_delta for s in batch])
         logits = self._forward_batch(decode_batch, batch)
         out_positions = [s.task.position_offset + len(s.generated) for s in batch]
-        params = [s.task.params for s in batch]
-        logits = logits_for_sampling(logits, params)
-        grammar_rows = [self._grammar_row(s) for s in batch]
-        masked = self.grammars.mask(logits, grammar_rows) if self.grammars else logits
-        tokens = sample(self.processors.apply(masked, params, [s.history for s in batch]), params, out_positions)
-        grammar_ended = self.grammars.accept(grammar_rows, tokens) if self.grammars else [False] * len(batch)
-        logprobs = chosen_logprobs(logits, params, tokens)
+        step = sample_step(logits, [s.task.params for s in batch], [s.history for s in batch], out_positions,
+                           processors=self.processors, grammars=self.grammars,
+                           grammar_rows=[self._grammar_row(s) for s in batch])
+        tokens, logprobs, grammar_ended = step.tokens, step.logprobs, step.grammar_ended
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(batch)
         for seq, token, position, token_logprobs, ended in zip(list(batch), tokens, out_positions, logprobs,

@@ -16,7 +16,7 @@ Devices: the model, its pool and each step's tensors live on the rank's device (
 moves a step's batch to the device once. What crosses back is what the engine needs on the host:
 ``read_kv`` returns a CPU tensor (the connector contract takes host memory), ``write_kv`` accepts one.
 ``forward`` returns logits on the device: the sampler reads the greedy tokens with one ``tolist``
-and copies rows to the host only for random sampling (:func:`logits_for_sampling`).
+and copies rows to the host only for random sampling (:func:`~omnirelay.workers.llm.sampling.logits_for_sampling`).
 """
 
 from __future__ import annotations
@@ -105,13 +105,3 @@ def local_runner(model: LlamaModel, *, block_size: int, budget_bytes: int = 0,
     cache = PagedKVCache(len(model.layers), model.num_kv_heads, cfg.head_dim, block_size=block_size,
                          num_blocks=blocks_in_budget(budget, per_block, where), dtype=model.dtype, device=model.device)
     return LocalRunner(model, cache)
-
-
-def logits_for_sampling(logits: torch.Tensor, params: list[TextParams]) -> torch.Tensor:
-    """``logits`` where :func:`~omnirelay.workers.llm.sampling.sample` should read them: as they are
-    when every row is greedy (the argmax runs on the device, one ``tolist`` brings the tokens back),
-    else on the host in one copy, so random rows draw from CPU generators and a seeded request
-    samples the same tokens on any device and any worker."""
-    if logits.device.type == "cpu" or all(p.greedy for p in params):
-        return logits
-    return logits.cpu()

@@ -73,14 +73,14 @@ from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.lora import LoraSlots
 from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
-from omnirelay.workers.llm.model_runner import ModelRunner, local_runner, logits_for_sampling
+from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
 from omnirelay.workers.llm.prefill_media import PlacedMedia, media_fields, place_media
 from omnirelay.workers.llm.prompt_logprobs import PromptCapture, PromptLogprobs
 from omnirelay.workers.llm.handoff_jobs import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
                                                      speech_payload)
 from omnirelay.request_params import TextParams
-from omnirelay.workers.llm.sampling import TokenLogprobs, chosen_logprobs, sample
+from omnirelay.workers.llm.sampling import TokenLogprobs, sample_step
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
 from omnirelay.workers.runtime.engine import RequestFailure
@@ -475,18 +475,13 @@ class PrefillEngine:
                     done.append(seq)
             if not done:
                 return
-            params = [s.task.params for s in done]
-            done_logits = logits_for_sampling(logits[done_rows], params)
-            grammar_rows = [self._grammar_row(s.task) for s in done]
-            sample_logits = self.grammars.mask(done_logits, grammar_rows) if self.grammars else done_logits
-            histories = [TokenHistory(s.task.prompt_token_ids, s.task.position_offset) for s in done]
-            tokens = sample(self.processors.apply(sample_logits, params, histories), params,
-                            [s.task.position_offset for s in done])
+            step = sample_step(logits[done_rows], [s.task.params for s in done],
+                               [TokenHistory(s.task.prompt_token_ids, s.task.position_offset) for s in done],
+                               [s.task.position_offset for s in done], processors=self.processors,
+                               grammars=self.grammars, grammar_rows=[self._grammar_row(s.task) for s in done])
             if self.grammars:
-                self._grammar_complete = {s.task.request_id for s, ended
-                                          in zip(done, self.grammars.accept(grammar_rows, tokens)) if ended}
-            logprobs = chosen_logprobs(done_logits, params, tokens)
-            self._hand_off(done, tokens, logprobs, export, results)
+                self._grammar_complete = {s.task.request_id for s, ended in zip(done, step.grammar_ended) if ended}
+            self._hand_off(done, step.tokens, step.logprobs, export, results)
             export = None   # the hand-off job owns it now
         finally:   # an exception before the hand-off: the export's thread joined, its pieces deleted
             if export is not None:

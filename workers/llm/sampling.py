@@ -25,6 +25,38 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 63) - 1
 
 
+def logits_for_sampling(logits: torch.Tensor, params: list[TextParams]) -> torch.Tensor:
+    """``logits`` where :func:`sample` should read them: as they are
+    when every row is greedy (the argmax runs on the device, one ``tolist`` brings the tokens back),
+    else on the host in one copy, so random rows draw from CPU generators and a seeded request
+    samples the same tokens on any device and any worker."""
+    if logits.device.type == "cpu" or all(p.greedy for p in params):
+        return logits
+    return logits.cpu()
+
+
+@dataclasses.dataclass
+class SampledStep:
+    """One step's sampled rows: the token, its logprobs (None where not asked) and whether the
+    row's grammar reached its end with it."""
+
+    tokens: list[int]
+    logprobs: list["TokenLogprobs | None"]
+    grammar_ended: list[bool]
+
+
+def sample_step(logits: torch.Tensor, params: list[TextParams], histories: list, positions: list[int], *,
+                processors, grammars=None, grammar_rows: list | None = None) -> SampledStep:
+    """How both engines sample a step's rows of ``logits`` [B, vocab]: on the host where a row draws
+    at random (:func:`logits_for_sampling`), the grammar's mask, then the logits processors over the
+    rows' ``histories``, then :func:`sample` at ``positions``; the logprobs are of the raw logits."""
+    logits = logits_for_sampling(logits, params)
+    masked = grammars.mask(logits, grammar_rows) if grammars else logits
+    tokens = sample(processors.apply(masked, params, histories), params, positions)
+    ended = grammars.accept(grammar_rows, tokens) if grammars else [False] * len(tokens)
+    return SampledStep(tokens, chosen_logprobs(logits, params, tokens), ended)
+
+
 def _generator(seed: int, position: int) -> torch.Generator:
     gen = torch.Generator()
     gen.manual_seed(((seed & _MASK64) * _SEED_MIX + position * 0x632BE59BD9B4E019) & _MASK64)
