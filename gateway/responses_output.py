@@ -33,6 +33,7 @@ import uuid
 from . import generation
 from .reasoning import END, ReasoningMode, ReasoningSplitter
 from .structured import ToolsRequest
+from .tool_call_formats import DEFAULT_TOOL_CALL_PARSER
 from .tool_calls import ToolCallParser
 
 
@@ -44,10 +45,10 @@ class OutputBuilder:
     """``logprobs``: render each text piece's token logprobs (no tools then: schema checks it)."""
 
     def __init__(self, gen: generation.Generation, tools: ToolsRequest | None, logprobs: bool, render_logprobs,
-                 reasoning: ReasoningMode | None = None):
+                 reasoning: ReasoningMode | None = None, markup: str = DEFAULT_TOOL_CALL_PARSER):
+        """``markup``: the model's ``--tool-call-parser`` (gateway/tool_call_formats.py)."""
         self.gen = gen
-        self.parser = ToolCallParser(tools, gen.model.tool_call_parser) \
-            if tools is not None and tools.choice != "none" else None
+        self.parser = ToolCallParser(tools, markup) if tools is not None and tools.choice != "none" else None
         self.splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
         self.reasoning_tokens = 0
         self._generated: list[int] = []     # while reasoning: the output's ids so far

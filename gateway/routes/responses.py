@@ -94,7 +94,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     gen.request_id = response_id
     if call.logprobs and gen.reasoning is not None:
         raise Unprocessable("logprobs are served for models without a reasoning parser", param="include")
-    builder = OutputBuilder(gen, parsed.tools, call.logprobs, ChatFormat.logprobs, gen.reasoning)
+    builder = OutputBuilder(gen, parsed.tools, call.logprobs, ChatFormat.logprobs, gen.reasoning,
+                            gen.model.tool_call_parser)
     record = open_record(request, model.name, response_id, usage=gen, stages="+".join(gen.stages))
     created = generation.now()
     conversation = history + call.turn
