@@ -64,12 +64,13 @@ import msgspec
 import zmq
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 
 MODEL = "bench-model"
 ROLE = "prefill"
 WORKER_ID = "bench-w1"
 PROMPT = [1000 + 37 * i for i in range(8)]         # 8 three-byte tokens: a ~230-byte Submit body
-SAMPLING = {"temperature": 0.0, "max_tokens": 64, "top_p": 1.0}
+SAMPLING = TextParams(temperature=0.0, max_tokens=64, top_p=1.0)
 REPLY_TO = "tcp://127.0.0.1:7001"
 WORKER_CAPACITY = 4096
 

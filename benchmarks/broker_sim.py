@@ -59,13 +59,14 @@ import sys
 import time
 
 from omnirelay.broker import protocol as p
+from omnirelay.request_params import TextParams
 from omnirelay.broker.config import BrokerConfig
 from omnirelay.broker.core import BrokerCore
 from omnirelay.handoffs import KVHandoff
 
 MODEL = "sim-model"
 PROMPT = [1000 + 37 * i for i in range(8)]
-SAMPLING = {"temperature": 0.0, "max_tokens": 64}
+SAMPLING = TextParams(temperature=0.0, max_tokens=64)
 
 
 @dataclasses.dataclass(frozen=True)
