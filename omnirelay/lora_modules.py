@@ -2,7 +2,7 @@
 parsing; plain Python (no torch) so the gateway and the launcher import it cheaply.
 
 ``--enable-lora`` turns LoRA on; nothing about it exists without it (a flag below without it is an
-error). ``--lora-modules`` is repeatable and takes ``name=path`` or vLLM's JSON form
+error). ``--lora-modules`` (repeatable) takes one or more ``name=path`` or vLLM's JSON form
 ``{"name": ..., "path": ..., "base_model_name": ...}``; ``base_model_name`` picks which served model
 an adapter belongs to (default: the first). ``--max-loras``: adapters resident at once per worker;
 ``--max-lora-rank``: the largest rank accepted; ``--max-cpu-loras``: adapters kept read in host
@@ -66,8 +66,10 @@ def parse_module(text: str) -> LoraModule:
 def add_arguments(parser: argparse.ArgumentParser, *, gateway: bool = False) -> None:
     group = parser.add_argument_group("LoRA adapters (vLLM's flags)")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (off by default)")
-    group.add_argument("--lora-modules", action="append", default=None, metavar="NAME=PATH|JSON",
-                       help="an adapter: name=path or '{\"name\": .., \"path\": .., \"base_model_name\": ..}'; repeatable")
+    # nargs="+" as vLLM takes it (--lora-modules a=p b=q), and repeatable (--lora-modules a=p --lora-modules b=q).
+    group.add_argument("--lora-modules", action="extend", nargs="+", default=None, metavar="NAME=PATH|JSON",
+                       help="adapters: name=path or '{\"name\": .., \"path\": .., \"base_model_name\": ..}', "
+                            "one or more per flag; repeatable")
     group.add_argument("--max-loras", type=int, default=None, help="adapters resident per worker at once (default 1)")
     group.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (default 16)")
     group.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default --max-loras)")

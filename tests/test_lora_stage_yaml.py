@@ -49,6 +49,9 @@ def test_the_keys_equal_the_flags():
                      "--lora-modules", "a1=/ad/a1", "--lora-modules",
                      json.dumps({"name": "a2", "path": "/ad/a2", "base_model_name": MODEL}))
     assert parsed.stages[0].lora == parsed.stages[1].lora == expected
+    # vLLM's own form: several adapters after one --lora-modules
+    assert flags("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "4", "--lora-modules",
+                 "a1=/ad/a1", json.dumps({"name": "a2", "path": "/ad/a2", "base_model_name": MODEL})) == expected
     # The defaults too: enable_lora alone is --enable-lora alone.
     assert parse_pipeline(pipeline(decode={"enable_lora": True})).stages[1].lora == flags("--enable-lora")
     assert parse_pipeline(pipeline(prefill={"enable_lora": False})).stages[0].lora is None
