@@ -69,7 +69,8 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def tiny_model(work: pathlib.Path) -> pathlib.Path:
     from omnirelay.deploy.builders.llm import build_tiny_llm
-    return build_tiny_llm(work / "tiny-llm", seed=0)
+    path = work / "tiny-llm"
+    return path if (path / "config.json").exists() else build_tiny_llm(path, seed=0)   # a work dir's earlier build
 
 
 def smollm2_model(peer: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
@@ -88,7 +89,12 @@ def smollm2_model(peer: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
 def lora_adapters(model: pathlib.Path, work: pathlib.Path, count: int, rank: int) -> dict[str, pathlib.Path]:
     """``count`` random-weight adapters for ``model`` (all seven projections), built once."""
     from omnirelay.deploy.builders.lora import build_tiny_lora
-    return {f"a{i}": build_tiny_lora(model, work / "adapters" / f"a{i}", rank=rank, seed=i + 1) for i in range(count)}
+    out = {}
+    for i in range(count):
+        path = work / "adapters" / f"a{i}"
+        out[f"a{i}"] = path if (path / "adapter_config.json").exists() else build_tiny_lora(model, path, rank=rank,
+                                                                                              seed=i + 1)
+    return out
 
 
 def lora_server_args(adapters: dict[str, pathlib.Path], rank: int) -> list[str]:
