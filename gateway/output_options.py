@@ -32,7 +32,8 @@ class OutputOptions:
     return_tokens_as_token_ids: bool = False
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
+def boolean_field(body: dict, name: str, default: bool = False) -> bool:
+    """``body[name]`` when a boolean, ``default`` when absent or null; a 400 naming it otherwise."""
     value = body.get(name)
     if value is None:
         return default
@@ -49,11 +50,11 @@ def parse_output_options(body: dict) -> OutputOptions:
             raise BadRequest("'truncate_prompt_tokens' must be -1 (the context length) or a positive integer",
                              param="truncate_prompt_tokens")
     return OutputOptions(
-        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
-        skip_special_tokens=_flag(body, "skip_special_tokens", True),
-        spaces_between_special_tokens=_flag(body, "spaces_between_special_tokens", True),
+        include_stop_str_in_output=boolean_field(body, "include_stop_str_in_output", False),
+        skip_special_tokens=boolean_field(body, "skip_special_tokens", True),
+        spaces_between_special_tokens=boolean_field(body, "spaces_between_special_tokens", True),
         truncate_prompt_tokens=truncate,
-        return_tokens_as_token_ids=_flag(body, "return_tokens_as_token_ids", False))
+        return_tokens_as_token_ids=boolean_field(body, "return_tokens_as_token_ids", False))
 
 
 def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -29,7 +29,7 @@ from omnirelay.request_params import MAX_CACHE_SALT_CHARS, MAX_LOGPROB_TOKEN_IDS
 from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.scheduling import PRIORITY_MAX, PRIORITY_MIN
 
-from .output_options import OutputOptions, parse_output_options
+from .output_options import OutputOptions, boolean_field, parse_output_options
 from .sampling_options import SamplingOptions, parse_options
 from .spoken_answers import audio_reference
 from .structured import ToolsRequest, parse_structured
@@ -223,15 +223,6 @@ def _integer(body: dict, name: str, default: int | None, lo: int | None = None) 
         raise BadRequest(f"'{name}' must be an integer", param=name)
     if lo is not None and value < lo:
         raise BadRequest(f"'{name}' must be >= {lo}, got {value}", param=name)
-    return value
-
-
-def boolean_field(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be a boolean", param=name)
     return value
 
 

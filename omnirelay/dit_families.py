@@ -20,11 +20,11 @@ evaluations, without classifier-free guidance; ``WanPipeline.__call__``'s 50 ste
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 from omnirelay.errors import BadRequest
+from omnirelay.model_kind import read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +78,12 @@ def family_from_configs(pipeline_class: str, transformer: dict[str, Any] | None,
 
 def family_of_dir(path: str | os.PathLike) -> DiTFamily | None:
     """The family of a diffusers directory, from its JSON files; None when not in the table."""
-    index = _read_json(os.path.join(path, "model_index.json"))
+    index = read_json(os.path.join(path, "model_index.json"))
     if index is None:
         return None
     return family_from_configs(str(index.get("_class_name", "")),
-                               _read_json(os.path.join(path, "transformer", "config.json")),
-                               _read_json(os.path.join(path, "vae", "config.json")))
+                               read_json(os.path.join(path, "transformer", "config.json")),
+                               read_json(os.path.join(path, "vae", "config.json")))
 
 
 def family_of_pipeline(pipe) -> DiTFamily | None:
@@ -94,10 +94,3 @@ def family_of_pipeline(pipe) -> DiTFamily | None:
                                dict(vae.config) if vae is not None else None)
 
 
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as handle:
-            value = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None

@@ -116,6 +116,13 @@ def server(tiny_model, tmp_path_factory):
     serve.stop()
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """The official ``openai`` client on the session's omni-serve (a module may define its own ``client``)."""
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def _leaks() -> list[str]:
     """Processes this test session started and left running, shared-memory segments whose owner
     is gone (a clean shutdown removes them; only a crash may leave them, and we crash on purpose

@@ -16,8 +16,8 @@ from omnirelay.errors import BadRequest
 from omnirelay.gateway.schema import chat_messages
 from omnirelay.gateway.spoken_answers import SpokenAnswers, resolve_audio_turns
 
-from cluster import Cluster
 from media_fixtures import client_fixture, pipeline_file
+from media_support import pipeline_cluster
 
 MODEL = "tiny-omni"
 
@@ -58,17 +58,8 @@ def test_messages_name_the_bad_audio_turn():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = str(build_tiny_omni(tmp_path_factory.mktemp("models") / MODEL, seed=0))
-    stages = ["--stage-configs-path", pipeline_file("omni")]
-    c = Cluster(model, str(tmp_path_factory.mktemp("audio-turn-logs")), model_name=MODEL)
-    try:
-        c.start_broker()
-        for role in ("encode", "prefill", "decode", "generate"):
-            c.start_worker(role, *stages)
-        c.start_gateway(*stages)
-        c.wait_healthy(timeout=180)
-        yield c
-    finally:
-        c.stop()
+    yield from pipeline_cluster(model, str(tmp_path_factory.mktemp("audio-turn-logs")), MODEL, pipeline_file("omni"),
+                                ("encode", "prefill", "decode", "generate"), start_timeout=180)
 
 
 client = client_fixture(timeout=300)

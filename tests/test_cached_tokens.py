@@ -7,17 +7,11 @@ from __future__ import annotations
 
 import uuid
 
-import openai
 import pytest
 
 from omnirelay.broker import protocol as p
 
 MODEL = "tiny-llm"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _long_prompt() -> str:

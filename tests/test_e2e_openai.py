@@ -26,11 +26,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def chat(client, content: str, **kwargs):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
 

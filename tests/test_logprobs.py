@@ -24,11 +24,6 @@ TOLERANCE = 1e-4   # our kernels sum in another order than transformers'
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def hf_logprobs(tiny_model):
     """``hf_logprobs(prompt_ids, generated_ids)``: transformers' log_softmax rows [n, vocab] at the
     positions that produced each generated token (one forward over prompt + generated)."""

@@ -23,11 +23,6 @@ BLOCK = 16   # omni-worker's default --block-size
 LONG_PROMPT = "The archive holds records of " + " ".join(f"item{i} filed" for i in range(40))
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _chat(client, content: str, **kwargs):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
 

@@ -37,9 +37,8 @@ from omnirelay.speech_params import SpeechParams
 from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
 from omnirelay.workers.speech.role import encode_audio, flac_available
 
-from cluster import Cluster
 from media_fixtures import client_fixture
-from media_support import wav_samples
+from media_support import pipeline_cluster, wav_samples
 from omni_speech_support import settled_speech_stream_stats, speech_events, speech_stream_stats_after
 
 # A cluster of five processes plus transformers' reference: one to three minutes on 2 shared cores.
@@ -88,18 +87,8 @@ def reference(tiny_omni, prompt_ids):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_omni, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("omni-speech-logs")
-    stages = ["--stage-configs-path", PIPELINE]
-    c = Cluster(tiny_omni, str(log_dir), model_name=MODEL)
-    try:
-        c.start_broker()
-        for role in ("encode", "prefill", "decode", "generate"):
-            c.start_worker(role, *stages)
-        c.start_gateway(*stages)
-        c.wait_healthy(timeout=180)
-        yield c
-    finally:
-        c.stop()
+    yield from pipeline_cluster(tiny_omni, str(tmp_path_factory.mktemp("omni-speech-logs")), MODEL, PIPELINE,
+                                ("encode", "prefill", "decode", "generate"), start_timeout=180)
 
 
 client = client_fixture(timeout=300)

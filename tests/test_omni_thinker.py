@@ -72,11 +72,6 @@ def server(tiny_omni, media_dir, tmp_path_factory):
     serve.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _chat(client, content, **kwargs):
     return client.chat.completions.create(model="tiny-omni", messages=[{"role": "user", "content": content}],
                                           max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True},

@@ -20,11 +20,6 @@ KNOBS = ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_sp
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 

@@ -28,11 +28,6 @@ TOLERANCE = 1e-4   # our kernels sum in another order than transformers'
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def hf(tiny_model):
     """``hf(ids)``: transformers' log_softmax rows [n - 1, vocab] predicting prompt tokens 1 … n-1."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

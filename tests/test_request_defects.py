@@ -26,11 +26,6 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": [
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _error(server, route: str, body: dict) -> tuple[int, dict]:
     reply = requests.post(server.url + route, json={"model": MODEL, **body}, timeout=60)
     return reply.status_code, reply.json().get("error", {})

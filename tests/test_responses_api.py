@@ -28,11 +28,6 @@ YES_NO = {"type": "object", "properties": {"a": {"enum": ["yes", "no"]}}, "requi
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _chat(client, messages, max_tokens=8, **kwargs):
     return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
                                           **kwargs)

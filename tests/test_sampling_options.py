@@ -66,11 +66,6 @@ def test_hints_are_ignored():
                      prediction={"type": "content", "content": "x"}))
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def test_not_served_through_the_openai_client(client):
     """Every option of the table, as a client sends it (``extra_body`` for vLLM's), gets a 422
     naming it, chat and completions alike."""
