@@ -58,8 +58,9 @@ def test_messages_name_the_bad_audio_turn():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = str(build_tiny_omni(tmp_path_factory.mktemp("models") / MODEL, seed=0))
-    yield from pipeline_cluster(model, str(tmp_path_factory.mktemp("audio-turn-logs")), MODEL, pipeline_file("omni"),
-                                ("encode", "prefill", "decode", "generate"), start_timeout=180)
+    with pipeline_cluster(model, str(tmp_path_factory.mktemp("audio-turn-logs")), MODEL, pipeline_file("omni"),
+                          ("encode", "prefill", "decode", "generate"), start_timeout=180) as cluster:
+        yield cluster
 
 
 client = client_fixture(timeout=300)

@@ -87,8 +87,9 @@ def reference(tiny_omni, prompt_ids):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_omni, tmp_path_factory):
-    yield from pipeline_cluster(tiny_omni, str(tmp_path_factory.mktemp("omni-speech-logs")), MODEL, PIPELINE,
-                                ("encode", "prefill", "decode", "generate"), start_timeout=180)
+    with pipeline_cluster(tiny_omni, str(tmp_path_factory.mktemp("omni-speech-logs")), MODEL, PIPELINE,
+                          ("encode", "prefill", "decode", "generate"), start_timeout=180) as cluster:
+        yield cluster
 
 
 client = client_fixture(timeout=300)
