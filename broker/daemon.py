@@ -154,7 +154,8 @@ class BrokerDaemon:
                 msg = decode(frames)
             except p.ProtocolError as exc:
                 core.counters["malformed_messages"] += 1
-                pending.append((identity, p.ErrorReply("malformed_message", str(exc)[:500])))
+                pending.append((identity, p.ErrorReply("malformed_message", str(exc)[:500],
+                                                       request_id=p.submitted_request_id(frames))))
                 continue
             if warming and isinstance(msg, _GATEWAY_MESSAGES):
                 self._held.append((identity, msg))

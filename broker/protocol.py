@@ -151,6 +151,21 @@ def _explain(cls: type[Message], error: str) -> str:
     return f"{cls.__name__}: {error[:200]}"
 
 
+class _NamesARequest(msgspec.Struct):
+    request_id: str = ""
+
+
+def submitted_request_id(frames: list[bytes]) -> str:
+    """The ``request_id`` of ``frames`` when they are a :class:`Submit` whose body decodes at least
+    that far (a refused one: some other field is malformed); "" for anything else."""
+    if len(frames) != 3 or bytes(frames[1]) != Submit.TAG or len(frames[2]) > MAX_BODY_BYTES:
+        return ""
+    try:
+        return msgspec.msgpack.decode(frames[2], type=_NamesARequest, ext_hook=_reject_ext).request_id[:256]
+    except Exception:   # noqa: BLE001 - garbage: no request to name
+        return ""
+
+
 def encode(msg: Message) -> list[bytes]:
     """Frames ``[version, tag, body]`` for ``msg`` (fields at their default left out)."""
     return [VERSION_FRAME, msg.TAG, _ENCODER.encode(msg)]
@@ -435,9 +450,14 @@ class StatusReply(Message):
 
 @_register
 class ErrorReply(Message):
+    """The sender's message was malformed. ``request_id``: the request a refused :class:`Submit`
+    named (read from its body when that much of it decodes; :func:`submitted_request_id`), so its
+    gateway fails that request at once instead of at its deadline; "" otherwise."""
+
     TAG = b"ERR"
     error_type: str
     message: str
+    request_id: str = ""
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import zmq.asyncio
 from omnirelay.broker import protocol as p
 from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 from omnirelay.broker.prefix_index import prompt_route_keys
-from omnirelay.errors import DeadlineExceeded, OmniError, WorkerLost, error_from_type
+from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, WorkerLost, error_from_type
 from omnirelay.request_params import adapter_of, salt_of
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
 from omnirelay.tracing import CURRENT_TRACEPARENT
@@ -286,6 +286,10 @@ class BusClient:
                 future.set_result(msg)
         elif isinstance(msg, p.ErrorReply):
             log.warning("broker rejected a message: %s: %s", msg.error_type, msg.message)
+            stream = self._streams.get(msg.request_id) if msg.request_id else None
+            if stream is not None:   # a Submit it could not read: fail the request now, not at its deadline
+                stream.on_error(BadRequest(f"the broker refused the request: {msg.message}",
+                                           request_id=msg.request_id))
 
     def _on_worker_message(self, msg: p.Message) -> None:
         if isinstance(msg, p.TokenDelta):
