@@ -192,6 +192,31 @@ class KVHandoff(_Handoff, tag="kv"):
 Handoff = Union[MediaInputs, EmbedsHandoff, KVHandoff, SpeechHandoff]
 
 # ------------------------------------------------------------------------------------------------
+# Key names: every connector key a stage writes for the next, per request and attempt, so a retried
+# stage never reads an earlier attempt's data. Named here only.
+
+def kv_key(request_id: str, attempt: int) -> str:
+    """Prefill's KV (a whole KV, or a layer-wise manifest with its pieces at :func:`piece_key`)."""
+    return f"kv/{request_id}/{attempt}"
+
+
+def media_key(request_id: str, attempt: int) -> str:
+    """Encode's media embeddings."""
+    return f"mm/{request_id}/{attempt}"
+
+
+def speech_prompt_key(request_id: str, attempt: int) -> str:
+    """Prefill's prompt hidden states for the talker."""
+    return f"speech/{request_id}/{attempt}/prompt"
+
+
+def speech_reply_key(prompt_key: str, request_id: str) -> str:
+    """Decode's reply states (or their chunk stream) beside prefill's prompt states at
+    ``prompt_key``: the same request and prefill attempt, whichever decode attempt writes them."""
+    return (prompt_key.removesuffix("/prompt") or f"speech/{request_id}") + "/reply"
+
+
+# ------------------------------------------------------------------------------------------------
 # Releasing a KV hand-off. A layer-wise KV (workers/kv/export.py) is a manifest under the key and
 # one piece per layer under piece_key(key, layer); the manifest names how many. Shared here because
 # every holder of a KVHandoff (decode, a prefill whose report went stale) must delete the pieces too.

@@ -50,7 +50,7 @@ import torch
 from omnirelay.connectors import Connector
 from omnirelay.connectors.base import Handle
 from omnirelay.errors import BadRequest, DeadlineExceeded, OutOfMemory
-from omnirelay.handoffs import MAX_IMAGE_PIXELS_CEILING, EmbedsHandoff
+from omnirelay.handoffs import MAX_IMAGE_PIXELS_CEILING, EmbedsHandoff, media_key
 from omnirelay.workers.encode.embeds_send import EmbedsSend
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
@@ -327,5 +327,5 @@ class EncodeEngine:
         payload = self.encoders.image_payload(torch.cat(parts["image"])) if parts["image"] else {}
         if parts["audio"]:
             payload["audio_embeds"] = torch.cat(parts["audio"])
-        return EmbedsSend(task.request_id, f"mm/{task.request_id}/{task.attempt}", payload, grids, lengths,
+        return EmbedsSend(task.request_id, media_key(task.request_id, task.attempt), payload, grids, lengths,
                           task.deadline)

@@ -59,7 +59,7 @@ import torch
 from omnirelay.request_params import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, DeadlineExceeded, OutOfMemory
-from omnirelay.handoffs import SpeechHandoff, release_kv
+from omnirelay.handoffs import SpeechHandoff, release_kv, speech_reply_key
 
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.lora import LoraSlots
@@ -546,7 +546,7 @@ class DecodeEngine:
         """The reply for the generate stage: its tokens and the states of all but the last (which
         was never fed back), next to prefill's prompt states; put on a transfer thread."""
         prompt = seq.task.speech_inputs
-        key = (prompt.speech_prompt_key.removesuffix("/prompt") or f"speech/{seq.request_id}") + "/reply"   # per attempt
+        key = speech_reply_key(prompt.speech_prompt_key, seq.request_id)
         hidden = torch.stack(seq.hidden) if seq.hidden else torch.zeros(0, 0)
         return SpeechReplySend(prompt, key, {"hidden": hidden, "token_ids": list(seq.generated)}, seq.deadline)
 

@@ -66,7 +66,7 @@ from omnirelay.request_params import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.connectors.base import Payload, Reservation
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
-from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, delete_quietly
+from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, delete_quietly, kv_key, speech_prompt_key
 from omnirelay.mrope import MropeSpec
 from omnirelay.workers.kv.export import LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport
 from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
@@ -506,7 +506,7 @@ class PrefillEngine:
                 continue
             item = OutgoingHandoff(task.request_id)
             if speech:
-                item.speech_key = f"speech/{task.request_id}/{task.attempt}/prompt"
+                item.speech_key = speech_prompt_key(task.request_id, task.attempt)
                 item.speech_payload = speech_payload(seq.hidden, task.media)
             if not reason:
                 item.kv_key, item.num_tokens = self._kv_key(task), len(task.prompt_token_ids)
@@ -592,7 +592,7 @@ class PrefillEngine:
 
     @staticmethod
     def _kv_key(task: PrefillTask) -> str:
-        return f"kv/{task.request_id}/{task.attempt}"
+        return kv_key(task.request_id, task.attempt)
 
     def _grammar_error(self, task: PrefillTask) -> str:
         """Why ``task``'s grammar cannot be enforced here ("" when it can, or it has none)."""

@@ -33,7 +33,7 @@ import torch
 
 from omnirelay.connectors import Connector
 from omnirelay.errors import OmniError
-from omnirelay.handoffs import ChunkStream, SpeechHandoff, delete_quietly
+from omnirelay.handoffs import ChunkStream, SpeechHandoff, delete_quietly, speech_reply_key
 
 from omnirelay.workers.runtime.transfers import Transfer
 
@@ -95,7 +95,7 @@ class ReplyStreamWriter:
 
     @classmethod
     def open(cls, prompt: SpeechHandoff, max_tokens: int, chunk_tokens: int, request_id: str) -> "ReplyStreamWriter":
-        key = (prompt.speech_prompt_key.removesuffix("/prompt") or f"speech/{request_id}") + "/reply"   # per attempt
+        key = speech_reply_key(prompt.speech_prompt_key, request_id)
         # One chunk per K tokens, and the last one may hold none: a bound both sides can count on.
         stream = ChunkStream(key, max_chunks=math.ceil(max_tokens / chunk_tokens) + 2, window=STREAM_WINDOW)
         return cls(stream, prompt, chunk_tokens)
