@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 
+import msgspec
 import torch
 
 ITEM = {"type": "object",
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                         start = time.perf_counter()
                         compilers.get(spec)
                         compile_ms = (time.perf_counter() - start) * 1e3
+                    asked = msgspec.structs.replace(params, structured=spec if constrained else None)
                     prefill = PrefillEngine(model, connector, max_model_len=2048, prefix_caching=False,
                                             grammars=GrammarSampler(compilers))
                     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=16,
@@ -129,16 +131,15 @@ def main(argv: list[str] | None = None) -> int:
                     decode = DecodeEngine(model, cache, connector, max_num_seqs=args.batch, max_model_len=2048,
                                           grammars=grammars)
                     for i, ids in enumerate(prompts):
-                        prefill.add(PrefillTask(f"r{repeat}-{i}", ids, params, time.time() + 600,
-                                                structured=spec if constrained else None))
+                        prefill.add(PrefillTask(f"r{repeat}-{i}", ids, asked, time.time() + 600))
                     done = []
                     while prefill.has_work:
                         done += [r for r in prefill.step() if not isinstance(r, FirstToken)]
                     for result in done:
                         i = int(result.request_id.rsplit("-", 1)[1])
-                        decode.add(DecodeTask(result.request_id, prompts[i], result.first_token, params,
+                        decode.add(DecodeTask(result.request_id, prompts[i], result.first_token, asked,
                                               time.time() + 600, "", result.outputs.kv_key,
-                                              result.outputs.kv_handle, structured=spec if constrained else None))
+                                              result.outputs.kv_handle))
                     decode.step()   # imports and admits every KV, runs the first step (not timed)
                     while len(decode.running) < args.batch:
                         decode.step()

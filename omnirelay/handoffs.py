@@ -230,9 +230,7 @@ def release_kv(store: KeyStore, key: str, handle: Handle | None = None, *, layer
     for a layerwise one, every piece. ``layers`` is its layout (:attr:`KVHandoff.layers`); a holder
     that does not know it (None) reads the key to learn it. Does not wait for a key that is not there."""
     if layers is not None:
-        for layer in range(max(0, min(layers, 1 << 16))):
-            delete_quietly(store, piece_key(key, layer))
-        delete_quietly(store, key)
+        _delete_kv(store, key, layers)
         return
     try:
         payload = store.get(key, handle, timeout=0.0)
@@ -245,9 +243,13 @@ def release_kv(store: KeyStore, key: str, handle: Handle | None = None, *, layer
 def delete_kv_payload(store: KeyStore, key: str, payload: dict) -> None:
     """Delete ``key`` and, when ``payload`` (what it held) is a layer-wise manifest, its pieces."""
     layers = payload.get("layerwise")
-    if isinstance(layers, int):
-        for layer in range(max(0, min(layers, 1 << 16))):
-            delete_quietly(store, piece_key(key, layer))
+    _delete_kv(store, key, layers if isinstance(layers, int) else 0)
+
+
+def _delete_kv(store: KeyStore, key: str, layers: int) -> None:
+    """``key`` and its ``layers`` pieces (bounded: the count may come from a stored manifest)."""
+    for layer in range(max(0, min(layers, 1 << 16))):
+        delete_quietly(store, piece_key(key, layer))
     delete_quietly(store, key)
 
 

@@ -11,6 +11,7 @@ import json
 import time
 
 import jsonschema
+import msgspec
 import pytest
 
 from omnirelay.request_params import StructuredOutput
@@ -47,8 +48,8 @@ def generate(prefill, decode, prompts: dict[str, list[int]], spec: dict[str, Str
     """Prefill then decode every prompt; → request id: (output tokens, finish reason)."""
     offsets = offsets or {}
     for rid, ids in prompts.items():
-        prefill.add(PrefillTask(rid, ids, params, time.time() + 60, position_offset=offsets.get(rid, 0),
-                                structured=spec[rid]))
+        prefill.add(PrefillTask(rid, ids, msgspec.structs.replace(params, structured=spec[rid]), time.time() + 60,
+                                position_offset=offsets.get(rid, 0)))
     out: dict[str, tuple[list[int], str]] = {}
     for _ in range(50):
         for result in prefill.step():
@@ -58,10 +59,10 @@ def generate(prefill, decode, prompts: dict[str, list[int]], spec: dict[str, Str
             if result.finish_reason:
                 out[result.request_id] = ([result.first_token], result.finish_reason)
                 continue
-            decode.add(DecodeTask(result.request_id, prompts[result.request_id], result.first_token, params,
+            decode.add(DecodeTask(result.request_id, prompts[result.request_id], result.first_token,
+                                  msgspec.structs.replace(params, structured=spec[result.request_id]),
                                   time.time() + 60, "", result.outputs.kv_key, result.outputs.kv_handle,
-                                  position_offset=offsets.get(result.request_id, 0),
-                                  structured=spec[result.request_id]))
+                                  position_offset=offsets.get(result.request_id, 0)))
             out[result.request_id] = ([result.first_token], "")
         if not prefill.has_work:
             break
@@ -140,13 +141,14 @@ def test_resumed_stream_replays_its_tokens_into_the_grammar(tiny_model, model, t
 def test_a_spec_xgrammar_refuses_fails_only_its_request(tiny_model, model, tok, connector):
     prefill, _ = engines(tiny_model, model, connector)
     prompt = chat_ids(tok, "Hi!")
-    prefill.add(PrefillTask("bad", prompt, GREEDY, time.time() + 60, structured=StructuredOutput("regex", "(ab")))
+    prefill.add(PrefillTask("bad", prompt, msgspec.structs.replace(GREEDY, structured=StructuredOutput("regex", "(ab")),
+                            time.time() + 60))
     prefill.add(PrefillTask("good", prompt, GREEDY, time.time() + 60))
     results = {r.request_id: r for _ in range(5) for r in prefill.step() if not isinstance(r, FirstToken)}
     assert results["bad"].error_type == "bad_request" and "regex" in results["bad"].message
     assert isinstance(results["good"], PrefillResult)
     # An engine without grammar support refuses such a request instead of ignoring its grammar.
     plain = PrefillEngine(model, connector, max_model_len=2048, block_size=4, kv_cache_bytes=4 << 20)
-    plain.add(PrefillTask("r", prompt, GREEDY, time.time() + 60, structured=JSON_SPEC))
+    plain.add(PrefillTask("r", prompt, msgspec.structs.replace(GREEDY, structured=JSON_SPEC), time.time() + 60))
     [result] = plain.step()
     assert result.error_type == "bad_request" and "structured output" in result.message

@@ -41,7 +41,7 @@ new tokens a chunk goes out, the first one announced in ``StepOutput.streams`` (
 ``StageStreaming`` and generate starts on it), and a finished reply waits in ``_finishing`` (its
 blocks already freed) until its last chunk is written; then its last token is reported.
 
-Structured output (``DecodeTask.structured``): every token is sampled under the request's grammar
+Structured output (``TextParams.structured``): every token is sampled under the request's grammar
 (:mod:`~omnirelay.workers.llm.structured_output`). Its matcher is built when the sequence is first
 checked (before its KV import) by replaying what was already emitted: a resumed stream's tokens at
 the end of the prompt, then prefill's first token; it survives preemption and is dropped when the
@@ -56,7 +56,6 @@ import time
 
 import torch
 
-from omnirelay.request_params import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, DeadlineExceeded, OutOfMemory
 from omnirelay.handoffs import SpeechHandoff, release_kv, speech_reply_key
@@ -103,7 +102,6 @@ class DecodeTask:
     # Speech out (Qwen2.5-Omni): prefill's prompt hidden states, passed on to the generate stage
     # with ours (each reply token's state); None: a text-only request.
     speech_inputs: SpeechHandoff | None = None
-    structured: StructuredOutput | None = None   # the output must match this grammar
     priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
     kv_layers: int | None = None   # the KV's layout (KVHandoff.layers; None: read it) for deleting it unread
 
@@ -472,13 +470,13 @@ class DecodeEngine:
     def _grammar_row(self, seq: Sequence):
         if self.grammars is None:
             return None
-        return self.grammars.row(seq.request_id, seq.task.structured, seq.task.prompt_token_ids,
+        return self.grammars.row(seq.request_id, seq.task.params.structured, seq.task.prompt_token_ids,
                                  seq.task.position_offset, seq.generated)
 
     def _grammar_error(self, seq: Sequence) -> str:
         """Why ``seq``'s grammar cannot be enforced here ("" when it can, or it has none); builds
         its matcher (replaying the tokens emitted so far) on first call."""
-        if seq.task.structured is None:
+        if seq.task.params.structured is None:
             return ""
         if self.grammars is None:
             return "this decode worker has no structured output support"

@@ -34,7 +34,7 @@ finds it. At admission they are placed and its M-RoPE positions and rope delta c
 placeholder rows. Such a prompt bypasses the prefix cache (its placeholder ids say nothing about
 the media), and the rope delta travels to decode in the outputs.
 
-Structured output (``PrefillTask.structured``): the first token is sampled under the request's
+Structured output (``TextParams.structured``): the first token is sampled under the request's
 grammar (:mod:`~omnirelay.workers.llm.structured_output`; the matcher is built at admission, a resumed
 stream's emitted tokens replayed, and dropped when the request leaves: decode rebuilds its own).
 
@@ -62,7 +62,6 @@ import time
 
 
 from omnirelay.block_hash import block_hashes
-from omnirelay.request_params import StructuredOutput
 from omnirelay.connectors import Connector
 from omnirelay.connectors.base import Payload, Reservation
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
@@ -102,7 +101,6 @@ class PrefillTask:
     # Speech out (Qwen2.5-Omni): "" none; "reply": decode speaks its reply after us; "prompt": the
     # prompt's tail is the text to speak (/v1/audio/speech), so generate follows even if we finish.
     speech: str = ""
-    structured: StructuredOutput | None = None   # the output must match this grammar
     priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
     prompt_logprobs: int = -1   # k >= 0: the prompt tokens' logprobs and top k (prompt_logprobs.py)
     cache_salt: str = ""   # enters the prefix-cache block names: equal prompts of other salts share nothing
@@ -596,7 +594,7 @@ class PrefillEngine:
 
     def _grammar_error(self, task: PrefillTask) -> str:
         """Why ``task``'s grammar cannot be enforced here ("" when it can, or it has none)."""
-        if task.structured is None:
+        if task.params.structured is None:
             return ""
         if self.grammars is None:
             return "this prefill worker has no structured output support"
@@ -609,7 +607,7 @@ class PrefillEngine:
     def _grammar_row(self, task: PrefillTask):
         if self.grammars is None:
             return None
-        return self.grammars.row(task.request_id, task.structured, task.prompt_token_ids, task.position_offset)
+        return self.grammars.row(task.request_id, task.params.structured, task.prompt_token_ids, task.position_offset)
 
     def _finish_reason(self, seq: _Running, token: int) -> str:
         if seq.task.request_id in self._grammar_complete:

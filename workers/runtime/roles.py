@@ -143,7 +143,7 @@ class PrefillRole(RoleAdapter):
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset, speech=_speech_mode(task.params),
                                     media=task.inputs,
-                                    structured=params.structured, priority=task.priority,
+                                    priority=task.priority,
                                     prompt_logprobs=params.prompt_logprobs, cache_salt=params.cache_salt))
         return []
 
@@ -201,7 +201,7 @@ class DecodeRole(RoleAdapter):
                 reply_to=task.reply_to, kv_key=kv.kv_key, kv_handle=kv.kv_handle, kv_layers=kv.layers,
                 position_offset=task.position_offset, speech_inputs=_speech_inputs(task.params, kv),
                 rope_delta=kv.rope_delta, has_media=kv.has_media,
-                structured=params.structured, priority=task.priority)
+                priority=task.priority)
         except ValueError as exc:
             self.release(kv)   # the request fails here: nobody will import its KV
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid decode task: {exc!r}")]

@@ -174,11 +174,12 @@ class TransferPool:
         with self._cond:
             return len(self._queue) + len(self._running)
 
-    def submit(self, job: TransferJob[Result]) -> Transfer[Result]:
+    def submit(self, job: TransferJob[Result], *, detached: bool = False) -> Transfer[Result]:
         """Queue ``job``; from now on the transfer owns what it moves. A job that only writes,
         on a connector whose writes are local (:attr:`Connector.local_writes`), runs here and now
-        and returns finished: it cannot stall the caller, and a thread would only add a hand-off."""
-        ticket: Transfer[Result] = Transfer(job)
+        and returns finished: it cannot stall the caller, and a thread would only add a hand-off.
+        ``detached``: nobody will take the result (a :meth:`release`)."""
+        ticket: Transfer[Result] = Transfer(job, detached=detached)
         with self._cond:
             if self._closed:
                 ticket.state, ticket.error = TransferState.FAILED, TransferFailed(f"{self.name}: worker is shutting down")
@@ -197,21 +198,8 @@ class TransferPool:
     def release(self, name: str, free: Callable[[Connector], None]) -> None:
         """Run ``free`` (deletes of keys nobody will read: ``name`` says which, for logs) off the
         caller's thread, or inline on a connector whose writes are local. Fire and forget: a free
-        that fails is logged and its keys are left to their TTL."""
-        ticket = Transfer(_Release(name, free), detached=True)
-        with self._cond:
-            if self._closed:   # close() has run: nobody joins a thread any more, free it here
-                ticket.state = TransferState.CANCELLED
-            elif self.connector.local_writes:
-                self._start_locked(ticket, from_queue=False)
-            else:
-                self._queue.append(ticket)
-                self._spawn_locked()
-                return
-        if ticket.state is TransferState.CANCELLED:
-            self._discard_quietly(ticket, None)
-        else:
-            self._execute(ticket, inline=True)
+        that fails is logged and its keys are left to their TTL; after close() it runs here."""
+        self.submit(_Release(name, free), detached=True)
 
     @contextlib.contextmanager
     def take(self, ticket: Transfer[Result]) -> Iterator[Result]:
