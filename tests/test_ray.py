@@ -134,7 +134,8 @@ def _placement(serve: ServeProcess) -> dict:
 
 
 def _complete(url: str) -> dict:
-    response = requests.post(url + "/v1/completions", json={"model": "tiny-llm", "prompt": "Hello", "max_tokens": 4},
+    response = requests.post(url + "/v1/completions", json={"model": "tiny-llm", "prompt": "Hello", "max_tokens": 4,
+                                                           "temperature": 0, "ignore_eos": True},
                              timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
