@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from omnirelay.workers.kv.cache import PagedKVCache
     from omnirelay.workers.llm.model_runner import LocalRunner
     from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
+    from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner
 
     model_dir = str(args.model or cached_qwen3(moe=True))
     cuda = args.devices == "cuda"

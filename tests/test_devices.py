@@ -145,7 +145,7 @@ def test_group_ranks_agree_on_the_smallest_pool(tiny_model):
     stage with the most layers can hold, and a pool too small on a rank fails the group's start."""
     from omnirelay.workers.kv.cache import PagedKVCache
     from omnirelay.workers.llm.models.llama import LlamaConfig
-    from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner, layer_ranges
+    from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner, layer_ranges
 
     cfg = LlamaConfig.from_dir(__import__("pathlib").Path(tiny_model))
     layers = max(len(r) for r in layer_ranges(cfg.num_layers, 2))
@@ -212,7 +212,7 @@ def test_cuda_placement_and_tp2_equals_tp1(tiny_model, tok, tmp_path):  # noqa: 
     from omnirelay.workers.llm.decode import DecodeEngine
     from omnirelay.workers.llm.model_runner import local_runner
     from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
+    from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner
     from omnirelay.workers.llm.prefill import PrefillEngine
 
     prompts = [chat_ids(tok, q) for q in QUESTIONS]

@@ -15,7 +15,8 @@ from omnirelay.request_params import TextParams
 from omnirelay.handoffs import KVHandoff
 from omnirelay.workers.llm.decode import DecodeEngine
 from omnirelay.workers.llm.prefill import PrefillEngine
-from omnirelay.workers.runtime.roles import BROKER, DecodeRole, PrefillRole
+from omnirelay.workers.runtime.roles import BROKER
+from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
 
 from engine_support import connector, decode_engine, model  # noqa: F401  (fixtures)
 

@@ -18,7 +18,7 @@ from omnirelay.workers.generate.video import GenerateVideoEngine
 from omnirelay.workers.llm.decode import DecodeEngine
 from omnirelay.workers.llm.prefill import PrefillEngine
 from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource
-from omnirelay.workers.runtime.roles import DecodeRole, PrefillRole
+from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
 from omnirelay.workers.speech.engine import GenerateSpeechEngine
 from omnirelay.workers.speech.qwen3_tts import Qwen3TTSEngine
 

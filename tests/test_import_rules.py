@@ -53,18 +53,10 @@ _ENGINES = ("omnirelay.workers.llm", "omnirelay.workers.kv", "omnirelay.workers.
             "omnirelay.workers.generate", "omnirelay.workers.speech")
 SUBPACKAGE_RULES: dict[str, tuple[str, ...]] = {"omnirelay.workers.runtime": _ENGINES}
 
-# Issue #28, to be paid by moving the LLM role adapters (runtime/roles.py) and the tensor-parallel
-# runner of the Llama model (runtime/parallel.py) under workers/llm/, and by letting each engine check
-# its own config (runtime/config.py asks the sequence- and expert-parallel modules, in functions).
+# Issue #28, to be paid by letting each engine check its own config (runtime/config.py asks the
+# sequence- and expert-parallel modules, in functions).
 # (importing file, imported module), each still real (test_known_debts_are_still_real).
 KNOWN_SUBPACKAGE_DEBTS: set[tuple[str, str]] = {
-    ("workers/runtime/roles.py", "omnirelay.workers.llm.decode"),
-    ("workers/runtime/roles.py", "omnirelay.workers.llm.prefill"),
-    ("workers/runtime/parallel.py", "omnirelay.workers.kv.cache"),
-    ("workers/runtime/parallel.py", "omnirelay.workers.llm.expert_parallel"),
-    ("workers/runtime/parallel.py", "omnirelay.workers.llm.forward_batch"),
-    ("workers/runtime/parallel.py", "omnirelay.workers.llm.lora"),   # the ranks' LoRA shards (issue #29)
-    ("workers/runtime/parallel.py", "omnirelay.workers.llm.models.llama"),
     ("workers/runtime/config.py", "omnirelay.workers.generate.sequence_parallel_group"),
     ("workers/runtime/config.py", "omnirelay.workers.llm.expert_parallel"),
     ("workers/runtime/config.py", "omnirelay.workers.llm.models.llama"),
@@ -74,11 +66,9 @@ KNOWN_SUBPACKAGE_DEBTS: set[tuple[str, str]] = {
 # set of the module-level import graph): none.
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
-# Issue #28: the same graph folded to subpackages (omnirelay.workers.llm …) has one loop, runtime →
-# llm → kv → runtime (runtime/roles.py and runtime/parallel.py above); it goes with those moves.
-KNOWN_SUBPACKAGE_CYCLES: set[tuple[str, ...]] = {
-    ("omnirelay.workers.kv", "omnirelay.workers.llm", "omnirelay.workers.runtime"),
-}
+# The same graph folded to subpackages (omnirelay.workers.llm …): no loop since the LLM role
+# adapters and parallel group moved from runtime/ to llm/ (issue #28).
+KNOWN_SUBPACKAGE_CYCLES: set[tuple[str, ...]] = set()
 
 
 def _package_of(path: pathlib.Path) -> str:

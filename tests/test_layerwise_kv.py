@@ -242,7 +242,7 @@ def test_pipeline_yaml_kv_transfer_option():
 def test_layerwise_prefill_to_a_tp2_decode_reshards_by_heads(model, tok, reference, tiny_model, connector, tmp_path):
     """Pieces carry all KV heads of their layer: a TP=2 decode splits the assembled KV by heads."""
     from omnirelay.workers.llm.decode import DecodeEngine
-    from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
+    from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner
 
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:3]]
     prefilled = run_prefill(prefill_engine(model, connector, "layerwise"), prompts)

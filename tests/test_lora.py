@@ -231,7 +231,7 @@ def test_daemons_refuse_a_bad_adapter_at_start_by_name(daemon, tiny_model, tmp_p
 def test_the_kv_hand_off_names_its_adapter_and_decode_checks_it(tiny_model, adapters, tok, connector):
     from omnirelay.broker import protocol as p
     from omnirelay.handoffs import KVHandoff
-    from omnirelay.workers.runtime.roles import DecodeRole
+    from omnirelay.workers.llm.roles import DecodeRole
 
     prefill, decode = _engines(tiny_model, adapters, connector, max_loras=2)
     ids = chat_ids(tok, "Hi!")

@@ -15,7 +15,7 @@ import torch
 
 from omnirelay.workers.llm.decode import DecodeEngine
 from omnirelay.workers.llm.models.llama import LlamaModel
-from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner, layer_ranges
+from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner, layer_ranges
 from omnirelay.workers.llm.prefill import PrefillEngine
 
 from engine_support import QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill, tok  # noqa: F401

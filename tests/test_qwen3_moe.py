@@ -24,7 +24,7 @@ from omnirelay.deploy.builders.qwen3 import cached_qwen3
 from omnirelay.workers.llm.expert_parallel import ExpertPlacementError, expert_range, token_chunks
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE, route
-from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
+from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner
 from omnirelay.workers.llm.prefill import PrefillEngine
 
 from engine_support import QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill  # noqa: F401
@@ -175,7 +175,7 @@ _RANK = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
     from omnirelay.workers.llm.expert_parallel import ExpertDispatch
     from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE
-    from omnirelay.workers.runtime.parallel import _TPGroup
+    from omnirelay.workers.llm.parallel import _TPGroup
     from omnirelay.workers.runtime.process_group import join_world, leave_world
 
     class DiesInside(_TPGroup):   # rank 1 only: exits between two exchanges of one dispatch

@@ -20,7 +20,8 @@ from omnirelay.handoffs import KVHandoff, SpeechHandoff
 from omnirelay.workers.llm.decode import StepOutput, TokenOut
 from omnirelay.workers.llm.prefill import FirstToken, PrefillResult
 from omnirelay.workers.runtime.engine import RequestFailure
-from omnirelay.workers.runtime.roles import BROKER, DecodeRole, PrefillRole
+from omnirelay.workers.runtime.roles import BROKER
+from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
 
 GW_A, GW_B = "tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"
 

@@ -42,7 +42,7 @@ from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.runtime.devices import KVBudgetError, parse_device_ids, resolve_devices
 from omnirelay.workers.runtime.health_server import HealthServer
 from omnirelay.workers.runtime.loop import WorkerRuntime
-from omnirelay.workers.runtime.parallel import ParallelGroupLost
+from omnirelay.workers.runtime.rank_processes import ParallelGroupLost
 
 log = logging.getLogger("omnirelay.worker")
 

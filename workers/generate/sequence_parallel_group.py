@@ -1,7 +1,7 @@
 """Sequence parallelism across a generate worker's ranks: the diffusion transformer of an image or
 video pipeline (SD3, Z-Image, Wan) runs with its tokens split over ``size`` processes.
 
-Ranks are real processes, as in :mod:`omnirelay.workers.runtime.parallel`: rank 0 is the worker daemon
+Ranks are real processes, as in :mod:`omnirelay.workers.llm.parallel`: rank 0 is the worker daemon
 itself (it holds the whole pipeline and is the only one that talks to the bus); it starts ranks
 1..N-1 (``python -m omnirelay.workers.generate.sequence_parallel_group ...``, settings on the command line,
 no pickle), which load only the pipeline's transformers from the same directory (``transformer/``,
@@ -72,7 +72,6 @@ Device: collectives use gloo and the group runs on the CPU, as the TP/PP group d
 from __future__ import annotations
 
 import argparse
-import ctypes
 import inspect
 import dataclasses
 import datetime
@@ -94,7 +93,7 @@ import torch.distributed as dist
 
 from omnirelay.errors import BadRequest
 
-from omnirelay.workers.runtime.parallel import reap_ranks
+from omnirelay.workers.runtime.rank_processes import die_with_parent, reap_ranks
 from omnirelay.workers.runtime.process_group import join_world, leave_world
 from omnirelay.workers.generate.sequence_parallel_kernels import KERNELS, SPConfigError
 
@@ -236,7 +235,7 @@ class SequenceParallelDenoiser:
                     self._procs.append(subprocess.Popen(
                         [sys.executable, "-m", "omnirelay.workers.generate.sequence_parallel_group", *self.config.argv(rank),
                          "--ready-fd", str(write_end)],
-                        preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, pass_fds=(write_end,)))
+                        preexec_fn=die_with_parent, stdin=subprocess.DEVNULL, pass_fds=(write_end,)))
                 finally:
                     os.close(write_end)
         except BaseException:
@@ -464,10 +463,6 @@ def _tensors_of(model):
 def _dtype_codes(model) -> torch.Tensor:
     """The dtype of every parameter and buffer, in order, as codes (what SETUP sends)."""
     return torch.tensor([DTYPES.index(t.dtype) for t in _tensors_of(model)], dtype=torch.long)
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
 
 
 def _load_experts(config: SPGroupConfig) -> list:

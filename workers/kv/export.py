@@ -49,7 +49,7 @@ only after the step joined the thread. On CUDA the thread waits for an event rec
 compute stream after layer ``i``'s write, and gathers on a side stream (that path has no test on the
 CPU-only hosts the suite runs on).
 
-Parallel groups (TP > 1 or PP > 1, :class:`~omnirelay.workers.runtime.parallel.GroupRunner`): the layers'
+Parallel groups (TP > 1 or PP > 1, :class:`~omnirelay.workers.llm.parallel.GroupRunner`): the layers'
 heads live on other ranks, which would each have to send per layer inside the forward; those
 workers keep the whole-KV export (gathered once by rank 0 after the forward). The payload format the
 decode side reads is the same either way.

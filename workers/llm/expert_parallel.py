@@ -23,8 +23,8 @@ rank enters with the same hidden states ``x [T, hidden]``, the output of the TP 
 
 Collectives run over gloo on the CPU and NCCL on CUDA (the tensors' device picks the backend). A
 peer that dies mid-exchange makes the collective raise (gloo: the closed connection; NCCL: the
-group's timeout); :class:`~omnirelay.workers.runtime.parallel.GroupRunner` turns that into
-:class:`~omnirelay.workers.runtime.parallel.ParallelGroupLost`.
+group's timeout); :class:`~omnirelay.workers.llm.parallel.GroupRunner` turns that into
+:class:`~omnirelay.workers.runtime.rank_processes.ParallelGroupLost`.
 """
 
 from __future__ import annotations

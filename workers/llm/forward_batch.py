@@ -6,7 +6,7 @@ The engines describe a step as a list of sequence chunks: for each sequence, the
 the sequence's block table. :meth:`ForwardBatch.build` packs that into flat tensors once per step;
 everything per layer (slots to write, gather indices, masks) is derived once here, never inside the
 layer loop. Being tensors only, a batch can be broadcast as-is from rank 0 to the other ranks of a
-tensor/pipeline-parallel group (:mod:`omnirelay.workers.runtime.parallel`).
+tensor/pipeline-parallel group (:mod:`omnirelay.workers.llm.parallel`).
 
 Engines build a batch on the CPU; the runner moves it to its rank's device once per step
 (:meth:`ForwardBatch.to`). The per-sequence lengths are also kept as Python lists from the CPU copy,

@@ -4,7 +4,7 @@ An engine (prefill, decode) schedules and owns the block allocator; it runs step
 and out only through a :class:`ModelRunner`:
 
 * :class:`LocalRunner` — the whole model and pool in this process.
-* :class:`~omnirelay.workers.runtime.parallel.GroupRunner` — rank 0 of a tensor/pipeline-parallel group:
+* :class:`~omnirelay.workers.llm.parallel.GroupRunner` — rank 0 of a tensor/pipeline-parallel group:
   the same calls, broadcast to the other ranks, each holding its heads and layers.
 
 KV crosses the runner boundary as full-head ``[layers, 2, seq, kv_heads, head_dim]`` tensors, so

@@ -29,8 +29,8 @@ from omnirelay.workers.llm.structured_output import GrammarCompilerCache, Gramma
 from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error, connector_stats, open_connector
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.runtime.devices import resolve_devices
-from omnirelay.workers.runtime.parallel import GroupConfig, GroupRunner
-from omnirelay.workers.runtime.roles import DecodeRole, PrefillRole
+from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner
+from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
 
 log = logging.getLogger("omnirelay.worker")
 

@@ -21,7 +21,7 @@ KV budget (:func:`kv_cache_budget`), measured on each rank after its weights are
   measure, so ``--gpu-memory-utilization`` does not apply.
 
 Every rank of a group uses the same block ids, so the group takes the smallest block count any
-rank can hold (:mod:`omnirelay.workers.runtime.parallel`). A pool of fewer than two blocks (block 0 is the
+rank can hold (:mod:`omnirelay.workers.llm.parallel`). A pool of fewer than two blocks (block 0 is the
 padding target) fails start-up with :class:`KVBudgetError`, which names the numbers.
 """
 

@@ -1,19 +1,11 @@
-"""Adapters between bus messages and the engines: ``Task`` in, ``TokenDelta``/``TokenDeltas``/
-``StageDone``/``StageFailed`` out. One adapter per role; the runtime treats them alike.
+"""What every role adapter shares (:class:`RoleAdapter`): the bridge between bus messages and a
+role's engine — ``Task`` in, ``TokenDelta``/``TokenDeltas``/``StageDone``/``StageFailed`` out. Each
+role's adapter lives beside its engine (``workers/llm/roles.py``, ``workers/encode/role.py``, …); the
+runtime treats them alike.
 
 Each outgoing message is addressed either to :data:`BROKER` or to a gateway's ``reply_to``
 endpoint, so the runtime knows which socket to use without looking inside. The runtime sends a
 step's list in order, so a stage report placed after a token delta is sent after it.
-
-A step's list, for prefill and decode alike: its token deltas first, one message per gateway
-(:func:`token_messages`), then the StageDone reports in the order the requests finished, then the
-failures. So a request's token (prefill: its first token; decode: its last) always leaves before
-its StageDone, which is what makes the broker dispatch the next stage. Decode's spoken reply may
-instead be streamed (``workers/llm/reply_stream.py``): a ``StageStreaming`` with its stream's
-hand-off follows the step's deltas as soon as the first chunk is written, and the StageDone after
-the last token then carries no hand-off. A token of a request that
-asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_token_ids``/``top_logprobs``, filled from
-``TokenOut.logprobs``, which the engine computed with :func:`~omnirelay.workers.llm.sampling.chosen_logprobs`).
 """
 
 from __future__ import annotations
@@ -22,12 +14,9 @@ from typing import Callable
 
 from omnirelay.errors import BadRequest
 from omnirelay.broker import protocol as p
-from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, SpeechHandoff
+from omnirelay.handoffs import Handoff
 
-from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask, TokenOut
-from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
-from omnirelay.request_params import RequestParams, TextParams, speech_of, text_params_of
-from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource, RequestFailure
+from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource
 
 BROKER = ""
 Outbound = tuple[str, p.Message]   # (BROKER or a reply_to endpoint, message)
@@ -115,174 +104,3 @@ class RoleAdapter:
     def _done(self, request_id: str, outputs: Handoff | None, finished: bool) -> Outbound:
         return BROKER, p.StageDone(self.worker_id, request_id, self.role, outputs, finished=finished,
                                    attempt=self._attempts.pop(request_id, 0))
-
-
-class PrefillRole(RoleAdapter):
-    role = "prefill"
-
-    def __init__(self, worker_id: str, engine: PrefillEngine):
-        # The engine's connector: to delete its own output when the request died meanwhile.
-        super().__init__(worker_id, engine, engine.connector)
-        self.prefix_cache = engine if engine.prefix_caching else None
-
-    def held_loras(self) -> list[str] | None:
-        return self.engine.held_loras()
-
-    def accept(self, task: p.Task) -> list[Outbound]:
-        self._replace_held(task)
-        try:
-            params = text_params_of(task.params)
-            _check_token_ids(params, self.engine)
-        except ValueError as exc:
-            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid params: {exc}")]
-        if task.inputs is not None and not isinstance(task.inputs, EmbedsHandoff):
-            self.release(task.inputs)
-            return [self.failure(task.request_id, task.stage, BadRequest.error_type,
-                                 f"prefill reads media embeddings, not {type(task.inputs).__name__}")]
-        self._hold(task)
-        self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
-                                    task.attempt, task.position_offset, speech=_speech_mode(task.params),
-                                    media=task.inputs,
-                                    priority=task.priority,
-                                    prompt_logprobs=params.prompt_logprobs, cache_salt=params.cache_salt))
-        return []
-
-    def step(self) -> list[Outbound]:
-        """One engine step: the first tokens, one message per gateway, then the stage reports of the
-        requests prefilled (each after the message with its first token), then the failures."""
-        tokens: list[TokenOut] = []
-        reports: list[Outbound] = []
-        failures: list[Outbound] = []
-        for result in self.engine.step():
-            if isinstance(result, FirstToken):   # its hand-off is still on its way: the report follows
-                tokens.append(TokenOut(result.request_id, self._reply_to.get(result.request_id, ""), result.position,
-                                       result.token, result.finish_reason, logprobs=result.logprobs,
-                                       cached_tokens=result.cached_tokens, prompt_logprobs=result.prompt_logprobs))
-                continue
-            reply_to = self._reply_to.pop(result.request_id, "")
-            if isinstance(result, RequestFailure):
-                failures.append(self.failure(result.request_id, self.role, result.error_type, result.message))
-                continue
-            # The first token goes to the gateway at once (time to first token), before decode's.
-            if not result.token_sent:
-                tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
-                                       result.finish_reason, logprobs=result.logprobs,
-                                       cached_tokens=result.cached_tokens, prompt_logprobs=result.prompt_logprobs))
-            reports.append(self._done(result.request_id, result.outputs,
-                                      bool(result.finish_reason) and not result.speech_next))
-        return token_messages(tokens, self.worker_id) + reports + failures
-
-
-class DecodeRole(RoleAdapter):
-    role = "decode"
-
-    def __init__(self, worker_id: str, engine: DecodeEngine):
-        super().__init__(worker_id, engine, engine.connector)
-
-    def held_loras(self) -> list[str] | None:
-        return self.engine.held_loras()
-
-    def close_stream(self, request_id: str) -> None:
-        self.engine.close_stream(request_id)
-
-    def accept(self, task: p.Task) -> list[Outbound]:
-        self._replace_held(task)
-        kv = task.inputs
-        try:
-            if not isinstance(kv, KVHandoff):
-                raise ValueError(f"decode reads a prefilled KV, not {type(kv).__name__}")
-            params = text_params_of(task.params)
-            _check_token_ids(params, self.engine)
-            if kv.lora != params.lora:   # KV of one adapter never continues under another (or the base)
-                raise ValueError(f"the KV was computed under LoRA adapter {kv.lora!r}, the request names {params.lora!r}")
-            decode_task = DecodeTask(
-                request_id=task.request_id, prompt_token_ids=list(task.prompt_token_ids),
-                first_token=kv.first_token, params=params, deadline=task.deadline,
-                reply_to=task.reply_to, kv_key=kv.kv_key, kv_handle=kv.kv_handle, kv_layers=kv.layers,
-                position_offset=task.position_offset, speech_inputs=_speech_inputs(task.params, kv),
-                rope_delta=kv.rope_delta, has_media=kv.has_media,
-                priority=task.priority)
-        except ValueError as exc:
-            self.release(kv)   # the request fails here: nobody will import its KV
-            return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid decode task: {exc!r}")]
-        self._hold(task, reply_to=False)   # its DecodeTask carries the gateway
-        self.engine.add(decode_task)
-        return []
-
-    def step(self) -> list[Outbound]:
-        """One engine step: its tokens, one message per gateway, then the stage reports of the
-        requests that finished (each after the message with its last token) and the failures."""
-        result = self.engine.step()
-        reports: list[Outbound] = []
-        for token in result.tokens:   # one token per running request per step
-            if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
-                reports.append(self._done(token.request_id, token.outputs, token.outputs is None))
-        out = token_messages(result.tokens, self.worker_id)
-        # A spoken reply's first chunk is out: the broker may start the generate stage on it now.
-        out += [(BROKER, p.StageStreaming(self.worker_id, request_id, self.role, handoff,
-                                          attempt=self._attempts.get(request_id, 0)))
-                for request_id, handoff in result.streams]
-        out += reports
-        for failure in result.failed:
-            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
-        return out
-
-
-def token_messages(tokens: list[TokenOut], worker_id: str) -> list[Outbound]:
-    """A step's tokens (one per request) as one message per gateway, in the order each gateway first
-    appears, each gateway's tokens in step order: a worker serving many streams of one gateway would
-    otherwise send (and the gateway receive and decode) a message per stream per step. A lone token
-    goes as a plain TokenDelta: wrapping it saves no send, and a gateway serving a single stream
-    keeps receiving exactly what it did before TokenDeltas existed."""
-    by_gateway: dict[str, list[TokenOut]] = {}
-    for token in tokens:
-        by_gateway.setdefault(token.reply_to, []).append(token)
-    out: list[Outbound] = []
-    for reply_to, group in by_gateway.items():
-        if len(group) == 1:
-            out.append((reply_to, _delta(group[0], worker_id)))
-        else:
-            out.append((reply_to, p.TokenDeltas([_delta(t) for t in group], worker_id)))
-    return out
-
-
-def _delta(t: TokenOut, worker_id: str = "") -> p.TokenDelta:
-    """One token as a delta, with its logprobs when the request asked (``TokenOut.logprobs``)."""
-    prompt = None
-    if t.prompt_logprobs is not None:
-        lp = t.prompt_logprobs
-        prompt = p.PromptLogprobs(lp.logprobs, lp.ranks, lp.top_ids if lp.k else [], lp.top_logprobs if lp.k else [])
-    if t.logprobs is None:
-        return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
-                            cached_tokens=t.cached_tokens, prompt_logprobs=prompt)
-    top = t.logprobs.top
-    return p.TokenDelta(t.request_id, t.position, [t.token], t.finish_reason, worker_id,
-                        logprobs=[t.logprobs.logprob], top_token_ids=[[i for i, _ in top]] if top else [],
-                        top_logprobs=[[v for _, v in top]] if top else [], cached_tokens=t.cached_tokens,
-                        prompt_logprobs=prompt)
-
-
-def _check_token_ids(params: TextParams, engine: PrefillEngine | DecodeEngine) -> None:
-    """``ValueError`` for a token id of the logits processors outside the model's vocabulary (the
-    gateway checks too; a worker never indexes the logits out of range)."""
-    if params.max_token_id >= 0:
-        params.check_vocab(engine.runner.config.vocab_size)
-
-
-def _speech_mode(params: RequestParams) -> str:
-    """What prefill does for speech out: "" none, "reply" (decode's reply is spoken), "prompt"
-    (``/v1/audio/speech``: the prompt's teacher-forced tail is spoken). See ``omnirelay.speech_params``."""
-    speech = speech_of(params)
-    if speech is None:
-        return ""
-    return "prompt" if speech.reply_start >= 0 else "reply"
-
-
-def _speech_inputs(params: RequestParams, kv: KVHandoff) -> SpeechHandoff | None:
-    """Prefill's prompt states, which a speech request's decode passes on; None for text only."""
-    if speech_of(params) is None:
-        return None
-    speech = kv.speech_prompt()
-    if speech is None:
-        raise ValueError("a speech request's KV hand-off holds no prompt states")
-    return speech

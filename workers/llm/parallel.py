@@ -2,7 +2,7 @@
 
 Ranks are real processes: rank 0 is the worker daemon itself (the only one that talks to the
 broker and the connectors); it starts ranks 1..N-1 as child processes (``python -m
-omnirelay.workers.runtime.parallel ...``, settings on the command line, no pickle) and owns them: it stops
+omnirelay.workers.llm.parallel ...``, settings on the command line, no pickle) and owns them: it stops
 them on :meth:`GroupRunner.close` and the kernel kills them if rank 0 dies (PR_SET_PDEATHSIG).
 
 Layout: ``world = tp * pp``; rank ``r`` is pipeline stage ``r // tp`` and tensor rank ``r % tp``.
@@ -43,7 +43,7 @@ rank's start-up with :class:`~omnirelay.workers.llm.expert_parallel.ExpertPlacem
 
 A rank lost mid-step (killed, crashed): the collective on rank 0 raises (gloo sees the closed
 connection at once; NCCL after the group's timeout) and :meth:`GroupRunner.forward` re-raises it as
-:class:`ParallelGroupLost`, which is not a per-request error: it leaves the engine, the worker
+:class:`~omnirelay.workers.runtime.rank_processes.ParallelGroupLost`, which is not a per-request error: it leaves the engine, the worker
 runtime fails every request it holds as ``worker_lost`` (recoverable: another worker may serve
 them) and the worker exits 1 for its supervisor to restart it.
 
@@ -55,11 +55,9 @@ KV pool size: with ``num_blocks`` 0 every rank measures its own budget after loa
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import datetime
 import logging
-import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +74,7 @@ from omnirelay.workers.llm.lora import RankSlots
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaConfig, LlamaModel, Shard
 from omnirelay.workers.runtime.process_group import join_world, leave_world
+from omnirelay.workers.runtime.rank_processes import ParallelGroupLost, die_with_parent, reap_ranks
 
 log = logging.getLogger("omnirelay.worker")
 
@@ -154,10 +153,6 @@ def layer_ranges(num_layers: int, stages: int) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
-
-
-class ParallelGroupLost(RuntimeError):
-    """A rank of the group stopped answering mid-step; the group cannot run another step."""
 
 
 class _TPGroup:
@@ -277,8 +272,8 @@ class GroupRunner:
         try:
             for rank in range(1, config.world):
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "omnirelay.workers.runtime.parallel", *config.argv(rank)],
-                    preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL))
+                    [sys.executable, "-m", "omnirelay.workers.llm.parallel", *config.argv(rank)],
+                    preexec_fn=die_with_parent, stdin=subprocess.DEVNULL))
             self._rank = _Rank(config, 0)
         except BaseException:
             if dist.is_initialized():   # a failed start must not block the next group in this process
@@ -379,23 +374,6 @@ class GroupRunner:
         reap_ranks(self._procs, self._tmp, timeout_s)
 
 
-def reap_ranks(procs: list[subprocess.Popen], tmp: str, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for each rank process (ours: started by the group) to exit, kill the
-    ones that do not, and remove the group's rendezvous directory."""
-    for proc in procs:
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    procs.clear()
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-
-
 def serve_rank(config: GroupConfig, rank: int) -> None:
     """Ranks 1..N-1: follow rank 0's commands until STOP."""
     me = _Rank(config, rank)
@@ -434,7 +412,7 @@ def serve_rank(config: GroupConfig, rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="omnirelay.workers.runtime.parallel", description="one rank of a worker's group")
+    ap = argparse.ArgumentParser(prog="omnirelay.workers.llm.parallel", description="one rank of a worker's group")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--tp", type=int, default=1)
@@ -461,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve_rank(config, args.rank)
     except (KVBudgetError, ValueError) as exc:   # rank 0 reports it to the user; no traceback from here
-        print(f"omnirelay.workers.runtime.parallel rank {args.rank}: {exc}", file=sys.stderr)
+        print(f"omnirelay.workers.llm.parallel rank {args.rank}: {exc}", file=sys.stderr)
         return 2
     return 0
 
