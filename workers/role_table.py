@@ -4,17 +4,29 @@ The model kind is the directory's own (:func:`omnirelay.model_kind.model_kind`);
 returns a :class:`~omnirelay.workers.runtime.assembly.BuiltRole` (role adapter, heartbeat stats,
 what the runtime closes). A pair missing here is refused before anything loads:
 :class:`UnsupportedRole` names the roles that model kind can serve.
+
+The engine a role chooses also checks the worker's config against the model directory's metadata
+(:func:`check_config`: a sequence-parallel size the diffusion transformer cannot split, experts that
+do not divide over the tensor-parallel ranks), reading no weights; ``omni-worker`` calls it right
+after the builder lookup, so a bad flag exits with status 2 before anything loads.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
 
 from omnirelay.model_kind import ModelKind
 
 from omnirelay.workers.encode.role import build_encode_role, build_qwen3_omni_encode_role
 from omnirelay.workers.generate.image_role import build_generate_role
+from omnirelay.workers.generate.sequence_parallel_group import check_sequence_parallel
 from omnirelay.workers.generate.video_role import build_generate_video_role
+from omnirelay.workers.llm.expert_parallel import check_expert_parallel
+from omnirelay.workers.llm.models.llama import LlamaConfig
 from omnirelay.workers.llm.role_builders import build_decode_role, build_prefill_role
 from omnirelay.workers.runtime.assembly import RoleBuilder
+from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.speech.qwen3_tts_role import build_qwen3_tts_role
 from omnirelay.workers.speech.role import build_qwen3_omni_speech_role, build_speech_role
 
@@ -44,3 +56,27 @@ def role_builder(role: str, kind: ModelKind) -> RoleBuilder:
         raise UnsupportedRole(f"a model of kind {kind.value!r} has no {role!r} role "
                               f"(its roles: {', '.join(builders)})")
     return builders[role]
+
+
+def _check_language_model(config: WorkerConfig) -> None:
+    if config.expert_parallel:   # the model's config.json alone says how many experts it has
+        check_expert_parallel(LlamaConfig.from_dir(Path(config.model_path)).moe, config.tensor_parallel_size)
+
+
+def _check_generate(config: WorkerConfig) -> None:
+    # model_index.json and the denoisers' config.json say whether the transformer splits (size 1: no check)
+    check_sequence_parallel(config.model_path, config.sequence_parallel_size)
+
+
+# Per role, its engine's check of a worker's config (the sizes the config alone cannot judge).
+CONFIG_CHECKS: dict[str, Callable[[WorkerConfig], None]] = {
+    "prefill": _check_language_model, "decode": _check_language_model, "generate": _check_generate}
+
+
+def check_config(config: WorkerConfig) -> None:
+    """Raise ``ValueError`` naming the flag when this role's engine cannot run ``config`` on its model
+    (:class:`~omnirelay.workers.generate.sequence_parallel_group.SequenceParallelError`,
+    :class:`~omnirelay.workers.llm.expert_parallel.ExpertPlacementError`); reads metadata only."""
+    check = CONFIG_CHECKS.get(config.role)
+    if check is not None:
+        check(config)

@@ -1,4 +1,7 @@
-"""Configuration of one worker daemon (one frozen object, validated on construction)."""
+"""Configuration of one worker daemon: one frozen object, validated on construction, whose fields
+also declare ``omni-worker``'s flags (:mod:`omnirelay.config_flags`). What only the chosen engine can
+check against the model directory (sequence- and expert-parallel sizes) is checked by the role table
+(:func:`omnirelay.workers.role_table.check_config`), so this bottom layer imports no engine."""
 
 from __future__ import annotations
 
@@ -6,85 +9,99 @@ import dataclasses
 import os
 import socket
 import uuid
-from pathlib import Path
 
+from omnirelay import lora_modules
 from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
+from omnirelay.config_flags import flag, flag_group, no_flag
 from omnirelay.lora_modules import LoraOptions
+
+from omnirelay.workers.runtime.devices import parse_device_ids
 
 ROLES = ("encode", "prefill", "decode", "generate")
 
 
+def _unset_if_empty(value):
+    """0 or "" on the command line means "not given": the stage's value, else the field's default."""
+    return value or None
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    """
-    role:            which stage this worker serves.
-    model_path:      local HF directory of the model (generate: a diffusers pipeline directory).
-    model_name:      the name the model is served under (what requests say in ``model``).
-    broker:          ZeroMQ endpoint of the broker.
-    worker_id:       unique id on the bus (default: role-host-pid-random).
-    capacity:        how many requests this worker holds at once (credits it grants).
-    max_model_len:   longest sequence (prompt + output); default the model's max positions.
-    kv_cache_bytes:  byte budget of the prefill/decode KV block pool; 0: not set (256 MiB on the CPU;
-                     on CUDA the pool takes what ``gpu_memory_utilization`` leaves, and a non-zero
-                     value caps it — :mod:`omnirelay.workers.runtime.devices`).
-    devices:         CUDA device ids of this worker's GPU group, rank i on the i-th (empty: cuda:0..
-                     N-1 on a host with CUDA, else the CPU); must number tensor × pipeline (× sequence)
-                     parallel size.
-    gpu_memory_utilization: on CUDA, the share of each device's memory the worker fills, weights and
-                     memory already in use included; the KV pool gets the rest of that share.
-    block_size:      tokens per KV block.
-    connector:       name of the connector backend for the KV handoff.
-    connector_options: the backend's options.
-    heartbeat_interval_s: how often to heartbeat the broker.
-    wedged_after_s: one engine step this long is a wedged engine: keepalives stop, so the broker
-                    drops the worker and re-dispatches what it held (see broker_link.py).
-    drain_timeout_s: on SIGTERM, how long in-flight requests may take before they are aborted.
-    dtype:           model dtype name (float32, bfloat16, float16).
-    tensor_parallel_size: ranks that split heads and MLP columns (rank 0 is this process).
-    pipeline_parallel_size: ranks that split the layers into ranges.
-    sequence_parallel_size: generate only: ranks that split a diffusion transformer's image tokens
-                     (checked against the pipeline directory here, before anything loads).
-    max_num_batched_tokens: prefill tokens per engine step (longer prompts are chunked).
-    prefix_caching:  prefill reuses KV blocks of earlier prompts with the same prefix.
-    kv_transfer:     prefill: ``layerwise`` puts each layer's KV while the later layers compute (a
-                     single-process worker; a TP/PP group always exports whole), ``whole`` after the forward,
-                     ``auto`` (default) layerwise only for a step with at least 16 MiB of KV to send.
-    threads:         torch intra-op threads of each rank.
-    stream_chunk_tokens: decode: a spoken reply's states go to the generate stage in chunks of this many
-                     new tokens while the reply is written (0: whole, after its last token).
-    expert_parallel: prefill/decode of a mixture-of-experts model: the tensor-parallel ranks hold
-                     whole experts (contiguous blocks) and exchange tokens by all-to-all instead of
-                     each holding a slice of every expert (``--enable-expert-parallel``); the
-                     experts must divide by ``tensor_parallel_size`` (checked here, at start-up).
-    """
+    """What one worker daemon serves and how. Each field's flag and help text are in its metadata
+    (:mod:`omnirelay.config_flags`): ``omni-worker``'s flags are generated from these fields. A flag
+    whose parser default is None may be left out: omni-worker then takes the stage YAML's value."""
 
-    role: str
-    model_path: str
-    model_name: str
-    broker: str = "tcp://127.0.0.1:5555"
-    worker_id: str = ""
-    capacity: int = 0
-    max_model_len: int = 0
-    kv_cache_bytes: int = 0
-    block_size: int = DEFAULT_BLOCK_SIZE
-    connector: str = "shared_memory"
-    connector_options: dict = dataclasses.field(default_factory=dict)
-    heartbeat_interval_s: float = 1.0
-    stream_chunk_tokens: int = 0
-    wedged_after_s: float = 300.0
-    drain_timeout_s: float = 30.0
-    dtype: str = "float32"
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    max_num_batched_tokens: int = 256
-    prefix_caching: bool = True
-    kv_transfer: str = "auto"
-    threads: int = 1
-    devices: tuple[int, ...] = ()
-    gpu_memory_utilization: float = 0.9
-    sequence_parallel_size: int = 1
-    expert_parallel: bool = False
-    lora: LoraOptions | None = None     # --enable-lora (prefill and decode of a causal LM); None: off
+    role: str = flag("--role", "which stage this worker serves", required=True, choices=ROLES)
+    model_path: str = flag("--model", "local model directory (generate: a diffusers pipeline directory)",
+                           required=True, parse=os.path.abspath)
+    model_name: str = flag("--served-model-name", "the name the model is served under, what requests say in "
+                           "'model' (default: --model)", cli_default=None, parse=_unset_if_empty)
+    broker: str = flag("--broker", "ZeroMQ endpoint of the broker", default="tcp://127.0.0.1:5555")
+    worker_id: str = flag("--worker-id", "unique id on the bus (default: role-host-pid-random)", default="")
+    capacity: int = flag("--capacity", "max requests held at once, the credits this worker grants (0: the "
+                         "stage's runtime.max_batch_size, else 64 for decode and 8 for the other roles)",
+                         default=0, type=int, parse=_unset_if_empty)
+    max_model_len: int = flag("--max-model-len", "longest sequence, prompt + output (0: the model's max "
+                              "positions)", default=0, type=int)
+    kv_cache_bytes: int = flag("--kv-cache-bytes", "byte budget of the prefill/decode KV block pool (0: 256 MiB "
+                               "on the CPU); on CUDA the pool takes what --gpu-memory-utilization leaves and a "
+                               "non-zero value caps it (workers/runtime/devices.py)", default=0, type=int)
+    block_size: int = flag("--block-size", "tokens per KV block", default=DEFAULT_BLOCK_SIZE, type=int)
+    connector: str = no_flag("name of the connector backend for the KV handoff",
+                             "the stage pipeline's edge (omni-worker's --stage-configs-path, else --connector)",
+                             default="shared_memory")
+    connector_options: dict = no_flag("the connector backend's options",
+                                      "the stage pipeline's edge, topped up by omni-worker's --connector-options",
+                                      default_factory=dict)
+    heartbeat_interval_s: float = flag("--heartbeat-interval", "seconds between heartbeats to the broker",
+                                       default=1.0, type=float)
+    stream_chunk_tokens: int = flag("--stream-chunk-tokens", "decode: stream a spoken reply's states to the "
+                                    "generate stage in chunks of N new tokens while the reply is written (0: "
+                                    "whole, after its last token; default: the stage's "
+                                    "runtime.stream_chunk_tokens)", default=0, type=int, cli_default=None)
+    wedged_after_s: float = flag("--wedged-after", "seconds one engine step may run before the worker counts as "
+                                 "wedged: its keepalives stop, so the broker drops it and re-dispatches what it "
+                                 "held (workers/runtime/broker_link.py)", default=300.0, type=float)
+    drain_timeout_s: float = flag("--drain-timeout", "on SIGTERM, seconds in-flight requests may take before "
+                                  "they are aborted", default=30.0, type=float)
+    dtype: str = flag("--dtype", "model dtype: float32, bfloat16 or float16", default="float32")
+    tensor_parallel_size: int = flag("--tensor-parallel-size", "ranks splitting heads and MLP columns (rank 0 is "
+                                     "this process)", default=1, type=int)
+    pipeline_parallel_size: int = flag("--pipeline-parallel-size", "ranks splitting the layers into ranges",
+                                       default=1, type=int)
+    max_num_batched_tokens: int = flag("--max-num-batched-tokens", "prefill tokens per engine step; longer "
+                                       "prompts are chunked", default=256, type=int)
+    prefix_caching: bool = flag("--no-prefix-caching", "prefill recomputes every prompt (default: it reuses the "
+                                "KV blocks of earlier prompts with the same prefix)", default=True,
+                                action="store_true", cli_default=False, parse=lambda off: not off)
+    kv_transfer: str = flag("--kv-transfer", "prefill: how the KV leaves: layerwise puts each layer's KV while "
+                            "the later layers compute (a single-process worker; a TP/PP group always exports "
+                            "whole), whole after the forward, auto layerwise only for a step with at least "
+                            "16 MiB of KV to send (default: the stage's engine_args.kv_transfer, else auto)",
+                            default="auto", choices=("auto", "layerwise", "whole"), cli_default=None)
+    threads: int = flag("--threads", "torch intra-op threads (per rank)", default=1, type=int)
+    devices: tuple[int, ...] = flag("--devices", "CUDA device ids of this worker's group, e.g. 0,1: rank i on "
+                                    "the i-th; they must number tensor x pipeline (x sequence) parallel size "
+                                    "(default: cuda:0..N-1 on a host with CUDA, else the CPU)", default=(),
+                                    cli_default=None, parse=parse_device_ids)
+    gpu_memory_utilization: float = flag("--gpu-memory-utilization", "CUDA: share of each device's memory the "
+                                         "worker fills, weights and memory already in use included; the KV pool "
+                                         "gets the rest of that share", default=0.9, type=float)
+    sequence_parallel_size: int = flag("--sequence-parallel-size", "generate: ranks splitting a diffusion "
+                                       "transformer's image or video tokens (SD3, Z-Image, Wan; default: the "
+                                       "stage's engine_args.sequence_parallel_size, else 1)", default=1, type=int,
+                                       cli_default=None)
+    expert_parallel: bool = flag("--enable-expert-parallel", "prefill/decode of a mixture-of-experts model: the "
+                                 "tensor-parallel ranks hold whole experts (contiguous blocks) and exchange "
+                                 "tokens by all-to-all instead of each holding a slice of every expert; the "
+                                 "experts must divide by --tensor-parallel-size (default: the stage's "
+                                 "engine_args.enable_expert_parallel)", default=False, action="store_true",
+                                 cli_default=None)
+    lora: LoraOptions | None = flag_group(   # None: off
+        ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras"),
+        "prefill and decode of a causal LM: serve LoRA adapters (omnirelay/lora_modules.py; default: the "
+        "stage's engine_args LoRA keys)", add=lora_modules.add_arguments, read=lora_modules.options_from_args,
+        default=None)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -112,19 +129,14 @@ class WorkerConfig:
         if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.sequence_parallel_size,
                self.max_num_batched_tokens, self.threads) < 1:
             raise ValueError("parallel sizes, max_num_batched_tokens and threads must be >= 1")
-        if self.sequence_parallel_size != 1:
-            if self.role != "generate":
-                raise ValueError(f"sequence_parallel_size {self.sequence_parallel_size}: only generate workers "
-                                 "(diffusion transformers) run sequence parallelism")
-            from omnirelay.workers.generate.sequence_parallel_group import check_sequence_parallel   # torch: only when asked for
-            check_sequence_parallel(self.model_path, self.sequence_parallel_size)
-        if self.expert_parallel:
-            if self.role not in ("prefill", "decode"):
-                raise ValueError(f"--enable-expert-parallel: only prefill and decode workers run a language model, "
-                                 f"not {self.role}")
-            from omnirelay.workers.llm.expert_parallel import check_expert_parallel   # torch: only when asked for
-            from omnirelay.workers.llm.models.llama import LlamaConfig
-            check_expert_parallel(LlamaConfig.from_dir(Path(self.model_path)).moe, self.tensor_parallel_size)
+        # The chosen engine checks the rest against the model's metadata before anything loads
+        # (omnirelay.workers.role_table.check_config): this layer imports no engine.
+        if self.sequence_parallel_size != 1 and self.role != "generate":
+            raise ValueError(f"sequence_parallel_size {self.sequence_parallel_size}: only generate workers "
+                             "(diffusion transformers) run sequence parallelism")
+        if self.expert_parallel and self.role not in ("prefill", "decode"):
+            raise ValueError(f"--enable-expert-parallel: only prefill and decode workers run a language model, "
+                             f"not {self.role}")
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
