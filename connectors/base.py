@@ -230,3 +230,38 @@ class Connector(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ConnectorWrapper(Connector):
+    """A connector that adds something to another (``inner``) and passes every call on to it: a
+    subclass overrides only the calls it changes. It takes the inner backend's name and
+    ``local_writes``, and the reservations it hands out are the inner backend's own."""
+
+    def __init__(self, inner: Connector):
+        self.inner = inner
+        self.name = inner.name
+        self.local_writes = inner.local_writes
+
+    def put(self, key: str, payload: Payload) -> Handle:
+        return self.inner.put(key, payload)
+
+    def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
+        return self.inner.get(key, handle, timeout)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def health(self) -> dict:
+        return self.inner.health()
+
+    def reserve(self, layout: Layout) -> Reservation:
+        return self.inner.reserve(layout)
+
+    def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
+        return self.inner.put_reserved(key, reservation, extra)
+
+    def release(self, reservation: Reservation) -> None:
+        self.inner.release(reservation)

@@ -21,11 +21,11 @@ import time
 
 from omnirelay.errors import TransferFailed
 
-from .base import DEFAULT_GET_TIMEOUT_S, Connector, Handle, Layout, Payload, Reservation
+from .base import DEFAULT_GET_TIMEOUT_S, ConnectorWrapper, Handle, Payload, Reservation
 from .registry import create_connector
 
 
-class FaultInjectionConnector(Connector):
+class FaultInjectionConnector(ConnectorWrapper):
     name = "fault_injection"
 
     def __init__(self, config: dict | None = None):
@@ -42,7 +42,9 @@ class FaultInjectionConnector(Connector):
             raise ValueError(f"fault_injection connector: unknown options {sorted(config)}")
         if min(self.put_delay_s, self.get_delay_s, self.fail_every_nth_put, self.fail_every_nth_get) < 0:
             raise ValueError("fault_injection delays and failure periods must be >= 0")
-        self.inner = create_connector(inner, inner_options)
+        super().__init__(create_connector(inner, inner_options))
+        # Its own name, and writes that may wait (put_delay_s) whatever the inner backend's are.
+        self.name, self.local_writes = FaultInjectionConnector.name, False
         self._lock = threading.Lock()
         self._calls = {"put": 0, "get": 0}
 
@@ -59,9 +61,6 @@ class FaultInjectionConnector(Connector):
         self._fault("put", self.put_delay_s, self.fail_every_nth_put)
         return self.inner.put(key, payload)
 
-    def reserve(self, layout: Layout) -> Reservation:
-        return self.inner.reserve(layout)
-
     def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
         try:
             self._fault("put", self.put_delay_s, self.fail_every_nth_put)
@@ -70,18 +69,9 @@ class FaultInjectionConnector(Connector):
             raise
         return self.inner.put_reserved(key, reservation, extra)
 
-    def release(self, reservation: Reservation) -> None:
-        self.inner.release(reservation)
-
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
         self._fault("get", self.get_delay_s, self.fail_every_nth_get)
         return self.inner.get(key, handle, timeout)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def close(self) -> None:
-        self.inner.close()
 
     def health(self) -> dict:
         with self._lock:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .base import DEFAULT_GET_TIMEOUT_S, Connector, Handle, Layout, Payload, Reservation
+from .base import DEFAULT_GET_TIMEOUT_S, Connector, ConnectorWrapper, Handle, Payload, Reservation
 
 TransferWatcher = Callable[[str, str, int, int, int, str], None]
 
@@ -35,11 +35,9 @@ def payload_nbytes(payload: Payload | None) -> int:
     return total
 
 
-class TimedConnector(Connector):
+class TimedConnector(ConnectorWrapper):
     def __init__(self, inner: Connector):
-        self.inner = inner
-        self.name = inner.name
-        self.local_writes = inner.local_writes   # timing adds no wait
+        super().__init__(inner)   # its local_writes too: timing adds no wait
         self._lock = threading.Lock()
         self._us = {"put": 0, "get": 0}
         self._watcher: TransferWatcher | None = None
@@ -74,29 +72,17 @@ class TimedConnector(Connector):
         with self._timed("put", key, payload):
             return self.inner.put(key, payload)
 
-    def reserve(self, layout: Layout) -> Reservation:
-        return self.inner.reserve(layout)
-
     def put_reserved(self, key: str, reservation: Reservation, extra: Payload | None = None) -> Handle:
         # A put, less the copy; its bytes are the reserved tensors' (written in place) and the extra's.
         written = {**reservation.tensors, **(extra or {})} if self._watcher is not None else None
         with self._timed("put", key, written):
             return self.inner.put_reserved(key, reservation, extra)
 
-    def release(self, reservation: Reservation) -> None:
-        self.inner.release(reservation)
-
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
         with self._timed("get", key) as got:
             payload = self.inner.get(key, handle, timeout)
             got.append(payload)
             return payload
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def close(self) -> None:
-        self.inner.close()
 
     def health(self) -> dict:
         with self._lock:

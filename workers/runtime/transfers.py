@@ -74,7 +74,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
-from omnirelay.connectors import Connector
+from omnirelay.connectors import Connector, ConnectorWrapper
 from omnirelay.connectors.base import DEFAULT_GET_TIMEOUT_S, Handle, Payload
 from omnirelay.errors import OmniError, TransferFailed
 
@@ -400,38 +400,18 @@ class _Release:
             self.free(connector)
 
 
-class _StopsWhenCancelled(Connector):
+class _StopsWhenCancelled(ConnectorWrapper):
     """The connector as one transfer sees it: once its request is cancelled, the next ``get``
     fails at once, so a job deletes what is left unread instead of fetching it."""
 
     def __init__(self, inner: Connector, ticket: Transfer):
-        self.inner = inner
+        super().__init__(inner)
         self.ticket = ticket
-        self.name = inner.name
-        self.local_writes = inner.local_writes
 
     def get(self, key: str, handle: Handle | None = None, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Payload:
         if self.ticket.state is TransferState.CANCELLED:
             raise TransferFailed(f"transfer of {self.ticket.job.name!r} was cancelled")
         return self.inner.get(key, handle, timeout)
 
-    def put(self, key: str, payload: Payload) -> Handle:
-        return self.inner.put(key, payload)
-
-    def put_reserved(self, key: str, reservation, extra: Payload | None = None) -> Handle:
-        return self.inner.put_reserved(key, reservation, extra)
-
-    def release(self, reservation) -> None:
-        self.inner.release(reservation)
-
-    def reserve(self, layout):
-        return self.inner.reserve(layout)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
     def close(self) -> None:
         """The transfer does not own the connector."""
-
-    def health(self) -> dict:
-        return self.inner.health()
