@@ -151,6 +151,16 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"gateway did not start:\n{proc.output()[-3000:]}")
 
+    def start_llm(self, *, broker: tuple[str, ...] = (), prefill: tuple[str, ...] = (),
+                  decode: tuple[str, ...] = (), gateway: tuple[str, ...] = ()) -> tuple[Proc, Proc]:
+        """The usual text cluster: a broker, one prefill and one decode worker and a gateway, each
+        with its extra flags; returns (prefill, decode) once the gateway reports healthy."""
+        self.start_broker(*broker)
+        workers = self.start_worker("prefill", *prefill), self.start_worker("decode", *decode)
+        self.start_gateway(*gateway)
+        self.wait_healthy()
+        return workers
+
     def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -81,11 +81,7 @@ def test_only_authorised_keys_reach_the_broker(keys, tmp_path):
 def test_chat_end_to_end_with_curve(keys, tiny_model, tmp_path):
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path), curve=keys)
     try:
-        cluster.start_broker()
-        cluster.start_worker("prefill")
-        cluster.start_worker("decode")
-        cluster.start_gateway()
-        cluster.wait_healthy()
+        cluster.start_llm()
         client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         response = client.chat.completions.create(model="tiny-llm", messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=6, temperature=0, extra_body={"ignore_eos": True})

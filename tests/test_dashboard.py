@@ -60,11 +60,7 @@ def metrics_texts(tiny_model, tmp_path_factory) -> list[str]:
     of a decode worker: a dashboard spans both moments."""
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("dashboard")))
     try:
-        cluster.start_broker()
-        cluster.start_worker("prefill")
-        decode = cluster.start_worker("decode")
-        cluster.start_gateway()
-        cluster.wait_healthy()
+        _, decode = cluster.start_llm()
         client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(model="tiny-llm", messages=[{"role": "user", "content": "Hello"}],
                                                 max_tokens=8, stream=True)

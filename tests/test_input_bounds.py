@@ -33,11 +33,7 @@ MODEL = "tiny-llm"
 def cluster(tiny_model, tmp_path_factory):
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("input-bounds")))
     try:
-        cluster.start_broker()
-        cluster.start_worker("prefill")
-        cluster.start_worker("decode")
-        cluster.start_gateway()
-        cluster.wait_healthy()
+        cluster.start_llm()
         yield cluster
     finally:
         cluster.stop()

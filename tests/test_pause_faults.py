@@ -92,11 +92,7 @@ def _pause(pid: int) -> None:
 def cluster(tiny_model, tmp_path_factory):
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("pause")))
     try:
-        cluster.start_broker()
-        cluster.start_worker("prefill")
-        cluster.start_worker("decode", "--capacity", "8")
-        cluster.start_gateway()
-        cluster.wait_healthy()
+        cluster.start_llm(decode=("--capacity", "8"))
         yield cluster
     finally:
         cluster.stop()

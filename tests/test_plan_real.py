@@ -110,11 +110,7 @@ def test_planned_fleet_meets_its_slo_and_one_fewer_does_not(tiny_model, tmp_path
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # the workers' torch threads: one core each
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
     try:
-        cluster.start_broker()
-        prefill = [cluster.start_worker("prefill", "--capacity", "1")]
-        cluster.start_worker("decode", "--capacity", "8")
-        cluster.start_gateway()
-        cluster.wait_healthy()
+        prefill = [cluster.start_llm(prefill=("--capacity", "1"), decode=("--capacity", "8"))[0]]
         profile = asyncio.run(measure(cluster.url, "tiny-llm", INPUT_WORDS, OUTPUT_LEN, samples=8, burst=48))
         prefill.append(cluster.start_worker("prefill", "--capacity", "1"))
         cluster.wait_for_workers(3, timeout=120)

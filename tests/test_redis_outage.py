@@ -44,11 +44,8 @@ def redis_cluster(tiny_model, tmp_path):
         "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
     try:
-        cluster.start_broker()
-        cluster.start_worker("prefill", "--stage-configs-path", str(pipeline), "--capacity", "4")
-        cluster.start_worker("decode", "--stage-configs-path", str(pipeline), "--capacity", "16")
-        cluster.start_gateway("--stage-configs-path", str(pipeline))
-        cluster.wait_healthy()
+        stage = ("--stage-configs-path", str(pipeline))
+        cluster.start_llm(prefill=(*stage, "--capacity", "4"), decode=(*stage, "--capacity", "16"), gateway=stage)
         cluster.redis = server
         yield cluster
     finally:

@@ -80,11 +80,7 @@ def test_status_page_follows_workers_live(tiny_model, tmp_path):
     cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
     chromium = None
     try:
-        cluster.start_broker()
-        cluster.start_worker("prefill")
-        cluster.start_worker("decode")
-        cluster.start_gateway()
-        cluster.wait_healthy()
+        cluster.start_llm()
         chromium, browser_ws = _start_chromium(str(tmp_path / "profile"), str(tmp_path / "chromium.log"))
 
         async def scenario() -> None:
