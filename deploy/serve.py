@@ -50,7 +50,7 @@ import urllib.error
 import urllib.request
 from typing import NamedTuple
 
-from omnirelay import lora_modules
+from omnirelay import config_flags, lora_modules
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.pipeline import PipelineError
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
@@ -59,6 +59,7 @@ from omnirelay.lifecycle import Shutdown
 from omnirelay.scheduling import POLICIES
 from omnirelay.security import is_loopback
 from omnirelay.tracing import add_tracing_arguments, tracing_argv
+from omnirelay.workers.runtime.config import WorkerConfig
 
 # Whether omni-worker accepts --tensor-parallel-size/--pipeline-parallel-size/--devices/
 # --gpu-memory-utilization. Flip to True once `omni-worker --help` lists them.
@@ -147,6 +148,10 @@ GATEWAY_LIMITS = (
 )
 
 
+# WorkerConfig fields whose flags omni-serve declares from the config and hands to every worker unchanged.
+PASSED_TO_WORKERS = ("max_model_len", "kv_cache_bytes", "dtype", "devices", "gpu_memory_utilization")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-serve", description="serve a model with every role on this host")
     parser.add_argument("models", nargs="*", metavar="MODEL",
@@ -157,11 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument("--served-model-name", action="append", default=None,
                         help="model id clients use, one per MODEL in order (default: the path as given)")
-    parser.add_argument("--max-model-len", type=int, default=0)
-    parser.add_argument("--kv-cache-bytes", type=int, default=0,
-                        help="KV pool bytes per worker (0: 256 MiB on the CPU, the --gpu-memory-utilization "
-                             "share on CUDA; a value caps that share)")
-    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers per model")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers per model")
     parser.add_argument("--num-encode", type=int, default=1, help="encode workers per model that has an encode stage")
@@ -174,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="MoE models: prefill/decode tensor ranks hold whole experts and exchange tokens "
                              "by all-to-all (the experts must divide by --tensor-parallel-size)")
-    parser.add_argument("--devices", default=None, help="device ids of one worker's GPU group, e.g. 0,1")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="CUDA: share of each device's memory a worker fills, memory in use included")
+    # Flags every worker gets as they are: generated from WorkerConfig's fields (their defaults and help),
+    # so omni-serve and omni-worker cannot disagree on them (omnirelay/config_flags.py).
+    config_flags.add_flags(parser.add_argument_group("worker flags (handed on to the workers)"),
+                           WorkerConfig, only=PASSED_TO_WORKERS)
     parser.add_argument("--connector", default="shared_memory",
                         help="KV connector backend when no --stage-configs-path is given")
     parser.add_argument("--stage-configs-path", action="append", default=None,

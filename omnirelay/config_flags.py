@@ -100,10 +100,15 @@ def flags(cls: type) -> dict[str, Flag]:
     return {field.name: spec for field, spec in declared(cls) if isinstance(spec, Flag)}
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add the flags of the dataclass ``cls``'s fields to ``parser``, in field order."""
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
+              only: tuple[str, ...] | None = None) -> None:
+    """Add the flags of the dataclass ``cls``'s fields to ``parser`` (or an argument group), in field
+    order; ``only``: those of these fields alone (a launcher passing them on as they are)."""
+    unknown = set(only or ()) - {field.name for field in dataclasses.fields(cls)}
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(sorted(unknown))}")
     for field, spec in declared(cls):
-        if isinstance(spec, NoFlag):
+        if isinstance(spec, NoFlag) or (only is not None and field.name not in only):
             continue
         if spec.add is not None:
             spec.add(parser)

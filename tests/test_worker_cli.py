@@ -161,6 +161,19 @@ def test_omni_worker_help_lists_every_fields_flag():
             assert " ".join(spec.help.split()[:3]) in " ".join(done.stdout.split()), name
 
 
+def test_omni_serve_declares_the_flags_it_hands_to_workers_from_the_config():
+    from omnirelay.deploy.serve import PASSED_TO_WORKERS, build_parser
+
+    def actions(parser):
+        return {option: action for action in parser._actions for option in action.option_strings}
+
+    serve, worker = actions(build_parser()), actions(daemon.build_parser())
+    for name in PASSED_TO_WORKERS:
+        option = config_flags.flags(WorkerConfig)[name].name
+        assert (serve[option].default, serve[option].type, serve[option].help) == \
+            (worker[option].default, worker[option].type, worker[option].help), option
+
+
 # ------------------------------------------------------------------ the engines' checks, before loading
 
 def test_the_role_table_runs_the_engine_checks_the_config_no_longer_makes(tiny_model, tmp_path):
