@@ -189,6 +189,12 @@ class Cluster:
         """Every process's output so far, in start order."""
         return "".join(proc.output() for proc in self.procs)
 
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         for proc in reversed(self.procs):
             if proc.alive():
@@ -202,8 +208,7 @@ def prefill_pair_cluster(model: str, log_dir: str, **kwargs) -> Iterator[Cluster
     """Broker, prefill workers ``prefill-a`` and ``prefill-b``, one decode worker and the gateway, once
     both prefill workers have registered (the prefix-routing set-up); every process stopped on exit.
     ``kwargs`` go to :class:`Cluster`."""
-    cluster = Cluster(model=model, log_dir=log_dir, **kwargs)
-    try:
+    with Cluster(model=model, log_dir=log_dir, **kwargs) as cluster:
         cluster.start_broker()
         cluster.start_worker("prefill", "--worker-id", "prefill-a")
         cluster.start_worker("prefill", "--worker-id", "prefill-b")
@@ -215,8 +220,6 @@ def prefill_pair_cluster(model: str, log_dir: str, **kwargs) -> Iterator[Cluster
             assert time.monotonic() < deadline, "two prefill workers never registered"
             time.sleep(0.2)
         yield cluster
-    finally:
-        cluster.stop()
 
 
 # ---------------------------------------------------------------------- a bounded load with a fault

@@ -44,8 +44,7 @@ def pipeline_cluster(model: str, log_dir: str, model_name: str, pipeline: str, r
     every worker registered; stopped (every process it started) on exit. ``start_timeout`` replaces
     the default waits for a pipeline slow to load."""
     waits = {} if start_timeout is None else {"timeout": start_timeout}
-    cluster = Cluster(model=model, log_dir=log_dir, model_name=model_name)
-    try:
+    with Cluster(model=model, log_dir=log_dir, model_name=model_name) as cluster:
         cluster.start_broker()
         for role in roles:
             cluster.start_worker(role, "--stage-configs-path", pipeline)
@@ -53,8 +52,6 @@ def pipeline_cluster(model: str, log_dir: str, model_name: str, pipeline: str, r
         cluster.wait_healthy(**waits)
         cluster.wait_for_workers(len(roles), **waits)
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def openai_client(cluster, timeout: float):

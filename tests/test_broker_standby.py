@@ -27,8 +27,7 @@ def _load(url: str, fault=None) -> list:
 
 def test_kill9_active_broker_standby_takes_over_under_load(tiny_model, tmp_path):
     active, standby = free_tcp_endpoint(), free_tcp_endpoint()
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path), broker=f"{active},{standby}")
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path), broker=f"{active},{standby}") as cluster:
         active_proc = cluster._start("broker-active", ["omnirelay.broker.daemon", "--endpoint", active,
                                                         "--log-level", "INFO"])
         standby_proc = cluster._start("broker-standby", ["omnirelay.broker.daemon", "--endpoint", standby,
@@ -52,5 +51,3 @@ def test_kill9_active_broker_standby_takes_over_under_load(tiny_model, tmp_path)
         # After the take-over the cluster serves as before.
         after = _load(cluster.url)
         assert [r[0] for r in after] == ["completed"] * N_REQUESTS
-    finally:
-        cluster.stop()

@@ -79,15 +79,12 @@ def test_only_authorised_keys_reach_the_broker(keys, tmp_path):
 
 
 def test_chat_end_to_end_with_curve(keys, tiny_model, tmp_path):
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path), curve=keys)
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path), curve=keys) as cluster:
         cluster.start_llm()
         client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         response = client.chat.completions.create(model="tiny-llm", messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
         assert response.usage.completion_tokens == 6
-    finally:
-        cluster.stop()
 
 
 def test_omni_serve_broker_on_tcp_with_curve_admits_an_outside_worker(keys, tiny_model, tmp_path):

@@ -58,8 +58,7 @@ def test_the_extractor_reads_names_and_labels():
 def metrics_texts(tiny_model, tmp_path_factory) -> list[str]:
     """/metrics after one streamed chat (every role live), then after a request that failed for want
     of a decode worker: a dashboard spans both moments."""
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("dashboard")))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("dashboard"))) as cluster:
         _, decode = cluster.start_llm()
         client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(model="tiny-llm", messages=[{"role": "user", "content": "Hello"}],
@@ -77,8 +76,6 @@ def metrics_texts(tiny_model, tmp_path_factory) -> list[str]:
                                            max_tokens=8)
         assert failed.value.status_code == 503
         return texts + [requests.get(cluster.url + "/metrics", timeout=10).text]
-    finally:
-        cluster.stop()
 
 
 def test_every_query_names_served_metrics_and_labels(metrics_texts):

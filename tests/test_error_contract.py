@@ -21,13 +21,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def no_workers(tiny_model, tmp_path_factory):
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("contract")))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("contract"))) as cluster:
         cluster.start_broker()
         cluster.start_gateway("--api-key", KEY, "--protect-probes")
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _assert_error(response: requests.Response, status: int, code: str) -> dict:

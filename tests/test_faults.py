@@ -31,16 +31,13 @@ def _load(url: str, fault=None, after: int = 16, n: int = N_REQUESTS) -> list:
 
 @pytest.fixture
 def cluster(tiny_model, tmp_path):
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path)) as cluster:
         cluster.start_broker()
         for role in ("prefill", "prefill", "decode", "decode"):
             cluster.start_worker(role, "--capacity", "16" if role == "decode" else "4")
         cluster.start_gateway()
         cluster.wait_healthy()
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _assert_contract(name: str, results: list, baseline: list) -> dict[str, int]:

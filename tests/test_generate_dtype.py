@@ -30,15 +30,12 @@ tiny_sd = tiny_model_fixture(MODEL, build_tiny_text_to_image)
 
 @pytest.fixture(scope="module")
 def bf16_cluster(tiny_sd, tmp_path_factory):
-    cluster = Cluster(model=tiny_sd, log_dir=str(tmp_path_factory.mktemp("bf16-cluster")), model_name=MODEL)
-    try:
+    with Cluster(model=tiny_sd, log_dir=str(tmp_path_factory.mktemp("bf16-cluster")), model_name=MODEL) as cluster:
         cluster.start_broker()
         cluster.worker = cluster.start_worker("generate", "--stage-configs-path", PIPELINE_YAML, "--dtype", "bfloat16")
         cluster.start_gateway("--stage-configs-path", PIPELINE_YAML)
         cluster.wait_healthy()
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_generate_worker_holds_bfloat16_weights_and_still_makes_images(bf16_cluster, tiny_sd):
@@ -105,8 +102,7 @@ def test_two_rank_sd3_worker_runs_in_bfloat16(tiny_dit, tmp_path):
     yaml_path = tmp_path / "text_to_image_sp2.yaml"
     yaml_path.write_text("stages:\n- {name: generate, role: generate, runtime: {max_batch_size: 1}, "
                          "engine_args: {sequence_parallel_size: 2}}\n")
-    cluster = Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=DIT_MODEL)
-    try:
+    with Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=DIT_MODEL) as cluster:
         cluster.start_broker()
         worker = cluster.start_worker("generate", "--stage-configs-path", str(yaml_path), "--dtype", "bfloat16")
         cluster.start_gateway("--stage-configs-path", str(yaml_path))
@@ -120,6 +116,4 @@ def test_two_rank_sd3_worker_runs_in_bfloat16(tiny_dit, tmp_path):
         assert stats["sequence_parallel_size"] == 2 and stats["denoiser_weight_bits"] == 16
         assert "denoiser weights torch.bfloat16" in worker.output()
         assert worker.stop() == 0
-    finally:
-        cluster.stop()
     assert "Traceback" not in worker.output(), worker.output()[-3000:]

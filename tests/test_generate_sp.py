@@ -80,8 +80,7 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def test_two_rank_worker_makes_the_single_rank_workers_images(tiny_dit, tmp_path):
-    cluster = Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=MODEL)
-    try:
+    with Cluster(model=tiny_dit, log_dir=str(tmp_path), model_name=MODEL) as cluster:
         client, split, reference = serve_one_rank_then_two(
             cluster, PIPELINE_YAML, tmp_path, lambda client: [_generate(client, *request) for request in REQUESTS])
         ranks = children(split.pid)
@@ -101,8 +100,6 @@ def test_two_rank_worker_makes_the_single_rank_workers_images(tiny_dit, tmp_path
         stats = group_stats(cluster)
         assert stats["sp_forwards"] == 4 and stats["images_generated"] == 2
         assert split.stop() == 0   # SIGTERM: drains, closes the engine, which stops and joins rank 1
-    finally:
-        cluster.stop()
     assert not any(alive(pid) for pid in ranks)
     assert "Traceback" not in split.output(), split.output()[-3000:]
 

@@ -122,8 +122,7 @@ def _image(client, size: str, guidance: float, seed: int = 11) -> np.ndarray:
 # ~140 s each on a loaded 2-core box: two workers, a gateway and a broker start per test
 @pytest.mark.slow
 def test_zimage_two_rank_worker_makes_the_single_rank_workers_images(tiny_zimage, tmp_path):
-    cluster = Cluster(model=tiny_zimage, log_dir=str(tmp_path), model_name=ZIMAGE)
-    try:
+    with Cluster(model=tiny_zimage, log_dir=str(tmp_path), model_name=ZIMAGE) as cluster:
         client, split, reference = serve_one_rank_then_two(
             cluster, IMAGE_YAML, tmp_path, lambda client: [_image(client, *request) for request in IMAGE_REQUESTS])
         images = [_image(client, size, guidance) for size, guidance in IMAGE_REQUESTS]
@@ -131,8 +130,6 @@ def test_zimage_two_rank_worker_makes_the_single_rank_workers_images(tiny_zimage
         # 3 steps × 2 images, every one over the group
         assert group_stats(cluster).get("sp_forwards", 0) == 6
         assert split.stop() == 0   # drains, closes the engine, which stops and joins rank 1
-    finally:
-        cluster.stop()
     assert "Traceback" not in split.output(), split.output()[-3000:]
 
 
@@ -159,8 +156,7 @@ def _video(client, seed: int = 5) -> tuple[list[np.ndarray], bytes]:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")   # the openai client's notice
 def test_wan_two_rank_worker_makes_the_single_rank_workers_video(tiny_wan, tmp_path):
-    cluster = Cluster(model=tiny_wan, log_dir=str(tmp_path), model_name=WAN)
-    try:
+    with Cluster(model=tiny_wan, log_dir=str(tmp_path), model_name=WAN) as cluster:
         client, split, (reference, reference_file) = serve_one_rank_then_two(cluster, VIDEO_YAML, tmp_path, _video)
         frames, split_file = _video(client)
         diff = np.abs(np.stack(frames) - np.stack(reference))
@@ -183,8 +179,6 @@ def test_wan_two_rank_worker_makes_the_single_rank_workers_video(tiny_wan, tmp_p
         os.kill(rank, signal.SIGKILL)
         assert lost.proc.wait(60) == 1, lost.output()[-3000:]
         assert "sequence-parallel group lost" in lost.output() and not alive(rank)
-    finally:
-        cluster.stop()
     for worker in (split, lost):
         assert "Traceback" not in worker.output(), worker.output()[-3000:]
 

@@ -31,12 +31,9 @@ MODEL = "tiny-llm"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("input-bounds")))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("input-bounds"))) as cluster:
         cluster.start_llm()
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _post(url: str, path: str, raw: str | bytes, timeout: float = 60) -> requests.Response:

@@ -23,15 +23,12 @@ KV_BLOCK_BYTES = 2 * 4 * 16 * 2 * 64 * 4     # layers × block_size × kv_heads 
 
 @pytest.fixture(scope="module")
 def limited(tiny_model, tmp_path_factory):
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("limits")))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("limits"))) as cluster:
         # Decode's 10 blocks of 16 tokens (one kept back as padding): at most 144 tokens per sequence.
         cluster.start_llm(broker=("--max-queue-per-role", "8"), prefill=("--capacity", "2"),
                           decode=("--capacity", "4", "--kv-cache-bytes", str(10 * KV_BLOCK_BYTES)),
                           gateway=("--max-streams-per-client", "2", "--max-body-bytes", str(64 * 1024)))
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _post(url: str, body, **kwargs) -> requests.Response:

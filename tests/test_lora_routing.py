@@ -145,8 +145,7 @@ def test_requests_follow_the_workers_that_hold_their_adapter(tiny_model, adapter
     from cluster import Cluster, settled_workers
 
     lora = ["--enable-lora", "--max-loras", "1", *(a for n, d in adapters.items() for a in ("--lora-modules", f"{n}={d}"))]
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path)) as cluster:
         cluster.start_broker()
         for role in ("prefill", "prefill", "decode", "decode"):
             cluster.start_worker(role, *lora)
@@ -180,5 +179,3 @@ def test_requests_follow_the_workers_that_hold_their_adapter(tiny_model, adapter
         # The second and third x went against the least-loaded order (the other worker was due).
         assert all(view[worker_id]["lora_routed"] == 2 for worker_id in on_x[0].values()), view
         assert cluster.broker_counters().get("prefix_routed", 0) == 0
-    finally:
-        cluster.stop()

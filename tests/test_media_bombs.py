@@ -83,13 +83,10 @@ BOMBS = {
 def gateway(tmp_path_factory):
     """A broker and a gateway serving the tiny Omni (no workers: nothing here reaches one)."""
     model = tiny_model_dir(tmp_path_factory, MODEL, build_tiny_omni)
-    cluster = Cluster(model=model, log_dir=str(tmp_path_factory.mktemp("media-bombs")), model_name=MODEL)
-    try:
+    with Cluster(model=model, log_dir=str(tmp_path_factory.mktemp("media-bombs")), model_name=MODEL) as cluster:
         cluster.start_broker()
         proc = cluster.start_gateway()
         yield cluster, proc
-    finally:
-        cluster.stop()
 
 
 def _peak_rss_kb(pid: int) -> int:

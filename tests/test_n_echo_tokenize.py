@@ -325,16 +325,13 @@ def failing_store(tiny_model, tmp_path):
         "connectors": {"kv": {"type": "fault_injection", "options": {"inner": "shared_memory",
                                                                       "fail_every_nth_get": 1}}},
         "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
-    cluster = Cluster(model=tiny_model, model_name=MODEL, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, model_name=MODEL, log_dir=str(tmp_path)) as cluster:
         cluster.start_broker()
         cluster.start_worker("prefill", "--stage-configs-path", str(pipeline))
         cluster.start_worker("decode", "--stage-configs-path", str(pipeline))
         cluster.start_gateway()
         cluster.wait_healthy()
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.slow
@@ -363,13 +360,10 @@ def test_a_failing_choice_fails_the_request_with_the_error_contract(failing_stor
 def keyed_gateway(tiny_model, tmp_path):
     """A broker and a gateway with an API key, no worker: the tokenizer routes need none."""
     from cluster import Cluster
-    cluster = Cluster(model=tiny_model, model_name=MODEL, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, model_name=MODEL, log_dir=str(tmp_path)) as cluster:
         cluster.start_broker()
         cluster.start_gateway("--api-key", "s3cret")
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_the_tokenizer_routes_need_the_api_key_and_no_worker(keyed_gateway):

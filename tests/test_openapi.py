@@ -69,8 +69,8 @@ def media_gateway(tmp_path_factory):
     omni = build_tiny_omni(models / "tiny-omni", seed=0)
     image = build_tiny_text_to_image(models / "tiny-image", seed=0)
     video = build_tiny_text_to_video(models / "tiny-video", seed=0)
-    cluster = Cluster(model=str(omni), model_name="tiny-omni", log_dir=str(tmp_path_factory.mktemp("media-openapi")))
-    try:
+    with Cluster(model=str(omni), model_name="tiny-omni",
+                 log_dir=str(tmp_path_factory.mktemp("media-openapi"))) as cluster:
         cluster.start_broker()
         # 0.3 s: a request (or video job) that passed validation waits no longer for a worker that never comes.
         cluster.start_gateway("--stage-configs-path", str(PIPELINES / "omni.yaml"),
@@ -80,8 +80,6 @@ def media_gateway(tmp_path_factory):
                               "--stage-configs-path", str(PIPELINES / "text_to_video.yaml"),
                               "--request-timeout", "0.3", "--video-timeout", "0.3")
         yield cluster
-    finally:
-        cluster.stop()
 
 
 # Checks are chosen here, not on the command line: a check named there ignores the per-route switch.

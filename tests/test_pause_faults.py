@@ -90,12 +90,9 @@ def _pause(pid: int) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("pause")))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("pause"))) as cluster:
         cluster.start_llm(decode=("--capacity", "8"))
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _proc(cluster: Cluster, name: str):

@@ -108,8 +108,7 @@ async def _open_loop(url: str, rate: float, duration_s: float) -> tuple[list[flo
 
 def test_planned_fleet_meets_its_slo_and_one_fewer_does_not(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # the workers' torch threads: one core each
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path)) as cluster:
         prefill = [cluster.start_llm(prefill=("--capacity", "1"), decode=("--capacity", "8"))[0]]
         profile = asyncio.run(measure(cluster.url, "tiny-llm", INPUT_WORDS, OUTPUT_LEN, samples=8, burst=48))
         prefill.append(cluster.start_worker("prefill", "--capacity", "1"))
@@ -149,5 +148,3 @@ def test_planned_fleet_meets_its_slo_and_one_fewer_does_not(tiny_model, tmp_path
         assert achieved_less >= 0.9 * rate
         assert failed == 0 and planned[0] <= slo.ttft_p90_s and planned[1] <= slo.itl_p90_s
         assert fewer[0] > slo.ttft_p90_s
-    finally:
-        cluster.stop()

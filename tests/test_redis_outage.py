@@ -42,14 +42,11 @@ def redis_cluster(tiny_model, tmp_path):
             "url": server.url, "prefix": f"ortest-{uuid.uuid4().hex[:8]}:", "connect_timeout_s": 1.0,
             "socket_timeout_s": 2.0}}},
         "edges": [{"from": "prefill", "to": "decode", "connector": "kv"}]}))
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path)) as cluster:
         stage = ("--stage-configs-path", str(pipeline))
         cluster.start_llm(prefill=(*stage, "--capacity", "4"), decode=(*stage, "--capacity", "16"), gateway=stage)
         cluster.redis = server
         yield cluster
-    finally:
-        cluster.stop()
         server.stop()
 
 

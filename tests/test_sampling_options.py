@@ -387,8 +387,7 @@ RESUME_MAX_TOKENS = 600
 @pytest.fixture
 def two_decoders(tiny_model, tmp_path):
     from cluster import Cluster
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path)) as cluster:
         cluster.start_broker()
         cluster.start_worker("prefill")
         cluster.start_worker("decode")
@@ -397,8 +396,6 @@ def two_decoders(tiny_model, tmp_path):
         cluster.wait_healthy()
         cluster.wait_for_workers(3)
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.slow

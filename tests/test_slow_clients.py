@@ -35,8 +35,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def gateway(tiny_model, tmp_path_factory):
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("slow-clients")))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("slow-clients"))) as cluster:
         cluster.start_broker()
         cluster.start_worker("prefill")
         cluster.start_worker("decode", "--capacity", "8")
@@ -47,8 +46,6 @@ def gateway(tiny_model, tmp_path_factory):
         cluster.wait_healthy()
         cluster.idle_kv = _decode(cluster)["free_kv_blocks"]
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _decode(cluster: Cluster, timeout: float = 30.0) -> dict:

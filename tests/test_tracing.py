@@ -159,8 +159,7 @@ def test_chat_request_span_tree(tiny_model, tmp_path, receiver, monkeypatch):
     # Export within a fraction of a second instead of the SDK's 5 s batches (read by each daemon).
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     trace_args = ("--otlp-traces-endpoint", receiver.url)
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path)) as cluster:
         cluster.start_broker(*trace_args)
         cluster.start_worker("prefill", *trace_args, "--worker-id", "prefill-t")
         cluster.start_worker("decode", *trace_args, "--worker-id", "decode-t")
@@ -174,8 +173,6 @@ def test_chat_request_span_tree(tiny_model, tmp_path, receiver, monkeypatch):
         spans = receiver.wait_for(trace_id, {"POST /v1/chat/completions", "broker request", "stage prefill",
                                              "stage decode", "prefill", "decode", "put shared_memory",
                                              "get shared_memory"})
-    finally:
-        cluster.stop()
     by_name = {}
     for span in spans:
         if span.name.startswith(("put ", "get ")):
@@ -222,8 +219,7 @@ def test_a_stream_resumed_after_kill9_of_its_decode_worker_shows_in_its_trace(ti
     by the surviving decode worker."""
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     trace_args = ("--otlp-traces-endpoint", receiver.url)
-    cluster = Cluster(model=tiny_model, log_dir=str(tmp_path))
-    try:
+    with Cluster(model=tiny_model, log_dir=str(tmp_path)) as cluster:
         cluster.start_broker(*trace_args)
         cluster.start_worker("prefill", *trace_args)
         cluster.start_worker("decode", *trace_args, "--worker-id", "decode-a")
@@ -248,8 +244,6 @@ def test_a_stream_resumed_after_kill9_of_its_decode_worker_shows_in_its_trace(ti
         survivor = "decode-b" if victim == "decode-a" else "decode-a"
         spans = receiver.wait_for(trace_id, {"POST /v1/completions": 1, "broker request": 2, "stage decode": 2,
                                              "decode": 1})
-    finally:
-        cluster.stop()
     (gateway,) = [s for s in spans if s.name == "POST /v1/completions"]
     assert gateway.attributes["resumes"] == 1 and gateway.attributes["outcome"] == "ok"
     first, second = sorted((s for s in spans if s.name == "broker request"), key=lambda s: s.start_ns)
