@@ -41,8 +41,7 @@ from omnirelay.connectors import create_connector
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaModel
-from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
-from omnirelay.workers.runtime.engine import RequestFailure
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.request_params import TextParams
 from servers import start_redis, stop
 
@@ -74,13 +73,15 @@ def one_sample(prefill: PrefillEngine, decode: DecodeEngine, prompt: list[int], 
     t0 = time.perf_counter()
     prefill.add(PrefillTask(rid, prompt, PARAMS, time.time() + 600))
     results = []
-    while not results:   # its first token comes early (FirstToken); the outcome with the hand-off after
-        results = [r for r in prefill.step() if not isinstance(r, FirstToken)]
+    while not results:   # its first token comes early (not done); the done output with the hand-off after
+        step = prefill.step()
+        if step.failed:
+            (failure,) = step.failed
+            raise RuntimeError(f"prefill failed: {failure.error_type}: {failure.message}")
+        results = [r for r in step.tokens if r.done]
     (result,) = results
-    if isinstance(result, RequestFailure):
-        raise RuntimeError(f"prefill failed: {result.error_type}: {result.message}")
     t1 = time.perf_counter()
-    decode.add(DecodeTask(rid, prompt, result.first_token, PARAMS, time.time() + 600, "",
+    decode.add(DecodeTask(rid, prompt, result.token, PARAMS, time.time() + 600, "",
                           result.outputs.kv_key, result.outputs.kv_handle))
     tokens = []
     while not tokens:

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
     from omnirelay.workers.kv.cache import PagedKVCache
     from omnirelay.workers.llm.models.llama import LlamaModel
-    from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
+    from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
     from omnirelay.request_params import TextParams
     from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
@@ -134,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                         prefill.add(PrefillTask(f"r{repeat}-{i}", ids, asked, time.time() + 600))
                     done = []
                     while prefill.has_work:
-                        done += [r for r in prefill.step() if not isinstance(r, FirstToken)]
+                        done += [r for r in prefill.step().tokens if r.done]
                     for result in done:
                         i = int(result.request_id.rsplit("-", 1)[1])
-                        decode.add(DecodeTask(result.request_id, prompts[i], result.first_token, asked,
+                        decode.add(DecodeTask(result.request_id, prompts[i], result.token, asked,
                                               time.time() + 600, "", result.outputs.kv_key,
                                               result.outputs.kv_handle))
                     decode.step()   # imports and admits every KV, runs the first step (not timed)

@@ -13,7 +13,8 @@ from omnirelay.connectors import create_connector
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.models.llama import LlamaModel
-from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.requests import EngineStep, TokenOut
 from omnirelay.request_params import TextParams
 
 NEW_TOKENS = 16
@@ -77,25 +78,41 @@ def run_prefill(engine: PrefillEngine, prompts: list[list[int]], first: int = 0,
 
 
 def drain_prefill(engine: PrefillEngine, max_steps: int = 200) -> dict:
-    """Step until the engine holds nothing; each request's PrefillResult by request id (none may fail)."""
+    """Step until the engine holds nothing; each request's done TokenOut (its first token and
+    hand-off) by request id (none may fail)."""
     results = {}
     for _ in range(max_steps):
-        for result in engine.step():
-            if isinstance(result, FirstToken):   # sent ahead of its hand-off; the result follows
+        for result in outcomes(engine.step()):
+            if is_first_token(result):   # sent ahead of its hand-off; the done output follows
                 continue
-            assert isinstance(result, PrefillResult), result
+            assert is_result(result), result
             results[result.request_id] = result
         if not engine.has_work:
             return results
     raise AssertionError("prefill did not finish")
 
 
+def outcomes(step: EngineStep) -> list:
+    """A prefill step's outcomes, one list: its TokenOuts, then its RequestFailures."""
+    return [*step.tokens, *step.failed]
+
+
+def is_first_token(outcome) -> bool:
+    """A first token prefill reported ahead of its hand-off (its done output follows)."""
+    return isinstance(outcome, TokenOut) and not outcome.done
+
+
+def is_result(outcome) -> bool:
+    """A request prefill is done with: its first token and its hand-off."""
+    return isinstance(outcome, TokenOut) and outcome.done
+
+
 def run_decode(engine: DecodeEngine, prompts: list[list[int]], prefilled: dict, max_steps: int = 2000) -> dict:
     outputs = {}
     for i, ids in enumerate(prompts):
         result = prefilled[f"r{i}"]
-        outputs[f"r{i}"] = [result.first_token]
-        engine.add(DecodeTask(f"r{i}", ids, result.first_token, GREEDY, time.time() + 60, "",
+        outputs[f"r{i}"] = [result.token]
+        engine.add(DecodeTask(f"r{i}", ids, result.token, GREEDY, time.time() + 60, "",
                               result.outputs.kv_key, result.outputs.kv_handle))
     for _ in range(max_steps):
         out = engine.step()

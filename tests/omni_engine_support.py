@@ -53,8 +53,8 @@ def decode_prefilled(model, connector, done: dict, prompts: dict[str, list[int]]
     outputs = {}
     for rid, prompt in prompts.items():
         out = done[rid].outputs
-        outputs[rid] = [done[rid].first_token]
-        decode.add(DecodeTask(rid, prompt, done[rid].first_token, greedy, time.time() + 60, "", out.kv_key,
+        outputs[rid] = [done[rid].token]
+        decode.add(DecodeTask(rid, prompt, done[rid].token, greedy, time.time() + 60, "", out.kv_key,
                               out.kv_handle, rope_delta=out.rope_delta, has_media=out.has_media))
     for _ in range(500):
         step = decode.step()

@@ -40,7 +40,7 @@ def prefill(model, connector, prompts, mode: str = "whole") -> dict:
 
 
 def task(rid: str, ids: list[int], result) -> DecodeTask:
-    return DecodeTask(rid, ids, result.first_token, GREEDY, time.time() + 60, "", result.outputs.kv_key,
+    return DecodeTask(rid, ids, result.token, GREEDY, time.time() + 60, "", result.outputs.kv_key,
                       result.outputs.kv_handle)
 
 
@@ -75,7 +75,7 @@ def test_running_sequence_keeps_stepping_while_another_kv_import_is_held(model, 
     prefilled = prefill(model, connector, prompts)
     held = HeldConnector(connector)
     engine = make_decode(model, held)
-    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(2)}
+    outputs = {f"r{i}": [prefilled[f"r{i}"].token] for i in range(2)}
     try:
         engine.add(task("r0", prompts[0], prefilled["r0"]))
         step_until(engine, outputs, lambda: is_running(engine, "r0"))
@@ -92,7 +92,7 @@ def test_running_sequence_keeps_stepping_while_another_kv_import_is_held(model, 
             out = engine.step()
             assert [t.request_id for t in out.tokens] == ["r0"] and not out.failed
             outputs["r0"].append(out.tokens[0].token)
-            assert waiting_seq(engine, "r1").kv_import.state is TransferState.RUNNING
+            assert waiting_seq(engine, "r1").fetch.state is TransferState.RUNNING
             assert engine.stats["kv_imports_inflight"] == 1
         held.let_through(b_key)
         failed = step_until(engine, outputs, lambda: not engine.has_work)
@@ -111,7 +111,7 @@ def test_greedy_output_with_a_held_import_equals_transformers(model, tok, refere
     prefilled = prefill(model, connector, prompts, mode="layerwise")
     held = HeldConnector(connector)
     engine = make_decode(model, held)
-    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(3)}
+    outputs = {f"r{i}": [prefilled[f"r{i}"].token] for i in range(3)}
     try:
         engine.add(task("r0", prompts[0], prefilled["r0"]))
         step_until(engine, outputs, lambda: is_running(engine, "r0"))
@@ -125,7 +125,7 @@ def test_greedy_output_with_a_held_import_equals_transformers(model, tok, refere
             for token in out.tokens:
                 outputs[token.request_id].append(token.token)
             assert out.tokens and "r1" not in {t.request_id for t in out.tokens}
-        assert waiting_seq(engine, "r1").kv_import.state is TransferState.RUNNING
+        assert waiting_seq(engine, "r1").fetch.state is TransferState.RUNNING
         held.let_through()
         assert not step_until(engine, outputs, lambda: not engine.has_work)
     finally:
@@ -186,7 +186,7 @@ def test_import_error_fails_only_that_request(model, tok, reference, connector, 
     faulty = create_connector("fault_injection", {"inner": "shared_memory", "inner_options": {"shm_dir": str(tmp_path)},
                                                   "fail_every_nth_get": 2})
     engine = make_decode(model, faulty)
-    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(2)}
+    outputs = {f"r{i}": [prefilled[f"r{i}"].token] for i in range(2)}
     try:
         engine.add(task("r0", prompts[0], prefilled["r0"]))
         assert not step_until(engine, outputs, lambda: is_running(engine, "r0"))
@@ -197,7 +197,7 @@ def test_import_error_fails_only_that_request(model, tok, reference, connector, 
         faulty.close()
     assert [(f.request_id, f.error_type) for f in failed] == [("r1", "transfer_failed")]
     assert "failed on purpose" in failed[0].message
-    assert outputs["r0"] == reference(prompts[0]) and outputs["r1"] == [prefilled["r1"].first_token]
+    assert outputs["r0"] == reference(prompts[0]) and outputs["r1"] == [prefilled["r1"].token]
     assert engine.stats["kv_loads"] == 1
     assert shm_keys(tmp_path) == []   # r1's KV was released when its import failed
 
@@ -219,7 +219,7 @@ def test_failed_import_releases_its_keys_and_the_speech_key(model, tok, connecto
         t = task("r0", prompts[0], result)
         t.speech_inputs = SpeechHandoff(speech_key, speech_handle)
         engine.add(t)
-        outputs = {"r0": [result.first_token]}
+        outputs = {"r0": [result.token]}
         failed = step_until(engine, outputs, lambda: not engine.has_work)
         # By the time the failure is reported, the KV is gone (released before the import is FAILED);
         # the speech key's delete is on its way on a transfer thread (close() joins it).
@@ -228,7 +228,7 @@ def test_failed_import_releases_its_keys_and_the_speech_key(model, tok, connecto
         engine.close()
     held.join_threads()
     assert shm_keys(tmp_path) == []
-    assert outputs["r0"] == [result.first_token] and engine.stats["kv_loads"] == 0
+    assert outputs["r0"] == [result.token] and engine.stats["kv_loads"] == 0
 
 
 def test_a_blocked_delete_does_not_stall_the_batch(model, tok, reference, connector, tmp_path):
@@ -241,7 +241,7 @@ def test_a_blocked_delete_does_not_stall_the_batch(model, tok, reference, connec
     held = HeldConnector(connector)
     held.hold_delete(speech_key)
     engine = make_decode(model, held)
-    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(2)}
+    outputs = {f"r{i}": [prefilled[f"r{i}"].token] for i in range(2)}
     try:
         engine.add(task("r0", prompts[0], prefilled["r0"]))
         spoken = task("r1", prompts[1], prefilled["r1"])
@@ -273,7 +273,7 @@ def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connecto
     for key in keys[:2]:
         held.hold(key)
     engine = make_decode(model, held, max_num_seqs=2)
-    outputs = {f"r{i}": [prefilled[f"r{i}"].first_token] for i in range(3)}
+    outputs = {f"r{i}": [prefilled[f"r{i}"].token] for i in range(3)}
     try:
         for i in range(3):
             engine.add(task(f"r{i}", prompts[i], prefilled[f"r{i}"]))
@@ -285,7 +285,7 @@ def test_imports_beyond_max_num_seqs_wait_queued(model, tok, reference, connecto
         for _ in range(3):
             assert not engine.step().tokens
         assert time.monotonic() - started >= 2 * DecodeEngine.IDLE_WAIT_S
-        assert waiting_seq(engine, "r2").kv_import.state is TransferState.QUEUED and keys[2] not in held.gets
+        assert waiting_seq(engine, "r2").fetch.state is TransferState.QUEUED and keys[2] not in held.gets
         assert engine.stats["kv_imports_inflight"] == 3
         held.let_through()
         assert not step_until(engine, outputs, lambda: not engine.has_work)
@@ -306,7 +306,7 @@ def test_close_cancels_queued_imports_and_joins_the_threads(model, tok, connecto
     engine.add(task("r1", prompts[1], prefilled["r1"]))
     engine.step()
     held.wait_entered(keys[0])
-    queued = waiting_seq(engine, "r1").kv_import
+    queued = waiting_seq(engine, "r1").fetch
     assert queued.state is TransferState.QUEUED
     closer = threading.Thread(target=engine.close)
     closer.start()
@@ -341,7 +341,7 @@ def test_close_does_not_wait_out_a_blocked_release_of_a_queued_import(model, tok
         waited = time.monotonic() - started
         assert TransferPool.CLOSE_JOIN_S * 0.9 <= waited < TransferPool.CLOSE_JOIN_S + 2
         held.wait_entered(keys[1])   # the release had started: it was waiting in its get
-        assert waiting_seq(engine, "r1").kv_import.state is TransferState.CANCELLED
+        assert waiting_seq(engine, "r1").fetch.state is TransferState.CANCELLED
     finally:
         held.let_through()
     held.join_threads()
@@ -405,7 +405,7 @@ def test_a_held_speech_reply_put_does_not_stall_the_batch(model, tok, reference,
             speaking[rid] = t
         engine.add(speaking["r0"])
         engine.add(task("r1", prompts[1], prefilled["r1"]))
-        outputs = {rid: [prefilled[rid].first_token] for rid in ("r0", "r1", "r2")}
+        outputs = {rid: [prefilled[rid].token] for rid in ("r0", "r1", "r2")}
         finished = []
 
         def step_collecting(done):

@@ -230,7 +230,7 @@ def test_cuda_placement_and_tp2_equals_tp1(tiny_model, tok, tmp_path):  # noqa: 
 
     def first_tokens(runner):
         prefilled = run_prefill(PrefillEngine(runner, conn, max_model_len=2048, max_batched_tokens=64), prompts)
-        return {rid: result.first_token for rid, result in prefilled.items()}
+        return {rid: result.token for rid, result in prefilled.items()}
 
     try:
         cpu = local_runner(LlamaModel(tiny_model), block_size=16, budget_bytes=8 << 20)

@@ -48,7 +48,7 @@ def test_one_big_batch_equals_one_at_a_time(model, tok, connector):
     kv_b = {k: import_kv(connector, r.outputs.kv_key, r.outputs.kv_handle, timeout=5) for k, r in b.items()}
     assert together.stats["prefill_steps"] == 1 and alone.stats["prefill_steps"] == len(prompts)
     for key in a:
-        assert a[key].first_token == b[key].first_token
+        assert a[key].token == b[key].token
         assert torch.allclose(kv_a[key], kv_b[key], atol=1e-5)
 
 
@@ -84,7 +84,7 @@ def test_identical_prompt_still_computes_its_last_token(model, tok, connector):
     engine = PrefillEngine(model, connector, max_model_len=2048, block_size=8, kv_cache_bytes=4 << 20)
     a = run_prefill(engine, [ids])["r0"]
     b = run_prefill(engine, [ids], first=1)["r1"]
-    assert a.first_token == b.first_token
+    assert a.token == b.token
     assert engine.stats["prefill_tokens"] == len(ids) + 8   # the second run recomputed one block
 
 
@@ -143,7 +143,7 @@ def test_native_decode_attention_matches_torch(tiny_model, model, tok, connector
     logits = []
     for engine in engines:
         rows = [b + [0] * (width - len(b)) for e, b in outs if e is engine]
-        batch = ForwardBatch.decode(torch.tensor([prefilled[f"r{i}"].first_token for i in range(len(prompts))]),
+        batch = ForwardBatch.decode(torch.tensor([prefilled[f"r{i}"].token for i in range(len(prompts))]),
                                     torch.tensor([len(p) for p in prompts]), torch.tensor(rows), 16)
         logits.append(engine.runner.forward(batch))
     assert torch.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-5)

@@ -19,14 +19,14 @@ from omnirelay.pipeline import PipelineError, parse_pipeline
 from omnirelay.handoffs import piece_key, release_kv
 from omnirelay.workers.kv.export import ExportSequence, ExportState, LayerwiseExport, import_kv
 from omnirelay.workers.llm.model_runner import local_runner
-from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.request_params import TextParams
 
 from cluster import settled_workers
 from connector_servers import started_redis
 from engine_support import (  # noqa: F401  (fixtures)
-    GREEDY, QUESTIONS, chat_ids, connector, decode_engine, model, reference, run_decode, run_prefill,
-    shm_keys, tok)
+    GREEDY, QUESTIONS, chat_ids, connector, decode_engine, is_first_token, is_result, model, outcomes, reference,
+    run_decode, run_prefill, shm_keys, tok)
 
 
 def prefill_engine(model, connector, mode: str, **kw) -> PrefillEngine:
@@ -45,7 +45,7 @@ def test_layerwise_equals_whole_and_transformers(model, tok, reference, connecto
     a = run_prefill(layerwise, prompts)
     assert layerwise.stats["kv_layerwise_handoffs"] == len(prompts) and not whole.stats["kv_layerwise_handoffs"]
     for key in a:
-        assert a[key].first_token == b[key].first_token
+        assert a[key].token == b[key].token
         manifest = connector.get(a[key].outputs.kv_key)
         assert manifest["layerwise"] == model.config.num_layers and manifest["num_tokens"] == len(prompts[int(key[1:])])
     assert layerwise.allocator.free == layerwise.runner.num_blocks - 1
@@ -75,9 +75,9 @@ def test_long_chunked_prompt_with_prefix_hit_exports_the_whole_sequence(model, c
             engine.add(PrefillTask(rid, ids, params, time.time() + 60))
             results = []
             while engine.has_work:
-                results += [r for r in engine.step() if not isinstance(r, FirstToken)]
+                results += [r for r in outcomes(engine.step()) if not is_first_token(r)]
             (result,) = results
-            assert isinstance(result, PrefillResult), result
+            assert is_result(result), result
             out[mode, rid] = import_kv(connector, result.outputs.kv_key, result.outputs.kv_handle, timeout=5)
         assert engine.stats["prefix_cached_tokens"] == 992   # 62 full blocks of b reused
     for rid, ids in (("a", first), ("b", second)):
@@ -96,7 +96,7 @@ def test_first_token_that_ends_the_request_leaves_no_piece(model, tok, connector
                            time.time() + 60))
     results = []
     while engine.has_work:
-        results += engine.step()
+        results += outcomes(engine.step())
     assert results[0].finish_reason == "length" and not results[0].outputs
     assert shm_keys(tmp_path) == []
 
@@ -113,7 +113,7 @@ def test_failed_put_mid_stream_fails_the_request_and_deletes_every_piece(model, 
         for _ in range(500):   # one forward; the failures arrive once the hand-off job has returned
             if not engine.has_work:
                 break
-            results += [r for r in engine.step() if not isinstance(r, FirstToken)]
+            results += [r for r in outcomes(engine.step()) if not is_first_token(r)]
         assert [r.error_type for r in results] == ["transfer_failed", "transfer_failed"], results
         assert engine.stats["prefill_steps"] == 1 and not engine.has_work and engine.allocator.free == engine.runner.num_blocks - 1
         assert shm_keys(tmp_path) == []
@@ -192,7 +192,7 @@ def test_decode_cancel_before_admission_deletes_the_pieces(model, tok, connector
     from omnirelay.workers.llm.decode import DecodeTask
     r = prefilled["r0"]
     assert r.outputs.layers == model.config.num_layers   # the hand-off says its layout
-    decode.add(DecodeTask("r0", prompts[0], r.first_token, GREEDY, time.time() + 60, "", r.outputs.kv_key,
+    decode.add(DecodeTask("r0", prompts[0], r.token, GREEDY, time.time() + 60, "", r.outputs.kv_key,
                           r.outputs.kv_handle, kv_layers=r.outputs.layers))
     assert decode.cancel("r0")   # every piece deleted by name: the manifest is not read
     assert shm_keys(tmp_path) == []
@@ -272,7 +272,7 @@ def test_auto_streams_only_a_step_with_enough_kv(model, tok, connector):
     assert big.stats["kv_layerwise_handoffs"] == len(prompts)
     for key in a:
         kv_b = import_kv(connector, b[key].outputs.kv_key, b[key].outputs.kv_handle, timeout=5)
-        assert a[key].first_token == b[key].first_token and torch.equal(kv_a[key], kv_b)
+        assert a[key].token == b[key].token and torch.equal(kv_a[key], kv_b)
 
 
 @pytest.mark.timeout(300)

@@ -99,8 +99,8 @@ def _generate(prefill: PrefillEngine, decode: DecodeEngine, jobs: list[tuple[str
     outputs = {}
     for i, (name, ids) in enumerate(jobs):
         result = prefilled[f"r{i}"]
-        outputs[f"r{i}"] = [result.first_token]
-        decode.add(DecodeTask(f"r{i}", ids, result.first_token, _params(name, n), time.time() + 120, "",
+        outputs[f"r{i}"] = [result.token]
+        decode.add(DecodeTask(f"r{i}", ids, result.token, _params(name, n), time.time() + 120, "",
                               result.outputs.kv_key, result.outputs.kv_handle))
     for _ in range(4000):
         out = decode.step()
@@ -207,11 +207,11 @@ def test_bad_adapters_are_refused_at_load(tiny_model, adapters, tmp_path):
 def test_a_request_for_an_adapter_the_worker_lacks_fails_by_name(tiny_model, adapters, tok, connector):
     prefill, _ = _engines(tiny_model, {"a2": adapters["a2"]}, connector, max_loras=1)
     prefill.add(PrefillTask("r0", chat_ids(tok, "Hi!"), _params("nope"), time.time() + 60))
-    failures = [r for r in prefill.step() if hasattr(r, "error_type")]
+    failures = prefill.step().failed
     assert len(failures) == 1 and "'nope'" in failures[0].message
     plain = PrefillEngine(LlamaModel(tiny_model), connector, max_model_len=2048)   # LoRA off
     plain.add(PrefillTask("r1", chat_ids(tok, "Hi!"), _params("a2"), time.time() + 60))
-    failures = [r for r in plain.step() if hasattr(r, "error_type")]
+    failures = plain.step().failed
     assert len(failures) == 1 and "'a2'" in failures[0].message
     assert b"lora" not in msgspec.msgpack.encode(TextParams(max_tokens=2))   # the base's params name none
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(_params("a2")), type=TextParams).lora == "a2"

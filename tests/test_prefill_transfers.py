@@ -19,10 +19,11 @@ import torch
 from omnirelay.connectors import create_connector
 from omnirelay.deploy.builders.omni import build_tiny_omni
 from omnirelay.workers.kv.export import import_kv
-from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.request_params import TextParams
 
-from engine_support import GREEDY, QUESTIONS, chat_ids, connector, model, shm_keys, tok  # noqa: F401  (fixtures)
+from engine_support import (GREEDY, QUESTIONS, chat_ids, connector, is_first_token, is_result, model,  # noqa: F401
+                            outcomes, shm_keys, tok)
 from held_connector import HeldConnector
 from media_support import image_part, random_png, tiny_model_dir
 
@@ -36,8 +37,8 @@ def step_until(engine: PrefillEngine, results: dict, done, max_steps: int = 400)
     """Step until ``done()``; each request's outcome goes into ``results``, its early first token
     (sent while its hand-off is on its way) under ``("first", request_id)``."""
     for _ in range(max_steps):
-        for result in engine.step():
-            key = ("first", result.request_id) if isinstance(result, FirstToken) else result.request_id
+        for result in outcomes(engine.step()):
+            key = ("first", result.request_id) if is_first_token(result) else result.request_id
             assert key not in results, f"{key} reported twice"
             results[key] = result
         if done():
@@ -117,14 +118,14 @@ def test_a_held_media_get_does_not_stall_other_prefills(tiny_omni, tmp_path):
         step_until(prefill, results, lambda: "t" in results)
         held.wait_entered(handoff.mm_key)
         assert "m" not in results and [t.request_id for t in prefill.waiting] == ["m"]
-        assert isinstance(results["t"], PrefillResult) and results["t"].outputs.kv_key == "kv/t/0"
+        assert is_result(results["t"]) and results["t"].outputs.kv_key == "kv/t/0"
         assert prefill.stats["prefill_steps"] >= -(-len(text_ids) // 64)   # the text prompt ran, chunked
 
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
         got = results["m"]
-        assert isinstance(got, PrefillResult), got
-        assert got.first_token == want.first_token and got.outputs.rope_delta == want.outputs.rope_delta
+        assert is_result(got), got
+        assert got.token == want.token and got.outputs.rope_delta == want.outputs.rope_delta
         assert torch.equal(kv_of(connector, got), want_kv)
         kv_of(connector, results["t"])   # imports delete the keys
         prefill.close()
@@ -150,7 +151,7 @@ def test_a_media_prompt_leaving_while_its_get_is_held(tiny_omni, connector, tmp_
     try:
         media = EmbedsHandoff("mm/c/0", handle, image_grids=[[1, 2, 4]], audio_lengths=[])
         prefill.add(PrefillTask("c", [mrope.image_token_id] * 2, GREEDY, time.time() + 60, media=media))
-        assert prefill.step() == []
+        assert outcomes(prefill.step()) == []
         held.wait_entered("mm/c/0")
         if how == "cancel":
             assert prefill.cancel("c") and not prefill.has_work
@@ -189,12 +190,12 @@ def test_a_held_kv_handoff_does_not_stall_the_batch(model, tok, connector, tmp_p
         assert prefill.allocator.free == prefill.runner.num_blocks - 1   # cached blocks count as free
         prefill.add(PrefillTask("r1", prompts[1], GREEDY, time.time() + 60))
         step_until(prefill, results, lambda: "r1" in results)
-        assert "r0" not in results and isinstance(results["r1"], PrefillResult)
+        assert "r0" not in results and is_result(results["r1"])
         # r0's first token left as soon as it was sampled: time to first token does not wait for the put.
-        assert results["first", "r0"].token == expected["r0"].first_token
+        assert results["first", "r0"].token == expected["r0"].token
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
-        assert results["r0"].first_token == expected["r0"].first_token
+        assert results["r0"].token == expected["r0"].token
         assert torch.equal(kv_of(connector, results["r0"]), want_kv)
         kv_of(connector, results["r1"])
         assert shm_keys(tmp_path) == []
@@ -247,13 +248,13 @@ def test_admission_waits_while_a_batch_of_handoffs_is_stuck(model, tok, connecto
     try:
         steps = prefill.stats["prefill_steps"]
         for _ in range(5):
-            assert prefill.step() == []
+            assert outcomes(prefill.step()) == []
         assert prefill.stats["prefill_steps"] == steps and [t.request_id for t in prefill.waiting] == ["r1"]
         held.let_through()
         step_until(prefill, results, lambda: not prefill.has_work)
         assert sorted(k for k in results if isinstance(k, str)) == ["r0", "r1"]
         for rid in ("r0", "r1"):
-            assert isinstance(results[rid], PrefillResult) and results[rid].token_sent
+            assert is_result(results[rid]) and results[rid].token_sent
             kv_of(connector, results[rid])
         assert shm_keys(tmp_path) == []
     finally:
@@ -295,10 +296,10 @@ def test_on_shared_memory_the_handoff_is_reported_in_the_step_that_sampled_it(mo
     prefill = PrefillEngine(model, connector, max_model_len=2048, kv_transfer=kv_transfer, max_batched_tokens=2048)
     try:
         prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
-        outcomes = prefill.step()
-        assert [type(o) for o in outcomes] == [FirstToken, PrefillResult]
-        assert outcomes[1].token_sent and outcomes[1].first_token == outcomes[0].token
+        step = outcomes(prefill.step())
+        assert [is_first_token(o) for o in step] == [True, False] and is_result(step[1])
+        assert step[1].token_sent and step[1].token == step[0].token
         assert not prefill.has_work and prefill._transfers.num_pending == 0 and not prefill._transfers._workers
-        assert kv_of(connector, outcomes[1]).shape[2] == len(chat_ids(tok, QUESTIONS[0]))
+        assert kv_of(connector, step[1]).shape[2] == len(chat_ids(tok, QUESTIONS[0]))
     finally:
         prefill.close()

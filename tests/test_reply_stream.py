@@ -37,7 +37,7 @@ def make_decode(model, connector, chunk_tokens: int) -> DecodeEngine:
 def speaking_task(connector, rid: str, ids: list[int], result) -> DecodeTask:
     prompt_key = f"speech/{rid}/0/prompt"
     speech = SpeechHandoff(prompt_key, connector.put(prompt_key, {"hidden": torch.zeros(2, 4)}))
-    return DecodeTask(rid, ids, result.first_token, TextParams(max_tokens=REPLY_TOKENS, temperature=0,
+    return DecodeTask(rid, ids, result.token, TextParams(max_tokens=REPLY_TOKENS, temperature=0,
                                                                    ignore_eos=True),
                       time.time() + 60, "", result.outputs.kv_key, result.outputs.kv_handle, speech_inputs=speech)
 

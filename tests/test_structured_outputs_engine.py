@@ -16,11 +16,12 @@ import pytest
 
 from omnirelay.request_params import StructuredOutput
 from omnirelay.workers.llm.decode import DecodeTask
-from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillResult, PrefillTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.request_params import TextParams
 from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
-from engine_support import chat_ids, connector, decode_engine, model, tok  # noqa: F401  (fixtures)
+from engine_support import (chat_ids, connector, decode_engine, is_first_token, is_result, model,  # noqa: F401
+                            outcomes, tok)
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -52,18 +53,18 @@ def generate(prefill, decode, prompts: dict[str, list[int]], spec: dict[str, Str
                                 position_offset=offsets.get(rid, 0)))
     out: dict[str, tuple[list[int], str]] = {}
     for _ in range(50):
-        for result in prefill.step():
-            if isinstance(result, FirstToken):   # sent ahead of its hand-off; the result follows
+        for result in outcomes(prefill.step()):
+            if is_first_token(result):   # sent ahead of its hand-off; the done output follows
                 continue
-            assert isinstance(result, PrefillResult), result
+            assert is_result(result), result
             if result.finish_reason:
-                out[result.request_id] = ([result.first_token], result.finish_reason)
+                out[result.request_id] = ([result.token], result.finish_reason)
                 continue
-            decode.add(DecodeTask(result.request_id, prompts[result.request_id], result.first_token,
+            decode.add(DecodeTask(result.request_id, prompts[result.request_id], result.token,
                                   msgspec.structs.replace(params, structured=spec[result.request_id]),
                                   time.time() + 60, "", result.outputs.kv_key, result.outputs.kv_handle,
                                   position_offset=offsets.get(result.request_id, 0)))
-            out[result.request_id] = ([result.first_token], "")
+            out[result.request_id] = ([result.token], "")
         if not prefill.has_work:
             break
     for _ in range(500):
@@ -144,11 +145,11 @@ def test_a_spec_xgrammar_refuses_fails_only_its_request(tiny_model, model, tok, 
     prefill.add(PrefillTask("bad", prompt, msgspec.structs.replace(GREEDY, structured=StructuredOutput("regex", "(ab")),
                             time.time() + 60))
     prefill.add(PrefillTask("good", prompt, GREEDY, time.time() + 60))
-    results = {r.request_id: r for _ in range(5) for r in prefill.step() if not isinstance(r, FirstToken)}
+    results = {r.request_id: r for _ in range(5) for r in outcomes(prefill.step()) if not is_first_token(r)}
     assert results["bad"].error_type == "bad_request" and "regex" in results["bad"].message
-    assert isinstance(results["good"], PrefillResult)
+    assert is_result(results["good"])
     # An engine without grammar support refuses such a request instead of ignoring its grammar.
     plain = PrefillEngine(model, connector, max_model_len=2048, block_size=4, kv_cache_bytes=4 << 20)
     plain.add(PrefillTask("r", prompt, msgspec.structs.replace(GREEDY, structured=JSON_SPEC), time.time() + 60))
-    [result] = plain.step()
+    [result] = outcomes(plain.step())
     assert result.error_type == "bad_request" and "structured output" in result.message

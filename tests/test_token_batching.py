@@ -17,8 +17,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.request_params import TextParams
 from omnirelay.gateway.bus import BusClient, RequestStream
 from omnirelay.handoffs import KVHandoff, SpeechHandoff
-from omnirelay.workers.llm.decode import StepOutput, TokenOut
-from omnirelay.workers.llm.prefill import FirstToken, PrefillResult
+from omnirelay.workers.llm.requests import EngineStep, TokenOut
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.roles import BROKER
 from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
@@ -32,10 +31,10 @@ class ScriptedEngine:
     connector = None
     prefix_caching = False   # what a PrefillRole reads to declare (or not) a prefix cache to the loop
 
-    def __init__(self, *steps: StepOutput):
+    def __init__(self, *steps: EngineStep):
         self._steps = list(steps)
 
-    def step(self) -> StepOutput:
+    def step(self) -> EngineStep:
         return self._steps.pop(0)
 
     def add(self, task) -> None:
@@ -44,9 +43,10 @@ class ScriptedEngine:
 
 def test_a_step_sends_one_message_per_gateway_then_its_reports():
     speech_outputs = SpeechHandoff("speech/a3/0/prompt", {}, "speech/a3/0/reply", {})
-    step = StepOutput(
+    step = EngineStep(
         tokens=[TokenOut("a1", GW_A, 5, 11, ""), TokenOut("b1", GW_B, 9, 21, ""),
-                TokenOut("a2", GW_A, 7, 12, "stop"), TokenOut("a3", GW_A, 2, 13, "length", speech_outputs)],
+                TokenOut("a2", GW_A, 7, 12, "stop", done=True),
+                TokenOut("a3", GW_A, 2, 13, "length", speech_outputs, done=True, speech_next=True)],
         failed=[RequestFailure("a4", "deadline_exceeded", "deadline passed in decode")])
     role = DecodeRole("dec-1", ScriptedEngine(step))
     out = role.step()
@@ -68,11 +68,11 @@ def test_a_step_sends_one_message_per_gateway_then_its_reports():
 
 
 def test_a_step_without_tokens_sends_no_token_message():
-    role = DecodeRole("dec-1", ScriptedEngine(StepOutput()))
+    role = DecodeRole("dec-1", ScriptedEngine(EngineStep()))
     assert role.step() == []
 
 
-def _prefill_role(step: list[PrefillResult], gateways: dict[str, str]) -> PrefillRole:
+def _prefill_role(step: EngineStep, gateways: dict[str, str]) -> PrefillRole:
     """A prefill role holding tasks ``request_id → reply_to`` (attempt 1), whose next step yields ``step``."""
     role = PrefillRole("pre-1", ScriptedEngine(step))
     for rid, reply_to in gateways.items():
@@ -82,8 +82,9 @@ def _prefill_role(step: list[PrefillResult], gateways: dict[str, str]) -> Prefil
 
 def test_prefill_first_tokens_for_one_gateway_go_as_one_message_before_the_reports():
     kv = KVHandoff("kv/a1/1", {}, first_token=11)
-    step = [PrefillResult("a1", 11, 0, "", kv), RequestFailure("a2", "out_of_memory", "too long"),
-            PrefillResult("a3", 13, 0, "stop"), PrefillResult("a4", 14, 0, "", KVHandoff("kv/a4/1", {}, 14))]
+    step = EngineStep([TokenOut("a1", "", 0, 11, "", kv, done=True), TokenOut("a3", "", 0, 13, "stop", done=True),
+                       TokenOut("a4", "", 0, 14, "", KVHandoff("kv/a4/1", {}, 14), done=True)],
+                      [RequestFailure("a2", "out_of_memory", "too long")])
     role = _prefill_role(step, {rid: GW_A for rid in ("a1", "a2", "a3", "a4")})
     out = role.step()
 
@@ -105,7 +106,8 @@ def test_prefill_first_tokens_for_one_gateway_go_as_one_message_before_the_repor
 
 
 def test_prefill_first_tokens_for_two_gateways_go_as_one_message_each():
-    step = [PrefillResult("a1", 11, 0), PrefillResult("b1", 21, 0), PrefillResult("b2", 22, 0, "length")]
+    step = EngineStep([TokenOut("a1", "", 0, 11, done=True), TokenOut("b1", "", 0, 21, done=True),
+                       TokenOut("b2", "", 0, 22, "length", done=True)])
     role = _prefill_role(step, {"a1": GW_A, "b1": GW_B, "b2": GW_B})
     out = role.step()
 
@@ -124,11 +126,12 @@ def test_prefill_first_tokens_for_two_gateways_go_as_one_message_each():
 
 
 def test_an_early_first_token_goes_to_the_gateway_and_the_report_follows_alone():
-    """A first token sent ahead of its hand-off (FirstToken) leaves at once; the later PrefillResult
+    """A first token sent ahead of its hand-off (not done) leaves at once; the later done output
     (token_sent) brings only the StageDone, never the token a second time."""
     kv = KVHandoff("kv/a1/1", {}, first_token=11)
-    role = PrefillRole("pre-1", ScriptedEngine([FirstToken("a1", 11, 0)],
-                                               [PrefillResult("a1", 11, 0, "", kv, token_sent=True)]))
+    role = PrefillRole("pre-1", ScriptedEngine(EngineStep([TokenOut("a1", "", 0, 11)]),
+                                               EngineStep([TokenOut("a1", "", 0, 11, "", kv, done=True,
+                                                                    token_sent=True)])))
     assert role.accept(p.Task("a1", "prefill", "m", [1, 2, 3], TextParams(), None, GW_A, time.time() + 60, attempt=1)) == []
     assert role.step() == [(GW_A, p.TokenDelta("a1", 0, [11], "", "pre-1"))]
     ((dest, done),) = role.step()

@@ -1,27 +1,29 @@
 """Decode engine: continuous batching over a paged KV cache.
 
-Life of a request through this engine::
+Life of a request through this engine (its :class:`~omnirelay.workers.llm.requests.Request`'s status)::
 
-    add(DecodeTask) ──▶ waiting ──next step: its KV import starts (a TransferPool job: connector gets on
-        a transfer thread, every key deleted)──▶ importing KV ──▶ ready: KV on the host
-        ──admit: blocks free and a batch slot──▶ KV written into its blocks ──▶ running
-        ──step() × n: one token per running sequence──▶ finished (EOS / stop token / max_tokens /
-        context full) → blocks released
-    importing KV ──the import failed──▶ its keys released ──▶ failed with the error's error_type
+    add(DecodeTask) ──▶ WAITING ──next step: its KV import starts (a TransferPool job: connector gets on
+        a transfer thread, every key deleted)──▶ WAITING_FOR_REMOTE ──▶ ready: KV on the host
+        ──admit: blocks free and a batch slot──▶ KV written into its blocks ──▶ RUNNING
+        ──step() × n: one token per running sequence──▶ FINISHED (EOS / stop token / max_tokens /
+        context full) → blocks released; a spoken reply is SENDING_HANDOFF until its states are out
+    WAITING_FOR_REMOTE ──the import failed──▶ its keys released ──▶ FAILED with the error's error_type
         (the broker restarts it from prefill under a new attempt, with new keys, or fails it)
-    waiting / importing / ready ──cancel or deadline──▶ gone: its import dropped and its keys
+    WAITING / WAITING_FOR_REMOTE ──cancel or deadline──▶ gone: its import dropped and its keys
         released (an import in flight runs out its own get first, see runtime.transfers)
 
-    running ──blocks ran out──▶ preempted: blocks released, back to the front of waiting; on
+    RUNNING ──blocks ran out──▶ PREEMPTED: blocks released, back to the front of waiting; on
         re-admission its KV is recomputed from prompt + tokens so far (never a failure); a
         multimodal sequence instead keeps its KV in host memory and gets it back as it was (its
         media embeddings are not in the token ids), and runs at rotary position index + rope delta
 
-Every ``step()`` first hands new requests' KV imports to the prefetcher, admits waiting sequences
+Every ``step()`` is schedule → execute → update. Schedule: report the spoken replies whose
+states went out, expire, hand new requests' KV imports to the prefetcher, admit waiting sequences
 whose KV is ready (in arrival order; one still importing is passed over, not waited for) and
-re-admits preempted ones, rebuilds the KV of those in one packed forward straight into their new
-blocks, makes room for the running ones (preempting the most recently admitted when the pool is
-short), then runs one batched forward for all running sequences; sequences of any length join and
+re-admit preempted ones, rebuild the KV of those in one packed forward straight into their new
+blocks, make room for the running ones (preempting the most recently admitted when the pool is
+short); execute: one batched forward for all running sequences, a token sampled for each;
+update: tokens appended, finished sequences retired. Sequences of any length join and
 leave between steps without copying anyone's blocks. A slow connector (a Redis outage, a layerwise
 KV still arriving) thus delays only the request whose KV it is, never the running batch. A step with
 nothing to run while imports are pending waits briefly for one to finish rather than spin.
@@ -37,9 +39,9 @@ A spoken reply's states go to the generate stage on a transfer thread like the i
 :class:`~omnirelay.workers.llm.handoff_jobs.SpeechReplySend` job): its last token is reported, with
 the hand-off, in the first step after the put returned, and the batch keeps stepping meanwhile.
 With ``stream_chunk_tokens`` K > 0 the reply is streamed instead (``reply_stream.py``): every K
-new tokens a chunk goes out, the first one announced in ``StepOutput.streams`` (the role sends
-``StageStreaming`` and generate starts on it), and a finished reply waits in ``_finishing`` (its
-blocks already freed) until its last chunk is written; then its last token is reported.
+new tokens a chunk goes out, the first one announced in ``EngineStep.streams`` (the role sends
+``StageStreaming`` and generate starts on it), and a finished reply waits in ``_finishing``
+(SENDING_HANDOFF, its blocks already freed) until its last chunk is written; then its last token is reported.
 
 Structured output (``TextParams.structured``): every token is sampled under the request's grammar
 (:mod:`~omnirelay.workers.llm.structured_output`). Its matcher is built when the sequence is first
@@ -68,13 +70,13 @@ from omnirelay.workers.kv.cache import BlockAllocator, PagedKVCache
 from omnirelay.workers.kv.prefetch import KVImport, kv_prefetcher
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
-from omnirelay.workers.runtime.transfers import Transfer, TransferState
-from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
+from omnirelay.workers.runtime.transfers import TransferState
+from omnirelay.workers.llm.logits_processors import LogitsProcessors
 from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
-from omnirelay.workers.llm.prompt_logprobs import PromptLogprobs
 from omnirelay.request_params import TextParams
-from omnirelay.workers.llm.sampling import TokenLogprobs, sample_step
+from omnirelay.workers.llm.requests import EngineStep, Registry, Request, Status, TokenOut
+from omnirelay.workers.llm.sampling import SampledStep, sample_step
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
 
@@ -106,69 +108,6 @@ class DecodeTask:
     kv_layers: int | None = None   # the KV's layout (KVHandoff.layers; None: read it) for deleting it unread
 
 
-@dataclasses.dataclass
-class Sequence:
-    task: DecodeTask
-    generated: list[int]
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0            # tokens whose KV is in this sequence's blocks
-    needs_recompute: bool = False  # preempted: KV must be rebuilt from tokens
-    swapped: torch.Tensor | None = None   # preempted media sequence: its KV, kept in host memory
-    kv_import: Transfer[torch.Tensor] | None = None     # the prefill's KV on its way; owns task.kv_key once started
-    hidden: list = dataclasses.field(default_factory=list)   # speech: final-norm state of each fed token
-    stream: ReplyStreamWriter | None = None   # speech, streamed to generate while it runs (reply_stream.py)
-
-    def __post_init__(self) -> None:
-        # What the logits processors see: prompt, the resumed output at its end, ``generated`` (shared).
-        self.history = TokenHistory(self.task.prompt_token_ids, self.task.position_offset, self.generated)
-
-    @property
-    def request_id(self) -> str:
-        return self.task.request_id
-
-    @property
-    def priority(self) -> int:
-        return self.task.priority
-
-    @property
-    def deadline(self) -> float:
-        return self.task.deadline
-
-    @property
-    def total_len(self) -> int:
-        return len(self.task.prompt_token_ids) + len(self.generated)
-
-
-@dataclasses.dataclass
-class TokenOut:
-    request_id: str
-    reply_to: str
-    position: int
-    token: int
-    finish_reason: str
-    outputs: SpeechHandoff | None = None   # speech: for the generate stage, which runs after this one
-    logprobs: TokenLogprobs | None = None   # the request asked for logprobs (TextParams.logprobs)
-    cached_tokens: int = 0   # prefill's first token: prompt tokens from its prefix cache (TokenDelta's)
-    prompt_logprobs: PromptLogprobs | None = None   # prefill's first token, when the request asked
-
-
-@dataclasses.dataclass
-class _SpeechSend:
-    """A finished spoken reply whose states are on a transfer thread: its last token waits for them."""
-
-    token: TokenOut
-    ticket: Transfer[SpeechHandoff]
-    dropped: bool = False   # cancelled meanwhile: what arrives is deleted, nothing reported
-
-
-@dataclasses.dataclass
-class StepOutput:
-    tokens: list[TokenOut] = dataclasses.field(default_factory=list)
-    failed: list[RequestFailure] = dataclasses.field(default_factory=list)
-    # Spoken replies whose first chunk is out: the generate stage may start on this hand-off now.
-    streams: list[tuple[str, SpeechHandoff]] = dataclasses.field(default_factory=list)
-
-
 class DecodeEngine:
     """``model`` and ``cache``: a :class:`LlamaModel` and its local pool, or a :class:`ModelRunner`
     (e.g. rank 0 of a tensor-parallel group, whose ranks hold the pools) and ``cache=None``.
@@ -198,12 +137,14 @@ class DecodeEngine:
         self.transfer_timeout_s = transfer_timeout_s
         self._transfers = kv_prefetcher(connector, timeout_s=transfer_timeout_s, max_held=max_num_seqs,
                                        threads=kv_import_threads)
-        self.waiting: RequestQueue[Sequence] = RequestQueue()
-        self.running: list[Sequence] = []
-        self._speech_sends: list[_SpeechSend] = []   # finished spoken replies whose states are on their way
-        # Streamed spoken replies (stream_chunk_tokens > 0): finished, their last chunk still to be written.
+        self.requests = Registry()          # every request not over, by id; its status says where it is
+        self.waiting: RequestQueue[Request] = RequestQueue()   # WAITING, WAITING_FOR_REMOTE, PREEMPTED
+        self.running: list[Request] = []    # RUNNING, in admission order
+        # SENDING_HANDOFF: finished spoken replies whose states are on their way (or CANCELLED meanwhile) ...
+        self._speech_sends: list[Request] = []
+        # ... and streamed ones (stream_chunk_tokens > 0) whose last chunk is still to be written.
         self.stream_chunk_tokens = stream_chunk_tokens
-        self._finishing: list[tuple[Sequence, TokenOut]] = []
+        self._finishing: list[Request] = []
         # Streams written to their end, most recent last: a consumer that stopped reading early may
         # be reported (close_stream) after decode finished; then its unread chunks are deleted here.
         self._written_streams: collections.OrderedDict[str, ReplyStreamWriter] = collections.OrderedDict()
@@ -214,8 +155,7 @@ class DecodeEngine:
 
     @property
     def num_requests(self) -> int:
-        return (len(self.waiting) + len(self.running) + sum(not s.dropped for s in self._speech_sends)
-                + len(self._finishing))
+        return len(self.requests)
 
     @property
     def has_work(self) -> bool:
@@ -223,52 +163,47 @@ class DecodeEngine:
         return bool(self.waiting or self.running or self._speech_sends or self._finishing)
 
     def add(self, task: DecodeTask) -> None:
-        seq = Sequence(task=task, generated=[task.first_token])
+        seq = Request(task, generated=[task.first_token])
         if task.speech_inputs is not None and self.stream_chunk_tokens:
             seq.stream = ReplyStreamWriter.open(task.speech_inputs, task.params.max_tokens, self.stream_chunk_tokens,
                                                 task.request_id)
+        self.requests.add(seq)
         self.waiting.add(seq)
 
     def cancel(self, request_id: str) -> bool:
-        seq = self.waiting.remove(request_id)
-        if seq is not None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        if seq.status in (Status.WAITING, Status.WAITING_FOR_REMOTE, Status.PREEMPTED):
+            self.waiting.remove_task(seq)
             self._drop_kv_key(seq)
             self._drop_speech_key(seq)
             self._release_grammar(seq)
-            self.stats["cancelled"] += 1
-            return True
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self._retire(seq)
-                self._drop_speech_key(seq)
-                self.stats["cancelled"] += 1
-                return True
-        for seq, _ in self._finishing:
-            if seq.request_id == request_id:
-                self._finishing.remove((seq, _))
-                self._drop_speech_key(seq)
-                self.stats["cancelled"] += 1
-                return True
-        for send in self._speech_sends:
-            if send.token.request_id == request_id and not send.dropped:
-                send.dropped = True   # its put runs out; the states are deleted when it returns
-                self.stats["cancelled"] += 1
-                return True
-        return False
+        elif seq.status is Status.RUNNING:
+            self._retire(seq)
+            self._drop_speech_key(seq)
+        elif seq.stream is not None:   # SENDING_HANDOFF: its last chunk still to be written
+            self._finishing.remove(seq)
+            self._drop_speech_key(seq)
+        # SENDING_HANDOFF, a spoken reply's states: the put runs out; they are deleted when it returns
+        self.requests.end(seq, Status.CANCELLED)
+        self.stats["cancelled"] += 1
+        return True
 
     def close_stream(self, request_id: str) -> None:
         """The generate stage finished reading ``request_id``'s streamed reply before decode finished
         writing it: stop writing, delete what it will never read; the text goes on."""
-        for seq in [*self.running, *(s for s, _ in self._finishing)]:
-            if seq.request_id == request_id and seq.stream is not None and not seq.stream.closed:
-                writer = seq.stream
-                writer.closed = True
-                if writer.ticket is not None:   # deleted when its put returns
-                    self._transfers.cancel(writer.ticket)
-                    writer.ticket = writer.in_flight = None
-                self._transfers.release(f"unread chunks of {request_id}", writer.release_chunks)
-                self.stats["speech_streams_closed"] += 1
-                return
+        seq = self.requests.get(request_id)
+        if (seq is not None and seq.stream is not None and not seq.stream.closed
+                and seq.status in (Status.RUNNING, Status.SENDING_HANDOFF)):
+            writer = seq.stream
+            writer.closed = True
+            if writer.ticket is not None:   # deleted when its put returns
+                self._transfers.cancel(writer.ticket)
+                writer.ticket = writer.in_flight = None
+            self._transfers.release(f"unread chunks of {request_id}", writer.release_chunks)
+            self.stats["speech_streams_closed"] += 1
+            return
         written = self._written_streams.pop(request_id, None)
         if written is not None:   # finished meanwhile: what the consumer did not read is deleted now
             self._transfers.release(f"unread chunks of {request_id}", written.release_chunks)
@@ -289,17 +224,12 @@ class DecodeEngine:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def step(self) -> StepOutput:
-        out = StepOutput()
-        self._collect_speech_sends(out)
-        self._pump_streams(out)
-        self._expire(out)
-        self._start_imports(out)
-        self._admit(out)
-        self._recompute()
-        self._make_room(out)
+    def step(self) -> EngineStep:
+        out = EngineStep()
+        self._schedule(out)
         if self.running:
-            self._forward(out)
+            batch, sampled, positions = self._execute()
+            self._update(batch, sampled, positions, out)
         self._pump_streams(out)
         self._collect_speech_sends(out)
         # A gauge, not a count: the heartbeat carries the engine's stats (KV imports and speech sends).
@@ -308,24 +238,41 @@ class DecodeEngine:
             self._transfers.wait_for_news(self.IDLE_WAIT_S)
         return out
 
-    def _expire(self, out: StepOutput) -> None:
+    def _schedule(self, out: EngineStep) -> None:
+        """Report what went out, fail the expired, start imports, admit (writing each admitted
+        sequence's KV into its blocks), then give every running sequence room for its next token."""
+        self._collect_speech_sends(out)
+        self._pump_streams(out)
+        self._expire(out)
+        self._start_imports(out)
+        self._admit(out)
+        self._recompute()
+        self._make_room(out)
+
+    def _expire(self, out: EngineStep) -> None:
         now = time.time()
         for seq in [s for s in [*self.waiting, *self.running] if now > s.deadline]:
             self.cancel(seq.request_id)
+            seq.status = Status.FAILED
             out.failed.append(RequestFailure(seq.request_id, DeadlineExceeded.error_type, "deadline passed in decode"))
 
-    def _start_imports(self, out: StepOutput) -> None:
+    def _fail(self, seq: Request, out: EngineStep, error_type: str, message: str) -> None:
+        self.requests.end(seq, Status.FAILED)
+        out.failed.append(RequestFailure(seq.request_id, error_type, message))
+
+    def _start_imports(self, out: EngineStep) -> None:
         """Hand new requests' KVs to the prefetcher (first failing those this worker cannot serve, so
         their KVs are never read). Done here rather than in add(): a cancel before the first step
         then releases the keys at once, with no import racing it."""
         for seq in list(self.waiting):
-            if seq.needs_recompute or seq.kv_import is not None or self._rejected(seq, out):
+            if seq.status is not Status.WAITING or self._rejected(seq, out):
                 continue
             key, seq.task.kv_key = seq.task.kv_key, ""
-            seq.kv_import = self._transfers.submit(KVImport(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
-                                                           seq.task.deadline, layers=seq.task.kv_layers))
+            seq.fetch = self._transfers.submit(KVImport(key, seq.task.kv_handle, len(seq.task.prompt_token_ids),
+                                                        seq.task.deadline, layers=seq.task.kv_layers))
+            seq.status = Status.WAITING_FOR_REMOTE
 
-    def _rejected(self, seq: Sequence, out: StepOutput) -> bool:
+    def _rejected(self, seq: Request, out: EngineStep) -> bool:
         """Fail (and take out of waiting) a sequence this worker can never run."""
         cached = seq.total_len - 1
         if self.blocks_needed(cached + 1) > self.runner.num_blocks - 1:
@@ -347,10 +294,10 @@ class DecodeEngine:
         self._drop_kv_key(seq)
         self._drop_speech_key(seq)
         self._release_grammar(seq)
-        out.failed.append(RequestFailure(seq.request_id, *error))
+        self._fail(seq, out, *error)
         return True
 
-    def _admit(self, out: StepOutput) -> None:
+    def _admit(self, out: EngineStep) -> None:
         """Admit waiting sequences in order while slots and blocks last. A new one whose KV is still
         importing is passed over (a later one may be ready); one that does not fit stops admission,
         so that a long sequence is not starved by shorter ones behind it."""
@@ -359,17 +306,16 @@ class DecodeEngine:
                 return
             if self._rejected(seq, out):   # a preempted sequence that outgrew the pool
                 continue
-            fresh = not seq.needs_recompute
-            if fresh and not seq.kv_import.finished:
+            fresh = seq.status is not Status.PREEMPTED
+            if fresh and not seq.fetch.finished:
                 continue
-            if fresh and seq.kv_import.state is TransferState.FAILED:   # its KV keys were released
+            if fresh and seq.fetch.state is TransferState.FAILED:   # its KV keys were released
                 self.waiting.remove_task(seq)
                 self._drop_speech_key(seq)
-                error = seq.kv_import.error
-                out.failed.append(RequestFailure(seq.request_id, error.error_type, str(error)))
+                error = seq.fetch.error
+                self._fail(seq, out, error.error_type, str(error))
                 continue
-            if self.lora is not None and not self.lora.fits(seq.task.params.lora,
-                                                            {s.task.params.lora for s in self.running}):
+            if self.lora is not None and not self.lora.fits(seq.lora, {s.lora for s in self.running}):
                 continue   # a step holds at most max_loras adapters
             # Room for the cached tokens plus the one this step writes.
             cached = seq.total_len - 1
@@ -380,41 +326,44 @@ class DecodeEngine:
             seq.blocks = self.allocator.allocate(needed)
             if seq.swapped is not None:   # a preempted media sequence: its KV comes back as it left
                 self.runner.write_kv(seq.blocks, seq.swapped)
-                seq.num_cached, seq.swapped, seq.needs_recompute = seq.swapped.shape[2], None, False
+                seq.num_computed, seq.swapped = seq.swapped.shape[2], None
+                seq.status = Status.RUNNING
                 self.stats["kv_swapped_in"] += 1
             elif fresh:
-                with self._transfers.take(seq.kv_import) as kv:
+                with self._transfers.take(seq.fetch) as kv:
                     self.runner.write_kv(seq.blocks, kv)
-                seq.kv_import = None
-                seq.num_cached = cached
+                seq.fetch = None
+                seq.num_computed = cached
+                seq.status = Status.RUNNING
                 self.stats["kv_loads"] += 1
+            # else PREEMPTED until _recompute rebuilds its KV, in this step
             self.running.append(seq)
 
     def _recompute(self) -> None:
         """Rebuild the KV of re-admitted preempted sequences, all in one packed forward, straight
         into their blocks."""
-        todo = [s for s in self.running if s.needs_recompute]
+        todo = [s for s in self.running if s.status is Status.PREEMPTED]
         if not todo:
             return
         chunks = [(s.task.prompt_token_ids + s.generated[:-1], 0, s.blocks) for s in todo]
         batch = ForwardBatch.build(chunks, self.block_size)
         if self.lora is not None:
-            batch.lora_slots = self.lora.token_slots([s.task.params.lora for s in todo], [len(c[0]) for c in chunks])
+            batch.lora_slots = self.lora.token_slots([s.lora for s in todo], [len(c[0]) for c in chunks])
         self.runner.forward(batch)
         for seq, (tokens, _, _) in zip(todo, chunks):
-            seq.num_cached, seq.needs_recompute = len(tokens), False
+            seq.num_computed, seq.status = len(tokens), Status.RUNNING
             self.stats["recomputed_tokens"] += len(tokens)
 
-    def _drop_kv_key(self, seq: Sequence) -> None:
-        if seq.kv_import is not None:   # the import owns the key: it releases it, now or when it returns
-            self._transfers.cancel(seq.kv_import)
-            seq.kv_import = None
+    def _drop_kv_key(self, seq: Request) -> None:
+        if seq.fetch is not None:   # the import owns the key: it releases it, now or when it returns
+            self._transfers.cancel(seq.fetch)
+            seq.fetch = None
         elif seq.task.kv_key:
             key, handle, layers = seq.task.kv_key, seq.task.kv_handle, seq.task.kv_layers
             self._transfers.release(key, lambda connector: release_kv(connector, key, handle, layers=layers))
             seq.task.kv_key = ""
 
-    def _drop_speech_key(self, seq: Sequence) -> None:
+    def _drop_speech_key(self, seq: Request) -> None:
         """A cancelled or failed speech request: prefill's prompt states will never be read (a
         restart runs prefill again, under a new attempt's key)."""
         if seq.stream is not None:
@@ -424,12 +373,12 @@ class DecodeEngine:
         elif seq.task.speech_inputs is not None:
             self._transfers.release(f"speech states of {seq.request_id}", seq.task.speech_inputs.release)
 
-    def _make_room(self, out: StepOutput) -> None:
+    def _make_room(self, out: EngineStep) -> None:
         """Give every running sequence a slot for its next token, preempting the newest when short."""
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted below while making room for an earlier one
-            if self.blocks_needed(seq.num_cached + 1) <= len(seq.blocks):
+            if self.blocks_needed(seq.num_computed + 1) <= len(seq.blocks):
                 continue
             while self.allocator.free == 0 and len(self.running) > 1:
                 self._preempt(self.running[-1] if self.running[-1] is not seq else self.running[-2])
@@ -438,16 +387,16 @@ class DecodeEngine:
                 continue
             seq.blocks += self.allocator.allocate(1)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Request) -> None:
         if seq.task.has_media:   # recomputing from token ids would lose the image/audio embeddings
-            seq.swapped = self.runner.read_kv(seq.blocks, seq.num_cached)
+            seq.swapped = self.runner.read_kv(seq.blocks, seq.num_computed)
         self.running.remove(seq)
         self.allocator.release(seq.blocks)
-        seq.blocks, seq.num_cached, seq.needs_recompute = [], 0, True
+        seq.blocks, seq.num_computed, seq.status = [], 0, Status.PREEMPTED
         self.waiting.appendleft(seq)
         self.stats["preemptions"] += 1
 
-    def _retire(self, seq: Sequence) -> None:
+    def _retire(self, seq: Request) -> None:
         self.running.remove(seq)
         self.allocator.release(seq.blocks)
         seq.blocks = []
@@ -457,23 +406,23 @@ class DecodeEngine:
         """The adapters this worker holds (slots, and its requests'), for the broker; None: LoRA off."""
         if self.lora is None:
             return None
-        return self.lora.held({s.task.params.lora for s in [*self.waiting, *self.running]})
+        return self.lora.held({s.lora for s in [*self.waiting, *self.running]})
 
-    def _lora_error(self, seq: Sequence) -> str:
-        name = seq.task.params.lora
+    def _lora_error(self, seq: Request) -> str:
+        name = seq.lora
         if not name:
             return ""
         if self.lora is None:
             return f"LoRA adapter {name!r}: LoRA is not enabled on this worker"
         return self.lora.ensure(name, seq.task.params.lora_path)
 
-    def _grammar_row(self, seq: Sequence):
+    def _grammar_row(self, seq: Request):
         if self.grammars is None:
             return None
         return self.grammars.row(seq.request_id, seq.task.params.structured, seq.task.prompt_token_ids,
                                  seq.task.position_offset, seq.generated)
 
-    def _grammar_error(self, seq: Sequence) -> str:
+    def _grammar_error(self, seq: Request) -> str:
         """Why ``seq``'s grammar cannot be enforced here ("" when it can, or it has none); builds
         its matcher (replaying the tokens emitted so far) on first call."""
         if seq.task.params.structured is None:
@@ -486,50 +435,60 @@ class DecodeEngine:
             return str(exc)
         return ""
 
-    def _release_grammar(self, seq: Sequence) -> None:
+    def _release_grammar(self, seq: Request) -> None:
         if self.grammars is not None:
             self.grammars.release(seq.request_id)
 
-    def _forward(self, out: StepOutput) -> None:
-        batch = self.running
+    def _execute(self) -> tuple[list[Request], SampledStep, list[int]]:
+        """One batched forward of every running sequence's last token and a token sampled for each:
+        (the batch, its sampled rows, the output positions sampled)."""
+        batch = list(self.running)
         width = max(len(s.blocks) for s in batch)
         pad = [PagedKVCache.PAD_BLOCK] * width
         tables = torch.tensor([s.blocks + pad[len(s.blocks):] for s in batch], dtype=torch.long)
         input_ids = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
-        positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
+        positions = torch.tensor([s.num_computed for s in batch], dtype=torch.long)
         decode_batch = ForwardBatch.decode(input_ids, positions, tables, self.block_size)
         if self.lora is not None:
-            decode_batch.lora_slots = self.lora.token_slots([s.task.params.lora for s in batch], [1] * len(batch))
+            decode_batch.lora_slots = self.lora.token_slots([s.lora for s in batch], [1] * len(batch))
         if any(s.task.rope_delta for s in batch):
             decode_batch.rope_positions = positions + torch.tensor([s.task.rope_delta for s in batch])
         logits = self._forward_batch(decode_batch, batch)
         out_positions = [s.task.position_offset + len(s.generated) for s in batch]
-        step = sample_step(logits, [s.task.params for s in batch], [s.history for s in batch], out_positions,
-                           processors=self.processors, grammars=self.grammars,
-                           grammar_rows=[self._grammar_row(s) for s in batch])
-        tokens, logprobs, grammar_ended = step.tokens, step.logprobs, step.grammar_ended
+        sampled = sample_step(logits, [s.task.params for s in batch], [s.history for s in batch], out_positions,
+                              processors=self.processors, grammars=self.grammars,
+                              grammar_rows=[self._grammar_row(s) for s in batch])
+        return batch, sampled, out_positions
+
+    def _update(self, batch: list[Request], sampled: SampledStep, out_positions: list[int], out: EngineStep) -> None:
+        """Append each sequence's token; a finished one leaves the batch (a spoken reply's last token
+        waits for its states: SENDING_HANDOFF)."""
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(batch)
-        for seq, token, position, token_logprobs, ended in zip(list(batch), tokens, out_positions, logprobs,
-                                                               grammar_ended):
-            seq.num_cached += 1
+        for seq, token, position, token_logprobs, ended in zip(batch, sampled.tokens, out_positions,
+                                                               sampled.logprobs, sampled.grammar_ended):
+            seq.num_computed += 1
             seq.generated.append(token)
             reason = "stop" if ended else finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
                                                             self.eos_token_ids, self.max_model_len)
-            token_out = TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, logprobs=token_logprobs)
-            if reason and seq.stream is not None:   # the last token leaves once the last chunk is out
-                self._retire(seq)
-                self._finishing.append((seq, token_out))
+            token_out = TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, logprobs=token_logprobs,
+                                 done=bool(reason))
+            if not reason:
+                out.tokens.append(token_out)
                 continue
-            if reason and seq.task.speech_inputs is not None:   # the last token leaves with its states
-                self._retire(seq)
-                self._speech_sends.append(_SpeechSend(token_out, self._transfers.submit(self._speech_reply(seq))))
-                continue
-            out.tokens.append(token_out)
-            if reason:
-                self._retire(seq)
+            self._retire(seq)
+            if seq.stream is not None:   # the last token leaves once the last chunk is out
+                seq.pending, seq.status = token_out, Status.SENDING_HANDOFF
+                self._finishing.append(seq)
+            elif seq.task.speech_inputs is not None:   # the last token leaves with its states
+                seq.pending, seq.status = token_out, Status.SENDING_HANDOFF
+                seq.send = self._transfers.submit(self._speech_reply(seq))
+                self._speech_sends.append(seq)
+            else:
+                self.requests.end(seq, Status.FINISHED)
+                out.tokens.append(token_out)
 
-    def _forward_batch(self, batch: ForwardBatch, seqs: list[Sequence]) -> torch.Tensor:
+    def _forward_batch(self, batch: ForwardBatch, seqs: list[Request]) -> torch.Tensor:
         """One decode forward; for speech requests also keep the fed token's final-norm state."""
         if all(s.task.speech_inputs is None for s in seqs):
             return self.runner.forward(batch)
@@ -540,7 +499,7 @@ class DecodeEngine:
                 seq.hidden.append(capture.states[row].clone())
         return logits
 
-    def _speech_reply(self, seq: Sequence) -> SpeechReplySend:
+    def _speech_reply(self, seq: Request) -> SpeechReplySend:
         """The reply for the generate stage: its tokens and the states of all but the last (which
         was never fed back), next to prefill's prompt states; put on a transfer thread."""
         prompt = seq.task.speech_inputs
@@ -548,20 +507,19 @@ class DecodeEngine:
         hidden = torch.stack(seq.hidden) if seq.hidden else torch.zeros(0, 0)
         return SpeechReplySend(prompt, key, {"hidden": hidden, "token_ids": list(seq.generated)}, seq.deadline)
 
-    def _pump_streams(self, out: StepOutput) -> None:
+    def _pump_streams(self, out: EngineStep) -> None:
         """Streamed spoken replies: take the chunks that were written (announcing a stream's first,
         reporting a finished reply's last token after its last), fail those whose put failed, and
         start the next chunk of each where one is due."""
-        finishing = {seq.request_id: token for seq, token in self._finishing}
-        for seq in [s for s in self.running if s.stream is not None] + [s for s, _ in self._finishing]:
-            writer, token = seq.stream, finishing.get(seq.request_id)
+        for seq in [s for s in self.running if s.stream is not None] + list(self._finishing):
+            writer, token = seq.stream, seq.pending
             ticket = writer.ticket
             if ticket is not None and ticket.finished:
                 if ticket.state is TransferState.FAILED:   # nothing of that chunk is left behind
                     error = ticket.error
                     writer.ticket = writer.in_flight = None
-                    self._drop_stream(seq, token)
-                    out.failed.append(RequestFailure(seq.request_id, error.error_type, str(error)))
+                    self._drop_stream(seq)
+                    self._fail(seq, out, error.error_type, str(error))
                     continue
                 with self._transfers.take(ticket) as written:
                     if written:
@@ -575,42 +533,44 @@ class DecodeEngine:
                     self.stats["speech_streams"] += 1
                     out.streams.append((seq.request_id, writer.handoff))
             if (writer.ended or writer.closed) and token is not None:
-                self._finishing.remove((seq, token))
+                self._finishing.remove(seq)
                 if writer.ended and writer.announced:
                     self._written_streams[seq.request_id] = writer
                     while len(self._written_streams) > WRITTEN_STREAMS_KEPT:
                         self._written_streams.popitem(last=False)
                 if not writer.announced:   # the whole reply fit one chunk: the stream is the hand-off
                     self.stats["speech_streams"] += 1
-                    token.outputs = writer.handoff
+                    token.outputs, token.speech_next = writer.handoff, True
+                self.requests.end(seq, Status.FINISHED)
                 out.tokens.append(token)
                 continue
             job = writer.next_chunk(seq.generated, seq.hidden, final=token is not None, deadline=seq.deadline)
             if job is not None:
                 writer.ticket = self._transfers.submit(job)
 
-    def _drop_stream(self, seq: Sequence, token: TokenOut | None) -> None:
+    def _drop_stream(self, seq: Request) -> None:
         """A streamed reply that failed: out of the batch or the finishing list, its keys released."""
-        if token is not None:
-            self._finishing.remove((seq, token))
-        elif seq in self.running:
+        if seq.status is Status.SENDING_HANDOFF:
+            self._finishing.remove(seq)
+        elif seq.status is Status.RUNNING:
             self._retire(seq)
         self._drop_speech_key(seq)
 
-    def _collect_speech_sends(self, out: StepOutput) -> None:
+    def _collect_speech_sends(self, out: EngineStep) -> None:
         """Report the spoken replies whose states are out: the last token carries the hand-off."""
-        for send in [s for s in self._speech_sends if s.ticket.finished]:
-            self._speech_sends.remove(send)
-            token = send.token
-            if send.ticket.state is TransferState.FAILED:   # the job deleted the prompt's states too
-                if not send.dropped:
-                    error = send.ticket.error
-                    out.failed.append(RequestFailure(token.request_id, error.error_type, str(error)))
+        for seq in [s for s in self._speech_sends if s.send.finished]:
+            self._speech_sends.remove(seq)
+            token, ticket = seq.pending, seq.send
+            seq.send = None
+            if ticket.state is TransferState.FAILED:   # the job deleted the prompt's states too
+                if seq.status is Status.SENDING_HANDOFF:
+                    self._fail(seq, out, ticket.error.error_type, str(ticket.error))
                 continue
-            with self._transfers.take(send.ticket) as handoff:
-                if send.dropped:   # cancelled while its states were on their way: nobody will read them
+            with self._transfers.take(ticket) as handoff:
+                if seq.status is Status.CANCELLED:   # cancelled while its states were on their way: nobody will read them
                     handoff.release(self.connector)
                     continue
                 self.stats["speech_handoffs"] += 1
-                token.outputs = handoff
+                token.outputs, token.speech_next = handoff, True
+                self.requests.end(seq, Status.FINISHED)
                 out.tokens.append(token)

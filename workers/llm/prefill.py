@@ -1,15 +1,20 @@
 """Prefill engine: prompts → first token + KV cache handed to decode through the connector.
 
-Life of a request through this engine::
+Life of a request through this engine (its :class:`~omnirelay.workers.llm.requests.Request`'s status)::
 
-    add(PrefillTask) ──▶ waiting (FIFO)
+    add(PrefillTask) ──▶ WAITING (queue order) [──a media prompt: its encoder outputs' get──▶ WAITING_FOR_REMOTE]
         ──admit: blocks for the whole prompt; the longest cached prefix is reused, not recomputed──▶
-    running ──step() × k: its next chunk joins one packed forward with the other running prompts,
+    RUNNING ──step() × k: its next chunk joins one packed forward with the other running prompts,
         within ``max_batched_tokens`` per step (a long prompt takes several steps: chunked prefill)──▶
-    last chunk done: sample the first token (FirstToken, to the gateway at once) ──▶ sending: its KV
-        (all heads) goes under ``kv/<request_id>/<attempt>`` while the batch keeps stepping
-        ──▶ PrefillResult(handles) once the hand-off is out; blocks released, the full ones stay
-        cached under their content hash for the next prompt that shares the prefix
+    last chunk done: sample the first token (a TokenOut, to the gateway at once) ──▶ SENDING_HANDOFF:
+        its KV (all heads) goes under ``kv/<request_id>/<attempt>`` while the batch keeps stepping
+        ──▶ FINISHED: a done TokenOut (handles) once the hand-off is out; blocks released, the full
+        ones stay cached under their content hash for the next prompt that shares the prefix
+    any ──a refusal, a failed get or send, the deadline──▶ FAILED (a RequestFailure)
+
+Each ``step()`` is schedule (collect finished hand-offs, expire, start media gets, admit, pick
+each running prompt's next chunk) → execute (one packed forward, the first tokens sampled) →
+update (chunks advanced, full blocks named, finished prompts handed off).
 
 How the KV leaves (``kv_transfer``): ``"auto"`` (the default) streams layers for a step whose
 finishing sequences hold at least ``layerwise_min_bytes`` of KV, and puts it whole otherwise.
@@ -39,8 +44,9 @@ grammar (:mod:`~omnirelay.workers.llm.structured_output`; the matcher is built a
 stream's emitted tokens replayed, and dropped when the request leaves: decode rebuilds its own).
 
 A request whose first token already ends it (EOS, a stop token, ``max_tokens == 1``) finishes here
-and skips decode. ``cancel`` drops a waiting, running or sending request and frees its blocks (a
-hand-off on its way is deleted when its job returns). A request waits (never fails) while the pool
+and skips decode. ``cancel`` finds the request by id and undoes what its status holds: a waiting
+one's get, a running one's blocks; a sending one becomes CANCELLED (its hand-off is deleted when
+its job returns). A request waits (never fails) while the pool
 is short; only a prompt larger than the whole pool fails (``out_of_memory``). The engine holds no
 sockets; its owner calls :meth:`PrefillEngine.close` before closing the connector (it joins the
 transfer threads, see ``TransferPool.CLOSE_JOIN_S``).
@@ -63,23 +69,24 @@ import time
 
 from omnirelay.block_hash import block_hashes
 from omnirelay.connectors import Connector
-from omnirelay.connectors.base import Payload, Reservation
+from omnirelay.connectors.base import Reservation
 from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
-from omnirelay.handoffs import EmbedsHandoff, Handoff, KVHandoff, delete_quietly, kv_key, speech_prompt_key
+from omnirelay.handoffs import EmbedsHandoff, KVHandoff, delete_quietly, kv_key, speech_prompt_key
 from omnirelay.mrope import MropeSpec
 from omnirelay.workers.kv.export import LAYERWISE_MIN_BYTES, TRANSFER_MODES, ExportSequence, LayerwiseExport
 from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.lora import LoraSlots
-from omnirelay.workers.llm.logits_processors import LogitsProcessors, TokenHistory
+from omnirelay.workers.llm.logits_processors import LogitsProcessors
 from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
-from omnirelay.workers.llm.prefill_media import PlacedMedia, media_fields, place_media
+from omnirelay.workers.llm.prefill_media import media_fields, place_media
 from omnirelay.workers.llm.prompt_logprobs import PromptCapture, PromptLogprobs
 from omnirelay.workers.llm.handoff_jobs import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
                                                      speech_payload)
 from omnirelay.request_params import TextParams
-from omnirelay.workers.llm.sampling import TokenLogprobs, sample_step
+from omnirelay.workers.llm.requests import EngineStep, Registry, Request, Status, TokenOut
+from omnirelay.workers.llm.sampling import sample_step
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
 from omnirelay.workers.runtime.engine import RequestFailure
@@ -107,73 +114,11 @@ class PrefillTask:
 
 
 @dataclasses.dataclass
-class PrefillResult:
-    request_id: str
-    first_token: int | None = None
-    position: int = 0
-    finish_reason: str = ""
-    outputs: Handoff | None = None   # for the next stage: KV for decode, or prompt states for speech
-    speech_next: bool = False   # the request goes on to a speech stage although its text finished
-    logprobs: TokenLogprobs | None = None   # the first token's, when the request asked
-    token_sent: bool = False    # its first token was reported already, as a FirstToken
-    prompt_logprobs: PromptLogprobs | None = None   # the request asked (PrefillTask.prompt_logprobs)
-    cached_tokens: int = 0      # prompt tokens taken from the prefix cache, not computed
-
-
-@dataclasses.dataclass
-class FirstToken:
-    """A first token reported as soon as it is sampled, while the request's hand-off is still on its
-    way: time to first token does not wait for the KV transfer. Its PrefillResult follows
-    (``token_sent``), or, if the hand-off fails, a RequestFailure (the broker then restarts the request
-    from its first stage, as after a failed import in decode)."""
-
-    request_id: str
-    token: int
-    position: int
-    finish_reason: str = ""
-    logprobs: TokenLogprobs | None = None
-    cached_tokens: int = 0      # PrefillResult.cached_tokens
-    prompt_logprobs: PromptLogprobs | None = None   # PrefillResult.prompt_logprobs
-
-
-# What a step reports of a request: an early first token, prefilled (its first token and hand-off),
-# or failed.
-PrefillOutcome = PrefillResult | FirstToken | RequestFailure
-
-
-@dataclasses.dataclass
-class _Running:
-    task: PrefillTask
-    blocks: list[int]
-    hashes: list[bytes]
-    computed: int     # prompt tokens whose KV is in the blocks (cached prefix + chunks done)
-    named: int        # leading blocks already registered under their hash
-    cached: int = 0   # prompt tokens found in the prefix cache at admission (not computed)
-    media: PlacedMedia | None = None
-    hidden: list = dataclasses.field(default_factory=list)   # speech: captured states per chunk
-    prompt_lp: PromptLogprobs | None = None   # the prompt's logprobs so far, when the request asked
-
-
-@dataclasses.dataclass
-class _Handoff:
-    """A finished prefill whose hand-off is on a transfer thread: its result, less the outputs."""
-
-    result: PrefillResult
-    kv_key: str = ""          # "" when no KV goes on
-    layers: int = 0           # the KV's layout (KVHandoff.layers): 0 whole, else one piece per layer
-    speech: bool = False      # prompt states go to the speech stage
-    rope_delta: int = 0
-    has_media: bool = False
-    dropped: bool = False     # cancelled meanwhile: what arrives is deleted, nothing reported
-    lora: str = ""            # the LoRA adapter the KV was computed under ("": the base)
-
-
-@dataclasses.dataclass
 class _Sending:
-    """One step's hand-off job and the requests waiting on it."""
+    """One step's hand-off job and the requests (SENDING_HANDOFF, or CANCELLED meanwhile) waiting on it."""
 
     ticket: Transfer[dict[str, SentHandoff]]
-    handoffs: list[_Handoff]
+    requests: list[Request]
     held_blocks: list[int]    # a layerwise export reads them until its job has completed it
 
 
@@ -210,20 +155,19 @@ class PrefillEngine:
         self.layerwise_min_bytes = layerwise_min_bytes
         self.block_size = self.runner.block_size
         self.allocator = PrefixCachingAllocator(self.runner.num_blocks)
-        self.waiting: RequestQueue[PrefillTask] = RequestQueue()
-        self.running: list[_Running] = []
+        self.requests = Registry()          # every request not over, by id; its status says where it is
+        self.waiting: RequestQueue[Request] = RequestQueue()   # WAITING, WAITING_FOR_REMOTE
+        self.running: list[Request] = []    # RUNNING, in admission order
         self.stats = collections.Counter()
         self.grammars = grammars
         self.lora = lora    # None: LoRA off, a request naming an adapter is refused
         self.processors = LogitsProcessors(self.runner.config.eos_token_ids)
-        self._grammar_complete: set[str] = set()   # requests whose first token completed their grammar
         # Media fetches and hand-off sends are each held to one batch's worth by the engine (see
         # _start_media_fetches and _admit), so the pool's own bound never makes a send wait behind
         # fetched payloads that wait for blocks a send holds.
         self._transfers = TransferPool(connector, timeout_s=transfer_timeout_s, max_held=2 * max_batch,
                                        threads=transfer_threads, name="prefill-transfer")
-        self._media_fetches: dict[str, Transfer[Payload]] = {}   # waiting request → its encoder outputs' get
-        self._sending: list[_Sending] = []
+        self._sending: list[_Sending] = []   # hand-off jobs, oldest first
 
     @property
     def num_requests(self) -> int:
@@ -239,25 +183,25 @@ class PrefillEngine:
     @property
     def num_sending(self) -> int:
         """Requests whose hand-off is on its way (prefilled, not yet reported)."""
-        return sum(not h.dropped for s in self._sending for h in s.handoffs)
+        return self.requests.count(Status.SENDING_HANDOFF)
 
     def add(self, task: PrefillTask) -> None:
-        self.waiting.add(task)
+        request = Request(task)
+        self.requests.add(request)
+        self.waiting.add(request)
 
     def cancel(self, request_id: str) -> bool:
-        if self.waiting.remove(request_id) is not None:
-            self._cancel_fetch(request_id)
-            return True
-        for seq in self.running:
-            if seq.task.request_id == request_id:
-                self._retire(seq)
-                return True
-        for sending in self._sending:
-            for handoff in sending.handoffs:
-                if handoff.result.request_id == request_id and not handoff.dropped:
-                    handoff.dropped = True   # its job runs out; what it put is deleted when it returns
-                    return True
-        return False
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status in (Status.WAITING, Status.WAITING_FOR_REMOTE):
+            self.waiting.remove_task(request)
+            self._cancel_fetch(request)
+        elif request.status is Status.RUNNING:
+            self._retire(request)
+        # SENDING_HANDOFF: its job runs out; what it put is deleted when it returns (_deliver)
+        self.requests.end(request, Status.CANCELLED)
+        return True
 
     def wake(self) -> None:
         """A broker message is waiting for the loop: end a step's idle wait on transfers now."""
@@ -269,8 +213,9 @@ class PrefillEngine:
         encoder outputs of prompts still waiting stay: the runtime hands those requests back to the
         broker (worker_lost), whose retry elsewhere reads them; a hand-off already put is deleted
         (the retry prefills under a new attempt, with new keys)."""
-        for fetch in self._media_fetches.values():
-            fetch.job.delete_on_discard = False
+        for request in self.waiting:
+            if request.fetch is not None:
+                request.fetch.job.delete_on_discard = False
         self._transfers.close()
 
     def prefix_hit_tokens(self, token_ids: list[int], lora: str = "", cache_salt: str = "") -> int:
@@ -287,32 +232,97 @@ class PrefillEngine:
     def prefix_names(self) -> list[bytes]:
         return self.allocator.names()
 
+    def held_loras(self) -> list[str] | None:
+        """The adapters this worker holds (slots, and its requests'), for the broker; None: LoRA off."""
+        if self.lora is None:
+            return None
+        return self.lora.held(self._running_loras() | {r.lora for r in self.waiting})
+
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> list[PrefillOutcome]:
-        results: list[PrefillOutcome] = []
-        self._collect_sent(results)
-        self._expire(results)
-        self._start_media_fetches(results)
-        self._admit(results)
-        if self.running:
-            self._forward(results)
-        self._collect_sent(results)
+    def step(self) -> EngineStep:
+        """schedule → execute → update, then report the hand-offs that went out meanwhile."""
+        out = EngineStep()
+        chunks = self._schedule(out)
+        if chunks:
+            export = self._start_export([r for r, n in chunks if r.num_computed + n == len(r.task.prompt_token_ids)])
+            try:
+                logits, sampled = self._execute(chunks, export)
+                self._update(chunks, logits, sampled, export, out)
+            except BaseException:   # before the hand-off took it: the export's thread joined, its pieces deleted
+                if export is not None:
+                    export.abort()
+                raise
+        self._collect_sent(out)
         self.stats["transfers_inflight"] = pending = self._transfers.num_pending   # a gauge
-        if pending and not (self.running or results):   # never delays what this step made
+        if pending and not (self.running or out.tokens or out.failed):   # never delays what this step made
             self._transfers.wait_for_news(self.IDLE_WAIT_S)
-        return results
+        return out
 
-    def _expire(self, results: list[PrefillOutcome]) -> None:
-        for task in self.waiting.pop_expired():
-            self._cancel_fetch(task.request_id)
-            results.append(RequestFailure(task.request_id, DeadlineExceeded.error_type,
-                                         message="deadline passed before prefill"))
+    def _schedule(self, out: EngineStep) -> list[tuple[Request, int]]:
+        """Report finished hand-offs, fail the expired, start media gets, admit; then each running
+        prompt's next chunk, in admission order, within ``max_batched_tokens``."""
+        self._collect_sent(out)
+        self._expire(out)
+        self._start_media_fetches(out)
+        self._admit(out)
+        chunks: list[tuple[Request, int]] = []
+        budget = self.max_batched_tokens
+        for request in self.running:
+            if budget <= 0:
+                break
+            n = min(len(request.task.prompt_token_ids) - request.num_computed, budget)
+            chunks.append((request, n))
+            budget -= n
+        return chunks
+
+    def _execute(self, chunks: list[tuple[Request, int]], export: LayerwiseExport | None):
+        """One packed forward of the chunks (streaming finishing prompts' layers to ``export``),
+        then the first token of each prompt whose last chunk it was: (logits, sampled rows)."""
+        batch = ForwardBatch.build([(r.task.prompt_token_ids[r.num_computed: r.num_computed + n], r.num_computed,
+                                     r.blocks) for r, n in chunks], self.block_size)
+        for name, value in media_fields([(r.media, r.num_computed, n) for r, n in chunks]).items():
+            setattr(batch, name, value)
+        if self.lora is not None:
+            batch.lora_slots = self.lora.token_slots([r.lora for r, _ in chunks], [n for _, n in chunks])
+        logits = self._forward_batch(batch, chunks, export)
+        done_rows = [row for row, (r, n) in enumerate(chunks) if r.num_computed + n == len(r.task.prompt_token_ids)]
+        if not done_rows:
+            return logits, None
+        done = [chunks[row][0] for row in done_rows]
+        sampled = sample_step(logits[done_rows], [r.task.params for r in done], [r.history for r in done],
+                              [r.task.position_offset for r in done], processors=self.processors,
+                              grammars=self.grammars, grammar_rows=[self._grammar_row(r.task) for r in done])
+        for request, ended in zip(done, sampled.grammar_ended):
+            request.grammar_ended = ended
+        return logits, sampled
+
+    def _update(self, chunks: list[tuple[Request, int]], logits, sampled, export: LayerwiseExport | None,
+                out: EngineStep) -> None:
+        """Advance the chunks, name the blocks they filled; hand off the prompts that are done."""
+        self.stats["prefill_steps"] += 1
+        done = []
+        for request, n in chunks:
+            request.num_computed += n
+            self.stats["prefill_tokens"] += n
+            self._name_full_blocks(request)
+            if request.num_computed == len(request.task.prompt_token_ids):
+                done.append(request)
+        if done:
+            self._hand_off(done, sampled.tokens, sampled.logprobs, export, out)
+
+    def _expire(self, out: EngineStep) -> None:
+        for request in self.waiting.pop_expired():
+            self._cancel_fetch(request)
+            self._fail(request, out, DeadlineExceeded.error_type, "deadline passed before prefill")
         now = time.time()
-        for seq in [s for s in self.running if now > s.task.deadline]:
-            self._retire(seq)
-            results.append(RequestFailure(seq.task.request_id, DeadlineExceeded.error_type,
-                                         message="deadline passed during prefill"))
+        for request in [r for r in self.running if now > r.deadline]:
+            self._retire(request)
+            self._fail(request, out, DeadlineExceeded.error_type, "deadline passed during prefill")
+
+    def _fail(self, request: Request, out: EngineStep, error_type: str, message: str) -> None:
+        self.requests.end(request, Status.FAILED)
+        out.failed.append(RequestFailure(request.request_id, error_type, message))
 
     def _refusal(self, task: PrefillTask) -> tuple[str, str] | None:
         """(error_type, message) when this worker can never prefill ``task``; cheap checks only."""
@@ -341,74 +351,70 @@ class PrefillEngine:
         return None
 
     def _running_loras(self) -> set[str]:
-        return {seq.task.params.lora for seq in self.running}
+        return {r.lora for r in self.running}
 
-    def held_loras(self) -> list[str] | None:
-        """The adapters this worker holds (slots, and its requests'), for the broker; None: LoRA off."""
-        if self.lora is None:
-            return None
-        return self.lora.held(self._running_loras() | {task.params.lora for task in self.waiting})
-
-    def _start_media_fetches(self, results: list[PrefillOutcome]) -> None:
+    def _start_media_fetches(self, out: EngineStep) -> None:
         """Start the encoder outputs' gets of new media prompts (failing first those this worker can
         never serve, so their outputs are never read). Here rather than in add(): a cancel before
         the first step then deletes the key at once, with no get racing it."""
-        for task in list(self.waiting):
-            if len(self._media_fetches) >= self.max_batch:   # host memory: one batch of payloads at most
+        fetching = sum(r.fetch is not None for r in self.waiting)
+        for request in list(self.waiting):
+            if fetching >= self.max_batch:   # host memory: one batch of payloads at most
                 return
-            if task.media is None or task.request_id in self._media_fetches:
+            if request.task.media is None or request.status is Status.WAITING_FOR_REMOTE:
                 continue
-            refusal = self._refusal(task)
+            refusal = self._refusal(request.task)
             if refusal is not None:
-                self._refuse(task, refusal, results)
+                self._refuse(request, refusal, out)
                 continue
-            self._media_fetches[task.request_id] = self._transfers.submit(MediaFetch(task.media, task.deadline))
+            request.fetch = self._transfers.submit(MediaFetch(request.task.media, request.deadline))
+            request.status = Status.WAITING_FOR_REMOTE
+            fetching += 1
 
-    def _refuse(self, task: PrefillTask, refusal: tuple[str, str], results: list[PrefillOutcome]) -> None:
-        self.waiting.remove_task(task)
-        if task.request_id in self._media_fetches:
-            self._cancel_fetch(task.request_id)   # the fetch owns the media key: it deletes it
-        elif task.media is not None:
-            self._transfers.release(task.media.mm_key, task.media.release)
-        results.append(RequestFailure(task.request_id, refusal[0], refusal[1]))
+    def _refuse(self, request: Request, refusal: tuple[str, str], out: EngineStep) -> None:
+        self.waiting.remove_task(request)
+        if request.fetch is not None:
+            self._cancel_fetch(request)   # the fetch owns the media key: it deletes it
+        elif request.task.media is not None:
+            self._transfers.release(request.task.media.mm_key, request.task.media.release)
+        self._fail(request, out, *refusal)
 
-    def _cancel_fetch(self, request_id: str) -> None:
-        ticket = self._media_fetches.pop(request_id, None)
-        if ticket is not None:
-            self._transfers.cancel(ticket)
+    def _cancel_fetch(self, request: Request) -> None:
+        if request.fetch is not None:
+            self._transfers.cancel(request.fetch)
+            request.fetch = None
 
-    def _admit(self, results: list[PrefillOutcome]) -> None:
+    def _admit(self, out: EngineStep) -> None:
         """Admit waiting prompts in order while batch slots and blocks last. A media prompt whose
         encoder outputs are still on their way is passed over, not waited for. While a batch's worth
         of hand-offs is still on its way (a store that stalls), nothing new is admitted: their
         connector memory, and a layerwise step's blocks, are not given back until they are out."""
         if self.num_sending >= self.max_batch:
             return
-        for task in list(self.waiting):
+        for request in list(self.waiting):
             if len(self.running) >= self.max_batch:
                 return
-            fetch = self._media_fetches.get(task.request_id)
+            task, fetch = request.task, request.fetch
             if task.media is not None:
                 if fetch is None or not fetch.finished:
                     continue
                 if fetch.state is TransferState.FAILED:   # the fetch deleted the key before failing
-                    del self._media_fetches[task.request_id]
-                    self.waiting.remove_task(task)
-                    results.append(RequestFailure(task.request_id, fetch.error.error_type,
-                                                 message=f"multimodal inputs: {fetch.error}"))
+                    request.fetch = None
+                    self.waiting.remove_task(request)
+                    self._fail(request, out, fetch.error.error_type, f"multimodal inputs: {fetch.error}")
                     continue
             refusal = self._refusal(task)
             if refusal is None and (grammar_error := self._grammar_error(task)):
                 refusal = BadRequest.error_type, grammar_error
             if refusal is not None:
-                self._refuse(task, refusal, results)
+                self._refuse(request, refusal, out)
                 continue
             n = len(task.prompt_token_ids)
             total = -(-n // self.block_size)
+            if self.lora is not None and not self.lora.fits(request.lora, self._running_loras()):
+                continue   # a step holds at most max_loras adapters: wait for a slot's sequences
             # Placeholder ids say nothing about the media behind them: a media prompt neither reuses
             # nor publishes cached blocks.
-            if self.lora is not None and not self.lora.fits(task.params.lora, self._running_loras()):
-                continue   # a step holds at most max_loras adapters: wait for a slot's sequences
             hashes = (block_hashes(task.prompt_token_ids, self.block_size, task.params.lora, task.cache_salt)
                       if self.prefix_caching and not task.media else [])
             # The last prompt token is always computed: its logits give the first output token.
@@ -420,114 +426,73 @@ class PrefillEngine:
             if total - len(hits) > self.allocator.free:
                 self.allocator.release(hits)
                 return   # wait for running prompts to finish and give their blocks back
-            self.waiting.remove_task(task)
-            media = None
+            self.waiting.remove_task(request)
             if fetch is not None:
-                del self._media_fetches[task.request_id]
+                request.fetch = None
                 with self._transfers.take(fetch) as payload:   # the media key is ours now: _retire deletes it
                     try:
-                        media = place_media(task.prompt_token_ids, task.media, payload, self.mrope,
-                                            self.runner.config.hidden_size)
+                        request.media = place_media(task.prompt_token_ids, task.media, payload, self.mrope,
+                                                    self.runner.config.hidden_size)
                     except (ValueError, KeyError, TypeError) as exc:
                         self._transfers.release(task.media.mm_key, task.media.release)
                         self.allocator.release(hits)
-                        results.append(RequestFailure(task.request_id, BadRequest.error_type,
-                                                     message=f"multimodal inputs: {exc}"))
+                        self._fail(request, out, BadRequest.error_type, f"multimodal inputs: {exc}")
                         continue
                 self.stats["media_prompts"] += 1
-            blocks = hits + self.allocator.allocate(total - len(hits))
-            cached = len(hits) * self.block_size
-            self.running.append(_Running(task, blocks, hashes, computed=cached, named=len(hits), cached=cached,
-                                         media=media, prompt_lp=PromptLogprobs(task.prompt_logprobs)
-                                         if task.prompt_logprobs >= 0 else None))
-            self.stats["prefix_cached_tokens"] += cached
+            request.blocks = hits + self.allocator.allocate(total - len(hits))
+            request.hashes, request.named = hashes, len(hits)
+            request.num_computed = request.cached_tokens = len(hits) * self.block_size
+            request.prompt_lp = PromptLogprobs(task.prompt_logprobs) if task.prompt_logprobs >= 0 else None
+            request.status = Status.RUNNING
+            self.running.append(request)
+            self.stats["prefix_cached_tokens"] += request.cached_tokens
             self.stats["prefix_hit_requests"] += bool(hits)
 
-    def _forward(self, results: list[PrefillOutcome]) -> None:
-        chunks: list[tuple[_Running, int]] = []
-        budget = self.max_batched_tokens
-        for seq in self.running:
-            if budget <= 0:
-                break
-            n = min(len(seq.task.prompt_token_ids) - seq.computed, budget)
-            chunks.append((seq, n))
-            budget -= n
-        batch = ForwardBatch.build(
-            [(seq.task.prompt_token_ids[seq.computed: seq.computed + n], seq.computed, seq.blocks) for seq, n in chunks],
-            self.block_size)
-        for name, value in media_fields([(seq.media, seq.computed, n) for seq, n in chunks]).items():
-            setattr(batch, name, value)
-        if self.lora is not None:
-            batch.lora_slots = self.lora.token_slots([seq.task.params.lora for seq, _ in chunks], [n for _, n in chunks])
-        export = self._start_export([seq for seq, n in chunks if seq.computed + n == len(seq.task.prompt_token_ids)])
-        try:
-            logits = self._forward_batch(batch, chunks, export)
-            self.stats["prefill_steps"] += 1
-            done_rows, done = [], []
-            for row, (seq, n) in enumerate(chunks):
-                seq.computed += n
-                self.stats["prefill_tokens"] += n
-                self._name_full_blocks(seq)
-                if seq.computed == len(seq.task.prompt_token_ids):
-                    done_rows.append(row)
-                    done.append(seq)
-            if not done:
-                return
-            step = sample_step(logits[done_rows], [s.task.params for s in done],
-                               [TokenHistory(s.task.prompt_token_ids, s.task.position_offset) for s in done],
-                               [s.task.position_offset for s in done], processors=self.processors,
-                               grammars=self.grammars, grammar_rows=[self._grammar_row(s.task) for s in done])
-            if self.grammars:
-                self._grammar_complete = {s.task.request_id for s, ended in zip(done, step.grammar_ended) if ended}
-            self._hand_off(done, step.tokens, step.logprobs, export, results)
-            export = None   # the hand-off job owns it now
-        finally:   # an exception before the hand-off: the export's thread joined, its pieces deleted
-            if export is not None:
-                export.abort()
-
-    def _hand_off(self, done: list[_Running], tokens: list[int], logprobs: list, export: LayerwiseExport | None,
-                  results: list[PrefillOutcome]) -> None:
-        """Report the sequences that end here; send the others' hand-offs in one transfer job.
+    def _hand_off(self, done: list[Request], tokens: list[int], logprobs: list, export: LayerwiseExport | None,
+                  out: EngineStep) -> None:
+        """Report the requests that end here; send the others' hand-offs in one transfer job.
         Whole KVs are gathered into connector memory now (the pool is the step thread's); a
-        layerwise export is completed by the job, so its sequences' blocks stay held until then."""
+        layerwise export is completed by the job, so its requests' blocks stay held until then."""
         outgoing: list[OutgoingHandoff] = []
-        handoffs: list[_Handoff] = []
-        for seq, token, token_logprobs in zip(done, tokens, logprobs):
-            task = seq.task
-            reason = self._finish_reason(seq, token)
-            result = PrefillResult(task.request_id, first_token=token, position=task.position_offset,
-                                   finish_reason=reason, logprobs=token_logprobs, cached_tokens=seq.cached,
-                                   prompt_logprobs=seq.prompt_lp)
+        sending: list[Request] = []
+        for request, token, token_logprobs in zip(done, tokens, logprobs):
+            task = request.task
+            reason = self._finish_reason(request, token)
+            first = TokenOut(task.request_id, "", task.position_offset, token, reason, logprobs=token_logprobs,
+                             cached_tokens=request.cached_tokens, prompt_logprobs=request.prompt_lp)
             speech = task.speech == "prompt" or bool(task.speech and not reason)
             if reason and not speech:
-                results.append(result)
+                first.done = True
+                out.tokens.append(first)
+                self.requests.end(request, Status.FINISHED)
                 continue
             item = OutgoingHandoff(task.request_id)
             if speech:
                 item.speech_key = speech_prompt_key(task.request_id, task.attempt)
-                item.speech_payload = speech_payload(seq.hidden, task.media)
+                item.speech_payload = speech_payload(request.hidden, task.media)
             if not reason:
                 item.kv_key, item.num_tokens = self._kv_key(task), len(task.prompt_token_ids)
                 if export is None:
                     try:
-                        item.reservation = self._gather_kv(seq.blocks, item.num_tokens)
+                        item.reservation = self._gather_kv(request.blocks, item.num_tokens)
                     except OmniError as exc:
-                        results.append(RequestFailure(task.request_id, exc.error_type, str(exc)))
+                        self._fail(request, out, exc.error_type, str(exc))
                         continue
             outgoing.append(item)
-            results.append(FirstToken(task.request_id, token, task.position_offset, reason, token_logprobs, seq.cached,
-                                      seq.prompt_lp))
-            result.token_sent = True
-            media = seq.media
-            handoffs.append(_Handoff(result, item.kv_key, layers=export.num_layers if export and item.kv_key else 0,
-                                     speech=speech, rope_delta=media.rope_delta if media else 0,
-                                     has_media=media is not None, lora=task.params.lora))
+            out.tokens.append(first)   # to the gateway now; the done output follows with the hand-off
+            request.pending = dataclasses.replace(first, done=True, token_sent=True, speech_next=speech)
+            request.kv_key = item.kv_key
+            request.kv_layers = export.num_layers if export and item.kv_key else 0
+            request.rope_delta = request.media.rope_delta if request.media else 0
+            request.has_media = request.media is not None
+            request.status = Status.SENDING_HANDOFF
+            sending.append(request)
         held: list[int] = []
-        for seq in done:
-            held += self._retire(seq, keep_blocks=export is not None)
+        for request in done:
+            held += self._retire(request, keep_blocks=export is not None)
         if outgoing or export is not None:
-            job = HandoffSend(outgoing, export, deadline=max(s.task.deadline for s in done))
-            self._sending.append(_Sending(self._transfers.submit(job), handoffs, held))
+            job = HandoffSend(outgoing, export, deadline=max(r.deadline for r in done))
+            self._sending.append(_Sending(self._transfers.submit(job), sending, held))
 
     def _gather_kv(self, blocks: list[int], num_tokens: int) -> Reservation:
         """The sequence's KV read straight into connector memory (one copy fewer than gathering
@@ -540,52 +505,53 @@ class PrefillEngine:
             raise
         return reservation
 
-    def _collect_sent(self, results: list[PrefillOutcome]) -> None:
+    def _collect_sent(self, out: EngineStep) -> None:
         """Report the requests whose hand-off job has finished; free the blocks it held."""
         for sending in [s for s in self._sending if s.ticket.finished]:
             self._sending.remove(sending)
             if sending.ticket.state is TransferState.READY:
                 with self._transfers.take(sending.ticket) as sent:
-                    for handoff in sending.handoffs:
-                        self._deliver(handoff, sent[handoff.result.request_id], results)
+                    for request in sending.requests:
+                        self._deliver(request, sent[request.request_id], out)
             else:   # the job failed as a whole: it deleted everything it had put
                 error = sending.ticket.error
-                results += [RequestFailure(h.result.request_id, error.error_type, str(error))
-                            for h in sending.handoffs if not h.dropped]
+                for request in sending.requests:
+                    if request.status is Status.SENDING_HANDOFF:
+                        self._fail(request, out, error.error_type, str(error))
             self.allocator.release(sending.held_blocks)
 
-    def _deliver(self, handoff: _Handoff, sent: SentHandoff, results: list[PrefillOutcome]) -> None:
-        if handoff.dropped:   # cancelled while its hand-off was on its way: nobody will read it
-            key, layers = handoff.kv_key, handoff.layers
+    def _deliver(self, request: Request, sent: SentHandoff, out: EngineStep) -> None:
+        if request.status is Status.CANCELLED:   # cancelled while its hand-off was on its way: nobody will read it
+            key, layers = request.kv_key, request.kv_layers
             self._transfers.release(key, lambda connector: sent.release(connector, key, layers))
             return
-        result = handoff.result
         if sent.error is not None:
-            results.append(RequestFailure(result.request_id, sent.error.error_type, str(sent.error)))
+            self._fail(request, out, sent.error.error_type, str(sent.error))
             return
-        if handoff.speech:
+        result = request.pending
+        if result.speech_next:
             self.stats["speech_handoffs"] += 1
-            result.outputs, result.speech_next = sent.speech, True
-        if handoff.kv_key:
+            result.outputs = sent.speech
+        if request.kv_key:
             self.stats["kv_handoffs"] += 1
-            self.stats["kv_layerwise_handoffs"] += bool(handoff.layers)
+            self.stats["kv_layerwise_handoffs"] += bool(request.kv_layers)
             speech = sent.speech
-            result.outputs = KVHandoff(handoff.kv_key, sent.kv_handle, result.first_token,
-                                       rope_delta=handoff.rope_delta, has_media=handoff.has_media, lora=handoff.lora,
-                                       layers=handoff.layers,
+            result.outputs = KVHandoff(request.kv_key, sent.kv_handle, result.token, rope_delta=request.rope_delta,
+                                       has_media=request.has_media, lora=request.lora, layers=request.kv_layers,
                                        speech_prompt_key=speech.speech_prompt_key if speech else "",
                                        speech_prompt_handle=speech.speech_prompt_handle if speech else None)
-        results.append(result)
+        self.requests.end(request, Status.FINISHED)
+        out.tokens.append(result)
 
-    def _start_export(self, finishing: list[_Running]) -> LayerwiseExport | None:
-        """A layerwise export of the sequences whose last chunk runs in this step (None: whole)."""
+    def _start_export(self, finishing: list[Request]) -> LayerwiseExport | None:
+        """A layerwise export of the requests whose last chunk runs in this step (None: whole)."""
         if self.kv_transfer == "whole" or not finishing:
             return None
         if self.kv_transfer == "auto":
             per_token = self.runner.cache.bytes_per_block // self.block_size
-            if sum(len(s.task.prompt_token_ids) for s in finishing) * per_token < self.layerwise_min_bytes:
+            if sum(len(r.task.prompt_token_ids) for r in finishing) * per_token < self.layerwise_min_bytes:
                 return None
-        sequences = [ExportSequence(self._kv_key(s.task), s.blocks, len(s.task.prompt_token_ids)) for s in finishing]
+        sequences = [ExportSequence(self._kv_key(r.task), r.blocks, len(r.task.prompt_token_ids)) for r in finishing]
         return LayerwiseExport(self.connector, self.runner.cache, sequences, len(self.runner.model.layers))
 
     @staticmethod
@@ -609,14 +575,14 @@ class PrefillEngine:
             return None
         return self.grammars.row(task.request_id, task.params.structured, task.prompt_token_ids, task.position_offset)
 
-    def _finish_reason(self, seq: _Running, token: int) -> str:
-        if seq.task.request_id in self._grammar_complete:
+    def _finish_reason(self, request: Request, token: int) -> str:
+        if request.grammar_ended:
             return "stop"
-        n = len(seq.task.prompt_token_ids)
-        return finish_reason_for(token, 1, n + 1, seq.task.params, self.runner.config.eos_token_ids,
+        n = len(request.task.prompt_token_ids)
+        return finish_reason_for(token, 1, n + 1, request.task.params, self.runner.config.eos_token_ids,
                                  self.max_model_len)
 
-    def _forward_batch(self, batch: ForwardBatch, chunks: list[tuple[_Running, int]],
+    def _forward_batch(self, batch: ForwardBatch, chunks: list[tuple[Request, int]],
                        export: LayerwiseExport | None = None):
         """One forward (streaming each layer's KV to ``export``); for speech requests also keep
         their tokens' captured hidden states, for requests asking for their prompt's logprobs score
@@ -624,40 +590,43 @@ class PrefillEngine:
         options = {} if export is None else {"on_layer": export.layer_done}   # in-process runners only
         # The prompt rows to score, of requests asking for their prompt's logprobs (in-process runners
         # only: _refusal turns the others away).
-        scoring = [(seq.task.prompt_token_ids, seq.computed, n, seq.prompt_lp) for seq, n in chunks]
+        scoring = [(r.task.prompt_token_ids, r.num_computed, n, r.prompt_lp) for r, n in chunks]
         prompt = PromptCapture.of_step(scoring)
         if prompt is not None:
             options["prompt"] = prompt
-        if not any(seq.task.speech for seq, _ in chunks):
+        if not any(r.task.speech for r, _ in chunks):
             logits = self.runner.forward(batch, **options)
         else:
             capture = HiddenCapture()   # in-process runners only: _refusal turns speech away from a group
             logits = self.runner.forward(batch, capture=capture, **options)
             start = 0
-            for seq, n in chunks:
-                if seq.task.speech:
-                    seq.hidden.append(capture.states[start:start + n].clone())
+            for request, n in chunks:
+                if request.task.speech:
+                    request.hidden.append(capture.states[start:start + n].clone())
                 start += n
         if prompt is not None:
             prompt.deal(scoring)
         return logits
 
-    def _name_full_blocks(self, seq: _Running) -> None:
-        full = min(seq.computed // self.block_size, len(seq.hashes))
-        for index in range(seq.named, full):
-            self.allocator.register(seq.blocks[index], seq.hashes[index])
-        seq.named = max(seq.named, full)
+    def _name_full_blocks(self, request: Request) -> None:
+        full = min(request.num_computed // self.block_size, len(request.hashes))
+        for index in range(request.named, full):
+            self.allocator.register(request.blocks[index], request.hashes[index])
+        request.named = max(request.named, full)
 
-    def _retire(self, seq: _Running, keep_blocks: bool = False) -> list[int]:
-        """Take ``seq`` out of the batch: its grammar and media key go, its blocks are released
-        (or, with ``keep_blocks``, returned for the caller to release later)."""
-        self.running.remove(seq)
+    def _retire(self, request: Request, keep_blocks: bool = False) -> list[int]:
+        """Take ``request`` out of the batch: its grammar, media key and captured states go, its
+        blocks are released (or, with ``keep_blocks``, returned for the caller to release later)."""
+        self.running.remove(request)
         if self.grammars is not None:
-            self.grammars.release(seq.task.request_id)
-        if seq.media is not None:
-            key = seq.media.key
+            self.grammars.release(request.request_id)
+        if request.media is not None:
+            key = request.media.key
             self._transfers.release(key, lambda connector: delete_quietly(connector, key))
+            request.media = None
+        request.hidden = []
+        blocks, request.blocks = request.blocks, []
         if keep_blocks:
-            return seq.blocks
-        self.allocator.release(seq.blocks)
+            return blocks
+        self.allocator.release(blocks)
         return []

@@ -11,6 +11,9 @@ hand-off follows the step's deltas as soon as the first chunk is written, and th
 the last token then carries no hand-off. A token of a request that
 asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_token_ids``/``top_logprobs``, filled from
 ``TokenOut.logprobs``, which the engine computed with :func:`~omnirelay.workers.llm.sampling.chosen_logprobs`).
+
+Both engines report a step as one :class:`~omnirelay.workers.llm.requests.EngineStep`, read by
+one :meth:`_LlmRole.step`.
 """
 
 from __future__ import annotations
@@ -20,13 +23,44 @@ from omnirelay.broker import protocol as p
 from omnirelay.handoffs import EmbedsHandoff, KVHandoff, SpeechHandoff
 from omnirelay.request_params import RequestParams, TextParams, speech_of, text_params_of
 
-from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask, TokenOut
-from omnirelay.workers.llm.prefill import FirstToken, PrefillEngine, PrefillTask
-from omnirelay.workers.runtime.engine import RequestFailure
+from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
+from omnirelay.workers.llm.requests import TokenOut
 from omnirelay.workers.runtime.roles import BROKER, Outbound, RoleAdapter
 
 
-class PrefillRole(RoleAdapter):
+class _LlmRole(RoleAdapter):
+    """What the prefill and decode adapters share: reading an engine step."""
+
+    def step(self) -> list[Outbound]:
+        """One engine step: its tokens, one message per gateway, then the announced streams, then the
+        stage reports of the requests this stage is done with (each after the message with its
+        token), then the failures."""
+        result = self.engine.step()
+        tokens: list[TokenOut] = []
+        reports: list[Outbound] = []
+        for token in result.tokens:
+            if not token.token_sent:   # prefill's first token may have left ahead of its hand-off
+                # Prefill's tokens go to the gateway the task named (decode's carry it).
+                token.reply_to = token.reply_to or self._reply_to.get(token.request_id, "")
+                tokens.append(token)
+            if token.done:   # a speech request goes on to a speech stage with our outputs
+                self._reply_to.pop(token.request_id, None)
+                reports.append(self._done(token.request_id, token.outputs,
+                                          bool(token.finish_reason) and not token.speech_next))
+        out = token_messages(tokens, self.worker_id)
+        # A spoken reply's first chunk is out: the broker may start the generate stage on it now.
+        out += [(BROKER, p.StageStreaming(self.worker_id, request_id, self.role, handoff,
+                                          attempt=self._attempts.get(request_id, 0)))
+                for request_id, handoff in result.streams]
+        out += reports
+        for failure in result.failed:
+            self._reply_to.pop(failure.request_id, None)
+            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
+        return out
+
+
+class PrefillRole(_LlmRole):
     role = "prefill"
 
     def __init__(self, worker_id: str, engine: PrefillEngine):
@@ -56,33 +90,8 @@ class PrefillRole(RoleAdapter):
                                     prompt_logprobs=params.prompt_logprobs, cache_salt=params.cache_salt))
         return []
 
-    def step(self) -> list[Outbound]:
-        """One engine step: the first tokens, one message per gateway, then the stage reports of the
-        requests prefilled (each after the message with its first token), then the failures."""
-        tokens: list[TokenOut] = []
-        reports: list[Outbound] = []
-        failures: list[Outbound] = []
-        for result in self.engine.step():
-            if isinstance(result, FirstToken):   # its hand-off is still on its way: the report follows
-                tokens.append(TokenOut(result.request_id, self._reply_to.get(result.request_id, ""), result.position,
-                                       result.token, result.finish_reason, logprobs=result.logprobs,
-                                       cached_tokens=result.cached_tokens, prompt_logprobs=result.prompt_logprobs))
-                continue
-            reply_to = self._reply_to.pop(result.request_id, "")
-            if isinstance(result, RequestFailure):
-                failures.append(self.failure(result.request_id, self.role, result.error_type, result.message))
-                continue
-            # The first token goes to the gateway at once (time to first token), before decode's.
-            if not result.token_sent:
-                tokens.append(TokenOut(result.request_id, reply_to, result.position, result.first_token,
-                                       result.finish_reason, logprobs=result.logprobs,
-                                       cached_tokens=result.cached_tokens, prompt_logprobs=result.prompt_logprobs))
-            reports.append(self._done(result.request_id, result.outputs,
-                                      bool(result.finish_reason) and not result.speech_next))
-        return token_messages(tokens, self.worker_id) + reports + failures
 
-
-class DecodeRole(RoleAdapter):
+class DecodeRole(_LlmRole):
     role = "decode"
 
     def __init__(self, worker_id: str, engine: DecodeEngine):
@@ -117,24 +126,6 @@ class DecodeRole(RoleAdapter):
         self._hold(task, reply_to=False)   # its DecodeTask carries the gateway
         self.engine.add(decode_task)
         return []
-
-    def step(self) -> list[Outbound]:
-        """One engine step: its tokens, one message per gateway, then the stage reports of the
-        requests that finished (each after the message with its last token) and the failures."""
-        result = self.engine.step()
-        reports: list[Outbound] = []
-        for token in result.tokens:   # one token per running request per step
-            if token.finish_reason:   # a speech request goes on to the generate stage with our outputs
-                reports.append(self._done(token.request_id, token.outputs, token.outputs is None))
-        out = token_messages(result.tokens, self.worker_id)
-        # A spoken reply's first chunk is out: the broker may start the generate stage on it now.
-        out += [(BROKER, p.StageStreaming(self.worker_id, request_id, self.role, handoff,
-                                          attempt=self._attempts.get(request_id, 0)))
-                for request_id, handoff in result.streams]
-        out += reports
-        for failure in result.failed:
-            out.append(self.failure(failure.request_id, self.role, failure.error_type, failure.message))
-        return out
 
 
 def token_messages(tokens: list[TokenOut], worker_id: str) -> list[Outbound]:
