@@ -53,14 +53,10 @@ _ENGINES = ("omnirelay.workers.llm", "omnirelay.workers.kv", "omnirelay.workers.
             "omnirelay.workers.generate", "omnirelay.workers.speech")
 SUBPACKAGE_RULES: dict[str, tuple[str, ...]] = {"omnirelay.workers.runtime": _ENGINES}
 
-# Issue #28, to be paid by letting each engine check its own config (runtime/config.py asks the
-# sequence- and expert-parallel modules, in functions).
-# (importing file, imported module), each still real (test_known_debts_are_still_real).
-KNOWN_SUBPACKAGE_DEBTS: set[tuple[str, str]] = {
-    ("workers/runtime/config.py", "omnirelay.workers.generate.sequence_parallel_group"),
-    ("workers/runtime/config.py", "omnirelay.workers.llm.expert_parallel"),
-    ("workers/runtime/config.py", "omnirelay.workers.llm.models.llama"),
-}
+# (importing file, imported module) pairs that break SUBPACKAGE_RULES, each still real
+# (test_known_debts_are_still_real): none since issue #28 moved the LLM adapters and parallel group
+# to llm/ and the engines' checks of a worker's config to the role table.
+KNOWN_SUBPACKAGE_DEBTS: set[tuple[str, str]] = set()
 
 # Module-level import cycles known today, each a sorted tuple of its modules (one strongly connected
 # set of the module-level import graph): none.
