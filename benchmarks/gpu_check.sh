@@ -118,8 +118,8 @@ whole, _, whole_ms = prefill("whole")
 kv_whole = {k: import_kv(conn, r.outputs["kv_key"], r.outputs["kv_handle"], timeout=10) for k, r in whole.items()}
 layer, engine, layer_ms = prefill("layerwise")
 assert engine.stats["kv_layerwise_handoffs"] == len(prompts), engine.stats
-ok = all(layer[k].first_token == whole[k].first_token for k in layer)
-decode = DecodeEngine(local_runner(model, block_size=16, budget_bytes=64 << 20), None, conn, max_num_seqs=16,
+ok = all(layer[k].token == whole[k].token for k in layer)
+decode = DecodeEngine(local_runner(model, block_size=16, budget_bytes=64 << 20), conn, max_num_seqs=16,
                       max_model_len=2048, transfer_timeout_s=10)
 outputs = run_decode(decode, prompts, layer)
 again, _, _ = prefill("layerwise")   # a fresh pool (no prefix hit): the same steps as the whole run

@@ -40,6 +40,7 @@ import torch
 from omnirelay.connectors import create_connector
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
+from omnirelay.workers.llm.model_runner import LocalRunner, local_runner
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.request_params import TextParams
@@ -101,12 +102,12 @@ def run_backend(model: LlamaModel, connector, lens: list[int], repeats: int, max
     need_blocks = -(-(max(lens) + 2) // block) + 2
     kv_bytes = need_blocks * PagedKVCache.block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block,
                                                       model.dtype)
-    prefills = {mode: PrefillEngine(model, connector, max_model_len=max(lens) + 8, max_batched_tokens=max_batched,
-                                    kv_cache_bytes=kv_bytes, block_size=block, prefix_caching=False,
+    prefills = {mode: PrefillEngine(local_runner(model, block_size=block, budget_bytes=kv_bytes), connector,
+                                    max_model_len=max(lens) + 8, max_batched_tokens=max_batched, prefix_caching=False,
                                     kv_transfer=mode) for mode in MODES}
     timers = {mode: TimedForward(engine.runner) for mode, engine in prefills.items()}
     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block, num_blocks=need_blocks)
-    decode = DecodeEngine(model, cache, connector, max_num_seqs=4, max_model_len=max(lens) + 8)
+    decode = DecodeEngine(LocalRunner(model, cache), connector, max_num_seqs=4, max_model_len=max(lens) + 8)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n in lens:

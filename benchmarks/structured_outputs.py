@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from omnirelay.gateway.structured import check_spec
     from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
     from omnirelay.workers.kv.cache import PagedKVCache
+    from omnirelay.workers.llm.model_runner import LocalRunner, local_runner
     from omnirelay.workers.llm.models.llama import LlamaModel
     from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
     from omnirelay.request_params import TextParams
@@ -123,13 +124,14 @@ def main(argv: list[str] | None = None) -> int:
                         compilers.get(spec)
                         compile_ms = (time.perf_counter() - start) * 1e3
                     asked = msgspec.structs.replace(params, structured=spec if constrained else None)
-                    prefill = PrefillEngine(model, connector, max_model_len=2048, prefix_caching=False,
+                    prefill = PrefillEngine(local_runner(model, block_size=16, budget_bytes=256 << 20), connector,
+                                            max_model_len=2048, prefix_caching=False,
                                             grammars=GrammarSampler(compilers))
                     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=16,
                                          num_blocks=args.batch * (-(-(64 + args.tokens) // 16) + 2) + 1)
                     grammars = _Timed(GrammarSampler(compilers))
-                    decode = DecodeEngine(model, cache, connector, max_num_seqs=args.batch, max_model_len=2048,
-                                          grammars=grammars)
+                    decode = DecodeEngine(LocalRunner(model, cache), connector, max_num_seqs=args.batch,
+                                          max_model_len=2048, grammars=grammars)
                     for i, ids in enumerate(prompts):
                         prefill.add(PrefillTask(f"r{repeat}-{i}", ids, asked, time.time() + 600))
                     done = []

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from omnirelay.connectors import create_connector
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
+from omnirelay.workers.llm.model_runner import LocalRunner, local_runner
 from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.workers.llm.requests import EngineStep, TokenOut
@@ -71,6 +72,12 @@ def chat_ids(tok, question: str, system: str | None = None) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def runner_for(model: LlamaModel, block_size: int = 16, kv_cache_bytes: int = 256 << 20) -> LocalRunner:
+    """The engines take a ModelRunner: ``model`` with a local pool of ``kv_cache_bytes`` in blocks of
+    ``block_size`` tokens (the worker's own default budget)."""
+    return local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
+
+
 def run_prefill(engine: PrefillEngine, prompts: list[list[int]], first: int = 0, max_steps: int = 200) -> dict:
     for i, ids in enumerate(prompts, first):
         engine.add(PrefillTask(f"r{i}", ids, GREEDY, time.time() + 60))
@@ -127,7 +134,7 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], prefilled: dict, 
 def decode_engine(model, connector, num_blocks: int, block_size: int = 16, max_num_seqs: int = 16) -> DecodeEngine:
     cfg = model.config
     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size, num_blocks=num_blocks)
-    return DecodeEngine(model, cache, connector, max_num_seqs=max_num_seqs, max_model_len=2048,
+    return DecodeEngine(LocalRunner(model, cache), connector, max_num_seqs=max_num_seqs, max_model_len=2048,
                         transfer_timeout_s=5)
 
 

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from engine_support import drain_prefill
+from engine_support import drain_prefill, runner_for
 
 
 def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_ids: list[int],
@@ -30,7 +30,7 @@ def encode_then_prefill(model_dir: str, encoders, connector, items: list, media_
 
     model = LlamaModel(model_dir)
     config = json.loads(open(os.path.join(model_dir, "config.json")).read())
-    prefill = PrefillEngine(model, connector, max_model_len=4096, max_batched_tokens=8, block_size=4,
+    prefill = PrefillEngine(runner_for(model, block_size=4), connector, max_model_len=4096, max_batched_tokens=8,
                             mrope=MropeSpec.from_config(config))
     prefill.add(PrefillTask("m", media_ids, greedy, time.time() + 60, media=encoded.outputs))
     prefill.add(PrefillTask("t", text_ids, greedy, time.time() + 60))
@@ -46,10 +46,12 @@ def decode_prefilled(model, connector, done: dict, prompts: dict[str, list[int]]
     its first token included; the decode engine's stats)."""
     from omnirelay.workers.kv.cache import PagedKVCache
     from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+    from omnirelay.workers.llm.model_runner import LocalRunner
 
     cfg = model.config
     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=4, num_blocks=num_blocks)
-    decode = DecodeEngine(model, cache, connector, max_num_seqs=4, max_model_len=4096, transfer_timeout_s=5)
+    decode = DecodeEngine(LocalRunner(model, cache), connector, max_num_seqs=4, max_model_len=4096,
+                          transfer_timeout_s=5)
     outputs = {}
     for rid, prompt in prompts.items():
         out = done[rid].outputs

@@ -20,22 +20,24 @@ from omnirelay.handoffs import SpeechHandoff, piece_key
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.runtime.transfers import TransferPool, TransferState
+from omnirelay.workers.llm.model_runner import LocalRunner
 from omnirelay.workers.llm.prefill import PrefillEngine
 from omnirelay.request_params import TextParams
 
 from held_connector import HeldConnector
 from engine_support import (  # noqa: F401  (fixtures)
-    GREEDY, QUESTIONS, chat_ids, connector, model, reference, run_prefill, shm_keys, tok)
+    GREEDY, QUESTIONS, chat_ids, connector, model, reference, run_prefill, runner_for, shm_keys, tok)
 
 
 def make_decode(model, connector, *, max_num_seqs: int = 16, num_blocks: int = 256) -> DecodeEngine:
     cfg = model.config
     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=16, num_blocks=num_blocks)
-    return DecodeEngine(model, cache, connector, max_num_seqs=max_num_seqs, max_model_len=2048, transfer_timeout_s=5)
+    return DecodeEngine(LocalRunner(model, cache), connector, max_num_seqs=max_num_seqs, max_model_len=2048,
+                        transfer_timeout_s=5)
 
 
 def prefill(model, connector, prompts, mode: str = "whole") -> dict:
-    engine = PrefillEngine(model, connector, max_model_len=2048, kv_transfer=mode)
+    engine = PrefillEngine(runner_for(model), connector, max_model_len=2048, kv_transfer=mode)
     return run_prefill(engine, prompts)
 
 

@@ -225,7 +225,7 @@ def test_cuda_placement_and_tp2_equals_tp1(tiny_model, tok, tmp_path):  # noqa: 
         payload = conn.get(key)   # whole KV, or a layerwise manifest (a local runner) and one piece per layer
         kv = payload["kv"] if "kv" in payload else conn.get(f"{key}/layer/0")["k"]
         assert kv.device.type == "cpu"   # connectors get host memory
-        engine = DecodeEngine(runner_for_decode, None, conn, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
+        engine = DecodeEngine(runner_for_decode, conn, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
         return run_decode(engine, prompts, prefilled)
 
     def first_tokens(runner):

@@ -18,7 +18,8 @@ from omnirelay.workers.llm.prefill import PrefillEngine
 from omnirelay.workers.runtime.roles import BROKER
 from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
 
-from engine_support import connector, decode_engine, model  # noqa: F401  (fixtures)
+from engine_support import (  # noqa: F401  (fixtures)
+    connector, decode_engine, model, runner_for)
 
 GW = "tcp://127.0.0.1:5001"
 PROMPT = [1, 5, 9, 14, 3, 7, 2, 11]
@@ -52,7 +53,7 @@ def _reports(out: list) -> list:
 
 
 def _prefill(model, connector) -> PrefillRole:  # noqa: F811
-    return PrefillRole("pre-1", PrefillEngine(model, connector, max_model_len=2048))
+    return PrefillRole("pre-1", PrefillEngine(runner_for(model), connector, max_model_len=2048))
 
 
 def test_prefill_holds_a_task_sent_twice_once(model, connector):  # noqa: F811

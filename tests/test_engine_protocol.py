@@ -22,7 +22,8 @@ from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
 from omnirelay.workers.speech.engine import GenerateSpeechEngine
 from omnirelay.workers.speech.qwen3_tts import Qwen3TTSEngine
 
-from engine_support import QUESTIONS, chat_ids, connector, decode_engine, model, run_prefill, tok  # noqa: F401
+from engine_support import (  # noqa: F401
+    QUESTIONS, chat_ids, connector, decode_engine, model, run_prefill, runner_for, tok)
 
 ENGINES = [PrefillEngine, DecodeEngine, EncodeEngine, GenerateImageEngine, GenerateVideoEngine,
            GenerateSpeechEngine, Qwen3TTSEngine]
@@ -45,8 +46,8 @@ def test_every_engine_class_has_the_protocol_members(engine_class):
 
 def test_the_prefill_role_declares_its_prefix_cache_and_the_loop_reads_it_through_the_protocol(model, tok,
                                                                                              connector):
-    cached = PrefillEngine(model, connector, max_model_len=2048, block_size=8, kv_cache_bytes=4 << 20)
-    uncached = PrefillEngine(model, connector, max_model_len=2048, block_size=8, kv_cache_bytes=4 << 20,
+    cached = PrefillEngine(runner_for(model, block_size=8, kv_cache_bytes=4 << 20), connector, max_model_len=2048)
+    uncached = PrefillEngine(runner_for(model, block_size=8, kv_cache_bytes=4 << 20), connector, max_model_len=2048,
                              prefix_caching=False)
     assert isinstance(cached, Engine) and isinstance(cached, PrefixCacheSource)
     assert PrefillRole("w", cached).prefix_cache is cached

@@ -17,14 +17,14 @@ from omnirelay.block_hash import block_hashes
 from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
 
 from engine_support import (  # noqa: F401  (fixtures)
-    QUESTIONS, SYSTEM, chat_ids, connector, decode_engine, model, reference, run_decode, run_prefill, tok)
+    QUESTIONS, SYSTEM, chat_ids, connector, decode_engine, model, reference, run_decode, run_prefill, runner_for, tok)
 
 
 def test_batched_chunked_prefill_and_decode_equal_transformers(model, tok, reference, connector):
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     # A 24-token budget splits most prompts into chunks and packs tails of one with heads of another.
-    prefill = PrefillEngine(model, connector, max_model_len=2048, max_batched_tokens=24, block_size=4,
-                            kv_cache_bytes=4 << 20, prefix_caching=False)
+    prefill = PrefillEngine(runner_for(model, block_size=4, kv_cache_bytes=4 << 20), connector, max_model_len=2048,
+                            max_batched_tokens=24, prefix_caching=False)
     prefilled = run_prefill(prefill, prompts)
     assert prefill.stats["prefill_tokens"] == sum(map(len, prompts))
     assert prefill.stats["prefill_steps"] == -(-sum(map(len, prompts)) // 24)
@@ -39,8 +39,8 @@ def test_batched_chunked_prefill_and_decode_equal_transformers(model, tok, refer
 
 def test_one_big_batch_equals_one_at_a_time(model, tok, connector):
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
-    together = PrefillEngine(model, connector, max_model_len=2048, max_batched_tokens=4096)
-    alone = PrefillEngine(model, connector, max_model_len=2048, max_batch=1)
+    together = PrefillEngine(runner_for(model), connector, max_model_len=2048, max_batched_tokens=4096)
+    alone = PrefillEngine(runner_for(model), connector, max_model_len=2048, max_batch=1)
     # Both runs use the same request ids, so each run's KV is imported (and its keys consumed) first.
     a = run_prefill(together, prompts)
     kv_a = {k: import_kv(connector, r.outputs.kv_key, r.outputs.kv_handle, timeout=5) for k, r in a.items()}
@@ -59,7 +59,7 @@ def test_prefix_cache_skips_the_shared_system_prompt(model, tok, reference, conn
         common += 1
     assert common >= 40
     bs = 8
-    engine = PrefillEngine(model, connector, max_model_len=2048, block_size=bs, kv_cache_bytes=4 << 20)
+    engine = PrefillEngine(runner_for(model, block_size=bs, kv_cache_bytes=4 << 20), connector, max_model_len=2048)
     first = run_prefill(engine, prompts[:1])
     assert engine.stats["prefix_cached_tokens"] == 0
     assert engine.prefix_hit_tokens(prompts[1]) == common // bs * bs
@@ -81,7 +81,7 @@ def test_prefix_cache_skips_the_shared_system_prompt(model, tok, reference, conn
 def test_identical_prompt_still_computes_its_last_token(model, tok, connector):
     ids = chat_ids(tok, QUESTIONS[1], SYSTEM)
     ids = ids[: len(ids) // 8 * 8]      # a whole number of blocks: everything could match
-    engine = PrefillEngine(model, connector, max_model_len=2048, block_size=8, kv_cache_bytes=4 << 20)
+    engine = PrefillEngine(runner_for(model, block_size=8, kv_cache_bytes=4 << 20), connector, max_model_len=2048)
     a = run_prefill(engine, [ids])["r0"]
     b = run_prefill(engine, [ids], first=1)["r1"]
     assert a.token == b.token
@@ -108,7 +108,7 @@ def test_prefix_allocator_evicts_least_recently_used_and_shares():
 
 def test_preemption_when_blocks_run_out(model, tok, reference, connector):
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
-    prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), prompts)
+    prefilled = run_prefill(PrefillEngine(runner_for(model), connector, max_model_len=2048), prompts)
     # 8-token blocks; the longest sequence needs 7 of the 14 usable blocks; all six need ~30.
     engine = decode_engine(model, connector, num_blocks=15, block_size=8)
     outputs = run_decode(engine, prompts, prefilled)
@@ -128,7 +128,8 @@ def test_native_decode_attention_matches_torch(tiny_model, model, tok, connector
     plain = LlamaModel(tiny_model, attention="torch")
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     # Whole-KV handoff: the test reads each KV twice (once per engine) without consuming it.
-    prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048, kv_transfer="whole"), prompts)
+    engine = PrefillEngine(runner_for(model), connector, max_model_len=2048, kv_transfer="whole")
+    prefilled = run_prefill(engine, prompts)
     engines = [decode_engine(m, connector, num_blocks=128) for m in (model, plain)]
     # Same KV into both pools, then the same steps: logits agree to float32 rounding.
     outs = []

@@ -26,13 +26,13 @@ from cluster import settled_workers
 from connector_servers import started_redis
 from engine_support import (  # noqa: F401  (fixtures)
     GREEDY, QUESTIONS, chat_ids, connector, decode_engine, is_first_token, is_result, model, outcomes, reference,
-    run_decode, run_prefill, shm_keys, tok)
+    run_decode, run_prefill, runner_for, shm_keys, tok)
 
 
 def prefill_engine(model, connector, mode: str, **kw) -> PrefillEngine:
-    args = dict(max_model_len=2048, max_batched_tokens=24, block_size=4, kv_cache_bytes=8 << 20,
-                prefix_caching=False)
-    return PrefillEngine(model, connector, kv_transfer=mode, **{**args, **kw})
+    args = {**dict(max_model_len=2048, max_batched_tokens=24, prefix_caching=False), **kw}
+    pool = dict(block_size=args.pop("block_size", 4), kv_cache_bytes=args.pop("kv_cache_bytes", 8 << 20))
+    return PrefillEngine(runner_for(model, **pool), connector, kv_transfer=mode, **args)
 
 
 def test_layerwise_equals_whole_and_transformers(model, tok, reference, connector, tmp_path):
@@ -248,7 +248,7 @@ def test_layerwise_prefill_to_a_tp2_decode_reshards_by_heads(model, tok, referen
     prefilled = run_prefill(prefill_engine(model, connector, "layerwise"), prompts)
     runner = GroupRunner(GroupConfig(tiny_model, tp_size=2, block_size=16, num_blocks=128))
     try:
-        engine = DecodeEngine(runner, None, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
+        engine = DecodeEngine(runner, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
         outputs = run_decode(engine, prompts, prefilled)
     finally:
         runner.close()
@@ -262,7 +262,7 @@ def test_auto_streams_only_a_step_with_enough_kv(model, tok, connector):
     ``layerwise_min_bytes`` of KV and puts smaller ones whole; decode reads both the same."""
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     small = prefill_engine(model, connector, "auto")    # the default 16 MiB: the tiny model's KV is far below
-    assert PrefillEngine(model, connector, max_model_len=2048).kv_transfer == "auto"
+    assert PrefillEngine(runner_for(model), connector, max_model_len=2048).kv_transfer == "auto"
     a = run_prefill(small, prompts)
     assert small.stats.get("kv_layerwise_handoffs", 0) == 0 and small.stats["kv_handoffs"] == len(prompts)
     # Read (and so delete) the first run's KV before the second run puts under the same keys.

@@ -25,9 +25,11 @@ from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
 from omnirelay.workers.llm.lora import LoraError, LoraSlots, load_adapter
 from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.model_runner import LocalRunner
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 
-from engine_support import QUESTIONS, SYSTEM, chat_ids, connector, drain_prefill, tok  # noqa: F401  (fixtures)
+from engine_support import (  # noqa: F401  (fixtures)
+    QUESTIONS, SYSTEM, chat_ids, connector, drain_prefill, runner_for, tok)
 
 peft = pytest.importorskip("peft")
 
@@ -81,11 +83,11 @@ def _engines(tiny_model, adapters, connector, *, max_loras: int, max_batched_tok
     pm, dm = LlamaModel(tiny_model), LlamaModel(tiny_model)
     p_slots = LoraSlots(pm, adapters, max_loras=max_loras, max_rank=16)
     d_slots = LoraSlots(dm, adapters, max_loras=max_loras, max_rank=16)
-    prefill = PrefillEngine(pm, connector, max_model_len=2048, block_size=8, kv_cache_bytes=8 << 20,
+    prefill = PrefillEngine(runner_for(pm, block_size=8, kv_cache_bytes=8 << 20), connector, max_model_len=2048,
                             max_batched_tokens=max_batched_tokens, lora=p_slots)
     cfg = dm.config
     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=16, num_blocks=256)
-    decode = DecodeEngine(dm, cache, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5,
+    decode = DecodeEngine(LocalRunner(dm, cache), connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5,
                           lora=d_slots)
     return prefill, decode
 
@@ -209,7 +211,7 @@ def test_a_request_for_an_adapter_the_worker_lacks_fails_by_name(tiny_model, ada
     prefill.add(PrefillTask("r0", chat_ids(tok, "Hi!"), _params("nope"), time.time() + 60))
     failures = prefill.step().failed
     assert len(failures) == 1 and "'nope'" in failures[0].message
-    plain = PrefillEngine(LlamaModel(tiny_model), connector, max_model_len=2048)   # LoRA off
+    plain = PrefillEngine(runner_for(LlamaModel(tiny_model)), connector, max_model_len=2048)   # LoRA off
     plain.add(PrefillTask("r1", chat_ids(tok, "Hi!"), _params("a2"), time.time() + 60))
     failures = plain.step().failed
     assert len(failures) == 1 and "'a2'" in failures[0].message

@@ -18,7 +18,8 @@ from omnirelay.workers.llm.models.llama import LlamaModel
 from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner, layer_ranges
 from omnirelay.workers.llm.prefill import PrefillEngine
 
-from engine_support import QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill, tok  # noqa: F401
+from engine_support import (  # noqa: F401
+    QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill, runner_for, tok)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,7 +40,8 @@ def expected(single, prompts, tmp_path_factory):
     from omnirelay.connectors import create_connector
     conn = create_connector("shared_memory", {"shm_dir": str(tmp_path_factory.mktemp("shm"))})
     try:
-        prefilled = run_prefill(PrefillEngine(single, conn, max_model_len=2048, max_batched_tokens=64), prompts)
+        engine = PrefillEngine(runner_for(single), conn, max_model_len=2048, max_batched_tokens=64)
+        prefilled = run_prefill(engine, prompts)
         return run_decode(decode_engine(single, conn, num_blocks=128), prompts, prefilled)
     finally:
         conn.close()
@@ -62,7 +64,7 @@ def group(tiny_model):
 
 def run_on(runner: GroupRunner, connector, prompts):  # noqa: F811
     prefilled = run_prefill(PrefillEngine(runner, connector, max_model_len=2048, max_batched_tokens=64), prompts)
-    engine = DecodeEngine(runner, None, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
+    engine = DecodeEngine(runner, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
     return run_decode(engine, prompts, prefilled)
 
 

@@ -22,8 +22,8 @@ from omnirelay.workers.kv.export import import_kv
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.request_params import TextParams
 
-from engine_support import (GREEDY, QUESTIONS, chat_ids, connector, is_first_token, is_result, model,  # noqa: F401
-                            outcomes, shm_keys, tok)
+from engine_support import (  # noqa: F401
+    GREEDY, QUESTIONS, chat_ids, connector, is_first_token, is_result, model, outcomes, runner_for, shm_keys, tok)
 from held_connector import HeldConnector
 from media_support import image_part, random_png, tiny_model_dir
 
@@ -51,7 +51,7 @@ def r0_handoff_held(model, tok, connector, **options) -> tuple[HeldConnector, Pr
     and r1 added behind it: the held connector, the engine, the results so far (none)."""
     held = HeldConnector(connector)
     held.hold("kv/r0/0")
-    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole", **options)
+    prefill = PrefillEngine(runner_for(model), held, max_model_len=2048, kv_transfer="whole", **options)
     prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
     results: dict = {}
     step_until(prefill, results, lambda: prefill.num_sending == 1)
@@ -98,7 +98,8 @@ def test_a_held_media_get_does_not_stall_other_prefills(tiny_omni, tmp_path):
         return out.outputs
 
     def engine(conn) -> PrefillEngine:
-        return PrefillEngine(model, conn, max_model_len=4096, max_batched_tokens=64, block_size=4, mrope=mrope)
+        return PrefillEngine(runner_for(model, block_size=4), conn, max_model_len=4096, max_batched_tokens=64,
+                             mrope=mrope)
 
     try:
         alone = engine(connector)
@@ -147,7 +148,7 @@ def test_a_media_prompt_leaving_while_its_get_is_held(tiny_omni, connector, tmp_
     held = HeldConnector(connector)
     held.hold("mm/c/0")
     mrope = MropeSpec.from_config(json.loads(open(os.path.join(tiny_omni, "config.json")).read()))
-    prefill = PrefillEngine(LlamaModel(tiny_omni), held, max_model_len=4096, block_size=4, mrope=mrope)
+    prefill = PrefillEngine(runner_for(LlamaModel(tiny_omni), block_size=4), held, max_model_len=4096, mrope=mrope)
     try:
         media = EmbedsHandoff("mm/c/0", handle, image_grids=[[1, 2, 4]], audio_lengths=[])
         prefill.add(PrefillTask("c", [mrope.image_token_id] * 2, GREEDY, time.time() + 60, media=media))
@@ -172,7 +173,7 @@ def test_a_held_kv_handoff_does_not_stall_the_batch(model, tok, connector, tmp_p
     reported once its put returns, with the KV of an engine where nothing was held, and its blocks
     were free while it waited (a whole KV is gathered into connector memory at once)."""
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:2]]
-    alone = PrefillEngine(model, connector, max_model_len=2048, kv_transfer="whole")
+    alone = PrefillEngine(runner_for(model), connector, max_model_len=2048, kv_transfer="whole")
     expected: dict = {}
     alone.add(PrefillTask("r0", prompts[0], GREEDY, time.time() + 60))
     step_until(alone, expected, lambda: not alone.has_work)
@@ -181,7 +182,7 @@ def test_a_held_kv_handoff_does_not_stall_the_batch(model, tok, connector, tmp_p
 
     held = HeldConnector(connector)
     held.hold("kv/r0/0")
-    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole", max_batched_tokens=256)
+    prefill = PrefillEngine(runner_for(model), held, max_model_len=2048, kv_transfer="whole", max_batched_tokens=256)
     try:
         prefill.add(PrefillTask("r0", prompts[0], GREEDY, time.time() + 60))
         results: dict = {}
@@ -209,7 +210,7 @@ def test_cancel_while_the_handoff_is_held_deletes_it_and_reports_nothing(model, 
     reported for it, every piece and the manifest are deleted, and the blocks the export read come back."""
     held = HeldConnector(connector)
     held.hold("kv/r0/0")   # the manifest, put after every layer's piece
-    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="layerwise")
+    prefill = PrefillEngine(runner_for(model), held, max_model_len=2048, kv_transfer="layerwise")
     try:
         prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[2]), GREEDY, time.time() + 60))
         results: dict = {}
@@ -267,7 +268,7 @@ def test_wake_ends_a_step_waiting_idle_on_transfers(model, tok, connector, tmp_p
     link calls when a task arrives for the loop) ends that wait at once, so the task is read now."""
     held = HeldConnector(connector)
     held.hold("kv/r0/0")
-    prefill = PrefillEngine(model, held, max_model_len=2048, kv_transfer="whole")
+    prefill = PrefillEngine(runner_for(model), held, max_model_len=2048, kv_transfer="whole")
     prefill.IDLE_WAIT_S = 120.0   # longer than any test: only wake() or news can end the wait
     try:
         prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
@@ -293,7 +294,8 @@ def test_on_shared_memory_the_handoff_is_reported_in_the_step_that_sampled_it(mo
     """Shared memory's writes are local (Connector.local_writes): the pool publishes the hand-off
     inline, so the step that samples a first token also reports the request, no transfer is left
     pending, no thread is started, and decode can read the KV at once."""
-    prefill = PrefillEngine(model, connector, max_model_len=2048, kv_transfer=kv_transfer, max_batched_tokens=2048)
+    prefill = PrefillEngine(runner_for(model), connector, max_model_len=2048, kv_transfer=kv_transfer,
+                            max_batched_tokens=2048)
     try:
         prefill.add(PrefillTask("r0", chat_ids(tok, QUESTIONS[0]), GREEDY, time.time() + 60))
         step = outcomes(prefill.step())

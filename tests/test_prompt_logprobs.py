@@ -20,7 +20,8 @@ from omnirelay.request_params import TextParams
 from omnirelay.workers.llm.sampling import chosen_logprobs
 from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 
-from engine_support import GREEDY, QUESTIONS, chat_ids, connector, drain_prefill, model, tok  # noqa: F401
+from engine_support import (  # noqa: F401
+    GREEDY, QUESTIONS, chat_ids, connector, drain_prefill, model, runner_for, tok)
 
 MODEL = "tiny-llm"
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
@@ -63,8 +64,8 @@ def test_chunked_batched_prefill_scores_every_prompt_token(model, tok, connector
     """A 24-token step budget cuts prompts into chunks and packs them with others that ask nothing
     or another k; a prompt already in the prefix cache is computed again to be scored."""
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
-    engine = PrefillEngine(model, connector, max_model_len=2048, max_batched_tokens=24, block_size=4,
-                           kv_cache_bytes=4 << 20)
+    engine = PrefillEngine(runner_for(model, block_size=4, kv_cache_bytes=4 << 20), connector, max_model_len=2048,
+                           max_batched_tokens=24)
     engine.add(PrefillTask("warm", prompts[4], GREEDY, time.time() + 60))   # cached before it is scored
     drain_prefill(engine)
     asks = [2, -1, 0, 5, 1, -1]

@@ -27,7 +27,8 @@ from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE, route
 from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner
 from omnirelay.workers.llm.prefill import PrefillEngine
 
-from engine_support import QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill  # noqa: F401
+from engine_support import (  # noqa: F401
+    QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill, runner_for)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -132,11 +133,11 @@ def prompts(moe_model):
 def _run(runner_or_model, connector, prompts):  # noqa: F811
     from omnirelay.workers.llm.decode import DecodeEngine
 
-    prefilled = run_prefill(PrefillEngine(runner_or_model, connector, max_model_len=2048, max_batched_tokens=64),
-                            prompts)
+    runner = runner_for(runner_or_model) if isinstance(runner_or_model, LlamaModel) else runner_or_model
+    prefilled = run_prefill(PrefillEngine(runner, connector, max_model_len=2048, max_batched_tokens=64), prompts)
     if isinstance(runner_or_model, LlamaModel):
         return run_decode(decode_engine(runner_or_model, connector, num_blocks=128), prompts, prefilled)
-    engine = DecodeEngine(runner_or_model, None, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
+    engine = DecodeEngine(runner_or_model, connector, max_num_seqs=16, max_model_len=2048, transfer_timeout_s=5)
     return run_decode(engine, prompts, prefilled)
 
 

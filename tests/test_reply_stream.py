@@ -16,12 +16,13 @@ from omnirelay.handoffs import SpeechHandoff
 from omnirelay.workers.kv.cache import PagedKVCache
 from omnirelay.workers.llm import reply_stream
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
+from omnirelay.workers.llm.model_runner import LocalRunner
 from omnirelay.workers.llm.prefill import PrefillEngine
 from omnirelay.request_params import TextParams
 from omnirelay.workers.speech.reply_source import ReplySource
 
 from engine_support import (  # noqa: F401  (fixtures)
-    QUESTIONS, chat_ids, connector, model, run_prefill, shm_keys, tok)
+    QUESTIONS, chat_ids, connector, model, run_prefill, runner_for, shm_keys, tok)
 
 REPLY_TOKENS = 11
 CHUNK = 3
@@ -30,7 +31,7 @@ CHUNK = 3
 def make_decode(model, connector, chunk_tokens: int) -> DecodeEngine:
     cfg = model.config
     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=16, num_blocks=128)
-    return DecodeEngine(model, cache, connector, max_num_seqs=8, max_model_len=2048, transfer_timeout_s=5,
+    return DecodeEngine(LocalRunner(model, cache), connector, max_num_seqs=8, max_model_len=2048, transfer_timeout_s=5,
                         stream_chunk_tokens=chunk_tokens)
 
 
@@ -69,7 +70,7 @@ def read_to_the_end(handoff: SpeechHandoff, connector, engine: DecodeEngine) -> 
 
 def speak(model, connector, engine: DecodeEngine, ids: list[int]) -> None:
     """Prefill ``ids`` and hand the engine request r0, whose reply is spoken."""
-    prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids])
+    prefilled = run_prefill(PrefillEngine(runner_for(model), connector, max_model_len=2048), [ids])
     engine.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
 
 
@@ -78,7 +79,7 @@ def test_a_streamed_reply_carries_what_the_whole_handoff_carries(model, tok, con
     whole = make_decode(model, connector, 0)
     streamed = make_decode(model, connector, CHUNK)
     try:
-        prefilled = run_prefill(PrefillEngine(model, connector, max_model_len=2048), [ids, ids])
+        prefilled = run_prefill(PrefillEngine(runner_for(model), connector, max_model_len=2048), [ids, ids])
         whole.add(speaking_task(connector, "r0", ids, prefilled["r0"]))
         reference = run(whole)
         (last,) = [t for t in reference["tokens"] if t.finish_reason]

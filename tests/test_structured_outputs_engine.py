@@ -20,8 +20,8 @@ from omnirelay.workers.llm.prefill import PrefillEngine, PrefillTask
 from omnirelay.request_params import TextParams
 from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 
-from engine_support import (chat_ids, connector, decode_engine, is_first_token, is_result, model,  # noqa: F401
-                            outcomes, tok)
+from engine_support import (  # noqa: F401
+    chat_ids, connector, decode_engine, is_first_token, is_result, model, outcomes, runner_for, tok)
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -37,7 +37,7 @@ def grammar_sampler(tiny_model, model) -> GrammarSampler:
 
 
 def engines(tiny_model, model, connector):
-    prefill = PrefillEngine(model, connector, max_model_len=2048, block_size=4, kv_cache_bytes=4 << 20,
+    prefill = PrefillEngine(runner_for(model, block_size=4, kv_cache_bytes=4 << 20), connector, max_model_len=2048,
                             prefix_caching=False, grammars=grammar_sampler(tiny_model, model))
     decode = decode_engine(model, connector, num_blocks=256)
     decode.grammars = grammar_sampler(tiny_model, model)
@@ -149,7 +149,7 @@ def test_a_spec_xgrammar_refuses_fails_only_its_request(tiny_model, model, tok, 
     assert results["bad"].error_type == "bad_request" and "regex" in results["bad"].message
     assert is_result(results["good"])
     # An engine without grammar support refuses such a request instead of ignoring its grammar.
-    plain = PrefillEngine(model, connector, max_model_len=2048, block_size=4, kv_cache_bytes=4 << 20)
+    plain = PrefillEngine(runner_for(model, block_size=4, kv_cache_bytes=4 << 20), connector, max_model_len=2048)
     plain.add(PrefillTask("r", prompt, msgspec.structs.replace(GREEDY, structured=JSON_SPEC), time.time() + 60))
     [result] = outcomes(plain.step())
     assert result.error_type == "bad_request" and "structured output" in result.message

@@ -72,8 +72,8 @@ from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.runtime.transfers import TransferState
 from omnirelay.workers.llm.logits_processors import LogitsProcessors
-from omnirelay.workers.llm.model_runner import LocalRunner, ModelRunner
-from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
+from omnirelay.workers.llm.model_runner import ModelRunner
+from omnirelay.workers.llm.models.llama import HiddenCapture
 from omnirelay.request_params import TextParams
 from omnirelay.workers.llm.requests import EngineStep, Registry, Request, Status, TokenOut
 from omnirelay.workers.llm.sampling import SampledStep, sample_step
@@ -109,8 +109,8 @@ class DecodeTask:
 
 
 class DecodeEngine:
-    """``model`` and ``cache``: a :class:`LlamaModel` and its local pool, or a :class:`ModelRunner`
-    (e.g. rank 0 of a tensor-parallel group, whose ranks hold the pools) and ``cache=None``.
+    """``runner``: the model and its KV pool (:class:`ModelRunner`: this process, or rank 0 of a
+    tensor/pipeline-parallel group, whose ranks hold the pools); the engine allocates its blocks.
     ``kv_import_threads``: the threads importing new requests' KVs (see
     :mod:`~omnirelay.workers.kv.prefetch`); at most ``max_num_seqs`` imported KVs wait for admission.
     ``grammars``: structured output support (None: a request that asks for it fails as ``bad_request``)."""
@@ -120,15 +120,11 @@ class DecodeEngine:
     # the heartbeat, which the loop sends between steps.
     IDLE_WAIT_S = 0.02
 
-    def __init__(self, model: LlamaModel | ModelRunner, cache: PagedKVCache | None, connector: Connector, *,
+    def __init__(self, runner: ModelRunner, connector: Connector, *,
                  max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0, kv_import_threads: int = 2,
                  grammars: GrammarSampler | None = None, stream_chunk_tokens: int = 0, lora: LoraSlots | None = None):
-        if isinstance(model, LlamaModel):
-            self.runner: ModelRunner = LocalRunner(model, cache)
-            self.allocator = cache.allocator
-        else:
-            self.runner = model
-            self.allocator = BlockAllocator(model.num_blocks)
+        self.runner = runner
+        self.allocator = BlockAllocator(runner.num_blocks)
         self.block_size = self.runner.block_size
         self.eos_token_ids = self.runner.config.eos_token_ids
         self.connector = connector
@@ -567,7 +563,7 @@ class DecodeEngine:
                     self._fail(seq, out, ticket.error.error_type, str(ticket.error))
                 continue
             with self._transfers.take(ticket) as handoff:
-                if seq.status is Status.CANCELLED:   # cancelled while its states were on their way: nobody will read them
+                if seq.status is Status.CANCELLED:   # cancelled while its states were on their way: never read
                     handoff.release(self.connector)
                     continue
                 self.stats["speech_handoffs"] += 1

@@ -28,6 +28,7 @@ import torch
 from omnirelay.workers.runtime.devices import DEFAULT_GPU_MEMORY_UTILIZATION, blocks_in_budget, rank_kv_budget
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.kv.cache import PagedKVCache
+from omnirelay.workers.kv.export import LayerwiseExport
 from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaConfig, LlamaModel
 from omnirelay.workers.llm.prompt_logprobs import PromptCapture
 from omnirelay.request_params import TextParams
@@ -70,6 +71,17 @@ class LocalRunner:
         self.config = model.config
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes in the pool (all layers, all heads)."""
+        return self.cache.bytes_per_block // self.block_size
+
+    def layerwise_export(self, connector, sequences: list) -> LayerwiseExport:
+        """An export that puts each layer of ``sequences`` (:class:`ExportSequence`) as the forward
+        finishes it (:mod:`~omnirelay.workers.kv.export`; in-process runners only: a group's layers
+        are on other ranks)."""
+        return LayerwiseExport(connector, self.cache, sequences, len(self.model.layers))
 
     def forward(self, batch: ForwardBatch, on_layer: Callable[[int], None] | None = None,
                 capture: HiddenCapture | None = None, prompt: PromptCapture | None = None) -> torch.Tensor:

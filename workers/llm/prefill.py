@@ -2,7 +2,8 @@
 
 Life of a request through this engine (its :class:`~omnirelay.workers.llm.requests.Request`'s status)::
 
-    add(PrefillTask) ──▶ WAITING (queue order) [──a media prompt: its encoder outputs' get──▶ WAITING_FOR_REMOTE]
+    add(PrefillTask) ──▶ WAITING (queue order)
+        [a media prompt ──its encoder outputs' get──▶ WAITING_FOR_REMOTE]
         ──admit: blocks for the whole prompt; the longest cached prefix is reused, not recomputed──▶
     RUNNING ──step() × k: its next chunk joins one packed forward with the other running prompts,
         within ``max_batched_tokens`` per step (a long prompt takes several steps: chunked prefill)──▶
@@ -78,8 +79,8 @@ from omnirelay.workers.kv.prefix_cache import PrefixCachingAllocator
 from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.lora import LoraSlots
 from omnirelay.workers.llm.logits_processors import LogitsProcessors
-from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
-from omnirelay.workers.llm.models.llama import HiddenCapture, LlamaModel
+from omnirelay.workers.llm.model_runner import ModelRunner
+from omnirelay.workers.llm.models.llama import HiddenCapture
 from omnirelay.workers.llm.prefill_media import media_fields, place_media
 from omnirelay.workers.llm.prompt_logprobs import PromptCapture, PromptLogprobs
 from omnirelay.workers.llm.handoff_jobs import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
@@ -92,9 +93,6 @@ from omnirelay.workers.llm.structured_output import GrammarSampler
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.runtime.transfers import Transfer, TransferPool, TransferState
-
-DEFAULT_KV_BYTES = 256 * 1024 * 1024
-
 
 @dataclasses.dataclass
 class PrefillTask:
@@ -123,8 +121,9 @@ class _Sending:
 
 
 class PrefillEngine:
-    """``model``: a :class:`LlamaModel` (a local pool of ``kv_cache_bytes`` is made for it) or a
-    :class:`ModelRunner` (e.g. rank 0 of a tensor-parallel group). ``grammars``: structured
+    """``runner``: the model and its KV pool (:class:`ModelRunner`: this process, e.g.
+    :func:`~omnirelay.workers.llm.model_runner.local_runner`, or rank 0 of a tensor/pipeline-parallel
+    group); the engine's blocks are the pool's, of ``runner.block_size`` tokens. ``grammars``: structured
     output support (None: a request that asks for it fails as ``bad_request``). ``transfer_threads``:
     the threads of its :class:`~omnirelay.workers.runtime.transfers.TransferPool`."""
 
@@ -133,16 +132,15 @@ class PrefillEngine:
     # the heartbeat, which the loop sends between steps.
     IDLE_WAIT_S = 0.02
 
-    def __init__(self, model: LlamaModel | ModelRunner, connector: Connector, *, max_model_len: int,
-                 max_batch: int = 16, max_batched_tokens: int = 256, kv_cache_bytes: int = DEFAULT_KV_BYTES,
-                 block_size: int = 16, prefix_caching: bool = True, mrope: MropeSpec | None = None,
+    def __init__(self, runner: ModelRunner, connector: Connector, *, max_model_len: int,
+                 max_batch: int = 16, max_batched_tokens: int = 256, prefix_caching: bool = True,
+                 mrope: MropeSpec | None = None,
                  transfer_timeout_s: float = 30.0, kv_transfer: str = "auto",
                  layerwise_min_bytes: int = LAYERWISE_MIN_BYTES, grammars: GrammarSampler | None = None,
                  transfer_threads: int = 2, lora: LoraSlots | None = None):
         if kv_transfer not in TRANSFER_MODES:
             raise ValueError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)}, got {kv_transfer!r}")
-        self.runner: ModelRunner = (local_runner(model, block_size=block_size, budget_bytes=kv_cache_bytes)
-                                    if isinstance(model, LlamaModel) else model)
+        self.runner = runner
         self.connector = connector
         self.max_batch = max_batch
         self.max_batched_tokens = max_batched_tokens
@@ -547,12 +545,13 @@ class PrefillEngine:
         """A layerwise export of the requests whose last chunk runs in this step (None: whole)."""
         if self.kv_transfer == "whole" or not finishing:
             return None
+        # Only an in-process runner streams layers (__init__ makes a group's kv_transfer "whole").
         if self.kv_transfer == "auto":
-            per_token = self.runner.cache.bytes_per_block // self.block_size
+            per_token = self.runner.kv_bytes_per_token
             if sum(len(r.task.prompt_token_ids) for r in finishing) * per_token < self.layerwise_min_bytes:
                 return None
         sequences = [ExportSequence(self._kv_key(r.task), r.blocks, len(r.task.prompt_token_ids)) for r in finishing]
-        return LayerwiseExport(self.connector, self.runner.cache, sequences, len(self.runner.model.layers))
+        return self.runner.layerwise_export(self.connector, sequences)
 
     @staticmethod
     def _kv_key(task: PrefillTask) -> str:

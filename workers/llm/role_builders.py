@@ -80,7 +80,7 @@ def build_decode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | No
     """A decode worker: continuous batching of up to ``config.capacity`` sequences."""
     llm = _LLMParts.open(config)
     with closed_on_error(llm.connector, llm.runner):
-        engine = DecodeEngine(llm.runner, None, llm.connector, max_num_seqs=config.capacity,
+        engine = DecodeEngine(llm.runner, llm.connector, max_num_seqs=config.capacity,
                               max_model_len=llm.max_model_len, grammars=llm.grammars,
                               stream_chunk_tokens=config.stream_chunk_tokens, lora=_lora_slots(config, llm.runner))
     _log_ready(config, llm)
