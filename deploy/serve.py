@@ -54,9 +54,8 @@ from omnirelay import config_flags, lora_modules
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.pipeline import PipelineError
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
-from omnirelay.gateway.config import GatewayConfig
+from omnirelay.gateway.config import GatewayConfig, ServedModel
 from omnirelay.lifecycle import Shutdown
-from omnirelay.scheduling import POLICIES
 from omnirelay.security import is_loopback
 from omnirelay.tracing import add_tracing_arguments, tracing_argv
 from omnirelay.workers.runtime.config import WorkerConfig
@@ -132,20 +131,17 @@ def _read_ready_file(path: str) -> str | None:
         return None
 
 
-# omni-gateway's limit flags that omni-serve takes and forwards unchanged: (flag, default, type).
-GATEWAY_LIMITS = (
-    ("--request-timeout", GatewayConfig.request_timeout_s, float),
-    ("--video-timeout", GatewayConfig.video_timeout_s, float),
-    ("--video-stall-timeout", GatewayConfig.video_stall_timeout_s, float),
-    ("--max-body-bytes", GatewayConfig.max_body_bytes, int),
-    ("--max-streams-per-client", GatewayConfig.max_streams_per_client, int),
-    ("--stream-write-timeout", GatewayConfig.stream_write_timeout_s, float),
-    ("--header-timeout", GatewayConfig.header_timeout_s, float),
-    ("--read-timeout", GatewayConfig.read_timeout_s, float),
-    ("--max-image-pixels", GatewayConfig.max_image_pixels, int),
-    ("--min-audio-sample-rate", GatewayConfig.min_audio_sample_rate, int),
-    ("--max-audio-sample-rate", GatewayConfig.max_audio_sample_rate, int),
-)
+# GatewayConfig and ServedModel fields whose flags omni-serve declares from the config and hands to
+# omni-gateway unchanged. Not these: --served-model-name and --broker, which mean something else here
+# (names of positional MODELs; the endpoint the broker binds, default a private socket), and
+# --max-model-len, which the workers get too (declared from WorkerConfig's field).
+PASSED_TO_GATEWAY = ("host", "port", "api_key", "disable_log_requests", "protect_probes",
+                     "allow_special_tokens_in_content", "trust_request_chat_template",
+                     "request_timeout_s", "video_timeout_s", "video_stall_timeout_s", "max_body_bytes",
+                     "max_streams_per_client", "stream_write_timeout_s", "header_timeout_s", "read_timeout_s",
+                     "max_image_pixels", "min_audio_sample_rate", "max_audio_sample_rate")
+PASSED_TO_GATEWAY_PER_MODEL = ("allowed_local_media_path", "reasoning_parser", "tool_call_parser",
+                               "default_chat_template_kwargs", "scheduling_policy", "structured_outputs_in_reasoning")
 
 
 # WorkerConfig fields whose flags omni-serve declares from the config and hands to every worker unchanged.
@@ -158,8 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="local model directories, each with its own workers behind one gateway "
                              "(default: the embedded models, one per modality, built once and cached; "
                              "see omnirelay.deploy.embedded)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8091)
     parser.add_argument("--served-model-name", action="append", default=None,
                         help="model id clients use, one per MODEL in order (default: the path as given)")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers per model")
@@ -191,35 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--broker", default=None,
                         help="endpoint the broker binds, so workers on other hosts can join (default: a "
                              "private ipc:// socket); off loopback it needs --curve-keys")
-    parser.add_argument("--api-key", default=None, help="bearer token the gateway requires on /v1 routes")
-    parser.add_argument("--allowed-local-media-path", default=None,
-                        help="directory whose files chat image_url/audio_url parts may name (omni models)")
-    parser.add_argument("--disable-log-requests", action="store_true")
-    chat = parser.add_argument_group("chat (passed to omni-gateway as they are)")
-    chat.add_argument("--reasoning-parser", action="append", default=None,
-                      help="qwen3 | deepseek_r1 ('' for none): split <think> reasoning from the answer; one for "
-                           "all models or one per model; wins over a pipeline file's reasoning_parser")
-    chat.add_argument("--tool-call-parser", action="append", default=None,
-                      help="hermes (default) | qwen3_coder: the markup a model writes tool calls in; one for all "
-                           "models or one per model")
-    chat.add_argument("--default-chat-template-kwargs", action="append", default=None,
-                      help="JSON object of chat-template variables for every request; one for all models or one "
-                           "per model")
-    chat.add_argument("--trust-request-chat-template", action="store_true",
-                      help="let requests bring their own chat_template (otherwise 422)")
-    chat.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
-                      help="fcfs (default): arrival order, a request's non-zero priority is a 400; priority: lower "
-                           "priority first in the broker's and engines' queues, aged so none starves (broker and "
-                           "gateway)")
-    chat.add_argument("--structured-outputs-in-reasoning", action="store_true",
-                      help="a thinking model's grammar applies to its reasoning too (default: after </think>)")
-    limits = parser.add_argument_group("gateway limits (passed to omni-gateway as they are)")
-    limits.add_argument("--protect-probes", action="store_true",
-                        help="with --api-key, also protect /health, /metrics and /cluster")
-    limits.add_argument("--allow-special-tokens-in-content", action="store_true",
-                        help="tokenize special-token text in chat messages as control tokens (off: plain text)")
-    for flag, default, kind in GATEWAY_LIMITS:
-        limits.add_argument(flag, type=kind, default=default)
+    # Flags the gateway gets as they are: generated from GatewayConfig's and ServedModel's fields (their
+    # defaults, choices and help), so omni-serve and omni-gateway cannot disagree on them.
+    config_flags.add_flags(parser.add_argument_group("gateway flags (passed to omni-gateway as they are)"),
+                           GatewayConfig, only=PASSED_TO_GATEWAY)
+    config_flags.add_flags(parser.add_argument_group("chat (passed to omni-gateway as they are)"),
+                           ServedModel, only=PASSED_TO_GATEWAY_PER_MODEL)
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
     ray = parser.add_argument_group("Ray placement (pip install 'omnirelay[ray]')")
@@ -484,28 +455,29 @@ def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: st
     pipeline_files = [plan.pipeline_file for plan in plans]
     pipeline_args = ([] if not any(pipeline_files) else
                      [arg for plan in plans for arg in ("--stage-configs-path", plan.pipeline_file or LLM_PIPELINE)])
-    return ["omnirelay.gateway.daemon", *model_args, "--broker", broker, "--host", args.host,
-            "--port", str(args.port), "--max-model-len", str(args.max_model_len),
-            "--ready-file", ready_file, *pipeline_args,
+    return ["omnirelay.gateway.daemon", *model_args, "--broker", broker,
+            "--max-model-len", str(args.max_model_len), "--ready-file", ready_file, *pipeline_args,
             *(["--reply-host", reply_host] if reply_host else []),
-            *(["--api-key", args.api_key] if args.api_key else []),
-            *(["--allowed-local-media-path", args.allowed_local_media_path] if args.allowed_local_media_path else []),
-            *(["--disable-log-requests"] if args.disable_log_requests else []),
-            *(["--protect-probes"] if args.protect_probes else []),
-            *(["--allow-special-tokens-in-content"] if args.allow_special_tokens_in_content else []),
-            *[arg for value in args.reasoning_parser or [] for arg in ("--reasoning-parser", value)],
-            *[arg for value in args.tool_call_parser or [] for arg in ("--tool-call-parser", value)],
-            *[arg for value in args.default_chat_template_kwargs or []
-              for arg in ("--default-chat-template-kwargs", value)],
-            *(["--trust-request-chat-template"] if args.trust_request_chat_template else []),
-            *(["--structured-outputs-in-reasoning"] if args.structured_outputs_in_reasoning else []),
-            "--scheduling-policy", getattr(args, "scheduling_policy", "fcfs"),
-            *[arg for flag, _, _ in GATEWAY_LIMITS for arg in (flag, str(getattr(args, _dest(flag))))],
+            *_passed_on(args, GatewayConfig, PASSED_TO_GATEWAY),
+            *_passed_on(args, ServedModel, PASSED_TO_GATEWAY_PER_MODEL),
             *lora_modules.to_args(lora_modules.options_from_args(args), gateway=True)]
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+def _passed_on(args: argparse.Namespace, cls: type, fields: tuple[str, ...]) -> list[str]:
+    """The command line that gives ``fields``' flags (of the config ``cls``) the values in ``args``:
+    a repeatable flag once per value, a switch when on, any other flag unless its value is None or ""
+    (left out, the daemon takes its own default)."""
+    argv: list[str] = []
+    for name in fields:
+        spec = config_flags.flags(cls)[name]
+        value = getattr(args, spec.dest)
+        if spec.options.get("action") == "append":
+            argv += [arg for item in value or () for arg in (spec.name, item)]
+        elif spec.options.get("action") == "store_true":
+            argv += [spec.name] if value else []
+        elif value is not None and value != "":
+            argv += [spec.name, str(value)]
+    return argv
 
 
 RESTART_WINDOW_S, RESTART_LIMIT = 60.0, 5

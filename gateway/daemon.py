@@ -1,18 +1,19 @@
-"""``omni-gateway``: the OpenAI-compatible HTTP server in front of the broker."""
+"""``omni-gateway``: the OpenAI-compatible HTTP server in front of the broker.
+
+Its flags are generated from :class:`GatewayConfig`'s and :class:`ServedModel`'s fields (see
+:mod:`omnirelay.config_flags`); a bad value exits with status 2, naming the flag."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 
 from aiohttp import web
 
-from omnirelay import lora_modules
+from omnirelay import config_flags, lora_modules
 from omnirelay.pipeline import default_llm_pipeline, load_pipeline
-from omnirelay.scheduling import POLICIES
 from omnirelay.lifecycle import add_logging_arguments, setup_logging
 from omnirelay.security import CurveKeys, add_curve_arguments, keys_from_args, require_curve_off_loopback
 from omnirelay.tracing import Tracing, add_tracing_arguments, tracing_from_args
@@ -21,7 +22,6 @@ from .app import create_app
 from .lora import check_modules as check_lora_modules
 from .app_keys import TRACING
 from .config import GatewayConfig, ServedModel
-from .tool_call_formats import DEFAULT_TOOL_CALL_PARSER
 
 
 async def serve(config: GatewayConfig, ready_file: str | None = None, keys: CurveKeys | None = None,
@@ -60,46 +60,31 @@ def _per_model(values: list[str] | None, count: int, flag: str) -> list[str | No
     return values * count if len(values) == 1 else (values or [None] * count)
 
 
-def _template_kwargs(text: str | None) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise ValueError(f"--default-chat-template-kwargs is not JSON: {text!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--default-chat-template-kwargs must be a JSON object")
-    return value
-
-
-def _served_models(paths: list[str], names: list[str] | None, pipelines: list[str] | None,
-                   max_model_len: int, allowed_local_media_path: str | None = None,
-                   reasoning_parsers: list[str] | None = None,
-                   template_kwargs: list[str] | None = None,
-                   structured_in_reasoning: bool = False,
-                   scheduling_policy: str = "fcfs",
-                   tool_call_parsers: list[str] | None = None) -> tuple[ServedModel, ...]:
-    """``reasoning_parsers`` (``--reasoning-parser``, an empty one: none) win over the pipeline
-    file's ``reasoning_parser``; ``tool_call_parsers`` (``--tool-call-parser``, one for all models
-    or one per model; default hermes)."""
-    names = names or []
+def served_models(args: argparse.Namespace) -> tuple[ServedModel, ...]:
+    """One :class:`ServedModel` per ``--model`` from ``args`` (parsed by :func:`build_parser`), by
+    ServedModel's own flags: a repeatable one (``--reasoning-parser``) given once sets every model,
+    else once per ``--model`` in order; ``--served-model-name`` names the first models (the rest: their
+    path as given); any other flag sets every model. A model's stages come from its pipeline file
+    (``--stage-configs-path``, one for all or one per model; default prefill → decode), and so does its
+    reasoning parser unless ``--reasoning-parser`` is given ('': none). ``ValueError`` (a
+    ``PipelineError`` included) naming the flag for bad values."""
+    paths, names = args.model, args.served_model_name or []
     if len(names) > len(paths):
         raise ValueError("more --served-model-name than --model")
-    pipelines = _per_model(pipelines, len(paths), "--stage-configs-path")
-    parsers = _per_model(reasoning_parsers, len(paths), "--reasoning-parser")
-    kwargs = _per_model(template_kwargs, len(paths), "--default-chat-template-kwargs")
-    tool_parsers = _per_model(tool_call_parsers, len(paths), "--tool-call-parser")
+    pipelines = _per_model(args.stage_configs_path, len(paths), "--stage-configs-path")
+    per_model = {spec.dest: _per_model(getattr(args, spec.dest), len(paths), spec.name)
+                 for name, spec in config_flags.flags(ServedModel).items()
+                 if spec.options.get("action") == "append" and name not in ("name", "path")}
     models = []
     for i, path in enumerate(paths):
         pipeline = load_pipeline(pipelines[i]) if pipelines[i] else default_llm_pipeline()
-        parser = pipeline.reasoning_parser if parsers[i] is None else (parsers[i] or None)
-        models.append(ServedModel(name=names[i] if i < len(names) else path, path=os.path.abspath(path),
-                                  stages=pipeline.roles, max_model_len=max_model_len,
-                                  allowed_local_media_path=allowed_local_media_path, reasoning_parser=parser,
-                                  default_chat_template_kwargs=_template_kwargs(kwargs[i]),
-                                  structured_outputs_in_reasoning=structured_in_reasoning,
-                                  scheduling_policy=scheduling_policy,
-                                  tool_call_parser=tool_parsers[i] or DEFAULT_TOOL_CALL_PARSER))
+        given = argparse.Namespace(**{**vars(args), **{dest: values[i] for dest, values in per_model.items()},
+                                      "model": path, "served_model_name": names[i] if i < len(names) else None})
+        overrides = {"stages": pipeline.roles}
+        if given.reasoning_parser == "":   # none, whatever the pipeline file says
+            overrides["reasoning_parser"] = None
+        models.append(config_flags.from_args(ServedModel, given, fallbacks={
+            "name": path, "reasoning_parser": pipeline.reasoning_parser}, **overrides))
     return tuple(models)
 
 
@@ -118,99 +103,40 @@ def _pipeline_lora(models: tuple[ServedModel, ...], pipelines: list[str] | None)
                                     max_lora_rank=max(o.max_lora_rank for o in found))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """omni-gateway's flags: those of :class:`GatewayConfig`'s and :class:`ServedModel`'s fields,
+    generated from them (:mod:`omnirelay.config_flags`), and those that set no field (the pipeline
+    files, the ready file, logging, CURVE keys, tracing)."""
     parser = argparse.ArgumentParser(prog="omni-gateway", description="omnirelay OpenAI-compatible gateway")
-    parser.add_argument("--model", required=True, action="append",
-                        help="local model directory; repeat to serve several models behind one gateway")
-    parser.add_argument("--served-model-name", action="append", default=None,
-                        help="model id clients use, one per --model in the same order (default: the --model path)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8091)
-    parser.add_argument("--broker", default="tcp://127.0.0.1:5555")
-    parser.add_argument("--reply-host", default="127.0.0.1", help="address workers use to reach this gateway")
-    parser.add_argument("--reply-port", type=int, default=0, help="port of the token socket (default: any free)")
-    parser.add_argument("--max-model-len", type=int, default=0)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--video-timeout", type=float, default=GatewayConfig.video_timeout_s,
-                        help="seconds a video job may run in all (default 4 h), as long as it makes progress")
-    parser.add_argument("--video-stall-timeout", type=float, default=GatewayConfig.video_stall_timeout_s,
-                        help="a started video job that reports no progress for this long fails (default 30 min)")
-    parser.add_argument("--api-key", default=os.environ.get("OMNIRELAY_API_KEY"),
-                        help="require this bearer token on /v1 routes (default: $OMNIRELAY_API_KEY)")
-    parser.add_argument("--protect-probes", action="store_true", help="with --api-key, also protect /health, "
-                        "/metrics and /cluster")
-    parser.add_argument("--disable-log-requests", action="store_true")
-    parser.add_argument("--max-streams-per-client", type=int, default=GatewayConfig.max_streams_per_client)
-    parser.add_argument("--stream-write-timeout", type=float, default=GatewayConfig.stream_write_timeout_s)
-    parser.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes)
-    parser.add_argument("--header-timeout", type=float, default=GatewayConfig.header_timeout_s,
-                        help="seconds a connection may take to send a complete request head (and may stay idle "
-                             "between requests) before it is closed")
-    parser.add_argument("--read-timeout", type=float, default=GatewayConfig.read_timeout_s,
-                        help="seconds a request body may take to arrive after its head (408 beyond)")
-    parser.add_argument("--max-websocket-sessions", type=int, default=GatewayConfig.max_websocket_sessions,
-                        help="WebSocket sessions (/v1/realtime, /v1/audio/speech/stream) held at once; 503 beyond")
-    parser.add_argument("--websocket-idle-timeout", type=float, default=GatewayConfig.websocket_idle_timeout_s,
-                        help="close a WebSocket session that sends no event for this long with nothing in flight")
-    parser.add_argument("--max-image-pixels", type=int, default=GatewayConfig.max_image_pixels,
-                        help="width x height a chat image may declare (400 beyond, checked before decoding)")
-    parser.add_argument("--min-audio-sample-rate", type=int, default=GatewayConfig.min_audio_sample_rate,
-                        help="lowest sample rate (Hz) a chat WAV clip may declare (400 below, before resampling)")
-    parser.add_argument("--max-audio-sample-rate", type=int, default=GatewayConfig.max_audio_sample_rate,
-                        help="highest sample rate (Hz) a chat WAV clip may declare")
-    parser.add_argument("--allow-special-tokens-in-content", action="store_true",
-                        help="tokenize special-token text in chat messages (e.g. <|im_end|>) as control tokens; "
-                             "by default message content is plain text")
+    config_flags.add_flags(parser, ServedModel)
+    config_flags.add_flags(parser, GatewayConfig)
+    # Read when the parser is built, not when the config module is imported.
+    parser.set_defaults(api_key=os.environ.get("OMNIRELAY_API_KEY"))
     parser.add_argument("--stage-configs-path", action="append", default=None,
                         help="stage-pipeline YAML, one per --model or one for all (default: prefill → decode)")
     parser.add_argument("--ready-file", default=None, help="write the listening URL here once serving")
-    parser.add_argument("--allowed-local-media-path", default=None,
-                        help="directory whose files image_url/audio_url parts may name (default: data: URLs only)")
-    parser.add_argument("--reasoning-parser", action="append", default=None,
-                        help="split a thinking model's <think> reasoning from its answer (qwen3 | deepseek_r1; "
-                             "'' for none): one for all models or one per --model; wins over the pipeline "
-                             "file's reasoning_parser")
-    parser.add_argument("--tool-call-parser", action="append", default=None,
-                        help="the markup a model writes its tool calls in (hermes, the default | qwen3_coder): "
-                             "one for all models or one per --model")
-    parser.add_argument("--default-chat-template-kwargs", action="append", default=None,
-                        help="JSON object of chat-template variables for every request, e.g. "
-                             "'{\"enable_thinking\": false}': one for all models or one per --model")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="let requests bring their own chat_template (otherwise 422)")
-    parser.add_argument("--structured-outputs-in-reasoning", action="store_true",
-                        help="a thinking model's grammar (structured outputs, forced tool calls) applies from its "
-                             "first token, reasoning included (vLLM's enable_in_reasoning); default: after </think>")
-    parser.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
-                        help="the broker's: with priority, a request's 'priority' is served (lower first); with "
-                             "fcfs (default) a non-zero one is a 400")
-    lora_modules.add_arguments(parser, gateway=True)
     add_logging_arguments(parser)
     add_curve_arguments(parser, server=True, client=True)
     add_tracing_arguments(parser)
+    return parser
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """The config from ``args`` (parsed by :func:`build_parser`): the models (:func:`served_models`),
+    the flags given, else the fields' defaults; without ``--enable-lora``, the LoRA adapters of the
+    models' pipeline files. ``ValueError`` (a ``PipelineError`` included) for bad flags or files."""
+    models = served_models(args)
+    fallbacks = ({"lora": _pipeline_lora(models, args.stage_configs_path)}
+                 if lora_modules.options_from_args(args) is None else {})
+    return config_flags.from_args(GatewayConfig, args, fallbacks=fallbacks, models=models)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging("omni-gateway", args.log_level, args.log_format)
     try:
-        models = _served_models(args.model, args.served_model_name, args.stage_configs_path, args.max_model_len,
-                                os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-                                args.reasoning_parser, args.default_chat_template_kwargs,
-                                args.structured_outputs_in_reasoning, args.scheduling_policy,
-                                args.tool_call_parser)
-        config = GatewayConfig(
-            models=models,
-            trust_request_chat_template=args.trust_request_chat_template,
-            host=args.host, port=args.port, broker=args.broker, reply_host=args.reply_host, reply_port=args.reply_port,
-            request_timeout_s=args.request_timeout, video_timeout_s=args.video_timeout,
-            video_stall_timeout_s=args.video_stall_timeout,
-            api_key=args.api_key or None,
-            protect_probes=args.protect_probes, disable_log_requests=args.disable_log_requests,
-            max_streams_per_client=args.max_streams_per_client, stream_write_timeout_s=args.stream_write_timeout,
-            max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,
-            max_websocket_sessions=args.max_websocket_sessions, websocket_idle_timeout_s=args.websocket_idle_timeout,
-            max_image_pixels=args.max_image_pixels, min_audio_sample_rate=args.min_audio_sample_rate,
-            max_audio_sample_rate=args.max_audio_sample_rate,
-            allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-            lora=lora_modules.options_from_args(args) or _pipeline_lora(models, args.stage_configs_path))
+        config = gateway_config(args)
         check_lora_modules(config.lora)
         keys = keys_from_args(args)
         require_curve_off_loopback(keys, config.broker, f"tcp://{config.reply_host}:0")

@@ -12,7 +12,7 @@ import json
 import openai
 import pytest
 
-from omnirelay.gateway.daemon import _served_models
+from omnirelay.gateway.daemon import build_parser, served_models
 from omnirelay.gateway.structured import ToolsRequest
 from omnirelay.gateway.tool_call_formats import convert_value
 from omnirelay.gateway.tool_calls import ToolCallFormat
@@ -98,11 +98,15 @@ def test_values_follow_the_schema_type(text, schema, value):
 
 
 def test_parser_per_model(tiny_model):
-    models = _served_models([tiny_model, tiny_model], ["a", "b"], None, 0, tool_call_parsers=["hermes", "qwen3_coder"])
+    def served(count: int, *flags: str):
+        return served_models(build_parser().parse_args([*["--model", tiny_model] * count, *flags]))
+
+    models = served(2, "--served-model-name", "a", "--served-model-name", "b",
+                    "--tool-call-parser", "hermes", "--tool-call-parser", "qwen3_coder")
     assert [m.tool_call_parser for m in models] == ["hermes", "qwen3_coder"]
-    assert [m.tool_call_parser for m in _served_models([tiny_model], None, None, 0)] == ["hermes"]
+    assert [m.tool_call_parser for m in served(1)] == ["hermes"]
     with pytest.raises(ValueError, match="--tool-call-parser"):
-        _served_models([tiny_model] * 3, None, None, 0, tool_call_parsers=["hermes", "qwen3_coder"])
+        served(3, "--tool-call-parser", "hermes", "--tool-call-parser", "qwen3_coder")
 
 
 # -- end to end --------------------------------------------------------------------------------------

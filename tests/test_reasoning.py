@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from omnirelay.request_params import StructuredOutput
 from omnirelay.deploy.builders.qwen3 import cached_qwen3
-from omnirelay.gateway.daemon import _served_models
+from omnirelay.gateway.daemon import build_parser, served_models
 from omnirelay.gateway.reasoning import ReasoningFormat, ReasoningMode, closed_in_prompt, split_whole
 from omnirelay.pipeline import PipelineError, parse_pipeline
 from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
@@ -96,16 +96,19 @@ def test_reasoning_parser_from_pipeline_file_and_flag(tmp_path):
         "reasoning_parser": "deepseek_r1", "stages": [{"role": "prefill"}, {"role": "decode"}],
         "connectors": {"kv": {"type": "shared_memory"}}, "edges": [{"from": "prefill", "to": "decode",
                                                                        "connector": "kv"}]}))
-    assert _served_models([model], None, [str(pipeline)], 0)[0].reasoning_parser == "deepseek_r1"
-    assert _served_models([model], None, [str(pipeline)], 0, reasoning_parsers=["qwen3"])[0].reasoning_parser == "qwen3"
-    assert _served_models([model], None, [str(pipeline)], 0, reasoning_parsers=[""])[0].reasoning_parser is None
-    assert _served_models([model], None, None, 0)[0].reasoning_parser is None
+    def served(*flags: str):
+        return served_models(build_parser().parse_args(["--model", model, *flags]))
+
+    assert served("--stage-configs-path", str(pipeline))[0].reasoning_parser == "deepseek_r1"
+    assert served("--stage-configs-path", str(pipeline), "--reasoning-parser", "qwen3")[0].reasoning_parser == "qwen3"
+    assert served("--stage-configs-path", str(pipeline), "--reasoning-parser", "")[0].reasoning_parser is None
+    assert served()[0].reasoning_parser is None
     with pytest.raises(PipelineError, match="reasoning_parser"):
         parse_pipeline({"reasoning_parser": "granite", "stages": [{"role": "prefill"}]})
-    served = _served_models([model], None, None, 0, template_kwargs=['{"enable_thinking": false}'])
-    assert served[0].default_chat_template_kwargs == {"enable_thinking": False}
+    kwargs = served("--default-chat-template-kwargs", '{"enable_thinking": false}')
+    assert kwargs[0].default_chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(ValueError, match="JSON object"):
-        _served_models([model], None, None, 0, template_kwargs=["[1]"])
+        served("--default-chat-template-kwargs", "[1]")
 
 
 # -- end to end --------------------------------------------------------------------------------------

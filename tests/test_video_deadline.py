@@ -13,7 +13,7 @@ import pytest
 from omnirelay.broker import protocol as p
 from omnirelay.errors import DeadlineExceeded
 from omnirelay.gateway.config import GatewayConfig, ServedModel
-from omnirelay.deploy.serve import GATEWAY_LIMITS
+from omnirelay.deploy.serve import PASSED_TO_GATEWAY
 from omnirelay.gateway.routes.videos import VideoJob, VideoStream
 from omnirelay.video_params import PROGRESS_MIME, VideoParams
 
@@ -110,5 +110,5 @@ def test_the_video_timeout_is_a_gateway_setting_hours_by_default(tmp_path):
         GatewayConfig(models=(model,), video_timeout_s=0)
     with pytest.raises(ValueError, match="video_stall_timeout_s"):
         GatewayConfig(models=(model,), video_stall_timeout_s=-1)
-    flags = [flag for flag, _, _ in GATEWAY_LIMITS]   # omni-serve hands them on
-    assert "--video-timeout" in flags and "--video-stall-timeout" in flags
+    # omni-serve hands them on
+    assert "video_timeout_s" in PASSED_TO_GATEWAY and "video_stall_timeout_s" in PASSED_TO_GATEWAY
