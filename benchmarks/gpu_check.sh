@@ -8,7 +8,7 @@
 #   1. Qwen3-MoE step times and greedy parity: 1 rank vs TP=2 vs TP=2 + EP=2 (benchmarks/moe_step.py;
 #      rank i on cuda:i, NCCL between ranks), one rank also against transformers;
 #   2. the same for the dense tiny Qwen2 and tiny Qwen3 on one rank against transformers;
-#   3. the layerwise KV export on the device: tests/test_layerwise_kv.py (its CUDA cases run where
+#   3. the layerwise KV export on the device: tests/engine/test_layerwise_kv.py (its CUDA cases run where
 #      CUDA is present) and the Qwen3 engine parity test;
 #   4. (GPU only) the spoken-answer sweep: audio TTFP/RTF, streamed vs sequential stage hand-off.
 # Prints parity and step times; exits non-zero on any parity failure. Every step has a time bound
@@ -146,8 +146,8 @@ if [ "$DRY_RUN" = 0 ]; then
     step "build tiny Qwen3-Omni" "$PY" -c "import sys; from omnirelay.deploy.builders.llm import main; sys.exit(main(['tiny-qwen3-omni', '$WORK/tiny-qwen3-omni']))"
     STEP_TIMEOUT_S=420 step "audio TTFP sweep (benchmarks/audio_ttfp.py)" "$PY" benchmarks/audio_ttfp.py \
         --model qwen3-omni="$WORK/tiny-qwen3-omni" --lengths 16,64,256 --concurrency 1,8 --max-audio-tokens 300
-    step "tests/test_devices.py CUDA case (Qwen2 placement, TP=2 over NCCL when 2 GPUs)" \
-        "$PY" -m pytest -q -x -p no:cacheprovider tests/test_devices.py -k cuda_placement
+    step "tests/engine/test_devices.py CUDA case (Qwen2 placement, TP=2 over NCCL when 2 GPUs)" \
+        "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_devices.py -k cuda_placement
 fi
 
 echo

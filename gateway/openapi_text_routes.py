@@ -12,7 +12,7 @@ from omnirelay.request_params import MAX_TOP_LOGPROBS
 
 from .responses_request import LOGPROBS_INCLUDE, MAX_METADATA
 
-# routes/transcriptions.py's FORMATS (the document builder imports no route; tests/test_transcriptions.py
+# routes/transcriptions.py's FORMATS (the document builder imports no route; tests/e2e/test_transcriptions.py
 # checks that they agree).
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 

@@ -47,7 +47,7 @@ per-module init (``llm.INIT_STD``, the experts like the dense MLP, routers wide 
 tokens pick different experts) so greedy text is non-degenerate; the encoders' output projections are
 scaled up so an image or audio clip visibly changes the answer; code2wav's convolutions keep PyTorch's
 own init scale so its waveform is not silence. Every parameter is written from ``seed``: the talker's
-experts, which transformers' init skips, are drawn here too (tests/test_builders_deterministic.py).
+experts, which transformers' init skips, are drawn here too (tests/engine/test_builders_deterministic.py).
 """
 
 from __future__ import annotations

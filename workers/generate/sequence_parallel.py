@@ -12,7 +12,7 @@ Life of one denoising forward on rank ``r`` of ``world`` (:func:`sequence_parall
 Each rank holds 1/world of the activations and computes 1/world of the token-wise work (MLPs,
 projections, the attention's queries); the price is one all-gather of K and V per block. The
 result equals the single-rank forward up to float rounding (attention sums the same keys in the
-same order; only the query batch differs), which ``tests/test_sequence_parallel.py`` checks.
+same order; only the query batch differs), which ``tests/engine/test_sequence_parallel.py`` checks.
 
 Scope: the MMDiT transformer of Stable Diffusion 3 (:class:`diffusers.SD3Transformer2DModel`,
 joint attention, no dual attention, no skip layers, no ControlNet residuals). The token count

@@ -62,7 +62,7 @@ its own queries against all gathered keys).
 
 Equality: the output equals one rank's up to float rounding (the kernel's attention sums the same
 keys in the same order; only the query batch and the GEMM shapes differ), which
-``tests/test_generate_sp.py`` (SD3) and ``tests/test_generate_sp_dits.py`` (Z-Image, Wan) bound on whole
+``tests/e2e/test_generate_sp.py`` (SD3) and ``tests/e2e/test_generate_sp_dits.py`` (Z-Image, Wan) bound on whole
 images and videos.
 
 Device: collectives use gloo and the group runs on the CPU, as the TP/PP group does; the CUDA path

@@ -14,7 +14,7 @@ Life of one denoising forward on rank ``r`` of ``world`` (:func:`wan_sequence_pa
 
 Each rank computes 1/world of the token-wise work; the price is one all-gather of K and V per
 block. The result equals the single-rank forward up to float rounding (the same keys in the same
-order; only the query batch differs), which ``tests/test_sequence_parallel_dit.py`` checks.
+order; only the query batch differs), which ``tests/engine/test_sequence_parallel_dit.py`` checks.
 
 Scope: :class:`diffusers.WanTransformer3DModel` for text to video — one timestep per sample (not
 the TI2V-5B per-token timesteps) and no image conditioning. Both experts of Wan 2.2 A14B are this

@@ -15,7 +15,7 @@ Life of one denoising forward on rank ``r`` of ``world`` (:func:`zimage_sequence
 The refiners (1–2 layers each side, against 30 main layers in Z-Image-Turbo) run whole on every
 rank, which keeps their per-stream masks as the model has them; the main layers — the bulk of the
 work — run 1/world of the tokens each. The result equals the single-rank forward up to float
-rounding, which ``tests/test_sequence_parallel_dit.py`` checks with prompts of different lengths.
+rounding, which ``tests/engine/test_sequence_parallel_dit.py`` checks with prompts of different lengths.
 
 Scope: :class:`diffusers.ZImageTransformer2DModel` in text-to-image mode (no Omni/SigLIP inputs, no
 ControlNet residuals). Any token count works: the sequence is padded to split evenly. A generate

@@ -20,8 +20,8 @@ next step boundary (:func:`~.video.keep_rows` also cuts the rows of UniPC's hist
 worker's loop heartbeats in between — where ``WanPipeline.__call__`` would hold the loop for the
 whole clip. A batch of one equals ``pipeline(prompt, negative_prompt=…, height, width, num_frames,
 num_inference_steps, guidance_scale, generator=torch.Generator().manual_seed(seed), output_type="np")``
-(same operations in the same order; ``tests/test_wan.py`` checks it bit for bit); a larger batch
-gives each row the frames of its batch of one up to float rounding (``tests/test_video_batching.py``).
+(same operations in the same order; ``tests/e2e/test_wan.py`` checks it bit for bit); a larger batch
+gives each row the frames of its batch of one up to float rounding (``tests/e2e/test_video_batching.py``).
 
 Scope: text to video with ``expand_timesteps`` off (the A14B and 2.1 checkpoints); the TI2V-5B
 layout (per-token timesteps) goes through the pipeline's own call (:func:`.video.runner_for`).

@@ -25,7 +25,7 @@ import importlib
 import torch.distributed as dist
 
 # Modules whose default arguments capture ``group.WORLD`` when they are imported (torch 2.13).
-# tests/test_process_group.py fails if a rank can no longer free its world after importing diffusers.
+# tests/engine/test_process_group.py fails if a rank can no longer free its world after importing diffusers.
 _WORLD_DEFAULT_HOLDERS = (
     "torch.distributed.nn.functional",
     "torch.distributed.optim.zero_redundancy_optimizer",
