@@ -19,15 +19,9 @@ from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner, layer_range
 from omnirelay.workers.llm.prefill import PrefillEngine
 
 from engine_support import (  # noqa: F401
-    QUESTIONS, chat_ids, connector, decode_engine, run_decode, run_prefill, runner_for, tok)
+    QUESTIONS, chat_ids, connector, decode_engine, model, run_decode, run_prefill, runner_for, tok)
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def single(tiny_model):
-    torch.set_num_threads(1)
-    return LlamaModel(tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +30,13 @@ def prompts(tok):
 
 
 @pytest.fixture(scope="module")
-def expected(single, prompts, tmp_path_factory):
+def expected(model, prompts, tmp_path_factory):
     from omnirelay.connectors import create_connector
     conn = create_connector("shared_memory", {"shm_dir": str(tmp_path_factory.mktemp("shm"))})
     try:
-        engine = PrefillEngine(runner_for(single), conn, max_model_len=2048, max_batched_tokens=64)
+        engine = PrefillEngine(runner_for(model), conn, max_model_len=2048, max_batched_tokens=64)
         prefilled = run_prefill(engine, prompts)
-        return run_decode(decode_engine(single, conn, num_blocks=128), prompts, prefilled)
+        return run_decode(decode_engine(model, conn, num_blocks=128), prompts, prefilled)
     finally:
         conn.close()
 
@@ -74,18 +68,18 @@ def test_group_equals_single_process(group, connector, prompts, expected, tp, pp
     assert run_on(runner, connector, prompts) == expected
 
 
-def test_prefill_tp2_hands_kv_to_decode_tp1(group, connector, single, prompts, expected):  # noqa: F811
+def test_prefill_tp2_hands_kv_to_decode_tp1(group, connector, model, prompts, expected):  # noqa: F811
     runner = group(2, 1)
     prefilled = run_prefill(PrefillEngine(runner, connector, max_model_len=2048, max_batched_tokens=64), prompts)
     kv = connector.get(prefilled["r0"].outputs.kv_key)["kv"]
-    cfg = single.config
+    cfg = model.config
     assert kv.shape == (cfg.num_layers, 2, len(prompts[0]), cfg.num_kv_heads, cfg.head_dim)   # all heads
-    assert run_decode(decode_engine(single, connector, num_blocks=128), prompts, prefilled) == expected
+    assert run_decode(decode_engine(model, connector, num_blocks=128), prompts, prefilled) == expected
 
 
-def test_kv_round_trip_through_the_group_reshards_by_heads(group, single):
+def test_kv_round_trip_through_the_group_reshards_by_heads(group, model):
     runner = group(2, 1)
-    cfg = single.config
+    cfg = model.config
     kv = torch.randn(cfg.num_layers, 2, 21, cfg.num_kv_heads, cfg.head_dim)
     blocks = [5, 9]
     runner.write_kv(blocks, kv)

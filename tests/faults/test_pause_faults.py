@@ -29,7 +29,7 @@ import httpx2
 import openai
 import pytest
 
-from cluster import TOPICS, Cluster, is_structured_error, pause_process
+from cluster import TOPICS, Cluster, Proc, is_structured_error, pause_process
 
 N_STREAMS = 3
 PAUSE_S = 6.0            # longer than the broker's liveness (3.5 s)
@@ -99,13 +99,18 @@ def _proc(cluster: Cluster, name: str):
     return next(proc for proc in cluster.procs if proc.name.endswith(name) and proc.alive())
 
 
-def test_a_paused_decode_worker_comes_back_and_every_stream_completes(cluster):
-    max_tokens = 400
+def _streams_through_a_pause(cluster: Cluster, name: str, max_tokens: int) -> tuple[Proc, dict, dict, int]:
+    """Streams with ``name``'s daemon paused mid-way give the undisturbed run's tokens; returns the
+    daemon, the broker's counters before and after, and how much it had logged before the pause."""
     baseline = asyncio.run(_streams(cluster.url, max_tokens))
-    decode = _proc(cluster, "decode")
-    log_before = len(decode.output())
-    paused = asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(decode.pid)))
-    assert paused == baseline
+    proc = _proc(cluster, name)
+    before, log_before = cluster.broker_counters(), len(proc.output())
+    assert asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(proc.pid))) == baseline
+    return proc, before, cluster.broker_counters(), log_before
+
+
+def test_a_paused_decode_worker_comes_back_and_every_stream_completes(cluster):
+    decode, _, _, log_before = _streams_through_a_pause(cluster, "decode", max_tokens=400)
     logs = cluster.logs()
     assert "missed heartbeats; dropping it" in logs      # the pause was long enough to look like a death
     assert "resuming at position" in logs                # the streams moved on, not merely waited
@@ -140,13 +145,7 @@ def test_a_paused_prefill_worker_comes_back_and_every_stream_completes(cluster):
 def test_a_paused_gateway_comes_back_and_every_stream_completes(cluster):
     # Long enough that decode still runs when the broker gives the gateway up, its liveness after
     # the pause began (~12 s of decode on the 2-core test host, 3.5 s of liveness).
-    max_tokens = 1900
-    baseline = asyncio.run(_streams(cluster.url, max_tokens))
-    gateway = _proc(cluster, "gateway")
-    before = cluster.broker_counters()
-    paused = asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(gateway.pid)))
-    assert paused == baseline
-    after = cluster.broker_counters()
+    gateway, before, after, _ = _streams_through_a_pause(cluster, "gateway", max_tokens=1900)
     assert after.get("gateways_expired", 0) == before.get("gateways_expired", 0) + 1
     # The broker dropped the streams while they ran: the gateway had to resume them.
     assert after.get("gateway_requests_dropped", 0) > before.get("gateway_requests_dropped", 0)
@@ -156,13 +155,7 @@ def test_a_paused_gateway_comes_back_and_every_stream_completes(cluster):
 def test_a_paused_broker_drops_nobody_and_every_stream_completes(cluster):
     """The broker's own silence is not its peers': back from a pause, it drops no worker and no
     gateway (before: its first tick found every heartbeat stale and dropped them all)."""
-    max_tokens = 400
-    baseline = asyncio.run(_streams(cluster.url, max_tokens))
-    broker = _proc(cluster, "broker")
-    before = cluster.broker_counters()
-    paused = asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(broker.pid)))
-    assert paused == baseline
-    after = cluster.broker_counters()
+    _, before, after, _ = _streams_through_a_pause(cluster, "broker", max_tokens=400)
     for counter in ("workers_expired", "gateways_expired", "registrations"):   # nobody dropped, nobody back
         assert after.get(counter, 0) == before.get(counter, 0), (counter, before, after)
     assert after.get("broker_stalls", 0) > before.get("broker_stalls", 0)   # it knew it had been away
