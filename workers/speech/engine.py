@@ -157,6 +157,14 @@ def _load_prefixed(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Ten
     return out
 
 
+@dataclasses.dataclass
+class _Reading:
+    """What one synthesis thread's talker reads: its reply, the row function over it, the next step."""
+    reply: ReplySource
+    row: Callable[[int], torch.Tensor]
+    step: int = 0
+
+
 class GenerateSpeechEngine:
     def __init__(self, talker, token2wav, thinker_embed: torch.Tensor, speakers: dict, config, *,
                  device: str = "cpu", max_batch_size: int = 4):
@@ -168,6 +176,10 @@ class GenerateSpeechEngine:
         self.device = torch.device(device)
         self.media_token_ids = self._media_token_ids(config.thinker_config)
         self._init_queue(max_batch_size, talker)
+        # The talker is shared by the synthesis threads: one pre-hook on it reads the reply of the
+        # thread that runs the forward (its _Reading), so no request ever reads another's rows.
+        self._reader = threading.local()
+        self._reading_hook = talker.register_forward_pre_hook(self._before_talker_forward, with_kwargs=True)
 
     def _init_queue(self, max_batch_size: int, model: torch.nn.Module) -> None:
         """The queue, synthesis threads, their turns and the counters that step()/cancel()/close()
@@ -434,29 +446,31 @@ class GenerateSpeechEngine:
 
     @contextlib.contextmanager
     def _reading(self, reply: ReplySource, row: Callable[[int], torch.Tensor]):
-        """While the talker generates: each of its steps reads its reply row from ``reply`` (waiting,
-        turn given up, for a streamed reply's next chunk) and passes the turn on between steps."""
-        turns = self.turns
-        reply.waiting = turns.outside
-        step = 0
-
-        def before_forward(module, args, kwargs):
-            nonlocal step
-            if reply.cancelled.is_set():   # a cancelled request stops at its next step, streamed or not
-                raise SynthesisCancelled()
-            if kwargs.get("inputs_embeds") is not None:   # the prompt's forward reads no row
-                return None
-            turns.pass_on()
-            kwargs["thinker_reply_part"] = row(step)[None, None]
-            step += 1
-            return args, kwargs
-
-        handle = self.talker.register_forward_pre_hook(before_forward, with_kwargs=True)
+        """While the calling thread's talker generates: each of its steps reads its reply row from
+        ``reply`` (waiting, turn given up, for a streamed reply's next chunk) and passes the turn on
+        between steps (:meth:`_before_talker_forward`)."""
+        reply.waiting = self.turns.outside
+        self._reader.current = _Reading(reply, row)
         try:
             yield
         finally:
-            handle.remove()
+            self._reader.current = None
             reply.waiting = lambda wait: wait()
+
+    def _before_talker_forward(self, module, args, kwargs):
+        """The talker's forward pre-hook: the calling thread's next reply row as ``thinker_reply_part``
+        (nothing for a thread that is not reading, nor for the prompt's forward)."""
+        reading = getattr(self._reader, "current", None)
+        if reading is None:
+            return None
+        if reading.reply.cancelled.is_set():   # a cancelled request stops at its next step, streamed or not
+            raise SynthesisCancelled()
+        if kwargs.get("inputs_embeds") is not None:   # the prompt's forward reads no row
+            return None
+        self.turns.pass_on()
+        kwargs["thinker_reply_part"] = reading.row(reading.step)[None, None]
+        reading.step += 1
+        return args, kwargs
 
     def _reply_row(self, task: SpeechTask) -> Callable[[int], torch.Tensor]:
         """Row ``k`` of what the talker reads after its prompt, one per codec step, as transformers
