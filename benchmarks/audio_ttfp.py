@@ -49,13 +49,17 @@ PIPELINE_OF_KIND = {ModelKind.QWEN3_OMNI: "qwen3_omni.yaml", ModelKind.OMNI: "om
 QUESTION = "Tell me, in a few sentences, what you see from the harbor at dawn."
 
 
-def pipeline_file(model_dir: str, chunk_tokens: int, work: pathlib.Path) -> str:
+def pipeline_file(model_dir: str, chunk_tokens: int, work: pathlib.Path, generate_batch: int = 0) -> str:
+    """The model's bundled pipeline with decode's ``stream_chunk_tokens`` and (``generate_batch`` > 0)
+    the generate stage's ``max_batch_size``: how many answers one generate worker holds at once."""
     source = PIPELINES / PIPELINE_OF_KIND[model_kind(model_dir)]
     spec = yaml.safe_load(source.read_text())
     for stage in spec["stages"]:
         if stage["role"] == "decode":
             stage.setdefault("runtime", {})["stream_chunk_tokens"] = chunk_tokens
-    path = work / f"{pathlib.Path(model_dir).name}-{chunk_tokens}.yaml"
+        if stage["role"] == "generate" and generate_batch:
+            stage.setdefault("runtime", {})["max_batch_size"] = generate_batch
+    path = work / f"{pathlib.Path(model_dir).name}-{chunk_tokens}-{generate_batch}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return str(path)
 
@@ -123,6 +127,9 @@ def main() -> int:
     parser.add_argument("--modes", default="streamed,sequential")
     parser.add_argument("--stream-chunk-tokens", type=int, default=4)
     parser.add_argument("--max-audio-tokens", type=int, default=0)
+    parser.add_argument("--generate-batch", default="0",
+                        help="comma-separated generate-stage max_batch_size values to compare, each on its own "
+                             "server (0: the pipeline's own)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -132,32 +139,35 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="audio-ttfp-") as tmp:
         work = pathlib.Path(tmp)
-        for spec in args.model:
+        runs = [(spec, mode, int(batch)) for spec in args.model for mode in args.modes.split(",")
+                for batch in args.generate_batch.split(",")]
+        for spec, mode, batch in runs:
             name, _, model_dir = spec.partition("=")
-            for mode in args.modes.split(","):
-                server = Server(model_dir, pipeline_file(model_dir, chunk_of[mode], work), work / f"{name}-{mode}.log")
-                try:
-                    asyncio.run(wave(server.url, lengths[0], 1, args.max_audio_tokens, seed=999))   # warm-up
-                    for length in lengths:
-                        for concurrency in levels:
-                            figures = row(asyncio.run(wave(server.url, length, concurrency, args.max_audio_tokens,
-                                                           seed=length * 100 + concurrency)))
-                            rows.append({"model": name, "mode": mode, "length": length, "concurrency": concurrency,
-                                         **figures})
-                            print(json.dumps(rows[-1]), flush=True)
-                finally:
-                    server.stop()
+            server = Server(model_dir, pipeline_file(model_dir, chunk_of[mode], work, batch),
+                            work / f"{name}-{mode}-{batch}.log")
+            try:
+                asyncio.run(wave(server.url, lengths[0], 1, args.max_audio_tokens, seed=999))   # warm-up
+                for length in lengths:
+                    for concurrency in levels:
+                        figures = row(asyncio.run(wave(server.url, length, concurrency, args.max_audio_tokens,
+                                                       seed=length * 100 + concurrency)))
+                        rows.append({"model": name, "mode": mode, "generate_batch": batch or "pipeline",
+                                     "length": length, "concurrency": concurrency, **figures})
+                        print(json.dumps(rows[-1]), flush=True)
+            finally:
+                server.stop()
     load_after = os.getloadavg()
     print(f"\nload average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} "
           f"{load_after[1]:.2f}; {os.cpu_count()} CPUs")
-    print("\n| model | hand-off | answer tokens | concurrency | audio TTFP p50 (s) | TTFP p90 (s) | E2E p50 (s) "
-          "| TTFP / E2E | audio RTF p50 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | hand-off | generate batch | answer tokens | concurrency | audio TTFP p50 (s) | TTFP p90 (s) "
+          "| E2E p50 (s) | TTFP / E2E | audio RTF p50 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        head = f"| {r['model']} | {r['mode']} | {r['generate_batch']} | {r['length']} | {r['concurrency']} |"
         if "ttfp_p50" not in r:
-            print(f"| {r['model']} | {r['mode']} | {r['length']} | {r['concurrency']} | failed: {r['errors']} |")
+            print(f"{head} failed: {r['errors']} |")
             continue
-        print(f"| {r['model']} | {r['mode']} | {r['length']} | {r['concurrency']} | {r['ttfp_p50']:.2f} | "
+        print(f"{head} {r['ttfp_p50']:.2f} | "
               f"{r['ttfp_p90']:.2f} | {r['e2e_p50']:.2f} | {r['ttfp_over_e2e']:.2f} | {r['rtf_p50']:.3f} |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"load_before": load_before, "load_after": load_after,
