@@ -36,8 +36,9 @@ comes from its own generator seeded with the seed, so its pieces too depend on s
 
 A reply streamed in by decode (``SpeechTask.reply_stream``, a :class:`ReplySource` over the
 hand-off's chunks) is read as the talker needs it: the talker's forward reads its reply row of each
-step from the source (a forward pre-hook, :meth:`GenerateSpeechEngine._reading`), waiting for the
-thinker when it is ahead; a whole reply is read through the same source, so both give the same
+step from the source (one forward pre-hook on the shared talker, which reads the calling synthesis
+thread's reply: :meth:`GenerateSpeechEngine._before_talker_forward`), waiting for the thinker when it
+is ahead; a whole reply is read through the same source, so both give the same
 rows, the same codes and the same audio. The codec budget of a streamed reply (its length is known
 only at its end) is a stopping criterion that stops where ``max_new_tokens`` would.
 
