@@ -177,10 +177,10 @@ class GenerateSpeechEngine:
         self.device = torch.device(device)
         self.media_token_ids = self._media_token_ids(config.thinker_config)
         self._init_queue(max_batch_size, talker)
-        # The talker is shared by the synthesis threads: one pre-hook on it reads the reply of the
-        # thread that runs the forward (its _Reading), so no request ever reads another's rows.
+        # The talker is shared by the synthesis threads: each of its steps reads the reply of the
+        # thread that runs it (``_reader.current``), so no request ever reads another's rows.
         self._reader = threading.local()
-        self._reading_hook = talker.register_forward_pre_hook(self._before_talker_forward, with_kwargs=True)
+        self._hook_talker(talker)
 
     def _init_queue(self, max_batch_size: int, model: torch.nn.Module) -> None:
         """The queue, synthesis threads, their turns and the counters that step()/cancel()/close()
@@ -457,6 +457,10 @@ class GenerateSpeechEngine:
         finally:
             self._reader.current = None
             reply.waiting = lambda wait: wait()
+
+    def _hook_talker(self, talker) -> None:
+        """Make every talker step read the calling thread's reply: Qwen2.5-Omni's by one forward pre-hook."""
+        talker.register_forward_pre_hook(self._before_talker_forward, with_kwargs=True)
 
     def _before_talker_forward(self, module, args, kwargs):
         """The talker's forward pre-hook: the calling thread's next reply row as ``thinker_reply_part``

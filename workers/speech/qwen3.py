@@ -101,9 +101,10 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
                          max_batch_size=max_batch_size)
         eos = config.thinker_config.text_config.eos_token_id
         self.thinker_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        # Each synthesis thread's talker reads its own reply: the talker's input preparation is
-        # wrapped once (an instance attribute) and looks up the calling thread's reading.
-        self._local = threading.local()
+
+    def _hook_talker(self, talker) -> None:
+        """Qwen3-Omni's talker reads its trailing text in its input preparation: wrapped once (an
+        instance attribute), it looks up the calling thread's reading."""
         self._original_prepare = talker.prepare_inputs_for_generation
         talker.prepare_inputs_for_generation = self._prepare_inputs
 
@@ -203,14 +204,14 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
             if on_codes is not None:
                 on_codes(codes)
 
-        self._local.reading = (rows, codes_seen)
+        self._reader.current = (rows, codes_seen)
         try:
             # The talker's input preparation reads the last step's hidden states: they must be output.
             talker.generate(**inputs, **self._budget(task), eos_token_id=cfg.codec_eos_token_id,
                             suppress_tokens=suppress, output_hidden_states=True, return_dict_in_generate=True,
                             **TALKER_SAMPLING)
         finally:
-            self._local.reading = None
+            self._reader.current = None
             reply.waiting = lambda wait: wait()
         return captured
 
@@ -222,7 +223,7 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         """The talker's own ``prepare_inputs_for_generation``, reading the trailing text of a
         streamed reply one row per step (waiting, turn given up, for the thinker) and reporting the
         step's full codes (the previous token's first codebook plus the code predictor's rest)."""
-        reading = getattr(self._local, "reading", None)
+        reading = getattr(self._reader, "current", None)
         step = kwargs.get("generation_step")
         if reading is not None and reading[0].reply.cancelled.is_set():
             raise SynthesisCancelled()   # a cancelled request stops at its next step, streamed or not
