@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import msgspec
 import openai
 import pytest
 import torch
@@ -70,7 +71,7 @@ def test_chunked_batched_prefill_scores_every_prompt_token(model, tok, connector
     drain_prefill(engine)
     asks = [2, -1, 0, 5, 1, -1]
     for i, (ids, k) in enumerate(zip(prompts, asks)):
-        engine.add(PrefillTask(f"r{i}", ids, GREEDY, time.time() + 60, prompt_logprobs=k))
+        engine.add(PrefillTask(f"r{i}", ids, msgspec.structs.replace(GREEDY, prompt_logprobs=k), time.time() + 60))
     results = drain_prefill(engine)
     for i, (ids, k) in enumerate(zip(prompts, asks)):
         lp = results[f"r{i}"].prompt_logprobs

@@ -52,9 +52,9 @@ is short; only a prompt larger than the whole pool fails (``out_of_memory``). Th
 sockets; its owner calls :meth:`PrefillEngine.close` before closing the connector (it joins the
 transfer threads, see ``TransferPool.CLOSE_JOIN_S``).
 
-A request asking for its prompt's logprobs (``PrefillTask.prompt_logprobs``) takes no cached prefix
+A request asking for its prompt's logprobs (``TextParams.prompt_logprobs``) takes no cached prefix
 and has its prompt tokens scored by the forwards that prefill them; they leave with its first
-token. ``PrefillTask.cache_salt`` salts its prefix-cache block names (``omnirelay.block_hash``).
+token. ``TextParams.cache_salt`` salts its prefix-cache block names (``omnirelay.block_hash``).
 
 Prefix hits are visible to routing: :meth:`PrefillEngine.prefix_hit_tokens` says how many tokens of a
 prompt this worker would reuse now, and :meth:`PrefillEngine.prefix_events` hands out the block
@@ -107,8 +107,6 @@ class PrefillTask:
     # prompt's tail is the text to speak (/v1/audio/speech), so generate follows even if we finish.
     speech: str = ""
     priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
-    prompt_logprobs: int = -1   # k >= 0: the prompt tokens' logprobs and top k (prompt_logprobs.py)
-    cache_salt: str = ""   # enters the prefix-cache block names: equal prompts of other salts share nothing
 
 
 @dataclasses.dataclass
@@ -336,7 +334,7 @@ class PrefillEngine:
         if task.speech and not self.runner.in_process:
             return BadRequest.error_type, ("speech output needs a single-process prefill worker "
                                            "(tensor and pipeline parallel size 1)")
-        if task.prompt_logprobs >= 0 and not self.runner.in_process:
+        if task.params.prompt_logprobs >= 0 and not self.runner.in_process:
             return BadRequest.error_type, ("prompt_logprobs need a single-process prefill worker "
                                            "(tensor and pipeline parallel size 1)")
         if -(-n // self.block_size) > self.runner.num_blocks - 1:
@@ -413,12 +411,12 @@ class PrefillEngine:
                 continue   # a step holds at most max_loras adapters: wait for a slot's sequences
             # Placeholder ids say nothing about the media behind them: a media prompt neither reuses
             # nor publishes cached blocks.
-            hashes = (block_hashes(task.prompt_token_ids, self.block_size, task.params.lora, task.cache_salt)
+            hashes = (block_hashes(task.prompt_token_ids, self.block_size, task.params.lora, task.params.cache_salt)
                       if self.prefix_caching and not task.media else [])
             # The last prompt token is always computed: its logits give the first output token.
             # A speech request needs every prompt token's hidden state, prompt logprobs every prompt
             # token's logits: no cached prefix is skipped.
-            fresh = task.speech or task.prompt_logprobs >= 0
+            fresh = task.speech or task.params.prompt_logprobs >= 0
             hits = [] if fresh else self.allocator.match(hashes[: (n - 1) // self.block_size])
             self.allocator.acquire(hits)
             if total - len(hits) > self.allocator.free:
@@ -440,7 +438,8 @@ class PrefillEngine:
             request.blocks = hits + self.allocator.allocate(total - len(hits))
             request.hashes, request.named = hashes, len(hits)
             request.num_computed = request.cached_tokens = len(hits) * self.block_size
-            request.prompt_lp = PromptLogprobs(task.prompt_logprobs) if task.prompt_logprobs >= 0 else None
+            k = task.params.prompt_logprobs   # k >= 0: the prompt tokens' logprobs and top k
+            request.prompt_lp = PromptLogprobs(k) if k >= 0 else None
             request.status = Status.RUNNING
             self.running.append(request)
             self.stats["prefix_cached_tokens"] += request.cached_tokens

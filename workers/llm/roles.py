@@ -30,7 +30,11 @@ from omnirelay.workers.runtime.roles import BROKER, Outbound, RoleAdapter
 
 
 class _LlmRole(RoleAdapter):
-    """What the prefill and decode adapters share: reading an engine step."""
+    """What the prefill and decode adapters share: reading an engine step, and the LoRA adapters
+    their engine holds."""
+
+    def held_loras(self) -> list[str] | None:
+        return self.engine.held_loras()
 
     def step(self) -> list[Outbound]:
         """One engine step: its tokens, one message per gateway, then the announced streams, then the
@@ -68,9 +72,6 @@ class PrefillRole(_LlmRole):
         super().__init__(worker_id, engine, engine.connector)
         self.prefix_cache = engine if engine.prefix_caching else None
 
-    def held_loras(self) -> list[str] | None:
-        return self.engine.held_loras()
-
     def accept(self, task: p.Task) -> list[Outbound]:
         self._replace_held(task)
         try:
@@ -86,8 +87,7 @@ class PrefillRole(_LlmRole):
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset, speech=_speech_mode(task.params),
                                     media=task.inputs,
-                                    priority=task.priority,
-                                    prompt_logprobs=params.prompt_logprobs, cache_salt=params.cache_salt))
+                                    priority=task.priority))
         return []
 
 
@@ -96,9 +96,6 @@ class DecodeRole(_LlmRole):
 
     def __init__(self, worker_id: str, engine: DecodeEngine):
         super().__init__(worker_id, engine, engine.connector)
-
-    def held_loras(self) -> list[str] | None:
-        return self.engine.held_loras()
 
     def close_stream(self, request_id: str) -> None:
         self.engine.close_stream(request_id)
