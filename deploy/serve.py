@@ -468,8 +468,9 @@ def _passed_on(args: argparse.Namespace, cls: type, fields: tuple[str, ...]) -> 
     a repeatable flag once per value, a switch when on, any other flag unless its value is None or ""
     (left out, the daemon takes its own default)."""
     argv: list[str] = []
+    specs = config_flags.flags(cls)
     for name in fields:
-        spec = config_flags.flags(cls)[name]
+        spec = specs[name]
         value = getattr(args, spec.dest)
         if spec.options.get("action") == "append":
             argv += [arg for item in value or () for arg in (spec.name, item)]
