@@ -1,6 +1,6 @@
 """The speech engine's turns (workers/speech/turns.py): threads computing one at a time, each under its
-own random stream, passing the turn on between steps, with streamed requests before their first audio
-going first. Plain threads and torch's global generator; every wait is bounded."""
+own random stream, giving the turn up while they wait, with streamed requests going first. Plain
+threads and torch's global generator; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ STEPS = 20
 
 
 def draws(turns: Turns, seed: int, out: list, started: threading.Barrier | None = None) -> None:
-    """``STEPS`` draws from the global generator, one per step, passing the turn on between them."""
+    """``STEPS`` draws from the global generator, giving the turn up between them."""
     if started is not None:
         started.wait(10)
     with turns.hold(RandomState(seed, torch.device("cpu"))):
         for _ in range(STEPS):
             out.append(torch.randint(0, 1 << 30, (1,)).item())
-            turns.pass_on()
+            turns.outside(lambda: threading.Event().wait(0.001))
 
 
 def test_interleaved_threads_draw_what_each_would_draw_alone():
@@ -39,27 +39,29 @@ def test_interleaved_threads_draw_what_each_would_draw_alone():
     assert got == alone
 
 
-def test_a_request_before_its_first_audio_goes_first_then_waits_in_line():
+def test_a_generator_continues_into_the_global_stream_where_it_left_off():
+    generator = torch.Generator().manual_seed(5)
+    first = torch.randint(0, 1 << 30, (3,), generator=generator).tolist()
+    torch.manual_seed(5)
+    expected = torch.randint(0, 1 << 30, (3,)).tolist(), torch.randn(4)
+    assert first == expected[0]
+    with Turns().hold(RandomState.following(generator, 5, torch.device("cpu"))):
+        assert torch.equal(torch.randn(4), expected[1])
+
+
+def test_a_streamed_request_goes_first():
     turns, order = Turns(), []
-    queued = threading.Event()
+    holder_in, queued = threading.Event(), threading.Event()
 
     def waiter(name: str, urgent: bool, ready: threading.Event) -> None:
         ready.set()
         with turns.hold(RandomState(0, torch.device("cpu")), urgent=urgent):
             order.append(name)
-            if urgent:
-                turns.spoke()
-                turns.pass_on()   # spoke: now it waits in line behind the earlier one
-                order.append(name + " again")
-
-    holder_in = threading.Event()
 
     def holder() -> None:
         with turns.hold(RandomState(0, torch.device("cpu"))):
             holder_in.set()
             queued.wait(10)
-            turns.pass_on()
-            order.append("holder again")
 
     first = threading.Thread(target=holder)
     first.start()
@@ -71,7 +73,7 @@ def test_a_request_before_its_first_audio_goes_first_then_waits_in_line():
     urgent = threading.Thread(target=waiter, args=("urgent", True, urgent_ready))
     urgent.start()
     assert urgent_ready.wait(10)
-    # Both are in line (each waits on the turn's condition): the holder passes the turn on.
+    # Both are in line (each waits on the turn's condition) before the holder lets go.
     for _ in range(1000):
         with turns._cond:
             if len(turns._queue) == 2:
@@ -80,5 +82,4 @@ def test_a_request_before_its_first_audio_goes_first_then_waits_in_line():
     queued.set()
     for thread in (first, normal, urgent):
         thread.join(30)
-    assert order[:2] == ["urgent", "normal"]
-    assert set(order[2:]) == {"holder again", "urgent again"}
+    assert order == ["urgent", "normal"]

@@ -5,14 +5,15 @@ Life of a request through this engine::
     add(SpeechTask: prompt ids + hidden states, reply ids + hidden states, SpeechParams)
         ──▶ waiting (FIFO) ──step(): the oldest live request──▶
     talker: its prompt is built exactly as transformers' ``Qwen2_5OmniForConditionalGeneration.generate``
-        builds it, then sampled with the same settings (top-k 40, top-p 0.8, temperature 0.9,
+        builds it, then stepped as ``generate`` steps it, its decode steps batched with the other
+        requests' (qwen2_5_talker.py), and sampled with the same settings (top-k 40, top-p 0.8, temperature 0.9,
         repetition penalty 1.05, codec BOS suppressed, EOS = codec pad/end) up to ``max_codes`` (by
         default in proportion to the reply's length: ``SpeechParams.codes_for``)
     ──▶ token2wav: DiT (10 Runge-Kutta steps from Gaussian noise, speaker ``cond`` + ``ref_mel``)
         + BigVGAN ──▶ SpeechOutput(float waveform at :data:`SAMPLE_RATE`) to the role adapter
 
 A streamed request (``SpeechTask.stream``: the client reads the audio as it comes) runs the same
-talker, but token2wav runs per chunk of codec tokens inside the talker's loop
+talker, but token2wav runs per chunk of codec tokens between the talker's steps
 (:meth:`GenerateSpeechEngine.synthesize_stream`, ``stream.py``): each SpeechChunk goes to the
 role adapter as soon as the codes it depends on exist, the last one marked ``final``, and no
 SpeechOutput follows. Its samples differ slightly from the one-shot's (how and why: ``stream.py``).
@@ -27,35 +28,44 @@ What the talker reads, for a prompt of ``n`` tokens and a thinker reply ``t0 …
   the last token is never fed, as in transformers). Decode computes them; for ``/v1/audio/speech``
   the text is teacher-forced into the prompt and prefill computes them.
 
-Determinism: each request runs under its own seeded random stream (``torch.random.fork_rng`` +
-``manual_seed(seed)``), consumed in transformers' order — talker sampling, then token2wav's noise —
-so a request's audio depends on its seed and inputs only, never on what else the worker runs, and
-equals ``torch.manual_seed(seed); model.generate(...)`` of transformers with a greedy thinker.
-A streamed request's talker samples from that same stream (the same codes); its token2wav noise
-comes from its own generator seeded with the seed, so its pieces too depend on seed and inputs only.
+Determinism: each request samples from its own ``torch.Generator`` seeded with its seed, in
+transformers' order — talker sampling, then token2wav's noise (drawn from the global stream set to
+where the talker's generator left off) — so its audio equals ``torch.manual_seed(seed);
+model.generate(...)`` of transformers with a greedy thinker (tested bitwise). A streamed request's
+talker draws the same codes; its token2wav noise comes from its own generator seeded with the seed.
+What else the worker runs never touches a request's draws. It can touch its logits: in a batched
+step (below) a row's matmuls may add in another order than alone, so the contract is "a function
+of seed and inputs up to the float rounding of a batched forward". On the CPU builds we test, a
+row's results in a batch are bitwise those alone (tests/engine/test_speech_batching.py checks it);
+on other kernels a rounding difference that moves a sample across a top-k/top-p border changes
+that request's codes from there on.
 
 A reply streamed in by decode (``SpeechTask.reply_stream``, a :class:`ReplySource` over the
-hand-off's chunks) is read as the talker needs it: the talker's forward reads its reply row of each
-step from the source (one forward pre-hook on the shared talker, which reads the calling synthesis
-thread's reply: :meth:`GenerateSpeechEngine._before_talker_forward`), waiting for the thinker when it
-is ahead; a whole reply is read through the same source, so both give the same
-rows, the same codes and the same audio. The codec budget of a streamed reply (its length is known
-only at its end) is a stopping criterion that stops where ``max_new_tokens`` would.
+hand-off's chunks) is read as the talker needs it, one row per step (:meth:`_reply_row`), waiting
+for the thinker when the talker is ahead; a whole reply is read through the same source, so both
+give the same rows, the same codes and the same audio. The codec budget of a streamed reply (its
+length is known only at its end) is checked after each code and stops where a whole reply's would
+(:meth:`_budget_check`).
 
-Batching: requests are not merged into one talker forward. transformers draws a batch's samples
-from one random stream (so a request's audio would depend on its neighbours) and decodes token2wav
-one sample at a time for the same reason; per-request determinism wins over the batching gain.
+Batching: the talker's decode steps of every request held run as one forward (continuous
+batching, as decode does for text): each request's synthesis thread builds its prompt and runs its
+prompt forward alone, then rides each decode step in the worker's
+:class:`~omnirelay.workers.speech.step_batch.StepBatch`, which runs the steps of every thread that
+is ready as one batched talker step (``qwen2_5_talker.step``; the caches side by side:
+``talker_batch.BatchKV``). A thread waiting for its thinker's next chunk, or running token2wav on
+its last codes, is away from the batch: nobody waits for it. token2wav is not batched: it is
+compute-bound (measured on the tiny model: 8 requests' DiT in one call take 8.3× one's), unlike the
+talker's small per-step forwards.
 
-Threads: each request held runs on its own synthesis thread (up to ``max_batch_size``), and the
-threads take turns computing (:class:`~omnirelay.workers.speech.turns.Turns`): one at a time,
-each under its own random stream, passing the turn on between talker steps and giving it up while
-it waits for the thinker's next chunk. So a talker that outruns its thinker holds back nobody, and
-a request's draws are exactly those it would make alone. ``step()`` starts waiting requests on free
-threads and returns at once (or after a short wait for one to finish), so the worker's loop keeps
-heartbeating and taking cancels meanwhile. Streamed pieces pass from the threads to ``step()``
-through a deque (appended there, taken here). A cancelled running request is dropped: it stops at
-its next talker step or while waiting for a chunk, streamed or one-shot. :meth:`close`
-stops the waiting ones and joins the threads (the worker runtime owns the engine and closes it).
+Threads: each request held runs on its own synthesis thread (up to ``max_batch_size``). The prompt
+forward and the one-shot token2wav take turns (:class:`~omnirelay.workers.speech.turns.Turns`:
+the talker module keeps M-RoPE state from its prompt forward, and token2wav draws from the global
+stream). ``step()`` starts waiting requests on free threads and returns at once (or after a short
+wait for one to finish), so the worker's loop keeps heartbeating and taking cancels meanwhile.
+Streamed pieces pass from the threads to ``step()`` through a deque (appended there, taken here). A
+cancelled running request is dropped: it stops at its next talker step or while waiting for a
+chunk, streamed or one-shot. :meth:`close` stops the waiting ones and joins the threads (the worker
+runtime owns the engine and closes it).
 
 The engine holds no sockets; the role adapter (``role.py``) encodes and sends the audio.
 """
@@ -64,7 +74,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import logging
@@ -79,15 +88,16 @@ from omnirelay.speech_params import MAX_CODES, SpeechParams
 
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
+from omnirelay.workers.speech import qwen2_5_talker
 from omnirelay.workers.speech.reply_source import ReplySource
-from omnirelay.workers.speech.stream import ChunkedToken2Wav, CodeTap, SynthesisCancelled
+from omnirelay.workers.speech.step_batch import StepBatch
+from omnirelay.workers.speech.stream import ChunkedToken2Wav, SynthesisCancelled
+from omnirelay.workers.speech.talker_batch import BatchKV
 from omnirelay.workers.speech.turns import RandomState, Turns
 
 log = logging.getLogger("omnirelay.worker.speech")
 
 SAMPLE_RATE = 24000                                   # Qwen2.5-Omni's token2wav output rate
-TALKER_SAMPLING = {"do_sample": True, "top_k": 40, "top_p": 0.8, "temperature": 0.9,
-                   "repetition_penalty": 1.05}        # transformers' generate() defaults for the talker
 
 
 @dataclasses.dataclass
@@ -158,14 +168,6 @@ def _load_prefixed(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Ten
     return out
 
 
-@dataclasses.dataclass
-class _Reading:
-    """What one synthesis thread's talker reads: its reply, the row function over it, the next step."""
-    reply: ReplySource
-    row: Callable[[int], torch.Tensor]
-    step: int = 0
-
-
 class GenerateSpeechEngine:
     def __init__(self, talker, token2wav, thinker_embed: torch.Tensor, speakers: dict, config, *,
                  device: str = "cpu", max_batch_size: int = 4):
@@ -177,10 +179,6 @@ class GenerateSpeechEngine:
         self.device = torch.device(device)
         self.media_token_ids = self._media_token_ids(config.thinker_config)
         self._init_queue(max_batch_size, talker)
-        # The talker is shared by the synthesis threads: each of its steps reads the reply of the
-        # thread that runs it (``_reader.current``), so no request ever reads another's rows.
-        self._reader = threading.local()
-        self._hook_talker(talker)
 
     def _init_queue(self, max_batch_size: int, model: torch.nn.Module) -> None:
         """The queue, synthesis threads, their turns and the counters that step()/cancel()/close()
@@ -199,6 +197,9 @@ class GenerateSpeechEngine:
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_batch_size,
                                                              thread_name_prefix="speech-synth")
         self.turns = Turns(tuple(m for m in model.modules() if hasattr(m, "rope_deltas")))
+        # The talker's decode steps of the requests held, run as one forward (step_batch.py).
+        self.batch_kv = BatchKV()
+        self.step_batch = StepBatch(self._step_rows, idle=self.batch_kv.give_back)
         self.stats = collections.Counter()
 
     @staticmethod
@@ -360,41 +361,32 @@ class GenerateSpeechEngine:
     @torch.inference_mode()
     def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
         """The waveform of one request (float32, 1-D) and the number of codec tokens spoken."""
-        reply = task.reply()
-        with self.turns.hold(RandomState(task.params.seed, self.device)):
-            talker_inputs = self._talker_inputs(task)
-            speaker = self.speakers[task.params.voice]
-            talker = self.talker
-            with self._reading(reply, self._reply_row(task)):
-                result = talker.generate(
-                    **talker_inputs, suppress_tokens=[talker.codec_bos_token], **self._budget(task),
-                    eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
-                    use_audio_in_video=False, **TALKER_SAMPLING)
-            codes = result[:, talker_inputs["input_ids"].shape[1]:]
-            eos = (codes == talker.codec_pad_token) | (codes == talker.codec_eos_token)
-            length = int(eos[0].nonzero()[0, 0]) if bool(eos.any()) else codes.shape[1]
-            if length == 0:
-                return torch.zeros(0), 0
+        codes, generator = self._talk(task)
+        if not codes:
+            return torch.zeros(0), 0
+        speaker = self.speakers[task.params.voice]
+        # token2wav's noise: transformers draws it from the talker's stream, after the talker's draws.
+        with self.turns.hold(RandomState.following(generator, task.params.seed, self.device)):
             cond = speaker["cond"].to(self.device).float().expand(1, -1)
             ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
-            wav = self.token2wav(codes[:, :length], conditioning=cond, reference_mel=ref_mel)
+            wav = self.token2wav(torch.tensor([codes], dtype=torch.long, device=self.device),
+                                 conditioning=cond, reference_mel=ref_mel)
         wav = wav.reshape(-1).float().cpu()
         if task.params.speed != 1.0:
             wav = _change_speed(wav, task.params.speed)
-        return wav, length
+        return wav, len(codes)
 
     @torch.inference_mode()
     def synthesize_stream(self, task: SpeechTask, emit: Callable[[SpeechChunk], None],
                           cancelled: threading.Event | None = None) -> int:
         """A streamed request: ``emit`` each waveform piece as soon as the codes it depends on exist
         (stream.py); returns the number of codec tokens spoken. The talker runs as in
-        :meth:`synthesize` (same inputs, sampling and seeded stream, so the same codes); token2wav
-        runs per chunk inside its loop. ``cancelled`` set: raises :class:`SynthesisCancelled` at the
-        next token (or before the last piece)."""
+        :meth:`synthesize` (same inputs, sampling and seed, so the same codes); token2wav runs per
+        chunk between its steps. ``cancelled`` set: raises :class:`SynthesisCancelled` at the next
+        step (or before the last piece)."""
         cancelled = cancelled or threading.Event()
-        reply = task.reply()
         speaker = self.speakers[task.params.voice]
-        talker, index = self.talker, 0
+        index = 0
 
         def on_piece(wav: torch.Tensor, codes: int, final: bool) -> None:
             nonlocal index
@@ -402,80 +394,58 @@ class GenerateSpeechEngine:
                 wav = _change_speed(wav, task.params.speed)
             emit(SpeechChunk(task.request_id, index, wav, codes, final))
             index += 1
-            self.turns.spoke()
 
-        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=True):
-            talker_inputs = self._talker_inputs(task)
-            cond = speaker["cond"].to(self.device).float().expand(1, -1)
-            ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
-            token2wav = ChunkedToken2Wav(self.token2wav, cond, ref_mel, task.params.seed, on_piece)
-            tap = CodeTap((talker.codec_pad_token, talker.codec_eos_token), token2wav.feed, cancelled)
-            with self._reading(reply, self._reply_row(task)):
-                talker.generate(
-                    **talker_inputs, suppress_tokens=[talker.codec_bos_token], **self._budget(task),
-                    eos_token_id=[talker.codec_pad_token, talker.codec_eos_token], pad_token_id=talker.codec_pad_token,
-                    use_audio_in_video=False, streamer=tap, **TALKER_SAMPLING)
-            if cancelled.is_set():
-                raise SynthesisCancelled()
-            token2wav.feed(tap.codes, final=True)
-        return len(tap.codes)
-
-    def _budget(self, task: SpeechTask) -> dict:
-        """generate()'s limit on codec tokens: ``SpeechParams.codes_for`` the reply's length. A
-        streamed reply's length is known only at its end, so the limit is then a stopping criterion
-        checked after each code; the talker cannot get past it before (each of its steps reads one
-        reply token and the budget is more codes than tokens), so it stops where a whole reply's
-        ``max_new_tokens`` would."""
-        reply = task.reply()
-        if reply.ended:
-            return {"max_new_tokens": task.params.codes_for(len(reply.token_ids))}
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        class ReplyBudget(StoppingCriteria):
-            def __init__(self, prompt_len: int):
-                self.prompt_len = prompt_len
-
-            def __call__(self, input_ids, scores, **kwargs):
-                done = reply.ended and input_ids.shape[1] - self.prompt_len >= task.params.codes_for(len(reply.token_ids))
-                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-        return {"max_new_tokens": task.params.max_codes or MAX_CODES,
-                "stopping_criteria": StoppingCriteriaList([ReplyBudget(self._talker_prompt_len(task))])}
-
-    def _talker_prompt_len(self, task: SpeechTask) -> int:
-        return len(task.prompt_token_ids) + 2   # the codec prompt: a mask per prompt token, pad, bos
-
-    @contextlib.contextmanager
-    def _reading(self, reply: ReplySource, row: Callable[[int], torch.Tensor]):
-        """While the calling thread's talker generates: each of its steps reads its reply row from
-        ``reply`` (waiting, turn given up, for a streamed reply's next chunk) and passes the turn on
-        between steps (:meth:`_before_talker_forward`)."""
-        reply.waiting = self.turns.outside
-        self._reader.current = _Reading(reply, row)
-        try:
-            yield
-        finally:
-            self._reader.current = None
-            reply.waiting = lambda wait: wait()
-
-    def _hook_talker(self, talker) -> None:
-        """Make every talker step read the calling thread's reply: Qwen2.5-Omni's by one forward pre-hook."""
-        talker.register_forward_pre_hook(self._before_talker_forward, with_kwargs=True)
-
-    def _before_talker_forward(self, module, args, kwargs):
-        """The talker's forward pre-hook: the calling thread's next reply row as ``thinker_reply_part``
-        (nothing for a thread that is not reading, nor for the prompt's forward)."""
-        reading = getattr(self._reader, "current", None)
-        if reading is None:
-            return None
-        if reading.reply.cancelled.is_set():   # a cancelled request stops at its next step, streamed or not
+        cond = speaker["cond"].to(self.device).float().expand(1, -1)
+        ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
+        token2wav = ChunkedToken2Wav(self.token2wav, cond, ref_mel, task.params.seed, on_piece)
+        codes, _ = self._talk(task, token2wav.feed, cancelled)
+        if cancelled.is_set():
             raise SynthesisCancelled()
-        if kwargs.get("inputs_embeds") is not None:   # the prompt's forward reads no row
-            return None
-        self.turns.pass_on()
-        kwargs["thinker_reply_part"] = reading.row(reading.step)[None, None]
-        reading.step += 1
-        return args, kwargs
+        token2wav.feed(codes, final=True)
+        return len(codes)
+
+    def _talk(self, task: SpeechTask, on_codes: Callable[[list[int]], None] | None = None,
+              cancelled: threading.Event | None = None) -> tuple[list[int], torch.Generator]:
+        """Run the talker: the codes it speaks (up to its EOS) and the generator it sampled from.
+        The prompt forward runs holding the turn; each decode step rides the worker's step batch
+        (qwen2_5_talker.py); ``on_codes`` sees the codes so far after each new one (away from the
+        batch: it may run token2wav)."""
+        talker, reply = self.talker, task.reply()
+        generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
+        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
+            row = qwen2_5_talker.start(talker, self._talker_inputs(task), generator)
+        eos = (talker.codec_pad_token, talker.codec_eos_token)
+        reply_row, budget = self._reply_row(task), self._budget_check(task)
+        codes: list[int] = []
+        with self.step_batch.seat(row) as seat:
+            reply.waiting = self.step_batch.away   # a wait for the thinker holds back no other request
+            try:
+                while row.last not in eos:
+                    codes.append(row.last)
+                    if on_codes is not None:
+                        self.step_batch.away(lambda: on_codes(codes))
+                    if budget(row.sampled):
+                        break
+                    if reply.cancelled.is_set() or (cancelled is not None and cancelled.is_set()):
+                        raise SynthesisCancelled()   # a cancelled request stops at its next step
+                    row.reply_row = reply_row(row.sampled - 1)
+                    self.step_batch.ride(seat)
+            finally:
+                reply.waiting = lambda wait: wait()
+        return codes, generator
+
+    def _budget_check(self, task: SpeechTask) -> Callable[[int], bool]:
+        """Whether a talker that has sampled ``count`` codes is done: ``SpeechParams.codes_for`` the
+        reply's length, known once the reply ended (a streamed one's, at its end; the talker cannot
+        get past that budget before, as each of its steps reads one reply token and the budget is
+        more codes than tokens), and never more than ``max_codes``."""
+        reply, params = task.reply(), task.params
+        cap = params.max_codes or MAX_CODES
+        return lambda count: count >= cap or (reply.ended and count >= params.codes_for(len(reply.token_ids)))
+
+    def _step_rows(self, seats) -> None:
+        """One batched talker step of these seats' requests (a StepBatch run)."""
+        qwen2_5_talker.step(self.talker, self.batch_kv, seats)
 
     def _reply_row(self, task: SpeechTask) -> Callable[[int], torch.Tensor]:
         """Row ``k`` of what the talker reads after its prompt, one per codec step, as transformers
@@ -522,10 +492,7 @@ class GenerateSpeechEngine:
         # (Without a mask, generate() would infer one from the codec pad id and hide that position.)
         grids = torch.tensor(task.image_grids, dtype=torch.long, device=dev) if task.image_grids else None
         audio = torch.tensor(task.audio_lengths, dtype=torch.long, device=dev) if task.audio_lengths else None
-        # thinker_reply_part: replaced at every step by the hook of _reading; the prompt's forward
-        # only carries it along.
         return {"input_ids": codec_prompt, "input_text_ids": text_ids, "inputs_embeds": inputs_embeds[None],
-                "thinker_reply_part": embed[talker.text_pad_token][None, None],
                 "attention_mask": torch.ones_like(codec_prompt),
                 "image_grid_thw": grids, "audio_feature_lengths": audio}
 

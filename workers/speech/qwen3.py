@@ -12,8 +12,9 @@ only the synthesis differs)::
         ``accept_hidden_layer``), then the assistant header + tts pads/bos + the first reply token
         over the codec control tokens and the speaker's codec id; the rest of the reply is read one
         token per codec step (``trailing_text_hidden``, closed by tts eos, then tts pads)
-    ──▶ ``Qwen3OmniMoeTalkerForConditionalGeneration.generate`` (top-k 50, temperature 0.9, repetition
-        penalty 1.05, the control range suppressed, EOS = codec eos): the first codebook per step,
+    ──▶ ``Qwen3OmniMoeTalkerForConditionalGeneration``, stepped as its ``generate`` steps it (top-k 50,
+        temperature 0.9, repetition penalty 1.05, the control range suppressed, EOS = codec eos; the
+        decode steps of every request held batched: qwen3_talker.py): the first codebook per step,
         the code predictor fills the other ``num_code_groups - 1`` ──▶ ``Qwen3OmniMoeCode2Wav``
         ``chunked_decode`` (300 codes per chunk, 25 of left context) ──▶ SpeechOutput (24 kHz)
 
@@ -25,10 +26,11 @@ What the talker reads, for a prompt of ``n`` tokens and a reply ``t0 … t(m-1)`
   ``accept_hidden_layer`` (the compact model captures that layer for Qwen3-Omni); other rows unused;
 * ``reply_hidden``: unused (shape-checked only: decode sends it for every omni model).
 
-Determinism: ``torch.manual_seed(seed)`` then the talker's sampling, as transformers' ``generate``
-with a greedy thinker consumes the stream, so a request's codes equal transformers' for the same
-seed (the tests check it). The talker reads its trailing text one row per step
-(:class:`TrailingRows`, through the talker's wrapped ``prepare_inputs_for_generation``), so a reply
+Determinism: the request's own generator seeded with its seed, drawn in the order transformers'
+``generate`` with a greedy thinker draws from ``torch.manual_seed(seed)``, so a request's codes
+equal transformers' for the same seed (the tests check it), batched or alone (the base engine's
+contract). The talker's decode steps ride the worker's step batch (``qwen3_talker.py``) and read
+their trailing text one row per step (:class:`TrailingRows`), so a reply
 streamed in by decode is read as it arrives and gives the same rows, hence the same codes, as a
 whole one. Streamed requests (``SpeechTask.stream``) run code2wav on each chunk of codes as soon as
 the code predictor has filled it in (:class:`StreamedCode2Wav`: :data:`STREAM_FIRST_CODES` codes
@@ -50,14 +52,13 @@ import torch
 
 from omnirelay.errors import BadRequest
 
+from omnirelay.workers.speech import qwen3_talker
 from omnirelay.workers.speech.engine import GenerateSpeechEngine, SpeechChunk, SpeechTask, _change_speed, load_talker
 from omnirelay.workers.speech.stream import SynthesisCancelled
 from omnirelay.workers.speech.turns import RandomState
 
 log = logging.getLogger("omnirelay.worker.speech")
 
-TALKER_SAMPLING = {"do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 0.9,
-                   "repetition_penalty": 1.05}        # transformers' generate() defaults for the talker
 CODE2WAV_CHUNK, CODE2WAV_LEFT_CONTEXT = 300, 25
 # A streamed request's code2wav plan: its first piece after this many codes (a fraction of a second of
 # speech at 12.5 codes/s), then pieces of the second size.
@@ -102,12 +103,6 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         eos = config.thinker_config.text_config.eos_token_id
         self.thinker_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
-    def _hook_talker(self, talker) -> None:
-        """Qwen3-Omni's talker reads its trailing text in its input preparation: wrapped once (an
-        instance attribute), it looks up the calling thread's reading."""
-        self._original_prepare = talker.prepare_inputs_for_generation
-        talker.prepare_inputs_for_generation = self._prepare_inputs
-
     @staticmethod
     def _media_token_ids(thinker) -> tuple[int, int, int]:
         return thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id
@@ -144,13 +139,11 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
 
     @torch.inference_mode()
     def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
-        with self.turns.hold(RandomState(task.params.seed, self.device)):
-            steps = self._talk(task)
-            if not steps:
-                return torch.zeros(0), 0
-            codes = torch.stack(steps, dim=1).transpose(1, 2)            # [1, groups, codes]
-            wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK,
-                                                left_context_size=CODE2WAV_LEFT_CONTEXT)
+        steps = self._talk(task)
+        if not steps:
+            return torch.zeros(0), 0
+        codes = torch.stack(steps, dim=1).transpose(1, 2)            # [1, groups, codes]
+        wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK, left_context_size=CODE2WAV_LEFT_CONTEXT)
         wav = wav.reshape(-1).float().cpu()
         if task.params.speed != 1.0:
             wav = _change_speed(wav, task.params.speed)
@@ -172,70 +165,54 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
                 wav = _change_speed(wav, task.params.speed)
             emit(SpeechChunk(task.request_id, index, wav, codes, final))
             index += 1
-            self.turns.spoke()
 
-        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=True):
-            vocoder = StreamedCode2Wav(self.token2wav, on_piece)
+        vocoder = StreamedCode2Wav(self.token2wav, on_piece)
 
-            def on_codes(codes: torch.Tensor) -> None:
-                if cancelled.is_set():
-                    raise SynthesisCancelled()
-                vocoder.feed(codes)
-
-            self._talk(task, on_codes)
+        def on_codes(codes: torch.Tensor) -> None:
             if cancelled.is_set():
                 raise SynthesisCancelled()
-            vocoder.finish()
+            vocoder.feed(codes)
+
+        self._talk(task, on_codes)
+        if cancelled.is_set():
+            raise SynthesisCancelled()
+        vocoder.finish()
         return vocoder.total
 
     def _talk(self, task: SpeechTask, on_codes: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
-        """Run the talker (holding the turn) and return each spoken step's codes [1, groups];
-        ``on_codes`` sees each as soon as the code predictor has filled it in."""
+        """Run the talker and return each spoken step's codes [1, groups]; ``on_codes`` sees each as
+        soon as the code predictor has filled it in. The prompt forward runs holding the turn; each
+        decode step rides the worker's step batch (qwen3_talker.py)."""
         talker, cfg = self.talker, self.config.talker_config
         reply = task.reply()
-        reply.waiting = self.turns.outside
-        inputs, rows = self._talker_inputs(task)
         vocab = cfg.text_config.vocab_size
         suppress = [i for i in range(vocab - 1024, vocab) if i != cfg.codec_eos_token_id]
-        captured: list[torch.Tensor] = []
+        generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
+        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
+            inputs, rows = self._talker_inputs(task)
+            row = qwen3_talker.start(talker, inputs, generator, suppress)
+        tts_pad = rows.specials[1][0]
+        spoken: list[torch.Tensor] = []
+        budget = self._budget_check(task)
+        with self.step_batch.seat(row) as seat:
+            reply.waiting = self.step_batch.away   # a wait for the thinker holds back no other request
+            try:
+                while row.first_codes[-1] != cfg.codec_eos_token_id and not budget(row.sampled):
+                    if reply.cancelled.is_set():
+                        raise SynthesisCancelled()   # a cancelled request stops at its next step
+                    step = row.sampled - 1
+                    text = rows.through(step)
+                    row.text_row = text[0, step] if step < text.shape[1] else tts_pad
+                    self.step_batch.ride(seat)
+                    spoken.append(row.codes[None])
+                    if on_codes is not None:
+                        self.step_batch.away(lambda: on_codes(spoken[-1]))
+            finally:
+                reply.waiting = lambda wait: wait()
+        return spoken
 
-        def codes_seen(codes: torch.Tensor) -> None:
-            captured.append(codes)
-            if on_codes is not None:
-                on_codes(codes)
-
-        self._reader.current = (rows, codes_seen)
-        try:
-            # The talker's input preparation reads the last step's hidden states: they must be output.
-            talker.generate(**inputs, **self._budget(task), eos_token_id=cfg.codec_eos_token_id,
-                            suppress_tokens=suppress, output_hidden_states=True, return_dict_in_generate=True,
-                            **TALKER_SAMPLING)
-        finally:
-            self._reader.current = None
-            reply.waiting = lambda wait: wait()
-        return captured
-
-    def _talker_prompt_len(self, task: SpeechTask) -> int:
-        return 0   # generate() gets inputs_embeds only: its input_ids are the codes it samples
-
-    def _prepare_inputs(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None,
-                        is_first_iteration=False, **kwargs):
-        """The talker's own ``prepare_inputs_for_generation``, reading the trailing text of a
-        streamed reply one row per step (waiting, turn given up, for the thinker) and reporting the
-        step's full codes (the previous token's first codebook plus the code predictor's rest)."""
-        reading = getattr(self._reader, "current", None)
-        step = kwargs.get("generation_step")
-        if reading is not None and reading[0].reply.cancelled.is_set():
-            raise SynthesisCancelled()   # a cancelled request stops at its next step, streamed or not
-        if reading is not None and step is not None and not is_first_iteration:
-            self.turns.pass_on()
-            kwargs["trailing_text_hidden"] = reading[0].through(int(step))
-        inputs = self._original_prepare(input_ids, cache=cache, attention_mask=attention_mask,
-                                        inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
-        codes = inputs.get("residual_codes") if reading is not None else None
-        if codes is not None:
-            reading[1](codes)
-        return inputs
+    def _step_rows(self, seats) -> None:
+        qwen3_talker.step(self.talker, self.batch_kv, seats)
 
     def _talker_inputs(self, task: SpeechTask) -> tuple[dict, "TrailingRows"]:
         """The talker's generate() prompt for one request, as transformers' ``generate`` builds it,

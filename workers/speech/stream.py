@@ -2,8 +2,8 @@
 
 Life of a streamed request (``SpeechTask.stream``) inside the engine's synthesis thread::
 
-    talker.generate(..., streamer=CodeTap) ──each sampled codec token──▶ CodeTap.put
-        ──▶ ChunkedToken2Wav.feed(codes so far): for every chunk whose codes (and look-ahead) exist:
+    the talker's step loop (engine.py ``_talk``) ──each codec token spoken──▶
+        ChunkedToken2Wav.feed(codes so far): for every chunk whose codes (and look-ahead) exist:
             DiT on a window of code blocks (left context ─ chunk ─ look-ahead) ──▶ the chunk's mel
             ──▶ BigVGAN on (left mel context ─ chunk mel ─ look-ahead mel), cropped to the chunk
             ──▶ on_chunk(waveform piece, codes produced so far, final=False)
@@ -41,54 +41,20 @@ then ``chunk_blocks`` each, the rest at the end), so a request re-synthesised el
 same seed and inputs yields the very same pieces, which is what lets the gateway resume a stream
 by chunk index.
 
-No thread here: everything runs inside the talker's ``generate`` on the engine's synthesis thread
-(the talker waits while a chunk is vocoded; on shared CPUs the two would compete anyway).
+No thread here: everything runs on the request's synthesis thread between its talker steps; while
+a chunk is vocoded the thread is away from the step batch, so the other requests' steps go on.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from typing import Callable
 
 import torch
 
 
 class SynthesisCancelled(Exception):
-    """Raised inside the talker's generate loop to stop a cancelled streamed request between tokens."""
-
-
-class CodeTap:
-    """A transformers streamer (``put``/``end``) that collects the talker's codec tokens as they are
-    sampled and hands them to ``on_codes``. The first ``put`` is the prompt (skipped); a codec
-    EOS/pad ends what is spoken (generate still streams it). Raises :class:`SynthesisCancelled` from
-    ``put`` once ``cancelled`` is set, which ends ``generate`` at that token."""
-
-    def __init__(self, eos_ids: tuple[int, ...], on_codes: Callable[[list[int]], None], cancelled: threading.Event):
-        self.eos_ids = eos_ids
-        self.on_codes = on_codes
-        self.cancelled = cancelled
-        self.codes: list[int] = []
-        self.ended = False
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.cancelled.is_set():
-            raise SynthesisCancelled()
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        if self.ended:
-            return
-        token = int(value.reshape(-1)[0])   # one request per generate: batch of one
-        if token in self.eos_ids:
-            self.ended = True
-            return
-        self.codes.append(token)
-        self.on_codes(self.codes)
-
-    def end(self) -> None:
-        self.ended = True
+    """Raised inside the talker's step loop to stop a cancelled request between codes."""
 
 
 class ChunkedToken2Wav:

@@ -1,20 +1,18 @@
-"""Turns: the synthesis threads of one speech worker compute one at a time, each under its own
-random stream, and a thread that waits (for the thinker's next chunk) lets the others run.
+"""Turns: what the synthesis threads of one speech worker may not do at the same time, done one at
+a time, each under its own random stream.
 
-Why threads at all: a talker reading a streamed reply waits for the thinker between steps; on one
-thread that wait would hold back every other request of the worker, including those whose replies
-are complete. Why one at a time: transformers' ``generate`` samples from torch's global random
-stream, so two talkers computing at once would draw from each other's stream and a request's audio
-would depend on its neighbours. So each request's thread runs only while it holds the turn, with
-the global stream set to that request's own state (saved again when it lets go): the draws of a
-request are exactly those it would make alone after ``torch.manual_seed(seed)``.
+The talker's decode steps are not among them: those run batched (step_batch.py) and sample from
+per-request generators. What still takes turns: a talker's prompt forward (the talker module keeps
+the M-RoPE ``rope_deltas`` it computes there, one value for the module) and whatever draws from
+torch's global random stream (Qwen2.5-Omni's one-shot token2wav noise, Qwen3-TTS's whole
+``generate``). A thread holding the turn runs with the global stream set to its request's own
+state (saved again when it lets go), so a request's draws are exactly those it would make alone
+after ``torch.manual_seed(seed)``.
 
-A thread takes the turn (:meth:`Turns.hold`), gives it up while it blocks (:meth:`Turns.outside`)
-and passes it on between talker steps (:meth:`Turns.pass_on`) so that ready requests take turns
-step by step; waiting threads are served in arrival order, except that a streamed request whose
-first audio has not left yet (``hold(..., urgent=True)`` until :meth:`Turns.spoke`) goes before the
-others: time to first audio is what a listener waits for, so a new request's first few steps are
-not spread over every running request's (the way a scheduler runs a new prompt's prefill first).
+A thread takes the turn (:meth:`Turns.hold`) and gives it up while it blocks (:meth:`Turns.outside`:
+waiting for its thinker's first chunk, say); waiting threads are served in arrival order, except
+that a streamed request (``hold(..., urgent=True)``) goes before the others: time to first audio is
+what a listener waits for (the way a scheduler runs a new prompt's prefill first).
 """
 
 from __future__ import annotations
@@ -39,6 +37,17 @@ class RandomState:
         if self.cuda:
             gen = torch.Generator(device=f"cuda:{self.index}").manual_seed(seed)
             self.gpu = gen.get_state()
+
+    @classmethod
+    def following(cls, generator: torch.Generator, seed: int, device: torch.device) -> "RandomState":
+        """The stream ``seed`` gave, where ``generator`` (seeded with it, on ``device``) left off:
+        what transformers draws next from the global stream after a talker's draws."""
+        state = cls(seed, device)
+        if generator.device.type == "cuda":
+            state.gpu = generator.get_state()
+        else:
+            state.cpu = generator.get_state()
+        return state
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
@@ -90,8 +99,7 @@ class Turns:
 
     @contextlib.contextmanager
     def hold(self, rng: RandomState, urgent: bool = False) -> Iterator[None]:
-        """Run the block holding the turn, under ``rng``'s stream; ``urgent``: first in line until
-        :meth:`spoke`."""
+        """Run the block holding the turn, under ``rng``'s stream; ``urgent``: first in line."""
         self._local.urgent = urgent
         self._acquire()
         self._local.rng = rng
@@ -105,10 +113,6 @@ class Turns:
             self._local.rng = None
             self._local.urgent = False
             self._release()
-
-    def spoke(self) -> None:
-        """The calling thread's request has sent its first audio: from now on it waits in line."""
-        self._local.urgent = False
 
     def outside(self, wait: Callable[[], None]) -> None:
         """Run ``wait`` (a blocking read) with the turn given up; take it back after. Outside a
@@ -126,17 +130,6 @@ class Turns:
             self._acquire()
             rng.restore()
             self._restore_modules()
-
-    def pass_on(self) -> None:
-        """Between two talker steps: let a thread that is waiting for the turn run first."""
-        if getattr(self._local, "rng", None) is None:
-            return
-        urgent = bool(getattr(self._local, "urgent", False))
-        with self._cond:
-            # An urgent holder lets only urgent waiters go first; anyone else lets anyone.
-            if not any(w.urgent or not urgent for w in self._queue):
-                return
-        self.outside(lambda: None)
 
 
 class _Waiter:
