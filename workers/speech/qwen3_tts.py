@@ -24,9 +24,11 @@ stream by chunk index). A cancelled stream stops at its next frame (the hook rai
 
 Determinism: each request runs under its own seeded random stream (``fork_rng`` + ``manual_seed``),
 so its codes depend on its seed, voice and text only; streamed and one-shot requests sample the
-same codes. Batching: requests are not merged into one ``generate``: the package draws a batch's
-samples from one random stream, so a request's audio would depend on its neighbours — and a stage
-retried elsewhere would no longer speak the same (the same trade-off as the Qwen2.5-Omni engine).
+same codes. Batching: not yet. The package's ``generate`` draws a batch's samples from one random
+stream, so a request's audio would depend on its neighbours (and a stage retried elsewhere would
+no longer speak the same); batching needs this talker stepped by us with per-request generators,
+as the omni talkers are (``qwen3_talker.py``). Until then the requests a worker holds run their
+whole ``generate`` one at a time, taking turns.
 
 Queue, synthesis thread, cancellation, deadlines and ``close`` are the Qwen2.5-Omni engine's
 (:class:`~omnirelay.workers.speech.engine.GenerateSpeechEngine`, whose step() this engine runs);
