@@ -188,6 +188,7 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         vocab = cfg.text_config.vocab_size
         suppress = [i for i in range(vocab - 1024, vocab) if i != cfg.codec_eos_token_id]
         generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
+        reply.waiting = self.turns.outside   # a wait for the thinker's first tokens gives the turn up
         with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
             inputs, rows = self._talker_inputs(task)
             row = qwen3_talker.start(talker, inputs, generator, suppress)

@@ -6,29 +6,32 @@ Life of a request through this engine::
         ``<|im_end|>\\n<|im_start|>assistant\\n`` —, SpeechParams) ──▶ waiting (FIFO)
         ──step(): the oldest live request, on the synthesis thread──▶
     talker: the package's ``Qwen3TTSForConditionalGeneration.generate`` (speaker = the voice, language
-        "auto", the checkpoint's ``generation_config.json`` sampling), up to ``frames_for`` codec frames;
-        each frame is NUM_CODE_GROUPS codes (the talker samples the first, its code predictor the rest)
+        "auto", the checkpoint's ``generation_config.json`` sampling), stepped by us as it steps
+        (qwen3_tts_talker.py: the prompt forward alone, the decode steps of every request held as
+        one batch), up to ``frames_budget`` codec frames; each frame is NUM_CODE_GROUPS codes (the
+        talker samples the first, its code predictor the rest)
     ──▶ codec decoder (the package's ``Qwen3TTSTokenizerV2Decoder``, as ``Qwen3TTSTokenizerV2Model.decode``
         runs it): 1920 samples per frame at 24 kHz ──▶ SpeechOutput to the role adapter
 
-A streamed request (``TTSTask.stream``) runs the same talker with a forward hook on it: the package's
-talker returns each frame's codes from the forward after the one that sampled the frame's first
-code (the same codes its generate collects), so the hook sees every frame as soon as it exists and
-decodes it in chunks: the first after FIRST_CHUNK_FRAMES frames, then every CHUNK_FRAMES, the rest at
+A streamed request (``TTSTask.stream``) runs the same talker and sees every frame as soon as the
+code predictor has filled it in (the same codes the package's generate collects), and decodes them
+in chunks: the first after FIRST_CHUNK_FRAMES frames, then every CHUNK_FRAMES, the rest at
 the end, each chunk decoded with up to LEFT_CONTEXT_FRAMES earlier frames before it and the context's
 samples dropped — the package's own ``chunked_decode`` scheme (its decoder is causal: convolutions
 padded on the left, attention over a sliding window), so the pieces differ from a one-shot decode
 only where the decoder would reach further back than the context. The plan is fixed, so a request
 re-synthesised elsewhere with the same seed yields the very same pieces (the gateway resumes a
-stream by chunk index). A cancelled stream stops at its next frame (the hook raises).
+stream by chunk index). A cancelled stream stops at its next frame.
 
-Determinism: each request runs under its own seeded random stream (``fork_rng`` + ``manual_seed``),
-so its codes depend on its seed, voice and text only; streamed and one-shot requests sample the
-same codes. Batching: not yet. The package's ``generate`` draws a batch's samples from one random
-stream, so a request's audio would depend on its neighbours (and a stage retried elsewhere would
-no longer speak the same); batching needs this talker stepped by us with per-request generators,
-as the omni talkers are (``qwen3_talker.py``). Until then the requests a worker holds run their
-whole ``generate`` one at a time, taking turns.
+Why not the package's ``generate`` itself: under transformers 5.25 its KV caches never reach its
+models (``generate`` passes ``cache=``, the package's talker and code predictor read
+``past_key_values``), so every talker and code-predictor step ran without its history. Ours keeps
+them; the test compares with the package's ``generate`` given its caches.
+
+Determinism: each request samples from its own generator seeded with its seed, in the order the
+package's ``generate`` draws from ``torch.manual_seed(seed)`` (tested: the same frames), so its
+codes depend on its seed, voice and text only, batched or alone (the contract of the omni engines,
+engine.py); streamed and one-shot requests sample the same codes.
 
 Queue, synthesis thread, cancellation, deadlines and ``close`` are the Qwen2.5-Omni engine's
 (:class:`~omnirelay.workers.speech.engine.GenerateSpeechEngine`, whose step() this engine runs);
@@ -37,13 +40,12 @@ this class only loads the model and synthesises. It holds no sockets.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -51,6 +53,7 @@ from omnirelay.errors import BadRequest
 from omnirelay.speech_params import MAX_CODES, SpeechParams
 
 from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, _change_speed, _load_prefixed
+from omnirelay.workers.speech import qwen3_tts_talker
 from omnirelay.workers.speech.qwen3_tts_package import check_supported, load_classes
 from omnirelay.workers.speech.stream import SynthesisCancelled
 from omnirelay.workers.speech.turns import RandomState
@@ -168,18 +171,32 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
 
     # ------------------------------------------------------------------ synthesis (synthesis thread)
 
-    def _generate(self, task: TTSTask) -> list[torch.Tensor]:
-        ids = torch.tensor([task.prompt_token_ids], dtype=torch.long, device=self.device)
-        codes, _ = self.model.generate(input_ids=[ids], languages=["auto"], speakers=[task.params.voice.lower()],
-                                       non_streaming_mode=True, max_new_tokens=task.frames_budget(), **self.sampling)
-        return codes
+    def _talk(self, task: TTSTask, on_frame: Callable[[torch.Tensor], None] | None = None,
+              cancelled: threading.Event | None = None) -> list[torch.Tensor]:
+        """Run the talker: each frame's codes [groups], in order (up to ``frames_budget`` samples or
+        the codec EOS). The prompt forward runs holding the turn; each decode step rides the worker's
+        step batch (qwen3_tts_talker.py); ``on_frame`` sees each frame as soon as it exists (away from
+        the batch: it may decode audio)."""
+        generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
+        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
+            embeds, tts_pad = qwen3_tts_talker.prompt(self.model, task.prompt_token_ids, task.params.voice.lower(),
+                                                      self.device)
+            row = qwen3_tts_talker.start(self.model, embeds, generator, self.sampling)
+        row.text_row = tts_pad   # non-streaming mode: the whole text is in the prompt
+        frames: list[torch.Tensor] = []
+        budget = task.frames_budget()
+        with self.step_batch.seat(row) as seat:
+            while row.first_codes[-1] != self.eos and row.sampled < budget:
+                if cancelled is not None and cancelled.is_set():
+                    raise SynthesisCancelled()   # a cancelled request stops at its next frame
+                self.step_batch.ride(seat)
+                frames.append(row.codes)
+                if on_frame is not None:
+                    self.step_batch.away(lambda: on_frame(frames[-1]))
+        return frames
 
-    @contextlib.contextmanager
-    def _seeded(self, seed: int) -> Iterator[None]:
-        """Synthesise holding the engine's turn under the request's own random stream: the synthesis
-        threads of a worker holding several requests run one at a time, each drawing only its own."""
-        with self.turns.hold(RandomState(seed, self.device)):
-            yield
+    def _step_rows(self, seats) -> None:
+        qwen3_tts_talker.step(self.model, self.batch_kv, seats)
 
     def _stops_with(self, task: TTSTask, cancelled: threading.Event) -> None:
         """Nothing to wire: a TTS request has no streamed reply to wait for (its stream stops at a frame)."""
@@ -193,8 +210,9 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
 
     @torch.inference_mode()
     def synthesize(self, task: TTSTask) -> tuple[torch.Tensor, int]:  # type: ignore[override]
-        with self._seeded(task.params.seed):
-            frames = self._generate(task)[0]
+        frames = self._talk(task)
+        frames = torch.stack(frames) if frames else torch.zeros(0, self.model.talker.config.num_code_groups,
+                                                                 dtype=torch.long)
         wav = self.decode(frames)
         if task.params.speed != 1.0 and wav.numel():
             wav = _change_speed(wav, task.params.speed)
@@ -205,20 +223,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
                           cancelled: threading.Event | None = None) -> int:
         cancelled = cancelled or threading.Event()
         chunker = _FrameChunker(self, task, emit)
-
-        def tap(_module: Any, _args: Any, output: Any) -> None:
-            if cancelled.is_set():
-                raise SynthesisCancelled()
-            codes = output.hidden_states[-1]   # [1, groups] after the prefill, None at it
-            if codes is not None and int(codes[0, 0]) != self.eos:
-                chunker.add(codes[0])
-
-        hook = self.model.talker.register_forward_hook(tap)
-        try:
-            with self._seeded(task.params.seed):
-                self._generate(task)
-        finally:
-            hook.remove()
+        self._talk(task, chunker.add, cancelled)
         if cancelled.is_set():
             raise SynthesisCancelled()
         chunker.finish()

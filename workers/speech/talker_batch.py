@@ -25,33 +25,41 @@ import dataclasses
 import torch
 from transformers import DynamicCache
 from transformers.generation.logits_process import (
-    LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor, TemperatureLogitsWarper,
+    LogitsProcessorList, MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor, TemperatureLogitsWarper,
     TopKLogitsWarper, TopPLogitsWarper)
 
 
 class RowSampler:
     """One request's sampling of one head: ``generate(do_sample=True, ...)``'s processors, its generator."""
 
-    def __init__(self, generator: torch.Generator, *, top_k: int | None = None, top_p: float = 1.0,
-                 temperature: float = 1.0, repetition_penalty: float = 1.0, suppress: list[int] | None = None,
+    def __init__(self, generator: torch.Generator, *, greedy: bool = False, top_k: int | None = None,
+                 top_p: float = 1.0, temperature: float = 1.0, repetition_penalty: float = 1.0,
+                 min_new_tokens: tuple[int, int] | None = None, suppress: list[int] | None = None,
                  device: torch.device | str = "cpu"):
+        """``min_new_tokens``: (count, eos id): EOS is ruled out until ``count`` tokens were sampled
+        (``seen`` holds the sampled ones only); ``greedy``: the argmax, without the warpers."""
         # The order of generate()'s _get_logits_processor: penalties and suppression, then the warpers.
         steps = LogitsProcessorList()
         if repetition_penalty != 1.0:
             steps.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+        if min_new_tokens is not None:
+            steps.append(MinNewTokensLengthLogitsProcessor(0, min_new_tokens[0], min_new_tokens[1], device=device))
         if suppress:
             steps.append(SuppressTokensLogitsProcessor(suppress, device=device))
-        if temperature != 1.0:
-            steps.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            steps.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            steps.append(TopPLogitsWarper(top_p))
-        self.steps, self.generator = steps, generator
+        if not greedy:
+            if temperature != 1.0:
+                steps.append(TemperatureLogitsWarper(temperature))
+            if top_k:
+                steps.append(TopKLogitsWarper(top_k))
+            if top_p < 1.0:
+                steps.append(TopPLogitsWarper(top_p))
+        self.steps, self.generator, self.greedy = steps, generator, greedy
 
     def sample(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
         """One token from ``logits`` [V] (the last position's), given the ids ``seen`` [T] so far."""
         scores = self.steps(seen[None], logits[None].to(dtype=torch.float32, copy=True))
+        if self.greedy:
+            return int(scores[0].argmax())
         probs = torch.nn.functional.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
 
