@@ -58,9 +58,11 @@ compute-bound (measured on the tiny model: 8 requests' DiT in one call take 8.3Ã
 talker's small per-step forwards.
 
 Threads: each request held runs on its own synthesis thread (up to ``max_batch_size``). The prompt
-forward and the one-shot token2wav take turns (:class:`~omnirelay.workers.speech.turns.Turns`:
-the talker module keeps M-RoPE state from its prompt forward, and token2wav draws from the global
-stream). ``step()`` starts waiting requests on free threads and returns at once (or after a short
+forward and every vocoder call take turns (:class:`~omnirelay.workers.speech.turns.Turns`: the
+talker module keeps M-RoPE state from its prompt forward; the one-shot token2wav draws from the
+global stream; and vocoders are compute-bound, so side by side they would only share the cores
+and delay every first piece; a streamed request whose first piece has not left goes first:
+:meth:`_vocode`), while the step batch runs the talker steps beside them. ``step()`` starts waiting requests on free threads and returns at once (or after a short
 wait for one to finish), so the worker's loop keeps heartbeating and taking cancels meanwhile.
 Streamed pieces pass from the threads to ``step()`` through a deque (appended there, taken here). A
 cancelled running request is dropped: it stops at its next talker step or while waiting for a
@@ -200,6 +202,9 @@ class GenerateSpeechEngine:
         # The talker's decode steps of the requests held, run as one forward (step_batch.py).
         self.batch_kv = BatchKV()
         self.step_batch = StepBatch(self._step_rows, idle=self.batch_kv.give_back)
+        # Streamed vocoders draw from their own generators: the turn's stream is a placeholder.
+        self._vocoder_stream = RandomState(0, self.device)
+        self._speaking = threading.local()   # per synthesis thread: has its request's first piece left
         self.stats = collections.Counter()
 
     @staticmethod
@@ -355,8 +360,27 @@ class GenerateSpeechEngine:
         """On the synthesis thread: the one-shot waveform, or (None, codes) for a streamed request
         whose pieces went to ``self._chunks``."""
         if task.stream:
-            return None, self.synthesize_stream(task, self._chunks.append, cancelled)
+            self._speaking.spoke = False
+
+            def emit(chunk: SpeechChunk) -> None:
+                self._speaking.spoke = True
+                self._chunks.append(chunk)
+
+            return None, self.synthesize_stream(task, emit, cancelled)
         return self.synthesize(task)
+
+    def _vocode(self, work: Callable[[], object]) -> None:
+        """A streamed request's vocoder work between its talker steps: away from the step batch
+        (no step waits for it) and holding the turn, so the worker's vocoders run one at a time and
+        a request whose first audio has not left yet goes first. (Vocoders are compute-bound: side
+        by side they only share the cores, and every first piece would come as late as the last.)"""
+        urgent = not getattr(self._speaking, "spoke", True)
+
+        def in_turn() -> None:
+            with self.turns.hold(self._vocoder_stream, urgent=urgent):
+                work()
+
+        self.step_batch.away(in_turn)
 
     @torch.inference_mode()
     def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
@@ -423,7 +447,7 @@ class GenerateSpeechEngine:
                 while row.last not in eos:
                     codes.append(row.last)
                     if on_codes is not None:
-                        self.step_batch.away(lambda: on_codes(codes))
+                        self._vocode(lambda: on_codes(codes))
                     if budget(row.sampled):
                         break
                     if reply.cancelled.is_set() or (cancelled is not None and cancelled.is_set()):

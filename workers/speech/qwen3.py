@@ -143,7 +143,8 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         if not steps:
             return torch.zeros(0), 0
         codes = torch.stack(steps, dim=1).transpose(1, 2)            # [1, groups, codes]
-        wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK, left_context_size=CODE2WAV_LEFT_CONTEXT)
+        with self.turns.hold(self._vocoder_stream):   # the worker's vocoders run one at a time
+            wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK, left_context_size=CODE2WAV_LEFT_CONTEXT)
         wav = wav.reshape(-1).float().cpu()
         if task.params.speed != 1.0:
             wav = _change_speed(wav, task.params.speed)
@@ -207,7 +208,7 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
                     self.step_batch.ride(seat)
                     spoken.append(row.codes[None])
                     if on_codes is not None:
-                        self.step_batch.away(lambda: on_codes(spoken[-1]))
+                        self._vocode(lambda: on_codes(spoken[-1]))
             finally:
                 reply.waiting = lambda wait: wait()
         return spoken

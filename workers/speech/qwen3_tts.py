@@ -192,7 +192,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
                 self.step_batch.ride(seat)
                 frames.append(row.codes)
                 if on_frame is not None:
-                    self.step_batch.away(lambda: on_frame(frames[-1]))
+                    self._vocode(lambda: on_frame(frames[-1]))
         return frames
 
     def _step_rows(self, seats) -> None:
@@ -213,7 +213,8 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         frames = self._talk(task)
         frames = torch.stack(frames) if frames else torch.zeros(0, self.model.talker.config.num_code_groups,
                                                                  dtype=torch.long)
-        wav = self.decode(frames)
+        with self.turns.hold(self._vocoder_stream):   # the worker's vocoders run one at a time
+            wav = self.decode(frames)
         if task.params.speed != 1.0 and wav.numel():
             wav = _change_speed(wav, task.params.speed)
         return wav, int(frames.shape[0])
