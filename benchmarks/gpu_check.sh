@@ -146,6 +146,9 @@ if [ "$DRY_RUN" = 0 ]; then
     step "build tiny Qwen3-Omni" "$PY" -c "import sys; from omnirelay.deploy.builders.llm import main; sys.exit(main(['tiny-qwen3-omni', '$WORK/tiny-qwen3-omni']))"
     STEP_TIMEOUT_S=420 step "audio TTFP sweep (benchmarks/audio_ttfp.py)" "$PY" benchmarks/audio_ttfp.py \
         --model qwen3-omni="$WORK/tiny-qwen3-omni" --lengths 16,64,256 --concurrency 1,8 --max-audio-tokens 300
+    # The batched talker in process: 8 requests alone vs held together, each family (bitwise as alone?).
+    step "batched talker (benchmarks/speech_batching.py)" "$PY" benchmarks/speech_batching.py \
+        --models "$WORK" --device cuda --requests 8 --codes 200
     step "tests/engine/test_devices.py CUDA case (Qwen2 placement, TP=2 over NCCL when 2 GPUs)" \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_devices.py -k cuda_placement
 fi

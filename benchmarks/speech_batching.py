@@ -115,6 +115,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--codes", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -135,7 +136,7 @@ def main() -> int:
         path = root / folder
         if not path.exists():
             build(path, seed=0)
-        engine = engine_class.from_pretrained(str(path), max_batch_size=args.requests)
+        engine = engine_class.from_pretrained(str(path), max_batch_size=args.requests, device=args.device)
         engine.path = str(path)
         vocoder = engine.decoder if name == "qwen3-tts" else engine.token2wav
         try:

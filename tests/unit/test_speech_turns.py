@@ -83,3 +83,38 @@ def test_a_streamed_request_goes_first():
     for thread in (first, normal, urgent):
         thread.join(30)
     assert order == ["urgent", "normal"]
+
+
+def test_slots_hold_that_many_at_once_and_serve_urgent_waiters_first():
+    from omnirelay.workers.speech.turns import Slots
+
+    slots, order, inside, most = Slots(2), [], [0], [0]
+    lock, release = threading.Lock(), threading.Event()
+
+    def work(name: str, urgent: bool, ready: threading.Event) -> None:
+        ready.set()
+        with slots.hold(urgent=urgent):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+                order.append(name)
+            release.wait(10)
+            with lock:
+                inside[0] -= 1
+
+    threads = []
+    for name, urgent in (("a", False), ("b", False), ("c", False), ("d", True)):
+        ready = threading.Event()
+        threads.append(threading.Thread(target=work, args=(name, urgent, ready)))
+        threads[-1].start()
+        assert ready.wait(10)
+        for _ in range(1000):   # in the slots or in line before the next one comes
+            with slots._cond:
+                if slots._inside + len(slots._queue) == len(threads):
+                    break
+            threading.Event().wait(0.005)
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert most[0] == 2 and order[:2] == ["a", "b"] and order[2] == "d"

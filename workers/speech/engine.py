@@ -5,10 +5,10 @@ Life of a request through this engine::
     add(SpeechTask: prompt ids + hidden states, reply ids + hidden states, SpeechParams)
         ──▶ waiting (FIFO) ──step(): the oldest live request──▶
     talker: its prompt is built exactly as transformers' ``Qwen2_5OmniForConditionalGeneration.generate``
-        builds it, then stepped as ``generate`` steps it, its decode steps batched with the other
-        requests' (qwen2_5_talker.py), and sampled with the same settings (top-k 40, top-p 0.8, temperature 0.9,
-        repetition penalty 1.05, codec BOS suppressed, EOS = codec pad/end) up to ``max_codes`` (by
-        default in proportion to the reply's length: ``SpeechParams.codes_for``)
+        builds it, then stepped as ``generate`` steps it (its decode steps batched with the other
+        requests': qwen2_5_talker.py) and sampled with the same settings (top-k 40, top-p 0.8,
+        temperature 0.9, repetition penalty 1.05, codec BOS suppressed, EOS = codec pad/end) up to
+        ``max_codes`` (by default in proportion to the reply's length: ``SpeechParams.codes_for``)
     ──▶ token2wav: DiT (10 Runge-Kutta steps from Gaussian noise, speaker ``cond`` + ``ref_mel``)
         + BigVGAN ──▶ SpeechOutput(float waveform at :data:`SAMPLE_RATE`) to the role adapter
 
@@ -58,16 +58,15 @@ compute-bound (measured on the tiny model: 8 requests' DiT in one call take 8.3�
 talker's small per-step forwards.
 
 Threads: each request held runs on its own synthesis thread (up to ``max_batch_size``). The prompt
-forward and every vocoder call take turns (:class:`~omnirelay.workers.speech.turns.Turns`: the
-talker module keeps M-RoPE state from its prompt forward; the one-shot token2wav draws from the
-global stream; and vocoders are compute-bound, so side by side they would only share the cores
-and delay every first piece; a streamed request whose first piece has not left goes first:
-:meth:`_vocode`), while the step batch runs the talker steps beside them. ``step()`` starts waiting requests on free threads and returns at once (or after a short
-wait for one to finish), so the worker's loop keeps heartbeating and taking cancels meanwhile.
-Streamed pieces pass from the threads to ``step()`` through a deque (appended there, taken here). A
-cancelled running request is dropped: it stops at its next talker step or while waiting for a
-chunk, streamed or one-shot. :meth:`close` stops the waiting ones and joins the threads (the worker
-runtime owns the engine and closes it).
+forward and the one-shot token2wav take turns (:class:`~omnirelay.workers.speech.turns.Turns`: the
+talker module keeps M-RoPE state from its prompt forward, and token2wav draws from the global
+stream); the other vocoder calls share :data:`VOCODER_SLOTS` slots, a request whose first piece
+has not left first (:meth:`_vocode`); the step batch runs the talker steps beside them. ``step()`` starts waiting
+requests on free threads and returns at once (or after a short wait for one to finish), so the
+worker's loop keeps heartbeating and taking cancels meanwhile. Streamed pieces pass from the threads
+to ``step()`` through a deque (appended there, taken here). A cancelled running request is dropped:
+it stops at its next talker step or while waiting for a chunk, streamed or one-shot. :meth:`close`
+stops the waiting ones and joins the threads (the worker runtime owns the engine and closes it).
 
 The engine holds no sockets; the role adapter (``role.py``) encodes and sends the audio.
 """
@@ -95,11 +94,16 @@ from omnirelay.workers.speech.reply_source import ReplySource
 from omnirelay.workers.speech.step_batch import StepBatch
 from omnirelay.workers.speech.stream import ChunkedToken2Wav, SynthesisCancelled
 from omnirelay.workers.speech.talker_batch import BatchKV
-from omnirelay.workers.speech.turns import RandomState, Turns
+from omnirelay.workers.speech.turns import RandomState, Slots, Turns
 
 log = logging.getLogger("omnirelay.worker.speech")
 
 SAMPLE_RATE = 24000                                   # Qwen2.5-Omni's token2wav output rate
+# Vocoder calls a worker runs at once. Vocoders are compute-bound: eight side by side only share the
+# cores and every first piece comes as late as the last (measured at 8 streamed answers on 2 cores:
+# Qwen2.5-Omni's first audio 1.5 s one at a time, 2.5 s all at once); one at a time leaves a core
+# idle beside the talker batch (Qwen3-Omni's end to end 7.5 s → 10.1 s). Two, first audio first.
+VOCODER_SLOTS = 2
 
 
 @dataclasses.dataclass
@@ -202,8 +206,7 @@ class GenerateSpeechEngine:
         # The talker's decode steps of the requests held, run as one forward (step_batch.py).
         self.batch_kv = BatchKV()
         self.step_batch = StepBatch(self._step_rows, idle=self.batch_kv.give_back)
-        # Streamed vocoders draw from their own generators: the turn's stream is a placeholder.
-        self._vocoder_stream = RandomState(0, self.device)
+        self.vocoder_slots = Slots(VOCODER_SLOTS)
         self._speaking = threading.local()   # per synthesis thread: has its request's first piece left
         self.stats = collections.Counter()
 
@@ -371,16 +374,15 @@ class GenerateSpeechEngine:
 
     def _vocode(self, work: Callable[[], object]) -> None:
         """A streamed request's vocoder work between its talker steps: away from the step batch
-        (no step waits for it) and holding the turn, so the worker's vocoders run one at a time and
-        a request whose first audio has not left yet goes first. (Vocoders are compute-bound: side
-        by side they only share the cores, and every first piece would come as late as the last.)"""
+        (no step waits for it) and in one of the worker's :data:`VOCODER_SLOTS`, a request whose
+        first audio has not left yet first."""
         urgent = not getattr(self._speaking, "spoke", True)
 
-        def in_turn() -> None:
-            with self.turns.hold(self._vocoder_stream, urgent=urgent):
+        def in_slot() -> None:
+            with self.vocoder_slots.hold(urgent=urgent):
                 work()
 
-        self.step_batch.away(in_turn)
+        self.step_batch.away(in_slot)
 
     @torch.inference_mode()
     def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
@@ -390,7 +392,8 @@ class GenerateSpeechEngine:
             return torch.zeros(0), 0
         speaker = self.speakers[task.params.voice]
         # token2wav's noise: transformers draws it from the talker's stream, after the talker's draws.
-        with self.turns.hold(RandomState.following(generator, task.params.seed, self.device)):
+        with self.vocoder_slots.hold(), \
+                self.turns.hold(RandomState.following(generator, task.params.seed, self.device)):
             cond = speaker["cond"].to(self.device).float().expand(1, -1)
             ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
             wav = self.token2wav(torch.tensor([codes], dtype=torch.long, device=self.device),

@@ -143,7 +143,7 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         if not steps:
             return torch.zeros(0), 0
         codes = torch.stack(steps, dim=1).transpose(1, 2)            # [1, groups, codes]
-        with self.turns.hold(self._vocoder_stream):   # the worker's vocoders run one at a time
+        with self.vocoder_slots.hold():   # engine.py: VOCODER_SLOTS
             wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK, left_context_size=CODE2WAV_LEFT_CONTEXT)
         wav = wav.reshape(-1).float().cpu()
         if task.params.speed != 1.0:

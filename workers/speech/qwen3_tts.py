@@ -213,7 +213,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         frames = self._talk(task)
         frames = torch.stack(frames) if frames else torch.zeros(0, self.model.talker.config.num_code_groups,
                                                                  dtype=torch.long)
-        with self.turns.hold(self._vocoder_stream):   # the worker's vocoders run one at a time
+        with self.vocoder_slots.hold():   # engine.py: VOCODER_SLOTS
             wav = self.decode(frames)
         if task.params.speed != 1.0 and wav.numel():
             wav = _change_speed(wav, task.params.speed)

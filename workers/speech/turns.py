@@ -13,6 +13,9 @@ A thread takes the turn (:meth:`Turns.hold`) and gives it up while it blocks (:m
 waiting for its thinker's first chunk, say); waiting threads are served in arrival order, except
 that a streamed request (``hold(..., urgent=True)``) goes before the others: time to first audio is
 what a listener waits for (the way a scheduler runs a new prompt's prefill first).
+
+:class:`Slots` is the same line with room for more than one and no random stream: for work that
+draws none and only competes for the cores (the vocoders: engine.py ``VOCODER_SLOTS``).
 """
 
 from __future__ import annotations
@@ -130,6 +133,35 @@ class Turns:
             self._acquire()
             rng.restore()
             self._restore_modules()
+
+
+class Slots:
+    """At most ``capacity`` threads inside at once; waiters are served in arrival order, urgent ones
+    first. No random stream is set: for work that draws none (the streamed vocoders)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(1, capacity)
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._queue: collections.deque[_Waiter] = collections.deque()
+
+    @contextlib.contextmanager
+    def hold(self, urgent: bool = False) -> Iterator[None]:
+        me = _Waiter(urgent)
+        with self._cond:
+            self._queue.append(me)
+            while self._inside >= self.capacity or \
+                    next((w for w in self._queue if w.urgent), self._queue[0]) is not me:
+                self._cond.wait()
+            self._queue.remove(me)
+            self._inside += 1
+            self._cond.notify_all()   # the next in line may fit too
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                self._cond.notify_all()
 
 
 class _Waiter:
