@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from omnirelay.workers.speech.step_batch import Seat
-from omnirelay.workers.speech.talker_batch import BatchKV, KVRow, RowSampler
+from omnirelay.workers.speech.talker_batch import BatchKV, KVRow, RowSampler, sample_rows
 
 TALKER_SAMPLING = {"top_k": 40, "top_p": 0.8, "temperature": 0.9, "repetition_penalty": 1.05}
 
@@ -65,5 +65,6 @@ def step(talker, batch_kv: BatchKV, seats: list[Seat]) -> None:
                  cache=cache, use_cache=True)
     batch_kv.advance()
     logits = out.logits[:, -1]
-    for i, row in enumerate(rows):
-        row.seen.append(row.sampler.sample(logits[i], torch.tensor(row.seen, dtype=torch.long, device=device)))
+    seen = [torch.tensor(r.seen, dtype=torch.long, device=device) for r in rows]
+    for row, code in zip(rows, sample_rows([r.sampler for r in rows], logits, seen)):
+        row.seen.append(code)

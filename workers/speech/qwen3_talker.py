@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from omnirelay.workers.speech.step_batch import Seat
-from omnirelay.workers.speech.talker_batch import BatchKV, KVRow, RowSampler
+from omnirelay.workers.speech.talker_batch import BatchKV, KVRow, RowSampler, sample_rows
 
 TALKER_SAMPLING = {"top_k": 50, "top_p": 1.0, "temperature": 0.9, "repetition_penalty": 1.05}
 PREDICTOR_SAMPLING = {"top_k": 50, "top_p": 0.8}   # what the talker's generate() asks of the code predictor
@@ -76,8 +76,8 @@ def step(talker, batch_kv: BatchKV, seats: list[Seat]) -> None:
                     cache=DynamicCache(), use_cache=True)
     for group in range(1, groups):
         logits = out.logits[:, -1]
-        drawn = torch.tensor([[r.predictor.sample(logits[i], no_ids)] for i, r in enumerate(rows)],
-                             dtype=torch.long, device=device)
+        drawn = torch.tensor(sample_rows([r.predictor for r in rows], logits, [no_ids] * len(rows)),
+                             dtype=torch.long, device=device)[:, None]
         codes.append(drawn)
         embeds.append(predictor.get_input_embeddings()[group - 1](drawn))
         if group < groups - 1:
@@ -90,8 +90,8 @@ def step(talker, batch_kv: BatchKV, seats: list[Seat]) -> None:
     batch_kv.advance()
     logits, hidden = out.logits[:, -1], out.hidden_states[0][-1][:, -1]
     step_codes = torch.cat(codes, dim=1)
-    for i, row in enumerate(rows):
+    seen = [torch.tensor(r.first_codes, dtype=torch.long, device=device) for r in rows]
+    for i, (row, code) in enumerate(zip(rows, sample_rows([r.talker for r in rows], logits, seen))):
         row.codes = step_codes[i]
         row.past_hidden = hidden[i]
-        seen = torch.tensor(row.first_codes, dtype=torch.long, device=device)
-        row.first_codes.append(row.talker.sample(logits[i], seen))
+        row.first_codes.append(code)

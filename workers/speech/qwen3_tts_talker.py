@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from omnirelay.workers.speech.qwen3_talker import Qwen3Row
 from omnirelay.workers.speech.step_batch import Seat
-from omnirelay.workers.speech.talker_batch import BatchKV, KVRow, RowSampler
+from omnirelay.workers.speech.talker_batch import BatchKV, KVRow, RowSampler, sample_rows
 
 
 def prompt(model, ids: list[int], voice: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +92,8 @@ def step(model, batch_kv: BatchKV, seats: list[Seat]) -> None:
                     past_key_values=DynamicCache(), use_cache=True)
     for group in range(1, groups):
         logits = out.logits[:, -1]
-        drawn = torch.tensor([[r.predictor.sample(logits[i], no_ids)] for i, r in enumerate(rows)],
-                             dtype=torch.long, device=device)
+        drawn = torch.tensor(sample_rows([r.predictor for r in rows], logits, [no_ids] * len(rows)),
+                             dtype=torch.long, device=device)[:, None]
         codes.append(drawn)
         embeds.append(predictor.get_input_embeddings()[group - 1](drawn))
         if group < groups - 1:
@@ -111,8 +111,8 @@ def step(model, batch_kv: BatchKV, seats: list[Seat]) -> None:
     hidden = out.last_hidden_state[:, -1]
     logits = talker.codec_head(hidden)
     step_codes = torch.cat(codes, dim=1)
-    for i, row in enumerate(rows):
+    seen = [torch.tensor(r.first_codes, dtype=torch.long, device=device) for r in rows]
+    for i, (row, code) in enumerate(zip(rows, sample_rows([r.talker for r in rows], logits, seen))):
         row.codes = step_codes[i]
         row.past_hidden = hidden[i]
-        seen = torch.tensor(row.first_codes, dtype=torch.long, device=device)
-        row.first_codes.append(row.talker.sample(logits[i], seen))
+        row.first_codes.append(code)

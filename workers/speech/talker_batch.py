@@ -21,11 +21,12 @@ border, its codes differ from then on. The engines' determinism contract says so
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from transformers import DynamicCache
 from transformers.generation.logits_process import (
-    LogitsProcessorList, MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor, TemperatureLogitsWarper,
+    MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
     TopKLogitsWarper, TopPLogitsWarper)
 
 
@@ -39,13 +40,13 @@ class RowSampler:
         """``min_new_tokens``: (count, eos id): EOS is ruled out until ``count`` tokens were sampled
         (``seen`` holds the sampled ones only); ``greedy``: the argmax, without the warpers."""
         # The order of generate()'s _get_logits_processor: penalties and suppression, then the warpers.
-        steps = LogitsProcessorList()
+        steps: list = []
         if repetition_penalty != 1.0:
             steps.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
         if min_new_tokens is not None:
             steps.append(MinNewTokensLengthLogitsProcessor(0, min_new_tokens[0], min_new_tokens[1], device=device))
         if suppress:
-            steps.append(SuppressTokensLogitsProcessor(suppress, device=device))
+            steps.append(_Suppress(suppress, device))
         if not greedy:
             if temperature != 1.0:
                 steps.append(TemperatureLogitsWarper(temperature))
@@ -57,11 +58,49 @@ class RowSampler:
 
     def sample(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
         """One token from ``logits`` [V] (the last position's), given the ids ``seen`` [T] so far."""
-        scores = self.steps(seen[None], logits[None].to(dtype=torch.float32, copy=True))
+        scores, ids = logits[None].to(dtype=torch.float32, copy=True), seen[None]
+        for step in self.steps:   # each in turn (LogitsProcessorList inspects every signature per call)
+            scores = step(ids, scores)
         if self.greedy:
             return int(scores[0].argmax())
         probs = torch.nn.functional.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
+
+
+class _Suppress:
+    """``SuppressTokensLogitsProcessor`` with its mask built once, not per call: the same scores."""
+
+    def __init__(self, suppress: list[int], device: torch.device | str):
+        self.ids = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device)
+        self.mask: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.mask is None or self.mask.shape[-1] != scores.shape[-1]:
+            self.mask = torch.isin(torch.arange(scores.shape[-1], device=scores.device), self.ids)
+        return torch.where(self.mask, -math.inf, scores)
+
+
+# Processors that read a row's own ids (so they run row by row); every other one is elementwise or
+# per row on the scores alone, so running it on the whole batch gives each row's scores alone.
+_READ_IDS = (RepetitionPenaltyLogitsProcessor, MinNewTokensLengthLogitsProcessor)
+
+
+def sample_rows(samplers: list[RowSampler], logits: torch.Tensor, seen: list[torch.Tensor]) -> list[int]:
+    """One token per row of ``logits`` [B, V]: ``samplers[i]`` with the ids ``seen[i]``, as
+    ``samplers[i].sample`` would draw it, the batch's shared processing done once (the samplers of
+    one batch are configured alike: one head of one model)."""
+    scores = logits.to(dtype=torch.float32, copy=True)
+    for index, step in enumerate(samplers[0].steps):
+        if isinstance(step, _READ_IDS):
+            for row, sampler in enumerate(samplers):
+                scores[row] = sampler.steps[index](seen[row][None], scores[row:row + 1])[0]
+        else:
+            scores = step(None, scores)
+    if samplers[0].greedy:
+        return [int(t) for t in scores.argmax(dim=-1)]
+    probs = torch.nn.functional.softmax(scores, dim=-1)
+    return [int(torch.multinomial(probs[row:row + 1], num_samples=1, generator=sampler.generator)[0, 0])
+            for row, sampler in enumerate(samplers)]
 
 
 @dataclasses.dataclass(eq=False)
