@@ -25,20 +25,22 @@ CODES = 24
 HELD = 4
 
 
+def _engine(tmp_path_factory, folder: str, build, engine_class):
+    torch.set_num_threads(1)
+    path = build(tmp_path_factory.mktemp("models") / folder, seed=0)
+    return engine_class.from_pretrained(str(path), max_batch_size=HELD)
+
+
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
-    torch.set_num_threads(1)
-    path = build_tiny_omni(tmp_path_factory.mktemp("models") / "tiny-omni", seed=0)
-    engine = GenerateSpeechEngine.from_pretrained(str(path), max_batch_size=HELD)
+    engine = _engine(tmp_path_factory, "tiny-omni", build_tiny_omni, GenerateSpeechEngine)
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    torch.set_num_threads(1)
-    path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("models") / "tiny-qwen3-omni", seed=0)
-    engine = Qwen3SpeechEngine.from_pretrained(str(path), max_batch_size=HELD)
+    engine = _engine(tmp_path_factory, "tiny-qwen3-omni", build_tiny_qwen3_omni, Qwen3SpeechEngine)
     yield engine
     engine.close()
 

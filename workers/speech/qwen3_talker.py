@@ -65,33 +65,45 @@ def start(talker, inputs: dict, generator: torch.Generator, suppress: list[int])
 def step(talker, batch_kv: BatchKV, seats: list[Seat]) -> None:
     """One talker step of every seat's request (a :class:`~omnirelay.workers.speech.step_batch.StepBatch` run)."""
     rows: list[Qwen3Row] = [seat.state for seat in seats]
+    codes, inputs_embeds = step_inputs(talker, rows)
+    cache, mask, positions = batch_kv.take([r.kv for r in rows])
+    out = talker(inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=positions, cache=cache,
+                 use_cache=True, output_hidden_states=True, generation_step=0)
+    batch_kv.advance()
+    finish_step(rows, codes, out.logits[:, -1], out.hidden_states[0][-1][:, -1])
+
+
+def step_inputs(talker, rows: list[Qwen3Row], cache_name: str = "cache") -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1–2 for a batch: the code predictor's other codebooks of each row's last first-codebook
+    code (one little generation for the whole batch: its caches are fresh, so every row is the
+    same length) and the talker's next input (the step's code embeddings summed, plus the row's
+    text). Returns the step's codes [B, groups] and the input [B, 1, H]. ``cache_name``: what the
+    predictor calls its cache (transformers' ``cache``; the qwen_tts package's ``past_key_values``)."""
     device = rows[0].past_hidden.device
     last = torch.tensor([[r.first_codes[-1]] for r in rows], dtype=torch.long, device=device)
     embeds = [talker.get_input_embeddings()(last)]                       # [B, 1, H] per codebook
     codes = [last]
     predictor = talker.code_predictor
-    groups = talker.config.num_code_groups
-    no_ids = torch.zeros(0, dtype=torch.long, device=device)
+    no_ids = [torch.zeros(0, dtype=torch.long, device=device)] * len(rows)
     out = predictor(inputs_embeds=torch.cat((torch.stack([r.past_hidden for r in rows])[:, None], embeds[0]), dim=1),
-                    cache=DynamicCache(), use_cache=True)
-    for group in range(1, groups):
-        logits = out.logits[:, -1]
-        drawn = torch.tensor(sample_rows([r.predictor for r in rows], logits, [no_ids] * len(rows)),
+                    use_cache=True, **{cache_name: DynamicCache()})
+    for group in range(1, talker.config.num_code_groups):
+        drawn = torch.tensor(sample_rows([r.predictor for r in rows], out.logits[:, -1], no_ids),
                              dtype=torch.long, device=device)[:, None]
         codes.append(drawn)
         embeds.append(predictor.get_input_embeddings()[group - 1](drawn))
-        if group < groups - 1:
-            out = predictor(input_ids=drawn, cache=out.cache, use_cache=True, generation_steps=group)
+        if group < talker.config.num_code_groups - 1:
+            out = predictor(input_ids=drawn, use_cache=True, generation_steps=group,
+                            **{cache_name: getattr(out, cache_name)})
     text = torch.stack([r.text_row for r in rows])[:, None].to(embeds[0].dtype)
-    inputs_embeds = torch.cat(embeds, dim=1).sum(1, keepdim=True) + text
-    cache, mask, positions = batch_kv.take([r.kv for r in rows])
-    out = talker(inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=positions, cache=cache,
-                 use_cache=True, output_hidden_states=True, generation_step=0)
-    batch_kv.advance()
-    logits, hidden = out.logits[:, -1], out.hidden_states[0][-1][:, -1]
-    step_codes = torch.cat(codes, dim=1)
+    return torch.cat(codes, dim=1), torch.cat(embeds, dim=1).sum(1, keepdim=True) + text
+
+
+def finish_step(rows: list[Qwen3Row], codes: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """Step 3's end for a batch: each row's step codes, its new last state, its next first-codebook code."""
+    device = logits.device
     seen = [torch.tensor(r.first_codes, dtype=torch.long, device=device) for r in rows]
     for i, (row, code) in enumerate(zip(rows, sample_rows([r.talker for r in rows], logits, seen))):
-        row.codes = step_codes[i]
+        row.codes = codes[i]
         row.past_hidden = hidden[i]
         row.first_codes.append(code)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from omnirelay.workers.speech.qwen3_talker import Qwen3Row
+from omnirelay.workers.speech.qwen3_talker import Qwen3Row, finish_step, step_inputs
 from omnirelay.workers.speech.step_batch import Seat
-from omnirelay.workers.speech.talker_batch import BatchKV, KVRow, RowSampler, sample_rows
+from omnirelay.workers.speech.talker_batch import BatchKV, KVRow, RowSampler
 
 
 def prompt(model, ids: list[int], voice: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,38 +81,13 @@ def step(model, batch_kv: BatchKV, seats: list[Seat]) -> None:
     """One talker step of every seat's request (a :class:`~omnirelay.workers.speech.step_batch.StepBatch` run)."""
     talker = model.talker
     rows: list[Qwen3Row] = [seat.state for seat in seats]
-    device = rows[0].past_hidden.device
-    last = torch.tensor([[r.first_codes[-1]] for r in rows], dtype=torch.long, device=device)
-    embeds = [talker.get_input_embeddings()(last)]
-    codes = [last]
-    predictor = talker.code_predictor
-    groups = talker.config.num_code_groups
-    no_ids = torch.zeros(0, dtype=torch.long, device=device)
-    out = predictor(inputs_embeds=torch.cat((torch.stack([r.past_hidden for r in rows])[:, None], embeds[0]), dim=1),
-                    past_key_values=DynamicCache(), use_cache=True)
-    for group in range(1, groups):
-        logits = out.logits[:, -1]
-        drawn = torch.tensor(sample_rows([r.predictor for r in rows], logits, [no_ids] * len(rows)),
-                             dtype=torch.long, device=device)[:, None]
-        codes.append(drawn)
-        embeds.append(predictor.get_input_embeddings()[group - 1](drawn))
-        if group < groups - 1:
-            out = predictor(input_ids=drawn, past_key_values=out.past_key_values, use_cache=True,
-                            generation_steps=group)
-    text = torch.stack([r.text_row for r in rows])[:, None].to(embeds[0].dtype)
-    inputs_embeds = torch.cat(embeds, dim=1).sum(1, keepdim=True) + text
+    codes, inputs_embeds = step_inputs(talker, rows, cache_name="past_key_values")
     cache, mask, positions = batch_kv.take([r.kv for r in rows])
     # The talker's own forward would run the code predictor itself (from the global random stream)
     # and place every row at one position: its decoder and head are called as that forward calls them.
     out = talker.model(inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=positions,
                        past_key_values=cache, use_cache=True,
-                       cache_position=torch.tensor([mask.shape[1] - 1], device=device))
+                       cache_position=torch.tensor([mask.shape[1] - 1], device=mask.device))
     batch_kv.advance()
     hidden = out.last_hidden_state[:, -1]
-    logits = talker.codec_head(hidden)
-    step_codes = torch.cat(codes, dim=1)
-    seen = [torch.tensor(r.first_codes, dtype=torch.long, device=device) for r in rows]
-    for i, (row, code) in enumerate(zip(rows, sample_rows([r.talker for r in rows], logits, seen))):
-        row.codes = step_codes[i]
-        row.past_hidden = hidden[i]
-        row.first_codes.append(code)
+    finish_step(rows, codes, talker.codec_head(hidden), hidden)
