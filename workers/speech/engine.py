@@ -60,13 +60,14 @@ talker's small per-step forwards.
 Threads: each request held runs on its own synthesis thread (up to ``max_batch_size``). The prompt
 forward and the one-shot token2wav take turns (:class:`~omnirelay.workers.speech.turns.Turns`: the
 talker module keeps M-RoPE state from its prompt forward, and token2wav draws from the global
-stream); the other vocoder calls share :data:`VOCODER_SLOTS` slots, a request whose first piece
-has not left first (:meth:`_vocode`); the step batch runs the talker steps beside them. ``step()`` starts waiting
-requests on free threads and returns at once (or after a short wait for one to finish), so the
-worker's loop keeps heartbeating and taking cancels meanwhile. Streamed pieces pass from the threads
-to ``step()`` through a deque (appended there, taken here). A cancelled running request is dropped:
-it stops at its next talker step or while waiting for a chunk, streamed or one-shot. :meth:`close`
-stops the waiting ones and joins the threads (the worker runtime owns the engine and closes it).
+stream); the other vocoder calls share :data:`VOCODER_SLOTS` slots, a request whose first piece has
+not left first (:meth:`_vocode`); the step batch runs the talker steps beside them. ``step()``
+starts waiting requests on free threads and returns as soon as a piece is queued or a request ends
+(50 ms at most), so pieces leave when made and the worker's loop keeps heartbeating and taking
+cancels. Streamed pieces pass from the threads to ``step()`` through a deque (appended there, taken
+here). A cancelled running request is dropped: it stops at its next talker step or while waiting for
+a chunk, streamed or one-shot. :meth:`close` stops the waiting ones and joins the threads (the
+worker runtime owns the engine and closes it).
 
 The engine holds no sockets; the role adapter (``role.py``) encodes and sends the audio.
 """
@@ -197,6 +198,7 @@ class GenerateSpeechEngine:
         self._dropped: set[str] = set()   # cancelled while running: their result is discarded
         # Streamed pieces, appended by the synthesis threads, taken by step() (deque ends are thread-safe).
         self._chunks: collections.deque[SpeechChunk] = collections.deque()
+        self._news = threading.Event()   # set by a thread that queued a piece or ended: step() returns
         self._first_chunk_codes: dict[str, int] = {}
         # One thread per request held, computing one at a time (turns.py): a talker waiting for the
         # thinker's next chunk never holds back another request.
@@ -285,8 +287,9 @@ class GenerateSpeechEngine:
     # ------------------------------------------------------------------ one step
 
     def step(self, wait_s: float = 0.05) -> SpeechStep:
-        """Expire waiting requests, start waiting ones while threads are free, collect the pieces
-        streamed requests produced so far, and collect the requests that finish within ``wait_s``."""
+        """Expire waiting requests, start waiting ones while threads are free, then return as soon as
+        a streamed piece is queued or a request finishes (within ``wait_s``), with every piece queued
+        and every request finished by then."""
         out = SpeechStep()
         for task in self.waiting.pop_expired():
             out.failed.append(RequestFailure(task.request_id, DeadlineExceeded.error_type, "deadline passed before speech"))
@@ -294,13 +297,18 @@ class GenerateSpeechEngine:
             task = self.waiting.popleft()
             cancelled = threading.Event()
             self._stops_with(task, cancelled)
-            self.running[task.request_id] = (task, self._thread.submit(self._synthesize_any, task, cancelled), cancelled)
+            future = self._thread.submit(self._synthesize_any, task, cancelled)
+            future.add_done_callback(lambda _: self._news.set())
+            self.running[task.request_id] = (task, future, cancelled)
         if not self.running:
             return out
-        futures = [future for _, future, _ in self.running.values()]
-        done, _ = concurrent.futures.wait(futures, timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        # A piece leaves as soon as it is made: waiting out wait_s would add up to that much to
+        # every piece's latency, the first audio's included.
+        self._news.clear()
+        if not self._chunks and not any(future.done() for _, future, _ in self.running.values()):
+            self._news.wait(wait_s)
         for request_id, (task, future, _) in list(self.running.items()):
-            if future in done:
+            if future.done():
                 del self.running[request_id]
                 self._finish(task, future, out)
         self._collect_chunks(out)   # a request that ended queued its last pieces before it did
@@ -368,6 +376,7 @@ class GenerateSpeechEngine:
             def emit(chunk: SpeechChunk) -> None:
                 self._speaking.spoke = True
                 self._chunks.append(chunk)
+                self._news.set()
 
             return None, self.synthesize_stream(task, emit, cancelled)
         return self.synthesize(task)
