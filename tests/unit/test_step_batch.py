@@ -88,7 +88,8 @@ def test_batch_kv_lays_rows_side_by_side_and_gives_each_its_own_back():
         gen = torch.Generator().manual_seed(seed)
         cache = DynamicCache()
         for layer in range(2):
-            cache.update(torch.randn(1, 2, length, 4, generator=gen), torch.randn(1, 2, length, 4, generator=gen), layer)
+            keys, values = torch.randn(2, 1, 2, length, 4, generator=gen)
+            cache.update(keys, values, layer)
         return cache
 
     rows = [KVRow(own(2, 0), 2, rope_delta=0), KVRow(own(4, 1), 4, rope_delta=-3)]

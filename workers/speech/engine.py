@@ -437,7 +437,8 @@ class GenerateSpeechEngine:
         codes, _ = self._talk(task, token2wav.feed, cancelled)
         if cancelled.is_set():
             raise SynthesisCancelled()
-        token2wav.feed(codes, final=True)
+        with self.vocoder_slots.hold():
+            token2wav.feed(codes, final=True)
         return len(codes)
 
     def _talk(self, task: SpeechTask, on_codes: Callable[[list[int]], None] | None = None,

@@ -144,7 +144,8 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
             return torch.zeros(0), 0
         codes = torch.stack(steps, dim=1).transpose(1, 2)            # [1, groups, codes]
         with self.vocoder_slots.hold():   # engine.py: VOCODER_SLOTS
-            wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK, left_context_size=CODE2WAV_LEFT_CONTEXT)
+            wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK,
+                                                left_context_size=CODE2WAV_LEFT_CONTEXT)
         wav = wav.reshape(-1).float().cpu()
         if task.params.speed != 1.0:
             wav = _change_speed(wav, task.params.speed)
@@ -177,7 +178,8 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         self._talk(task, on_codes)
         if cancelled.is_set():
             raise SynthesisCancelled()
-        vocoder.finish()
+        with self.vocoder_slots.hold():
+            vocoder.finish()
         return vocoder.total
 
     def _talk(self, task: SpeechTask, on_codes: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:

@@ -227,7 +227,8 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         self._talk(task, chunker.add, cancelled)
         if cancelled.is_set():
             raise SynthesisCancelled()
-        chunker.finish()
+        with self.vocoder_slots.hold():
+            chunker.finish()
         return chunker.count
 
 

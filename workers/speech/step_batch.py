@@ -29,7 +29,7 @@ class Seat:
     __slots__ = ("state", "asked", "done", "error")
 
     def __init__(self, state):
-        self.state = state          # what ``run`` reads and advances (talker_batch.TalkerRow)
+        self.state = state          # what ``run`` reads and advances (a family's row: qwen3_talker.Qwen3Row, …)
         self.asked = False
         self.done = False
         self.error: BaseException | None = None
