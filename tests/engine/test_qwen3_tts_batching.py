@@ -90,3 +90,23 @@ def test_requests_held_together_step_as_one_batch_and_are_each_spoken_as_alone(e
     for request_id, (wav, frames) in alone.items():
         assert outputs[request_id].num_codes == frames
         torch.testing.assert_close(outputs[request_id].waveform, wav, rtol=0, atol=0)
+
+
+def test_a_one_shot_request_cancelled_while_it_runs_stops_at_its_next_frame(engine):
+    task = _task(engine, "long", TEXTS[1])
+    task = dataclasses.replace(task, params=SpeechParams(engine.voices[0], seed=3, max_codes=4000))
+    batches = engine.step_batch.batches
+    engine.add(task)
+    for _ in range(20_000):   # bounded: until its talker has taken a few steps
+        engine.step(wait_s=0.001)
+        if engine.step_batch.batches - batches >= 3:
+            break
+    assert engine.cancel("long")
+    at_cancel = engine.step_batch.batches
+    for _ in range(20_000):
+        if not engine.has_work:
+            break
+        out = engine.step()
+        assert not out.outputs and not out.failed   # a cancelled request answers nothing
+    assert not engine.has_work
+    assert engine.step_batch.batches - at_cancel <= 2   # the step under way, at most one more

@@ -21,7 +21,7 @@ samples dropped — the package's own ``chunked_decode`` scheme (its decoder is 
 padded on the left, attention over a sliding window), so the pieces differ from a one-shot decode
 only where the decoder would reach further back than the context. The plan is fixed, so a request
 re-synthesised elsewhere with the same seed yields the very same pieces (the gateway resumes a
-stream by chunk index). A cancelled stream stops at its next frame.
+stream by chunk index). A cancelled request, streamed or one-shot, stops at its next frame.
 
 Why not the package's ``generate`` itself: under transformers 5.25 its KV caches never reach its
 models (``generate`` passes ``cache=``, the package's talker and code predictor read
@@ -78,6 +78,8 @@ class TTSTask:
     params: SpeechParams
     deadline: float
     stream: bool = False
+    # Set by the engine when the request is cancelled while it runs: its talker stops at its next frame.
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def frames_budget(self) -> int:
         text = len(self.prompt_token_ids) - PROMPT_HEAD - PROMPT_TAIL
@@ -187,7 +189,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         budget = task.frames_budget()
         with self.step_batch.seat(row) as seat:
             while row.first_codes[-1] != self.eos and row.sampled < budget:
-                if cancelled is not None and cancelled.is_set():
+                if task.cancelled.is_set() or (cancelled is not None and cancelled.is_set()):
                     raise SynthesisCancelled()   # a cancelled request stops at its next frame
                 self.step_batch.ride(seat)
                 frames.append(row.codes)
@@ -199,7 +201,8 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         qwen3_tts_talker.step(self.model, self.batch_kv, seats)
 
     def _stops_with(self, task: TTSTask, cancelled: threading.Event) -> None:
-        """Nothing to wire: a TTS request has no streamed reply to wait for (its stream stops at a frame)."""
+        """A cancelled request, streamed or one-shot, stops at its next frame."""
+        task.cancelled = cancelled
 
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
         """``frames`` [n, groups] → float32 waveform [n * upsample] (``Qwen3TTSTokenizerV2Model.decode``)."""
