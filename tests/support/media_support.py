@@ -94,15 +94,15 @@ def run_image_engine(engine, *tasks, max_steps: int):
 
 def kill_busiest_worker(cluster: Cluster, killed: dict, role: str | None = None, wait_s: float = 10.0) -> None:
     """kill -9 the worker (of ``role``, if given) holding the most tasks by the broker's own record
-    (``assigned``: set at dispatch, so no heartbeat lag), waiting up to ``wait_s`` for one to hold
-    any; record its tasks under ``killed["busy"]`` and the process under ``killed["proc"]``."""
+    (``assigned``: set at dispatch, so no heartbeat lag), asking the cluster again (each answer is
+    a round trip, no sleep) for up to ``wait_s`` until one holds any; record its tasks under
+    ``killed["busy"]`` and the process under ``killed["proc"]``."""
     deadline = time.monotonic() + wait_s
     while True:
         workers = [w for w in cluster.workers() if role is None or w["role"] == role]
         busiest = max(workers, key=lambda w: (w["assigned"], w["running"] + w["waiting"]))
         if busiest["assigned"] or time.monotonic() > deadline:
             break
-        time.sleep(0.01)
     killed["busy"] = busiest["assigned"]
     killed["proc"] = next(proc for proc in cluster.procs if proc.pid == busiest["pid"])
     killed["proc"].kill9()

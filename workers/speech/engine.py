@@ -207,7 +207,7 @@ class GenerateSpeechEngine:
         self.turns = Turns(tuple(m for m in model.modules() if hasattr(m, "rope_deltas")))
         # The talker's decode steps of the requests held, run as one forward (step_batch.py).
         self.batch_kv = BatchKV()
-        self.step_batch = StepBatch(self._step_rows, idle=self.batch_kv.give_back)
+        self.step_batch = StepBatch(self._step_rows, idle=self.batch_kv.clear)
         self.vocoder_slots = Slots(VOCODER_SLOTS)
         self._speaking = threading.local()   # per synthesis thread: has its request's first piece left
         self.stats = collections.Counter()
@@ -381,15 +381,21 @@ class GenerateSpeechEngine:
             return None, self.synthesize_stream(task, emit, cancelled)
         return self.synthesize(task)
 
-    def _vocode(self, work: Callable[[], object]) -> None:
-        """A streamed request's vocoder work between its talker steps: away from the step batch
-        (no step waits for it) and in one of the worker's :data:`VOCODER_SLOTS`, a request whose
-        first audio has not left yet first."""
+    def _vocode(self, vocoder, codes, count: int) -> None:
+        """Hand a streamed request's vocoder its latest codes (``codes``, ``count`` of them so far)
+        between two talker steps. A feed that vocodes a piece (``vocoder.ready(count)``) runs away
+        from the step batch (no step waits for it), in one of the worker's :data:`VOCODER_SLOTS`, a
+        request whose first audio has not left yet first. One that only collects codes runs in
+        place: away at every step, the request would miss batches, and each coming and going would
+        rebuild the batch cache."""
+        if not vocoder.ready(count):
+            vocoder.feed(codes)
+            return
         urgent = not getattr(self._speaking, "spoke", True)
 
         def in_slot() -> None:
             with self.vocoder_slots.hold(urgent=urgent):
-                work()
+                vocoder.feed(codes)
 
         self.step_batch.away(in_slot)
 
@@ -434,19 +440,19 @@ class GenerateSpeechEngine:
         cond = speaker["cond"].to(self.device).float().expand(1, -1)
         ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
         token2wav = ChunkedToken2Wav(self.token2wav, cond, ref_mel, task.params.seed, on_piece)
-        codes, _ = self._talk(task, token2wav.feed, cancelled)
+        codes, _ = self._talk(task, token2wav, cancelled)
         if cancelled.is_set():
             raise SynthesisCancelled()
         with self.vocoder_slots.hold():
             token2wav.feed(codes, final=True)
         return len(codes)
 
-    def _talk(self, task: SpeechTask, on_codes: Callable[[list[int]], None] | None = None,
+    def _talk(self, task: SpeechTask, vocoder: ChunkedToken2Wav | None = None,
               cancelled: threading.Event | None = None) -> tuple[list[int], torch.Generator]:
         """Run the talker: the codes it speaks (up to its EOS) and the generator it sampled from.
         The prompt forward runs holding the turn; each decode step rides the worker's step batch
-        (qwen2_5_talker.py); ``on_codes`` sees the codes so far after each new one (away from the
-        batch: it may run token2wav)."""
+        (qwen2_5_talker.py); a streamed request's ``vocoder`` is fed the codes so far after each
+        new one (:meth:`_vocode`)."""
         talker, reply = self.talker, task.reply()
         generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
         with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
@@ -459,8 +465,8 @@ class GenerateSpeechEngine:
             try:
                 while row.last not in eos:
                     codes.append(row.last)
-                    if on_codes is not None:
-                        self._vocode(lambda: on_codes(codes))
+                    if vocoder is not None:
+                        self._vocode(vocoder, codes, len(codes))
                     if budget(row.sampled):
                         break
                     if reply.cancelled.is_set() or (cancelled is not None and cancelled.is_set()):

@@ -169,23 +169,19 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
             index += 1
 
         vocoder = StreamedCode2Wav(self.token2wav, on_piece)
-
-        def on_codes(codes: torch.Tensor) -> None:
-            if cancelled.is_set():
-                raise SynthesisCancelled()
-            vocoder.feed(codes)
-
-        self._talk(task, on_codes)
+        self._talk(task, vocoder, cancelled)
         if cancelled.is_set():
             raise SynthesisCancelled()
         with self.vocoder_slots.hold():
             vocoder.finish()
         return vocoder.total
 
-    def _talk(self, task: SpeechTask, on_codes: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
-        """Run the talker and return each spoken step's codes [1, groups]; ``on_codes`` sees each as
-        soon as the code predictor has filled it in. The prompt forward runs holding the turn; each
-        decode step rides the worker's step batch (qwen3_talker.py)."""
+    def _talk(self, task: SpeechTask, vocoder: "StreamedCode2Wav | None" = None,
+              cancelled: threading.Event | None = None) -> list[torch.Tensor]:
+        """Run the talker and return each spoken step's codes [1, groups]; a streamed request's
+        ``vocoder`` is fed each as soon as the code predictor has filled it in (:meth:`_vocode`).
+        The prompt forward runs holding the turn; each decode step rides the worker's step batch
+        (qwen3_talker.py)."""
         talker, cfg = self.talker, self.config.talker_config
         reply = task.reply()
         vocab = cfg.text_config.vocab_size
@@ -202,15 +198,15 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
             reply.waiting = self.step_batch.away   # a wait for the thinker holds back no other request
             try:
                 while row.first_codes[-1] != cfg.codec_eos_token_id and not budget(row.sampled):
-                    if reply.cancelled.is_set():
+                    if reply.cancelled.is_set() or (cancelled is not None and cancelled.is_set()):
                         raise SynthesisCancelled()   # a cancelled request stops at its next step
                     step = row.sampled - 1
                     text = rows.through(step)
                     row.text_row = text[0, step] if step < text.shape[1] else tts_pad
                     self.step_batch.ride(seat)
                     spoken.append(row.codes[None])
-                    if on_codes is not None:
-                        self._vocode(lambda: on_codes(spoken[-1]))
+                    if vocoder is not None:
+                        self._vocode(vocoder, spoken[-1], len(spoken))
             finally:
                 reply.waiting = lambda wait: wait()
         return spoken
@@ -352,6 +348,10 @@ class StreamedCode2Wav:
         self.codes: list[torch.Tensor] = []   # [1, groups] per code
         self.done = 0
         self.total = 0
+
+    def ready(self, count: int) -> bool:
+        """Whether :meth:`feed` bringing the codes to ``count`` would vocode a piece."""
+        return count - self.done >= (STREAM_FIRST_CODES if self.done == 0 else STREAM_CHUNK_CODES)
 
     def feed(self, codes: torch.Tensor) -> None:
         self.codes.append(codes)

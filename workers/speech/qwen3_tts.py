@@ -173,12 +173,12 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
 
     # ------------------------------------------------------------------ synthesis (synthesis thread)
 
-    def _talk(self, task: TTSTask, on_frame: Callable[[torch.Tensor], None] | None = None,
+    def _talk(self, task: TTSTask, chunker: "_FrameChunker | None" = None,
               cancelled: threading.Event | None = None) -> list[torch.Tensor]:
         """Run the talker: each frame's codes [groups], in order (up to ``frames_budget`` samples or
         the codec EOS). The prompt forward runs holding the turn; each decode step rides the worker's
-        step batch (qwen3_tts_talker.py); ``on_frame`` sees each frame as soon as it exists (away from
-        the batch: it may decode audio)."""
+        step batch (qwen3_tts_talker.py); a streamed request's ``chunker`` is fed each frame as soon
+        as it exists (:meth:`_vocode`)."""
         generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
         with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
             embeds, tts_pad = qwen3_tts_talker.prompt(self.model, task.prompt_token_ids, task.params.voice.lower(),
@@ -193,8 +193,8 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
                     raise SynthesisCancelled()   # a cancelled request stops at its next frame
                 self.step_batch.ride(seat)
                 frames.append(row.codes)
-                if on_frame is not None:
-                    self._vocode(lambda: on_frame(frames[-1]))
+                if chunker is not None:
+                    self._vocode(chunker, frames[-1], len(frames))
         return frames
 
     def _step_rows(self, seats) -> None:
@@ -227,7 +227,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
                           cancelled: threading.Event | None = None) -> int:
         cancelled = cancelled or threading.Event()
         chunker = _FrameChunker(self, task, emit)
-        self._talk(task, chunker.add, cancelled)
+        self._talk(task, chunker, cancelled)
         if cancelled.is_set():
             raise SynthesisCancelled()
         with self.vocoder_slots.hold():
@@ -249,7 +249,11 @@ class _FrameChunker:
     def count(self) -> int:
         return len(self.frames)
 
-    def add(self, frame: torch.Tensor) -> None:
+    def ready(self, count: int) -> bool:
+        """Whether :meth:`feed` bringing the frames to ``count`` would decode a piece."""
+        return count - self.sent >= (FIRST_CHUNK_FRAMES if self.index == 0 else CHUNK_FRAMES)
+
+    def feed(self, frame: torch.Tensor) -> None:
         self.frames.append(frame.detach().to("cpu", torch.long))
         size = FIRST_CHUNK_FRAMES if self.index == 0 else CHUNK_FRAMES
         if len(self.frames) - self.sent >= size:

@@ -26,11 +26,10 @@ from typing import Callable, Iterator
 class Seat:
     """One request's place in the batch: the step it asked for, then that step's result."""
 
-    __slots__ = ("state", "asked", "done", "error")
+    __slots__ = ("state", "done", "error")
 
     def __init__(self, state):
         self.state = state          # what ``run`` reads and advances (a family's row: qwen3_talker.Qwen3Row, …)
-        self.asked = False
         self.done = False
         self.error: BaseException | None = None
 
@@ -40,7 +39,8 @@ class StepBatch:
 
     def __init__(self, run: Callable[[list[Seat]], None], idle: Callable[[], None] = lambda: None):
         """``run(seats)``: one batched step of these seats' requests (raises: every seat fails);
-        ``idle()``: called when the last seat is left and no step runs (frees what the batch held)."""
+        ``idle()``: called when the last seat is left and no step runs (drops what the batch held:
+        no request that rode in it is still talking)."""
         self._run, self._idle = run, idle
         self._cond = threading.Condition()
         self._present = 0           # seats not away: a batch runs once all of them asked
@@ -82,7 +82,7 @@ class StepBatch:
     def ride(self, seat: Seat) -> None:
         """Run the seat's next step (in a batch with whoever else is ready); re-raises a batch failure."""
         with self._cond:
-            seat.asked, seat.done, seat.error = True, False, None
+            seat.done, seat.error = False, None
             self._asked.append(seat)
             self._cond.notify_all()
             while not seat.done:
@@ -109,5 +109,5 @@ class StepBatch:
         self.rows += len(seats)
         self.largest = max(self.largest, len(seats))
         for seat in seats:
-            seat.asked, seat.done, seat.error = False, True, error
+            seat.done, seat.error = True, error
         self._cond.notify_all()

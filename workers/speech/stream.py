@@ -96,6 +96,11 @@ class ChunkedToken2Wav:
         self.chunks = 0
         self.finished = False
 
+    def ready(self, count: int) -> bool:
+        """Whether :meth:`feed` of ``count`` codes would vocode a piece (else it waits for more)."""
+        size = self.first_chunk_blocks if self._done_blocks == 0 else self.chunk_blocks
+        return not self.finished and count >= (self._done_blocks + size + self.ahead) * self.codes_per_block
+
     def feed(self, codes: list[int], final: bool = False) -> None:
         while not self.finished:
             size = self.first_chunk_blocks if self._done_blocks == 0 else self.chunk_blocks

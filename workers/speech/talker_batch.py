@@ -58,13 +58,7 @@ class RowSampler:
 
     def sample(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
         """One token from ``logits`` [V] (the last position's), given the ids ``seen`` [T] so far."""
-        scores, ids = logits[None].to(dtype=torch.float32, copy=True), seen[None]
-        for step in self.steps:   # each in turn (LogitsProcessorList inspects every signature per call)
-            scores = step(ids, scores)
-        if self.greedy:
-            return int(scores[0].argmax())
-        probs = torch.nn.functional.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
+        return sample_rows([self], logits[None], [seen])[0]
 
 
 class _Suppress:
@@ -90,6 +84,7 @@ def sample_rows(samplers: list[RowSampler], logits: torch.Tensor, seen: list[tor
     ``samplers[i].sample`` would draw it, the batch's shared processing done once (the samplers of
     one batch are configured alike: one head of one model)."""
     scores = logits.to(dtype=torch.float32, copy=True)
+    # Each processor called in turn: LogitsProcessorList would inspect every signature per call.
     for index, step in enumerate(samplers[0].steps):
         if isinstance(step, _READ_IDS):
             for row, sampler in enumerate(samplers):
@@ -150,6 +145,10 @@ class BatchKV:
                 own.update(keys[index:index + 1, :, self.width - row.length:].clone(),
                            values[index:index + 1, :, self.width - row.length:].clone(), layer)
             row.cache = own
+        self.rows, self.cache, self.width = [], None, 0
+
+    def clear(self) -> None:
+        """Drop the batch cache: no row that rode in it is still talking."""
         self.rows, self.cache, self.width = [], None, 0
 
     def _merge(self, rows: list[KVRow]) -> None:
