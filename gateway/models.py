@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,7 +19,9 @@ from omnirelay.model_kind import ModelKind, model_kind
 from .config import ServedModel
 from .control_tokens import ContentTokens, strip_marks
 from .media import MediaLimits, MediaProcessor
-from .schema import TemplateOptions
+from .schema import STANDARD_ROLES, TemplateOptions
+
+log = logging.getLogger("omnirelay.gateway")
 
 
 # Names apply_chat_template takes for itself (and the conversation): not template variables a request may set.
@@ -86,14 +89,18 @@ class ModelRuntime:
         # refused before it is rendered or tokenized (generation.check_size).
         self.max_prompt_chars = self.max_model_len * max(len(token) for token in self.tokenizer.get_vocab())
         self.created = int(Path(served.path).stat().st_mtime)
+        self._noted: set[tuple[str, str]] = set()   # (what, name) already logged by _note_unused
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template: TemplateOptions = TemplateOptions()) -> str:
         """The prompt text of ``messages`` under the model's chat template (or the request's own,
         ``template.chat_template``, which the route admitted), with the server's default template
         variables overridden by the request's. ``tools``: OpenAI function tools, rendered by the
-        template. A variable the template does not read, or one that names an argument of the
-        rendering itself, is a 400 naming it; a template that refuses the messages too."""
+        template. A variable that names an argument of the rendering itself is a 400 naming it; a
+        template that refuses the messages too. A variable the template does not read, and a message
+        role other than OpenAI's (:data:`STANDARD_ROLES`), go to the template as vLLM passes them (Jinja
+        ignores what it does not read; the template decides what a role means): the log says so once
+        per name (:meth:`_note_unused`)."""
         variables = self.chat_variables(template, tools)
         reserved = sorted(set(variables) & _RENDER_ARGUMENTS)
         if reserved:
@@ -101,10 +108,11 @@ class ModelRuntime:
                              "template variable (use the request's own field)", param=f"chat_template_kwargs.{reserved[0]}")
         source = template.chat_template or self._template_source(tools)
         names = template_variables(source) if source else None
-        unknown = sorted(k for k in template.kwargs if names is not None and k not in names)
-        if unknown:
-            raise BadRequest(f"chat_template_kwargs.{unknown[0]} is not a variable of the chat template",
-                             param=f"chat_template_kwargs.{unknown[0]}")
+        if names is not None:   # vLLM hands them to Jinja, which ignores them: clients send enable_thinking to all
+            self._note_unused("chat_template_kwargs", (k for k in template.kwargs if k not in names),
+                              "is not read by the chat template: passed through unused (as vLLM does)")
+        self._note_unused("message role", (m["role"] for m in messages if m["role"] not in STANDARD_ROLES),
+                          "is not one of OpenAI's: passed to the chat template as it is (as vLLM does)")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=template.add_generation_prompt,
@@ -113,6 +121,15 @@ class ModelRuntime:
         except (ValueError, TemplateError) as exc:   # the template (or transformers) refused these messages
             param = "chat_template" if template.chat_template else "messages"
             raise BadRequest(f"the chat template cannot render these messages: {exc}"[:500], param=param) from None
+
+    def _note_unused(self, what: str, names, why: str) -> None:
+        """Log, once per model and name, what a request passed that the server does not check: the
+        rule "never a 200 that silently ignored a field" gives way here to vLLM's clients (they send
+        ``enable_thinking`` to every model, and roles of their own), so the server's log keeps the record."""
+        for name in names:
+            if (what, name) not in self._noted:
+                self._noted.add((what, name))
+                log.warning("model %s: %s %r %s", self.name, what, name, why)
 
     def chat_variables(self, template: TemplateOptions = TemplateOptions(), tools: list[dict] | None = None) -> dict:
         """The variables the chat template is rendered with: the server's defaults, then what other

@@ -97,7 +97,7 @@ _TOOLS = {
 _TEMPLATE = {
     "chat_template_kwargs": {"type": "object", "nullable": True,
                              "description": "variables of the model's chat template, e.g. {\"enable_thinking\": false} "
-                                            "(a name the template does not read: 400)"},
+                                            "(a name the template does not read is passed through unused, as vLLM does)"},
     "add_generation_prompt": {"type": "boolean", "nullable": True, "description": "default true"},
     "continue_final_message": {"type": "boolean", "nullable": True,
                                "description": "leave the last message open for the model to continue"},
@@ -218,7 +218,7 @@ def _tokenizer_paths(models: list[str], vocab_size: int | None) -> dict:
     model = {"type": "string", "enum": models, "description": "optional when one language model is served"}
     flag = {"type": "boolean", "nullable": True}
     text_message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
+        "role": {"type": "string", "minLength": 1},
         "content": {"type": "string", "nullable": True}}}
     tokenize_request = {"oneOf": [
         {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
@@ -526,7 +526,9 @@ def build_openapi(max_model_len: int, models: list[str], video_models: list[str]
     token_prompt = {"type": "array", "minItems": 1, "items": {
         "type": "integer", "minimum": 0, **({"maximum": vocab_size - 1} if vocab_size else {})}}
     message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
+        "role": {"type": "string", "minLength": 1,
+                 "description": "system, user, assistant, tool or developer; another role goes to the chat "
+                                "template as it is (vLLM's rule)"},
         "content": {"nullable": True, "oneOf": [
             {"type": "string"},
             {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {

@@ -34,7 +34,9 @@ from .sampling_options import SamplingOptions, parse_options
 from .spoken_answers import audio_reference
 from .structured import ToolsRequest, parse_structured
 
-_ROLES = ("system", "user", "assistant", "tool", "developer")
+# OpenAI's message roles. Any other non-empty string goes to the chat template as vLLM passes it (the
+# template decides what it means, or refuses it: a 400); the gateway logs it once (ModelRuntime.render_chat).
+STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer")
 # Choices in one request (n, times the prompts of a batched /v1/completions): each holds a decode slot
 # and its KV, so one request cannot take a whole decode batch.
 MAX_CHOICES = 16
@@ -296,8 +298,9 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
         role = message.get("role")
-        if role not in _ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}", param=f"messages[{i}].role")
+        if not isinstance(role, str) or not role:
+            raise BadRequest(f"messages[{i}].role must be a non-empty string (e.g. {', '.join(STANDARD_ROLES)})",
+                             param=f"messages[{i}].role")
         out.append({"role": role, "content": _content_text(message.get("content"), i), **_tool_fields(message, i)})
         audio_id = audio_reference(message, i)   # an earlier spoken answer: its transcript goes in (spoken_answers.py)
         if audio_id is not None:
