@@ -118,9 +118,7 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
         prompt_ids = model.encode_text(request.prompt, request.template.add_special_tokens)
     else:
         prompt_ids = list(request.prompt_token_ids)
-        if max(prompt_ids) >= model.vocab_size:
-            raise BadRequest(f"token id {max(prompt_ids)} is outside the vocabulary ({model.vocab_size})",
-                             param="prompt")
+        check_vocab(prompt_ids, model.vocab_size, "prompt")
     if request.output.truncate_prompt_tokens is not None:
         if inputs is not None:
             raise Unprocessable("truncate_prompt_tokens is not served with media parts (a cut could split an "

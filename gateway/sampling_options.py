@@ -53,6 +53,26 @@ class SamplingOptions:
     allowed_token_ids: tuple[int, ...] | None = None   # None: every token
 
 
+def out_of_range(name: str, value, lo=None, hi=None, *, open_low: bool = False) -> BadRequest:
+    """The 400 for ``value`` of ``name`` outside [lo, hi] (either bound may be None: none), worded
+    as vLLM's pydantic validation words it too (``greater_than_equal``/``less_than_equal``, the
+    ``greater_than`` of an open bound), which vLLM's clients and tests match."""
+    def shown(x) -> str:
+        return f"{x:g}" if isinstance(x, float) else str(x)
+
+    if lo is not None and hi is not None:
+        bounds = f"in {'(' if open_low else '['}{shown(lo)}, {shown(hi)}]"
+    else:
+        bounds = f"{'>' if open_low else '>='} {shown(lo)}" if lo is not None else f"<= {shown(hi)}"
+    if hi is not None and value > hi:
+        kind, words = "less_than_equal", f"less than or equal to {shown(hi)}"
+    elif open_low:
+        kind, words = "greater_than", f"greater than {shown(lo)}"
+    else:
+        kind, words = "greater_than_equal", f"greater than or equal to {shown(lo)}"
+    return BadRequest(f"'{name}' must be {bounds}, got {value} ({kind}: Input should be {words})", param=name)
+
+
 def _number(body: dict, name: str, default: float, lo: float, hi: float, *, open_low: bool = False) -> float:
     value = body.get(name)
     if value is None:
@@ -60,7 +80,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, open
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise BadRequest(f"'{name}' must be a number", param=name)
     if not (lo < value if open_low else lo <= value) or value > hi:
-        raise BadRequest(f"'{name}' must be in {'(' if open_low else '['}{lo:g}, {hi:g}], got {value}", param=name)
+        raise out_of_range(name, value, lo, hi, open_low=open_low)
     return float(value)
 
 
@@ -120,11 +140,13 @@ def parse_options(body: dict) -> SamplingOptions:
 
 
 def check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
-    """400 naming ``param`` and every id of ``ids`` outside the vocabulary."""
+    """400 naming ``param`` and every id of ``ids`` outside the vocabulary (vLLM's words, "out of
+    vocabulary", which its clients match)."""
     outside = sorted({t for t in ids if t >= vocab_size})
     if outside:
         raise BadRequest(f"token id{'s' if len(outside) > 1 else ''} {_listed(outside)} "
-                         f"{'are' if len(outside) > 1 else 'is'} outside the vocabulary ({vocab_size})", param=param)
+                         f"{'are' if len(outside) > 1 else 'is'} out of vocabulary (the model's vocabulary has "
+                         f"{vocab_size} tokens)", param=param)
 
 
 def bad_words_token_ids(tokenizer, words: tuple[str, ...]) -> list[list[int]]:

@@ -30,7 +30,7 @@ from omnirelay.errors import BadRequest, Unprocessable
 from omnirelay.scheduling import PRIORITY_MAX, PRIORITY_MIN
 
 from .output_options import OutputOptions, boolean_field, parse_output_options
-from .sampling_options import SamplingOptions, parse_options
+from .sampling_options import SamplingOptions, out_of_range, parse_options
 from .spoken_answers import audio_reference
 from .structured import ToolsRequest, parse_structured
 
@@ -40,6 +40,7 @@ STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer")
 # Choices in one request (n, times the prompts of a batched /v1/completions): each holds a decode slot
 # and its KV, so one request cannot take a whole decode batch.
 MAX_CHOICES = 16
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +193,7 @@ NOT_SERVED: dict[str, tuple] = {
     "function_call": ("none",),
     # what the prompt or the answer's text is made of
     "suffix": ("",),
+    "prompt_embeds": ([],),
     "web_search_options": (),
 }
 
@@ -213,7 +215,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRequest(f"'{name}' must be a number", param=name)
     if not lo <= value <= hi:
-        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
+        raise out_of_range(name, value, lo, hi)
     return float(value)
 
 
@@ -224,7 +226,7 @@ def _integer(body: dict, name: str, default: int | None, lo: int | None = None) 
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequest(f"'{name}' must be an integer", param=name)
     if lo is not None and value < lo:
-        raise BadRequest(f"'{name}' must be >= {lo}, got {value}", param=name)
+        raise out_of_range(name, value, lo)
     return value
 
 
@@ -365,6 +367,8 @@ def _common(body: dict) -> dict:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer", param="seed")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:   # vLLM's: a 64-bit signed integer
+        raise out_of_range("seed", seed, SEED_MIN, SEED_MAX)
     return dict(
         model=model, max_tokens=max_tokens, options=parse_options(body),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -390,8 +394,7 @@ def _prompt_logprobs(body: dict, stream: bool) -> int:
         raise Unprocessable(f"'prompt_logprobs': -1 (every token of the vocabulary at every position) is not served; "
                             f"ask for at most {MAX_TOP_LOGPROBS}", param="prompt_logprobs")
     if not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise BadRequest(f"'prompt_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {value}",
-                         param="prompt_logprobs")
+        raise out_of_range("prompt_logprobs", value, 0, MAX_TOP_LOGPROBS)
     if stream:   # vLLM's rule
         raise BadRequest("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
     return value
@@ -414,7 +417,7 @@ def _priority(body: dict) -> int:
     :func:`check_priority`)."""
     value = _integer(body, "priority", 0)
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:
-        raise BadRequest(f"'priority' must be a 64-bit integer, got {value}", param="priority")
+        raise out_of_range("priority", value, PRIORITY_MIN, PRIORITY_MAX)
     return value
 
 
@@ -428,7 +431,7 @@ def check_priority(priority: int, policy: str) -> None:
 def _top_logprobs_count(body: dict, name: str) -> int | None:
     value = _integer(body, name, None, 0)
     if value is not None and value > MAX_TOP_LOGPROBS:
-        raise BadRequest(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}, got {value}", param=name)
+        raise out_of_range(name, value, 0, MAX_TOP_LOGPROBS)
     return value
 
 
@@ -489,9 +492,13 @@ def parse_chat(body: Any) -> GenerationRequest:
 def _prompts(body: dict) -> list[str | tuple[int, ...]]:
     """``prompt`` as vLLM takes it: a string, a list of token ids, or a list of several of those."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list))):
+    if prompt is None or prompt == "" or prompt == []:   # vLLM's words, which its clients match
+        raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty ('prompt': a non-empty "
+                         "string, a list of token ids, or a list of those; prompt_embeds are not served)",
+                         param="prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and not isinstance(prompt[0], (str, list))):
         prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
+    if not isinstance(prompt, list):
         raise BadRequest("'prompt' must be a non-empty string, a list of token ids, or a list of those",
                          param="prompt")
     prompts: list[str | tuple[int, ...]] = []

@@ -33,6 +33,7 @@ from ..app_keys import CONFIG, MODELS, SPOKEN_ANSWERS
 from ..cpu_work import off_loop
 from ..models import ModelRuntime, text_model
 from ..request_body import json_body
+from ..sampling_options import check_vocab
 from ..schema import boolean_field, chat_messages, check_request_template, template_options, token_ids_field
 from ..spoken_answers import SpokenAnswers, resolve_audio_turns
 
@@ -90,8 +91,7 @@ def detokenize_body(model: ModelRuntime, body: dict) -> dict:
     if not isinstance(body.get("tokens"), list):
         raise BadRequest("'tokens' must be a list of token ids", param="tokens")
     tokens = list(token_ids_field(body["tokens"], "tokens"))
-    if tokens and max(tokens) >= model.vocab_size:
-        raise BadRequest(f"token id {max(tokens)} is outside the vocabulary ({model.vocab_size})", param="tokens")
+    check_vocab(tokens, model.vocab_size, "tokens")
     return {"prompt": model.tokenizer.decode(tokens)}
 
 
