@@ -172,7 +172,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "temperature": "hot"}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "", "content": "hi"}]}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400),
     ("/v1/chat/completions", {"model": 7, "messages": [{"role": "user", "content": "hi"}]}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400),
