@@ -46,6 +46,11 @@ Models. Without MODEL arguments, the embedded tiny models are built in each pod 
 mount PersistentVolumeClaim ``--k8s-models-claim`` at ``/models``, which must hold each directory
 under its own name (``/srv/models/tiny-llm`` → ``/models/tiny-llm``), served under that name unless
 ``--served-model-name`` says otherwise.
+
+Image. Every container runs what the top-level ``Dockerfile`` builds (:data:`CUDA_IMAGE`, or
+:data:`CPU_IMAGE` on a CPU cluster, unless ``--k8s-image``): uid :data:`UID`, the commands on PATH, and
+nothing written outside the volumes mounted here (``/cache``, ``/tmp``, ``/models``; the root file
+system is read-only). ``tests/deploy/test_dockerfile.py`` checks the Dockerfile against these constants.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from pathlib import Path
 
 import yaml
 
+from omnirelay import __version__
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, bundled_pipeline, plan_models
 from omnirelay.model_kind import ModelKind
 from omnirelay.pipeline import PipelineError, default_llm_pipeline, load_pipeline
@@ -72,11 +78,20 @@ HEALTH_PORT = 8081          # a worker container's /live and /ready; the n-th co
 CLOSE_MARGIN_S = 30         # after the drain: unregister, close the connector and the group's ranks
 GATEWAY_PRESTOP_S = 5       # the Service's endpoints drop the pod before the gateway stops listening
 GATEWAY_SHUTDOWN_S = 60     # aiohttp's wait for open requests on shutdown
-UID = 10001
+UID = 10001                 # the pods' user and group; the image (top-level Dockerfile) runs as it too
 MODELS_DIR = "/models"
 PIPELINES_DIR = "/etc/omnirelay/pipelines"
 KEYS_DIR = "/etc/omnirelay/keys"
 AUTHORIZED_DIR = "/etc/omnirelay/authorized"
+CACHE_DIR = "/cache"        # a writable emptyDir: the root file system is read-only
+TMP_DIR = "/tmp"            # a writable emptyDir: tempfile's default (omni-serve's run directory, torch's caches)
+# Where every cache goes (tokenizers, torch, triton, the embedded models): the Dockerfile sets the same.
+CACHE_ENV = (("HOME", CACHE_DIR), ("XDG_CACHE_HOME", CACHE_DIR), ("HF_HOME", f"{CACHE_DIR}/huggingface"))
+# The images the top-level Dockerfile builds (docs/KUBERNETES.md): `docker build -t omnirelay:VERSION .`
+# (CPU) and `docker build --build-arg FLAVOR=cuda -t omnirelay:VERSION-cuda .` (CUDA).
+IMAGE = "omnirelay"
+CPU_IMAGE = f"{IMAGE}:{__version__}"
+CUDA_IMAGE = f"{IMAGE}:{__version__}-cuda"
 NETWORK_CONNECTORS = ("redis", "mooncake_transfer_engine", "mooncake_store")
 # The embedded default's models as `omni-make-model` names them, and their kinds (tests check the
 # names against omnirelay.deploy.embedded.TINY_MODELS).
@@ -88,13 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Kubernetes manifests (--emit kubernetes DIR; docs/KUBERNETES.md)")
     group.add_argument("--emit", nargs=2, metavar=("FORMAT", "DIR"), default=None,
                        help="write the deployment's manifests instead of serving; FORMAT: kubernetes")
-    group.add_argument("--k8s-image", default="omnirelay:latest", help="container image with omnirelay installed")
+    group.add_argument("--k8s-image", default=None,
+                       help=f"container image with omnirelay installed (default: {CUDA_IMAGE}, or {CPU_IMAGE} "
+                            "with --k8s-gpu-resource '': what the top-level Dockerfile builds)")
     group.add_argument("--k8s-namespace", default=None, help="namespace of every object (default: kubectl's)")
     group.add_argument("--k8s-gateway-replicas", type=int, default=2)
     group.add_argument("--k8s-gpu-resource", default="nvidia.com/gpu",
                        help="extended resource a worker asks for per device of its group ('' on a CPU cluster)")
     group.add_argument("--k8s-models-claim", default="omnirelay-models",
                        help="PersistentVolumeClaim holding the MODEL directories (mounted at /models)")
+
+
+def default_image(gpu_resource: str) -> str:
+    """The image the manifests run without ``--k8s-image``: the Dockerfile's CUDA build where workers ask
+    for GPUs, its CPU build on a CPU cluster (``--k8s-gpu-resource ''``)."""
+    return CUDA_IMAGE if gpu_resource else CPU_IMAGE
 
 
 class EmitError(ValueError):
@@ -195,6 +218,7 @@ class Manifests:
                             f"{self.slugs}; pick --served-model-name values that differ in letters or digits")
         self.brokers = ",".join(f"tcp://omnirelay-broker-{half}:{BROKER_PORT}" for half in "ab")
         self.embedded = not args.models
+        self.image = args.k8s_image or default_image(args.k8s_gpu_resource)
 
     def build(self) -> dict[str, list[dict]]:
         files = {"pipelines.yaml": [self._pipelines()], "broker.yaml": self._brokers(),
@@ -246,7 +270,7 @@ class Manifests:
     def _mounts(self, authorized: bool = False) -> list[dict]:
         mounts = [{"name": "curve", "mountPath": KEYS_DIR, "readOnly": True},
                   {"name": "pipelines", "mountPath": PIPELINES_DIR, "readOnly": True},
-                  {"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"},
+                  {"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": TMP_DIR},
                   {"name": "models", "mountPath": MODELS_DIR, "readOnly": not self.embedded}]
         if authorized:
             mounts.append({"name": "authorized", "mountPath": AUTHORIZED_DIR, "readOnly": True})
@@ -259,17 +283,16 @@ class Manifests:
         return [self._container(f"make-{self.slugs[i]}",
                                 ["omni-make-model", self.plans[i].name, self.plans[i].path, "--seed", "0"],
                                 mounts=[{"name": "models", "mountPath": MODELS_DIR},
-                                        {"name": "tmp", "mountPath": "/tmp"}])
+                                        {"name": "tmp", "mountPath": TMP_DIR}])
                 for i in model_indexes]
 
     def _container(self, name: str, command: list[str], mounts: list[dict], **extra) -> dict:
         env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                # The root file system is read-only: every cache (tokenizers, torch, triton) goes to /cache.
-               {"name": "HOME", "value": "/cache"},
-               {"name": "XDG_CACHE_HOME", "value": "/cache"}, {"name": "HF_HOME", "value": "/cache/huggingface"},
+               *({"name": key, "value": value} for key, value in CACHE_ENV),
                {"name": "HF_HUB_OFFLINE", "value": "1"}, *extra.pop("env", [])]
-        return {"name": name, "image": self.args.k8s_image, "command": command, "env": env,
+        return {"name": name, "image": self.image, "command": command, "env": env,
                 "volumeMounts": mounts,
                 "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}, **extra}
