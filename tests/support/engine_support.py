@@ -133,7 +133,8 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], prefilled: dict, 
 
 def decode_engine(model, connector, num_blocks: int, block_size: int = 16, max_num_seqs: int = 16) -> DecodeEngine:
     cfg = model.config
-    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size, num_blocks=num_blocks)
+    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size, num_blocks=num_blocks,
+                         dtype=model.dtype)
     return DecodeEngine(LocalRunner(model, cache), connector, max_num_seqs=max_num_seqs, max_model_len=2048,
                         transfer_timeout_s=5)
 

@@ -8,10 +8,11 @@ reads keys and values in place: one pass over the bytes, no copy, no padding.
 Why C through ctypes rather than a torch C++ extension: plain C against raw float pointers builds
 with the system compiler in well under a second (no torch headers), and the ``.so`` is cached by
 source hash under the omnirelay cache directory, built once per machine, atomically (concurrent
-workers race safely). Without a compiler, or for dtypes other than float32, :func:`load` returns
-None and the model keeps the torch path; both paths are tested against each other.
+workers race safely). Without a compiler :func:`load` returns None, and for pool dtypes other than
+float32 and bfloat16 the model keeps the torch path; both paths are tested against each other.
 
-Numerics: float32 throughout, scores ``q·k * scale``, softmax with the row max subtracted, then the
+Numerics: float32 throughout (a bfloat16 pool's keys and values are widened exactly as they are read,
+and the output rounded to bfloat16 once at the end, where the torch path rounds after each op), scores ``q·k * scale``, softmax with the row max subtracted, then the
 probability-weighted sum of values — the same math as SDPA in a different summation order (~1e-7
 relative), far inside the argmax margins the parity tests check. The kernel is compiled with
 ``-ffast-math`` (vectorised ``expf``, reassociated sums) but the library is linked without it, so
@@ -41,12 +42,37 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* q [B, q_stride] (head h at q + b*q_stride + h*D), pools [num_blocks, bs, Hkv, D],
-   tables [B, W], ctx [B], out [B, H*D]. Query heads g*G .. g*G+G-1 share KV head g. */
-int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
-                           const int64_t *tables, const int64_t *ctx, float *out,
-                           int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t W, float scale) {
+/* A bfloat16 is the top half of a float32: widening is a shift, exact. */
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+}
+
+/* Round a float32 to the nearest bfloat16 (ties to even), kept as a float32. */
+static inline float round_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* Element i of a pool of float32 (bf16 == 0) or bfloat16 (bf16 == 1) values. Inlined into each
+   exported entry point with a constant flag, so each one compiles to its own vectorised loops. */
+static inline __attribute__((always_inline)) float load_kv(const void *pool, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)pool)[i]) : ((const float *)pool)[i];
+}
+
+/* q [B, q_stride] float32 (head h at q + b*q_stride + h*D), pools [num_blocks, bs, Hkv, D],
+   tables [B, W], ctx [B], out [B, H*D] float32. Query heads g*G .. g*G+G-1 share KV head g. */
+static inline __attribute__((always_inline)) int attention(
+        const float *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables,
+        const int64_t *ctx, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t W,
+        float scale, const int bf16) {
     const int64_t G = H / Hkv;
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; b++) if (ctx[b] > max_ctx) max_ctx = ctx[b];
@@ -62,14 +88,14 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool
             const float *qh = q + b * q_stride + h * G * D;
             int64_t t = 0;
             for (int64_t j = 0; j < nblk; j++) {
-                const float *kr = k_pool + table[j] * bs * tok_stride + h * D;
+                int64_t kr = table[j] * bs * tok_stride + h * D;
                 const int64_t m = n - t < bs ? n - t : bs;
                 for (int64_t o = 0; o < m; o++, t++, kr += tok_stride) {
                     for (int64_t g = 0; g < G; g++) {
                         const float *qg = qh + g * D;
                         float acc = 0.0f;
                         #pragma omp simd reduction(+:acc)
-                        for (int64_t d = 0; d < D; d++) acc += qg[d] * kr[d];
+                        for (int64_t d = 0; d < D; d++) acc += qg[d] * load_kv(k_pool, kr + d, bf16);
                         scores[g * n + t] = acc * scale;
                     }
                 }
@@ -81,20 +107,23 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool
                 float sum = 0.0f;
                 for (int64_t i = 0; i < n; i++) { s[i] = expf(s[i] - mx); sum += s[i]; }
                 const float inv = 1.0f / sum;
-                for (int64_t i = 0; i < n; i++) s[i] *= inv;
+                /* bf16: the unnormalised weights meet V rounded to bf16 and the sum divides after,
+                   as torch's CPU flash attention computes a bf16 SDPA (closer greedy parity). */
+                if (bf16) for (int64_t i = 0; i < n; i++) s[i] = round_to_bf16(s[i]) * inv;
+                else for (int64_t i = 0; i < n; i++) s[i] *= inv;
             }
             float *oh = out + b * H * D + h * G * D;
             for (int64_t i = 0; i < G * D; i++) oh[i] = 0.0f;
             t = 0;
             for (int64_t j = 0; j < nblk; j++) {
-                const float *vr = v_pool + table[j] * bs * tok_stride + h * D;
+                int64_t vr = table[j] * bs * tok_stride + h * D;
                 const int64_t m = n - t < bs ? n - t : bs;
                 for (int64_t o = 0; o < m; o++, t++, vr += tok_stride) {
                     for (int64_t g = 0; g < G; g++) {
                         const float p = scores[g * n + t];
                         float *og = oh + g * D;
                         #pragma omp simd
-                        for (int64_t d = 0; d < D; d++) og[d] += p * vr[d];
+                        for (int64_t d = 0; d < D; d++) og[d] += p * load_kv(v_pool, vr + d, bf16);
                     }
                 }
             }
@@ -102,6 +131,20 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool
     }
     free(scores);
     return 0;
+}
+
+int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
+                           const int64_t *tables, const int64_t *ctx, float *out,
+                           int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t W, float scale) {
+    return attention(q, q_stride, k_pool, v_pool, tables, ctx, out, B, H, Hkv, D, bs, W, scale, 0);
+}
+
+/* The same over a bfloat16 pool: keys and values widened to float32 as they are read (the pool
+   is never copied), scores, softmax and the weighted sum in float32. */
+int paged_decode_attention_bf16(const float *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+                                const int64_t *tables, const int64_t *ctx, float *out,
+                                int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t W, float scale) {
+    return attention(q, q_stride, k_pool, v_pool, tables, ctx, out, B, H, Hkv, D, bs, W, scale, 1);
 }
 """
 
@@ -118,30 +161,39 @@ def _cache_dir() -> pathlib.Path:
     return cache_root() / "kernels"
 
 
+# The pool dtypes the kernel reads in place: float32 and bfloat16 (widened as read).
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 class PagedDecodeAttention:
     def __init__(self, lib: ctypes.CDLL):
-        fn = lib.paged_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        self._fns = {}
+        for dtype, name in ((torch.float32, "paged_decode_attention"), (torch.bfloat16, "paged_decode_attention_bf16")):
+            fn = getattr(lib, name)
+            fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, H, D] (rows may be strided, heads contiguous), pools [num_blocks, bs, Hkv, D]
-        contiguous float32, tables [B, W] and context_lens [B] int64 → out [B, H * D]."""
+        contiguous float32 or bfloat16, tables [B, W] and context_lens [B] int64 → out [B, H * D]
+        in the pool's dtype (accumulated in float32 either way)."""
         b, h, d = q.shape
+        if q.dtype != torch.float32:
+            q = q.float()   # [B, H, D]: a few KiB; the kernel's arithmetic is float32
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         tables = tables.contiguous()
         context_lens = context_lens.contiguous()
         out = torch.empty(b, h * d, dtype=torch.float32)
-        rc = self._fn(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
-                      context_lens.data_ptr(), out.data_ptr(), b, h, k_pool.shape[2], d, k_pool.shape[1],
-                      tables.shape[1], scale)
+        rc = self._fns[k_pool.dtype](q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                                     tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, h,
+                                     k_pool.shape[2], d, k_pool.shape[1], tables.shape[1], scale)
         if rc != 0:
             raise MemoryError("paged_decode_attention: out of memory for the score buffer")
-        return out
+        return out if k_pool.dtype == torch.float32 else out.to(k_pool.dtype)
 
 
 def _cpu_flags() -> str:

@@ -228,8 +228,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class _Linear:
     """``x @ weight.T + bias``. With ``packed``, the weight is reordered once into oneDNN's blocked
-    layout: on CPU that runs 1.3-1.6x faster than ``F.linear`` at decode batch sizes (M=16) and
-    ~1.25x at prefill sizes (M=256), for any M; float32 results differ only by summation order."""
+    layout: on CPU that runs 1.3-1.6x faster than ``F.linear`` in float32 at decode batch sizes (M=16)
+    and ~1.25x at prefill sizes (M=256); in bfloat16, where ``F.linear`` reorders the weight on every
+    call, 1.5-2.5x at decode sizes (BENCHMARKS.md, decode profile). Results differ from ``F.linear``
+    only by summation order (both accumulate bfloat16 products in float32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
         self.bias = bias
@@ -242,12 +244,19 @@ class _Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+# Linear weights packed for oneDNN in these dtypes (bfloat16 only where the CPU has native bf16
+# dot products: AVX512-BF16 or AMX; elsewhere oneDNN would emulate them).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _can_pack(dtype: torch.dtype) -> bool:
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     try:   # internal ops (the ones inductor's CPU freezing uses): probe before trusting them
-        probe = _Linear(torch.ones(2, 2), None, True)
-        return torch.equal(probe(torch.ones(1, 2)), torch.full((1, 2), 2.0))
+        probe = _Linear(torch.ones(2, 2, dtype=dtype), None, True)
+        return torch.equal(probe(torch.ones(1, 2, dtype=dtype)), torch.full((1, 2), 2.0, dtype=dtype))
     except (RuntimeError, AttributeError):
         return False
 
@@ -303,9 +312,9 @@ class LlamaModel:
                  shard: Shard = Shard(), comm: Collective | None = None, attention: str = "auto",
                  kernels: str = "auto", device: torch.device | str = "cpu"):
         """``attention``: ``"auto"`` reads decode KV in place with the native kernel where it
-        builds (float32 on the CPU), else ``"torch"`` (gather + SDPA). ``kernels``: ``"auto"`` packs
-        the linear weights for oneDNN where available (float32 on the CPU), ``"torch"`` keeps
-        ``F.linear``. ``device``: where weights, rotary tables and activations live."""
+        builds (float32 or bfloat16 on the CPU), else ``"torch"`` (gather + SDPA). ``kernels``:
+        ``"auto"`` packs the linear weights for oneDNN where available (float32, and bfloat16 on a CPU
+        with native bf16, on the CPU), ``"torch"`` keeps ``F.linear``. ``device``: where weights, rotary tables and activations live."""
         if attention not in ("auto", "torch") or kernels not in ("auto", "torch"):
             raise ValueError(f"attention and kernels must be 'auto' or 'torch', got {attention!r}, {kernels!r}")
         self.device = torch.device(device)
@@ -362,7 +371,8 @@ class LlamaModel:
         elif cfg.mrope_section:
             axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(cfg.mrope_section)])
             self._mrope_axis = torch.cat((axis, axis)).to(self.device)
-        self._native = native_attention.load() if attention == "auto" and dtype == torch.float32 and on_cpu else None
+        native = attention == "auto" and dtype in native_attention.DTYPES and on_cpu
+        self._native = native_attention.load() if native else None
         self._scale = cfg.head_dim ** -0.5
         # LoRA (off unless a LoraSlots attaches itself): the step's adapter segments, set per forward.
         self.lora = None
