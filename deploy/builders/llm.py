@@ -181,6 +181,14 @@ def _build_tokenizer(out_dir: pathlib.Path):
     return fast
 
 
+# Qwen2.5-0.5B's layer geometry (24 layers, hidden 896, 14 heads, 2 KV heads, MLP 4,864, its 151,936-row
+# tied embedding; 494 M parameters with the embedding): a model of a size people serve, for benchmarks
+# at real shapes (a 4-layer, 256-wide model is overhead-bound and flatters a lean engine).
+QWEN25_05B_GEOMETRY = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                           intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                           max_position_embeddings=32768, rope_theta=1000000.0)
+
+
 def _build_into(out_dir: pathlib.Path, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -293,6 +301,38 @@ def build_atomically(path: str | os.PathLike, write, *, force: bool, complete, w
     return target
 
 
+def _build_real_shape_into(out_dir: pathlib.Path, seed: int) -> None:
+    """Qwen2.5-0.5B's geometry with random weights (transformers' own init, std 0.02) in bfloat16, the
+    tiny model's tokenizer and chat template: what the engine benchmarks serve at a real size."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = _build_tokenizer(out_dir)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2Config(**QWEN25_05B_GEOMETRY, rms_norm_eps=1e-6, bos_token_id=ids["<|endoftext|>"],
+                         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], use_cache=True)
+    config.architectures = ["Qwen2ForCausalLM"]
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(bos_token_id=ids["<|endoftext|>"],
+                                               eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+                                               pad_token_id=ids["<|endoftext|>"], do_sample=False)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    _patch_json(out_dir / "config.json", torch_dtype="bfloat16", dtype="bfloat16", rope_theta=1000000.0)
+    _patch_json(out_dir / "tokenizer_config.json", drop=("extra_special_tokens",), chat_template=CHAT_TEMPLATE,
+                tokenizer_class="PreTrainedTokenizerFast", additional_special_tokens=["<|im_start|>"])
+    os.chmod(out_dir, 0o755)
+    for f in out_dir.iterdir():
+        os.chmod(f, 0o644)
+
+
+def build_real_shape_llm(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
+    """Write the Qwen2.5-0.5B-geometry bf16 model to ``path`` (see :func:`_build_real_shape_into`)."""
+    return build_atomically(path, lambda tmp: _build_real_shape_into(tmp, seed), force=force, complete=is_complete,
+                            what="model")
+
+
 def build_tiny_llm(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
     """Write the tiny model to ``path`` and return it (see :func:`build_atomically`)."""
     return build_atomically(path, lambda tmp: _build_into(tmp, seed), force=force, complete=is_complete,
@@ -336,6 +376,7 @@ FAMILY_BUILDERS: dict[str, tuple[str, str, dict]] = {
     "tiny-zimage": ("zimage", "build_tiny_zimage", {}),
     "tiny-wan": ("wan", "build_tiny_wan", {}),
     "tiny-qwen3-tts": ("qwen3_tts", "build_tiny_qwen3_tts", {}),
+    "shape-qwen2.5-0.5b": ("llm", "build_real_shape_llm", {}),
 }
 
 
@@ -356,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                              "tiny-video: a diffusers text-to-video pipeline; "
                              "tiny-omni: Qwen2.5-Omni thinker + talker + token2wav; "
                              "tiny-qwen3-omni: Qwen3-Omni MoE thinker + talker + code2wav; "
-                             "tiny-qwen3-tts: Qwen3-TTS 12 Hz CustomVoice, needs the qwen_tts package)")
+                             "tiny-qwen3-tts: Qwen3-TTS 12 Hz CustomVoice, needs the qwen_tts package; "
+                             "shape-qwen2.5-0.5b: random weights in Qwen2.5-0.5B's geometry, bfloat16, for "
+                             "benchmarks at a real size)")
     parser.add_argument("dir", help="output directory (created atomically)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="replace an existing directory")
