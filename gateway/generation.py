@@ -2,7 +2,8 @@
 
 Life of a request through the gateway::
 
-    validated GenerationRequest ──tokenize (chat template)──▶ length checks (400 if it cannot fit)
+    validated GenerationRequest ──tokenize (chat template)──▶ length checks (400 if the prompt fills the
+        context; max_tokens clamped to the room it leaves, as vLLM does)
         ──▶ Submit to the broker (stages of the model's pipeline, deadline, reply_to)
         ──▶ TokenDelta stream, reordered and de-duplicated by RequestStream
         ──▶ incremental detokenizer + stop strings ──▶ TextChunk events to the HTTP renderer
@@ -89,7 +90,8 @@ def usage(gen: Generation) -> dict:
 
 
 def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Generation:
-    """Tokenize and check the request against the model's context (400 when it cannot fit). CPU work
+    """Tokenize and check the request against the model's context (400 when the prompt leaves no room
+    for one token; ``max_tokens`` beyond the room is clamped to it, as vLLM does). CPU work
     that grows with the request: routes run it on the gateway's CPU pool (gateway/cpu_work.py), after
     :func:`check_size` has refused what cannot fit without doing it."""
     check_size(model, request)
@@ -129,13 +131,12 @@ def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Gen
     check_vocab(list(request.stop_token_ids), model.vocab_size, "stop_token_ids")
     check_vocab(list(request.logprob_token_ids), model.vocab_size, "logprob_token_ids")
     room = model.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise BadRequest(f"prompt has {len(prompt_ids)} tokens; this model's context is "
-                         f"{model.max_model_len} tokens", param="messages" if request.kind == "chat" else "prompt")
-    max_tokens = request.max_tokens if request.max_tokens is not None else room
-    if max_tokens > room:
-        raise BadRequest(f"max_tokens={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the "
-                         f"context length {model.max_model_len}", param="max_tokens")
+    if room < 1:   # vLLM's words, which its clients match ("maximum context length")
+        raise BadRequest(f"This model's maximum context length is {model.max_model_len} tokens. However, your "
+                         f"request has {len(prompt_ids)} input tokens, which leaves no room for an answer. Please "
+                         "reduce the length of the input.", param="messages" if request.kind == "chat" else "prompt")
+    # vLLM's rule: max_tokens beyond the room the prompt leaves is clamped to it (absent: all of it).
+    max_tokens = room if request.max_tokens is None else min(request.max_tokens, room)
     if request.kind != "chat":
         stages = tuple(s for s in stages if s != "encode")
     options = wire_options(request.options, vocab_size=model.vocab_size, tokenizer=model.tokenizer,

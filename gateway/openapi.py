@@ -146,9 +146,10 @@ _NOT_SERVED_NOTE = ("Options this server knows but does not serve answer 422 nam
 def _sampling(max_model_len: int, models: list[str]) -> dict:
     return {
         "model": {"type": "string", "enum": models, "description": "an id from GET /v1/models (404 otherwise)"},
-        "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1, "nullable": True,
-                       "description": "prompt tokens + max_tokens must fit the context (400 otherwise)"},
-        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1, "nullable": True},
+        "max_tokens": {"type": "integer", "minimum": 1, "nullable": True,
+                       "description": f"clamped to the room the prompt leaves in the context ({max_model_len} tokens), "
+                                      "as vLLM does; a prompt that fills the context alone: 400"},
+        "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {"type": "number", "minimum": 1e-9, "maximum": 1, "nullable": True},
         "top_k": {"type": "integer", "minimum": -1, "nullable": True},

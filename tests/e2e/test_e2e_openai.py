@@ -168,8 +168,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "max_tokens": 10_000_000}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "temperature": "hot"}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "", "content": "hi"}]}, 400),
