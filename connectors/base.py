@@ -4,7 +4,7 @@ A connector is the data plane between two stages. The broker never sees the data
 ``handle`` maps that :meth:`Connector.put` returns, which travel in the bus messages
 (``StageDone.outputs`` → ``Task.inputs``). Backends: ``shared_memory`` (one host), and — chosen by
 name in the stage YAML, imported only when chosen — ``redis``, ``mooncake_transfer_engine``,
-``mooncake_store``. A KV cache that leaves layer by layer (``workers/kv/export.py``) is one payload
+``mooncake_store``, ``yuanrong``. A KV cache that leaves layer by layer (``workers/kv/export.py``) is one payload
 per layer plus a manifest, over these same methods.
 
 Payload

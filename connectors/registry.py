@@ -1,5 +1,5 @@
 """Lazy registry of connector backends: name → ``"module:Class"``; a backend's imports run only
-when it is chosen, so a host without Redis or Mooncake libraries can still use shared memory."""
+when it is chosen, so a host without Redis, Mooncake or Yuanrong libraries can still use shared memory."""
 
 from __future__ import annotations
 
@@ -39,4 +39,5 @@ register_connector("shared_memory", "omnirelay.connectors.shared_memory:SharedMe
 register_connector("redis", "omnirelay.connectors.redis:RedisConnector")
 register_connector("mooncake_transfer_engine", "omnirelay.connectors.mooncake_transfer_engine:MooncakeTEConnector")
 register_connector("mooncake_store", "omnirelay.connectors.mooncake_store:MooncakeStoreConnector")
+register_connector("yuanrong", "omnirelay.connectors.yuanrong:YuanrongConnector")
 register_connector("fault_injection", "omnirelay.connectors.fault_injection:FaultInjectionConnector")

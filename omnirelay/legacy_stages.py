@@ -37,9 +37,10 @@ How it translates (:func:`translate_legacy`):
   ``input_connectors.from_stage_A`` of B (both given: they must agree), else shared memory (vLLM-Omni's
   default too). Backend class names map to ours: SharedMemoryConnector → ``shared_memory``,
   MooncakeConnector/MooncakeStoreConnector → ``mooncake_store``, MooncakeTransferEngineConnector →
-  ``mooncake_transfer_engine``, RedisConnector → ``redis``; our own type names are accepted as they
-  are. ``extra`` becomes ``options``, with Mooncake's keys renamed (``host`` → ``local_hostname``,
-  ``proto`` → ``protocol``, ``segment``/``localbuf`` bytes → ``segment_mb``/``local_buffer_mb``).
+  ``mooncake_transfer_engine``, RedisConnector → ``redis``, YuanrongConnector → ``yuanrong``; our own
+  type names are accepted as they are. ``extra`` becomes ``options``, with Mooncake's keys renamed
+  (``host`` → ``local_hostname``, ``proto`` → ``protocol``, ``segment``/``localbuf`` bytes →
+  ``segment_mb``/``local_buffer_mb``) and Yuanrong's ``host`` and ``port`` joined as ``address``.
 * **Engine args kept:** dtype, tensor/pipeline parallel size, gpu_memory_utilization,
   max_model_len; ``max_num_seqs`` becomes ``runtime.max_batch_size`` where that is not set;
   ``model_stage`` becomes ``engine_args.component``. The rest is vLLM-specific and dropped, each
@@ -74,8 +75,9 @@ CONNECTOR_CLASSES = {
     "MooncakeStoreConnector": "mooncake_store",
     "MooncakeTransferEngineConnector": "mooncake_transfer_engine",
     "RedisConnector": "redis",
+    "YuanrongConnector": "yuanrong",
 }
-OWN_CONNECTOR_TYPES = ("shared_memory", "redis", "mooncake_store", "mooncake_transfer_engine")
+OWN_CONNECTOR_TYPES = ("shared_memory", "redis", "mooncake_store", "mooncake_transfer_engine", "yuanrong")
 DEFAULT_CONNECTOR = "default_shared_memory"   # the implicit connector of edges that name none
 
 
@@ -257,6 +259,8 @@ def _options(kind: str, options: dict, where: str, notes: list[str]) -> dict:
     if kind == "shared_memory" and "shm_threshold_bytes" in options:
         options.pop("shm_threshold_bytes")
         notes.append(f"{where}.extra.shm_threshold_bytes: dropped (every payload goes through shared memory)")
+    if kind == "yuanrong" and "host" in options and "port" in options:
+        options["address"] = f"{options.pop('host')}:{options.pop('port')}"
     if kind.startswith("mooncake"):
         for old, new in (("host", "local_hostname"), ("proto", "protocol")):
             if old in options:

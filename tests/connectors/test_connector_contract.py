@@ -2,7 +2,9 @@
 
 Producer and consumer sit in different processes: this test process is one side, long-lived
 peers (``tests/support/connector_peer.py``) are the other. Redis and the Mooncake master are real servers
-started on free ports of 127.0.0.1 by the fixtures below and stopped by PID. Each backend's
+started on free ports of 127.0.0.1 by the fixtures below and stopped by PID; the openYuanrong
+datasystem worker is started once per test process (``yuanrong_worker``, ``conftest.py``) and
+stopped by its process group. Each backend's
 section ends by checking it left nothing behind: no shared memory file, Redis key, directory entry
 or Mooncake object. The in-place path (``reserve`` → ``put_reserved`` → ``release``) runs through
 the same checks, in both directions, and its tests also watch the health counters that describe
@@ -29,7 +31,7 @@ from connector_servers import Peer, mooncake_skip_reason, started_mooncake_maste
 from omnirelay.connectors import Connector, available_connectors, create_connector
 from omnirelay.errors import TransferFailed
 
-BACKENDS = ["shared_memory", "redis", "mooncake_transfer_engine", "mooncake_store"]
+BACKENDS = ["shared_memory", "redis", "mooncake_transfer_engine", "mooncake_store", "yuanrong"]
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,6 +125,26 @@ def backend(request, peers):
         yield b
         left = b.close()
         shutil.rmtree(directory, ignore_errors=True)
+    elif name == "yuanrong":
+        worker = request.getfixturevalue("yuanrong_worker")
+        options = {"address": worker.address, "prefix": f"ortest-{uuid.uuid4().hex[:8]}:", "pool_mb": 64}
+
+        def yuanrong_left(b):
+            probe = create_connector(name, options)
+            try:
+                left = []
+                for key in sorted(b.keys):
+                    try:
+                        probe.get(key, timeout=0)
+                        left.append(key)
+                    except TransferFailed:
+                        pass
+                return left
+            finally:
+                probe.close()
+        b = Backend(name, options, yuanrong_left, peers)
+        yield b
+        left = b.close()
     else:
         master = request.getfixturevalue("mooncake_master")
         options = {"master": master.address, "segment_mb": 128, "pool_mb": 64}

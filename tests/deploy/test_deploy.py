@@ -252,6 +252,15 @@ def test_whole_llm_stage_becomes_prefill_and_decode_over_shared_memory():
     assert {c.type for c in pipeline.connectors.values()} == {"shared_memory"}
 
 
+def test_legacy_yuanrong_connector_becomes_the_yuanrong_backend():
+    pipeline = parse_pipeline(_legacy(
+        [{"stage_id": 0, "is_prefill_only": True, "output_connectors": {"to_stage_1": "yr"}},
+         {"stage_id": 1, "is_decode_only": True, "engine_input_source": [0]}],
+        {"connectors": {"yr": {"name": "YuanrongConnector", "extra": {"host": "10.0.0.3", "port": 31501}}}}))
+    spec = pipeline.connector_for("decode")
+    assert (spec.type, spec.options) == ("yuanrong", {"address": "10.0.0.3:31501"})
+
+
 def _legacy(stages: list[dict], runtime: dict | None = None) -> dict:
     return {"stage_args": stages, **({"runtime": runtime} if runtime else {})}
 
@@ -268,8 +277,8 @@ def _legacy(stages: list[dict], runtime: dict | None = None) -> dict:
               {"stage_id": 1, "engine_input_source": [0], "input_connectors": {"from_stage_0": "b"}}],
              {"connectors": {"a": {"name": "SharedMemoryConnector"}, "b": {"name": "RedisConnector"}}}),
      "stage_args[0].output_connectors.to_stage_1 is 'a' but stage_args[1].input_connectors.from_stage_0 is 'b'"),
-    (_legacy([{"stage_id": 0}], {"connectors": {"y": {"name": "YuanrongConnector"}}}),
-     "runtime.connectors.y.name: unsupported connector 'YuanrongConnector'"),
+    (_legacy([{"stage_id": 0}], {"connectors": {"y": {"name": "NixlConnector"}}}),
+     "runtime.connectors.y.name: unsupported connector 'NixlConnector'"),
     (_legacy([{"stage_id": 0, "runtime": {"devices": "0,1"}, "engine_args": {"tensor_parallel_size": 4}}]),
      "stage_args[0].runtime.devices: 2 device(s) 0,1 but tensor_parallel_size 4 × pipeline_parallel_size 1 = 4"),
     (_legacy([{"stage_id": 0, "engine_args": {"tensor_parallel_size": 0}}]),
