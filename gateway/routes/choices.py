@@ -214,7 +214,7 @@ async def _respond_full(request: web.Request, plan_: Plan, fmts: list, record: R
         if plan_.request.echo:
             text = _echo_text(gen) + text
         choice = {**fmt.full(text, finish[index], rendered), "index": index}
-        if gen.request.prompt_logprobs >= 0 and plan_.request.kind != "chat":   # a completion choice: its own
+        if plan_.request.kind != "chat":   # a completion choice: its own (null when not asked, as vLLM)
             choice["prompt_logprobs"] = prompt_logprobs_field(scored, generation.token_text)
         if plan_.request.return_token_ids:
             choice["token_ids"] = token_ids[index]
@@ -225,7 +225,7 @@ async def _respond_full(request: web.Request, plan_: Plan, fmts: list, record: R
             "object": fmts[0].object_full, "choices": choices, "usage": _usage(plan_)}
     if plan_.request.return_token_ids and plan_.request.kind == "chat":   # one prompt: at the top level (vLLM)
         body["prompt_token_ids"] = plan_.gens[0].prompt_token_ids
-    if plan_.request.prompt_logprobs >= 0 and plan_.request.kind == "chat":
+    if plan_.request.kind == "chat":   # one prompt: at the top level (null when not asked, as vLLM)
         body["prompt_logprobs"] = prompt_logprobs_field(plan_.gens[0], generation.token_text)
     return web.json_response(body, headers={"X-Request-Id": plan_.request_id})
 

@@ -166,9 +166,8 @@ async def _respond_full(request: web.Request, gen: generation.Generation, fmt,
     choice = fmt.full("".join(texts), finish, rendered)
     body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": fmt.object_full,
             "choices": [choice], "usage": _usage(gen)}
-    if gen.request.prompt_logprobs >= 0:   # vLLM: chat's at the top level, a completion choice its own
-        (body if gen.request.kind == "chat" else choice)["prompt_logprobs"] = \
-            prompt_logprobs_field(gen, generation.token_text)
+    # vLLM: chat's at the top level, a completion choice its own; null when not asked
+    (body if gen.request.kind == "chat" else choice)["prompt_logprobs"] = prompt_logprobs_field(gen, generation.token_text)
     if gen.request.return_token_ids:
         choice["token_ids"] = token_ids
         # vLLM: chat carries the prompt's ids at the top level, a completion choice its own prompt's

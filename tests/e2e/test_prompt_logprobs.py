@@ -120,6 +120,17 @@ def test_prompt_logprobs_equal_transformers(client, hf):
     _check_entries(chat.model_extra["prompt_logprobs"], chat_ids, hf(chat_ids), 1)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_answer_not_asked_for_prompt_logprobs_says_null(client, n):
+    """vLLM's answers carry the key, null, when not asked (a completion choice its own, chat at the top)."""
+    answer = client.completions.create(model=MODEL, prompt=[PROMPT, "Hi"] if n > 1 else PROMPT, max_tokens=2, n=n,
+                                       temperature=0).model_dump()
+    assert [choice["prompt_logprobs"] for choice in answer["choices"]] == [None] * (2 * n if n > 1 else 1)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=2,
+                                          n=n, temperature=0).model_dump()
+    assert "prompt_logprobs" in chat and chat["prompt_logprobs"] is None
+
+
 @pytest.mark.parametrize("extra, status, param", [
     ({"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ({"prompt_logprobs": -1}, 422, "prompt_logprobs"),
