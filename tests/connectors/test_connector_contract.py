@@ -3,8 +3,8 @@
 Producer and consumer sit in different processes: this test process is one side, long-lived
 peers (``tests/support/connector_peer.py``) are the other. Redis and the Mooncake master are real servers
 started on free ports of 127.0.0.1 by the fixtures below and stopped by PID; the openYuanrong
-datasystem worker is started once per test process (``yuanrong_worker``, ``conftest.py``) and
-stopped by its process group. Each backend's
+datasystem worker is started once per test process (``yuanrong_worker``, ``yuanrong_support.py``)
+and stopped by its process group. Each backend's
 section ends by checking it left nothing behind: no shared memory file, Redis key, directory entry
 or Mooncake object. The in-place path (``reserve`` → ``put_reserved`` → ``release``) runs through
 the same checks, in both directions, and its tests also watch the health counters that describe
@@ -28,6 +28,7 @@ import torch
 
 from connector_peer import make_payload, put_reserved, same_payload
 from connector_servers import Peer, mooncake_skip_reason, started_mooncake_master, started_redis
+from yuanrong_support import yuanrong_worker  # noqa: F401 - the session's datasystem worker
 from omnirelay.connectors import Connector, available_connectors, create_connector
 from omnirelay.errors import TransferFailed
 

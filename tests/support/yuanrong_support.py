@@ -1,6 +1,6 @@
 """The openYuanrong datasystem worker for the tests (not a test module): one single-node
-``datasystem_worker`` per test process (the session fixture ``yuanrong_worker`` of
-``tests/connectors/conftest.py``; it takes ~6 s to come up), started by
+``datasystem_worker`` per test process (the session fixture :func:`yuanrong_worker`, imported by the
+modules that use it; it takes ~6 s to come up), started by
 :class:`omnirelay.deploy.yuanrong_worker.LocalYuanrongWorker` on free ports of 127.0.0.1 in a private
 directory, and stopped by its process group, the directory removed.
 
@@ -10,6 +10,8 @@ A host without the package, or where the worker cannot start, skips with the pre
 from __future__ import annotations
 
 import tempfile
+
+import pytest
 
 
 def yuanrong_skip_reason() -> str | None:
@@ -28,8 +30,6 @@ def yuanrong_skip_reason() -> str | None:
 def started_yuanrong_worker(**options):
     """A running ``datasystem_worker`` (the caller stops it), or the test skipped with the reason.
     Its directory is short on purpose: the worker refuses unix socket paths over 80 characters."""
-    import pytest
-
     from omnirelay.deploy.yuanrong_worker import LocalYuanrongWorker, YuanrongUnavailable
 
     reason = yuanrong_skip_reason()
@@ -40,3 +40,13 @@ def started_yuanrong_worker(**options):
         return worker.start()
     except YuanrongUnavailable as exc:
         pytest.skip(f"yuanrong unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def yuanrong_worker():
+    """One datasystem worker for this test process: a module that imports this fixture starts it at
+    its first use, and it stops when the session ends (not a ``conftest.py`` of ``tests/connectors``:
+    that would shadow ``tests/conftest.py``, which the tests import as ``conftest``)."""
+    worker = started_yuanrong_worker(shared_memory_mb=512)
+    yield worker
+    worker.stop()
