@@ -15,6 +15,7 @@ from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 from omnirelay.config_flags import flag, flag_group, no_flag
 from omnirelay.lora_modules import LoraOptions
 
+from omnirelay.workers.runtime import dtypes
 from omnirelay.workers.runtime.devices import parse_device_ids
 
 ROLES = ("encode", "prefill", "decode", "generate")
@@ -64,7 +65,9 @@ class WorkerConfig:
                                  "held (workers/runtime/broker_link.py)", default=300.0, type=float)
     drain_timeout_s: float = flag("--drain-timeout", "on SIGTERM, seconds in-flight requests may take before "
                                   "they are aborted", default=30.0, type=float)
-    dtype: str = flag("--dtype", "model dtype: float32, bfloat16 or float16", default="float32")
+    dtype: str = flag("--dtype", "model dtype: auto (the checkpoint's torch_dtype: bfloat16 for real "
+                      "checkpoints, float32 where the CPU lacks native bf16; workers/runtime/dtypes.py), float32, "
+                      "bfloat16 or float16", default="auto", choices=dtypes.CHOICES)
     tensor_parallel_size: int = flag("--tensor-parallel-size", "ranks splitting heads and MLP columns (rank 0 is "
                                      "this process)", default=1, type=int)
     pipeline_parallel_size: int = flag("--pipeline-parallel-size", "ranks splitting the layers into ranges",
@@ -103,6 +106,13 @@ class WorkerConfig:
         "stage's engine_args LoRA keys)", add=lora_modules.add_arguments, read=lora_modules.options_from_args,
         default=None)
 
+    def _on_cuda(self) -> bool:
+        """Whether this worker's ranks run on CUDA (named devices, or a host with CUDA: resolve_devices)."""
+        if self.devices:
+            return True
+        import torch
+        return torch.cuda.is_available()
+
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -110,8 +120,10 @@ class WorkerConfig:
             raise ValueError(f"model directory {self.model_path!r} does not exist")
         if self.kv_transfer not in ("auto", "layerwise", "whole"):
             raise ValueError(f"kv_transfer must be 'auto', 'layerwise' or 'whole', got {self.kv_transfer!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in dtypes.CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.dtype == "auto":   # resolved once here: every role reads config.dtype as a torch dtype name
+            object.__setattr__(self, "dtype", dtypes.resolve_dtype("auto", self.model_path, self._on_cuda()))
         if self.wedged_after_s <= 2 * self.heartbeat_interval_s:
             raise ValueError(f"--wedged-after {self.wedged_after_s} must exceed two heartbeat intervals "
                              f"({2 * self.heartbeat_interval_s} s): a slow step is not a wedged one")

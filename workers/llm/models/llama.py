@@ -236,7 +236,7 @@ class _Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
         self.bias = bias
         self.packed = packed
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if packed else weight
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT[weight.dtype]) if packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -245,8 +245,12 @@ class _Linear:
 
 
 # Linear weights packed for oneDNN in these dtypes (bfloat16 only where the CPU has native bf16
-# dot products: AVX512-BF16 or AMX; elsewhere oneDNN would emulate them).
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# dot products: AVX512-BF16 or AMX; elsewhere oneDNN would emulate them), each with the batch-size
+# hint its blocked layout is chosen for. Measured on 24 distinct 9,728 x 896 weights (read from
+# memory, not cache; AVX512-BF16, one thread): bf16 with hint 1 runs 1.9-3x faster than hint 16 at
+# every M from 1 to 256 (M=8: 15.6 vs 34 ms; M=256: 265 vs 790 ms); float32 keeps 16.
+PACK_HINT = {torch.float32: 16, torch.bfloat16: 1}
+PACKED_DTYPES = tuple(PACK_HINT)
 
 
 def _can_pack(dtype: torch.dtype) -> bool:
