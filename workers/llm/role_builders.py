@@ -102,11 +102,20 @@ def _lora_slots(config: WorkerConfig, runner: ModelRunner) -> LoraSlots | None:
                      peers=None if runner.in_process else runner.load_lora)
 
 
+# Which linear kernels each role's model runs (LlamaModel's ``kernels``). Decode steps are small
+# batches, bound by reading the weights: packed for oneDNN, 2-3x faster in bf16, worth a private copy.
+# Prefill steps are large batches, bound by arithmetic: F.linear on the checkpoint's own memory map is
+# within 10-20 % of packed there, and keeps its weights shared pages of the file, so a prefill and a
+# decode worker of one host hold one private copy of the weights between them, not two (BENCHMARKS.md).
+ROLE_KERNELS = {"prefill": "mapped", "decode": "auto"}
+
+
 def model_runner(config: WorkerConfig) -> ModelRunner:
     """This process's model and KV pool, or rank 0 of a TP × PP group whose other ranks it starts."""
     devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
     if len(devices) == 1:
-        model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype), device=devices[0])
+        kernels = ROLE_KERNELS.get(config.role, "auto") if torch.device(devices[0]).type == "cpu" else "auto"
+        model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype), device=devices[0], kernels=kernels)
         return local_runner(model, block_size=config.block_size, budget_bytes=config.kv_cache_bytes,
                             gpu_memory_utilization=config.gpu_memory_utilization)
     group = GroupConfig(config.model_path, tp_size=config.tensor_parallel_size,

@@ -227,21 +227,57 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Linear:
-    """``x @ weight.T + bias``. With ``packed``, the weight is reordered once into oneDNN's blocked
-    layout: on CPU that runs 1.3-1.6x faster than ``F.linear`` in float32 at decode batch sizes (M=16)
-    and ~1.25x at prefill sizes (M=256); in bfloat16, where ``F.linear`` reorders the weight on every
-    call, 1.5-2.5x at decode sizes (BENCHMARKS.md, decode profile). Results differ from ``F.linear``
-    only by summation order (both accumulate bfloat16 products in float32)."""
+    """``x @ weight.T + bias`` where ``weight`` is the row-wise concatenation of ``parts`` (q, k, v;
+    gate, up; or one matrix). Three ways to hold it, chosen per model (``LlamaModel(kernels=...)``):
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
+    * ``packed``: the parts concatenated and reordered once into oneDNN's blocked layout. On CPU
+      that runs 1.3-1.6x faster than ``F.linear`` in float32 at decode batch sizes (M=16) and
+      ~1.25x at prefill sizes (M=256); in bfloat16, where ``F.linear`` reorders the weight on every
+      call, 2-3x at decode sizes and ~1.1x at prefill sizes (BENCHMARKS.md, decode profile). A
+      private copy of the weight.
+    * ``mapped``: each part used in place (one ``F.linear`` a part, outputs side by side), so a part
+      that is a view of the checkpoint's memory map stays a page of the file, shared by every
+      process of the host that maps it: the weights cost this process no private memory.
+    * neither: the parts concatenated once (one ``F.linear``).
+
+    Results differ between them only by summation order (bf16 products are accumulated in float32
+    either way)."""
+
+    def __init__(self, parts: list[torch.Tensor], bias: torch.Tensor | None, packed: bool, mapped: bool = False,
+                 scratch: "_Scratch | None" = None):
         self.bias = bias
         self.packed = packed
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT[weight.dtype]) if packed else weight
+        self.parts = parts if mapped and not packed and len(parts) > 1 else None
+        if packed:
+            # Fused in a reused scratch buffer, then packed: a fresh concatenation per layer, freed
+            # right after packing, left ~200 MB of freed heap behind at the 0.5B geometry.
+            weight = parts[0] if len(parts) == 1 else (scratch or _Scratch()).concat(parts)
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT[weight.dtype])
+        else:
+            self.weight = parts[0] if len(parts) == 1 or self.parts is not None else torch.cat(parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.parts is not None:
+            out = torch.cat([F.linear(x, part) for part in self.parts], dim=-1)
+            return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+class _Scratch:
+    """One buffer, grown as needed, that the weights to be packed are concatenated into while a model
+    loads (the packed copy is what stays)."""
+
+    def __init__(self):
+        self._buffer = torch.empty(0)
+
+    def concat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        rows = sum(p.shape[0] for p in parts)
+        need = rows * parts[0].shape[1]
+        if self._buffer.numel() < need or self._buffer.dtype != parts[0].dtype or self._buffer.device != parts[0].device:
+            self._buffer = torch.empty(need, dtype=parts[0].dtype, device=parts[0].device)
+        return torch.cat(parts, out=self._buffer[:need].view(rows, parts[0].shape[1]))
 
 
 # Linear weights packed for oneDNN in these dtypes (bfloat16 only where the CPU has native bf16
@@ -259,7 +295,7 @@ def _can_pack(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     try:   # internal ops (the ones inductor's CPU freezing uses): probe before trusting them
-        probe = _Linear(torch.ones(2, 2, dtype=dtype), None, True)
+        probe = _Linear([torch.ones(2, 2, dtype=dtype)], None, True)
         return torch.equal(probe(torch.ones(1, 2, dtype=dtype)), torch.full((1, 2), 2.0, dtype=dtype))
     except (RuntimeError, AttributeError):
         return False
@@ -318,12 +354,18 @@ class LlamaModel:
         """``attention``: ``"auto"`` reads decode KV in place with the native kernel where it
         builds (float32 or bfloat16 on the CPU), else ``"torch"`` (gather + SDPA). ``kernels``:
         ``"auto"`` packs the linear weights for oneDNN where available (float32, and bfloat16 on a CPU
-        with native bf16, on the CPU), ``"torch"`` keeps ``F.linear``. ``device``: where weights, rotary tables and activations live."""
-        if attention not in ("auto", "torch") or kernels not in ("auto", "torch"):
-            raise ValueError(f"attention and kernels must be 'auto' or 'torch', got {attention!r}, {kernels!r}")
+        with native bf16, on the CPU; a private copy of the weights), ``"torch"`` keeps ``F.linear``
+        over fused copies, ``"mapped"`` runs ``F.linear`` on the checkpoint's tensors in place where
+        the dtype matches the file's (no fusion, no packing: the weights stay shared pages of the
+        safetensors memory map, so a second process of the host serving the same directory costs
+        no second copy; the prefill role's choice, see role_builders.model_runner). ``device``: where weights, rotary tables and activations live."""
+        if attention not in ("auto", "torch") or kernels not in ("auto", "torch", "mapped"):
+            raise ValueError(f"attention must be 'auto' or 'torch' and kernels 'auto', 'torch' or 'mapped', "
+                             f"got {attention!r}, {kernels!r}")
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         self._packed = kernels == "auto" and on_cpu and _can_pack(dtype)
+        self._mapped = kernels == "mapped"
         self.path = Path(path)
         self.config = cfg = LlamaConfig.from_dir(self.path)
         self.dtype = dtype
@@ -345,6 +387,7 @@ class LlamaModel:
         self.first_stage = self.layer_ids.start == 0
         self.last_stage = self.layer_ids.stop == cfg.num_layers
         w = _Weights(self.path, dtype, cfg.weight_prefix, self.device)
+        self._scratch = _Scratch() if self._packed else None
         self.embed = w.get("model.embed_tokens.weight") if self.first_stage else None
         self.layers = [self._load_layer(w, i, rank, tp) for i in self.layer_ids]
         self.norm = self.lm_head = None
@@ -355,7 +398,8 @@ class LlamaModel:
                 head = w.get("lm_head.weight")
             else:   # tied: one tensor for both ends where this rank holds both
                 head = self.embed if self.embed is not None else w.get("model.embed_tokens.weight")
-            self.lm_head = _Linear(head, None, self._packed)
+            self.lm_head = _Linear([head], None, self._packed)
+        self._scratch = None
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
         # One table for every position: a step indexes it instead of recomputing cos/sin. Same
         # float32 products as transformers' rotary embedding, so the values are identical.
@@ -386,13 +430,13 @@ class LlamaModel:
         pre = f"model.layers.{i}."
         att = pre + "self_attn."
         names = [att + "q_proj", att + "k_proj", att + "v_proj"]
-        qkv = torch.cat([w.get(n + ".weight", 0, rank, tp) for n in names])
+        qkv = [w.get(n + ".weight", 0, rank, tp) for n in names]
         bias = None
         if w.has(att + "q_proj.bias"):
             bias = torch.cat([w.get(n + ".bias", 0, rank, tp) for n in names])
         o_bias = w.get(att + "o_proj.bias") if w.has(att + "o_proj.bias") and rank == 0 else None
         mlp = pre + "mlp."
-        packed = self._packed
+        packed, mapped, scratch = self._packed, self._mapped, self._scratch
         qk_norm = None
         if self.config.qk_norm:   # one weight row per head this rank holds: q heads, then KV heads
             qk_norm = torch.cat((w.get(att + "q_norm.weight").expand(self.num_heads, -1),
@@ -404,12 +448,12 @@ class LlamaModel:
             gate_up = down = None
         else:
             block = None
-            gate_up = _Linear(torch.cat([w.get(mlp + "gate_proj.weight", 0, rank, tp),
-                                         w.get(mlp + "up_proj.weight", 0, rank, tp)]), None, packed)
-            down = _Linear(w.get(mlp + "down_proj.weight", 1, rank, tp), None, packed)
+            gate_up = _Linear([w.get(mlp + "gate_proj.weight", 0, rank, tp), w.get(mlp + "up_proj.weight", 0, rank, tp)],
+                              None, packed, mapped, scratch)
+            down = _Linear([w.get(mlp + "down_proj.weight", 1, rank, tp)], None, packed, mapped)
         return _Layer(
-            input_norm=w.get(pre + "input_layernorm.weight"), qkv=_Linear(qkv, bias, packed),
-            o=_Linear(w.get(att + "o_proj.weight", 1, rank, tp), o_bias, packed),
+            input_norm=w.get(pre + "input_layernorm.weight"), qkv=_Linear(qkv, bias, packed, mapped, scratch),
+            o=_Linear([w.get(att + "o_proj.weight", 1, rank, tp)], o_bias, packed, mapped),
             post_norm=w.get(pre + "post_attention_layernorm.weight"),
             gate_up=gate_up, down=down, moe=block, qk_norm=qk_norm)
 
