@@ -28,6 +28,13 @@ so workers sharing a group need shares that leave each other room); ``--kv-cache
 lets the utilization size the KV pool on CUDA (256 MiB on the CPU), a value caps it
 (:mod:`omnirelay.workers.runtime.devices`).
 
+A ``yuanrong`` edge (``--connector yuanrong``, or a pipeline file's connector of that type without
+an ``address``) needs this host's openYuanrong datasystem worker: ``--yuanrong-address HOST:PORT``
+names a running one, else omni-serve starts a single-node one in its run directory before any other
+child (:mod:`omnirelay.deploy.yuanrong_worker`: free ports, the ready file waited on), hands its
+address to those workers as ``--connector-options``, and stops it after them. Without the
+``yuanrong`` extra installed it refuses to start, saying so.
+
 ``--ray-address ADDR`` places the same daemons on a Ray cluster instead of this host (see
 :mod:`omnirelay.deploy.ray_launcher`); ``--emit kubernetes DIR`` writes Kubernetes manifests for them
 instead of starting anything (:mod:`omnirelay.deploy.kubernetes`).
@@ -52,10 +59,11 @@ from typing import NamedTuple
 
 from omnirelay import config_flags, lora_modules
 from omnirelay.connectors.shared_memory import sweep_orphans
-from omnirelay.pipeline import PipelineError
+from omnirelay.pipeline import ConnectorSpec, PipelineError
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
 from omnirelay.gateway.config import GatewayConfig, ServedModel
 from omnirelay.lifecycle import Shutdown
+from omnirelay.process_memory import private_bytes
 from omnirelay.security import is_loopback
 from omnirelay.tracing import add_tracing_arguments, tracing_argv
 from omnirelay.workers.runtime.config import WorkerConfig
@@ -174,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                            WorkerConfig, only=PASSED_TO_WORKERS)
     parser.add_argument("--connector", default="shared_memory",
                         help="KV connector backend when no --stage-configs-path is given")
+    parser.add_argument("--yuanrong-address", default=None, metavar="HOST:PORT",
+                        help="the datasystem worker of this host for yuanrong edges (default: omni-serve starts "
+                             "a single-node one on free ports and stops it on exit; omnirelay.deploy.yuanrong_worker)")
     parser.add_argument("--stage-configs-path", action="append", default=None,
                         help="stage-pipeline YAML (stages, connectors, edges): one for every model or one per "
                              "model in order (default: the bundled pipeline of each model's kind)")
@@ -241,12 +252,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-prefill, --num-decode, --num-encode and --num-generate must be at least 1")
     if args.broker and not is_loopback(args.broker) and not args.curve_keys:
         parser.error(f"--broker {args.broker} is not loopback: give --curve-keys (see omni-keygen)")
+    needs_store = yuanrong_needs_address(args, plans)
+    if needs_store and not args.yuanrong_address:
+        if args.ray_address:
+            parser.error("a yuanrong edge on a Ray cluster needs --yuanrong-address (the datasystem worker of "
+                         "the cluster's hosts); omni-serve starts one only on this host")
+        from omnirelay.deploy.yuanrong_worker import YuanrongUnavailable, worker_binary
+        try:
+            worker_binary()
+        except YuanrongUnavailable as exc:
+            parser.error(str(exc))
     if args.ray_address:
         from omnirelay.deploy.ray_launcher import serve_on_ray
         return serve_on_ray(args, plans)
     shutdown = Shutdown().install()
     sweep_orphans()   # segments a previous, killed run left behind (their owners are dead)
     run_dir = tempfile.mkdtemp(prefix="omnirelay-serve-")
+    store = None
     broker = args.broker or f"ipc://{run_dir}/broker.sock"
     ready_file = os.path.join(run_dir, "gateway.url")
     children: list[Child] = []
@@ -254,6 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     curve = _local_curve_args(args.curve_keys)
     exit_code = 0
     try:
+        if needs_store and not args.yuanrong_address:
+            from omnirelay.deploy.yuanrong_worker import LocalYuanrongWorker, YuanrongUnavailable
+            store = LocalYuanrongWorker(os.path.join(run_dir, "yuanrong"), die_with_parent=True)
+            try:
+                store.start()
+            except YuanrongUnavailable as exc:
+                print(f"omni-serve: {exc}", file=sys.stderr, flush=True)
+                return 1
+            args.yuanrong_address = store.address   # every worker command (the autoscaler's too) passes it on
         children.append(Child("broker", ["omnirelay.broker.daemon", "--endpoint", broker, *curve["broker"],
                                          "--scheduling-policy", args.scheduling_policy],
                               log_args))
@@ -267,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             exit_code = 1 if not shutdown.requested else 0
         else:
             served = ", ".join(f"{plan.name!r} ({plan.path})" for plan in plans)
-            print(f"omni-serve ready: {url} (models {served})", flush=True)
+            print(f"omni-serve ready: {url} (models {served}); {_private_memory_line(children)}", flush=True)
             scaler = None
             if args.autoscale:
                 from omnirelay.fleet.serve_hook import start as start_autoscaler
@@ -279,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                     scaler.close()   # drains the extra workers before the fixed fleet stops
     finally:
         _stop_all(children, args.drain_timeout)
+        if store is not None:   # after the workers: they delete what they still hold on the way out
+            store.stop()
         sweep_orphans()   # every child is gone now: this takes all of their segments
         shutil.rmtree(run_dir, ignore_errors=True)
     return exit_code
@@ -436,16 +469,35 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
             if WORKER_TAKES_DEVICES:
                 parallel += ["--gpu-memory-utilization", f"{utilization:.4g}",
                              *(["--devices", args.devices] if args.devices and not args.ray_address else [])]
+            store = (["--connector-options", json.dumps({"address": args.yuanrong_address})]
+                     if args.yuanrong_address and _connector_of(plan, role, args.connector).type == "yuanrong"
+                     and "address" not in _connector_of(plan, role, args.connector).options else [])
             for index in range(counts.get(role, 1)):
                 commands.append(WorkerCommand(f"{role}-{model_number}.{index}", role, [
                     "omnirelay.workers.daemon", "--role", role, "--model", plan.path,
                     "--served-model-name", plan.name, "--broker", broker,
                     "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
-                    "--dtype", args.dtype, "--connector", args.connector, *plan.pipeline_args(), *parallel,
+                    "--dtype", args.dtype, "--connector", args.connector, *plan.pipeline_args(), *store, *parallel,
                     "--drain-timeout", str(args.drain_timeout),
                     *(lora_modules.to_args(lora_modules.options_from_args(args))
                       if role in ("prefill", "decode") else [])], tp * pp * sp))
     return commands
+
+
+def _connector_of(plan: ModelPlan, role: str, connector: str) -> ConnectorSpec:
+    """The connector a worker of ``role`` will open (as ``omni-worker`` decides): its stage's edge,
+    or ``--connector`` for a generate stage without one."""
+    stage = plan.pipeline.stage_for_role(role)
+    if not any(stage.name in (edge.source, edge.target) for edge in plan.pipeline.edges):
+        return ConnectorSpec("none", connector, {})
+    return plan.pipeline.connector_for(role)
+
+
+def yuanrong_needs_address(args: argparse.Namespace, plans: list[ModelPlan]) -> bool:
+    """Whether some worker opens a ``yuanrong`` connector whose options name no ``address``: it
+    then takes ``--yuanrong-address``, or the datasystem worker omni-serve starts."""
+    return any(spec.type == "yuanrong" and "address" not in spec.options
+               for plan in plans for spec in (_connector_of(plan, role, args.connector) for role in plan.roles))
 
 
 def gateway_command(args: argparse.Namespace, plans: list[ModelPlan], broker: str,
@@ -500,6 +552,17 @@ def _supervise(children: list[Child], shutdown: Shutdown) -> int:
                   file=sys.stderr, flush=True)
         shutdown.event.wait(0.5)
     return 0
+
+
+def _private_memory_line(children: list[Child]) -> str:
+    """Each process's unshared memory (Private_Dirty; omnirelay/process_memory.py) and their sum: what
+    this host pays per role, the checkpoint's mapped pages (shared by the roles) not included."""
+    sizes = [(c.name, private_bytes(c.pid)) for c in children]
+    known = [(name, size) for name, size in sizes if size is not None]
+    if not known:
+        return "private memory: unknown"
+    each = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in known)
+    return f"private memory GiB: {each}; total {sum(s for _, s in known) / 2**30:.2f}"
 
 
 def _wait_ready(children: list[Child], ready_file: str, timeout_s: float, shutdown: Shutdown) -> str | None:

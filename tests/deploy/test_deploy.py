@@ -403,3 +403,26 @@ def test_ray_address_where_no_cluster_listens_fails_fast(tiny_model):
                             env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"omni-serve: cannot reach the Ray cluster at 127.0.0.1:{port}: nothing answers" in result.stderr
+
+
+def test_yuanrong_workers_get_the_datasystem_address(tiny_model, tmp_path):
+    """``--connector yuanrong`` hands the datasystem worker's address (``--yuanrong-address``, or the
+    one omni-serve starts) to the workers of yuanrong edges only, never over a file's own address."""
+    from omnirelay.deploy.serve import build_parser, worker_commands, yuanrong_needs_address
+    from omnirelay.deploy.served_models import plan_models
+
+    args = build_parser().parse_args([tiny_model, "--connector", "yuanrong", "--yuanrong-address", "127.0.0.1:9"])
+    plans = plan_models([(tiny_model, "tiny-llm")], None, args.connector)
+    assert yuanrong_needs_address(args, plans)
+    for command in worker_commands(args, plans, "ipc:///tmp/none.sock"):
+        at = command.argv.index("--connector-options")
+        assert json.loads(command.argv[at + 1]) == {"address": "127.0.0.1:9"}, command.name
+
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text("stages: [{name: p, role: prefill}, {name: d, role: decode}]\n"
+                        "connectors: {kv: {type: yuanrong, options: {address: '10.0.0.5:31501'}}}\n"
+                        "edges: [{from: p, to: d, connector: kv}]\n")
+    args = build_parser().parse_args([tiny_model, "--stage-configs-path", str(pipeline)])
+    plans = plan_models([(tiny_model, "tiny-llm")], args.stage_configs_path, args.connector)
+    assert not yuanrong_needs_address(args, plans)
+    assert all("--connector-options" not in c.argv for c in worker_commands(args, plans, "ipc:///tmp/none.sock"))
