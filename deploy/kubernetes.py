@@ -33,8 +33,11 @@ Service drops it, then aiohttp finishes open requests.
 Connectors. A ``shared_memory`` edge needs both ends to see one tmpfs: its roles become containers
 of one pod (replicas 1, ``Recreate``: two such pods would hand work across pods), sharing an
 ``emptyDir`` with ``medium: Memory`` at ``/dev/shm`` and one process namespace (segment names carry
-the owner's PID, which must be unique among the writers). Redis and Mooncake edges cross pods: each
-role gets its own Deployment; a Mooncake worker is told its pod IP as ``local_hostname``.
+the owner's PID, which must be unique among the writers). Redis, Mooncake and Yuanrong edges cross
+pods: each role gets its own Deployment; a Mooncake worker is told its pod IP as ``local_hostname``.
+A Yuanrong worker without an ``address`` option is told ``--yuanrong-address``, else its node's
+datasystem worker at ``$(HOST_IP):``:data:`YUANRONG_PORT` (the datasystem runs as a DaemonSet on the
+host network, as its own ``dscli generate_helm_chart`` deploys it; these manifests do not include it).
 
 Keys. CURVE certificates come from Secrets made from an ``omni-keygen`` directory: ``omnirelay-curve``
 (``broker.key_secret``, ``gateway.key_secret``, ``worker.key_secret``, ``broker.key``) and
@@ -92,7 +95,8 @@ CACHE_ENV = (("HOME", CACHE_DIR), ("XDG_CACHE_HOME", CACHE_DIR), ("HF_HOME", f"{
 IMAGE = "omnirelay"
 CPU_IMAGE = f"{IMAGE}:{__version__}"
 CUDA_IMAGE = f"{IMAGE}:{__version__}-cuda"
-NETWORK_CONNECTORS = ("redis", "mooncake_transfer_engine", "mooncake_store")
+NETWORK_CONNECTORS = ("redis", "mooncake_transfer_engine", "mooncake_store", "yuanrong")
+YUANRONG_PORT = 31501       # a node's datasystem worker (the datasystem's default worker port)
 # The embedded default's models as `omni-make-model` names them, and their kinds (tests check the
 # names against omnirelay.deploy.embedded.TINY_MODELS).
 EMBEDDED = (("tiny-llm", ModelKind.LLM), ("tiny-omni", ModelKind.OMNI),
@@ -289,6 +293,7 @@ class Manifests:
     def _container(self, name: str, command: list[str], mounts: list[dict], **extra) -> dict:
         env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+               {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
                # The root file system is read-only: every cache (tokenizers, torch, triton) goes to /cache.
                *({"name": key, "value": value} for key, value in CACHE_ENV),
                {"name": "HF_HUB_OFFLINE", "value": "1"}, *extra.pop("env", [])]
@@ -418,8 +423,12 @@ class Manifests:
             command += ["--sequence-parallel-size", str(stage.sequence_parallel_size)]
         if args.enable_expert_parallel and role in ("prefill", "decode"):
             command.append("--enable-expert-parallel")
-        if plan.pipeline.edges and plan.pipeline.connector_for(role).type.startswith("mooncake"):
+        spec = plan.pipeline.connector_for(role) if plan.pipeline.edges else None
+        if spec is not None and spec.type.startswith("mooncake"):
             command += ["--connector-options", json.dumps({"local_hostname": "$(POD_IP)"})]
+        elif spec is not None and spec.type == "yuanrong" and "address" not in spec.options:
+            address = args.yuanrong_address or f"$(HOST_IP):{YUANRONG_PORT}"
+            command += ["--connector-options", json.dumps({"address": address})]
         return command + ["--curve-secret-key", f"{KEYS_DIR}/worker.key_secret",
                           "--curve-server-key", f"{KEYS_DIR}/broker.key",
                           "--log-level", args.log_level, "--log-format", "json", *tracing_argv(args)]

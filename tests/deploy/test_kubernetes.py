@@ -227,6 +227,7 @@ def test_qwen3_omni_four_roles_over_shared_memory(tmp_path, qwen3_omni):
 @pytest.mark.parametrize("connector", [
     {"type": "redis", "options": {"url": "redis://redis:6379/0", "ttl_s": 300}},
     {"type": "mooncake_transfer_engine", "options": {"metadata_server": "http://mooncake-meta:8080/metadata"}},
+    {"type": "yuanrong", "options": {"ttl_s": 300}},
 ])
 def test_qwen3_omni_four_roles_across_pods(tmp_path, qwen3_omni, connector):
     pipeline = network_pipeline(tmp_path, connector)
@@ -246,7 +247,10 @@ def test_qwen3_omni_four_roles_across_pods(tmp_path, qwen3_omni, connector):
         assert "shareProcessNamespace" not in deployment["spec"]["template"]["spec"]
         options = json.loads(flag(container["command"], "--connector-options")) \
             if "--connector-options" in container["command"] else {}
-        assert options == ({"local_hostname": "$(POD_IP)"} if connector["type"].startswith("mooncake") else {})
+        expected = {"mooncake_transfer_engine": {"local_hostname": "$(POD_IP)"},
+                    "yuanrong": {"address": "$(HOST_IP):31501"}}   # the node's datasystem worker
+        assert options == expected.get(connector["type"], {})
+        assert {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}} in container["env"]
     config = objects(files, "ConfigMap")["omnirelay-pipelines"]["data"]
     assert yaml.safe_load(config[f"{os.path.basename(qwen3_omni)}.yaml"])["connectors"]["data"] == connector
     assert {doc["metadata"]["namespace"] for docs in files.values() for doc in docs} == {"serving"}
