@@ -80,6 +80,8 @@ _WORKER_GAUGES = {
     "prefix_cached_blocks": ("omnirelay_prefix_cached_blocks", "KV blocks held by the prefix cache", sum),
     "encoder_cache_items": ("omnirelay_encoder_cache_items", "Media items in the encoder cache", sum),
     "step_age_s": ("omnirelay_worker_step_age_seconds", "Age of the oldest engine step in progress", max),
+    "private_memory_bytes": ("omnirelay_worker_private_memory_bytes", "Memory the workers hold unshared "
+                             "(Private_Dirty: heap, packed weights, KV pools; not the mapped checkpoint)", sum),
 }
 # Described elsewhere (connector_* feed the omnirelay_connector_* families) or not a figure of load.
 _WORKER_SKIPPED = ("connector_", "denoiser_weight_bits", "sequence_parallel_size")

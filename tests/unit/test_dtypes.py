@@ -48,3 +48,4 @@ def test_worker_config_resolves_auto_once(tmp_path, monkeypatch):
     assert WorkerConfig(role="decode", model_path=_model(tmp_path, torch_dtype="float32"), model_name="m").dtype == "float32"
     with pytest.raises(ValueError, match="unsupported dtype"):
         WorkerConfig(role="decode", model_path=str(tmp_path), model_name="m", dtype="int4")
+

@@ -36,6 +36,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.broker.prefix_index import route_keys
 from omnirelay.connectors.timing import TimedConnector
 from omnirelay.lifecycle import Shutdown, ShutdownState
+from omnirelay.process_memory import private_bytes
 from omnirelay.security import CurveKeys, require_curve_off_loopback
 from omnirelay.tracing import Tracing
 
@@ -233,6 +234,9 @@ class WorkerRuntime:
         stats, (reports, received) = self.engine_stats(), (self._reports, self._received)
         self._beat_counts = (reports, received)
         stats["keepalives"] = self._link.keepalives   # steps that outlasted a heartbeat interval
+        private = private_bytes()
+        if private is not None:
+            stats["private_memory_bytes"] = private
         self._link.send_heartbeat(p.Heartbeat(worker_id=self.config.worker_id, running=stats.pop("running", 0),
                                               waiting=stats.pop("waiting", 0),
                                               free_kv_blocks=stats.pop("free_kv_blocks", -1), stats=stats,

@@ -1,0 +1,17 @@
+"""How much memory a process holds that no other process shares: ``Private_Dirty`` of its mappings.
+
+RSS is the wrong figure for a worker: it counts the safetensors pages a worker maps from the page
+cache, which every process of the host serving that directory shares (the prefill role runs on
+them in place). Private_Dirty is what the process alone costs the host: its heap, its packed
+weights, its KV pool. Read from ``/proc/PID/smaps_rollup`` (Linux); None where that is unreadable.
+"""
+
+from __future__ import annotations
+
+
+def private_bytes(pid: int | str = "self") -> int | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            return sum(int(line.split()[1]) for line in rollup if line.startswith("Private_Dirty:")) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
