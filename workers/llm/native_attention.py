@@ -61,10 +61,16 @@ static inline float round_to_bf16(float x) {
     return x;
 }
 
-/* Element i of a pool of float32 (bf16 == 0) or bfloat16 (bf16 == 1) values. Inlined into each
-   exported entry point with a constant flag, so each one compiles to its own vectorised loops. */
-static inline __attribute__((always_inline)) float load_kv(const void *pool, int64_t i, const int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)pool)[i]) : ((const float *)pool)[i];
+/* Row ``at`` (D values) of a pool as float32: a float32 pool's row in place; a bfloat16 pool's row
+   widened once into ``row`` (then read by all G query heads that share its KV head). Inlined into
+   each exported entry point with a constant flag, so each compiles to its own vectorised loops. */
+static inline __attribute__((always_inline)) const float *widen(const void *pool, int64_t at, int64_t D,
+                                                               float *row, const int bf16) {
+    if (!bf16) return (const float *)pool + at;
+    const uint16_t *src = (const uint16_t *)pool + at;
+    #pragma omp simd
+    for (int64_t d = 0; d < D; d++) row[d] = bf16_to_float(src[d]);
+    return row;
 }
 
 /* q [B, q_stride] float32 (head h at q + b*q_stride + h*D), pools [num_blocks, bs, Hkv, D],
@@ -76,8 +82,9 @@ static inline __attribute__((always_inline)) int attention(
     const int64_t G = H / Hkv;
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; b++) if (ctx[b] > max_ctx) max_ctx = ctx[b];
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(G * (max_ctx > 0 ? max_ctx : 1)));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(G * (max_ctx > 0 ? max_ctx : 1) + D));
     if (!scores) return -1;
+    float *row = scores + G * (max_ctx > 0 ? max_ctx : 1);   /* one widened K or V row */
     const int64_t tok_stride = Hkv * D;
     /* Walk block by block: no per-token division, and each block's rows are contiguous. */
     for (int64_t b = 0; b < B; b++) {
@@ -91,11 +98,12 @@ static inline __attribute__((always_inline)) int attention(
                 int64_t kr = table[j] * bs * tok_stride + h * D;
                 const int64_t m = n - t < bs ? n - t : bs;
                 for (int64_t o = 0; o < m; o++, t++, kr += tok_stride) {
+                    const float *key = widen(k_pool, kr, D, row, bf16);
                     for (int64_t g = 0; g < G; g++) {
                         const float *qg = qh + g * D;
                         float acc = 0.0f;
                         #pragma omp simd reduction(+:acc)
-                        for (int64_t d = 0; d < D; d++) acc += qg[d] * load_kv(k_pool, kr + d, bf16);
+                        for (int64_t d = 0; d < D; d++) acc += qg[d] * key[d];
                         scores[g * n + t] = acc * scale;
                     }
                 }
@@ -119,11 +127,12 @@ static inline __attribute__((always_inline)) int attention(
                 int64_t vr = table[j] * bs * tok_stride + h * D;
                 const int64_t m = n - t < bs ? n - t : bs;
                 for (int64_t o = 0; o < m; o++, t++, vr += tok_stride) {
+                    const float *value = widen(v_pool, vr, D, row, bf16);
                     for (int64_t g = 0; g < G; g++) {
                         const float p = scores[g * n + t];
                         float *og = oh + g * D;
                         #pragma omp simd
-                        for (int64_t d = 0; d < D; d++) og[d] += p * load_kv(v_pool, vr + d, bf16);
+                        for (int64_t d = 0; d < D; d++) og[d] += p * value[d];
                     }
                 }
             }
