@@ -5,7 +5,7 @@
 
 ``KIND`` is a connector name (``create_connector``), ``baseline:NAME`` (that connector as of
 ``--baseline REV``), or one of the raw transports ``tcp``, ``raw_redis``, ``raw_te``, ``raw_store``,
-``raw_shm``. The parent (``connector_runs.Child``) drives it over stdin/stdout with JSON lines, one
+``raw_shm``, ``raw_yuanrong``. The parent (``connector_runs.Child``) drives it over stdin/stdout with JSON lines, one
 answer per command (no pickle): ``put``/``get`` answer their own time in ``dt``, ``send``/``recv``
 (raw TCP) their clock at the first byte sent / last byte received.
 """
@@ -60,6 +60,12 @@ def run(role: str, kind: str, options: dict) -> int:
         config = ReplicateConfig()
         config.preferred_segment = store.get_hostname()
         state["store"], state["config"] = store, config
+        say({"ready": 0})
+    elif kind == "raw_yuanrong":
+        from yr.datasystem.kv_client import KVClient
+        host, port = options["address"].rsplit(":", 1)
+        state["kv"] = KVClient(host, int(port), connect_timeout_ms=2000, req_timeout_ms=60000)
+        state["kv"].init()
         say({"ready": 0})
     elif kind == "raw_shm":
         import mmap
@@ -118,6 +124,21 @@ def run(role: str, kind: str, options: dict) -> int:
                 assert value is not None and len(value) == size
                 del value
                 r.delete(cmd["key"])
+                say({"dt": dt})
+        elif kind == "raw_yuanrong":   # the KV client's own set of the bytes, get (a bytes copy), delete
+            from omnirelay.connectors.yuanrong import store_name
+            kv, name = state["kv"], store_name("bench:", cmd["key"])
+            if op == "put":
+                t0 = time.perf_counter()
+                kv.set(name, memoryview(data.numpy()))
+                say({"dt": time.perf_counter() - t0, "handle": None})
+            else:
+                t0 = time.perf_counter()
+                value = kv.get([name])[0]
+                dt = time.perf_counter() - t0
+                assert value is not None and len(value) == size
+                del value
+                kv.delete([name])
                 say({"dt": dt})
         elif kind == "raw_shm":   # no protocol: one copy into a mapped segment, one view of it
             path = os.path.join(options["shm_dir"], f"raw-{size}")

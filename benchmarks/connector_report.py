@@ -55,7 +55,7 @@ def render(results: dict, sizes: list[int], command: str, refs: dict) -> str:
              "| | " + " | ".join(f"{s // MIB} MiB" for s in sizes) + " | reference |",
              "|---|" + "---|" * len(sizes) + "---|"]
     for name in ("memcpy", "memcpy, cold cache", "raw shared memory", "raw TCP", "raw Redis SET/GET",
-                 "raw Mooncake TE", "raw Mooncake store"):
+                 "raw Mooncake TE", "raw Mooncake store", "raw Yuanrong KV"):
         lines.append(f"| {name} | " + " | ".join(cell(name, s) for s in sizes) + " | |")
     for name, ref_names in refs.items():
         cells = []
@@ -77,7 +77,8 @@ def render(results: dict, sizes: list[int], command: str, refs: dict) -> str:
     lines += ["", ("The best iteration's put / get in ms, and the median iteration's put+get GB/s (each the "
                    "median over the rounds):"), "",
               "| | " + " | ".join(f"{s // MIB} MiB" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for name in ["raw shared memory", "raw Redis SET/GET", "raw Mooncake TE", "raw Mooncake store", *refs]:
+    for name in ["raw shared memory", "raw Redis SET/GET", "raw Mooncake TE", "raw Mooncake store", "raw Yuanrong KV",
+                 *refs]:
         row = []
         for s in sizes:
             r = results.get(name, {}).get(s)

@@ -25,7 +25,8 @@ consumer process, repeatedly:
   (redis-py with hiredis: ``SET`` of the bytes, ``GET``, ``DEL``); ``raw Mooncake TE`` (one
   ``transfer_sync_read`` of N bytes between two warm registered buffers: the transport the
   ``mooncake_transfer_engine`` connector rides on); ``raw Mooncake store`` (``upsert_from``, then
-  ``get_into`` between warm registered buffers, then ``remove``). Like the connectors, the raw
+  ``get_into`` between warm registered buffers, then ``remove``); ``raw Yuanrong KV`` (the datasystem's
+  ``KVClient``: ``set`` of the bytes, ``get`` into a new ``bytes``, ``delete``). Like the connectors, the raw
   rows use a fresh key per iteration and run between two processes.
 * Rows ``…, in place (reserve → put_reserved)``: the producer builds the payload in memory the
   connector lends (as the prefill gathers its KV), so ``put`` is ``reserve`` + ``put_reserved``
@@ -40,8 +41,8 @@ a ratio taken within one round is what stays comparable. ``--baseline REV`` adds
 (their package is extracted from git into a temporary directory and imported from there), so a
 change is measured against its predecessor side by side, in the same run.
 
-The script starts its own ``redis-server`` and ``mooncake_master`` on free ports of 127.0.0.1 and
-stops them by PID; backends whose library or server is missing are reported as skipped. The
+The script starts its own ``redis-server``, ``mooncake_master`` and openYuanrong ``datasystem_worker``
+(:mod:`omnirelay.deploy.yuanrong_worker`) on free ports of 127.0.0.1 and stops them by PID; backends whose library or server is missing are reported as skipped. The
 producer and consumer are child processes driven over pipes with JSON lines (no pickle).
 
 Its parts: ``connector_child.py`` (one side of a transfer, in its own process), ``connector_runs.py``
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also measure shared_memory and mooncake_transfer_engine as of this git revision")
     parser.add_argument("--backends", nargs="+", default=["shared_memory", "redis", "mooncake_transfer_engine",
-                                                          "mooncake_store"])
+                                                          "mooncake_store", "yuanrong"])
     parser.add_argument("--update", type=Path, default=None,
                         help="write the results into this file's Connectors section")
     args = parser.parse_args(argv)
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     os.mkdir(shm_dir)
     te_dir = f"/dev/shm/omnirelay-bench-te-{uuid.uuid4().hex[:8]}"
     servers = []
+    datasystem = None
     try:
         redis_server = start_redis(workdir) if "redis" in args.backends else None
         master = None
@@ -99,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                 results["mooncake_transfer_engine"] = results["mooncake_store"] = {"skipped": f"skipped ({exc})"}
         servers = [s[0] for s in (redis_server, master) if s]
         pool_mb = 4 * max(args.sizes_mib) + 64
+        if "yuanrong" in args.backends:
+            from omnirelay.deploy.yuanrong_worker import LocalYuanrongWorker, YuanrongUnavailable
+            try:
+                datasystem = LocalYuanrongWorker(os.path.join(workdir, "yuanrong"), shared_memory_mb=2 * pool_mb)
+                datasystem.start()
+            except YuanrongUnavailable as exc:
+                datasystem = None
+                results["yuanrong"] = {"skipped": f"skipped ({exc})"}
         cold = ("memcpy", "memcpy, cold cache")
         configs = {   # row → (connector, options, extra measure_pair arguments, reference rows)
             "shared_memory": ("shared_memory", {"shm_dir": shm_dir}, {}, cold),
@@ -118,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
                 ("raw Mooncake TE",))
             configs["mooncake_store"] = ("mooncake_store", {"master": master[1], "pool_mb": pool_mb,
                                                             "segment_mb": pool_mb}, {}, ("raw Mooncake store",))
+        if datasystem:
+            # A 64 MiB payload takes longer than the connector's 2 s default under load: the benchmark
+            # measures throughput, not outage detection.
+            options = {"address": datasystem.address, "pool_mb": pool_mb, "request_timeout_s": 30}
+            configs["yuanrong"] = ("yuanrong", options, {}, ("raw Yuanrong KV",))
+            configs["yuanrong, in place (reserve → put_reserved)"] = ("yuanrong", options, {"in_place": True},
+                                                                     ("raw Yuanrong KV",))
         if args.baseline:
             rev = extract_baseline(args.baseline, workdir)
             os.environ[BASELINE_DIR_ENV] = workdir   # inherited by the child processes
@@ -140,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["raw Mooncake TE"] = measure_pair("raw_te", {}, size, iters, args.warmup)
                     row["raw Mooncake store"] = measure_pair("raw_store", {"master": master[1], "segment_mb": pool_mb},
                                                              size, iters, args.warmup)
+                if datasystem:
+                    row["raw Yuanrong KV"] = measure_pair("raw_yuanrong", {"address": datasystem.address}, size, iters,
+                                                          args.warmup)
                 for name, (kind, options, extra, _) in configs.items():
                     if kind.removeprefix("baseline:") not in args.backends:
                         continue
@@ -152,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in servers:
             stop(proc)
+        if datasystem is not None:
+            datasystem.stop()
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(te_dir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
