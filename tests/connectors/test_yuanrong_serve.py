@@ -4,19 +4,26 @@ outage of that worker in the middle of a run.
 The prefill → decode hand-off of the tiny LM crosses an openYuanrong datasystem worker: one that
 omni-serve starts on free ports in its run directory (and must stop, leaving no process and no
 directory), or one given by ``--yuanrong-address``, which the outage test kills (SIGKILL to its
-process group) and starts again on the same ports. Greedy answers must equal transformers'.
+process group) and starts again on the same ports. Greedy answers must equal transformers'. The
+tiny Qwen2.5-Omni runs with every edge on yuanrong and must answer exactly as over shared memory.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import time
 
+import numpy as np
 import openai
 import pytest
+import yaml
+from PIL import Image
 
 from cluster import settled_workers
 from conftest import ServeProcess, pid_alive
+from repo_paths import REPO_ROOT
 from yuanrong_support import started_yuanrong_worker
 
 PROMPT = "What is the capital of France?"
@@ -98,3 +105,60 @@ def test_datasystem_worker_killed_mid_run_fails_requests_then_serving_resumes(ti
             assert serve.stop() == 0, serve.output()[-3000:]
         store.stop()
     assert not os.path.exists(store.directory)
+
+
+def _omni_requests(client: openai.OpenAI, png: bytes) -> dict:
+    """A spoken answer to an image (encode → prefill → decode → generate) and a streamed spoken answer
+    (decode streams the reply's states to the talker in chunks): their text and audio bytes."""
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    spoken = client.chat.completions.create(
+        model="tiny-omni", messages=[{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                                                  {"type": "image_url", "image_url": {"url": url}}]}],
+        modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"}, max_tokens=8, temperature=0,
+        seed=1234, extra_body={"max_audio_tokens": 16}).choices[0].message.audio
+    stream = client.chat.completions.create(
+        model="tiny-omni", messages=[{"role": "user", "content": "Say hello to the world"}],
+        modalities=["text", "audio"], max_tokens=8, temperature=0, seed=1234, audio={"voice": "Ethan", "format": "wav"},
+        stream=True, extra_body={"max_audio_tokens": 72})
+    chunks, transcript = [], []
+    for event in stream:
+        audio = event.choices[0].delta.audio if event.choices else None
+        if audio is not None and audio.data:
+            chunks.append(base64.b64decode(audio.data))
+        if audio is not None and audio.transcript:
+            transcript.append(audio.transcript)
+    return {"image_transcript": spoken.transcript, "image_audio": base64.b64decode(spoken.data),
+            "stream_transcript": "".join(transcript), "stream_chunks": len(chunks), "stream_audio": b"".join(chunks)}
+
+
+def test_omni_every_edge_on_yuanrong_answers_as_shared_memory(tmp_path):
+    """Qwen2.5-Omni's four stages with every edge (encode → prefill, prefill → decode, prefill →
+    generate, decode → generate, the last one streamed in chunks) on the datasystem omni-serve
+    starts: the same text and audio bytes as over shared memory."""
+    from omnirelay.deploy.builders.omni import build_tiny_omni
+
+    model = str(build_tiny_omni(tmp_path / "tiny-omni", seed=0))
+    pixels = (np.random.RandomState(5).rand(64, 80, 3) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    answers = {}
+    for kind in ("shared_memory", "yuanrong"):
+        pipeline = yaml.safe_load((REPO_ROOT / "deploy" / "pipelines" / "omni.yaml").read_text())
+        pipeline["connectors"] = {"data": {"type": kind, "options": {"ttl_s": 300}}}
+        path = tmp_path / f"omni-{kind}.yaml"
+        path.write_text(yaml.safe_dump(pipeline))
+        serve = ServeProcess(model, "--served-model-name", "tiny-omni", "--stage-configs-path", str(path),
+                             "--log-level", "WARNING", log_path=str(tmp_path / f"serve-{kind}.log"), timeout=300)
+        try:
+            answers[kind] = _omni_requests(_client(serve), buf.getvalue())
+            workers = settled_workers(serve.url)
+            put = sum(w["stats"].get("connector_bytes_put", 0) for w in workers)
+            got = sum(w["stats"].get("connector_bytes_got", 0) for w in workers)
+            assert put > 0 and got > 0, (kind, put, got)
+            assert {w["role"] for w in workers} == {"encode", "prefill", "decode", "generate"}
+        finally:
+            assert serve.stop() == 0, serve.output()[-3000:]
+    yuanrong, shared = answers["yuanrong"], answers["shared_memory"]
+    assert yuanrong["image_transcript"] and len(yuanrong["image_audio"]) > 44
+    assert yuanrong["stream_chunks"] > 1
+    assert yuanrong == shared
