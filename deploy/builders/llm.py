@@ -315,6 +315,11 @@ def _build_real_shape_into(out_dir: pathlib.Path, seed: int) -> None:
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+        # The tokenizer names only the first few hundred of the 151,936 rows. A greedy pick past it
+        # decodes to no text, and a stream holds back text it cannot decode, so an answer of such ids
+        # would arrive in one piece at its end; a zero row (tied: embedding and lm_head) gives logit 0,
+        # below the best named token's.
+        model.model.embed_tokens.weight[len(tok):].zero_()
     model.generation_config = GenerationConfig(bos_token_id=ids["<|endoftext|>"],
                                                eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                                                pad_token_id=ids["<|endoftext|>"], do_sample=False)
