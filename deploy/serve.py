@@ -253,12 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.broker and not is_loopback(args.broker) and not args.curve_keys:
         parser.error(f"--broker {args.broker} is not loopback: give --curve-keys (see omni-keygen)")
     needs_store = yuanrong_needs_address(args, plans)
-    if needs_store and not args.yuanrong_address:
-        if args.ray_address:
-            parser.error("a yuanrong edge on a Ray cluster needs --yuanrong-address (the datasystem worker of "
-                         "the cluster's hosts); omni-serve starts one only on this host")
+    if needs_store and not args.yuanrong_address and args.ray_address:
+        parser.error("a yuanrong edge on a Ray cluster needs --yuanrong-address (the datasystem worker of "
+                     "the cluster's hosts); omni-serve starts one only on this host")
+    if not args.ray_address and any(_connector_of(plan, role, args.connector).type == "yuanrong"
+                                    for plan in plans for role in plan.roles):
         from omnirelay.deploy.yuanrong_worker import YuanrongUnavailable, worker_binary
-        try:
+        try:   # the workers of this host import its client: say so here, not in a worker's traceback
             worker_binary()
         except YuanrongUnavailable as exc:
             parser.error(str(exc))

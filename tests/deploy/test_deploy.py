@@ -426,3 +426,15 @@ def test_yuanrong_workers_get_the_datasystem_address(tiny_model, tmp_path):
     plans = plan_models([(tiny_model, "tiny-llm")], args.stage_configs_path, args.connector)
     assert not yuanrong_needs_address(args, plans)
     assert all("--connector-options" not in c.argv for c in worker_commands(args, plans, "ipc:///tmp/none.sock"))
+
+
+@pytest.mark.parametrize("extra", [[], ["--yuanrong-address", "127.0.0.1:9"]], ids=["local", "address"])
+def test_yuanrong_without_its_package_is_refused_naming_the_extra(tiny_model, tmp_path, extra):
+    hidden = tmp_path / "hidden" / "yr"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('yr hidden by the test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "omnirelay.deploy.serve", tiny_model, "--port", "0",
+                             "--connector", "yuanrong", *extra], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "the yuanrong connector needs the 'yuanrong' extra: pip install 'omnirelay[yuanrong]'" in result.stderr
