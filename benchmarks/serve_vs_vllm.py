@@ -131,7 +131,7 @@ def transformers_floor(model: pathlib.Path, args, n: int) -> dict:
     # One thread, like each of our workers and vLLM's engine core here: with two, OpenMP spin-waits
     # against the other processes on a 2-core host and the floor collapses.
     torch.set_num_threads(1)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype)).eval()
     gen = torch.Generator().manual_seed(0)
     vocab = hf.config.vocab_size
     tokens = 0
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--omni-port", type=int, default=8021)
     ap.add_argument("--vllm-port", type=int, default=8011)
     ap.add_argument("--omni-args", default="", help="extra omni-serve arguments")
+    ap.add_argument("--dtype", default="float32", help="both servers' --dtype (and the floor's); bfloat16 at a "
+                    "real geometry (omni-make-model shape-qwen2.5-0.5b)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--only", choices=["both", "omni", "vllm"], default="both")
     ap.add_argument("--json", type=pathlib.Path, help="write the full results here")
     ap.add_argument("--loras", type=int, default=0, help="serve this many LoRA adapters on both servers")
@@ -205,13 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in ("both", "vllm"):
             servers["vllm"] = HttpServer("vllm", [
                 peer_python, str(args.vllm_cli), "serve", str(model), "--host", "127.0.0.1", "--port",
-                str(args.vllm_port), "--max-model-len", "1024", "--dtype", "float32", "--served-model-name", served,
+                str(args.vllm_port), "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
+                "--served-model-name", served,
                 *lora_args],
                 args.vllm_port, served, work / "vllm-serve.log", {**os.environ, **PEER_ENV})
         if args.only in ("both", "omni"):
             servers["omni"] = HttpServer("omni", [
                 sys.executable, "-m", "omnirelay.deploy.serve", str(model), "--port", str(args.omni_port),
-                "--served-model-name", served, *lora_args, *args.omni_args.split()],
+                "--served-model-name", served, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+                *lora_args, *args.omni_args.split()],
                 args.omni_port, served, work / "omni-serve.log", dict(os.environ))
         results["commands"] = {name: s.cmd for name, s in servers.items()}
         for name, server in servers.items():
@@ -229,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"TPOT p50 {res['tpot_p50_ms']:.1f} ms")
                     runs[label].append(res)
         results["runs"] = runs
+        results["private_memory"] = {name: server.private_memory() for name, server in servers.items()}
+        for name, procs in results["private_memory"].items():
+            log(f"{name} private memory: {sum(procs.values()) / 2**30:.2f} GiB in {len(procs)} processes")
     finally:
         for server in servers.values():
             server.stop()
-    results["floor"] = transformers_floor(model, args, args.floor_requests)
+    results["floor"] = transformers_floor(model, args, args.floor_requests) if args.floor_requests else None
     results["median"] = {name: {k: statistics.median(r[k] for r in rs) for k in ("output_tok_s", "ttft_p50_ms",
                                                                                  "tpot_p50_ms")}
                          for name, rs in results["runs"].items()}
@@ -256,7 +264,8 @@ def markdown(results: dict) -> str:
         each = ", ".join(f"{r['output_tok_s']:.0f}" for r in results["runs"][name])
         lines.append(f"| {name} | {med['output_tok_s']:.0f} | {med['ttft_p50_ms']:.0f} | {med['tpot_p50_ms']:.1f} "
                      f"| {each} |")
-    lines.append(f"| transformers generate, one at a time | {results['floor']['output_tok_s']:.0f} | | | |")
+    if results["floor"]:
+        lines.append(f"| transformers generate, one at a time | {results['floor']['output_tok_s']:.0f} | | | |")
     return "\n".join(lines)
 
 

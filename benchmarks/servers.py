@@ -51,6 +51,24 @@ class HttpServer:
         self.stop()
         raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s; see {self._log.name}")
 
+    def private_memory(self) -> dict[str, int]:
+        """Private_Dirty bytes of each process in the server's group, by command line (RSS would count
+        the safetensors pages mapped from the page cache, which processes share)."""
+        out: dict[str, int] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != self.proc.pid:
+                    continue
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                dirty = sum(int(line.split()[1]) for line in (entry / "smaps_rollup").read_text().splitlines()
+                            if line.startswith("Private_Dirty:"))
+            except (OSError, ProcessLookupError, ValueError):
+                continue
+            out[f"{entry.name} {cmd[:160]}"] = dirty * 1024
+        return out
+
     def stop(self) -> None:
         """SIGTERM to the group we started, SIGKILL after 60 s."""
         if self.proc.poll() is None:
