@@ -128,7 +128,11 @@ def backend(request, peers):
         shutil.rmtree(directory, ignore_errors=True)
     elif name == "yuanrong":
         worker = request.getfixturevalue("yuanrong_worker")
-        options = {"address": worker.address, "prefix": f"ortest-{uuid.uuid4().hex[:8]}:", "pool_mb": 64}
+        # The 2 s default request timeout bounds how long a dead worker stalls a process (the client
+        # holds the GIL); a live one on this shared host once took longer (a 7 KB put under the
+        # concurrency test), and outages are tested apart (test_yuanrong_faults.py).
+        options = {"address": worker.address, "prefix": f"ortest-{uuid.uuid4().hex[:8]}:", "pool_mb": 64,
+                   "request_timeout_s": 10}
 
         def yuanrong_left(b):
             probe = create_connector(name, options)

@@ -42,11 +42,20 @@ def started_yuanrong_worker(**options):
         pytest.skip(f"yuanrong unavailable: {exc}")
 
 
+_SHARED: dict = {"worker": None, "users": 0}
+
+
 @pytest.fixture(scope="session")
 def yuanrong_worker():
-    """One datasystem worker for this test process: a module that imports this fixture starts it at
-    its first use, and it stops when the session ends (not a ``conftest.py`` of ``tests/connectors``:
-    that would shadow ``tests/conftest.py``, which the tests import as ``conftest``)."""
-    worker = started_yuanrong_worker(shared_memory_mb=512)
-    yield worker
-    worker.stop()
+    """One datasystem worker for this test process, started at its first use and stopped when the
+    session ends. Modules import this fixture (a ``conftest.py`` in ``tests/connectors`` would shadow
+    ``tests/conftest.py``, which the tests import as ``conftest``); pytest then holds one fixture per
+    importing module, so they share the worker and the last one to finish stops it."""
+    if _SHARED["worker"] is None or not _SHARED["worker"].running:
+        _SHARED["worker"] = started_yuanrong_worker(shared_memory_mb=512)
+    _SHARED["users"] += 1
+    yield _SHARED["worker"]
+    _SHARED["users"] -= 1
+    if _SHARED["users"] == 0:
+        _SHARED["worker"].stop()
+        _SHARED["worker"] = None
