@@ -39,7 +39,9 @@ reconnects by itself, so the same connector works again once a worker is back on
 Options: ``address`` (required, ``host:port`` of the local ``datasystem_worker``), ``prefix``
 (``omnirelay:``), ``ttl_s`` (300), ``connect_timeout_s`` (2), ``request_timeout_s`` (2: raise it for
 payloads the host cannot copy in that time, knowing an outage then stalls the process as long),
-``pool_mb`` (256: the reused encode/receive buffers).
+``pool_mb`` (256: the reused encode/receive buffers). The 2 s default trades the other way too: a
+live worker on a loaded host has missed it once (a 7 KB put in the contract suite's concurrency
+test), which fails that transfer as any outage does (``transfer_failed``, which the broker retries).
 """
 
 from __future__ import annotations
