@@ -61,3 +61,11 @@ def test_mapped_model_computes_what_the_fused_one_does(tiny_model):
                                                        cache.block_size), cache))
     assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-5)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_each_role_gets_its_kernels():
+    from omnirelay.workers.llm.role_builders import role_kernels
+    assert role_kernels("prefill", "bfloat16", "cpu") == "mapped"
+    assert role_kernels("decode", "bfloat16", "cpu") == "auto"
+    assert role_kernels("prefill", "float32", "cpu") == "auto"    # packing still pays at prefill sizes
+    assert role_kernels("prefill", "bfloat16", "cuda:0") == "auto"

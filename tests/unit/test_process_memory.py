@@ -16,3 +16,4 @@ def test_private_memory_counts_what_this_process_writes():
     assert private_bytes() - before >= 60 << 20
     del block
     assert private_bytes(999_999_999) is None          # no such process
+

@@ -30,6 +30,7 @@ from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error, conne
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.runtime.devices import resolve_devices
 from omnirelay.workers.llm.parallel import GroupConfig, GroupRunner
+from omnirelay.process_memory import release_freed_heap
 from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
 
 log = logging.getLogger("omnirelay.worker")
@@ -104,18 +105,29 @@ def _lora_slots(config: WorkerConfig, runner: ModelRunner) -> LoraSlots | None:
 
 # Which linear kernels each role's model runs (LlamaModel's ``kernels``). Decode steps are small
 # batches, bound by reading the weights: packed for oneDNN, 2-3x faster in bf16, worth a private copy.
-# Prefill steps are large batches, bound by arithmetic: F.linear on the checkpoint's own memory map is
-# within 10-20 % of packed there, and keeps its weights shared pages of the file, so a prefill and a
-# decode worker of one host hold one private copy of the weights between them, not two (BENCHMARKS.md).
+# Prefill steps are large batches, bound by arithmetic: in bf16 (and float16), F.linear on the
+# checkpoint's own memory map is within 10-20 % of packed there and keeps its weights shared pages of
+# the file, so a prefill and a decode worker of one host hold one private copy of the weights between
+# them, not two (BENCHMARKS.md). In float32 packing still gains ~1.25x at prefill sizes, and float32
+# checkpoints are the tiny test models, so a float32 prefill keeps packing.
 ROLE_KERNELS = {"prefill": "mapped", "decode": "auto"}
+MAPPED_DTYPES = ("bfloat16", "float16")
+
+
+def role_kernels(role: str, dtype: str, device: str) -> str:
+    """LlamaModel's ``kernels`` for this role's model (see ROLE_KERNELS)."""
+    if torch.device(device).type != "cpu" or dtype not in MAPPED_DTYPES:
+        return "auto"
+    return ROLE_KERNELS.get(role, "auto")
 
 
 def model_runner(config: WorkerConfig) -> ModelRunner:
     """This process's model and KV pool, or rank 0 of a TP × PP group whose other ranks it starts."""
     devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
     if len(devices) == 1:
-        kernels = ROLE_KERNELS.get(config.role, "auto") if torch.device(devices[0]).type == "cpu" else "auto"
-        model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype), device=devices[0], kernels=kernels)
+        model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype), device=devices[0],
+                           kernels=role_kernels(config.role, config.dtype, devices[0]))
+        release_freed_heap()
         return local_runner(model, block_size=config.block_size, budget_bytes=config.kv_cache_bytes,
                             gpu_memory_utilization=config.gpu_memory_utilization)
     group = GroupConfig(config.model_path, tp_size=config.tensor_parallel_size,
