@@ -59,8 +59,11 @@ def role_builder(role: str, kind: ModelKind) -> RoleBuilder:
 
 
 def _check_language_model(config: WorkerConfig) -> None:
+    # Reading the model's config.json refuses what the engine cannot serve (a quantized checkpoint,
+    # an architecture or rope scaling it lacks) before any weight loads.
+    model = LlamaConfig.from_dir(Path(config.model_path))
     if config.expert_parallel:   # the model's config.json alone says how many experts it has
-        check_expert_parallel(LlamaConfig.from_dir(Path(config.model_path)).moe, config.tensor_parallel_size)
+        check_expert_parallel(model.moe, config.tensor_parallel_size)
 
 
 def _check_generate(config: WorkerConfig) -> None:

@@ -111,6 +111,7 @@ class LlamaConfig:
     @classmethod
     def from_dir(cls, path: Path) -> "LlamaConfig":
         raw = json.loads((path / "config.json").read_text())
+        refuse_quantized(path, raw)
         arch = (raw.get("architectures") or ["?"])[0]
         prefix, mrope, interleaved, capture = "", (), False, 0
         if arch in OMNI_ARCHITECTURES or arch in QWEN3_OMNI_ARCHITECTURES:
@@ -156,6 +157,26 @@ class LlamaConfig:
             capture_layer=capture,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             moe=MoeConfig.from_raw(raw) if arch == "Qwen3MoeForCausalLM" else None)
+
+
+class QuantizedCheckpointError(ValueError):
+    """A checkpoint whose weights are quantized (GPTQ, AWQ, compressed-tensors, FP8, bitsandbytes, ...):
+    the compact engine reads every tensor as a dense float, so it refuses at start-up rather than
+    serve packed integers as weights (garbage answers)."""
+
+
+def refuse_quantized(path: Path, raw: dict) -> None:
+    """Raise :class:`QuantizedCheckpointError` naming the method if ``config.json`` (or an omni
+    checkpoint's thinker/text config) carries a ``quantization_config``."""
+    sections = (raw, raw.get("text_config") or {}, raw.get("thinker_config") or {},
+                (raw.get("thinker_config") or {}).get("text_config") or {})
+    for section in sections:
+        quant = section.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            raise QuantizedCheckpointError(
+                f"{path}: the checkpoint is quantized (quantization_config.quant_method {method!r}); quantized "
+                f"weights are not served yet (issue #36): serve the unquantized checkpoint")
 
 
 def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
