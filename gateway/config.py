@@ -149,6 +149,9 @@ class GatewayConfig:
         "--allow-special-tokens-in-content", "tokenize special-token text in chat messages (e.g. <|im_end|>) as "
         "control tokens; by default message content is plain text and only the chat template's own markers are "
         "control tokens", default=False, action="store_true")
+    enable_force_include_usage: bool = flag(
+        "--enable-force-include-usage", "every streamed chat or completion sends usage, asked or not: on each "
+        "chunk and in a last chunk (vLLM's flag; gateway/usage.py)", default=False, action="store_true")
     lora: LoraOptions | None = flag_group(   # None: off
         ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
          "--allow-runtime-lora-updating"),

@@ -80,15 +80,6 @@ class Generation:
         return len(self.prompt_token_ids)
 
 
-def usage(gen: Generation) -> dict:
-    """A chat or completion answer's ``usage``, with ``prompt_tokens_details.cached_tokens`` (the prompt
-    tokens prefill took from its prefix cache). OpenAI reports the details on every answer; vLLM only
-    with ``--enable-prompt-tokens-details``: here always, since it costs nothing."""
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
-
-
 def prepare(model: ModelRuntime, request: GenerationRequest, prefix: str) -> Generation:
     """Tokenize and check the request against the model's context (400 when the prompt leaves no room
     for one token; ``max_tokens`` beyond the room is clamped to it, as vLLM does). CPU work

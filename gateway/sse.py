@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Callable
-
 import msgspec
 from aiohttp import web
 
@@ -24,17 +22,14 @@ _encode_json = msgspec.json.Encoder().encode
 
 
 class SseWriter:
-    """``data:`` events of chunks built on ``base`` (id, created, model, object) to ``response``.
-    With ``include_usage`` every chunk has a ``usage`` key: null, or (``usage_now`` given:
-    ``stream_options.continuous_usage_stats``) the usage so far, as vLLM streams it."""
+    """``data:`` events of chunks built on ``base`` (id, created, model, object) to ``response``. A
+    chunk carries ``usage`` only when given one (gateway/usage.py says when: vLLM's chunks leave the
+    key out otherwise)."""
 
-    def __init__(self, response: web.StreamResponse, base: dict, include_usage: bool, write_timeout_s: float,
-                 usage_now: Callable[[], dict] | None = None):
+    def __init__(self, response: web.StreamResponse, base: dict, write_timeout_s: float):
         self.response = response
         self.base = base
-        self.include_usage = include_usage
         self.write_timeout_s = write_timeout_s
-        self.usage_now = usage_now
 
     async def write(self, data: bytes) -> None:
         try:
@@ -47,8 +42,8 @@ class SseWriter:
     async def send(self, choices: list, usage: dict | None = None, extra: dict | None = None) -> None:
         """One chunk; ``extra``: top-level fields of this chunk only (chat's ``prompt_token_ids`` on the first)."""
         payload = {**self.base, "choices": choices, **(extra or {})}
-        if self.include_usage:
-            payload["usage"] = usage if usage is not None or self.usage_now is None else self.usage_now()
+        if usage is not None:
+            payload["usage"] = usage
         await self.write(b"data: " + _encode_json(payload) + b"\n\n")
 
     async def send_error(self, error: OmniError) -> None:

@@ -17,7 +17,8 @@ Life of such a request through the gateway::
     ──▶ one JSON body (choices in index order) or one SSE stream (chunks of all choices
         interleaved, each carrying its index, one ``data: [DONE]``)
 
-Usage counts each prompt once and sums every choice's completion tokens (as vLLM and OpenAI do).
+Usage counts each prompt once and sums every choice's completion tokens (as vLLM and OpenAI do);
+a stream's continuous usage is each chunk's own choice's (gateway/usage.py).
 Errors: the first choice to fail fails the whole request with the structured error body (before
 the stream starts: its status; after: the last event); leaving early (client gone, an error, a
 deadline) cancels every choice upstream — :func:`interleave` owns one task per choice and cancels
@@ -49,6 +50,7 @@ from ..prompt_logprobs import echo_logprobs, joined, prompt_logprobs_field
 from ..request_record import RequestRecord, open_record
 from ..schema import GenerationRequest
 from ..sse import SseWriter, stream_slot
+from ..usage import report_for
 
 
 @dataclasses.dataclass
@@ -165,12 +167,6 @@ def _echo_text(gen: generation.Generation) -> str:
     return request.prompt if request.prompt is not None else gen.model.tokenizer.decode(gen.prompt_token_ids)
 
 
-def _usage(plan_: Plan) -> dict:
-    prompt, completion = plan_.prompt_tokens, plan_.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": plan_.cached_tokens}}
-
-
 async def respond(request: web.Request, plan_: Plan, make_format: Callable[[], Any]) -> web.StreamResponse:
     """Answer ``plan_``; ``make_format()`` gives one choice's renderer (completions.ChatFormat,
     completions.CompletionFormat or a stateful wrapper of them, such as tool_calls.chat_format's):
@@ -222,7 +218,9 @@ async def _respond_full(request: web.Request, plan_: Plan, fmts: list, record: R
                 choice["prompt_token_ids"] = gen.prompt_token_ids
         choices.append(choice)
     body = {"id": plan_.request_id, "created": generation.now(), "model": plan_.gens[0].model.name,
-            "object": fmts[0].object_full, "choices": choices, "usage": _usage(plan_)}
+            "object": fmts[0].object_full, "choices": choices,
+            "usage": report_for(plan_.request, request.app[CONFIG]).answer(
+                plan_.prompt_tokens, plan_.completion_tokens, plan_.cached_tokens)}
     if plan_.request.return_token_ids and plan_.request.kind == "chat":   # one prompt: at the top level (vLLM)
         body["prompt_token_ids"] = plan_.gens[0].prompt_token_ids
     if plan_.request.kind == "chat":   # one prompt: at the top level (null when not asked, as vLLM)
@@ -242,11 +240,10 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, record: Request
     config = request.app[CONFIG]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": plan_.request_id})
-    include_usage = plan_.request.include_usage
+    report = report_for(plan_.request, config)   # gateway/usage.py
     sse = SseWriter(response, {"id": plan_.request_id, "created": generation.now(),
                                "model": plan_.gens[0].model.name, "object": fmts[0].object_chunk},
-                    include_usage, config.stream_write_timeout_s,
-                    (lambda: _usage(plan_)) if plan_.request.continuous_usage else None)
+                    config.stream_write_timeout_s)
     write, send = sse.write, sse.send
 
     first = await anext(chunks, None)   # errors before the first token still get a proper status
@@ -254,19 +251,22 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, record: Request
     count = len(plan_.gens)
     offsets = [0] * count                     # text offsets of each choice's logprobs
     echo = [plan_.request.echo] * count       # choices whose prompt text is still to be sent
+    streamed = [0] * count                    # each choice's completion tokens rendered so far
     try:
         # The prompt's ids (return_token_ids): chat's on its first chunk, each completion choice's on its first.
         prompt_ids = [{"prompt_token_ids": gen.prompt_token_ids} if plan_.request.return_token_ids else None
                       for gen in plan_.gens]
         for index, fmt in enumerate(fmts):
             if fmt.first_delta() is not None:
-                await send([{**fmt.first_delta(), "index": index}], extra=prompt_ids[index] if index == 0 else None)
+                await send([{**fmt.first_delta(), "index": index}], report.so_far(plan_.gens[index].prompt_tokens, 0),
+                           extra=prompt_ids[index] if index == 0 else None)
                 prompt_ids[index] = None
         item = first
         while item is not None:
             index, chunk = item
             gen, fmt = plan_.gens[index], fmts[index]
             record.tokens(len(chunk.token_ids))
+            streamed[index] += len(chunk.token_ids)
             logprobs, echoed = None, None
             if echo[index] and gen.request.logprobs >= 0:   # the echoed prompt's logprobs lead
                 echoed, offsets[index] = echo_logprobs(plan_.scored(index), generation.token_text)
@@ -284,10 +284,10 @@ async def _stream(request: web.Request, plan_: Plan, fmts: list, record: Request
                     choice["token_ids"] = chunk.token_ids
                 if prompt_ids[index]:
                     choice, prompt_ids[index] = {**choice, **prompt_ids[index]}, None
-                await send([choice])
+                await send([choice], report.so_far(gen.prompt_tokens, streamed[index]))
             item = await anext(chunks, None)
-        if include_usage:
-            await send([], _usage(plan_))
+        if report.final:
+            await send([], report.last_chunk(plan_.prompt_tokens, plan_.completion_tokens, plan_.cached_tokens))
     except OmniError as exc:
         # Headers are gone: the error travels as the last event, in the same body shape.
         record.failed(exc)

@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: streamed as SSE ending ``data:
 [DONE]``, or one JSON body. One choice is answered here; several (``n`` > 1, a list of prompts) or
 echo fan out in gateway/routes/choices.py; a chat asking for audio is spoken
-(gateway/routes/speech.py). The request's metrics and log line: gateway/request_record.py.
+(gateway/routes/speech.py). The request's metrics and log line: gateway/request_record.py; what its
+``usage`` reports, on which chunks: gateway/usage.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..prompt_logprobs import prompt_logprobs_field
 from ..spoken_answers import resolve_audio_turns
 from ..sse import SseWriter, stream_slot
 from ..tool_calls import chat_format
+from ..usage import report_for
 from . import choices
 from .speech import chat_with_audio
 
@@ -142,9 +144,6 @@ class CompletionFormat:
                 "text_offset": offsets}, offset
 
 
-_usage = generation.usage
-
-
 async def _respond(request: web.Request, gen: generation.Generation, fmt) -> web.StreamResponse:
     record = open_record(request, gen.model.name, gen.request_id, usage=gen, stages="+".join(gen.model.stages))
     if gen.request.stream:
@@ -164,8 +163,10 @@ async def _respond_full(request: web.Request, gen: generation.Generation, fmt,
         finish = chunk.finish_reason or finish
     rendered = fmt.logprobs(gen, token_ids, logprobs, 0)[0] if gen.request.logprobs >= 0 else None
     choice = fmt.full("".join(texts), finish, rendered)
+    usage = report_for(gen.request, request.app[CONFIG]).answer(gen.prompt_tokens, gen.completion_tokens,
+                                                                gen.cached_tokens)
     body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": fmt.object_full,
-            "choices": [choice], "usage": _usage(gen)}
+            "choices": [choice], "usage": usage}
     # vLLM: chat's at the top level, a completion choice its own; null when not asked
     (body if gen.request.kind == "chat" else choice)["prompt_logprobs"] = prompt_logprobs_field(gen, generation.token_text)
     if gen.request.return_token_ids:
@@ -186,10 +187,9 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, record:
     deadline = time.time() + config.request_timeout_s
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": gen.request_id})
-    include_usage = gen.request.include_usage
+    report = report_for(gen.request, config)   # gateway/usage.py
     sse = SseWriter(response, {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
-                               "object": fmt.object_chunk}, include_usage, config.stream_write_timeout_s,
-                    (lambda: _usage(gen)) if gen.request.continuous_usage else None)
+                               "object": fmt.object_chunk}, config.stream_write_timeout_s)
     write, send = sse.write, sse.send
 
     stream = generation.run(request.app[BUS], gen, deadline)
@@ -201,11 +201,12 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, record:
     try:
         prompt_ids = {"prompt_token_ids": gen.prompt_token_ids} if gen.request.return_token_ids else None
         if fmt.first_delta() is not None:   # chat: the prompt's ids go on this first chunk (vLLM)
-            await send([fmt.first_delta()], extra=prompt_ids)
+            await send([fmt.first_delta()], report.so_far(gen.prompt_tokens, 0), extra=prompt_ids)
             prompt_ids = None
-        chunk, text_offset = first, 0
+        chunk, text_offset, streamed = first, 0, 0   # streamed: completion tokens rendered so far
         while chunk is not None:
             record.tokens(len(chunk.token_ids))
+            streamed += len(chunk.token_ids)
             logprobs = None   # a chunk whose text is held back still sends its tokens' logprobs
             if gen.request.logprobs >= 0 and chunk.token_ids:
                 logprobs, text_offset = fmt.logprobs(gen, chunk.token_ids, chunk.logprobs, text_offset)
@@ -217,10 +218,10 @@ async def _stream(request: web.Request, gen: generation.Generation, fmt, record:
                     choice["token_ids"] = chunk.token_ids
                 if prompt_ids:   # a completion: its first chunk's choice carries them
                     choice, prompt_ids = {**choice, **prompt_ids}, None
-                await send([choice])
+                await send([choice], report.so_far(gen.prompt_tokens, streamed))
             chunk = await anext(stream, None)
-        if include_usage:
-            await send([], _usage(gen))
+        if report.final:
+            await send([], report.last_chunk(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
     except OmniError as exc:
         # Headers are gone: the error travels as the last event, in the same body shape.
         record.failed(exc)

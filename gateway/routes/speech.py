@@ -83,6 +83,7 @@ from ..resubmit import Submissions
 from ..schema import CHAT_AUDIO_FORMATS
 from ..spoken_answers import SpokenAnswers
 from ..sse import SseWriter
+from ..usage import UsageReport, report_for
 from .speech_responses import CODES_PER_SECOND, SpokenAudio, speech_body_stream, speech_event_stream
 
 MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
@@ -459,17 +460,14 @@ async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.Strea
     try:
         if parsed.stream:
             return await _chat_audio_stream(request, gen, items, audio_id, record)
-        return await _chat_audio_full(gen, items, audio_id, record, request.app[SPOKEN_ANSWERS])
+        return await _chat_audio_full(gen, items, audio_id, record, request.app[SPOKEN_ANSWERS],
+                                      report_for(gen.request, request.app[CONFIG]))
     finally:
         await items.aclose()
 
 
-def _usage(gen) -> dict:
-    return generation.usage(gen)
-
-
 async def _chat_audio_full(gen, items, audio_id: str, record: RequestRecord,
-                           answers: SpokenAnswers) -> web.Response:
+                           answers: SpokenAnswers, report: UsageReport) -> web.Response:
     detok = IncrementalDetokenizer(gen.model.tokenizer)
     finish, audio = "stop", []
     async for item in items:
@@ -491,7 +489,7 @@ async def _chat_audio_full(gen, items, audio_id: str, record: RequestRecord,
         answers.keep(audio_id, text, expires_at)
     body = {"id": gen.request_id, "created": generation.now(), "model": gen.model.name, "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(gen)}
+            "usage": report.answer(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)}
     return web.json_response(body, headers={"X-Request-Id": gen.request_id})
 
 
@@ -500,7 +498,10 @@ async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str,
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": gen.request_id})
     sse = SseWriter(response, {"id": gen.request_id, "created": generation.now(), "model": gen.model.name,
-                               "object": "chat.completion.chunk"}, False, request.app[CONFIG].stream_write_timeout_s)
+                               "object": "chat.completion.chunk"}, request.app[CONFIG].stream_write_timeout_s)
+    # A spoken answer's stream sends no continuous usage (schema.py refuses to be asked for it; under
+    # --enable-force-include-usage it has the final usage chunk alone): gateway/usage.py.
+    report = report_for(gen.request, request.app[CONFIG])
 
     async def send(payload: dict) -> None:
         await sse.write(b"data: " + json.dumps({**sse.base, **payload}, separators=(",", ":")).encode() + b"\n\n")
@@ -532,8 +533,9 @@ async def _chat_audio_stream(request: web.Request, gen, items, audio_id: str,
         # kept first: a client may send the next turn as soon as it reads the id's last event
         request.app[SPOKEN_ANSWERS].keep(audio_id, "".join(transcript), expires_at)
         await send(choice({"audio": {"id": audio_id, "expires_at": expires_at}}, finish))
-        if gen.request.include_usage:
-            await send({"choices": [], "usage": _usage(gen)})
+        if report.final:
+            await send({"choices": [], "usage": report.last_chunk(gen.prompt_tokens, gen.completion_tokens,
+                                                                  gen.cached_tokens)})
     except OmniError as exc:
         # Headers are gone: the error travels as the last event, in the same body shape.
         record.failed(exc)
