@@ -13,6 +13,10 @@ class BrokerConfig:
     endpoint:            ZeroMQ endpoint the ROUTER socket binds (``tcp://127.0.0.1:5555``, ``ipc://…``).
     heartbeat_interval_s: how often workers are expected to heartbeat; also the broker's tick.
     liveness_s:          a worker silent for this long is dropped and its stages re-dispatched.
+    expect_back_s:       … and expected back for this long (broker/expected.py): a role whose only
+                         workers are expected back holds its requests in its queue (bounded,
+                         failed at their deadline) instead of failing them as unavailable, and
+                         dispatches them when a worker of the role registers. 0: never expected.
     max_queue_per_role:  bound of each (model, role) queue; beyond it submissions are rejected.
     max_attempts:        how many times one request may be (re)started after worker loss.
     retry_after_s:       the Retry-After hint sent with overload/unavailable rejections (and, at least,
@@ -36,6 +40,7 @@ class BrokerConfig:
     endpoint: str = "tcp://127.0.0.1:5555"
     heartbeat_interval_s: float = 1.0
     liveness_s: float = 3.5
+    expect_back_s: float = 60.0
     max_queue_per_role: int = 1024
     max_attempts: int = 3
     retry_after_s: float = 1.0
@@ -52,6 +57,8 @@ class BrokerConfig:
             raise ValueError(f"broker endpoint must look like tcp://host:port or ipc://path, got {self.endpoint!r}")
         if self.heartbeat_interval_s <= 0 or self.liveness_s <= self.heartbeat_interval_s:
             raise ValueError("liveness_s must exceed heartbeat_interval_s > 0")
+        if not 0 <= self.expect_back_s < float("inf"):
+            raise ValueError("expect_back_s must be finite and >= 0")
         if self.max_queue_per_role < 1 or self.max_attempts < 1:
             raise ValueError("max_queue_per_role and max_attempts must be >= 1")
         if not 0 <= self.retry_backoff_s <= self.retry_backoff_max_s < float("inf"):

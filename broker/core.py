@@ -15,7 +15,11 @@ Life of a request through the broker::
                                                                  └──▶ RequestFailed → gateway
 
 Admission rejects early: a full role queue or a role with no live worker fails the request at
-once (``overloaded``/``unavailable`` with a retry-after) instead of queueing without bound.
+once (``overloaded``/``unavailable`` with a retry-after) instead of queueing without bound — unless
+a worker of the role that was dropped for silence is expected back (:mod:`~omnirelay.broker.expected`):
+then the request is admitted and held in the role's queue (the same bound, its deadline enforced by
+:meth:`BrokerCore.tick`) and dispatched when a worker of the role registers and grants credit; when
+the last expectation lapses with no worker back, the role's queue fails as ``unavailable``.
 Dispatch is by credit: a worker grants credits, the broker never sends more tasks than granted,
 and picks the least-loaded worker of the role — or, for a request with prefix hints, the worker
 that caches the longest prefix of its prompt unless that one is much busier
@@ -60,6 +64,7 @@ from omnirelay.errors import BadRequest, DeadlineExceeded, Overloaded, TransferF
 
 from . import protocol as p
 from .config import BrokerConfig
+from .expected import ExpectedWorkers
 from .lora_affinity import AdapterHolders, request_adapter
 from .prefix_index import MAX_PROMPT_BLOCKS, PrefixSet, pick_worker
 from .records import BACKOFF, QUEUED, RUNNING, RequestState, WorkerState
@@ -119,6 +124,8 @@ class BrokerCore:
         # reply_to endpoints already checked (a gateway sends the same one with every Submit).
         self._good_endpoints: set[str] = set()
         self._priority = config.scheduling_policy == "priority"   # else Task.priority stays 0
+        # Workers dropped for silence, expected back for a while: their roles hold requests meanwhile.
+        self.expected = ExpectedWorkers(config.expect_back_s, config.max_workers)
 
     def _new_queue(self) -> PriorityRoleQueue:
         return PriorityRoleQueue(lambda request_id: self.requests[request_id].spec.priority, lambda: self._now)
@@ -148,11 +155,21 @@ class BrokerCore:
             log.warning("worker %s (%s, pid %d) missed heartbeats; dropping it", worker.worker_id,
                         worker.role, worker.pid)
             self.counters["workers_expired"] += 1
-            out += self._drop_worker(worker, now)
+            out += self._drop_worker(worker, now, expected_back=True)
         for req in [r for r in self.requests.values() if now > r.spec.deadline]:
-            where = ("while waiting to retry after a failed transfer" if req.phase is BACKOFF
-                     else f"in stage {req.stage}")
+            if req.phase is BACKOFF:
+                where = "while waiting to retry after a failed transfer"
+            elif req.phase is QUEUED and not self._has_live(req.spec.model, req.stage):
+                where = f"while waiting for a {req.stage} worker to come back"
+            else:
+                where = f"in stage {req.stage}"
             out += self._fail(req, DeadlineExceeded.error_type, f"deadline passed {where}")
+        for model, role in self.expected.expire(now):
+            if not self._has_live(model, role):
+                log.warning("no %s worker of model %s came back within %gs; failing its queue", role, model,
+                            self.config.expect_back_s)
+                out += self._fail_queued_without_worker(model, role, f" (none came back within "
+                                                                     f"{self.config.expect_back_s:g}s)")
         out += self._expire_gateways(now)
         if self._told_to_reregister:
             interval = self.config.heartbeat_interval_s
@@ -202,6 +219,7 @@ class BrokerCore:
         if old is not None:
             self._unindex(old)
         self.workers[msg.worker_id] = worker
+        self.expected.returned(msg.worker_id)
         self.pools.setdefault((worker.model, worker.role), {})[worker.worker_id] = worker
         if msg.loras is not None:
             self._adapters.report(worker, msg.loras, msg.received)
@@ -277,10 +295,14 @@ class BrokerCore:
         log.info("worker %s unregistered", worker.worker_id)
         return self._drop_worker(worker, now)
 
-    def _drop_worker(self, worker: WorkerState, now: float) -> list[Outgoing]:
+    def _drop_worker(self, worker: WorkerState, now: float, expected_back: bool = False) -> list[Outgoing]:
+        """Take ``worker`` out and its tasks back. ``expected_back``: it was dropped for silence and may
+        well speak again (broker/expected.py): its role's requests are held meanwhile."""
         if self.workers.get(worker.worker_id) is worker:
             del self.workers[worker.worker_id]
             self._unindex(worker)
+            if expected_back:
+                self.expected.expect(worker.worker_id, (worker.model, worker.role), now)
         out: list[Outgoing] = []
         for request_id in sorted(worker.tasks):
             req = self.requests.get(request_id)
@@ -303,11 +325,12 @@ class BrokerCore:
                 req.attempts += 1
                 self.counters["stage_retries"] += 1
                 self.queues[(req.spec.model, req.stage)].appendleft(request_id)
+                self._count_held(req.spec.model, req.stage)
             else:
                 out += self._fail(req, WorkerLost.error_type, f"{worker.role} worker {worker.worker_id} died",
                                   resumable=req.stage == "decode")
         worker.tasks.clear()
-        if not self._has_live(worker.model, worker.role):
+        if not self._serves(worker.model, worker.role):
             out += self._fail_queued_without_worker(worker.model, worker.role)
         out += self._pump(worker.model, worker.role)
         return out
@@ -328,12 +351,21 @@ class BrokerCore:
     def _has_live(self, model: str, role: str) -> bool:
         return (model, role) in self.pools
 
-    def _fail_queued_without_worker(self, model: str, role: str) -> list[Outgoing]:
+    def _serves(self, model: str, role: str) -> bool:
+        """Whether (model, role) may take requests: it has a live worker, or one expected back."""
+        return (model, role) in self.pools or self.expected.awaited((model, role))
+
+    def _count_held(self, model: str, role: str) -> None:
+        """A request joined the queue of a role whose workers are all expected back: held, not failed."""
+        if (model, role) not in self.pools:
+            self.counters["requests_held"] += 1
+
+    def _fail_queued_without_worker(self, model: str, role: str, why: str = "") -> list[Outgoing]:
         out: list[Outgoing] = []
         for request_id in list(self.queues.get((model, role), ())):
             req = self.requests.get(request_id)
-            if req is not None:
-                out += self._fail(req, Unavailable.error_type, f"no live {role} worker for model {model}",
+            if req is not None and req.phase is QUEUED:
+                out += self._fail(req, Unavailable.error_type, f"no live {role} worker for model {model}{why}",
                                   retry_after=self.config.retry_after_s)
         return out
 
@@ -483,17 +515,20 @@ class BrokerCore:
         return out
 
     def _enqueue(self, req: RequestState, front: bool = False) -> list[Outgoing]:
-        """Queue ``req`` for its current stage, or fail it at once when no worker serves that role.
-        ``front``: it was admitted before what is queued now (a restart), so it goes first."""
-        if not self._has_live(req.spec.model, req.stage):
-            return self._fail(req, Unavailable.error_type, f"no live {req.stage} worker for model {req.spec.model}",
+        """Queue ``req`` for its current stage (held there while the role's workers are expected
+        back), or fail it at once when no worker serves that role. ``front``: it was admitted before
+        what is queued now (a restart), so it goes first."""
+        model, role = req.spec.model, req.stage
+        if not self._serves(model, role):
+            return self._fail(req, Unavailable.error_type, f"no live {role} worker for model {model}",
                               retry_after=self.config.retry_after_s)
-        queue = self.queues[(req.spec.model, req.stage)]
+        queue = self.queues[(model, role)]
         if front:
             queue.appendleft(req.spec.request_id)
         else:
             queue.append(req.spec.request_id)
-        return self._pump(req.spec.model, req.stage)
+        self._count_held(model, role)
+        return self._pump(model, role)
 
     # ------------------------------------------------------------------ gateways
 
@@ -542,7 +577,7 @@ class BrokerCore:
             self._good_endpoints.add(msg.reply_to)
         pools = self.pools
         for role in stages:
-            if (model, role) not in pools:
+            if (model, role) not in pools and not self.expected.awaited((model, role)):
                 return self._reject(identity, msg, Unavailable.error_type, f"no live {role} worker for model {model}",
                                     self.config.retry_after_s)
         queues, bound = self.queues, self.config.max_queue_per_role
@@ -557,6 +592,8 @@ class BrokerCore:
         self.requests[msg.request_id] = RequestState(msg, identity, 0, msg.inputs)
         self.counters["requests_admitted"] += 1
         queues[(model, stages[0])].append(msg.request_id)
+        if (model, stages[0]) not in pools:
+            self.counters["requests_held"] += 1
         return self._pump(model, stages[0])
 
     def _on_cancel(self, identity: bytes, msg: p.Cancel, now: float) -> list[Outgoing]:
@@ -707,8 +744,10 @@ class BrokerCore:
                 queue.remove(req.spec.request_id)
             if not req.inputs or req.stage_index == 0:   # the first stage's inputs are inline (Submit.inputs)
                 return []
-            # Data a finished stage left for this one: any worker of the consuming role can delete it.
-            consumers = self.pools.get((req.spec.model, req.stage))
+            # Data a finished stage left for this one: any worker of the consuming role can delete it,
+            # or, while none is live (held for one expected back), a worker of the producing role.
+            consumers = (self.pools.get((req.spec.model, req.stage))
+                         or self.pools.get((req.spec.model, req.spec.stages[req.stage_index - 1])))
             if not consumers:
                 return []
             consumer = min(consumers.values(), key=lambda w: len(w.tasks))

@@ -231,6 +231,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoint", default=BrokerConfig.endpoint, help="ZeroMQ endpoint to bind")
     parser.add_argument("--heartbeat-interval", type=float, default=BrokerConfig.heartbeat_interval_s)
     parser.add_argument("--liveness", type=float, default=BrokerConfig.liveness_s)
+    parser.add_argument("--expect-back", type=float, default=BrokerConfig.expect_back_s, metavar="SECONDS",
+                        help="a worker dropped for silence (stopped, starved, killed and being restarted) is "
+                             "expected back for this long: a role whose only workers are expected back holds its "
+                             "requests in its queue until one registers (or their deadline passes) instead of "
+                             "failing them as unavailable; 0: never (default %(default)s; broker/expected.py)")
     parser.add_argument("--max-queue-per-role", type=int, default=BrokerConfig.max_queue_per_role)
     parser.add_argument("--retry-backoff", type=float, default=BrokerConfig.retry_backoff_s, metavar="SECONDS",
                         help="wait before restarting a request after a failed transfer; it doubles with each "
@@ -254,7 +259,8 @@ def make_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     """The :class:`BrokerConfig` the parsed flags describe (ValueError when they do not make one)."""
     return BrokerConfig(endpoint=args.endpoint, heartbeat_interval_s=args.heartbeat_interval,
-                        liveness_s=args.liveness, max_queue_per_role=args.max_queue_per_role,
+                        liveness_s=args.liveness, expect_back_s=args.expect_back,
+                        max_queue_per_role=args.max_queue_per_role,
                         retry_backoff_s=args.retry_backoff, retry_backoff_max_s=args.retry_backoff_max,
                         scheduling_policy=args.scheduling_policy)
 

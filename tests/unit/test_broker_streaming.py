@@ -72,12 +72,14 @@ def test_a_producer_lost_mid_stream_fails_the_request_as_resumable_and_stops_the
 
 
 def test_a_consumer_lost_mid_stream_is_not_replayed_alone(core):
-    """Its chunks were read (and deleted): a generate retry elsewhere could not read them again."""
+    """Its chunks were read (and deleted): a generate retry elsewhere could not read them again. The
+    producer stops, and with no generate worker left to delete what was not read, it deletes that too."""
     streaming(core)
     out = core.on_message(b"gen", p.Unregister("gen"), 0.2)
     [failure] = failures(out)
     assert failure.resumable and not tasks(out)
-    assert cancels(out) == [b"dec"] and "r1" not in core.requests
+    assert [msg for _, msg in of_type(out, p.CancelTask)] == [p.CancelTask("r1"), p.CancelTask("r1", inputs=STREAM)]
+    assert cancels(out) == [b"dec", b"dec"] and "r1" not in core.requests
 
 
 def test_a_failed_consumer_stops_its_producer(core):
