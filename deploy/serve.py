@@ -145,7 +145,7 @@ def _read_ready_file(path: str) -> str | None:
 # --max-model-len, which the workers get too (declared from WorkerConfig's field).
 PASSED_TO_GATEWAY = ("host", "port", "api_key", "disable_log_requests", "protect_probes",
                      "allow_special_tokens_in_content", "trust_request_chat_template",
-                     "request_timeout_s", "video_timeout_s", "video_stall_timeout_s", "max_body_bytes",
+                     "request_timeout_s", "worker_wait_s", "video_timeout_s", "video_stall_timeout_s", "max_body_bytes",
                      "max_streams_per_client", "stream_write_timeout_s", "header_timeout_s", "read_timeout_s",
                      "max_image_pixels", "min_audio_sample_rate", "max_audio_sample_rate",
                      "enable_force_include_usage")

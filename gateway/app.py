@@ -78,7 +78,8 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
 
 async def _bus_context(app: web.Application):
     config = app[CONFIG]
-    bus = BusClient(config.broker, config.reply_host, app[KEYS], reply_port=config.reply_port)
+    bus = BusClient(config.broker, config.reply_host, app[KEYS], reply_port=config.reply_port,
+                    worker_wait_s=config.worker_wait_s)
     await bus.start()
     app[BUS] = bus
     history = StatusHistory(bus, app[METRICS])

@@ -41,6 +41,8 @@ from omnirelay.request_params import adapter_of, salt_of
 from omnirelay.security import CurveKeys, require_curve_off_loopback, start_authenticator
 from omnirelay.tracing import CURRENT_TRACEPARENT
 
+from .config import GatewayConfig
+
 log = logging.getLogger("omnirelay.gateway")
 
 MAX_FRAME_BYTES = p.MAX_BODY_BYTES + 4096   # one bus message and its envelope, as the broker bounds its socket
@@ -140,8 +142,11 @@ def _logprobs_at(delta: p.TokenDelta, i: int) -> PositionLogprobs | None:
 
 class BusClient:
     def __init__(self, broker_endpoint: str, reply_host: str = "127.0.0.1", keys: CurveKeys | None = None,
-                 reply_port: int = 0):
-        """``reply_port``: the token socket's port (0: any free one; fix it to open a firewall for it)."""
+                 reply_port: int = 0, worker_wait_s: float = GatewayConfig.worker_wait_s):
+        """``reply_port``: the token socket's port (0: any free one; fix it to open a firewall for it).
+        ``worker_wait_s``: how long a request submitted through this client waits for a role with no
+        live worker (``--worker-wait``; gateway/resubmit.py)."""
+        self.worker_wait_s = worker_wait_s
         require_curve_off_loopback(keys, broker_endpoint, f"tcp://{reply_host}:0")
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self._ctx = zmq.asyncio.Context()

@@ -98,6 +98,13 @@ class GatewayConfig:
     reply_port: int = flag("--reply-port", "port of the token socket (default: any free)", default=0, type=int)
     request_timeout_s: float = flag("--request-timeout", "seconds from a request's arrival to its last token",
                                     default=600.0, type=float)
+    worker_wait_s: float = flag(
+        "--worker-wait", "seconds a request waits for a role with no live worker the broker knows of (503 "
+        "unavailable after, or at its --request-timeout if sooner), counted from the first such answer. The "
+        "default, 30 s, covers a supervised restart with room for a loaded host's pauses: omni-serve's tiny-model "
+        "worker registers again 2.5-3.2 s after a kill -9, and starts cold in 13 s, on a busy 2-core host; a "
+        "large model adds its load time (docs/DESIGN.md, \"Failure handling\"). A worker the broker dropped for "
+        "silence is waited for by the broker itself (omni-broker --expect-back)", default=30.0, type=float)
     video_timeout_s: float = flag(
         "--video-timeout", "seconds a video job (/v1/videos and /v1/videos/sync) may run in all (default 4 h), as "
         "long as it makes progress (gateway/routes/videos.py)", default=4 * 3600.0, type=float)
@@ -179,6 +186,8 @@ class GatewayConfig:
                 raise ValueError(f"model {model.name!r}: default chat template kwargs must be a JSON object")
         if not 0 <= self.port < 65536 or not 0 <= self.reply_port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        if not 0 <= self.worker_wait_s < float("inf"):
+            raise ValueError("worker_wait_s must be finite and >= 0")
         if self.request_timeout_s <= 0 or self.max_body_bytes <= 0 or self.video_timeout_s <= 0 \
                 or self.video_stall_timeout_s <= 0:
             raise ValueError("request_timeout_s, video_timeout_s, video_stall_timeout_s and max_body_bytes must be "

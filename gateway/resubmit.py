@@ -5,11 +5,14 @@ Two failures are worth another submission:
 * a **resumable** one (the worker or broker holding the request was lost): submitted again at once,
   up to :data:`MAX_RESUBMITS` times — the request is idempotent (same seed) or resumes where the
   client's stream stopped;
-* **unavailable** (a role with no live worker, as while one restarts or is back from a pause):
-  submitted again after a short pause, for :data:`ADMISSION_RETRY_S` counted from the failure that
-  began the wait (the first unavailable answer since the request last got going) and within the
-  deadline. Counted from the request's start, a stream failed late (its worker lost after 20 s)
-  would have no wait left at all.
+* **unavailable** (a role with no live worker the broker knows of, as while one restarts after
+  leaving, or while workers re-register with a restarted broker): submitted again after a short
+  pause, for the gateway's ``--worker-wait`` (``GatewayConfig.worker_wait_s``, carried by the
+  :class:`~omnirelay.gateway.bus.BusClient`) counted from the failure that began the wait (the
+  first unavailable answer since the request last got going) and within the deadline. Counted from
+  the request's start, a stream failed late (its worker lost after 20 s) would have no wait left at
+  all. (A worker the broker dropped for silence never makes this answer while it is expected back:
+  the broker holds its role's requests itself, broker/expected.py.)
 
 Anything else reaches the client, carrying the client's request id. Each submission has its own
 upstream id (``<id>``, ``<id>.1``, …), so late messages of an abandoned one are never mixed in; an
@@ -41,18 +44,18 @@ from .bus import BusClient, RequestStream
 log = logging.getLogger("omnirelay.gateway")
 
 MAX_RESUBMITS = 3
-ADMISSION_RETRY_S = 5.0   # how long a request waits for a role that has no live worker
 CANCEL_REASON = "client left or request failed"
 
 S = TypeVar("S", bound=RequestStream)
 
 
 class AdmissionWait:
-    """The pauses of one request while a role it needs has no live worker: at most
-    :data:`ADMISSION_RETRY_S` from the first unavailable answer since :meth:`restart`."""
+    """The pauses of one request while a role it needs has no live worker: at most ``wait_s`` from
+    the first unavailable answer since :meth:`restart`, and never past ``deadline``."""
 
-    def __init__(self, deadline: float):
+    def __init__(self, deadline: float, wait_s: float):
         self.deadline = deadline
+        self.wait_s = wait_s
         self.until: float | None = None   # set by the first unavailable answer of a wait
 
     def restart(self) -> None:
@@ -66,7 +69,7 @@ class AdmissionWait:
             return False
         now = time.monotonic()
         if self.until is None:
-            self.until = now + ADMISSION_RETRY_S
+            self.until = now + self.wait_s
         pause = min(max(exc.retry_after, 0.2), 1.0)
         if now + pause < self.until and time.time() + pause < self.deadline:
             await asyncio.sleep(pause)
@@ -105,7 +108,7 @@ class Submissions:
         self.done = False
         self.resumes = 0        # submissions again after a resumable failure
         self.resubmits = 0      # … and after a pause for an unavailable role
-        self._admission = AdmissionWait(deadline)
+        self._admission = AdmissionWait(deadline, bus.worker_wait_s)
         self._retry_note = retry_note
         self._unavailable_spends = unavailable_spends_a_resubmit
         self._cancel_reason = cancel_reason

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(120)
 def no_workers(tiny_model, tmp_path_factory):
     with Cluster(model=tiny_model, log_dir=str(tmp_path_factory.mktemp("contract"))) as cluster:
         cluster.start_broker()
-        cluster.start_gateway("--api-key", KEY, "--protect-probes")
+        # No worker is coming: the 503 after a 2 s wait for one, not the default's restart-sized wait.
+        cluster.start_gateway("--api-key", KEY, "--protect-probes", "--worker-wait", "2")
         yield cluster
 
 

@@ -57,7 +57,9 @@ def start_fleet(cluster: Cluster, worker_yaml: str, gateway_yaml: str, sp_size: 
     worker and an ``openai`` client once the worker has heartbeated its ``sp_size`` ranks."""
     cluster.start_broker()
     worker = cluster.start_worker("generate", "--stage-configs-path", worker_yaml)
-    cluster.start_gateway("--stage-configs-path", gateway_yaml)
+    # No supervisor restarts a worker that leaves here: a request waits 5 s for one (what the tests
+    # that lose a rank time), not the default's restart-sized --worker-wait.
+    cluster.start_gateway("--stage-configs-path", gateway_yaml, "--worker-wait", "5")
     cluster.wait_healthy()
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     only_worker(cluster, sp_size)

@@ -45,6 +45,7 @@ ROUND_TRIPS: dict[str, tuple[list[str], dict]] = {
     "reply_host": (["--reply-host", "10.0.0.2"], {"reply_host": "10.0.0.2"}),
     "reply_port": (["--reply-port", "7000"], {"reply_port": 7000}),
     "request_timeout_s": (["--request-timeout", "30"], {"request_timeout_s": 30.0}),
+    "worker_wait_s": (["--worker-wait", "12.5"], {"worker_wait_s": 12.5}),
     "video_timeout_s": (["--video-timeout", "60"], {"video_timeout_s": 60.0}),
     "video_stall_timeout_s": (["--video-stall-timeout", "10"], {"video_stall_timeout_s": 10.0}),
     "max_body_bytes": (["--max-body-bytes", "1024"], {"max_body_bytes": 1024}),
