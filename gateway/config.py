@@ -159,6 +159,10 @@ class GatewayConfig:
     enable_force_include_usage: bool = flag(
         "--enable-force-include-usage", "every streamed chat or completion sends usage, asked or not: on each "
         "chunk and in a last chunk (vLLM's flag; gateway/usage.py)", default=False, action="store_true")
+    enable_prompt_tokens_details: bool = flag(
+        "--enable-prompt-tokens-details", "chat and completion usage carries prompt_tokens_details.cached_tokens, "
+        "the prompt tokens prefill took from its prefix cache (vLLM's flag; without it: null)", default=False,
+        action="store_true")
     lora: LoraOptions | None = flag_group(   # None: off
         ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
          "--allow-runtime-lora-updating"),

@@ -185,7 +185,9 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
           "properties": {**{k: {"type": "integer", "minimum": 0}
                             for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
                          "prompt_tokens_details": {
-                             "type": "object", "description": "cached_tokens: prompt tokens taken from the prefix cache",
+                             "type": "object", "nullable": True,
+                             "description": "cached_tokens: prompt tokens taken from the prefix cache (null without "
+                                            "--enable-prompt-tokens-details)",
                              "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}}}}
 
 

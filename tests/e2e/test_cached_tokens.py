@@ -1,17 +1,37 @@
-"""``usage.prompt_tokens_details.cached_tokens``: the prompt tokens prefill took from its prefix cache,
-carried on the first token's ``TokenDelta.cached_tokens`` to the gateway and reported in chat,
-completions and Responses usage (``input_tokens_details``), through the official ``openai`` client
-against the session's ``omni-serve`` (one prefill worker, prefix caching on)."""
+"""Usage reporting through real workers, as vLLM 0.32 reports it (gateway/usage.py), through the
+official ``openai`` client: ``usage.prompt_tokens_details.cached_tokens`` — the prompt tokens prefill
+took from its prefix cache, carried on the first token's ``TokenDelta.cached_tokens`` — in chat and
+completions only with ``--enable-prompt-tokens-details`` (null without it; Responses'
+``input_tokens_details`` always), a salted or scored prompt taking no cached prefix, and
+``--enable-force-include-usage`` (usage on a stream that did not ask). This module's ``omni-serve``
+runs with both flags (one prefill worker, prefix caching on); the session's runs without them. The
+renderers' chunk by chunk rules: tests/unit/test_usage_reporting.py."""
 
 from __future__ import annotations
 
 import uuid
 
+import openai
 import pytest
 
 from omnirelay.broker import protocol as p
 
+from conftest import ServeProcess
+
 MODEL = "tiny-llm"
+
+
+@pytest.fixture(scope="module")
+def usage_server(tiny_model, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("usage") / "omni-serve.log")
+    with ServeProcess(tiny_model, "--served-model-name", MODEL, "--log-level", "WARNING",
+                      "--enable-prompt-tokens-details", "--enable-force-include-usage", log_path=log_path) as serve:
+        yield serve
+
+
+@pytest.fixture(scope="module")
+def client(usage_server):
+    return openai.OpenAI(base_url=usage_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _long_prompt() -> str:
@@ -34,7 +54,7 @@ def test_chat_second_time_reports_cached_prefix(client):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens == first.usage.prompt_tokens
-    # Streamed with usage: the same count, on the usage chunk.
+    # Streamed: the same count, on the usage chunk.
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
@@ -57,3 +77,62 @@ def test_completions_and_responses_report_it(client):
     two = client.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0)
     assert one.usage.input_tokens_details.cached_tokens == 0
     assert 0 < two.usage.input_tokens_details.cached_tokens < two.usage.input_tokens
+
+
+def test_a_scored_prompt_takes_no_cached_prefix(client):
+    prompt = _long_prompt()
+
+    def cached(**extra) -> int:
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached() == 0
+    assert cached(prompt_logprobs=1) == 0   # prefill scores every prompt position: nothing taken from the cache
+    assert cached() > 0
+
+
+def test_cache_salt_shares_no_prefix(client):
+    """Would fail if the salt were ignored: the same prompt under another salt finds its blocks cached."""
+    prompt = f"{uuid.uuid4().hex} " + " ".join(f"line {i} of a long shared prefix;" for i in range(20))
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0   # another salt, or none: nothing shared
+    assert cached("tenant-a") > 0                          # the same salt: its own prefix is reused
+
+
+def test_without_the_flag_there_are_no_details(server):
+    """The session's omni-serve, without --enable-prompt-tokens-details: vLLM's answers carry none."""
+    plain = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": _long_prompt()}]
+    for _ in range(2):   # the second finds its prefix cached, and still says nothing of it
+        body = plain.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0).model_dump()
+        assert "prompt_tokens_details" in body["usage"] and body["usage"]["prompt_tokens_details"] is None
+    chunks = list(plain.completions.create(model=MODEL, prompt=_long_prompt(), max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details is None
+    # Responses always count them, as vLLM's do (input_tokens_details is not optional there).
+    text = _long_prompt()
+    plain.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0)
+    again = plain.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0)
+    assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_forced_usage_on_a_stream_that_did_not_ask(client, route):
+    if route == "chat":
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=5, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+    else:
+        stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(chunk.usage is not None for chunk in chunks)   # vLLM: forced usage is continuous too
+    completion = [chunk.usage.completion_tokens for chunk in chunks]
+    assert completion == sorted(completion) and completion[-1] == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 5

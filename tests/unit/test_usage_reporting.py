@@ -2,8 +2,9 @@
 cluster: the renderers of routes/completions.py and routes/choices.py over a real aiohttp server, fed
 scripted token chunks. ``stream_options`` under ``--enable-force-include-usage`` (usage on every
 stream, on each chunk and in a last one), ``continuous_usage_stats`` (each chunk its own choice's
-tokens so far: 0 on chat's role chunk, never the sum of every choice) and no ``usage`` key on a chunk
-that reports none. Through real workers: tests/e2e/test_request_defects.py."""
+tokens so far: 0 on chat's role chunk, never the sum of every choice), no ``usage`` key on a chunk
+that reports none, and ``prompt_tokens_details.cached_tokens`` only with
+``--enable-prompt-tokens-details``. The same through real workers: tests/e2e/test_cached_tokens.py."""
 
 from __future__ import annotations
 
@@ -98,14 +99,14 @@ PIECES = [("a", [1], ""), ("", [2], ""), ("bc", [3, 4], ""), ("d", [5], "length"
     (True, False, True, (True, True)),
 ])
 def test_stream_options_under_the_force_flag(include, continuous, force, expected):
-    report = UsageReport.of(include, include and continuous, force=force)
+    report = UsageReport.of(include, include and continuous, force=force, details=False)
     assert (report.final, report.continuous) == expected
 
 
 def test_continuous_usage_needs_include_usage():
     plain = parse_chat({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}})
     assert not plain.include_usage and not plain.continuous_usage
-    report = UsageReport.of(plain.include_usage, plain.continuous_usage, force=False)
+    report = UsageReport.of(plain.include_usage, plain.continuous_usage, force=False, details=False)
     assert not report.final and report.so_far(5, 1) is None
 
 
@@ -122,15 +123,14 @@ def test_continuous_usage_counts_this_stream_from_zero(tmp_path, monkeypatch):
     assert [c["usage"]["completion_tokens"] for c in content] == [1, 4, 5]   # the held-back token rides on
     assert all(c["usage"]["total_tokens"] == 5 + c["usage"]["completion_tokens"] for c in content)
     assert all("prompt_tokens_details" not in c["usage"] for c in [role, *content])
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
-                                                       "prompt_tokens_details": {"cached_tokens": CACHED}}
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
 
 
 def test_without_continuous_usage_content_chunks_have_no_usage_key(tmp_path, monkeypatch):
     request = parse_chat({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     *content, last = _one_choice(tmp_path, monkeypatch, request, PIECES)
     assert all("usage" not in c for c in content)
-    assert last["choices"] == [] and last["usage"]["total_tokens"] == 10
+    assert last == {**last, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}}
     plain = _one_choice(tmp_path, monkeypatch, parse_chat({**CHAT, "stream": True}), PIECES)
     assert all("usage" not in c for c in plain) and plain[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -143,6 +143,18 @@ def test_force_include_usage_reports_on_a_stream_that_did_not_ask(tmp_path, monk
     assert all("usage" in e for e in events)
     assert [e["usage"]["completion_tokens"] for e in events] == ([0] if kind == "chat" else []) + [1, 4, 5, 5]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 10
+
+
+def test_prompt_tokens_details_only_with_its_flag(tmp_path, monkeypatch):
+    asked = parse_chat({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    whole = parse_completion({"model": "m", "prompt": "hi"})
+    # Off (vLLM's default): null in a JSON answer, left out of a stream's last chunk.
+    assert _one_choice(tmp_path, monkeypatch, whole, PIECES)["usage"]["prompt_tokens_details"] is None
+    assert "prompt_tokens_details" not in _one_choice(tmp_path, monkeypatch, asked, PIECES)[-1]["usage"]
+    on = {"enable_prompt_tokens_details": True}
+    details = {"cached_tokens": CACHED}
+    assert _one_choice(tmp_path, monkeypatch, whole, PIECES, **on)["usage"]["prompt_tokens_details"] == details
+    assert _one_choice(tmp_path, monkeypatch, asked, PIECES, **on)[-1]["usage"]["prompt_tokens_details"] == details
 
 
 # ------------------------------------------------------------------ several choices
@@ -168,13 +180,13 @@ def test_each_chunk_reports_its_own_choice(tmp_path):
     request = parse_chat({**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True,
                                                                               "continuous_usage_stats": True}})
     script = [(0, [1], ""), (1, [7, 8], ""), (0, [2], ""), (1, [9], "length"), (0, [3, 4], "stop")]
-    events = _several(tmp_path, request, script, [PROMPT])
+    events = _several(tmp_path, request, script, [PROMPT], enable_prompt_tokens_details=True)
     roles, content, last = events[:2], events[2:-1], events[-1]
     assert [(e["choices"][0]["index"], e["usage"]["completion_tokens"]) for e in roles] == [(0, 0), (1, 0)]
     assert [(e["choices"][0]["index"], e["usage"]["completion_tokens"]) for e in content] == \
         [(0, 1), (1, 2), (0, 2), (1, 3), (0, 4)]
     assert {e["usage"]["prompt_tokens"] for e in events[:-1]} == {5}
-    # The last chunk: the prompt once, every choice's tokens.
+    # The last chunk: the prompt once, every choice's tokens, and the details the flag asks for.
     assert last["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
                              "prompt_tokens_details": {"cached_tokens": CACHED}}
 
@@ -185,5 +197,4 @@ def test_several_prompts_report_each_choice_with_its_own_prompt(tmp_path):
     events = _several(tmp_path, request, script, [PROMPT, PROMPT[:2]], enable_force_include_usage=True)
     assert [(e["choices"][0]["index"], e["usage"]["prompt_tokens"], e["usage"]["completion_tokens"])
             for e in events[:-1]] == [(1, 2, 2), (0, 5, 1), (1, 2, 3)]
-    assert events[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
-                                   "prompt_tokens_details": {"cached_tokens": 2 * CACHED}}
+    assert events[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
