@@ -2,6 +2,7 @@
 
     python benchmarks/kv_transfer.py [--model DIR] [--prompt-lens 1024 2000] [--repeats 5]
                                      [--backends shared_memory redis] [--max-batched-tokens 4096]
+                                     [--device cpu|cuda] [--dtype float32|bfloat16]
 
 What one sample measures (both engines in this process, the connector between them as between two
 workers; the broker hop, the same for both modes, is left out): ``t0`` the prompt is added to the
@@ -106,7 +107,8 @@ def run_backend(model: LlamaModel, connector, lens: list[int], repeats: int, max
                                     max_model_len=max(lens) + 8, max_batched_tokens=max_batched, prefix_caching=False,
                                     kv_transfer=mode) for mode in MODES}
     timers = {mode: TimedForward(engine.runner) for mode, engine in prefills.items()}
-    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block, num_blocks=need_blocks)
+    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block, num_blocks=need_blocks,
+                         dtype=model.dtype, device=model.device)
     decode = DecodeEngine(LocalRunner(model, cache), connector, max_num_seqs=4, max_model_len=max(lens) + 8)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", nargs="+", default=["shared_memory", "redis"])
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--device", default="cpu", help="where both engines run: cpu, or cuda / cuda:N (the "
+                    "connector's memory is the host's either way)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="omnirelay-kvbench-")
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if not path:
             from omnirelay.deploy.builders.llm import build_tiny_llm
             path = str(build_tiny_llm(os.path.join(work, "tiny-llm"), seed=0))
-        model = LlamaModel(path)
+        model = LlamaModel(path, dtype=getattr(torch, args.dtype), device=args.device)
         results = {}
         for backend in args.backends:
             if backend == "redis":
@@ -191,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 redis_proc = None
         cfg = model.config
         print(f"Model: {path} ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads × {cfg.head_dim}, "
-              f"{model.dtype}); max_batched_tokens {args.max_batched_tokens}; median of {args.repeats}; "
-              f"load average at the end {os.getloadavg()[0]:.1f}\n")
+              f"{model.dtype}, on {model.device}); max_batched_tokens {args.max_batched_tokens}; "
+              f"median of {args.repeats}; load average at the end {os.getloadavg()[0]:.1f}\n")
         print(table(results))
         if args.json:
             with open(args.json, "w") as f:
