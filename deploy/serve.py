@@ -148,7 +148,7 @@ PASSED_TO_GATEWAY = ("host", "port", "api_key", "disable_log_requests", "protect
                      "request_timeout_s", "worker_wait_s", "video_timeout_s", "video_stall_timeout_s", "max_body_bytes",
                      "max_streams_per_client", "stream_write_timeout_s", "header_timeout_s", "read_timeout_s",
                      "max_image_pixels", "min_audio_sample_rate", "max_audio_sample_rate",
-                     "enable_force_include_usage", "enable_prompt_tokens_details")
+                     "enable_force_include_usage", "enable_prompt_tokens_details", "enable_server_load_tracking")
 PASSED_TO_GATEWAY_PER_MODEL = ("allowed_local_media_path", "reasoning_parser", "tool_call_parser",
                                "default_chat_template_kwargs", "scheduling_policy", "structured_outputs_in_reasoning")
 

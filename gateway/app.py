@@ -7,7 +7,8 @@ choices: routes/choices.py), ``/v1/responses`` (routes/responses.py), ``POST /to
 ``POST /detokenize`` (routes/tokenization.py), images (routes/images.py, routes/image_edits.py),
 speech (routes/speech.py, routes/speech_ws.py, routes/voices.py), speech to text
 (routes/transcriptions.py), ``/v1/realtime`` (routes/realtime.py), video jobs (routes/videos.py)
-and the service's own (routes/service.py: models, health, cluster, metrics, status, OpenAPI).
+and the service's own (routes/service.py: models, health, cluster, metrics, status, OpenAPI;
+gateway/server_load.py: ``/load``).
 
 The bus client lives in a cleanup context, so it is started only if the app starts and closed
 exactly once. Every error leaves as an OpenAI-style body ``{"error": {"message", "type", "param",
@@ -23,7 +24,7 @@ from aiohttp import web
 from omnirelay.security import CurveKeys
 from omnirelay.video_params import is_video_pipeline
 
-from . import cpu_work, lora
+from . import cpu_work, lora, server_load
 from .app_keys import BUS, CONFIG, HISTORY, KEYS, METRICS, MODELS, SPOKEN_ANSWERS, STREAMS
 from .bus import BusClient
 from .config import GatewayConfig
@@ -48,7 +49,10 @@ from .status_page import StatusHistory
 
 def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Application:
     """``keys``: CURVE material for the bus (required when the broker or the token socket is off loopback)."""
-    app = web.Application(middlewares=[errors, authenticate, record_requests], client_max_size=config.max_body_bytes)
+    middlewares = [errors, authenticate, record_requests]
+    if config.enable_server_load_tracking:   # innermost: a request refused for its API key never counts
+        middlewares.append(server_load.track_load)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[KEYS] = keys
     app[METRICS] = GatewayMetrics()
@@ -73,6 +77,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     add_voice_routes(app)
     add_video_routes(app)   # after the bus's cleanup context: its jobs are cancelled while the bus is open
     add_service_routes(app)
+    server_load.install(app)   # GET /load (vLLM's; counts with --enable-server-load-tracking)
     return app
 
 

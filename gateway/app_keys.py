@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .config import GatewayConfig
     from .metrics import GatewayMetrics
     from .response_store import ResponseStore
+    from .server_load import ServerLoad
     from .spoken_answers import SpokenAnswers
     from .status_page import StatusHistory
 
@@ -33,3 +34,4 @@ STREAMS: web.AppKey[collections.Counter] = web.AppKey("streams_per_client")   # 
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")   # stored Responses (routes/responses.py)
 TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")   # request spans (omnirelay/tracing.py), or None
 SPOKEN_ANSWERS: web.AppKey[SpokenAnswers] = web.AppKey("spoken_answers")   # transcripts by audio id
+SERVER_LOAD: web.AppKey[ServerLoad] = web.AppKey("server_load")   # GET /load's count (gateway/server_load.py)

@@ -163,6 +163,9 @@ class GatewayConfig:
         "--enable-prompt-tokens-details", "chat and completion usage carries prompt_tokens_details.cached_tokens, "
         "the prompt tokens prefill took from its prefix cache (vLLM's flag; without it: null)", default=False,
         action="store_true")
+    enable_server_load_tracking: bool = flag(
+        "--enable-server-load-tracking", "GET /load counts the generation requests in flight (vLLM's flag; "
+        "without it /load answers 0; gateway/server_load.py)", default=False, action="store_true")
     lora: LoraOptions | None = flag_group(   # None: off
         ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
          "--allow-runtime-lora-updating"),

@@ -3,7 +3,7 @@ error contract's body, gateway/error_answers.py), :func:`authenticate` (the API 
 :func:`record_requests` (each request's metrics and log line, gateway/request_record.py).
 
 With an API key configured, every ``/v1`` route and the tokenizer routes need ``Authorization:
-Bearer <key>`` (compared in constant time); the probes (/health, /metrics, /cluster, /status) stay
+Bearer <key>`` (compared in constant time); the probes (/health, /load, /metrics, /cluster, /status) stay
 open unless ``protect_probes``.
 """
 
@@ -23,7 +23,7 @@ from .request_record import finish_record
 
 log = logging.getLogger("omnirelay.gateway")
 
-PROBES = ("/health", "/ping", "/version", "/metrics", "/cluster", "/status", "/status.json")
+PROBES = ("/health", "/ping", "/version", "/load", "/metrics", "/cluster", "/status", "/status.json")
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize")   # vLLM's paths, outside /v1; they cost CPU, so keyed too
 
 

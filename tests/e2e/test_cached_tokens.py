@@ -2,17 +2,22 @@
 official ``openai`` client: ``usage.prompt_tokens_details.cached_tokens`` — the prompt tokens prefill
 took from its prefix cache, carried on the first token's ``TokenDelta.cached_tokens`` — in chat and
 completions only with ``--enable-prompt-tokens-details`` (null without it; Responses'
-``input_tokens_details`` always), a salted or scored prompt taking no cached prefix, and
-``--enable-force-include-usage`` (usage on a stream that did not ask). This module's ``omni-serve``
-runs with both flags (one prefill worker, prefix caching on); the session's runs without them. The
-renderers' chunk by chunk rules: tests/unit/test_usage_reporting.py."""
+``input_tokens_details`` always), a salted or scored prompt taking no cached prefix,
+``--enable-force-include-usage`` (usage on a stream that did not ask) and ``GET /load`` with
+``--enable-server-load-tracking``. This module's ``omni-serve`` runs with the three flags (one prefill
+worker, prefix caching on); the session's runs without them. The renderers' chunk by chunk rules:
+tests/unit/test_usage_reporting.py, tests/unit/test_server_load.py."""
 
 from __future__ import annotations
 
+import json
+import socket
+import urllib.parse
 import uuid
 
 import openai
 import pytest
+import requests
 
 from omnirelay.broker import protocol as p
 
@@ -25,7 +30,8 @@ MODEL = "tiny-llm"
 def usage_server(tiny_model, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("usage") / "omni-serve.log")
     with ServeProcess(tiny_model, "--served-model-name", MODEL, "--log-level", "WARNING",
-                      "--enable-prompt-tokens-details", "--enable-force-include-usage", log_path=log_path) as serve:
+                      "--enable-prompt-tokens-details", "--enable-force-include-usage",
+                      "--enable-server-load-tracking", log_path=log_path) as serve:
         yield serve
 
 
@@ -37,6 +43,12 @@ def client(usage_server):
 def _long_prompt() -> str:
     """About 200 tokens, new to the cache (a fresh id first, so no earlier test shares a block)."""
     return f"{uuid.uuid4().hex} " + " ".join(f"item {i} is the colour of the sea at dawn;" for i in range(20))
+
+
+def _load(serve) -> int:
+    reply = requests.get(serve.url + "/load", timeout=10)
+    assert reply.status_code == 200
+    return reply.json()["server_load"]
 
 
 def test_delta_field_is_off_the_wire_when_zero():
@@ -136,3 +148,32 @@ def test_forced_usage_on_a_stream_that_did_not_ask(client, route):
     completion = [chunk.usage.completion_tokens for chunk in chunks]
     assert completion == sorted(completion) and completion[-1] == 5
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 5
+
+
+def _half_sent(serve) -> tuple[socket.socket, bytes]:
+    """A completion whose body is half sent: its handler has started (it reads the body) and runs
+    until the rest arrives. Returns the socket and the rest."""
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    url = urllib.parse.urlsplit(serve.url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body[:5])
+    return sock, body[5:]
+
+
+def test_load_counts_the_requests_in_flight(usage_server, server):
+    assert _load(usage_server) == 0
+    sock, rest = _half_sent(usage_server)
+    with sock:
+        # Asked until the handler has started (the server reads the head first): no sleep, a bounded wait.
+        assert any(_load(usage_server) == 1 for _ in range(500))
+        sock.sendall(rest)
+        assert sock.makefile("rb").readline().startswith(b"HTTP/1.1 200")
+    assert _load(usage_server) == 0   # a JSON answer leaves the count before it is written
+    # Without --enable-server-load-tracking, /load is there (as in vLLM) and counts nothing.
+    sock, rest = _half_sent(server)
+    with sock:
+        assert _load(server) == 0
+        sock.sendall(rest)
+        assert sock.makefile("rb").readline().startswith(b"HTTP/1.1 200")
+    assert _load(server) == 0

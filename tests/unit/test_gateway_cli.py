@@ -65,6 +65,7 @@ ROUND_TRIPS: dict[str, tuple[list[str], dict]] = {
     "allow_special_tokens_in_content": (["--allow-special-tokens-in-content"], {"allow_special_tokens_in_content": True}),
     "enable_force_include_usage": (["--enable-force-include-usage"], {"enable_force_include_usage": True}),
     "enable_prompt_tokens_details": (["--enable-prompt-tokens-details"], {"enable_prompt_tokens_details": True}),
+    "enable_server_load_tracking": (["--enable-server-load-tracking"], {"enable_server_load_tracking": True}),
     "lora": (["--enable-lora", "--lora-modules", "a=/x", "--max-loras", "2", "--max-lora-rank", "8",
               "--max-cpu-loras", "3", "--allow-runtime-lora-updating"],
              {"lora": LoraOptions(modules=(LoraModule("a", "/x"),), max_loras=2, max_lora_rank=8, max_cpu_loras=3,
