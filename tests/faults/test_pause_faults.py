@@ -8,9 +8,11 @@ requests, or the worker's stages. When the process comes back it must be told so
   position each reached (before: the same broker id told it nothing, and the streams hung to their
   deadline);
 * the worker is told by ``Reregister`` and registers again; its streams were failed as resumable and
-  the gateway resubmits them, waiting for a decode worker for ``ADMISSION_RETRY_S`` counted from the
-  failure (before: from the request's start, which had passed, so every stream failed "no live decode
-  worker" though the worker was back two seconds later);
+  the gateway resubmits them. The broker expects the dropped worker back (issue #45,
+  broker/expected.py): the resubmissions are held in the decode queue, not failed as ``unavailable``,
+  and dispatched when it registers — so a pause longer than the gateway's own wait for a role
+  without workers (``--worker-wait``; it was a 5 s constant, and a 10 s pause failed every stream
+  "no live decode worker" though the worker came back) heals too;
 * the broker notices that it did not run itself, and does not count that time against its peers'
   liveness (before: its first tick after the pause found every heartbeat stale and dropped everyone).
 
@@ -33,6 +35,7 @@ from cluster import TOPICS, Cluster, Proc, is_structured_error, pause_process
 
 N_STREAMS = 3
 PAUSE_S = 6.0            # longer than the broker's liveness (3.5 s)
+LONG_PAUSE_S = 10.0      # … and than the liveness plus the gateway's old 5 s wait for a role without workers
 STREAM_TIMEOUT_S = 90.0  # "hung": no end of the stream within this
 STOP_AFTER = 4           # tokens every stream has before the pause begins
 
@@ -84,8 +87,8 @@ async def _streams(url: str, max_tokens: int, fault=None) -> list[list[int]]:
             await asyncio.gather(*streams, return_exceptions=True)
 
 
-def _pause(pid: int) -> None:
-    pause_process(pid, PAUSE_S)
+def _pause(pid: int, seconds: float = PAUSE_S) -> None:
+    pause_process(pid, seconds)
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +102,15 @@ def _proc(cluster: Cluster, name: str):
     return next(proc for proc in cluster.procs if proc.name.endswith(name) and proc.alive())
 
 
-def _streams_through_a_pause(cluster: Cluster, name: str, max_tokens: int) -> tuple[Proc, dict, dict, int]:
-    """Streams with ``name``'s daemon paused mid-way give the undisturbed run's tokens; returns the
-    daemon, the broker's counters before and after, and how much it had logged before the pause."""
+def _streams_through_a_pause(cluster: Cluster, name: str, max_tokens: int,
+                             pause_s: float = PAUSE_S) -> tuple[Proc, dict, dict, int]:
+    """Streams with ``name``'s daemon paused mid-way (for ``pause_s``) give the undisturbed run's
+    tokens; returns the daemon, the broker's counters before and after, and how much it had logged
+    before the pause."""
     baseline = asyncio.run(_streams(cluster.url, max_tokens))
     proc = _proc(cluster, name)
     before, log_before = cluster.broker_counters(), len(proc.output())
-    assert asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(proc.pid))) == baseline
+    assert asyncio.run(_streams(cluster.url, max_tokens, fault=lambda: _pause(proc.pid, pause_s))) == baseline
     return proc, before, cluster.broker_counters(), log_before
 
 
@@ -119,9 +124,21 @@ def test_a_paused_decode_worker_comes_back_and_every_stream_completes(cluster):
     assert [w["role"] for w in cluster.workers()].count("decode") == 1
 
 
+def test_the_only_decode_worker_paused_for_10s_is_waited_for_and_every_stream_completes(cluster):
+    """Issue #45: past the liveness and the gateway's old wait. The resubmitted streams wait in the
+    broker's decode queue for the worker it expects back, none is refused as unavailable."""
+    _, before, after, _ = _streams_through_a_pause(cluster, "decode", max_tokens=400, pause_s=LONG_PAUSE_S)
+    assert after.get("workers_expired", 0) == before.get("workers_expired", 0) + 1
+    assert after.get("requests_held", 0) >= before.get("requests_held", 0) + N_STREAMS   # held, each of them
+    for counter in ("rejected:unavailable", "failed:unavailable", "failed:deadline_exceeded"):
+        assert after.get(counter, 0) == before.get(counter, 0), (counter, before, after)
+    assert [w["role"] for w in cluster.workers()].count("decode") == 1
+
+
 def test_a_paused_prefill_worker_comes_back_and_every_stream_completes(cluster):
     """Streams submitted while prefill is stopped are dispatched to it, taken back when the broker
-    drops it (no prefill left: ``unavailable``), and admitted again once it has re-registered."""
+    drops it (no prefill left, but it is expected back: held in the prefill queue), and dispatched to
+    it again once it has re-registered."""
     max_tokens = 64
     baseline = asyncio.run(_streams(cluster.url, max_tokens))
     prefill = _proc(cluster, "prefill")
