@@ -25,6 +25,8 @@ from collections.abc import Awaitable, Callable, Iterator
 import openai
 import requests
 
+from omnirelay.connectors.shared_memory import sweep_orphans
+
 
 def free_tcp_endpoint() -> str:
     with socket.socket() as sock:
@@ -199,8 +201,11 @@ class Cluster:
         for proc in reversed(self.procs):
             if proc.alive():
                 proc.proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            proc.stop(timeout=30)
+        killed = {proc.pid for proc in reversed(self.procs) if proc.stop(timeout=30) == -signal.SIGKILL}
+        # A daemon that did not drain within 30 s (a starved host) was killed: its segments are what a
+        # kill leaves, not a leak of a clean exit; only those PIDs' are swept.
+        if killed:
+            sweep_orphans(owners=killed)
 
 
 @contextlib.contextmanager
