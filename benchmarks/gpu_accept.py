@@ -241,11 +241,23 @@ def parity(args) -> int:
 
 # ---------------------------------------------------------------------------------------------- serve
 
-def _http(method: str, url: str, body: dict | None = None, timeout: float = 60) -> dict:
+# The gateway is on loopback: straight there, whatever proxy the environment names.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _http(method: str, url: str, body: dict | None = None, timeout: float = 30) -> dict:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    with _DIRECT.open(request, timeout=timeout) as response:
         return json.loads(response.read())
+
+
+class _Stopped(Exception):
+    """SIGTERM (the stage's time bound): stop omni-serve and report before exiting."""
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(f"signal {signum}")
 
 
 def _group_alive(pgid: int) -> bool:
@@ -258,6 +270,10 @@ def _group_alive(pgid: int) -> bool:
 
 def serve(args) -> int:
     result: dict = {"ok": False}
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    # Leave the stage's bound (gpu_accept.sh passes it) room to stop omni-serve and report.
+    limit = float(os.environ.get("GPU_ACCEPT_STAGE_LIMIT_S", "inf"))
+    ready_timeout = min(args.ready_timeout, limit - 35)
     log_path = args.work / "omni-serve.log"
     command = [sys.executable, "-m", "omnirelay.deploy.serve", str(args.model), "--port", "0",
                "--kv-cache-bytes", str(256 << 20)]
@@ -270,7 +286,7 @@ def serve(args) -> int:
             f.write(f"{proc.pid}\n")
     try:
         url = None
-        while time.monotonic() - started < args.ready_timeout and proc.poll() is None:
+        while time.monotonic() - started < ready_timeout and proc.poll() is None:
             match = re.search(r"omni-serve ready: (http://\S+)", log_path.read_text())
             if match:
                 url = match.group(1)
@@ -297,9 +313,9 @@ def serve(args) -> int:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            result["exit_code"] = proc.wait(30)
+            result["exit_code"] = proc.wait(20)
         except subprocess.TimeoutExpired:
-            result["exit_code"] = "killed after 30 s"
+            result["exit_code"] = "killed after 20 s"
         deadline = time.monotonic() + 10
         while _group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)

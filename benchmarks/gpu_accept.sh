@@ -41,14 +41,18 @@ case "${1:-}" in
     "") ;;
     *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
 esac
+PY=${PYTHON:-python3}
+case $PY in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac   # absolute, links kept
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
-PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d -t omnirelay-gpu-accept-out-XXXXXX)}
 mkdir -p "$OUT"
 WORK=$(mktemp -d -t omnirelay-gpu-accept-XXXXXX)
 if [ "$MODE" = gpu ]; then BUDGET_S=${GPU_ACCEPT_BUDGET_S:-450}; else BUDGET_S=${GPU_ACCEPT_BUDGET_S:-115}; fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# Stages run from $WORK: a `python -m omnirelay…` (omni-serve's children, the TP ranks) started in the
+# repository root would import its bare omnirelay/ folder ahead of the installed package.
+cd "$WORK"
 STAGES=$WORK/stages.tsv
 : >"$STAGES"
 : >"$WORK/pgids"   # process groups a stage started apart from its own (omni-serve's)
@@ -83,7 +87,7 @@ stage() {   # stage NAME LIMIT_S CMD...: run CMD in its own process group under 
     echo
     echo "=== $name (at most ${limit} s; $((SECONDS)) s into the run)"
     local start=$SECONDS
-    setsid -w timeout --kill-after=5 "$limit" "$@" &
+    GPU_ACCEPT_STAGE_LIMIT_S=$limit setsid -w timeout --kill-after=5 "$limit" "$@" &
     STAGE_PGID=$!
     wait "$STAGE_PGID"
     local rc=$?
@@ -156,22 +160,22 @@ else
             --ready-timeout 100 --pgid-file "$WORK/pgids"
         if [ "$MODE" = gpu ]; then
             SHAPE=$(json_get "$WORK/models.json" shape)
-            stage kv-handoff 60 "$PY" benchmarks/kv_transfer.py --model "$SHAPE" --device "$DEVICE" --dtype bfloat16 \
+            stage kv-handoff 60 "$PY" "$REPO"/benchmarks/kv_transfer.py --model "$SHAPE" --device "$DEVICE" --dtype bfloat16 \
                 --prompt-lens 512 2048 --repeats 3 --backends shared_memory --json "$WORK/kv-handoff.json"
-            stage decode 90 "$PY" benchmarks/decode_profile.py --model "$SHAPE" --device "$DEVICE" --batch 1,8 \
+            stage decode 90 "$PY" "$REPO"/benchmarks/decode_profile.py --model "$SHAPE" --device "$DEVICE" --batch 1,8 \
                 --context 512 --steps 20 --dtypes bfloat16,float32 --paths fast --json "$WORK/decode.json"
             if [ "$GPUS" -ge 2 ]; then
-                stage tp-ep 90 "$PY" benchmarks/moe_step.py --devices cuda --repeats 3 --check-hf \
+                stage tp-ep 90 "$PY" "$REPO"/benchmarks/moe_step.py --devices cuda --repeats 3 --check-hf \
                     --json "$WORK/tp-ep.json"
             else
                 skip tp-ep "TP=2 and EP=2 need two GPUs; $GPUS visible (NCCL needs a device per rank)"
             fi
         else
-            stage kv-handoff 30 "$PY" benchmarks/kv_transfer.py --model "$TINY" --prompt-lens 64 --repeats 1 \
+            stage kv-handoff 30 "$PY" "$REPO"/benchmarks/kv_transfer.py --model "$TINY" --prompt-lens 64 --repeats 1 \
                 --backends shared_memory --json "$WORK/kv-handoff.json"
-            stage decode 30 "$PY" benchmarks/decode_profile.py --model "$TINY" --batch 1,8 --context 64 --steps 5 \
+            stage decode 30 "$PY" "$REPO"/benchmarks/decode_profile.py --model "$TINY" --batch 1,8 --context 64 --steps 5 \
                 --dtypes float32 --paths fast --json "$WORK/decode.json"
-            stage tp-ep 45 "$PY" benchmarks/moe_step.py --devices cpu --repeats 1 --prompts 2 --prompt-len 16 \
+            stage tp-ep 45 "$PY" "$REPO"/benchmarks/moe_step.py --devices cpu --repeats 1 --prompts 2 --prompt-len 16 \
                 --check-hf --json "$WORK/tp-ep.json"
         fi
     fi
