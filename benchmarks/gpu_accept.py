@@ -273,10 +273,11 @@ def serve(args) -> int:
     signal.signal(signal.SIGTERM, _raise_stopped)
     # Leave the stage's bound (gpu_accept.sh passes it) room to stop omni-serve and report.
     limit = float(os.environ.get("GPU_ACCEPT_STAGE_LIMIT_S", "inf"))
-    ready_timeout = min(args.ready_timeout, limit - 35)
+    ready_timeout = min(args.ready_timeout, max(limit - 30, 0.6 * limit))
     log_path = args.work / "omni-serve.log"
     command = [sys.executable, "-m", "omnirelay.deploy.serve", str(args.model), "--port", "0",
                "--kv-cache-bytes", str(256 << 20)]
+    grace = 20   # seconds omni-serve gets to stop on SIGTERM
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -307,16 +308,20 @@ def serve(args) -> int:
         result["ok"] = result["completion_tokens"] > 0
         print(f"omni-serve ready in {result['ready_s']} s; one chat: {result['completion_tokens']} tokens in "
               f"{result['chat_s']} s ({result['finish_reason']})", flush=True)
+    except _Stopped:   # the stage's bound: 5 s until SIGKILL, so a short grace for omni-serve
+        result["error"] = "stopped by the stage's time bound"
+        grace = 3
     except Exception as exc:   # the stage reports what failed; the log below says why
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second SIGTERM must not cut the stop short
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            result["exit_code"] = proc.wait(20)
+            result["exit_code"] = proc.wait(grace)
         except subprocess.TimeoutExpired:
-            result["exit_code"] = "killed after 20 s"
-        deadline = time.monotonic() + 10
+            result["exit_code"] = f"killed after {grace} s"
+        deadline = time.monotonic() + min(grace, 10)
         while _group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         result["processes_left"] = _group_alive(proc.pid)
@@ -343,6 +348,10 @@ def _figures(name: str, data) -> str:
     """A stage's key figures, one short line for the table."""
     if data is None:
         return ""
+    if name == "device":
+        return f"torch {data['torch']}, CUDA {data['cuda']}, {data['gpus']} GPU(s): {data['device']}"
+    if name == "models":
+        return ", ".join(data)
     if name == "install":
         return (f"python {data.get('python')}; installed {', '.join(data.get('missing', [])) or 'nothing'}; "
                 f"project {data.get('project', '?')}")
