@@ -122,9 +122,14 @@ class Child:
             self.proc.wait()
 
 
+# omni-serve asks its own gateway, a child on this host: never through an http_proxy the
+# environment names (with no no_proxy for it, the readiness check would never pass).
+_OWN_GATEWAY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _health(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+        with _OWN_GATEWAY.open(url + "/health", timeout=2) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -590,7 +595,7 @@ def _wait_ready(children: list[Child], ready_file: str, timeout_s: float, shutdo
 def _health_message(url: str) -> str:
     """What /health says is missing (it names the model and the roles without a live worker)."""
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+        with _OWN_GATEWAY.open(url + "/health", timeout=2) as response:
             return response.read().decode()[:500]
     except urllib.error.HTTPError as exc:
         try:
