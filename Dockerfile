@@ -42,7 +42,8 @@ ARG FLAVOR
 ARG CPU_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG CUDA_TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # pyproject.toml's optional extras to install: the network connectors and the media encoders.
-ARG EXTRAS=redis,mooncake,omni
+# yuanrong's wheel exists for CPython 3.11 only: its extra's marker skips it in the CUDA image (3.12).
+ARG EXTRAS=redis,mooncake,yuanrong,omni
 RUN python3 -m venv /opt/omnirelay
 ENV PATH=/opt/omnirelay/bin:$PATH
 COPY . /src

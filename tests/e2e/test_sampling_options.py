@@ -32,6 +32,7 @@ _ANSWER_CHANGING = {
     "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,
     "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": True},
     "return_tokens_as_token_ids": True, "reasoning_effort": "high", "web_search_options": {},
+    "prompt_embeds": "AAAAAA==",   # base64 of a tensor, as vLLM takes it
 }
 
 
