@@ -40,6 +40,23 @@ pytestmark = pytest.mark.timeout(120)
 # ----------------------------------------------------------------------------------- servers
 
 
+
+def _still_readable(name: str, options: dict, keys) -> list[str]:
+    """The keys a fresh client of the store ``name`` can still read: what a test left behind in a
+    store that has no listing of its own (Yuanrong, Mooncake's store)."""
+    probe = create_connector(name, options)
+    try:
+        left = []
+        for key in sorted(keys):
+            try:
+                probe.get(key, timeout=0)
+                left.append(key)
+            except TransferFailed:
+                pass
+        return left
+    finally:
+        probe.close()
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
     server = started_redis(tmp_path_factory.mktemp("redis"))
@@ -134,40 +151,15 @@ def backend(request, peers):
         options = {"address": worker.address, "prefix": f"ortest-{uuid.uuid4().hex[:8]}:", "pool_mb": 64,
                    "request_timeout_s": 10}
 
-        def yuanrong_left(b):
-            probe = create_connector(name, options)
-            try:
-                left = []
-                for key in sorted(b.keys):
-                    try:
-                        probe.get(key, timeout=0)
-                        left.append(key)
-                    except TransferFailed:
-                        pass
-                return left
-            finally:
-                probe.close()
-        b = Backend(name, options, yuanrong_left, peers)
+        b = Backend(name, options, lambda b: _still_readable(name, options, b.keys), peers)
         yield b
         left = b.close()
     else:
         master = request.getfixturevalue("mooncake_master")
         options = {"master": master.address, "segment_mb": 128, "pool_mb": 64}
 
-        def store_left(b):
-            probe = create_connector(name, {**options, "segment_mb": 0})   # a reader only: quick to start
-            try:
-                left = []
-                for key in sorted(b.keys):
-                    try:
-                        probe.get(key, timeout=0)
-                        left.append(key)
-                    except TransferFailed:
-                        pass
-                return left
-            finally:
-                probe.close()
-        b = Backend(name, options, store_left, peers)
+        # A reader only (no segment of its own): quick to start.
+        b = Backend(name, options, lambda b: _still_readable(name, {**options, "segment_mb": 0}, b.keys), peers)
         yield b
         left = b.close()
     assert left == [], f"{name} left data behind: {left}"
