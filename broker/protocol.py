@@ -61,6 +61,7 @@ ErrorReply            any → sender            your message was malformed
 TokenDelta            worker → gateway        generated tokens at absolute positions (+ finish)
 TokenDeltas           worker → gateway        one engine step's TokenDeltas for one gateway
 MediaResult           worker → gateway        one finished media item (a PNG image …), base64
+PooledResult          worker → gateway        a pooling request's vector (prefill only: no decode)
 ====================  ======================  ===================================================
 
 Token deltas carry the absolute position of their first token, so a receiver can drop duplicates
@@ -539,6 +540,24 @@ class MediaResult(Message):
     data: str
     finish: bool = False
     worker_id: str = ""
+
+
+@_register
+class PooledResult(Message):
+    """A pooling request's result (``PoolingParams``: ``/v1/embeddings``), pushed by the prefill
+    worker straight to the gateway's ``reply_to`` in place of a first token and a KV hand-off: the
+    request ends at prefill. ``data``: the vector as little-endian float32 (what the answer's
+    ``encoding_format: base64`` holds). At most a model's hidden size (a few thousand floats): far
+    under :data:`MAX_BODY_BYTES`."""
+
+    TAG = b"POOL"
+    request_id: str
+    data: bytes
+    worker_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.data or len(self.data) % 4:
+            raise ValueError("data must be one or more float32 values")
 
 
 @_register

@@ -10,6 +10,7 @@ validates it like every other field of a message — msgspec's types, then each 
                   | SpeechParams    (tag "speech": text read aloud, /v1/audio/speech: prefill, generate)
                   | ImageParams     (tag "image":  a diffusion pipeline's image, /v1/images/*)
                   | VideoParams     (tag "video":  a diffusion pipeline's video, /v1/videos)
+                  | PoolingParams   (tag "pool":   a pooled vector, /v1/embeddings: prefill only)
 
 A stage refuses a kind it does not serve with ``bad_request`` (workers/runtime/roles.py and the
 generate roles). A struct's checks raise :class:`~omnirelay.errors.InvalidParam`: a 400 naming the
@@ -32,6 +33,7 @@ import msgspec
 
 from omnirelay.errors import InvalidParam
 from omnirelay.image_params import ImageParams
+from omnirelay.pooling_params import PoolingParams
 from omnirelay.speech_params import SpeechParams
 from omnirelay.video_params import VideoParams
 
@@ -210,12 +212,15 @@ class TextParams(msgspec.Struct, tag="text", frozen=True, forbid_unknown_fields=
         return self.temperature < _SAMPLING_EPS or self.top_k == 1
 
 
-RequestParams = TextParams | SpeechParams | ImageParams | VideoParams
-_Kind = TypeVar("_Kind", TextParams, SpeechParams, ImageParams, VideoParams)
+RequestParams = TextParams | SpeechParams | ImageParams | VideoParams | PoolingParams
+_Kind = TypeVar("_Kind", TextParams, SpeechParams, ImageParams, VideoParams, PoolingParams)
 
 # What the prefill stage of a /v1/audio/speech request samples: one greedy token nobody reads
 # (the text is teacher-forced; prefill exists to compute the talker's hidden states).
 SPEECH_PREFILL = TextParams(max_tokens=1, temperature=0.0)
+# What the prefill stage of a pooling request samples: likewise one greedy token nobody reads (the
+# forward that pools also yields logits; sampling them keeps one path through the engine).
+POOLING_PREFILL = SPEECH_PREFILL
 
 
 def speech_of(params: RequestParams) -> SpeechParams | None:
@@ -231,6 +236,9 @@ def text_params_of(params: RequestParams) -> TextParams:
         return params
     if isinstance(params, SpeechParams):
         return SPEECH_PREFILL
+    if isinstance(params, PoolingParams):
+        return msgspec.structs.replace(POOLING_PREFILL, cache_salt=params.cache_salt) if params.cache_salt \
+            else POOLING_PREFILL
     raise InvalidParam(f"an LLM stage cannot serve a {type(params).__name__} request")
 
 
@@ -248,6 +256,6 @@ def adapter_of(params: RequestParams) -> str:
 
 
 def salt_of(params: RequestParams) -> str:
-    """The ``cache_salt`` a request names ("" for none or a non-text request)."""
-    return params.cache_salt if isinstance(params, TextParams) else ""
+    """The ``cache_salt`` a request names ("" for none or a request of another kind)."""
+    return params.cache_salt if isinstance(params, (TextParams, PoolingParams)) else ""
 

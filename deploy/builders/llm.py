@@ -10,6 +10,7 @@ Usage::
     omni-make-model tiny-dit DIR [--seed N] [--force]    # diffusers text-to-image, SD3 transformer (dit.py)
     omni-make-model tiny-qwen3 DIR [--seed N] [--force]      # Qwen3 (q/k norm; qwen3.py)
     omni-make-model tiny-qwen3-moe DIR [--seed N] [--force]  # Qwen3-MoE, 8 experts top 2 (qwen3.py)
+    omni-make-model tiny-qwen3-embedding DIR [--seed N] [--force]  # Qwen3-Embedding-style (qwen3_embedding.py)
     omni-make-model tiny-zimage DIR [--seed N] [--force] # Z-Image (ZImagePipeline, zimage.py)
     omni-make-model tiny-qwen3-tts DIR [--seed N] [--force]   # Qwen3-TTS 12 Hz CustomVoice (qwen3_tts.py)
     omni-make-model tiny-wan DIR [--seed N] [--force]    # Wan 2.2 text-to-video (WanPipeline, wan.py)
@@ -378,6 +379,7 @@ FAMILY_BUILDERS: dict[str, tuple[str, str, dict]] = {
     "tiny-dit": ("dit", "build_tiny_dit", {}),
     "tiny-qwen3": ("qwen3", "build_tiny_qwen3", {}),
     "tiny-qwen3-moe": ("qwen3", "build_tiny_qwen3", {"moe": True}),
+    "tiny-qwen3-embedding": ("qwen3_embedding", "build_tiny_qwen3_embedding", {}),
     "tiny-zimage": ("zimage", "build_tiny_zimage", {}),
     "tiny-wan": ("wan", "build_tiny_wan", {}),
     "tiny-qwen3-tts": ("qwen3_tts", "build_tiny_qwen3_tts", {}),
@@ -397,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which model to build (tiny-sd: a diffusers text-to-image pipeline; "
                              "tiny-dit: the same around a diffusion transformer (SD3); "
                              "tiny-qwen3 / tiny-qwen3-moe: random-weight Qwen3 / Qwen3-MoE causal LMs; "
+                             "tiny-qwen3-embedding: tiny-qwen3 with sentence-transformers' last-token pooling; "
                              "tiny-zimage: Z-Image (ZImagePipeline, Qwen3 text encoder); "
                              "tiny-wan: Wan 2.2 text-to-video (WanPipeline, two experts, UMT5); "
                              "tiny-video: a diffusers text-to-video pipeline; "

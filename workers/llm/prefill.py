@@ -52,6 +52,11 @@ is short; only a prompt larger than the whole pool fails (``out_of_memory``). Th
 sockets; its owner calls :meth:`PrefillEngine.close` before closing the connector (it joins the
 transfer threads, see ``TransferPool.CLOSE_JOIN_S``).
 
+A pooling request (``PrefillTask.pooling``: ``/v1/embeddings``) ends here: its forwards capture the
+final-norm states its :class:`~omnirelay.workers.llm.pooling.PoolAccumulator` reduces, and its last
+chunk reports the pooled vector (``TokenOut.pooled``) instead of a first token and a hand-off; decode
+is never involved (:mod:`~omnirelay.workers.llm.pooling`).
+
 A request asking for its prompt's logprobs (``TextParams.prompt_logprobs``) takes no cached prefix
 and has its prompt tokens scored by the forwards that prefill them; they leave with its first
 token. ``TextParams.cache_salt`` salts its prefix-cache block names (``omnirelay.block_hash``).
@@ -81,10 +86,12 @@ from omnirelay.workers.llm.lora import LoraSlots
 from omnirelay.workers.llm.logits_processors import LogitsProcessors
 from omnirelay.workers.llm.model_runner import ModelRunner
 from omnirelay.workers.llm.models.llama import HiddenCapture
+from omnirelay.workers.llm.pooling import PoolAccumulator
 from omnirelay.workers.llm.prefill_media import media_fields, place_media
 from omnirelay.workers.llm.prompt_logprobs import PromptCapture, PromptLogprobs
 from omnirelay.workers.llm.handoff_jobs import (HandoffSend, MediaFetch, OutgoingHandoff, SentHandoff,
                                                      speech_payload)
+from omnirelay.pooling_params import PoolingParams
 from omnirelay.request_params import TextParams
 from omnirelay.workers.llm.requests import EngineStep, Registry, Request, Status, TokenOut
 from omnirelay.workers.llm.sampling import sample_step
@@ -107,6 +114,7 @@ class PrefillTask:
     # prompt's tail is the text to speak (/v1/audio/speech), so generate follows even if we finish.
     speech: str = ""
     priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
+    pooling: PoolingParams | None = None   # a pooling request: the vector, not a first token, ends it here
 
 
 @dataclasses.dataclass
@@ -241,7 +249,8 @@ class PrefillEngine:
         out = EngineStep()
         chunks = self._schedule(out)
         if chunks:
-            export = self._start_export([r for r, n in chunks if r.num_computed + n == len(r.task.prompt_token_ids)])
+            export = self._start_export([r for r, n in chunks if r.num_computed + n == len(r.task.prompt_token_ids)
+                                         and r.pool is None])   # a pooled prompt's KV goes nowhere
             try:
                 logits, sampled = self._execute(chunks, export)
                 self._update(chunks, logits, sampled, export, out)
@@ -334,6 +343,10 @@ class PrefillEngine:
         if task.speech and not self.runner.in_process:
             return BadRequest.error_type, ("speech output needs a single-process prefill worker "
                                            "(tensor and pipeline parallel size 1)")
+        if task.pooling is not None and (not self.runner.in_process or task.media or self.runner.config.capture_layer):
+            # The states are captured in process, after the final norm (a capture layer is a talker's).
+            return BadRequest.error_type, ("pooling needs a single-process prefill worker (tensor and pipeline "
+                                           "parallel size 1) of a text model")
         if task.params.prompt_logprobs >= 0 and not self.runner.in_process:
             return BadRequest.error_type, ("prompt_logprobs need a single-process prefill worker "
                                            "(tensor and pipeline parallel size 1)")
@@ -416,7 +429,7 @@ class PrefillEngine:
             # The last prompt token is always computed: its logits give the first output token.
             # A speech request needs every prompt token's hidden state, prompt logprobs every prompt
             # token's logits: no cached prefix is skipped.
-            fresh = task.speech or task.params.prompt_logprobs >= 0
+            fresh = task.speech or task.params.prompt_logprobs >= 0 or (task.pooling and task.pooling.needs_every_token)
             hits = [] if fresh else self.allocator.match(hashes[: (n - 1) // self.block_size])
             self.allocator.acquire(hits)
             if total - len(hits) > self.allocator.free:
@@ -440,6 +453,7 @@ class PrefillEngine:
             request.num_computed = request.cached_tokens = len(hits) * self.block_size
             k = task.params.prompt_logprobs   # k >= 0: the prompt tokens' logprobs and top k
             request.prompt_lp = PromptLogprobs(k) if k >= 0 else None
+            request.pool = PoolAccumulator(task.pooling, n) if task.pooling is not None else None
             request.status = Status.RUNNING
             self.running.append(request)
             self.stats["prefix_cached_tokens"] += request.cached_tokens
@@ -454,6 +468,13 @@ class PrefillEngine:
         sending: list[Request] = []
         for request, token, token_logprobs in zip(done, tokens, logprobs):
             task = request.task
+            if request.pool is not None:   # the vector is the answer: nothing goes on
+                out.tokens.append(TokenOut(task.request_id, "", task.position_offset, token, "stop",
+                                           cached_tokens=request.cached_tokens, done=True,
+                                           pooled=request.pool.finish()))
+                self.stats["pooled_requests"] += 1
+                self.requests.end(request, Status.FINISHED)
+                continue
             reason = self._finish_reason(request, token)
             first = TokenOut(task.request_id, "", task.position_offset, token, reason, logprobs=token_logprobs,
                              cached_tokens=request.cached_tokens, prompt_logprobs=request.prompt_lp)
@@ -592,15 +613,17 @@ class PrefillEngine:
         prompt = PromptCapture.of_step(scoring)
         if prompt is not None:
             options["prompt"] = prompt
-        if not any(r.task.speech for r, _ in chunks):
+        if not any(r.task.speech or r.pool is not None for r, _ in chunks):
             logits = self.runner.forward(batch, **options)
         else:
-            capture = HiddenCapture()   # in-process runners only: _refusal turns speech away from a group
+            capture = HiddenCapture()   # in-process runners only: _refusal turns speech and pooling away from a group
             logits = self.runner.forward(batch, capture=capture, **options)
             start = 0
             for request, n in chunks:
                 if request.task.speech:
                     request.hidden.append(capture.states[start:start + n].clone())
+                if request.pool is not None:
+                    request.pool.add(capture.states[start:start + n], request.num_computed)
                 start += n
         if prompt is not None:
             prompt.deal(scoring)
@@ -623,6 +646,7 @@ class PrefillEngine:
             self._transfers.release(key, lambda connector: delete_quietly(connector, key))
             request.media = None
         request.hidden = []
+        request.pool = None
         blocks, request.blocks = request.blocks, []
         if keep_blocks:
             return blocks

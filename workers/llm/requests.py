@@ -72,6 +72,8 @@ class TokenOut:
     done: bool = False
     token_sent: bool = False
     speech_next: bool = False
+    pooled: bytes | None = None   # prefill, a pooling request: its vector (little-endian float32), in place of a token
+
 
 
 @dataclasses.dataclass
@@ -105,6 +107,7 @@ class Request:
     cached_tokens: int = 0      # prompt tokens found in the prefix cache at admission (not computed)
     media: Any = None           # PlacedMedia: its embeddings, placed at admission
     prompt_lp: PromptLogprobs | None = None   # the prompt's logprobs so far, when the request asked
+    pool: Any = None            # PoolAccumulator: a pooling request's vector so far (workers/llm/pooling.py)
     grammar_ended: bool = False   # its grammar completed with the token just sampled
     kv_key: str = ""            # SENDING_HANDOFF: where its KV goes ("": no KV goes on)
     kv_layers: int = 0          # ... and its layout (KVHandoff.layers: 0 whole, else one piece per layer)

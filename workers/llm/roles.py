@@ -12,6 +12,9 @@ the last token then carries no hand-off. A token of a request that
 asked for logprobs carries them in its delta (``TokenDelta.logprobs``/``top_token_ids``/``top_logprobs``, filled from
 ``TokenOut.logprobs``, which the engine computed with :func:`~omnirelay.workers.llm.sampling.chosen_logprobs`).
 
+A pooling request's result (prefill's ``TokenOut.pooled``) leaves as a ``PooledResult`` to its gateway
+in place of a token delta, before the StageDone that ends the request (its only stage is prefill).
+
 Both engines report a step as one :class:`~omnirelay.workers.llm.requests.EngineStep`, read by
 one :meth:`_LlmRole.step`.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 from omnirelay.errors import BadRequest
 from omnirelay.broker import protocol as p
 from omnirelay.handoffs import EmbedsHandoff, KVHandoff, SpeechHandoff
+from omnirelay.pooling_params import PoolingParams
 from omnirelay.request_params import RequestParams, TextParams, speech_of, text_params_of
 
 from omnirelay.workers.llm.decode import DecodeEngine, DecodeTask
@@ -42,9 +46,13 @@ class _LlmRole(RoleAdapter):
         token), then the failures."""
         result = self.engine.step()
         tokens: list[TokenOut] = []
+        pooled: list[Outbound] = []
         reports: list[Outbound] = []
         for token in result.tokens:
-            if not token.token_sent:   # prefill's first token may have left ahead of its hand-off
+            if token.pooled is not None:
+                pooled.append((self._reply_to.get(token.request_id, ""),
+                               p.PooledResult(token.request_id, token.pooled, self.worker_id)))
+            elif not token.token_sent:   # prefill's first token may have left ahead of its hand-off
                 # Prefill's tokens go to the gateway the task named (decode's carry it).
                 token.reply_to = token.reply_to or self._reply_to.get(token.request_id, "")
                 tokens.append(token)
@@ -52,7 +60,7 @@ class _LlmRole(RoleAdapter):
                 self._reply_to.pop(token.request_id, None)
                 reports.append(self._done(token.request_id, token.outputs,
                                           bool(token.finish_reason) and not token.speech_next))
-        out = token_messages(tokens, self.worker_id)
+        out = pooled + token_messages(tokens, self.worker_id)
         # A spoken reply's first chunk is out: the broker may start the generate stage on it now.
         out += [(BROKER, p.StageStreaming(self.worker_id, request_id, self.role, handoff,
                                           attempt=self._attempts.get(request_id, 0)))
@@ -87,7 +95,8 @@ class PrefillRole(_LlmRole):
         self.engine.add(PrefillTask(task.request_id, list(task.prompt_token_ids), params, task.deadline,
                                     task.attempt, task.position_offset, speech=_speech_mode(task.params),
                                     media=task.inputs,
-                                    priority=task.priority))
+                                    priority=task.priority,
+                                    pooling=task.params if isinstance(task.params, PoolingParams) else None))
         return []
 
 
