@@ -22,6 +22,8 @@ A pipeline file (YAML) looks like::
           # enable_lora: true   (prefill/decode: LoRA adapters, as omni-worker's --enable-lora; then
           # lora_modules: [a1=/path/a1, {name: a2, path: /path/a2}]   --lora-modules, one per entry
           # max_loras: 2, max_lora_rank: 16, max_cpu_loras: 4         and the other LoRA flags)
+          # speculative_config: {method: ngram, num_speculative_tokens: 5}  (decode stages: as
+          #                     omni-worker's --speculative-config; omnirelay/speculative.py)
       - name: decode
         role: decode
         runtime: {max_batch_size: 64}
@@ -66,6 +68,7 @@ from typing import Any
 import yaml
 
 from .lora_modules import LoraOptions, parse_module
+from .speculative import SpeculativeConfig, from_mapping as speculative_from_mapping
 
 ROLES = ("encode", "prefill", "decode", "generate")
 # A spoken reply's first chunk after this many tokens: the talker's first audio needs a few rows only.
@@ -96,6 +99,8 @@ class Stage:
     # while the thinker still writes (0: whole, after its last token); see omnirelay/handoffs.py.
     stream_chunk_tokens: int = 0
     lora: LoraOptions | None = None   # engine_args' LoRA keys (None: no enable_lora: true)
+    # decode: engine_args.speculative_config (omnirelay/speculative.py; None: no speculation)
+    speculative: SpeculativeConfig | None = None
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -285,6 +290,18 @@ def _lora(engine_args: dict, role: str, where: str) -> LoraOptions | None:
     return LoraOptions(modules=tuple(modules), **limits)
 
 
+def _speculative(engine_args: dict, role: str, where: str) -> SpeculativeConfig | None:
+    """A decode stage's ``speculative_config`` as ``--speculative-config`` would give it."""
+    if engine_args.get("speculative_config") is None:
+        return None
+    if role != "decode":
+        raise PipelineError(f"{where}.speculative_config: only decode stages speculate, not {role}")
+    try:
+        return speculative_from_mapping(engine_args["speculative_config"])
+    except ValueError as exc:
+        raise PipelineError(f"{where}.{exc}") from None
+
+
 def _check_lora_paths(stages: list[Stage]) -> None:
     """One adapter name, one directory, across the stages (the gateway serves it once)."""
     paths: dict[str, tuple[str, str]] = {}
@@ -342,6 +359,7 @@ def _parse_native(raw: Any) -> Pipeline:
                                 f"transformers) run sequence parallelism, not {role}")
         stage = Stage(name=name, role=role, max_batch_size=batch, engine_args=dict(engine_args),
                       stream_chunk_tokens=chunk_tokens, lora=_lora(engine_args, role, f"{where}.engine_args"),
+                      speculative=_speculative(engine_args, role, f"{where}.engine_args"),
                       devices=_devices(runtime["devices"], f"{where}.runtime.devices") if "devices" in runtime
                       else ())
         if stage.devices and len(stage.devices) != stage.group_size:

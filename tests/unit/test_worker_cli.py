@@ -18,6 +18,7 @@ import pytest
 from omnirelay import config_flags
 from omnirelay.lora_modules import LoraModule, LoraOptions
 from omnirelay.pipeline import default_llm_pipeline
+from omnirelay.speculative import SpeculativeConfig
 from omnirelay.workers import daemon
 from omnirelay.workers.role_table import check_config
 from omnirelay.workers.runtime.config import WorkerConfig
@@ -66,6 +67,11 @@ ROUND_TRIPS: dict[str, tuple[list[str], dict]] = {
     "sequence_parallel_size": (["--role", "generate", "--sequence-parallel-size", "2"],
                                {"role": "generate", "sequence_parallel_size": 2}),
     "expert_parallel": (["--enable-expert-parallel"], {"expert_parallel": True}),
+    "speculative": (["--role", "decode", "--speculative-config",
+                     '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'],
+                    {"role": "decode", "stream_chunk_tokens": default_llm_pipeline("shared_memory", {})
+                     .stage_for_role("decode").stream_chunk_tokens,
+                     "speculative": SpeculativeConfig("ngram", 3, prompt_lookup_max=4, prompt_lookup_min=4)}),
     "lora": (["--enable-lora", "--lora-modules", "a=/x", "--max-loras", "2", "--max-lora-rank", "8",
               "--max-cpu-loras", "3"],
              {"lora": LoraOptions(modules=(LoraModule("a", "/x"),), max_loras=2, max_lora_rank=8, max_cpu_loras=3)}),

@@ -43,6 +43,11 @@ new tokens a chunk goes out, the first one announced in ``EngineStep.streams`` (
 ``StageStreaming`` and generate starts on it), and a finished reply waits in ``_finishing``
 (SENDING_HANDOFF, its blocks already freed) until its last chunk is written; then its last token is reported.
 
+Speculative decoding (``--speculative-config``, :mod:`~omnirelay.workers.llm.spec_decode`): the execute
+phase may instead draft up to k tokens per running sequence and verify them in the one batched forward
+(1 + d query positions each); update then appends each sequence's accepted tokens and gives back the
+blocks that held only rejected drafts.
+
 Structured output (``TextParams.structured``): every token is sampled under the request's grammar
 (:mod:`~omnirelay.workers.llm.structured_output`). Its matcher is built when the sequence is first
 checked (before its KV import) by replaying what was already emitted: a resumed stream's tokens at
@@ -75,8 +80,10 @@ from omnirelay.workers.llm.logits_processors import LogitsProcessors
 from omnirelay.workers.llm.model_runner import ModelRunner
 from omnirelay.workers.llm.models.llama import HiddenCapture
 from omnirelay.request_params import TextParams
+from omnirelay.speculative import SpeculativeConfig
 from omnirelay.workers.llm.requests import EngineStep, Registry, Request, Status, TokenOut
 from omnirelay.workers.llm.sampling import SampledStep, sample_step
+from omnirelay.workers.llm.spec_decode import SpeculativeDecoder
 from omnirelay.workers.llm.stopping import finish_reason_for
 from omnirelay.workers.llm.structured_output import GrammarSampler
 
@@ -113,7 +120,9 @@ class DecodeEngine:
     tensor/pipeline-parallel group, whose ranks hold the pools); the engine allocates its blocks.
     ``kv_import_threads``: the threads importing new requests' KVs (see
     :mod:`~omnirelay.workers.kv.prefetch`); at most ``max_num_seqs`` imported KVs wait for admission.
-    ``grammars``: structured output support (None: a request that asks for it fails as ``bad_request``)."""
+    ``grammars``: structured output support (None: a request that asks for it fails as ``bad_request``).
+    ``speculative``: draft and verify several tokens a step (:mod:`~omnirelay.workers.llm.spec_decode`;
+    None: one token a step; an in-process runner only, which the worker's config ensures)."""
 
     # A step with nothing running sleeps at most this long for an import to finish. A broker message
     # for the loop ends the wait at once (wake(), from the broker link's thread); the bound is for
@@ -122,7 +131,8 @@ class DecodeEngine:
 
     def __init__(self, runner: ModelRunner, connector: Connector, *,
                  max_num_seqs: int, max_model_len: int, transfer_timeout_s: float = 30.0, kv_import_threads: int = 2,
-                 grammars: GrammarSampler | None = None, stream_chunk_tokens: int = 0, lora: LoraSlots | None = None):
+                 grammars: GrammarSampler | None = None, stream_chunk_tokens: int = 0, lora: LoraSlots | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.runner = runner
         self.allocator = BlockAllocator(runner.num_blocks)
         self.block_size = self.runner.block_size
@@ -148,6 +158,9 @@ class DecodeEngine:
         self.grammars = grammars
         self.lora = lora   # None: LoRA off (a sequence naming an adapter is refused)
         self.processors = LogitsProcessors(self.eos_token_ids)
+        self.spec = None if speculative is None else SpeculativeDecoder(
+            speculative, stats=self.stats, processors=self.processors, grammars=grammars,
+            eos_token_ids=self.eos_token_ids, max_model_len=max_model_len)
 
     @property
     def num_requests(self) -> int:
@@ -223,7 +236,7 @@ class DecodeEngine:
     def step(self) -> EngineStep:
         out = EngineStep()
         self._schedule(out)
-        if self.running:
+        if self.running and not self._speculate(out):
             batch, sampled, positions = self._execute()
             self._update(batch, sampled, positions, out)
         self._pump_streams(out)
@@ -467,22 +480,65 @@ class DecodeEngine:
             seq.generated.append(token)
             reason = "stop" if ended else finish_reason_for(token, len(seq.generated), seq.total_len, seq.task.params,
                                                             self.eos_token_ids, self.max_model_len)
-            token_out = TokenOut(seq.request_id, seq.task.reply_to, position, token, reason, logprobs=token_logprobs,
-                                 done=bool(reason))
-            if not reason:
-                out.tokens.append(token_out)
-                continue
-            self._retire(seq)
-            if seq.stream is not None:   # the last token leaves once the last chunk is out
-                seq.pending, seq.status = token_out, Status.SENDING_HANDOFF
-                self._finishing.append(seq)
-            elif seq.task.speech_inputs is not None:   # the last token leaves with its states
-                seq.pending, seq.status = token_out, Status.SENDING_HANDOFF
-                seq.send = self._transfers.submit(self._speech_reply(seq))
-                self._speech_sends.append(seq)
-            else:
-                self.requests.end(seq, Status.FINISHED)
-                out.tokens.append(token_out)
+            self._report(seq, TokenOut(seq.request_id, seq.task.reply_to, position, token, reason,
+                                       logprobs=token_logprobs, done=bool(reason)), out)
+
+    def _speculate(self, out: EngineStep) -> bool:
+        """A speculative step (spec_decode.py): drafts get the blocks that are free (never a
+        preemption), one forward verifies them all, each sequence keeps its accepted prefix and gives
+        back the blocks that held only rejected drafts. False: this step does not speculate."""
+        drafts = self.spec.drafts(self.running) if self.spec is not None else None
+        if drafts is None:
+            return False
+        batch = list(self.running)
+        for seq, draft in zip(batch, drafts):
+            room = (len(seq.blocks) + self.allocator.free) * self.block_size - seq.num_computed - 1
+            del draft[max(room, 0):]
+            extra = self.blocks_needed(seq.num_computed + 1 + len(draft)) - len(seq.blocks)
+            if extra > 0:
+                seq.blocks += self.allocator.allocate(extra)
+        if not any(drafts):
+            return False
+        chunks = [([seq.generated[-1], *draft], seq.num_computed, seq.blocks) for seq, draft in zip(batch, drafts)]
+        verify = ForwardBatch.build(chunks, self.block_size, every_logit=True)
+        if self.lora is not None:
+            verify.lora_slots = self.lora.token_slots([s.lora for s in batch], [len(c[0]) for c in chunks])
+        if any(s.task.rope_delta for s in batch):
+            deltas = torch.tensor([s.task.rope_delta for s in batch], dtype=torch.long)
+            verify.rope_positions = verify.positions + torch.repeat_interleave(deltas, verify.query_lens)
+        results = self.spec.accept(self.runner.forward(verify), batch, drafts, self._grammar_row)
+        self.stats["decode_steps"] += 1
+        for seq, result in zip(batch, results):
+            self.stats["decode_tokens"] += len(result.tokens)
+            seq.num_computed += len(result.tokens)   # the fed token and the accepted drafts
+            keep = self.blocks_needed(seq.num_computed + 1)
+            if len(seq.blocks) > keep:   # roll back: blocks holding only rejected drafts
+                self.allocator.release(seq.blocks[keep:])
+                del seq.blocks[keep:]
+            for token, position, token_logprobs, reason in zip(result.tokens, result.positions, result.logprobs,
+                                                               result.reasons):
+                self._report(seq, TokenOut(seq.request_id, seq.task.reply_to, position, token, reason,
+                                           logprobs=token_logprobs, done=bool(reason)), out)
+        return True
+
+    def _report(self, seq: Request, token_out: TokenOut, out: EngineStep) -> None:
+        """Report ``seq``'s new token; a finished sequence leaves the batch (a spoken reply's last
+        token waits for its states: SENDING_HANDOFF)."""
+        reason = token_out.finish_reason
+        if not reason:
+            out.tokens.append(token_out)
+            return
+        self._retire(seq)
+        if seq.stream is not None:   # the last token leaves once the last chunk is out
+            seq.pending, seq.status = token_out, Status.SENDING_HANDOFF
+            self._finishing.append(seq)
+        elif seq.task.speech_inputs is not None:   # the last token leaves with its states
+            seq.pending, seq.status = token_out, Status.SENDING_HANDOFF
+            seq.send = self._transfers.submit(self._speech_reply(seq))
+            self._speech_sends.append(seq)
+        else:
+            self.requests.end(seq, Status.FINISHED)
+            out.tokens.append(token_out)
 
     def _forward_batch(self, batch: ForwardBatch, seqs: list[Request]) -> torch.Tensor:
         """One decode forward; for speech requests also keep the fed token's final-norm state."""

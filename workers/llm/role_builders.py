@@ -83,7 +83,8 @@ def build_decode_role(config: WorkerConfig, on_fatal: Callable[[str], None] | No
     with closed_on_error(llm.connector, llm.runner):
         engine = DecodeEngine(llm.runner, llm.connector, max_num_seqs=config.capacity,
                               max_model_len=llm.max_model_len, grammars=llm.grammars,
-                              stream_chunk_tokens=config.stream_chunk_tokens, lora=_lora_slots(config, llm.runner))
+                              stream_chunk_tokens=config.stream_chunk_tokens, lora=_lora_slots(config, llm.runner),
+                              speculative=config.speculative)
     _log_ready(config, llm)
     # The engine first: closing it joins its KV import threads, which use the connector.
     return BuiltRole(DecodeRole(config.worker_id, engine), _stats(engine, llm, prefill=False),

@@ -10,10 +10,11 @@ import os
 import socket
 import uuid
 
-from omnirelay import lora_modules
+from omnirelay import lora_modules, speculative
 from omnirelay.block_hash import DEFAULT_BLOCK_SIZE
 from omnirelay.config_flags import flag, flag_group, no_flag
 from omnirelay.lora_modules import LoraOptions
+from omnirelay.speculative import SpeculativeConfig
 
 from omnirelay.workers.runtime import dtypes
 from omnirelay.workers.runtime.devices import parse_device_ids
@@ -105,6 +106,10 @@ class WorkerConfig:
         "prefill and decode of a causal LM: serve LoRA adapters (omnirelay/lora_modules.py; default: the "
         "stage's engine_args LoRA keys)", add=lora_modules.add_arguments, read=lora_modules.options_from_args,
         default=None)
+    speculative: SpeculativeConfig | None = flag(   # None: off
+        "--speculative-config", "decode: speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}' (omnirelay/speculative.py; default: the "
+        "stage's engine_args.speculative_config)", default=None, cli_default=None, parse=speculative.parse)
 
     def _on_cuda(self) -> bool:
         """Whether this worker's ranks run on CUDA (named devices, or a host with CUDA: resolve_devices)."""
@@ -149,6 +154,11 @@ class WorkerConfig:
         if self.expert_parallel and self.role not in ("prefill", "decode"):
             raise ValueError(f"--enable-expert-parallel: only prefill and decode workers run a language model, "
                              f"not {self.role}")
+        if self.speculative is not None and self.role != "decode":
+            raise ValueError(f"--speculative-config: only decode workers speculate, not {self.role}")
+        if self.speculative is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config: needs a single-process decode worker (tensor and pipeline "
+                             "parallel size 1): a parallel group returns the last token's logits only")
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
