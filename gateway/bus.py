@@ -110,6 +110,9 @@ class RequestStream:
     def on_media(self, media: p.MediaResult) -> None:
         """Token streams take no media: a stray MediaResult is ignored (``images.MediaStream`` collects it)."""
 
+    def on_pooled(self, result: p.PooledResult) -> None:
+        """Token streams take no vectors: a stray PooledResult is ignored (``pooling_run.PooledStream`` takes it)."""
+
     def on_error(self, error: OmniError) -> None:
         if not self.finished:
             self.finished = True
@@ -306,6 +309,10 @@ class BusClient:
             stream = self._streams.get(msg.request_id)
             if stream is not None:
                 stream.on_media(msg)
+        elif isinstance(msg, p.PooledResult):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.on_pooled(msg)
 
     def _on_delta(self, delta: p.TokenDelta) -> None:
         stream = self._streams.get(delta.request_id)

@@ -76,6 +76,11 @@ class ServedModel:
         "--scheduling-policy", "the broker's scheduling policy (omnirelay/scheduling.py): with fcfs (default), "
         "arrival order, and a request's non-zero 'priority' is a 400; with priority, lower 'priority' first in the "
         "broker's and engines' queues, aged so none starves", default="fcfs", choices=POLICIES)
+    pooler_config: str = flag(
+        "--pooler-config", "vLLM's pooler config, a JSON object ('{\"pooling_type\": \"MEAN\", \"normalize\": true}'): "
+        "how /v1/embeddings pools this model, over its sentence-transformers modules.json and the default (last "
+        "token, normalised; omnirelay/pooling_params.py): one for all models or one per model, in order",
+        default="", action="append", cli_default=None, parse=_unset_if_empty)
     tool_call_parser: str = flag(
         "--tool-call-parser", "the markup a model writes its tool calls in (hermes, the default | qwen3_coder; "
         "gateway/tool_call_formats.py): one for all models or one per model, in order",

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from omnirelay.errors import BadRequest, NotFound, Unprocessable
 from omnirelay.model_kind import ModelKind, model_kind
+from omnirelay.pooling_params import PoolerConfig, resolve_pooler_config
 
 from .config import ServedModel
 from .control_tokens import ContentTokens, strip_marks
@@ -89,6 +90,11 @@ class ModelRuntime:
         # refused before it is rendered or tokenized (generation.check_size).
         self.max_prompt_chars = self.max_model_len * max(len(token) for token in self.tokenizer.get_vocab())
         self.created = int(Path(served.path).stat().st_mtime)
+        # How /v1/embeddings pools this model (omnirelay/pooling_params.py); None: it does not embed
+        # (an omni thinker's or a talker's states are not what its pooling would be trained on).
+        self.pooler: PoolerConfig | None = None
+        if not kind.is_omni and kind is not ModelKind.QWEN3_TTS:
+            self.pooler = resolve_pooler_config(served.path, served.pooler_config or "")
         self._noted: set[tuple[str, str]] = set()   # (what, name) already logged by _note_unused
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
@@ -190,8 +196,16 @@ class ModelRuntime:
         return self.name
 
     def card(self) -> dict:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",
+        card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "omnirelay",
                 "root": self.path, "max_model_len": self.max_model_len}
+        if self.pooler is not None:   # one instance answers chat and embeddings (vLLM needs two)
+            pooler = self.pooler
+            card["tasks"] = ["generate", "embed"]
+            card["pooler"] = {"pooling_type": pooler.pooling_type.upper(), "normalize": pooler.normalize,
+                              "source": pooler.source, "embedding_dimensions": pooler.hidden_size,
+                              "matryoshka_dimensions": None if pooler.matryoshka is None
+                              else list(pooler.matryoshka) or "any"}
+        return card
 
 
 M = TypeVar("M")

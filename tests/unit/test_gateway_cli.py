@@ -84,6 +84,7 @@ MODEL_ROUND_TRIPS: dict[str, tuple[list[str], dict]] = {
     "structured_outputs_in_reasoning": (["--structured-outputs-in-reasoning"], {"structured_outputs_in_reasoning": True}),
     "scheduling_policy": (["--scheduling-policy", "priority"], {"scheduling_policy": "priority"}),
     "tool_call_parser": (["--tool-call-parser", "qwen3_coder"], {"tool_call_parser": "qwen3_coder"}),
+    "pooler_config": (["--pooler-config", '{"pooling_type": "MEAN"}'], {"pooler_config": '{"pooling_type": "MEAN"}'}),
 }
 
 

@@ -332,7 +332,7 @@ class PrefillEngine:
     def _refusal(self, task: PrefillTask) -> tuple[str, str] | None:
         """(error_type, message) when this worker can never prefill ``task``; cheap checks only."""
         n = len(task.prompt_token_ids)
-        if not n or n >= self.max_model_len:
+        if not n or n > self.max_model_len or (n == self.max_model_len and task.pooling is None):   # room for a token
             return BadRequest.error_type, f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"
         if task.media and not self.runner.in_process:
             # A parallel group's broadcast carries token ids and positions only, not embeddings.
