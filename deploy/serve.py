@@ -155,7 +155,8 @@ PASSED_TO_GATEWAY = ("host", "port", "api_key", "disable_log_requests", "protect
                      "max_image_pixels", "min_audio_sample_rate", "max_audio_sample_rate",
                      "enable_force_include_usage", "enable_prompt_tokens_details", "enable_server_load_tracking")
 PASSED_TO_GATEWAY_PER_MODEL = ("allowed_local_media_path", "reasoning_parser", "tool_call_parser",
-                               "default_chat_template_kwargs", "scheduling_policy", "structured_outputs_in_reasoning")
+                               "default_chat_template_kwargs", "scheduling_policy", "structured_outputs_in_reasoning",
+                               "pooler_config")
 
 
 # WorkerConfig fields whose flags omni-serve declares from the config and hands to every worker unchanged.
