@@ -57,7 +57,7 @@ import urllib.error
 import urllib.request
 from typing import NamedTuple
 
-from omnirelay import config_flags, lora_modules
+from omnirelay import config_flags, lora_modules, speculative
 from omnirelay.connectors.shared_memory import sweep_orphans
 from omnirelay.pipeline import ConnectorSpec, PipelineError
 from omnirelay.deploy.served_models import BUNDLED, ModelPlan, plan_models
@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     # so omni-serve and omni-worker cannot disagree on them (omnirelay/config_flags.py).
     config_flags.add_flags(parser.add_argument_group("worker flags (handed on to the workers)"),
                            WorkerConfig, only=PASSED_TO_WORKERS)
+    config_flags.add_flags(parser.add_argument_group("decode worker flags (handed on to the decode workers)"),
+                           WorkerConfig, only=("speculative",))
     parser.add_argument("--connector", default="shared_memory",
                         help="KV connector backend when no --stage-configs-path is given")
     parser.add_argument("--yuanrong-address", default=None, metavar="HOST:PORT",
@@ -231,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)   # models may come before or after the options
     try:
         lora_modules.options_from_args(args)
+        speculative.parse(args.speculative_config or "")   # refused here, by name, before anything starts
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -487,6 +490,8 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
                     "--max-model-len", str(args.max_model_len), "--kv-cache-bytes", str(args.kv_cache_bytes),
                     "--dtype", args.dtype, "--connector", args.connector, *plan.pipeline_args(), *store, *parallel,
                     "--drain-timeout", str(args.drain_timeout),
+                    *(["--speculative-config", args.speculative_config]
+                      if args.speculative_config and role == "decode" else []),
                     *(lora_modules.to_args(lora_modules.options_from_args(args))
                       if role in ("prefill", "decode") else [])], tp * pp * sp))
     return commands

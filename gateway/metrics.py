@@ -70,7 +70,13 @@ _WORKER_COUNTERS = {
     "talker_codes": ("omnirelay_talker_codes", "Codec tokens the talker produced"),
     "audio_samples": ("omnirelay_audio_samples", "Audio samples the speech generate workers produced"),
     "keepalives": ("omnirelay_worker_keepalives", "Engine steps that outlasted a heartbeat interval"),
+    # Speculative decoding (decode workers with --speculative-config), under vLLM's names.
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "Drafts proposed (one per sequence and step)"),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Tokens drafted"),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted"),
 }
+# Per draft position: key prefix + position → vLLM's family, labelled by position.
+_SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos_"
 # Instantaneous figures: stat key → (metric name, help, how a pool combines them).
 _WORKER_GAUGES = {
     "running": ("omnirelay_worker_requests_running", "Requests in the workers' running batches", sum),
@@ -115,6 +121,9 @@ class WorkerStatsCollector:
         steps = CounterMetricFamily("omnirelay_worker_steps", "Engine steps, by phase", labels=labels + ["phase"])
         failures = CounterMetricFamily("omnirelay_worker_failures", "Requests a worker engine failed, by error type",
                                        labels=labels + ["error_type"])
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafted tokens accepted, by position in the draft",
+                                      labels=labels + ["position"])
         other = UnknownMetricFamily("omnirelay_worker_stat", "Other worker figures, as reported",
                                     labels=labels + ["stat"])
         for (model, role), pool in sorted(self._pools.items()):
@@ -127,11 +136,13 @@ class WorkerStatsCollector:
                     gauges[key].add_metric([model, role], _WORKER_GAUGES[key][2](values))
                 elif key.endswith("_steps"):
                     steps.add_metric([model, role, key[:-len("_steps")]], sum(values))
+                elif key.startswith(_SPEC_PER_POS):
+                    per_pos.add_metric([model, role, key[len(_SPEC_PER_POS):]], sum(values))
                 elif key.startswith("failed_"):
                     failures.add_metric([model, role, key[len("failed_"):]], sum(values))
                 elif not key.startswith(_WORKER_SKIPPED):
                     other.add_metric([model, role, key], sum(values))
-        for family in (*counters.values(), *gauges.values(), steps, failures, other):
+        for family in (*counters.values(), *gauges.values(), steps, failures, per_pos, other):
             if family.samples:
                 yield family
 
