@@ -135,3 +135,12 @@ def test_unserved_option_is_a_422(serve):
     answer = requests.post(serve.url + "/v1/embeddings",
                            json={"model": "emb", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert answer.status_code == 422 and answer.json()["error"]["param"] == "messages"
+
+
+def test_langchain_openai_embeddings(serve):
+    from langchain_openai import OpenAIEmbeddings
+    client = OpenAIEmbeddings(model="emb", base_url=serve.url + "/v1", api_key="unused",
+                              check_embedding_ctx_length=False, max_retries=0)
+    reference = _sentence_transformers(TEXTS)
+    assert min(_cosines(client.embed_documents(TEXTS), reference)) >= 0.9999
+    assert _cosines([client.embed_query(TEXTS[2])], reference[2:3])[0] >= 0.9999
