@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from omnirelay.errors import InvalidParam
+from omnirelay.step_cache_params import StepCacheSpec
 
 MAX_PROMPT_CHARS = 4000
 MAX_SIDE = 1792              # pixels: OpenAI's largest video size is 1792x1024
@@ -58,7 +59,8 @@ class VideoParams(msgspec.Struct, tag="video", frozen=True, forbid_unknown_field
     multiples of 8; num_frames: frames to generate; fps: frames per second of the encoded file
     (``num_frames / fps`` is the clip's length); num_inference_steps: denoising steps;
     guidance_scale: classifier-free guidance weight (≤ 1 turns it off); seed: the latents' seed
-    (same seed and parameters, same video bytes)."""
+    (same seed and parameters, same video bytes); cache: this request's step caching
+    (``extra_body`` ``cache_backend`` / ``cache_config``; None: the worker's ``--cache-backend``)."""
 
     prompt: str
     width: int
@@ -69,6 +71,7 @@ class VideoParams(msgspec.Struct, tag="video", frozen=True, forbid_unknown_field
     negative_prompt: str = ""
     num_inference_steps: int = 50
     guidance_scale: float = 9.0
+    cache: StepCacheSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("prompt", "negative_prompt"):

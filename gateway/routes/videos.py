@@ -36,8 +36,10 @@ broker's queues are bounded, and a worker that dies is dropped by the broker, it
 Accepted fields: ``prompt`` (required), ``model`` (optional when exactly one video model is
 served), ``size`` ("WxH", multiples of 8; default the model's native size), ``seconds`` (default
 4), and the diffusion extensions ``fps`` (default 8), ``num_frames`` (default ``seconds × fps``),
-``seed``, ``num_inference_steps``, ``guidance_scale``, ``negative_prompt`` (with the ``openai``
-client: ``extra_body``). ``input_reference`` (image to video) is 422.
+``seed``, ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, and step caching for this
+request, ``cache_backend`` with ``cache_config`` (:mod:`omnirelay.step_cache_params`; 422 from the
+worker for a pipeline without a step cache) (with the ``openai`` client: ``extra_body``).
+``input_reference`` (image to video) is 422.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from omnirelay.broker import protocol as p
 from omnirelay.dit_families import family_of_dir
+from omnirelay.step_cache_params import spec_from
 from omnirelay.errors import (BadRequest, DeadlineExceeded, NotFound, OmniError, Overloaded, PayloadTooLarge,
                               Unprocessable, WorkerLost)
 from omnirelay.video_params import (DEFAULT_FPS, MAX_FRAMES, MAX_SECONDS, MAX_SEED, MAX_VIDEO_BYTES, PROGRESS_MIME,
@@ -143,6 +146,10 @@ def parse_video_request(body: Any) -> VideoRequest:
         elif not isinstance(value, str):
             raise BadRequest(f"'{name}' must be a string", param=name)
         fields[name] = value
+    if body.get("cache_backend") is not None or body.get("cache_config") is not None:
+        if body.get("cache_backend") is None:
+            raise BadRequest("'cache_config' needs 'cache_backend'", param="cache_backend")
+        fields["cache"] = spec_from(body["cache_backend"], body.get("cache_config"))
     return VideoRequest(model, prompt, size, seconds, fields)
 
 

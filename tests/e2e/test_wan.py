@@ -57,8 +57,9 @@ def test_tiny_wan_is_a_wan_2_2_directory_served_as_video(tiny_wan, pipe):
 
 
 def test_engine_equals_the_pipeline_call_and_refuses_what_wan_cannot_make(pipe):
-    engine = GenerateVideoEngine(pipe, encoder="webp")
-    assert isinstance(engine.runner, StepwiseWanRunner)
+    assert isinstance(GenerateVideoEngine(pipe, encoder="webp").runner, StepwiseWanRunner)
+    # two passes per guided step, as WanPipeline.__call__ makes them: its output bit for bit
+    engine = GenerateVideoEngine(pipe, encoder="webp", runner=StepwiseWanRunner(pipe, cfg_one_pass=False))
     for bad, param in (({"width": 72}, "size"), ({"num_frames": 8}, "num_frames")):
         with pytest.raises(BadRequest) as info:
             engine.add(VideoTask("bad", _params(**bad), time.time() + 60))
@@ -133,3 +134,19 @@ def test_bad_wan_requests_get_400_with_param(client, kwargs, param):
         _create(client, **{"size": "64x48", "num_frames": 5, "num_inference_steps": 2, **kwargs})
     error = info.value.body["error"] if "error" in info.value.body else info.value.body
     assert error["param"] == param and error["message"]
+
+
+def test_a_request_asks_for_its_own_step_cache_and_bad_cache_fields_are_named(client):
+    extra = {"seed": 5, "num_inference_steps": 4, "cache_backend": "static", "cache_config": '{"steps": [0, 2]}'}
+    video = client.videos.create(model=MODEL, prompt=PROMPT, size="64x48", seconds="1", extra_body=extra)
+    done = _wait(client, video.id)
+    assert done.status == "completed" and done.progress == 100, done.error
+    for fields, param, error_class in (
+            ({"cache_backend": "static", "cache_config": '{"rel_l1_thresh": 0.1}'}, "cache_config",
+             openai.BadRequestError),
+            ({"cache_config": '{"interval": 2}'}, "cache_backend", openai.BadRequestError),
+            ({"cache_backend": "cache_dit"}, "cache_backend", openai.UnprocessableEntityError)):
+        with pytest.raises(error_class) as info:
+            client.videos.create(model=MODEL, prompt=PROMPT, size="64x48", seconds="1", extra_body=fields)
+        error = info.value.body["error"] if "error" in info.value.body else info.value.body
+        assert error["param"] == param and error["message"]

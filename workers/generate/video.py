@@ -66,10 +66,12 @@ import numpy as np
 import torch
 
 from omnirelay.dit_families import family_of_pipeline
-from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory
+from omnirelay.errors import BadRequest, DeadlineExceeded, OmniError, OutOfMemory, Unprocessable
+from omnirelay.step_cache_params import StepCacheSpec
 from omnirelay.video_params import VideoParams
 
 from omnirelay.workers.generate.image import load_pipeline
+from omnirelay.workers.generate.step_cache import StepCache
 from omnirelay.workers.runtime.engine import RequestFailure
 from omnirelay.workers.runtime.request_queue import RequestQueue
 
@@ -119,7 +121,8 @@ class JobPhase(enum.Enum):
 def batch_key(params: VideoParams) -> tuple:
     """What requests must share to run in one denoising loop: the latents' shape, the timesteps
     and the guidance applied to every row."""
-    return params.width, params.height, params.num_frames, params.num_inference_steps, params.guidance_scale
+    return (params.width, params.height, params.num_frames, params.num_inference_steps, params.guidance_scale,
+            params.cache)
 
 
 @dataclasses.dataclass
@@ -138,6 +141,7 @@ class VideoJob:
     step_index: int = 0
     frames: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
     units_done: int = 0
+    step_cache: StepCache | None = None             # made at admission: this batch's alone
 
     @property
     def params(self) -> VideoParams:
@@ -172,6 +176,8 @@ def keep_rows(job: VideoJob, rows: list[int], *, frames_in_scheduler_batch: bool
             sample_shape, sample_rows = tuple(latents.shape), rows
         _cut_scheduler_state(job.scheduler, sample_shape,
                              torch.tensor(sample_rows, dtype=torch.long, device=latents.device))
+    if job.step_cache is not None:
+        job.step_cache.keep_rows(torch.tensor(rows, dtype=torch.long))
     job.tasks = [job.tasks[i] for i in rows]
     job.generators = [job.generators[i] for i in rows] if job.generators else []
     job.frames = [job.frames[i] for i in rows] if job.frames else []
@@ -203,6 +209,8 @@ def _cut_scheduler_state(scheduler, sample_shape: tuple, index: torch.Tensor) ->
 class StepwiseVideoRunner:
     """Drives a ``TextToVideoSDPipeline`` one phase, denoising step or decode slice per call,
     reproducing its ``__call__`` (eta 0, no cross-attention kwargs) over a batch of rows."""
+
+    caches_steps = False     # a UNet: no step cache (the DiT families' runners have one)
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -267,6 +275,8 @@ class StepwiseVideoRunner:
 class WholeCallVideoRunner:
     """Any text-to-video pipeline: one ``pipeline(...)`` call per batch (lists of prompts and
     generators), in one engine step."""
+
+    caches_steps = False     # the pipeline's own loop runs every step
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -360,11 +370,16 @@ class GenerateVideoEngine:
     loop calls :meth:`add`, :meth:`cancel` and :meth:`step` from one thread."""
 
     def __init__(self, pipe, *, max_batch_size: int = 1, runner=None, encoder: str | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, step_cache: StepCacheSpec = StepCacheSpec()):
+        """``step_cache``: the server's step-caching policy (``--cache-backend``), which a request's
+        own ``cache`` replaces; a policy other than ``none`` needs a runner that caches steps."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.pipe = pipe
         self.runner = runner or runner_for(pipe)
+        if step_cache.enabled and not self.runner.caches_steps:
+            raise ValueError(f"--cache-backend {step_cache.backend}: {type(self.runner).__name__} does not cache steps")
+        self.step_cache = step_cache
         self.max_batch_size = max_batch_size
         self.encoder = encoder or video_encoder()
         self.clock = clock
@@ -409,6 +424,10 @@ class GenerateVideoEngine:
                              f"{task.params.width}x{task.params.height}", param="size")
         if self.family is not None:
             self.family.check_frames(task.params.num_frames)
+        cache = task.params.cache
+        if cache is not None and cache.enabled and not self.runner.caches_steps:
+            raise Unprocessable(f"this pipeline ({type(self.pipe).__name__}) does not serve step caching",
+                                param="cache_backend")
         self.waiting.add(task)
 
     def wake(self) -> None:
@@ -453,6 +472,10 @@ class GenerateVideoEngine:
         if phase is JobPhase.MUX:
             self._mux_one(job, out)
             return out
+        if job.step_cache is None:   # a job made outside _admit: the plain loop
+            job.step_cache = StepCache(StepCacheSpec(), job.params.num_inference_steps)
+        cache = job.step_cache
+        computed, skipped = cache.computed, cache.skipped
         try:
             self.runner.advance(job)
         except torch.OutOfMemoryError as exc:
@@ -463,6 +486,9 @@ class GenerateVideoEngine:
             self._fail_job(job, out, OmniError.error_type, f"video generation failed: {type(exc).__name__}: {exc}")
             return out
         self.stats[f"{phase.value}_steps"] += 1
+        if cache.enabled:   # branch-steps run and skipped under a step cache (/metrics)
+            self.stats["cache_computed_steps"] += cache.computed - computed
+            self.stats["cache_skipped_steps"] += cache.skipped - skipped
         job.units_done += 1
         percent = min(99, 100 * job.units_done // job.units_total)
         out.progress.extend(VideoProgress(t.request_id, percent) for t in job.tasks)
@@ -491,7 +517,8 @@ class GenerateVideoEngine:
             return None
         self.stats["batches"] += 1
         self.stats[f"batches_of_{len(tasks)}"] += 1
-        return VideoJob(tasks)
+        params = tasks[0].params
+        return VideoJob(tasks, step_cache=StepCache(params.cache or self.step_cache, params.num_inference_steps))
 
     def _expire(self, out: StepOutput) -> None:
         now = self.clock()

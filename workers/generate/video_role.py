@@ -31,6 +31,7 @@ from omnirelay.broker import protocol as p
 from omnirelay.errors import OmniError, PayloadTooLarge, WorkerLost
 from omnirelay.video_params import MAX_CHUNK_CHARS, MAX_VIDEO_BYTES, PROGRESS_INDEX, PROGRESS_MIME, VideoParams
 from omnirelay.request_params import expect_params
+from omnirelay.step_cache_params import parse_flag
 
 from omnirelay.workers.runtime.config import WorkerConfig
 from omnirelay.workers.generate.image import load_pipeline
@@ -129,11 +130,12 @@ def build_generate_video_role(config: WorkerConfig, on_fatal: Callable[[str], No
         if group is not None:
             group.attach(*group.experts_of(pipe))
             log.info("generate worker (video): transformers run over %d sequence-parallel ranks", group.size)
-        engine = GenerateVideoEngine(pipe, max_batch_size=config.capacity)
+        engine = GenerateVideoEngine(pipe, max_batch_size=config.capacity,
+                                     step_cache=parse_flag(config.cache_backend, config.cache_config))
     weights = denoiser_dtype(engine.pipe)
-    log.info("generate worker (video): %s (%s, runner %s) on %s, denoiser weights %s, encoder %s, batch up to %d",
-             config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device, weights,
-             engine.encoder, config.capacity)
+    log.info("generate worker (video): %s (%s, runner %s) on %s, denoiser weights %s, encoder %s, batch up to %d, "
+             "step cache %s", config.model_path, type(engine.pipe).__name__, type(engine.runner).__name__, device,
+             weights, engine.encoder, config.capacity, engine.step_cache)
     return BuiltRole(GenerateVideoRole(config.worker_id, engine, sequence_parallel=group),
                      denoising_stats(engine, group, weights, config.sequence_parallel_size),
                      owned=(group,) if group is not None else ())

@@ -40,8 +40,13 @@ class StepwiseWanRunner:
     """Drives a ``WanPipeline`` one phase or denoising step per call, reproducing its ``__call__``
     over a batch of rows."""
 
-    def __init__(self, pipe):
+    caches_steps = True      # the engine may give its batches a tea_cache or static StepCache
+
+    def __init__(self, pipe, *, cfg_one_pass: bool = True):
+        """``cfg_one_pass``: a guided step's two branches as one batched forward (False: two
+        forwards, as ``WanPipeline.__call__`` makes them — bit for bit its output)."""
         self.pipe = pipe
+        self.cfg_one_pass = cfg_one_pass
         first = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
         self.device = first.device
         self.dtype = first.dtype
@@ -67,22 +72,7 @@ class StepwiseWanRunner:
                                                params.num_frames, torch.float32, self.device, job.generators)
             job.phase = JobPhase.DENOISE
         elif job.phase is JobPhase.DENOISE:
-            scheduler = job.scheduler
-            t = scheduler.timesteps[job.step_index]
-            model = self._expert(t, scheduler.config.num_train_timesteps)
-            latents = job.latents
-            inputs = latents.to(self.dtype)
-            timestep = t.expand(latents.shape[0])
-            noise = model(hidden_states=inputs, timestep=timestep, encoder_hidden_states=job.prompt_embeds,
-                          return_dict=False)[0]
-            if guided:
-                uncond = model(hidden_states=inputs, timestep=timestep, encoder_hidden_states=job.negative_embeds,
-                               return_dict=False)[0]
-                noise = uncond + params.guidance_scale * (noise - uncond)
-            job.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
-            job.step_index += 1
-            if job.step_index >= len(scheduler.timesteps):
-                job.phase = JobPhase.DECODE
+            self._denoise(job)
         elif job.phase is JobPhase.DECODE:
             vae = pipe.vae
             latents = job.latents.to(vae.dtype)
@@ -97,6 +87,45 @@ class StepwiseWanRunner:
         else:
             raise AssertionError(f"runner asked to advance a job in phase {job.phase}")
 
+    def _denoise(self, job: VideoJob) -> None:
+        """One scheduler step: the branches the step cache computes run as ONE transformer forward
+        (rows × branches, the conditional rows first), the skipped ones reuse their residual; then
+        classifier-free guidance and the scheduler step."""
+        scheduler, params, cache = job.scheduler, job.params, job.step_cache
+        t = scheduler.timesteps[job.step_index]
+        model = self._expert(t, scheduler.config.num_train_timesteps)
+        latents = job.latents
+        inputs = latents.to(self.dtype)
+        rows = latents.shape[0]
+        embeds = [job.prompt_embeds] + ([job.negative_embeds] if job.guided else [])
+        probe = wan_modulated_input(model, inputs, t.expand(rows), job.prompt_embeds) if cache.needs_probe else None
+        plan = cache.plan(job.step_index, len(embeds), probe)
+        computing = [b for b, computes in enumerate(plan) if computes]
+        outputs: list[torch.Tensor | None] = [None] * len(embeds)
+        if computing and self.cfg_one_pass:
+            batch = len(computing)
+            noise = model(hidden_states=inputs.repeat(batch, 1, 1, 1, 1), timestep=t.expand(rows * batch),
+                          encoder_hidden_states=torch.cat([embeds[b] for b in computing]), return_dict=False)[0]
+            for b, part in zip(computing, noise.chunk(batch)):
+                outputs[b] = part
+        else:
+            for b in computing:
+                outputs[b] = model(hidden_states=inputs, timestep=t.expand(rows), encoder_hidden_states=embeds[b],
+                                   return_dict=False)[0]
+        for b in range(len(embeds)):
+            if outputs[b] is None:
+                outputs[b] = cache.reuse(b, inputs)
+            else:
+                cache.record(b, inputs, outputs[b])
+        noise = outputs[0]
+        if job.guided:
+            uncond = outputs[1]
+            noise = uncond + params.guidance_scale * (noise - uncond)
+        job.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+        job.step_index += 1
+        if job.step_index >= len(scheduler.timesteps):
+            job.phase = JobPhase.DECODE
+
     def keep_rows(self, job: VideoJob, rows: list[int]) -> None:
         keep_rows(job, rows)   # UniPC steps the latents as they are: its history's rows are the batch's
 
@@ -108,3 +137,15 @@ class StepwiseWanRunner:
         if boundary is None or t >= boundary * train_steps:
             return pipe.transformer
         return pipe.transformer_2
+
+
+def wan_modulated_input(model, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                        encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    """TeaCache's probe for Wan: the input of the first block's self-attention as the block
+    modulates it by the timestep, ``norm1(patches)·(1 + scale(t)) + shift(t)`` (the patch
+    embedding, the condition embedder and one layer norm: a small share of a forward)."""
+    tokens = model.patch_embedding(hidden_states).flatten(2).transpose(1, 2)
+    _, projection, _, _ = model.condition_embedder(timestep, encoder_hidden_states, None)
+    block = model.blocks[0]
+    shift, scale = (block.scale_shift_table + projection.unflatten(1, (6, -1)).float()).chunk(6, dim=1)[:2]
+    return block.norm1(tokens.float()) * (1 + scale) + shift

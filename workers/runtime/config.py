@@ -95,6 +95,11 @@ class WorkerConfig:
                                        "transformer's image or video tokens (SD3, Z-Image, Wan; default: the "
                                        "stage's engine_args.sequence_parallel_size, else 1)", default=1, type=int,
                                        cli_default=None)
+    cache_backend: str = flag("--cache-backend", "generate (Wan): diffusion step caching, vLLM-Omni's flag: "
+                              "none, tea_cache or static (omnirelay/step_cache_params.py); a request's "
+                              "cache_backend replaces it", default="none")
+    cache_config: str = flag("--cache-config", "generate: the step cache's JSON, e.g. '{\"rel_l1_thresh\": 0.2}' "
+                             "(tea_cache) or '{\"interval\": 2}' (static)", default="")
     expert_parallel: bool = flag("--enable-expert-parallel", "prefill/decode of a mixture-of-experts model: the "
                                  "tensor-parallel ranks hold whole experts (contiguous blocks) and exchange "
                                  "tokens by all-to-all instead of each holding a slice of every expert; the "
