@@ -160,7 +160,7 @@ PASSED_TO_GATEWAY_PER_MODEL = ("allowed_local_media_path", "reasoning_parser", "
 
 
 # WorkerConfig fields whose flags omni-serve declares from the config and hands to every worker unchanged.
-PASSED_TO_WORKERS = ("max_model_len", "kv_cache_bytes", "dtype", "devices", "gpu_memory_utilization")
+PASSED_TO_WORKERS = ("max_model_len", "kv_cache_bytes", "dtype", "devices", "gpu_memory_utilization", "quantization")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -493,7 +493,9 @@ def worker_commands(args: argparse.Namespace, plans: list[ModelPlan], broker: st
                     *(["--speculative-config", args.speculative_config]
                       if args.speculative_config and role == "decode" else []),
                     *(lora_modules.to_args(lora_modules.options_from_args(args))
-                      if role in ("prefill", "decode") else [])], tp * pp * sp))
+                      if role in ("prefill", "decode") else []),
+                    *(["--quantization", args.quantization] if args.quantization and role in ("prefill", "decode")
+                      else [])], tp * pp * sp))
     return commands
 
 

@@ -22,6 +22,7 @@ A pipeline file (YAML) looks like::
           # enable_lora: true   (prefill/decode: LoRA adapters, as omni-worker's --enable-lora; then
           # lora_modules: [a1=/path/a1, {name: a2, path: /path/a2}]   --lora-modules, one per entry
           # max_loras: 2, max_lora_rank: 16, max_cpu_loras: 4         and the other LoRA flags)
+          # quantization: int8  (prefill/decode: as omni-worker's --quantization; workers/llm/quantization.py)
           # speculative_config: {method: ngram, num_speculative_tokens: 5}  (decode stages: as
           #                     omni-worker's --speculative-config; omnirelay/speculative.py)
       - name: decode
@@ -118,6 +119,12 @@ class Stage:
     def enable_expert_parallel(self) -> bool:
         """Prefill/decode of a mixture-of-experts model: whole experts per tensor rank, tokens by all-to-all."""
         return bool(self.engine_args.get("enable_expert_parallel", False))
+
+    @property
+    def quantization(self) -> str | None:
+        """Prefill/decode: ``--quantization`` (int8 quantizes at load; None: as the checkpoint stores it)."""
+        value = self.engine_args.get("quantization")
+        return None if value is None else str(value)
 
     @property
     def kv_transfer(self) -> str:

@@ -122,6 +122,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                  "stream_chunk_tokens": stage.stream_chunk_tokens, "kv_transfer": stage.kv_transfer,
                  "sequence_parallel_size": stage.sequence_parallel_size,
                  "expert_parallel": stage.enable_expert_parallel, "lora": stage.lora,
+                 "quantization": stage.quantization,
                  "speculative": stage.speculative}
     return config_flags.from_args(WorkerConfig, args, fallbacks=fallbacks, connector=connector.type,
                                   connector_options=connector.options)

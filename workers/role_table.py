@@ -16,12 +16,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from omnirelay.model_kind import ModelKind
 
 from omnirelay.workers.encode.role import build_encode_role, build_qwen3_omni_encode_role
 from omnirelay.workers.generate.image_role import build_generate_role
 from omnirelay.workers.generate.sequence_parallel_group import check_sequence_parallel
 from omnirelay.workers.generate.video_role import build_generate_video_role
+from omnirelay.workers.llm import quantization as quantized_weights
 from omnirelay.workers.llm.expert_parallel import check_expert_parallel
 from omnirelay.workers.llm.models.llama import LlamaConfig
 from omnirelay.workers.llm.role_builders import build_decode_role, build_prefill_role
@@ -62,6 +65,8 @@ def _check_language_model(config: WorkerConfig) -> None:
     # Reading the model's config.json refuses what the engine cannot serve (a quantized checkpoint,
     # an architecture or rope scaling it lacks) before any weight loads.
     model = LlamaConfig.from_dir(Path(config.model_path))
+    # --quantization against what the checkpoint stores (int8 on a checkpoint already quantized, ...)
+    quantized_weights.resolve(config.model_path, model.weight_quant, config.quantization, torch.device("cpu"))
     if config.expert_parallel:   # the model's config.json alone says how many experts it has
         check_expert_parallel(model.moe, config.tensor_parallel_size)
 

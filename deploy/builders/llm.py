@@ -15,6 +15,7 @@ Usage::
     omni-make-model tiny-qwen3-tts DIR [--seed N] [--force]   # Qwen3-TTS 12 Hz CustomVoice (qwen3_tts.py)
     omni-make-model tiny-wan DIR [--seed N] [--force]    # Wan 2.2 text-to-video (WanPipeline, wan.py)
     omni-make-model tiny-lora BASE_DIR DIR [--rank R --targets q_proj,v_proj --seed N]   # PEFT adapter (lora.py)
+    omni-make-model quantize SRC DIR [--scheme W8A8|W8A16|W4A16|FP8_DYNAMIC]   # compressed-tensors (quantized.py)
 
 The result is an ordinary Hugging Face model directory, loadable offline with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``:
@@ -393,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         from omnirelay.deploy.builders.lora import main as lora_main
         return lora_main(argv[1:])
     parser = argparse.ArgumentParser(
+    if argv[:1] == ["quantize"]:    # a source directory and a scheme: its own parser (quantized.py)
+        from omnirelay.deploy.builders.quantized import main as quantize_main
+        return quantize_main(argv[1:])
         prog="omni-make-model", description="Write a tiny random-weight model directory."
     )
     parser.add_argument("kind", choices=[MODEL_KIND, *FAMILY_BUILDERS],

@@ -94,7 +94,8 @@ class GroupConfig:
     ``kv_cache_bytes`` / ``gpu_memory_utilization`` on each rank, see the module docstring);
     devices: torch device of each rank (empty: all on the CPU); threads: torch threads per rank;
     init_method: torch.distributed rendezvous (a ``file://`` path rank 0 makes); max_loras,
-    max_lora_rank: every rank's LoRA slot stacks (``--enable-lora``; 0: LoRA off)."""
+    max_lora_rank: every rank's LoRA slot stacks (``--enable-lora``; 0: LoRA off); quantization: every
+    rank's ``--quantization`` (each quantizes or reads its own slice of the weights)."""
 
     model_path: str
     tp_size: int = 1
@@ -110,6 +111,7 @@ class GroupConfig:
     expert_parallel: bool = False
     max_loras: int = 0
     max_lora_rank: int = 0
+    quantization: str | None = None   # --quantization (workers/llm/quantization.py; None: as stored)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
@@ -139,7 +141,8 @@ class GroupConfig:
                 "--gpu-memory-utilization", str(self.gpu_memory_utilization),
                 *(["--enable-expert-parallel"] if self.expert_parallel else []),
                 *(["--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
-                  if self.max_loras else [])]
+                  if self.max_loras else []),
+                *(["--quantization", self.quantization] if self.quantization else [])]
 
 
 def layer_ranges(num_layers: int, stages: int) -> list[range]:
@@ -165,6 +168,9 @@ class _TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None,
                    input_splits: list[int] | None) -> None:
         dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
@@ -188,7 +194,8 @@ class _Rank:
         self.stage, self.tp_rank = divmod(rank, tp)
         num_layers = LlamaConfig.from_dir(Path(config.model_path)).num_layers
         self.model = LlamaModel(config.model_path, getattr(torch, config.dtype), device=self.device,
-                                shard=config.shard(rank, num_layers), comm=_TPGroup(groups[self.stage]))
+                                shard=config.shard(rank, num_layers), comm=_TPGroup(groups[self.stage]),
+                                quantization=config.quantization)
         if config.max_loras and rank > 0:   # rank 0's LoraSlots attaches to its model (role_builders)
             RankSlots(self.model, config.max_loras, config.max_lora_rank)
         self.cache = PagedKVCache(len(self.model.layers), self.model.num_kv_heads, self.model.config.head_dim,
@@ -428,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enable-expert-parallel", action="store_true")
     ap.add_argument("--max-loras", type=int, default=0)
     ap.add_argument("--max-lora-rank", type=int, default=0)
+    ap.add_argument("--quantization", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
@@ -435,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     devices = tuple(d for d in args.devices.split(",") if d)
     config = GroupConfig(args.model, args.tp, args.pp, args.dtype, args.block_size, args.num_blocks, args.threads,
                          args.init_method, devices, args.kv_cache_bytes, args.gpu_memory_utilization,
-                         args.enable_expert_parallel, args.max_loras, args.max_lora_rank)
+                         args.enable_expert_parallel, args.max_loras, args.max_lora_rank, args.quantization)
     try:
         serve_rank(config, args.rank)
     except (KVBudgetError, ValueError) as exc:   # rank 0 reports it to the user; no traceback from here

@@ -127,7 +127,8 @@ def model_runner(config: WorkerConfig) -> ModelRunner:
     devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
     if len(devices) == 1:
         model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype), device=devices[0],
-                           kernels=role_kernels(config.role, config.dtype, devices[0]))
+                           kernels=role_kernels(config.role, config.dtype, devices[0]),
+                           quantization=config.quantization)
         release_freed_heap()
         return local_runner(model, block_size=config.block_size, budget_bytes=config.kv_cache_bytes,
                             gpu_memory_utilization=config.gpu_memory_utilization)
@@ -136,7 +137,8 @@ def model_runner(config: WorkerConfig) -> ModelRunner:
                         threads=config.threads, devices=devices, kv_cache_bytes=config.kv_cache_bytes,
                         gpu_memory_utilization=config.gpu_memory_utilization, expert_parallel=config.expert_parallel,
                         max_loras=config.lora.max_loras if config.lora else 0,
-                        max_lora_rank=config.lora.max_lora_rank if config.lora else 0)
+                        max_lora_rank=config.lora.max_lora_rank if config.lora else 0,
+                        quantization=config.quantization)
     return GroupRunner(group)
 
 

@@ -69,6 +69,13 @@ class WorkerConfig:
     dtype: str = flag("--dtype", "model dtype: auto (the checkpoint's torch_dtype: bfloat16 for real "
                       "checkpoints, float32 where the CPU lacks native bf16; workers/runtime/dtypes.py), float32, "
                       "bfloat16 or float16", default="auto", choices=dtypes.CHOICES)
+    quantization: str | None = flag("--quantization", "prefill/decode of a causal LM: int8 quantizes a float "
+                                    "checkpoint's linear weights at load (W8A8: int8 weights per channel, int8 "
+                                    "activations per token); compressed-tensors names a quantized checkpoint's "
+                                    "own format, which is detected when the flag is left out "
+                                    "(workers/llm/quantization.py; default: the stage's "
+                                    "engine_args.quantization, else as the checkpoint stores its weights)",
+                                    default=None, cli_default=None, parse=_unset_if_empty)
     tensor_parallel_size: int = flag("--tensor-parallel-size", "ranks splitting heads and MLP columns (rank 0 is "
                                      "this process)", default=1, type=int)
     pipeline_parallel_size: int = flag("--pipeline-parallel-size", "ranks splitting the layers into ranges",
@@ -159,6 +166,11 @@ class WorkerConfig:
         if self.expert_parallel and self.role not in ("prefill", "decode"):
             raise ValueError(f"--enable-expert-parallel: only prefill and decode workers run a language model, "
                              f"not {self.role}")
+        if self.quantization is not None and self.role not in ("prefill", "decode"):
+            raise ValueError(f"--quantization: only prefill and decode workers run a language model, not {self.role}")
+        if self.quantization is not None:
+            from omnirelay.workers.llm import quantization   # the choices live beside the kernels
+            quantization.check_requested(self.quantization)
         if self.speculative is not None and self.role != "decode":
             raise ValueError(f"--speculative-config: only decode workers speculate, not {self.role}")
         if self.speculative is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:

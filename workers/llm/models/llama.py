@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Protocol
@@ -74,6 +75,10 @@ from omnirelay.workers.llm.forward_batch import ForwardBatch
 from omnirelay.workers.llm.expert_parallel import check_expert_parallel
 from omnirelay.workers.llm.models.moe import MoeConfig, SparseMoE, load_moe
 from omnirelay.workers.llm.prompt_logprobs import PromptCapture
+from omnirelay.workers.llm import quantization as quantized_weights
+from omnirelay.workers.llm.quantization import Int8Linear, WeightQuant
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Per-head q/k RMSNorm before rotary (Qwen3 and Qwen3-MoE).
@@ -107,11 +112,12 @@ class LlamaConfig:
     capture_layer: int = 0
     qk_norm: bool = False                # Qwen3: RMSNorm of each q and k head before rotary
     moe: MoeConfig | None = None         # Qwen3-MoE: the experts of the sparse layers
+    weight_quant: WeightQuant | None = None   # how a quantized checkpoint stores its linear weights
 
     @classmethod
     def from_dir(cls, path: Path) -> "LlamaConfig":
         raw = json.loads((path / "config.json").read_text())
-        refuse_quantized(path, raw)
+        weight_quant = quantized_weights.checkpoint_quantization(path, raw)   # refuses what is not served
         arch = (raw.get("architectures") or ["?"])[0]
         prefix, mrope, interleaved, capture = "", (), False, 0
         if arch in OMNI_ARCHITECTURES or arch in QWEN3_OMNI_ARCHITECTURES:
@@ -156,27 +162,7 @@ class LlamaConfig:
             eos_token_ids=eos, weight_prefix=prefix, mrope_section=mrope, mrope_interleaved=interleaved,
             capture_layer=capture,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
-            moe=MoeConfig.from_raw(raw) if arch == "Qwen3MoeForCausalLM" else None)
-
-
-class QuantizedCheckpointError(ValueError):
-    """A checkpoint whose weights are quantized (GPTQ, AWQ, compressed-tensors, FP8, bitsandbytes, ...):
-    the compact engine reads every tensor as a dense float, so it refuses at start-up rather than
-    serve packed integers as weights (garbage answers)."""
-
-
-def refuse_quantized(path: Path, raw: dict) -> None:
-    """Raise :class:`QuantizedCheckpointError` naming the method if ``config.json`` (or an omni
-    checkpoint's thinker/text config) carries a ``quantization_config``."""
-    sections = (raw, raw.get("text_config") or {}, raw.get("thinker_config") or {},
-                (raw.get("thinker_config") or {}).get("text_config") or {})
-    for section in sections:
-        quant = section.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-            raise QuantizedCheckpointError(
-                f"{path}: the checkpoint is quantized (quantization_config.quant_method {method!r}); quantized "
-                f"weights are not served yet (issue #36): serve the unquantized checkpoint")
+            moe=MoeConfig.from_raw(raw) if arch == "Qwen3MoeForCausalLM" else None, weight_quant=weight_quant)
 
 
 def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
@@ -216,11 +202,14 @@ class Shard:
 
 
 class Collective(Protocol):
-    """Sums a tensor in place across the tensor-parallel ranks (gloo on CPU, NCCL on GPU). Under
+    """Sums a tensor in place across the tensor-parallel ranks (gloo on CPU, NCCL on GPU), or takes
+    its element-wise maximum (the per-token activation scales of a row-parallel int8 linear). Under
     expert parallelism it must also be an
     :class:`~omnirelay.workers.llm.expert_parallel.ExpertCollective` (``all_to_all``)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None: ...
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -325,26 +314,30 @@ def _can_pack(dtype: torch.dtype) -> bool:
 @dataclasses.dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: _Linear          # [q; k; v] rows of this rank's heads (+ biases), one matmul instead of three
-    o: _Linear            # this rank's input columns (row-parallel); a bias only on rank 0, so the
+    qkv: "_Linear | Int8Linear"   # [q; k; v] rows of this rank's heads (+ biases), one matmul instead of three
+    o: "_Linear | Int8Linear"     # this rank's input columns (row-parallel); a bias only on rank 0, so the
     #                       all-reduce counts it once
     post_norm: torch.Tensor
-    gate_up: _Linear | None   # [gate; up] rows of this rank's intermediate slice (dense MLP layers)
-    down: _Linear | None      # this rank's input columns (row-parallel)
+    gate_up: "_Linear | Int8Linear | None"   # [gate; up] rows of this rank's intermediate slice (dense MLP layers)
+    down: "_Linear | Int8Linear | None"      # this rank's input columns (row-parallel)
     moe: SparseMoE | None = None           # instead of gate_up/down in a Qwen3-MoE sparse layer
     qk_norm: torch.Tensor | None = None    # [q heads + kv heads, head_dim]: q_norm rows, then k_norm
     lora: dict | None = None               # fused linear → (A, B) slot stacks (:class:`~omnirelay.workers.llm.lora.LoraSlots`)
 
 
 class _Weights:
-    """Reads tensors (or one rank's slice of them) from the directory's safetensors files."""
+    """Reads tensors (or one rank's slice of them) from the directory's safetensors files. A weight
+    a quantized checkpoint stores as integers or FP8 (``quant``) reads as its float value (dequantized:
+    what every reader gets unless it asks :meth:`get_int8` for the integers themselves)."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, prefix: str = "", device: torch.device = torch.device("cpu")):
+    def __init__(self, path: Path, dtype: torch.dtype, prefix: str = "", device: torch.device = torch.device("cpu"),
+                 quant: WeightQuant | None = None):
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors weights found")
         self.dtype = dtype
         self.device = device
+        self.quant = quant
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         # ``prefix``: only the tensors under it, named without it (an omni checkpoint's
         # "thinker.model.layers.0..." reads as "model.layers.0..."; its encoders, talker and
@@ -354,24 +347,52 @@ class _Weights:
         self.progress = LoadProgress(f"loading {path.name}", len(self._where))
 
     def has(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or self._stored_quantized(name)
 
-    def get(self, name: str, dim: int | None = None, rank: int = 0, parts: int = 1) -> torch.Tensor:
+    def _stored_quantized(self, name: str) -> bool:
+        return (self.quant is not None and name.endswith(".weight")
+                and name[: -len("weight")] + "weight_scale" in self._where)
+
+    def _read(self, name: str, dim: int | None = None, rank: int = 0, parts: int = 1) -> torch.Tensor:
+        """The stored tensor (or its slice ``rank`` of ``parts`` along ``dim``) in the file's dtype."""
         self.progress.advance()
         handle, name = self._where[name]
         if dim is None or parts == 1:
-            return handle.get_tensor(name).to(self.device, self.dtype).contiguous()
+            return handle.get_tensor(name)
         sl = handle.get_slice(name)
         size = sl.get_shape()[dim] // parts
         index = [slice(None)] * len(sl.get_shape())
         index[dim] = slice(rank * size, (rank + 1) * size)
-        return sl[tuple(index)].to(self.device, self.dtype).contiguous()
+        return sl[tuple(index)]
+
+    def get(self, name: str, dim: int | None = None, rank: int = 0, parts: int = 1) -> torch.Tensor:
+        if self._stored_quantized(name):
+            assert self.quant is not None
+            whole = quantized_weights.dequantize(self._read, name, self.quant, self.dtype)
+            return _slice(whole, dim, rank, parts).to(self.device).contiguous()
+        return self._read(name, dim, rank, parts).to(self.device, self.dtype).contiguous()
+
+    def get_int8(self, name: str, dim: int, rank: int = 0, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight ``name`` (or its slice) as int8 values [N, K] and one float32 scale per row: as
+        a W8A8 checkpoint stores them, else quantized now from the file's own precision."""
+        if self._stored_quantized(name):
+            scale = self._read(name[: -len("weight")] + "weight_scale").float().reshape(-1)
+            if dim == 0:
+                scale = _slice(scale, 0, rank, parts)
+            return self._read(name, dim, rank, parts).contiguous(), scale.contiguous()
+        return quantized_weights.quantize_per_channel(self._read(name, dim, rank, parts))
+
+
+def _slice(tensor: torch.Tensor, dim: int | None, rank: int, parts: int) -> torch.Tensor:
+    if dim is None or parts == 1:
+        return tensor
+    return tensor.chunk(parts, dim=dim)[rank]
 
 
 class LlamaModel:
     def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
                  shard: Shard = Shard(), comm: Collective | None = None, attention: str = "auto",
-                 kernels: str = "auto", device: torch.device | str = "cpu"):
+                 kernels: str = "auto", device: torch.device | str = "cpu", quantization: str | None = None):
         """``attention``: ``"auto"`` reads decode KV in place with the native kernel where it
         builds (float32 or bfloat16 on the CPU), else ``"torch"`` (gather + SDPA). ``kernels``:
         ``"auto"`` packs the linear weights for oneDNN where available (float32, and bfloat16 on a CPU
@@ -379,7 +400,10 @@ class LlamaModel:
         over fused copies, ``"mapped"`` runs ``F.linear`` on the checkpoint's tensors in place where
         the dtype matches the file's (no fusion, no packing: the weights stay shared pages of the
         safetensors memory map, so a second process of the host serving the same directory costs
-        no second copy; the prefill role's choice, see role_builders.model_runner). ``device``: where weights, rotary tables and activations live."""
+        no second copy; the prefill role's choice, see role_builders.model_runner). ``device``: where weights, rotary tables and activations live.
+        ``quantization``: ``--quantization`` (None: as the checkpoint stores its weights; ``"int8"``
+        quantizes a float checkpoint's linear weights at load); a quantized checkpoint's int8 linears
+        run int8 kernels whatever ``kernels`` says (workers/llm/quantization.py)."""
         if attention not in ("auto", "torch") or kernels not in ("auto", "torch", "mapped"):
             raise ValueError(f"attention must be 'auto' or 'torch' and kernels 'auto', 'torch' or 'mapped', "
                              f"got {attention!r}, {kernels!r}")
@@ -389,6 +413,9 @@ class LlamaModel:
         self._mapped = kernels == "mapped"
         self.path = Path(path)
         self.config = cfg = LlamaConfig.from_dir(self.path)
+        self.quantization = quantized_weights.resolve(self.path, cfg.weight_quant, quantization, self.device)
+        if self.quantization is not None:
+            log.info("%s: linear weights %s", self.path.name, self.quantization.describe())
         self.dtype = dtype
         self.shard = shard
         self.comm = comm
@@ -407,7 +434,7 @@ class LlamaModel:
         self.num_kv_heads = cfg.num_kv_heads // tp    # on this rank: what its KV cache holds
         self.first_stage = self.layer_ids.start == 0
         self.last_stage = self.layer_ids.stop == cfg.num_layers
-        w = _Weights(self.path, dtype, cfg.weight_prefix, self.device)
+        w = _Weights(self.path, dtype, cfg.weight_prefix, self.device, cfg.weight_quant)
         self._scratch = _Scratch() if self._packed else None
         self.embed = w.get("model.embed_tokens.weight") if self.first_stage else None
         self.layers = [self._load_layer(w, i, rank, tp) for i in self.layer_ids]
@@ -451,13 +478,11 @@ class LlamaModel:
         pre = f"model.layers.{i}."
         att = pre + "self_attn."
         names = [att + "q_proj", att + "k_proj", att + "v_proj"]
-        qkv = [w.get(n + ".weight", 0, rank, tp) for n in names]
         bias = None
         if w.has(att + "q_proj.bias"):
             bias = torch.cat([w.get(n + ".bias", 0, rank, tp) for n in names])
         o_bias = w.get(att + "o_proj.bias") if w.has(att + "o_proj.bias") and rank == 0 else None
         mlp = pre + "mlp."
-        packed, mapped, scratch = self._packed, self._mapped, self._scratch
         qk_norm = None
         if self.config.qk_norm:   # one weight row per head this rank holds: q heads, then KV heads
             qk_norm = torch.cat((w.get(att + "q_norm.weight").expand(self.num_heads, -1),
@@ -469,14 +494,29 @@ class LlamaModel:
             gate_up = down = None
         else:
             block = None
-            gate_up = _Linear([w.get(mlp + "gate_proj.weight", 0, rank, tp), w.get(mlp + "up_proj.weight", 0, rank, tp)],
-                              None, packed, mapped, scratch)
-            down = _Linear([w.get(mlp + "down_proj.weight", 1, rank, tp)], None, packed, mapped)
+            gate_up = self._linear(w, [mlp + "gate_proj", mlp + "up_proj"], 0, rank, tp, None)
+            down = self._linear(w, [mlp + "down_proj"], 1, rank, tp, None)
         return _Layer(
-            input_norm=w.get(pre + "input_layernorm.weight"), qkv=_Linear(qkv, bias, packed, mapped, scratch),
-            o=_Linear([w.get(att + "o_proj.weight", 1, rank, tp)], o_bias, packed, mapped),
+            input_norm=w.get(pre + "input_layernorm.weight"), qkv=self._linear(w, names, 0, rank, tp, bias),
+            o=self._linear(w, [att + "o_proj"], 1, rank, tp, o_bias),
             post_norm=w.get(pre + "post_attention_layernorm.weight"),
             gate_up=gate_up, down=down, moe=block, qk_norm=qk_norm)
+
+    def _linear(self, w: _Weights, modules: list[str], dim: int, rank: int, tp: int,
+                bias: torch.Tensor | None) -> "_Linear | Int8Linear":
+        """One linear over the row-wise concatenation of ``modules``' weights (this rank's slice along
+        ``dim``: 0 column-parallel, 1 row-parallel): int8 where the model runs W8A8, else float."""
+        names = [m + ".weight" for m in modules]
+        if self.quantization is not None and self.quantization.mode == "int8":
+            pieces = [w.get_int8(name, dim, rank, tp) for name in names]
+            values = pieces[0][0] if len(pieces) == 1 else torch.cat([q for q, _ in pieces])
+            # A row-parallel rank sees a slice of each activation row: the ranks agree on the row's
+            # scale (a max all-reduce of T floats), so their int32 partial sums add up to exactly
+            # what one process computes and TP answers as TP1 does.
+            agree = self.comm.all_reduce_max if dim == 1 and tp > 1 and self.comm is not None else None
+            return Int8Linear(values, torch.cat([scale for _, scale in pieces]), bias, agree_on_scale=agree)
+        return _Linear([w.get(name, dim, rank, tp) for name in names], bias, self._packed, self._mapped,
+                       self._scratch if len(names) > 1 else None)
 
     # ------------------------------------------------------------------ one layer
 
