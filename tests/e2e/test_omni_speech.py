@@ -152,7 +152,7 @@ def test_engine_queue_cancel_and_deadline(tiny_omni, prompt_ids, reference):
         outputs, failed = [], []
         first = engine.step(wait_s=0)
         failed += first.failed
-        assert list(engine.running) == ["a"]
+        assert [r.request_id for r in engine.running] == ["a"]
         assert engine.cancel("a") and engine.num_requests == 2
         while engine.has_work:
             out = engine.step()
@@ -189,7 +189,7 @@ def test_a_talker_waiting_for_its_thinker_holds_back_no_other_request(tiny_omni,
             failed += out.failed
             if outputs:
                 break
-        assert [o.request_id for o in outputs] == ["b"] and not failed and "a" in engine.running
+        assert [o.request_id for o in outputs] == ["b"] and not failed and "a" in engine.requests
         assert engine.cancel("a")
         for _ in range(2000):
             if not engine.has_work:

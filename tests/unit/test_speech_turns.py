@@ -1,52 +1,13 @@
-"""The speech engine's turns (workers/speech/turns.py): threads computing one at a time, each under its
-own random stream, giving the turn up while they wait, with streamed requests going first. Plain
-threads and torch's global generator; every wait is bounded."""
+"""The speech engine's turns and slots (workers/speech/turns.py): threads computing one at a time (or
+``capacity`` at a time), streamed requests first. Plain threads; every wait is bounded. (No random
+stream is involved: each request draws from its own generator, tests/e2e/test_omni_speech.py's
+parity with transformers checks the audio.)"""
 
 from __future__ import annotations
 
 import threading
 
-import torch
-
-from omnirelay.workers.speech.turns import RandomState, Turns
-
-STEPS = 20
-
-
-def draws(turns: Turns, seed: int, out: list, started: threading.Barrier | None = None) -> None:
-    """``STEPS`` draws from the global generator, giving the turn up between them."""
-    if started is not None:
-        started.wait(10)
-    with turns.hold(RandomState(seed, torch.device("cpu"))):
-        for _ in range(STEPS):
-            out.append(torch.randint(0, 1 << 30, (1,)).item())
-            turns.outside(lambda: threading.Event().wait(0.001))
-
-
-def test_interleaved_threads_draw_what_each_would_draw_alone():
-    alone = {}
-    for seed in (1, 2, 3):
-        torch.manual_seed(seed)
-        alone[seed] = [torch.randint(0, 1 << 30, (1,)).item() for _ in range(STEPS)]
-    turns, got = Turns(), {seed: [] for seed in alone}
-    started = threading.Barrier(3)
-    threads = [threading.Thread(target=draws, args=(turns, seed, got[seed], started)) for seed in alone]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not any(thread.is_alive() for thread in threads)
-    assert got == alone
-
-
-def test_a_generator_continues_into_the_global_stream_where_it_left_off():
-    generator = torch.Generator().manual_seed(5)
-    first = torch.randint(0, 1 << 30, (3,), generator=generator).tolist()
-    torch.manual_seed(5)
-    expected = torch.randint(0, 1 << 30, (3,)).tolist(), torch.randn(4)
-    assert first == expected[0]
-    with Turns().hold(RandomState.following(generator, 5, torch.device("cpu"))):
-        assert torch.equal(torch.randn(4), expected[1])
+from omnirelay.workers.speech.turns import Turns
 
 
 def test_a_streamed_request_goes_first():
@@ -55,11 +16,11 @@ def test_a_streamed_request_goes_first():
 
     def waiter(name: str, urgent: bool, ready: threading.Event) -> None:
         ready.set()
-        with turns.hold(RandomState(0, torch.device("cpu")), urgent=urgent):
+        with turns.hold(urgent=urgent):
             order.append(name)
 
     def holder() -> None:
-        with turns.hold(RandomState(0, torch.device("cpu"))):
+        with turns.hold():
             holder_in.set()
             queued.wait(10)
 

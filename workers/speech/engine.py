@@ -29,8 +29,8 @@ What the talker reads, for a prompt of ``n`` tokens and a thinker reply ``t0 …
   the text is teacher-forced into the prompt and prefill computes them.
 
 Determinism: each request samples from its own ``torch.Generator`` seeded with its seed, in
-transformers' order — talker sampling, then token2wav's noise (drawn from the global stream set to
-where the talker's generator left off) — so its audio equals ``torch.manual_seed(seed);
+transformers' order — talker sampling, then token2wav's noise (drawn from that generator where
+the talker left it, as transformers draws it from the global stream) — so its audio equals ``torch.manual_seed(seed);
 model.generate(...)`` of transformers with a greedy thinker (tested bitwise). A streamed request's
 talker draws the same codes; its token2wav noise comes from its own generator seeded with the seed.
 What else the worker runs never touches a request's draws. It can touch its logits: in a batched
@@ -57,16 +57,22 @@ its last codes, is away from the batch: nobody waits for it. token2wav is not ba
 compute-bound (measured on the tiny model: 8 requests' DiT in one call take 8.3× one's), unlike the
 talker's small per-step forwards.
 
-Threads: each request held runs on its own synthesis thread (up to ``max_batch_size``). The prompt
-forward and the one-shot token2wav take turns (:class:`~omnirelay.workers.speech.turns.Turns`: the
-talker module keeps M-RoPE state from its prompt forward, and token2wav draws from the global
-stream); the other vocoder calls share :data:`VOCODER_SLOTS` slots, a request whose first piece has
-not left first (:meth:`_vocode`); the step batch runs the talker steps beside them. ``step()``
+Records: each attempt the engine holds is a :class:`~omnirelay.workers.speech.requests.SpeechRequest`
+with a status, found by id in the engine's registry (requests.py); its stop event, its thread's
+future and its streamed counters live on it. A request cancelled while it runs leaves the registry
+at once and waits in ``draining`` until its thread ends, so the same id dispatched again is a new
+record that nothing of the old attempt can touch.
+
+Threads: each request held runs on its own synthesis thread (up to ``max_batch_size``, draining
+ones included). Only the talker's prompt forward takes turns (:class:`~omnirelay.workers.speech.turns.Turns`:
+the talker module keeps M-RoPE state from it); no thread touches a process-global random stream.
+Vocoder calls, the one-shot token2wav included, share :data:`VOCODER_SLOTS` slots, a request whose
+first piece has not left first (:meth:`_vocode`); the step batch runs the talker steps beside them. ``step()``
 starts waiting requests on free threads and returns as soon as a piece is queued or a request ends
 (50 ms at most), so pieces leave when made and the worker's loop keeps heartbeating and taking
 cancels. Streamed pieces pass from the threads to ``step()`` through a deque (appended there, taken
 here). A cancelled running request is dropped: it stops at its next talker step or while waiting for
-a chunk, streamed or one-shot. :meth:`close` stops the waiting ones and joins the threads (the
+a chunk, streamed or one-shot, and whatever its thread ends with (audio, an error) is not reported. :meth:`close` stops the waiting ones and joins the threads (the
 worker runtime owns the engine and closes it).
 
 The engine holds no sockets; the role adapter (``role.py``) encodes and sends the audio.
@@ -93,9 +99,10 @@ from omnirelay.workers.runtime.request_queue import RequestQueue
 from omnirelay.workers.speech import qwen2_5_talker
 from omnirelay.workers.speech.reply_source import ReplySource
 from omnirelay.workers.speech.step_batch import StepBatch
-from omnirelay.workers.speech.stream import ChunkedToken2Wav, SynthesisCancelled
+from omnirelay.workers.speech.requests import SpeechRegistry, SpeechRequest, SpeechStatus
+from omnirelay.workers.speech.stream import ChunkedToken2Wav, SynthesisCancelled, dit_sample
 from omnirelay.workers.speech.talker_batch import BatchKV
-from omnirelay.workers.speech.turns import RandomState, Slots, Turns
+from omnirelay.workers.speech.turns import Slots, Turns
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -192,24 +199,24 @@ class GenerateSpeechEngine:
         run on (shared with the Qwen3-TTS engine, qwen3_tts.py, which synthesises differently);
         ``model``: what the threads take turns computing (its per-generation state is kept per thread)."""
         self.max_batch_size = max(1, max_batch_size)
-        self.waiting: RequestQueue[SpeechTask] = RequestQueue()
-        # request → (task, its synthesis future, the event that stops it between tokens)
-        self.running: dict[str, tuple[SpeechTask, concurrent.futures.Future, threading.Event]] = {}
-        self._dropped: set[str] = set()   # cancelled while running: their result is discarded
+        self.requests = SpeechRegistry()   # the live attempts, by request id (requests.py)
+        self.waiting: RequestQueue[SpeechRequest] = RequestQueue()
+        self.running: list[SpeechRequest] = []    # on a synthesis thread, in start order
+        # Cancelled while running: out of the registry (the same id may come again), their thread
+        # still running out; step() collects each once it ended and drops its result.
+        self.draining: list[SpeechRequest] = []
         # Streamed pieces, appended by the synthesis threads, taken by step() (deque ends are thread-safe).
-        self._chunks: collections.deque[SpeechChunk] = collections.deque()
+        self._chunks: collections.deque[tuple[SpeechRequest, SpeechChunk]] = collections.deque()
         self._news = threading.Event()   # set by a thread that queued a piece or ended: step() returns
-        self._first_chunk_codes: dict[str, int] = {}
-        # One thread per request held, computing one at a time (turns.py): a talker waiting for the
-        # thinker's next chunk never holds back another request.
+        # One thread per request held (running or draining): a talker waiting for the thinker's next
+        # chunk never holds back another request.
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_batch_size,
                                                              thread_name_prefix="speech-synth")
-        self.turns = Turns(tuple(m for m in model.modules() if hasattr(m, "rope_deltas")))
+        self.turns = Turns()   # the talker prompt forwards, one at a time (turns.py)
         # The talker's decode steps of the requests held, run as one forward (step_batch.py).
         self.batch_kv = BatchKV()
         self.step_batch = StepBatch(self._step_rows, idle=self.batch_kv.clear)
         self.vocoder_slots = Slots(VOCODER_SLOTS)
-        self._speaking = threading.local()   # per synthesis thread: has its request's first piece left
         self.stats = collections.Counter()
 
     @staticmethod
@@ -238,11 +245,12 @@ class GenerateSpeechEngine:
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        """The live requests and the cancelled ones whose thread still runs (it holds a thread)."""
+        return len(self.requests) + len(self.draining)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return bool(self.waiting) or bool(self.running) or bool(self.draining)
 
     def load(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting)}
@@ -253,8 +261,8 @@ class GenerateSpeechEngine:
     def close(self) -> None:
         """Stop taking work and join the synthesis thread (a running request finishes first)."""
         self.waiting.clear()
-        for _, _, cancelled in self.running.values():   # a talker waiting for the thinker stops now
-            cancelled.set()
+        for request in self.running + self.draining:   # a talker waiting for the thinker stops now
+            request.stop.set()
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     def add(self, task: SpeechTask) -> None:
@@ -273,16 +281,26 @@ class GenerateSpeechEngine:
         if tuple(task.prompt_hidden.shape) != (len(task.prompt_token_ids), hidden):
             raise BadRequest(f"prompt hidden states are {tuple(task.prompt_hidden.shape)}, "
                              f"expected {(len(task.prompt_token_ids), hidden)}")
-        self.waiting.add(task)
+        self._queue(task)
+
+    def _queue(self, task) -> None:
+        """``task`` (validated) as a WAITING record: in the registry and the waiting queue."""
+        request = SpeechRequest(task)
+        self.requests.add(request)
+        self.waiting.add(request)
 
     def cancel(self, request_id: str) -> bool:
-        if self.waiting.remove(request_id) is not None:
-            return True
-        if request_id in self.running:
-            self._dropped.add(request_id)
-            self.running[request_id][2].set()   # it stops at its next talker step
-            return True
-        return False
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is SpeechStatus.WAITING:
+            self.waiting.remove(request_id)
+        else:   # RUNNING: it stops at its next talker step; step() collects its thread
+            request.stop.set()
+            self.running.remove(request)
+            self.draining.append(request)
+        self.requests.end(request, SpeechStatus.CANCELLED)
+        return True
 
     # ------------------------------------------------------------------ one step
 
@@ -291,95 +309,101 @@ class GenerateSpeechEngine:
         a streamed piece is queued or a request finishes (within ``wait_s``), with every piece queued
         and every request finished by then."""
         out = SpeechStep()
-        for task in self.waiting.pop_expired():
-            out.failed.append(RequestFailure(task.request_id, DeadlineExceeded.error_type, "deadline passed before speech"))
-        while len(self.running) < self.max_batch_size and self.waiting:
-            task = self.waiting.popleft()
-            cancelled = threading.Event()
-            self._stops_with(task, cancelled)
-            future = self._thread.submit(self._synthesize_any, task, cancelled)
-            future.add_done_callback(lambda _: self._news.set())
-            self.running[task.request_id] = (task, future, cancelled)
-        if not self.running:
+        for request in self.waiting.pop_expired():
+            self.requests.end(request, SpeechStatus.FAILED)
+            out.failed.append(RequestFailure(request.request_id, DeadlineExceeded.error_type,
+                                             "deadline passed before speech"))
+        # A draining thread still holds its place in the pool: it counts against the batch size.
+        while len(self.running) + len(self.draining) < self.max_batch_size and self.waiting:
+            request = self.waiting.popleft()
+            self._stops_with(request.task, request.stop)
+            request.status = SpeechStatus.RUNNING
+            request.future = self._thread.submit(self._synthesize_any, request)
+            request.future.add_done_callback(lambda _: self._news.set())
+            self.running.append(request)
+        if not self.running and not self.draining:
             return out
         # A piece leaves as soon as it is made: waiting out wait_s would add up to that much to
         # every piece's latency, the first audio's included.
         self._news.clear()
-        if not self._chunks and not any(future.done() for _, future, _ in self.running.values()):
+        if not self._chunks and not any(r.future.done() for r in self.running + self.draining):
             self._news.wait(wait_s)
-        for request_id, (task, future, _) in list(self.running.items()):
-            if future.done():
-                del self.running[request_id]
-                self._finish(task, future, out)
         self._collect_chunks(out)   # a request that ended queued its last pieces before it did
-        for request_id in [r for r in self._dropped if r not in self.running]:
-            self._dropped.discard(request_id)
-        for request_id in [r for r in self._first_chunk_codes if r not in self.running]:
-            del self._first_chunk_codes[request_id]
+        for request in [r for r in self.running if r.future.done()]:
+            self.running.remove(request)
+            self._finish(request, out)
+        for request in [r for r in self.draining if r.future.done()]:
+            self.draining.remove(request)
+            self._finish(request, out)   # collected; a cancelled request reports nothing
         return out
 
-    def _stops_with(self, task: SpeechTask, cancelled: threading.Event) -> None:
+    def _stops_with(self, task: SpeechTask, stop: threading.Event) -> None:
         """A streamed reply's wait for the thinker ends when the request is cancelled."""
-        task.reply().cancelled = cancelled
+        task.reply().cancelled = stop
 
-    def _finish(self, task: SpeechTask, future: concurrent.futures.Future, out: SpeechStep) -> None:
-        """A request's synthesis ended: its output, or its failure (nothing for a cancelled one)."""
+    def _finish(self, request: SpeechRequest, out: SpeechStep) -> None:
+        """A request's synthesis ended: its output, or its failure (nothing for a cancelled one,
+        whatever its thread ended with)."""
         try:
-            waveform, codes = future.result()
+            waveform, codes = request.future.result()
         except SynthesisCancelled:
             return   # a cancelled request stopped between tokens
-        except OmniError as exc:   # the streamed reply could not be read (transfer, deadline, malformed)
-            if task.request_id not in self._dropped:
-                out.failed.append(RequestFailure(task.request_id, exc.error_type, str(exc)))
+        except Exception as exc:
+            if request.status is not SpeechStatus.CANCELLED:
+                self.requests.end(request, SpeechStatus.FAILED)
+                out.failed.append(self._failure(request, exc))
             return
-        except torch.cuda.OutOfMemoryError as exc:
-            out.failed.append(RequestFailure(task.request_id, OutOfMemory.error_type, str(exc)))
+        if request.status is SpeechStatus.CANCELLED:
             return
-        except Exception as exc:   # a bug in synthesis fails this request, not the worker
-            log.exception("speech synthesis failed for %s", task.request_id)
-            out.failed.append(RequestFailure(task.request_id, OmniError.error_type, f"{type(exc).__name__}: {exc}"))
-            return
-        if task.request_id in self._dropped:
-            return
+        self.requests.end(request, SpeechStatus.FINISHED)
+        task = request.task
         self.stats["speech_requests"] += 1
         self.stats["talker_codes"] += codes
         if waveform is not None:
             self.stats["audio_samples"] += int(waveform.numel())
             out.outputs.append(SpeechOutput(task.request_id, waveform, codes))
 
+    @staticmethod
+    def _failure(request: SpeechRequest, exc: Exception) -> RequestFailure:
+        """What a synthesis that raised ``exc`` reports."""
+        if isinstance(exc, OmniError):   # the streamed reply could not be read (transfer, deadline, malformed)
+            return RequestFailure(request.request_id, exc.error_type, str(exc))
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return RequestFailure(request.request_id, OutOfMemory.error_type, str(exc))
+        # A bug in synthesis fails this request, not the worker.
+        log.error("speech synthesis failed for %s", request.request_id, exc_info=exc)
+        return RequestFailure(request.request_id, OmniError.error_type, f"{type(exc).__name__}: {exc}")
+
     def _collect_chunks(self, out: SpeechStep) -> None:
         """Move the streamed pieces the synthesis thread queued into ``out`` (the dropped request's
         are discarded) and count them. ``speech_stream_early_first_chunks`` counts streamed requests
         whose first piece went out before the talker's last code: the point of streaming."""
         while self._chunks:
-            chunk = self._chunks.popleft()
-            if chunk.request_id in self._dropped:
+            request, chunk = self._chunks.popleft()
+            if request.status is SpeechStatus.CANCELLED:
                 continue
             self.stats["speech_stream_chunks"] += 1
             self.stats["audio_samples"] += int(chunk.waveform.numel())
             if chunk.index == 0:
-                self._first_chunk_codes[chunk.request_id] = chunk.codes
+                request.first_piece_codes = chunk.codes
             if chunk.final:
                 self.stats["speech_stream_requests"] += 1
-                first = self._first_chunk_codes.pop(chunk.request_id, chunk.codes)
+                first = chunk.codes if request.first_piece_codes is None else request.first_piece_codes
                 self.stats["speech_stream_first_chunk_codes"] += first
                 self.stats["speech_stream_codes"] += chunk.codes
                 self.stats["speech_stream_early_first_chunks"] += int(first < chunk.codes)
             out.chunks.append(chunk)
 
-    def _synthesize_any(self, task: SpeechTask, cancelled: threading.Event) -> tuple[torch.Tensor | None, int]:
+    def _synthesize_any(self, request: SpeechRequest) -> tuple[torch.Tensor | None, int]:
         """On the synthesis thread: the one-shot waveform, or (None, codes) for a streamed request
         whose pieces went to ``self._chunks``."""
-        if task.stream:
-            self._speaking.spoke = False
-
+        if request.task.stream:
             def emit(chunk: SpeechChunk) -> None:
-                self._speaking.spoke = True
-                self._chunks.append(chunk)
+                self._chunks.append((request, chunk))
                 self._news.set()
 
-            return None, self.synthesize_stream(task, emit, cancelled)
-        return self.synthesize(task)
+            return None, self.synthesize_stream(request.task, emit, request.stop)
+        return self.synthesize(request.task)
 
     def _vocode(self, vocoder, codes, count: int) -> None:
         """Hand a streamed request's vocoder its latest codes (``codes``, ``count`` of them so far)
@@ -391,7 +415,7 @@ class GenerateSpeechEngine:
         if not vocoder.ready(count):
             vocoder.feed(codes)
             return
-        urgent = not getattr(self._speaking, "spoke", True)
+        urgent = vocoder.pieces == 0
 
         def in_slot() -> None:
             with self.vocoder_slots.hold(urgent=urgent):
@@ -406,13 +430,18 @@ class GenerateSpeechEngine:
         if not codes:
             return torch.zeros(0), 0
         speaker = self.speakers[task.params.voice]
-        # token2wav's noise: transformers draws it from the talker's stream, after the talker's draws.
-        with self.vocoder_slots.hold(), \
-                self.turns.hold(RandomState.following(generator, task.params.seed, self.device)):
-            cond = speaker["cond"].to(self.device).float().expand(1, -1)
-            ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
-            wav = self.token2wav(torch.tensor([codes], dtype=torch.long, device=self.device),
-                                 conditioning=cond, reference_mel=ref_mel)
+        cond = speaker["cond"].to(self.device).float().expand(1, -1)
+        ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
+        code = torch.tensor([codes], dtype=torch.long, device=self.device)
+        dit = self.token2wav.code2wav_dit_model
+        # token2wav's noise: transformers draws it from the global stream after the talker's draws;
+        # the request's generator is where that stream would be (seeded alike, drawn alike), so the
+        # noise is the same without touching any process-global state.
+        noise = torch.randn([1, code.shape[1] * dit.repeats, dit.mel_dim], dtype=ref_mel.dtype,
+                            device=self.device, generator=generator)
+        with self.vocoder_slots.hold():
+            mel = dit_sample(dit, code, cond, ref_mel, noise)
+            wav = self.token2wav.code2wav_bigvgan_model(mel)
         wav = wav.reshape(-1).float().cpu()
         if task.params.speed != 1.0:
             wav = _change_speed(wav, task.params.speed)
@@ -455,8 +484,9 @@ class GenerateSpeechEngine:
         new one (:meth:`_vocode`)."""
         talker, reply = self.talker, task.reply()
         generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
-        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
-            row = qwen2_5_talker.start(talker, self._talker_inputs(task), generator)
+        inputs = self._talker_inputs(task)   # may wait for the thinker's first chunk: outside the turn
+        with self.turns.hold(urgent=task.stream):
+            row = qwen2_5_talker.start(talker, inputs, generator)
         eos = (talker.codec_pad_token, talker.codec_eos_token)
         reply_row, budget = self._reply_row(task), self._budget_check(task)
         codes: list[int] = []
@@ -514,7 +544,6 @@ class GenerateSpeechEngine:
         dev, talker = self.device, self.talker
         dtype = self.thinker_embed.dtype
         reply = task.reply()
-        reply.waiting = self.turns.outside   # a wait for the thinker's first chunk gives the turn up
         if not reply.wait_states(1):
             raise BadRequest("the reply to speak has fewer than 2 tokens")
         ids = torch.tensor([task.prompt_token_ids], dtype=torch.long, device=dev)

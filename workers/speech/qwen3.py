@@ -55,7 +55,6 @@ from omnirelay.errors import BadRequest
 from omnirelay.workers.speech import qwen3_talker
 from omnirelay.workers.speech.engine import GenerateSpeechEngine, SpeechChunk, SpeechTask, _change_speed, load_talker
 from omnirelay.workers.speech.stream import SynthesisCancelled
-from omnirelay.workers.speech.turns import RandomState
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -187,9 +186,8 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         vocab = cfg.text_config.vocab_size
         suppress = [i for i in range(vocab - 1024, vocab) if i != cfg.codec_eos_token_id]
         generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
-        reply.waiting = self.turns.outside   # a wait for the thinker's first tokens gives the turn up
-        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
-            inputs, rows = self._talker_inputs(task)
+        inputs, rows = self._talker_inputs(task)   # may wait for the thinker's first tokens: outside the turn
+        with self.turns.hold(urgent=task.stream):
             row = qwen3_talker.start(talker, inputs, generator, suppress)
         tts_pad = rows.specials[1][0]
         spoken: list[torch.Tensor] = []
@@ -348,6 +346,7 @@ class StreamedCode2Wav:
         self.codes: list[torch.Tensor] = []   # [1, groups] per code
         self.done = 0
         self.total = 0
+        self.pieces = 0   # emitted so far (StreamingVocoder)
 
     def ready(self, count: int) -> bool:
         """Whether :meth:`feed` bringing the codes to ``count`` would vocode a piece."""
@@ -378,4 +377,5 @@ class StreamedCode2Wav:
             first = context * hop - (tail if start else 0)
             piece = wav[..., max(0, first):]
         self.done = end
+        self.pieces += 1
         self.on_piece(piece, len(self.codes), final)

@@ -56,7 +56,6 @@ from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, S
 from omnirelay.workers.speech import qwen3_tts_talker
 from omnirelay.workers.speech.qwen3_tts_package import check_supported, load_classes
 from omnirelay.workers.speech.stream import SynthesisCancelled
-from omnirelay.workers.speech.turns import RandomState
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -78,6 +77,7 @@ class TTSTask:
     params: SpeechParams
     deadline: float
     stream: bool = False
+    priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
     # Set by the engine when the request is cancelled while it runs: its talker stops at its next frame.
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -169,7 +169,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         if len(ids) < PROMPT_HEAD + PROMPT_TAIL + 1 or ids[0] != self.im_start:
             raise BadRequest("the prompt must be <|im_start|>assistant\\n TEXT <|im_end|>\\n<|im_start|>assistant\\n "
                              "with a non-empty TEXT", param="input")
-        self.waiting.add(task)  # type: ignore[arg-type]
+        self._queue(task)
 
     # ------------------------------------------------------------------ synthesis (synthesis thread)
 
@@ -180,7 +180,7 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         step batch (qwen3_tts_talker.py); a streamed request's ``chunker`` is fed each frame as soon
         as it exists (:meth:`_vocode`)."""
         generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
-        with self.turns.hold(RandomState(task.params.seed, self.device), urgent=task.stream):
+        with self.turns.hold(urgent=task.stream):
             embeds, tts_pad = qwen3_tts_talker.prompt(self.model, task.prompt_token_ids, task.params.voice.lower(),
                                                       self.device)
             row = qwen3_tts_talker.start(self.model, embeds, generator, self.sampling)
@@ -248,6 +248,11 @@ class _FrameChunker:
     @property
     def count(self) -> int:
         return len(self.frames)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces emitted so far (StreamingVocoder)."""
+        return self.index
 
     def ready(self, count: int) -> bool:
         """Whether :meth:`feed` bringing the frames to ``count`` would decode a piece."""

@@ -4,8 +4,8 @@ while decode still writes it (a streamed hand-off, ``omnirelay.handoffs.ChunkStr
 The talker reads one reply row per codec step. :meth:`ReplySource.wait_tokens` blocks the calling
 synthesis thread (never the worker's loop) until the reply has at least that many tokens or is
 known to have ended: for a streamed reply it reads the next chunks from the connector, in order,
-deleting each once read (which is what lets decode write more: its window). While it waits, it
-gives up its turn (:class:`~omnirelay.workers.speech.turns.Turns`) so other requests' talkers run.
+deleting each once read (which is what lets decode write more: its window). While it waits, the
+thread is away from the step batch (``waiting``, set by the engine) so other requests' talkers run.
 
 A reply's token ids are ``t0 … t(m-1)``; ``hidden`` holds the thinker's state of each token fed
 back into it, ``t0 … t(m-2)`` (the last token is never fed). Both grow together in a stream: a
@@ -42,7 +42,7 @@ class ReplySource:
         self.timeout_s, self.deadline = timeout_s, deadline
         self.cancelled = threading.Event()
         self.chunks_read = 0
-        # Called around a blocking read: the caller's turn is given up while it waits (turns.py).
+        # Called around a blocking read: the talker's seat is away from the step batch while it waits.
         self.waiting: Callable[[Callable[[], None]], None] = lambda wait: wait()
 
     @classmethod

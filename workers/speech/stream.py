@@ -96,6 +96,11 @@ class ChunkedToken2Wav:
         self.chunks = 0
         self.finished = False
 
+    @property
+    def pieces(self) -> int:
+        """Pieces emitted so far (StreamingVocoder)."""
+        return self.chunks
+
     def ready(self, count: int) -> bool:
         """Whether :meth:`feed` of ``count`` codes would vocode a piece (else it waits for more)."""
         size = self.first_chunk_blocks if self._done_blocks == 0 else self.chunk_blocks
@@ -123,7 +128,8 @@ class ChunkedToken2Wav:
         if c1 > start * self.block:
             device = self.cond.device
             window = torch.tensor([codes[w0 // self.repeats:w1 // self.repeats]], dtype=torch.long, device=device)
-            mel = self._dit_sample(window, self._noise_frames(w0, w1).to(device))   # [1, mel_dim, w1 - w0]
+            mel = dit_sample(self.dit, window, self.cond, self.ref_mel,   # [1, mel_dim, w1 - w0]
+                             self._noise_frames(w0, w1).to(device), **self.ode)
             new = mel[:, :, start * self.block - w0:c1 - w0]
             right = mel[:, :, c1 - w0:c1 - w0 + self.context]
             left = self._left_mel if self._left_mel is not None else new[:, :, :0]
@@ -143,30 +149,32 @@ class ChunkedToken2Wav:
         frames = torch.cat(self._noise[first:math.ceil(f1 / self.block)])
         return frames[f0 - first * self.block:f1 - first * self.block][None]
 
-    def _dit_sample(self, codes: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """transformers' ``Qwen2_5OmniToken2WavDiTModel.sample`` with the starting noise given
-        (same ODE: Runge-Kutta over sway-warped time points, classifier-free guidance)."""
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-        dit, frames = self.dit, codes.shape[1] * self.repeats
-        if frames > dit.config.max_position_embeddings:
-            raise ValueError(f"a token2wav window of {frames} mel frames exceeds the DiT's "
-                             f"max_position_embeddings ({dit.config.max_position_embeddings})")
-        cond = self.cond.unsqueeze(1).repeat(1, frames, 1)
-        guidance = self.ode["guidance_scale"]
 
-        def ode_function(time_step, hidden_states):
-            if guidance < 1e-5:
-                return dit(hidden_states=hidden_states, speaker_embedding=cond, condition_vector=self.ref_mel,
-                           quantized_code=codes, time_step=time_step, drop_audio_conditioning=False,
-                           drop_code=False, apply_cfg=False)
-            output = dit(hidden_states=hidden_states, quantized_code=codes, speaker_embedding=cond,
-                         condition_vector=self.ref_mel, time_step=time_step, apply_cfg=True)
-            guided, null = torch.chunk(output, 2, dim=0)
-            return guided + (guided - null) * guidance
+def dit_sample(dit, codes: torch.Tensor, cond: torch.Tensor, ref_mel: torch.Tensor, noise: torch.Tensor, *,
+               num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float | None = -1.0
+               ) -> torch.Tensor:
+    """transformers' ``Qwen2_5OmniToken2WavDiTModel.sample`` with the starting ``noise`` [1, frames,
+    mel_dim] given instead of drawn from the global stream (same ODE: Runge-Kutta over sway-warped
+    time points, classifier-free guidance): the mel [1, mel_dim, frames] of ``codes`` [1, n]."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+    frames = codes.shape[1] * dit.repeats
+    if frames > dit.config.max_position_embeddings:
+        raise ValueError(f"a token2wav window of {frames} mel frames exceeds the DiT's "
+                         f"max_position_embeddings ({dit.config.max_position_embeddings})")
+    cond = cond.unsqueeze(1).repeat(1, frames, 1)
 
-        times = torch.linspace(0, 1, self.ode["num_steps"], device=codes.device, dtype=cond.dtype)
-        sway = self.ode["sway_coefficient"]
-        if sway is not None:
-            times += sway * (torch.cos(torch.pi / 2 * times) - 1 + times)
-        solution = RungeKutta4ODESolver(function=ode_function, initial_value=noise.to(cond.dtype)).integrate(times)
-        return solution[-1].permute(0, 2, 1)
+    def ode_function(time_step, hidden_states):
+        if guidance_scale < 1e-5:
+            return dit(hidden_states=hidden_states, speaker_embedding=cond, condition_vector=ref_mel,
+                       quantized_code=codes, time_step=time_step, drop_audio_conditioning=False,
+                       drop_code=False, apply_cfg=False)
+        output = dit(hidden_states=hidden_states, quantized_code=codes, speaker_embedding=cond,
+                     condition_vector=ref_mel, time_step=time_step, apply_cfg=True)
+        guided, null = torch.chunk(output, 2, dim=0)
+        return guided + (guided - null) * guidance_scale
+
+    times = torch.linspace(0, 1, num_steps, device=codes.device, dtype=cond.dtype)
+    if sway_coefficient is not None:
+        times += sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
+    solution = RungeKutta4ODESolver(function=ode_function, initial_value=noise.to(cond.dtype)).integrate(times)
+    return solution[-1].permute(0, 2, 1)
