@@ -86,6 +86,7 @@ class PrefillRole(_LlmRole):
             params = text_params_of(task.params)
             _check_token_ids(params, self.engine)
         except ValueError as exc:
+            self.release(task.inputs)   # the request fails here: nobody will read its media embeddings
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid params: {exc}")]
         if task.inputs is not None and not isinstance(task.inputs, EmbedsHandoff):
             self.release(task.inputs)
