@@ -4,7 +4,7 @@ middleware (gateway/middleware.py: errors, API key, per-request metrics and log)
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routes/completions.py, several
 choices: routes/choices.py), ``/v1/responses`` (routes/responses.py), ``POST /tokenize`` and
-``POST /detokenize`` (routes/tokenization.py), ``POST /v1/embeddings`` (routes/embeddings.py), images (routes/images.py, routes/image_edits.py),
+``POST /detokenize`` (routes/tokenization.py), ``POST /v1/embeddings`` (routes/embeddings.py), ``/v1/rerank`` and ``/v1/score`` (routes/rerank.py), images (routes/images.py, routes/image_edits.py),
 speech (routes/speech.py, routes/speech_ws.py, routes/voices.py), speech to text
 (routes/transcriptions.py), ``/v1/realtime`` (routes/realtime.py), video jobs (routes/videos.py)
 and the service's own (routes/service.py: models, health, cluster, metrics, status, OpenAPI;
@@ -33,6 +33,7 @@ from .middleware import authenticate, errors, record_requests
 from .models import ModelRuntime
 from .routes.completions import add_completion_routes
 from .routes.embeddings import add_embedding_routes
+from .routes.rerank import add_rerank_routes
 from .routes.image_edits import add_image_edit_routes
 from .routes.images import ImageModel, add_image_routes, is_image_pipeline
 from .routes.realtime import add_realtime_routes
@@ -70,6 +71,7 @@ def create_app(config: GatewayConfig, keys: CurveKeys | None = None) -> web.Appl
     add_response_routes(app)
     add_tokenize_routes(app)
     add_embedding_routes(app)
+    add_rerank_routes(app)
     add_image_routes(app)
     add_image_edit_routes(app)
     add_speech_routes(app)

@@ -25,6 +25,7 @@ log = logging.getLogger("omnirelay.gateway")
 
 PROBES = ("/health", "/ping", "/version", "/load", "/metrics", "/cluster", "/status", "/status.json")
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize")   # vLLM's paths, outside /v1; they cost CPU, so keyed too
+SCORING_ROUTES = ("/rerank", "/v2/rerank", "/score")   # vLLM's too; they run the model
 
 
 class MethodNotAllowed(OmniError):
@@ -66,7 +67,7 @@ async def _answer_and_close(request: web.Request, error: OmniError) -> web.Strea
 @web.middleware
 async def authenticate(request: web.Request, handler):
     config = request.app[CONFIG]
-    if config.api_key and (request.path.startswith("/v1/") or request.path in TOKENIZER_ROUTES
+    if config.api_key and (request.path.startswith("/v1/") or request.path in TOKENIZER_ROUTES + SCORING_ROUTES
                            or (config.protect_probes and request.path in PROBES)):
         supplied = request.headers.get("Authorization", "")
         expected = f"Bearer {config.api_key}"

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from omnirelay.errors import BadRequest, NotFound, Unprocessable
 from omnirelay.model_kind import ModelKind, model_kind
-from omnirelay.pooling_params import PoolerConfig, resolve_pooler_config
+from omnirelay.pooling_params import PoolerConfig, reranker_label_tokens, resolve_pooler_config
 
 from .config import ServedModel
 from .control_tokens import ContentTokens, strip_marks
@@ -95,6 +95,11 @@ class ModelRuntime:
         self.pooler: PoolerConfig | None = None
         if not kind.is_omni and kind is not ModelKind.QWEN3_TTS:
             self.pooler = resolve_pooler_config(served.path, served.pooler_config or "")
+        # A decoder-only reranker's (no, yes) token ids (gateway/scoring.py); () for any other model.
+        labels = reranker_label_tokens(served.path) if self.pooler is not None else ()
+        self.rerank_token_ids = tuple(self.tokenizer.convert_tokens_to_ids(list(labels)))
+        if None in self.rerank_token_ids or any(t == self.tokenizer.unk_token_id for t in self.rerank_token_ids):
+            raise ValueError(f"{served.path}: classifier_from_token {labels} are not tokens of its vocabulary")
         self._noted: set[tuple[str, str]] = set()   # (what, name) already logged by _note_unused
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
@@ -200,7 +205,7 @@ class ModelRuntime:
                 "root": self.path, "max_model_len": self.max_model_len}
         if self.pooler is not None:   # one instance answers chat and embeddings (vLLM needs two)
             pooler = self.pooler
-            card["tasks"] = ["generate", "embed"]
+            card["tasks"] = ["generate", "embed", "score"]
             card["pooler"] = {"pooling_type": pooler.pooling_type.upper(), "normalize": pooler.normalize,
                               "source": pooler.source, "embedding_dimensions": pooler.hidden_size,
                               "matryoshka_dimensions": None if pooler.matryoshka is None

@@ -15,7 +15,8 @@ Two contracts live here, shared by the gateway (which builds them) and the worke
   flag: ``pooling_type``, ``normalize``) overrides both. ``config.json``'s ``matryoshka_dimensions``
   (the truncations the model was trained for) or ``is_matryoshka`` (any) say whether a request may ask
   for fewer ``dimensions``, as vLLM reads them.
-* :class:`PoolingParams` -- one request's pooling, tag ``pool`` in the bus's
+* :class:`PoolingParams` -- one request's pooling (or, for a decoder-only reranker, the softmax of
+  its yes/no tokens' logits at the last token: ``label_token_ids``), tag ``pool`` in the bus's
   :data:`~omnirelay.request_params.RequestParams` union: the pooling type and normalisation from the
   model's config (or the request's ``normalize``), and the Matryoshka truncation (``dimensions``),
   applied before the normalisation so a truncated vector is unit length again.
@@ -53,6 +54,9 @@ class PoolingParams(msgspec.Struct, tag="pool", frozen=True, forbid_unknown_fiel
     normalize: bool = True
     dimensions: int = 0
     cache_salt: str = ""
+    # A decoder-only reranker (Qwen3-Reranker's card): the result is the softmax over these tokens'
+    # logits at the last prompt token ((no, yes): the last value is the relevance), not a hidden state.
+    label_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_TYPES:
@@ -61,6 +65,10 @@ class PoolingParams(msgspec.Struct, tag="pool", frozen=True, forbid_unknown_fiel
             raise InvalidParam("dimensions must be an integer >= 1", param="dimensions")
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidParam(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
+        if self.label_token_ids and (len(self.label_token_ids) > 16 or self.pooling != "last" or self.dimensions
+                                     or any(not isinstance(t, int) or t < 0 for t in self.label_token_ids)):
+            raise InvalidParam("label_token_ids: at most 16 token ids, scored at the last token, no dimensions",
+                               param="model")
 
     @property
     def needs_every_token(self) -> bool:
@@ -102,6 +110,19 @@ class PoolerConfig:
         return PoolingParams(pooling=self.pooling_type, normalize=self.normalize if normalize is None else normalize,
                              dimensions=0 if dimensions is None or dimensions == self.hidden_size else dimensions,
                              cache_salt=cache_salt)
+
+
+def reranker_label_tokens(path: str | Path) -> tuple[str, ...]:
+    """The tokens whose last-position logits score a decoder-only reranker (Qwen3-Reranker: ``("no",
+    "yes")``), from ``config.json``'s ``classifier_from_token`` with ``is_original_qwen3_reranker``
+    (what vLLM's ``--hf-overrides`` give the real checkpoint); () for any other model."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    tokens = raw.get("classifier_from_token")
+    if not raw.get("is_original_qwen3_reranker") or not tokens:
+        return ()
+    if not isinstance(tokens, list) or len(tokens) != 2 or not all(isinstance(t, str) and t for t in tokens):
+        raise ValueError(f"{path}/config.json: classifier_from_token must name two tokens (no, yes)")
+    return tuple(tokens)
 
 
 def resolve_pooler_config(path: str | Path, override: str = "") -> PoolerConfig:

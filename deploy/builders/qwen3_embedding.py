@@ -1,4 +1,5 @@
-"""A tiny random-weight Qwen3-Embedding-style model (``omni-make-model tiny-qwen3-embedding``).
+"""Tiny random-weight Qwen3-Embedding- and Qwen3-Reranker-style models (``omni-make-model
+tiny-qwen3-embedding | tiny-qwen3-reranker``).
 
 ``tiny-qwen3`` (:mod:`.qwen3`: ``Qwen3ForCausalLM``, 4 layers, hidden 256, q/k norms) laid out as
 Qwen3-Embedding is published, an ordinary Hugging Face directory that sentence-transformers loads:
@@ -9,6 +10,12 @@ Qwen3-Embedding is published, an ordinary Hugging Face directory that sentence-t
 * ``tokenizer.json`` -- its post-processor appends ``<|endoftext|>`` to every text, as
   Qwen3-Embedding's does, so the last token pooled is the end-of-text marker;
 * ``config.json`` -- ``is_matryoshka: true`` (any ``dimensions`` from 1 to 256), as vLLM reads it.
+
+``tiny-qwen3-reranker`` is ``tiny-qwen3`` as Qwen3-Reranker is served: a causal LM scored from its
+"no"/"yes" logits at the last token. Its tokenizer gains ``yes`` and ``no`` as tokens of their own
+(the tiny vocabulary spells them in pieces), with random embedding and lm_head rows, and its
+``config.json`` says what vLLM's ``--hf-overrides`` say for the real one: ``classifier_from_token:
+["no", "yes"]`` and ``is_original_qwen3_reranker: true``.
 """
 
 from __future__ import annotations
@@ -61,6 +68,43 @@ def _build_into(out_dir: pathlib.Path, seed: int, pooling: str) -> None:
     for f in out_dir.rglob("*"):
         if f.is_file():
             os.chmod(f, 0o644)
+
+
+def _build_reranker_into(out_dir: pathlib.Path, seed: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from omnirelay.deploy.builders.llm import INIT_STD
+
+    _build_qwen3(out_dir, seed, False, NUM_EXPERTS)
+    tokenizer = json.loads((out_dir / "tokenizer.json").read_text())
+    first = 1 + max(max(tokenizer["model"]["vocab"].values()), *(t["id"] for t in tokenizer["added_tokens"]))
+    labels = {"no": first, "yes": first + 1}
+    for word, token_id in labels.items():
+        tokenizer["added_tokens"].append({"id": token_id, "content": word, "single_word": True, "lstrip": False,
+                                          "rstrip": False, "normalized": False, "special": False})
+    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    weights = load_file(str(out_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, std in (("model.embed_tokens.weight", INIT_STD["embed_tokens"]), ("lm_head.weight", INIT_STD["lm_head"])):
+        rows = weights[name]
+        assert rows.shape[0] > first + 1, "the padded vocabulary has room for the label tokens"
+        rows[first:first + 2] = torch.randn(2, rows.shape[1], generator=generator) * std
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config.update(classifier_from_token=["no", "yes"], is_original_qwen3_reranker=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def build_tiny_qwen3_reranker(path: str | os.PathLike, seed: int = 0, *, force: bool = False) -> pathlib.Path:
+    """Write ``tiny-qwen3-reranker`` to ``path``."""
+    return build_atomically(path, lambda tmp: _build_reranker_into(tmp, seed), force=force, complete=is_complete,
+                            what="model")
+
+
+def cached_qwen3_reranker() -> pathlib.Path:
+    return cached_model(f"tiny-qwen3-reranker-v{RECIPE_VERSION}-seed0", lambda tmp: _build_reranker_into(tmp, 0),
+                        is_complete)
 
 
 def build_tiny_qwen3_embedding(path: str | os.PathLike, seed: int = 0, *, pooling: str = "last",

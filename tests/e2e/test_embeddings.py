@@ -98,7 +98,7 @@ def test_chat_model_embeds_and_chats_in_one_instance(client):
                                           max_tokens=4, temperature=0)
     assert chat.usage.completion_tokens >= 1
     cards = {m.id: m.model_extra for m in client.models.list().data}
-    assert cards["qwen3"]["tasks"] == ["generate", "embed"]
+    assert cards["qwen3"]["tasks"] == ["generate", "embed", "score"]
     assert cards["qwen3"]["pooler"]["pooling_type"] == "LAST" and cards["qwen3"]["pooler"]["source"] == "default"
     assert cards["emb"]["pooler"]["source"] == "modules.json"
 

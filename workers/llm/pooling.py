@@ -32,6 +32,8 @@ class PoolAccumulator:
         """``states``: ``[n, hidden]`` final-norm states of prompt positions ``start .. start + n - 1``."""
         n = states.shape[0]
         kind = self.params.pooling
+        if self.params.label_token_ids:
+            return   # scored from the logits (add_logits), not the states
         if kind == "last":
             if start + n == self.num_tokens:
                 self._pooled = states[-1].to(torch.float64, copy=True)
@@ -43,8 +45,24 @@ class PoolAccumulator:
             self._pooled = total if self._pooled is None else self._pooled + total
             self._count += n
 
+    def add_logits(self, logits: torch.Tensor) -> None:
+        """The last prompt token's logits ``[vocab]``: a reranker's result is the softmax over its
+        ``label_token_ids`` (Qwen3-Reranker: (no, yes), the last value the relevance)."""
+        if self.params.label_token_ids:
+            picked = logits[list(self.params.label_token_ids)].to("cpu", torch.float64)
+            self._pooled = torch.softmax(picked, dim=0)
+
+    @property
+    def wants_logits(self) -> bool:
+        return bool(self.params.label_token_ids)
+
     def finish(self) -> bytes:
-        """The pooled vector (``dimensions`` first, then ``normalize``) as little-endian float32."""
+        """The pooled vector (``dimensions`` first, then ``normalize``) as little-endian float32; a
+        reranker's label probabilities as they are."""
+        if self.params.label_token_ids:
+            if self._pooled is None:
+                raise RuntimeError("a reranker's request finished before its last token's logits")
+            return self._pooled.to(torch.float32).numpy().astype("<f4", copy=False).tobytes()
         if self._pooled is None or (self.params.pooling == "mean" and self._count != self.num_tokens):
             raise RuntimeError("pooling finished before every token it pools was computed")
         vector = self._pooled / self._count if self.params.pooling == "mean" else self._pooled

@@ -307,12 +307,14 @@ class PrefillEngine:
         """Advance the chunks, name the blocks they filled; hand off the prompts that are done."""
         self.stats["prefill_steps"] += 1
         done = []
-        for request, n in chunks:
+        for row, (request, n) in enumerate(chunks):
             request.num_computed += n
             self.stats["prefill_tokens"] += n
             self._name_full_blocks(request)
             if request.num_computed == len(request.task.prompt_token_ids):
                 done.append(request)
+                if request.pool is not None and request.pool.wants_logits:   # a reranker scores its last logits
+                    request.pool.add_logits(logits[row])
         if done:
             self._hand_off(done, sampled.tokens, sampled.logprobs, export, out)
 
@@ -613,7 +615,7 @@ class PrefillEngine:
         prompt = PromptCapture.of_step(scoring)
         if prompt is not None:
             options["prompt"] = prompt
-        if not any(r.task.speech or r.pool is not None for r, _ in chunks):
+        if not any(r.task.speech or (r.pool is not None and not r.pool.wants_logits) for r, _ in chunks):
             logits = self.runner.forward(batch, **options)
         else:
             capture = HiddenCapture()   # in-process runners only: _refusal turns speech and pooling away from a group
