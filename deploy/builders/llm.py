@@ -381,6 +381,7 @@ FAMILY_BUILDERS: dict[str, tuple[str, str, dict]] = {
     "tiny-qwen3": ("qwen3", "build_tiny_qwen3", {}),
     "tiny-qwen3-moe": ("qwen3", "build_tiny_qwen3", {"moe": True}),
     "tiny-qwen3-embedding": ("qwen3_embedding", "build_tiny_qwen3_embedding", {}),
+    "tiny-qwen3-reranker": ("qwen3_embedding", "build_tiny_qwen3_reranker", {}),
     "tiny-zimage": ("zimage", "build_tiny_zimage", {}),
     "tiny-wan": ("wan", "build_tiny_wan", {}),
     "tiny-qwen3-tts": ("qwen3_tts", "build_tiny_qwen3_tts", {}),
