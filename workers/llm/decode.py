@@ -485,7 +485,7 @@ class DecodeEngine:
 
     def _speculate(self, out: EngineStep) -> bool:
         """A speculative step (spec_decode.py): drafts get the blocks that are free (never a
-        preemption), one forward verifies them all, each sequence keeps its accepted prefix and gives
+        preemption), one decode forward verifies them all, each sequence keeps its accepted prefix and gives
         back the blocks that held only rejected drafts. False: this step does not speculate."""
         drafts = self.spec.drafts(self.running) if self.spec is not None else None
         if drafts is None:
@@ -499,13 +499,20 @@ class DecodeEngine:
                 seq.blocks += self.allocator.allocate(extra)
         if not any(drafts):
             return False
-        chunks = [([seq.generated[-1], *draft], seq.num_computed, seq.blocks) for seq, draft in zip(batch, drafts)]
-        verify = ForwardBatch.build(chunks, self.block_size, every_logit=True)
+        # Each verified position is a decode row of its own (its sequence's blocks, its own context
+        # length): the same attention kernel and numbers as a one-token step, and its logits back.
+        rows = [(seq, j, token) for seq, draft in zip(batch, drafts)
+                for j, token in enumerate([seq.generated[-1], *draft])]
+        width = max(len(s.blocks) for s in batch)
+        pad = [PagedKVCache.PAD_BLOCK] * width
+        tables = torch.tensor([s.blocks + pad[len(s.blocks):] for s, _, _ in rows], dtype=torch.long)
+        positions = torch.tensor([s.num_computed + j for s, j, _ in rows], dtype=torch.long)
+        verify = ForwardBatch.decode(torch.tensor([t for _, _, t in rows], dtype=torch.long), positions, tables,
+                                     self.block_size)
         if self.lora is not None:
-            verify.lora_slots = self.lora.token_slots([s.lora for s in batch], [len(c[0]) for c in chunks])
+            verify.lora_slots = self.lora.token_slots([s.lora for s, _, _ in rows], [1] * len(rows))
         if any(s.task.rope_delta for s in batch):
-            deltas = torch.tensor([s.task.rope_delta for s in batch], dtype=torch.long)
-            verify.rope_positions = verify.positions + torch.repeat_interleave(deltas, verify.query_lens)
+            verify.rope_positions = positions + torch.tensor([s.task.rope_delta for s, _, _ in rows])
         results = self.spec.accept(self.runner.forward(verify), batch, drafts, self._grammar_row)
         self.stats["decode_steps"] += 1
         for seq, result in zip(batch, results):

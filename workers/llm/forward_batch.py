@@ -40,9 +40,6 @@ class ForwardBatch:
         ``i < L`` the hidden states of rows ``index`` (image tokens) get ``values[i]`` added.
     lora_slots: [T] the LoRA adapter slot of each token (-1: the base), or None when no sequence of
         the step has an adapter (:mod:`omnirelay.workers.llm.lora`).
-    every_logit: the forward returns the logits of every new token ``[T, vocab]`` instead of each
-        sequence's last ``[B, vocab]`` (a speculative verification scores each drafted position;
-        ``last_index`` names the rows the model returns logits of).
     """
 
     input_ids: torch.Tensor
@@ -56,14 +53,12 @@ class ForwardBatch:
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
     lora_slots: torch.Tensor | None = None
-    every_logit: bool = False
 
     def __post_init__(self) -> None:
         self.num_seqs = int(self.query_lens.shape[0])
         self.num_tokens = int(self.input_ids.shape[0])
         self.is_decode = self.num_tokens == self.num_seqs
-        self.last_index = (torch.arange(self.num_tokens, device=self.input_ids.device) if self.every_logit
-                           else torch.cumsum(self.query_lens, 0) - 1)
+        self.last_index = torch.cumsum(self.query_lens, 0) - 1
         self._plan: dict = {}
         # (query_lens, context_lens) as lists, read where the tensors are on the host.
         self._host_lens: tuple[list[int], list[int]] | None = None
@@ -84,7 +79,7 @@ class ForwardBatch:
                            embeds=None if self.embeds is None else (move(self.embeds[0]), move(self.embeds[1])),
                            deepstack=None if self.deepstack is None else (move(self.deepstack[0]),
                                                                           move(self.deepstack[1])),
-                           lora_slots=move(self.lora_slots), every_logit=self.every_logit)
+                           lora_slots=move(self.lora_slots))
         out._host_lens = self._lens()
         return out
 
@@ -94,10 +89,9 @@ class ForwardBatch:
         return self._host_lens
 
     @classmethod
-    def build(cls, chunks: list[tuple[list[int], int, list[int]]], block_size: int, *,
-              every_logit: bool = False) -> "ForwardBatch":
+    def build(cls, chunks: list[tuple[list[int], int, list[int]]], block_size: int) -> "ForwardBatch":
         """``chunks``: per sequence ``(new_token_ids, start_position, block_ids)``; the blocks must
-        cover ``start_position + len(new_token_ids)`` tokens. ``every_logit``: see the class."""
+        cover ``start_position + len(new_token_ids)`` tokens."""
         ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens = [], []
@@ -114,7 +108,7 @@ class ForwardBatch:
         rows = torch.repeat_interleave(torch.arange(len(chunks)), query_lens_t)
         slots = tables[rows, positions_t // block_size] * block_size + positions_t % block_size
         return cls(torch.tensor(ids, dtype=torch.long), positions_t, slots, query_lens_t,
-                   torch.tensor(context_lens, dtype=torch.long), tables, block_size, every_logit=every_logit)
+                   torch.tensor(context_lens, dtype=torch.long), tables, block_size)
 
     @classmethod
     def decode(cls, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
