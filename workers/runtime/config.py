@@ -16,7 +16,7 @@ from omnirelay.config_flags import flag, flag_group, no_flag
 from omnirelay.lora_modules import LoraOptions
 from omnirelay.speculative import SpeculativeConfig
 
-from omnirelay.workers.runtime import dtypes
+from omnirelay.workers.runtime import dtypes, quantization_methods
 from omnirelay.workers.runtime.devices import parse_device_ids
 
 ROLES = ("encode", "prefill", "decode", "generate")
@@ -169,8 +169,7 @@ class WorkerConfig:
         if self.quantization is not None and self.role not in ("prefill", "decode"):
             raise ValueError(f"--quantization: only prefill and decode workers run a language model, not {self.role}")
         if self.quantization is not None:
-            from omnirelay.workers.llm import quantization   # the choices live beside the kernels
-            quantization.check_requested(self.quantization)
+            quantization_methods.check_requested(self.quantization)
         if self.speculative is not None and self.role != "decode":
             raise ValueError(f"--speculative-config: only decode workers speculate, not {self.role}")
         if self.speculative is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
