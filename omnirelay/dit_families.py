@@ -15,6 +15,10 @@ WanPipeline         VAE factor × patch (16)    50          5.0         4k + 1 (
 Defaults are the pipelines' own (``ZImagePipeline``'s Turbo recipe: 9 steps, i.e. 8 transformer
 evaluations, without classifier-free guidance; ``WanPipeline.__call__``'s 50 steps at guidance 5,
 832×480, 16 fps). Native sizes are the pipelines' defaults too: neither transformer config states one.
+A directory may state its own in ``model_index.json`` as ``"_omnirelay_native_size": [width, height]``
+(diffusers' loader ignores every key with a leading underscore): the tiny builders do, because a
+2-block test transformer at the real model's size spends its whole step in attention over tens of
+thousands of tokens (``deploy/builders/wan.py``).
 """
 
 from __future__ import annotations
@@ -76,14 +80,27 @@ def family_from_configs(pipeline_class: str, transformer: dict[str, Any] | None,
     return None
 
 
+NATIVE_SIZE_KEY = "_omnirelay_native_size"
+
+
 def family_of_dir(path: str | os.PathLike) -> DiTFamily | None:
-    """The family of a diffusers directory, from its JSON files; None when not in the table."""
+    """The family of a diffusers directory, from its JSON files (its own native size where
+    ``model_index.json`` states one); None when not in the table. A stated size the family cannot
+    make is a ValueError: the directory is broken, not the request."""
     index = read_json(os.path.join(path, "model_index.json"))
     if index is None:
         return None
-    return family_from_configs(str(index.get("_class_name", "")),
-                               read_json(os.path.join(path, "transformer", "config.json")),
-                               read_json(os.path.join(path, "vae", "config.json")))
+    family = family_from_configs(str(index.get("_class_name", "")),
+                                 read_json(os.path.join(path, "transformer", "config.json")),
+                                 read_json(os.path.join(path, "vae", "config.json")))
+    stated = index.get(NATIVE_SIZE_KEY)
+    if family is None or stated is None:
+        return family
+    if not (isinstance(stated, list) and len(stated) == 2 and all(isinstance(v, int) and v > 0 for v in stated)) \
+            or any(v % family.size_multiple for v in stated):
+        raise ValueError(f"{path}: {NATIVE_SIZE_KEY} must be [width, height] in multiples of "
+                         f"{family.size_multiple}, got {stated!r}")
+    return dataclasses.replace(family, native_size=(stated[0], stated[1]))
 
 
 def family_of_pipeline(pipe) -> DiTFamily | None:

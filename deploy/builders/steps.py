@@ -77,6 +77,17 @@ def save_pipeline(pipe, out: pathlib.Path, clip_tokenizers: tuple[str, ...] = ()
     share_model_dir(out)
 
 
+def state_native_size(out: pathlib.Path, size: tuple[int, int]) -> None:
+    """Write a pipeline directory's own native size (width, height) into its ``model_index.json``
+    (:func:`omnirelay.dit_families.family_of_dir` reads it; diffusers ignores underscore keys)."""
+    from omnirelay.dit_families import NATIVE_SIZE_KEY
+
+    path = out / "model_index.json"
+    index = json.loads(path.read_text())
+    index[NATIVE_SIZE_KEY] = list(size)
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def omni_tokenizer(out: pathlib.Path, specials: list[str], named_tokens: dict[str, str], chat_template: str,
                    plain_words: tuple[str, ...] = ()):
     """The tiny-llm BPE with ``plain_words`` added as ordinary tokens and ``<|im_start|>`` plus

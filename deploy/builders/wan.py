@@ -18,6 +18,14 @@ Sizes: 8 pixels per latent times the 2×2 patch make sides in multiples of 16; f
 4·k + 1 (the VAE keeps the first frame and packs 4 per latent after it). A 64×64, 9-frame clip is
 a 3 × 8 × 8 latent, 48 video tokens.
 
+Native size: :data:`NATIVE_SIZE` (416×240, half of Wan's 832×480 a side), stated in
+``model_index.json`` (:data:`omnirelay.dit_families.NATIVE_SIZE_KEY`) for the gateway's default.
+At Wan's own 832×480, a default request (65 frames) is 26,520 tokens: each of the 100 forwards of
+50 guided steps then spends 97% of its time in self-attention over them (2 heads × 16 dims, so the
+softmax of 703 M scores per head, not the matmuls, sets the cost), about 7.5 s a step on one core,
+and the causal VAE decodes 65 full-size frames after that — over 8 minutes for a random-weight
+test model. A quarter of the tokens makes attention 16× cheaper and keeps the aspect ratio.
+
 The transformers pin their norms and embeddings to float32 (``_keep_in_fp32_modules``); diffusers
 loads them without ``accelerate`` as well. Weights are a pure function of ``seed`` (each component
 under its own seeded RNG; the caller's global RNG is untouched). The VAE's decoder output is
@@ -30,13 +38,15 @@ from __future__ import annotations
 import os
 import pathlib
 
-from omnirelay.deploy.builders.steps import build_seeded, has_files, padded_vocab, save_pipeline, seeded_parts, widen_vae_output
+from omnirelay.deploy.builders.steps import (build_seeded, has_files, padded_vocab, save_pipeline, seeded_parts,
+                                             state_native_size, widen_vae_output)
 
 MODEL_KIND = "tiny-wan"
 REQUIRED_FILES = ("model_index.json", "transformer/config.json", "transformer_2/config.json", "vae/config.json",
                   "scheduler/scheduler_config.json", "text_encoder/config.json", "tokenizer/tokenizer.json")
 TEXT_WIDTH = 32
 VAE_OUT_STD = 0.5
+NATIVE_SIZE = (416, 240)
 
 
 def _transformer():
@@ -68,6 +78,7 @@ def _build_into(out: pathlib.Path, seed: int) -> None:
                                         num_train_timesteps=1000)
     save_pipeline(WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                               transformer=transformer, transformer_2=transformer_2, boundary_ratio=0.875), out)
+    state_native_size(out, NATIVE_SIZE)
 
 
 def is_complete(path: str | os.PathLike) -> bool:

@@ -50,6 +50,7 @@ def test_tiny_wan_is_a_wan_2_2_directory_served_as_video(tiny_wan, pipe):
     assert is_video_pipeline(tiny_wan) and model_kind(tiny_wan) == "text-to-video"
     family = family_of_dir(tiny_wan)
     assert (family.size_multiple, family.frame_step, family.default_fps) == (16, 4, 16)
+    assert family.native_size == (416, 240)   # the tiny directory states its own (Wan's is 832x480)
     assert family.round_frames(64) == 65 and family.round_frames(1) == 1
     with pytest.raises(BadRequest) as info:
         family.check_frames(8)
