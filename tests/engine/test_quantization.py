@@ -150,18 +150,20 @@ def test_omni_worker_exits_2_naming_the_method(tiny_model, tmp_path):
 
 
 @INT8_SKIP
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "mapped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_int8_linear_equals_its_dequantized_reference(dtype, rows):
-    """The kernel computes exactly sum(q_x * q_w) * scale_x * scale_w in int32 / float32: against the
-    same product in float64 from the dequantized values, within float32 rounding (and bf16 output
-    rounding). Rows of very different magnitude check the activation scale is per token."""
+def test_int8_linear_equals_its_dequantized_reference(dtype, rows, packed):
+    """Both kernels compute exactly sum(q_x * q_w) * scale_x * scale_w in int32 / float32: against
+    the same product in float64 from the dequantized values, within float32 rounding (and bf16
+    output rounding). Rows of very different magnitude check the activation scale is per token;
+    two parts (as q/k/v are) check the parts sit side by side."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 160, generator=gen) * 0.05
     q, scale = quantization.quantize_per_channel(weight)
     bias = torch.randn(96, generator=gen)
     x = (torch.randn(rows, 160, generator=gen) * torch.logspace(-2, 2, rows)[:, None]).to(dtype)
-    got = Int8Linear(q, scale, bias)(x)
+    got = Int8Linear([(q[:64], scale[:64]), (q[64:], scale[64:])], bias, packed=packed)(x)
     assert got.dtype == dtype and got.shape == (rows, 96)
     xf = x.double()
     token_scale = xf.abs().amax(dim=1, keepdim=True) / 127
@@ -216,6 +218,32 @@ def test_w8a8_checkpoint_and_online_int8_serve_the_same_weights(tiny_model, quan
         assert torch.allclose(a, b, atol=2e-3 * ref.abs().max().item()), (a - b).abs().max()
         agree += int(a.argmax() == ref.argmax())
     assert agree >= len(QUESTIONS) - 1
+
+
+@INT8_SKIP
+def test_mapped_int8_weights_are_the_checkpoints_pages(quantized, tok):
+    """The prefill role's choice (``kernels="mapped"``): a W8A8 checkpoint's int8 weights are used in
+    place, pages of the file's memory map (no private copy), and compute what the packed ones do:
+    each linear exactly (test_int8_linear_equals_its_dequantized_reference); through the model an
+    activation that lands on a rounding boundary in one may round the other way in the other, so
+    the logits agree to about 1 % and the greedy token is the same."""
+    path = pathlib.Path(quantized("W8A8")).resolve()
+    mapped_model = LlamaModel(path, torch.float32, kernels="mapped")
+    spans = [tuple(int(x, 16) for x in line.split()[0].split("-"))
+             for line in pathlib.Path("/proc/self/maps").read_text().splitlines()
+             if line.split()[-1] == str(path / "model.safetensors")]
+    assert spans, "the checkpoint is not memory-mapped"
+    for layer in mapped_model.layers:
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert isinstance(linear, Int8Linear) and not linear.packed
+            for part in linear.parts:
+                assert any(lo <= part.data_ptr() and part.data_ptr() + part.nbytes <= hi for lo, hi in spans)
+    packed_model = LlamaModel(path, torch.float32)
+    for question in QUESTIONS[:3]:
+        ids = chat_ids(tok, question)
+        a, b = _logits(mapped_model, ids), _logits(packed_model, ids)
+        assert torch.allclose(a, b, atol=3e-2 * b.abs().max().item()), (a - b).abs().max()
+        assert a.argmax() == b.argmax()
 
 
 @INT8_SKIP

@@ -222,33 +222,50 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class Int8Linear:
-    """``x @ (q * scale).T + bias`` with int8 ``q`` [N, K] and a float32 ``scale`` [N] per output
-    channel, activations quantized per token: row t of ``x`` becomes int8 with scale
-    ``amax|x_t| / 127`` (``agree_on_scale``: where ``x`` is one rank's slice of the row, the ranks'
-    maximum). fbgemm's kernel quantizes its float input with one scale and zero point;
-    handing it ``x_t / scale_t`` with scale 1 and zero point 128 makes that exactly the per-token
-    symmetric quantization, and the output row is multiplied back by ``scale_t``. Products are
-    summed in int32; the result is float32, returned in ``x``'s dtype.
+    """``x @ (q * scale).T + bias`` over int8 weights ``q`` [N, K] (the row-wise concatenation of
+    ``parts``: q, k, v; gate, up; or one matrix) with a float32 ``scale`` [N] per output channel,
+    activations quantized per token: row t of ``x`` becomes int8 with scale ``amax|x_t| / 127``
+    (``agree_on_scale``: where ``x`` is one rank's slice of the row, the ranks' maximum). Products are
+    summed in int32, exactly; the result is float32 scaled back, returned in ``x``'s dtype. Two ways
+    to hold the weights, as :class:`~omnirelay.workers.llm.models.llama._Linear` has for floats:
 
-    Measured on this host's AVX512-VNNI core against the bf16 oneDNN-packed linear, one thread,
-    weights read from memory (Qwen2.5-0.5B's 9,728 x 896 gate_up): 2.5x faster at M=1, 1.6x at M=8
-    and M=256 (BENCHMARKS.md, "Quantized weights")."""
+    * ``packed``: fbgemm's blocked layout (a private copy). Its kernel quantizes its float input with
+      one scale and zero point; handing it ``x_t / scale_t`` with scale 1 and zero point 128 makes
+      that exactly the per-token symmetric quantization. The decode role's choice: fastest at small M.
+    * mapped: ``torch._int_mm`` on each part in place, so int8 weights that are views of a W8A8
+      checkpoint's memory map stay shared pages of the file (no private copy). The prefill role's
+      choice: at M=256 it is the fastest int8 path too.
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
-                 agree_on_scale: Callable[[torch.Tensor], None] | None = None):
-        if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
-            raise ValueError(f"Int8Linear needs int8 [N, K] weights and [N] scales, got {q.dtype} "
-                             f"{tuple(q.shape)}, {tuple(scale.shape)}")
-        self.out_features, self.in_features = q.shape
-        # The quantized-tensor API is the one way into fbgemm's packed int8 GEMM from Python; it
-        # copies q into fbgemm's blocked layout (the weight's only copy once q is dropped).
-        channel_scale = scale.double()
-        with warnings.catch_warnings():   # torch marks quantized tensors deprecated; 2.13 (pinned) has them
-            warnings.simplefilter("ignore", UserWarning)
-            qtensor = torch._make_per_channel_quantized_tensor(q, channel_scale, torch.zeros_like(q[:, 0], dtype=torch.long), 0)
-            self.weight = torch.ops.quantized.linear_prepack(qtensor, None)
+    Measured on this host's AVX512-VNNI core, one thread, eight distinct 9,728 x 896 weights read
+    from memory (Qwen2.5-0.5B's gate_up), ms for all eight (BENCHMARKS.md, "Quantized weights"):
+    M=1: packed 4.5, bf16 oneDNN-packed 11.4; M=8: packed 8.1, mapped 12.0, bf16 packed 12.7;
+    M=256: packed 117, mapped 90, bf16 packed 183, bf16 ``F.linear`` 184."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], bias: torch.Tensor | None, *,
+                 packed: bool = True, agree_on_scale: Callable[[torch.Tensor], None] | None = None):
+        for q, scale in parts:
+            if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+                raise ValueError(f"Int8Linear needs int8 [N, K] weights and [N] scales, got {q.dtype} "
+                                 f"{tuple(q.shape)}, {tuple(scale.shape)}")
+        self.in_features = parts[0][0].shape[1]
+        self.out_features = sum(q.shape[0] for q, _ in parts)
+        self.scale = torch.cat([scale.float() for _, scale in parts])
         self.bias = None if bias is None else bias.float()
         self.agree_on_scale = agree_on_scale   # a row-parallel rank: max-reduce the token scales in place
+        self.packed = packed
+        self.parts: list[torch.Tensor] = []
+        self.weight = None
+        if packed:
+            q = parts[0][0] if len(parts) == 1 else torch.cat([q for q, _ in parts])
+            # The quantized-tensor API is the one way into fbgemm's packed int8 GEMM from Python.
+            channel_scale = self.scale.double()
+            with warnings.catch_warnings():   # torch marks quantized tensors deprecated; 2.13 (pinned) has them
+                warnings.simplefilter("ignore", UserWarning)
+                qtensor = torch._make_per_channel_quantized_tensor(q, channel_scale,
+                                                                   torch.zeros_like(q[:, 0], dtype=torch.long), 0)
+                self.weight = torch.ops.quantized.linear_prepack(qtensor, None)
+        else:
+            self.parts = [q.t() for q, _ in parts]   # [K, n] views: _int_mm's right operand, no copy
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
@@ -256,25 +273,27 @@ class Int8Linear:
         if self.agree_on_scale is not None:
             self.agree_on_scale(token_scale)
         token_scale.div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)
-        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            flat / token_scale, 1.0, 128, self.weight)
-        out.mul_(token_scale)
+        if self.packed:
+            out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                flat / token_scale, 1.0, 128, self.weight)
+            out.mul_(token_scale)
+        else:
+            values = torch.round(flat / token_scale).clamp_(-127, 127).to(torch.int8)
+            sums = [torch._int_mm(values, part) for part in self.parts]
+            out = (sums[0] if len(sums) == 1 else torch.cat(sums, dim=1)).float()
+            out.mul_(token_scale).mul_(self.scale)
         if self.bias is not None:
             out.add_(self.bias)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-    @property
-    def nbytes(self) -> int:
-        return self.out_features * self.in_features
 
 
 @functools.cache
 def _int8_kernel_works() -> bool:
     try:   # internal ops: probe once before trusting them (a CPU build without fbgemm lacks them)
         q = torch.tensor([[1, -2], [3, 4]], dtype=torch.int8)
-        linear = Int8Linear(q, torch.tensor([0.5, 0.25]), None)
-        got = linear(torch.tensor([[1.0, 1.0]]))
-        return torch.allclose(got, torch.tensor([[-0.5, 1.75]]), atol=1e-2)
+        expected = torch.tensor([[-0.5, 1.75]])
+        return all(torch.allclose(Int8Linear([(q, torch.tensor([0.5, 0.25]))], None, packed=packed)(
+            torch.tensor([[1.0, 1.0]])), expected, atol=1e-2) for packed in (True, False))
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
 

@@ -23,7 +23,7 @@ from omnirelay.connectors.timing import TimedConnector
 from omnirelay.workers.llm.decode import DecodeEngine
 from omnirelay.workers.llm.lora import LoraSlots
 from omnirelay.workers.llm.model_runner import ModelRunner, local_runner
-from omnirelay.workers.llm.models.llama import LlamaModel
+from omnirelay.workers.llm.models.llama import LlamaConfig, LlamaModel
 from omnirelay.workers.llm.prefill import PrefillEngine
 from omnirelay.workers.llm.structured_output import GrammarCompilerCache, GrammarSampler
 from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error, connector_stats, open_connector
@@ -115,9 +115,11 @@ ROLE_KERNELS = {"prefill": "mapped", "decode": "auto"}
 MAPPED_DTYPES = ("bfloat16", "float16")
 
 
-def role_kernels(role: str, dtype: str, device: str) -> str:
-    """LlamaModel's ``kernels`` for this role's model (see ROLE_KERNELS)."""
-    if torch.device(device).type != "cpu" or dtype not in MAPPED_DTYPES:
+def role_kernels(role: str, dtype: str, device: str, int8: bool = False) -> str:
+    """LlamaModel's ``kernels`` for this role's model (see ROLE_KERNELS). ``int8``: the linears run
+    int8 (a W8A8 checkpoint or --quantization int8), where in-place weights are the fastest prefill
+    path in every compute dtype (workers/llm/quantization.py, Int8Linear)."""
+    if torch.device(device).type != "cpu" or (dtype not in MAPPED_DTYPES and not int8):
         return "auto"
     return ROLE_KERNELS.get(role, "auto")
 
@@ -126,8 +128,10 @@ def model_runner(config: WorkerConfig) -> ModelRunner:
     """This process's model and KV pool, or rank 0 of a TP × PP group whose other ranks it starts."""
     devices = resolve_devices(config.devices, config.tensor_parallel_size * config.pipeline_parallel_size)
     if len(devices) == 1:
+        stored = LlamaConfig.from_dir(Path(config.model_path)).weight_quant
+        int8 = config.quantization == "int8" or (stored is not None and stored.int8_kernel)
         model = LlamaModel(config.model_path, dtype=getattr(torch, config.dtype), device=devices[0],
-                           kernels=role_kernels(config.role, config.dtype, devices[0]),
+                           kernels=role_kernels(config.role, config.dtype, devices[0], int8),
                            quantization=config.quantization)
         release_freed_heap()
         return local_runner(model, block_size=config.block_size, budget_bytes=config.kv_cache_bytes,

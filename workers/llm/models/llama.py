@@ -402,8 +402,8 @@ class LlamaModel:
         safetensors memory map, so a second process of the host serving the same directory costs
         no second copy; the prefill role's choice, see role_builders.model_runner). ``device``: where weights, rotary tables and activations live.
         ``quantization``: ``--quantization`` (None: as the checkpoint stores its weights; ``"int8"``
-        quantizes a float checkpoint's linear weights at load); a quantized checkpoint's int8 linears
-        run int8 kernels whatever ``kernels`` says (workers/llm/quantization.py)."""
+        quantizes a float checkpoint's linear weights at load); int8 linears run int8 kernels,
+        fbgemm-packed, or in place where ``kernels`` is ``"mapped"`` (workers/llm/quantization.py)."""
         if attention not in ("auto", "torch") or kernels not in ("auto", "torch", "mapped"):
             raise ValueError(f"attention must be 'auto' or 'torch' and kernels 'auto', 'torch' or 'mapped', "
                              f"got {attention!r}, {kernels!r}")
@@ -508,13 +508,12 @@ class LlamaModel:
         ``dim``: 0 column-parallel, 1 row-parallel): int8 where the model runs W8A8, else float."""
         names = [m + ".weight" for m in modules]
         if self.quantization is not None and self.quantization.mode == "int8":
-            pieces = [w.get_int8(name, dim, rank, tp) for name in names]
-            values = pieces[0][0] if len(pieces) == 1 else torch.cat([q for q, _ in pieces])
             # A row-parallel rank sees a slice of each activation row: the ranks agree on the row's
             # scale (a max all-reduce of T floats), so their int32 partial sums add up to exactly
             # what one process computes and TP answers as TP1 does.
             agree = self.comm.all_reduce_max if dim == 1 and tp > 1 and self.comm is not None else None
-            return Int8Linear(values, torch.cat([scale for _, scale in pieces]), bias, agree_on_scale=agree)
+            return Int8Linear([w.get_int8(name, dim, rank, tp) for name in names], bias, packed=not self._mapped,
+                              agree_on_scale=agree)
         return _Linear([w.get(name, dim, rank, tp) for name in names], bias, self._packed, self._mapped,
                        self._scratch if len(names) > 1 else None)
 
