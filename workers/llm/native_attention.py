@@ -73,6 +73,17 @@ static inline __attribute__((always_inline)) const float *widen(const void *pool
     return row;
 }
 
+/* Ask for block ``block`` of a pool (all its rows: bs tokens x Hkv heads x D values of ``esize``
+   bytes) ahead of its use. Blocks are scattered pages of the pool and the hardware prefetcher stops
+   at page boundaries, so without this each block starts with a miss to memory: at B=8 and 256 tokens
+   of context on this host that tripled the kernel's time (7.9 ms for 24 layers whose pools sat in
+   cache, 20 ms scattered in memory). */
+static inline __attribute__((always_inline)) void prefetch_block(const void *pool, int64_t block, int64_t block_elems,
+                                                                 int64_t esize) {
+    const char *start = (const char *)pool + block * block_elems * esize;
+    for (int64_t off = 0; off < block_elems * esize; off += 64) __builtin_prefetch(start + off, 0, 3);
+}
+
 /* q [B, q_stride] float32 (head h at q + b*q_stride + h*D), pools [num_blocks, bs, Hkv, D],
    tables [B, W], ctx [B], out [B, H*D] float32. Query heads g*G .. g*G+G-1 share KV head g. */
 static inline __attribute__((always_inline)) int attention(
@@ -86,6 +97,8 @@ static inline __attribute__((always_inline)) int attention(
     if (!scores) return -1;
     float *row = scores + G * (max_ctx > 0 ? max_ctx : 1);   /* one widened K or V row */
     const int64_t tok_stride = Hkv * D;
+    const int64_t block_elems = bs * tok_stride;
+    const int64_t esize = bf16 ? 2 : 4;
     /* Walk block by block: no per-token division, and each block's rows are contiguous. */
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = ctx[b];
@@ -94,7 +107,11 @@ static inline __attribute__((always_inline)) int attention(
         for (int64_t h = 0; h < Hkv; h++) {
             const float *qh = q + b * q_stride + h * G * D;
             int64_t t = 0;
+            for (int64_t j = 0; j < 2 && j < nblk; j++) prefetch_block(k_pool, table[j], block_elems, esize);
             for (int64_t j = 0; j < nblk; j++) {
+                /* two blocks ahead; the V pass's first two blocks at the end of the K pass */
+                if (j + 2 < nblk) prefetch_block(k_pool, table[j + 2], block_elems, esize);
+                else if (j + 2 - nblk < nblk) prefetch_block(v_pool, table[j + 2 - nblk], block_elems, esize);
                 int64_t kr = table[j] * bs * tok_stride + h * D;
                 const int64_t m = n - t < bs ? n - t : bs;
                 for (int64_t o = 0; o < m; o++, t++, kr += tok_stride) {
@@ -124,6 +141,9 @@ static inline __attribute__((always_inline)) int attention(
             for (int64_t i = 0; i < G * D; i++) oh[i] = 0.0f;
             t = 0;
             for (int64_t j = 0; j < nblk; j++) {
+                if (j + 2 < nblk) prefetch_block(v_pool, table[j + 2], block_elems, esize);
+                else if (b + 1 < B && j + 2 - nblk < (ctx[b + 1] + bs - 1) / bs)   /* the next sequence's keys */
+                    prefetch_block(k_pool, tables[(b + 1) * W + j + 2 - nblk], block_elems, esize);
                 int64_t vr = table[j] * bs * tok_stride + h * D;
                 const int64_t m = n - t < bs ? n - t : bs;
                 for (int64_t o = 0; o < m; o++, t++, vr += tok_stride) {
