@@ -394,10 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["tiny-lora"]:   # takes a base directory too: its own parser (lora.py)
         from omnirelay.deploy.builders.lora import main as lora_main
         return lora_main(argv[1:])
-    parser = argparse.ArgumentParser(
     if argv[:1] == ["quantize"]:    # a source directory and a scheme: its own parser (quantized.py)
         from omnirelay.deploy.builders.quantized import main as quantize_main
         return quantize_main(argv[1:])
+    parser = argparse.ArgumentParser(
         prog="omni-make-model", description="Write a tiny random-weight model directory."
     )
     parser.add_argument("kind", choices=[MODEL_KIND, *FAMILY_BUILDERS],
