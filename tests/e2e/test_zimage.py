@@ -20,6 +20,7 @@ from omnirelay.dit_families import family_of_dir
 from omnirelay.errors import BadRequest
 from omnirelay.image_params import ImageParams
 from omnirelay.workers.generate.image import GenerateImageEngine, ImageTask, WholeCallRunner, encode_png
+from omnirelay.workers.generate.zimage import StepwiseZImageRunner
 
 from media_fixtures import client_fixture, pipeline_file, pipeline_fixture, tiny_model_fixture
 from media_support import batched_pipeline, generate_images, pipeline_cluster, run_image_engine
@@ -68,7 +69,7 @@ def test_tiny_zimage_is_an_ordinary_z_image_directory(tiny_zimage, pipe):
 
 def test_engine_uses_the_family_and_equals_the_pipeline_call(pipe):
     engine = GenerateImageEngine(pipe)
-    assert isinstance(engine.runner, WholeCallRunner)
+    assert isinstance(engine.runner, StepwiseZImageRunner)
     assert (engine.default_width, engine.default_height, engine.default_steps) == (1024, 1024, 9)
     with pytest.raises(BadRequest) as info:        # a multiple of 8, but not of the 16 the patching takes
         engine.add(_task("bad", width=72))
@@ -96,6 +97,37 @@ def test_batched_images_equal_single_images(pipe):
         # one denoising loop over both rows: equal to each alone up to float rounding (±1 level)
         assert np.abs(batched[f"b{i}"] - single[i]).max() <= 1
     assert np.abs(single[0] - single[1]).mean() > 1     # the two images really differ
+
+
+def test_a_stepped_batch_equals_the_whole_call_and_steps_once_per_denoising_step(pipe):
+    prompts = [PROMPT, "an oil painting of a lighthouse on a rocky coast during a storm"]
+    for guidance in (0.0, 2.0):
+        tasks = lambda tag: [_task(f"{tag}{i}", prompt, seed=20 + i, guidance_scale=guidance)   # noqa: E731
+                             for i, prompt in enumerate(prompts)]
+        stepped = GenerateImageEngine(pipe, max_batch_size=2)
+        images, failed = _run(stepped, *tasks("s"))
+        assert not failed and stepped.stats["denoise_steps"] == 3 and stepped.stats["batches"] == 1
+        whole = GenerateImageEngine(pipe, max_batch_size=2, runner=WholeCallRunner(pipe))
+        reference, failed = _run(whole, *tasks("w"))
+        assert not failed
+        assert [image.png for image in images] == [image.png for image in reference]   # byte for byte
+
+
+def test_a_cancel_takes_a_z_image_row_out_at_the_next_step(pipe):
+    engine = GenerateImageEngine(pipe, max_batch_size=2)
+    engine.add(_task("stay", seed=1))
+    engine.add(_task("go", "an oil painting of a lighthouse", seed=2))
+    engine.step()   # encode
+    engine.step()   # one denoising step of both rows
+    engine.cancel("go")
+    assert [it.request_id for it in engine.batch.items] == ["stay"] and engine.batch.latents.shape[0] == 1
+    assert len(engine.batch.prompt_embeds) == 1
+    images = []
+    while engine.has_work:
+        images += engine.step().images
+    [alone], _ = _run(GenerateImageEngine(pipe), _task("alone", seed=1))
+    assert [image.request_id for image in images] == ["stay"]
+    assert np.abs(_pixels(images[0].png) - _pixels(alone.png)).max() <= 1   # batch of 2, then 1: rounding
 
 
 # ------------------------------------------------------------------------------------ end to end

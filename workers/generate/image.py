@@ -23,13 +23,14 @@ compositions can differ by float rounding). With batch size 1 the result equals
 ``pipeline(prompt, generator=torch.Generator().manual_seed(seed), ...)``.
 
 Runners: Stable Diffusion pipelines (:class:`StableDiffusionPipeline` — a UNet, a VAE, a scheduler
-and a CLIP text encoder) are driven step by step (:class:`StepwiseRunner`). Any other diffusers
-text-to-image pipeline runs through its own ``__call__`` in one engine step
-(:class:`WholeCallRunner`); the worker then does not heartbeat for the length of one batch, so a
-slow pipeline needs a broker liveness longer than a generation. ``ZImagePipeline`` (Z-Image-Turbo)
-is one of those: its scheduler and few-step default, its size multiple (VAE factor × patch) and its
-native size come from the family table (:mod:`omnirelay.dit_families`), which the gateway reads too;
-a batch of its requests is one ``__call__`` over a list of prompts with one generator per image.
+and a CLIP text encoder) are driven step by step (:class:`StepwiseRunner`), and so is
+``ZImagePipeline`` (Z-Image-Turbo: :class:`~.zimage.StepwiseZImageRunner`, equal to its ``__call__``
+for the same seeds); its few-step default, its size multiple (VAE factor × patch) and its native
+size come from the family table (:mod:`omnirelay.dit_families`), which the gateway reads too. Any
+other diffusers text-to-image pipeline runs through its own ``__call__`` in one engine step
+(:class:`WholeCallRunner`, a list of prompts with one generator per image); the worker then does not
+heartbeat for the length of one batch, so a slow pipeline needs a broker liveness longer than a
+generation.
 
 Edits (``POST /v1/images/edits``): an item with an input image runs through
 :class:`~omnirelay.workers.generate.image_edit.EditRunner`, the same components as diffusers' image-to-image
@@ -280,11 +281,16 @@ def _cast_unpinned_models(pipe, dtype: torch.dtype) -> None:
             torch.nn.Module.to(module, dtype)
 
 
-def runner_for(pipe) -> StepwiseRunner | WholeCallRunner:
-    from diffusers import StableDiffusionPipeline
+def runner_for(pipe):
+    """The stepwise runner of a pipeline we can drive step by step (Stable Diffusion, Z-Image), else
+    the whole-call one."""
+    from diffusers import StableDiffusionPipeline, ZImagePipeline
 
     if isinstance(pipe, StableDiffusionPipeline) and pipe.unet.config.time_cond_proj_dim is None:
         return StepwiseRunner(pipe)
+    if isinstance(pipe, ZImagePipeline):
+        from omnirelay.workers.generate.zimage import StepwiseZImageRunner   # imports this module's batch types
+        return StepwiseZImageRunner(pipe)
     return WholeCallRunner(pipe)
 
 
