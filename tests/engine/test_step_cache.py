@@ -67,6 +67,11 @@ def test_static_mask_computes_the_named_steps_and_their_latents_equal_the_plain_
     assert not torch.equal(plain[4], cached[4])
     # two branches per step: steps 0, 1, 2 and 5 computed, 3 and 4 skipped
     assert (engine.stats["cache_computed_steps"], engine.stats["cache_skipped_steps"]) == (8, 4)
+    # steps 0-1 run the high-noise expert, 2-5 the low-noise one: its first step computes, whatever
+    # the mask says, as the other expert's residual is not its own
+    switch = _engine(pipe)
+    _denoise(switch, "switch", _params(cache=StepCacheSpec("static", steps=(0,))))
+    assert (switch.stats["cache_computed_steps"], switch.stats["cache_skipped_steps"]) == (6, 6)
     every = _engine(pipe)
     assert all(torch.equal(a, b) for a, b in zip(plain, _denoise(every, "all", _params(cache=StepCacheSpec(
         "static", interval=1)))))

@@ -53,6 +53,7 @@ class StepCache:
         self.branches = [BranchCache() for _ in BRANCHES]
         self.computed = 0
         self.skipped = 0
+        self.model: str = ""      # the transformer the residuals came from (Wan 2.2 switches experts)
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +62,13 @@ class StepCache:
     @property
     def needs_probe(self) -> bool:
         return self.spec.backend == "tea_cache"
+
+    def use_model(self, name: str) -> None:
+        """Say which transformer runs this step: a residual of another one (the other Wan 2.2 expert)
+        is dropped, so the first step of each expert computes."""
+        if name != self.model:
+            self.model = name
+            self.branches = [BranchCache() for _ in BRANCHES]
 
     def plan(self, step: int, branches: int, probe: torch.Tensor | None = None) -> list[bool]:
         """Whether each of the first ``branches`` CFG branches runs the transformer at ``step``

@@ -98,6 +98,7 @@ class StepwiseWanRunner:
         inputs = latents.to(self.dtype)
         rows = latents.shape[0]
         embeds = [job.prompt_embeds] + ([job.negative_embeds] if job.guided else [])
+        cache.use_model("transformer" if model is self.pipe.transformer else "transformer_2")
         probe = wan_modulated_input(model, inputs, t.expand(rows), job.prompt_embeds) if cache.needs_probe else None
         plan = cache.plan(job.step_index, len(embeds), probe)
         computing = [b for b, computes in enumerate(plan) if computes]
