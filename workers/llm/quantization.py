@@ -234,12 +234,12 @@ class Int8Linear:
       that exactly the per-token symmetric quantization. The decode role's choice: fastest at small M.
     * mapped: ``torch._int_mm`` on each part in place, so int8 weights that are views of a W8A8
       checkpoint's memory map stay shared pages of the file (no private copy). The prefill role's
-      choice: at M=256 it is the fastest int8 path too.
+      choice: within ~10 % of packed at M=256 and still well ahead of the bf16 kernels there.
 
-    Measured on this host's AVX512-VNNI core, one thread, eight distinct 9,728 x 896 weights read
-    from memory (Qwen2.5-0.5B's gate_up), ms for all eight (BENCHMARKS.md, "Quantized weights"):
-    M=1: packed 4.5, bf16 oneDNN-packed 11.4; M=8: packed 8.1, mapped 12.0, bf16 packed 12.7;
-    M=256: packed 117, mapped 90, bf16 packed 183, bf16 ``F.linear`` 184."""
+    ``benchmarks/int8_linear.py`` on this host's AVX512-VNNI core, one thread, eight distinct
+    9,728 x 896 weights read from memory (Qwen2.5-0.5B's gate_up), ms for all eight (BENCHMARKS.md,
+    "Quantized weights"): M=1: packed 3.5, mapped 6.6, bf16 oneDNN-packed 8.6; M=8: 5.3, 12.2, 9.9;
+    M=256: 123, 134, 166 (bf16 ``F.linear`` 174)."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], bias: torch.Tensor | None, *,
                  packed: bool = True, agree_on_scale: Callable[[torch.Tensor], None] | None = None):
