@@ -77,10 +77,11 @@ def _params(name: str, n: int = NEW_TOKENS) -> TextParams:
     return TextParams(max_tokens=n, temperature=0, ignore_eos=True, lora=name)
 
 
-def _engines(tiny_model, adapters, connector, *, max_loras: int, max_batched_tokens: int = 256):
+def _engines(tiny_model, adapters, connector, *, max_loras: int, max_batched_tokens: int = 256,
+             quantization: str | None = None):
     """A prefill and a decode engine on their own model copies (each holds its own LoRA slots)."""
     torch.set_num_threads(1)
-    pm, dm = LlamaModel(tiny_model), LlamaModel(tiny_model)
+    pm, dm = LlamaModel(tiny_model, quantization=quantization), LlamaModel(tiny_model, quantization=quantization)
     p_slots = LoraSlots(pm, adapters, max_loras=max_loras, max_rank=16)
     d_slots = LoraSlots(dm, adapters, max_loras=max_loras, max_rank=16)
     prefill = PrefillEngine(runner_for(pm, block_size=8, kv_cache_bytes=8 << 20), connector, max_model_len=2048,
@@ -126,6 +127,22 @@ def test_mixed_batch_of_base_and_three_adapters_equals_peft(tiny_model, adapters
     # The adapters really change the answers (a LoRA term that is never added would fail above too).
     for ids in prompts:
         assert len({tuple(peft_reference(adapters.get(n), ids)) for n in names}) == len(names)
+
+
+def test_adapters_on_an_int8_base(tiny_model, adapters, tok, connector, peft_reference):
+    """LoRA on a base quantized at load (W8A8; the adapters stay float, their terms separate matmuls):
+    each adapter still changes the answer, and the first token under it is peft's on the float base
+    (the int8 rounding moves later tokens of the random tiny model, not the first)."""
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:4]]
+    names = ["", *RECIPES]
+    jobs = [(name, ids) for ids in prompts for name in names]
+    prefill, decode = _engines(tiny_model, adapters, connector, max_loras=3, quantization="int8")
+    assert type(prefill.runner.model.layers[0].qkv).__name__ == "Int8Linear"
+    outputs = _generate(prefill, decode, jobs)
+    firsts = [got[0] == peft_reference(adapters.get(name), ids)[0] for (name, ids), got in zip(jobs, outputs)]
+    assert sum(firsts) >= len(jobs) - 1, firsts
+    for i in range(len(prompts)):
+        assert len({tuple(outputs[i * len(names) + k]) for k in range(len(names))}) == len(names)
 
 
 def test_prefix_cached_under_one_adapter_is_not_reused_by_another(tiny_model, adapters, tok, connector,
