@@ -265,3 +265,20 @@ def test_tp2_of_a_quantized_model_equals_tp1(quantized, connector, tok):  # noqa
     finally:
         runner.close()
     assert got == expected
+
+
+@INT8_SKIP
+def test_a_quantized_mixture_of_experts(tmp_path, tok):
+    """Qwen3-MoE: compressed-tensors quantizes the Linear modules (attention; the router gate is read
+    dequantized); transformers keeps the experts as fused parameters, which stay float in the file and
+    in the engine. The W8A8 checkpoint computes what --quantization int8 does on the float one."""
+    from omnirelay.deploy.builders.qwen3 import build_tiny_qwen3
+    moe = build_tiny_qwen3(tmp_path / "moe", moe=True)
+    w8a8 = build_quantized(moe, tmp_path / "moe-w8a8", scheme="W8A8")
+    checkpoint, online = LlamaModel(w8a8, torch.float32), LlamaModel(moe, torch.float32, quantization="int8")
+    plain = LlamaModel(moe, torch.float32)
+    assert isinstance(checkpoint.layers[0].qkv, Int8Linear) and checkpoint.layers[0].moe is not None
+    ids = list(range(5, 40))
+    a, b, ref = _logits(checkpoint, ids), _logits(online, ids), _logits(plain, ids)
+    assert torch.allclose(a, b, atol=2e-3 * ref.abs().max().item()), (a - b).abs().max()
+    assert a.argmax() == ref.argmax()
