@@ -49,6 +49,7 @@ import base64
 import binascii
 import collections
 import dataclasses
+import json
 import logging
 import random
 import re
@@ -146,11 +147,27 @@ def parse_video_request(body: Any) -> VideoRequest:
         elif not isinstance(value, str):
             raise BadRequest(f"'{name}' must be a string", param=name)
         fields[name] = value
-    if body.get("cache_backend") is not None or body.get("cache_config") is not None:
+    cache_config = _form_object(body, "cache_config")
+    if body.get("cache_backend") is not None or cache_config is not None:
         if body.get("cache_backend") is None:
             raise BadRequest("'cache_config' needs 'cache_backend'", param="cache_backend")
-        fields["cache"] = spec_from(body["cache_backend"], body.get("cache_config"))
+        fields["cache"] = spec_from(body["cache_backend"], cache_config)
     return VideoRequest(model, prompt, size, seconds, fields)
+
+
+def _form_object(body: dict, name: str) -> Any:
+    """``body[name]``, or the object a form spelled as ``name[key]`` fields (how the ``openai``
+    client sends a dict of ``extra_body`` in a multipart body), each value read as JSON text."""
+    prefix = name + "["
+    keyed = {key[len(prefix):-1]: value for key, value in body.items() if key.startswith(prefix) and key.endswith("]")}
+    if not keyed:
+        return body.get(name)
+    if name in body or any("[" in key or "]" in key for key in keyed):
+        raise BadRequest(f"'{name}' in a form takes scalar keys; give lists as one JSON string field", param=name)
+    try:
+        return {key: json.loads(value) if isinstance(value, str) else value for key, value in keyed.items()}
+    except ValueError:
+        raise BadRequest(f"'{name}' form fields must be JSON values", param=name) from None
 
 
 def _number(value: Any, name: str, kind: type) -> int | float:

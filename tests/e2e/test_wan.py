@@ -142,10 +142,16 @@ def test_a_request_asks_for_its_own_step_cache_and_bad_cache_fields_are_named(cl
     video = client.videos.create(model=MODEL, prompt=PROMPT, size="64x48", seconds="1", extra_body=extra)
     done = _wait(client, video.id)
     assert done.status == "completed" and done.progress == 100, done.error
+    # a dict in extra_body reaches the form as cache_config[key] fields
+    extra["cache_config"] = {"interval": 2}
+    video = client.videos.create(model=MODEL, prompt=PROMPT, size="64x48", seconds="1", extra_body=extra)
+    assert _wait(client, video.id).status == "completed"
     for fields, param, error_class in (
             ({"cache_backend": "static", "cache_config": '{"rel_l1_thresh": 0.1}'}, "cache_config",
              openai.BadRequestError),
             ({"cache_config": '{"interval": 2}'}, "cache_backend", openai.BadRequestError),
+            ({"cache_backend": "tea_cache", "cache_config": {"rel_l1_thresh": 0.1, "steps": [1]}}, "cache_config",
+             openai.BadRequestError),
             ({"cache_backend": "cache_dit"}, "cache_backend", openai.UnprocessableEntityError)):
         with pytest.raises(error_class) as info:
             client.videos.create(model=MODEL, prompt=PROMPT, size="64x48", seconds="1", extra_body=fields)
