@@ -4,7 +4,8 @@ Life of a request through the engine::
 
     add(VideoTask) ──▶ waiting (FIFO)
         ──admit: the head plus up to max_batch_size-1 waiting tasks with the same batch key
-          (width, height, frames, steps, guidance scale)──▶ running VideoJob (row i: tasks[i])
+          (width, height, frames, steps, guidance scale, step cache)──▶ running VideoJob (row i:
+          tasks[i]) with a StepCache of its own (the request's ``cache`` or the server's)
     VideoJob.phase: PROMPT (prompt embeddings of every row, seeded latents, timesteps)
                 ──▶ DENOISE (one scheduler step of the whole batch per engine step)
                 ──▶ DECODE (the VAE, DECODE_FRAMES_PER_STEP frames of every row per engine step)
@@ -20,8 +21,8 @@ fails with ``deadline_exceeded`` the same way. A failure of the batch's pipeline
 request of the batch (a mux failure only the request being encoded); waiting requests go on.
 
 Batching (``runtime.max_batch_size`` of the stage, or the worker's ``--capacity``; default 1):
-requests that can share one denoising loop — same size, frame count, step count and guidance scale
-— run as one batch, each row with its own prompt, negative prompt and seed; requests of other
+requests that can share one denoising loop — same size, frame count, step count, guidance scale
+and step cache — run as one batch, each row with its own prompt, negative prompt and seed; requests of other
 shapes wait for the next batch (never mixed, never overtaken by a later request of their own
 key). The fps only matters to the mux, so it is not part of the key.
 

@@ -8,9 +8,10 @@ A batch crosses the phases of :class:`~.video.VideoJob` as any stepwise video ba
              a scheduler of the batch's own (UniPC state is per batch)
     DENOISE  one scheduler step per engine step: the high-noise expert (``transformer``) while the
              timestep is at or above ``boundary_ratio`` × the training steps, the low-noise expert
-             (``transformer_2``) below it (Wan 2.2 A14B; a Wan 2.1 directory has one expert); the
-             conditional and unconditional passes are two calls over all rows, as the pipeline
-             makes them
+             (``transformer_2``) below it (Wan 2.2 A14B; a Wan 2.1 directory has one expert); under
+             guidance the conditional and unconditional branches of all rows run as ONE batched
+             forward (``cfg_one_pass``; the pipeline makes two calls), and under a step cache
+             (:mod:`.step_cache`) only the branches it computes run, the others reuse their residual
     DECODE   the causal 3D VAE over the whole clip of every row in one step (its temporal cache
              runs from the first frame, so it does not decode slices on its own)
     MUX      the engine's, as for every video
@@ -18,10 +19,12 @@ A batch crosses the phases of :class:`~.video.VideoJob` as any stepwise video ba
 So a Wan batch reports progress after every step, a cancel takes its request's row out at the
 next step boundary (:func:`~.video.keep_rows` also cuts the rows of UniPC's history), and the
 worker's loop heartbeats in between — where ``WanPipeline.__call__`` would hold the loop for the
-whole clip. A batch of one equals ``pipeline(prompt, negative_prompt=…, height, width, num_frames,
-num_inference_steps, guidance_scale, generator=torch.Generator().manual_seed(seed), output_type="np")``
-(same operations in the same order; ``tests/e2e/test_wan.py`` checks it bit for bit); a larger batch
-gives each row the frames of its batch of one up to float rounding (``tests/e2e/test_video_batching.py``).
+whole clip. With ``cfg_one_pass=False`` and no step cache, a batch of one equals ``pipeline(prompt,
+negative_prompt=…, height, width, num_frames, num_inference_steps, guidance_scale,
+generator=torch.Generator().manual_seed(seed), output_type="np")`` (same operations in the same
+order; ``tests/e2e/test_wan.py`` checks it bit for bit); the one-pass default equals it within float
+rounding (``tests/engine/test_step_cache.py``), and a larger batch gives each row the frames of its
+batch of one up to float rounding (``tests/e2e/test_video_batching.py``).
 
 Scope: text to video with ``expand_timesteps`` off (the A14B and 2.1 checkpoints); the TI2V-5B
 layout (per-token timesteps) goes through the pipeline's own call (:func:`.video.runner_for`).
