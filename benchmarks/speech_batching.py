@@ -49,14 +49,14 @@ class VocoderClock:
 
 def omni_tasks(engine, count: int, codes: int) -> list:
     from omnirelay.workers.speech.engine import SpeechTask
-    from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
-    hidden = engine.thinker_embed.shape[1]
+    from omnirelay.workers.speech.qwen3 import Qwen3OmniFamily
+    hidden = engine.family.thinker_embed.shape[1]
     tasks = []
     for i in range(count):
         gen = torch.Generator().manual_seed(i)
         prompt = [int(t) for t in torch.randint(100, 1000, (12 + 2 * i,), generator=gen)]
-        if isinstance(engine, Qwen3SpeechEngine):
-            cfg = engine.config
+        if isinstance(engine.family, Qwen3OmniFamily):
+            cfg = engine.family.config
             prompt = [cfg.im_start_token_id, cfg.user_token_id, *prompt, cfg.im_start_token_id, cfg.assistant_token_id]
         reply = [int(t) for t in torch.randint(100, 1000, (64,), generator=gen)]
         tasks.append(SpeechTask(f"r{i}", prompt, torch.randn(len(prompt), hidden, generator=gen), reply,
@@ -73,7 +73,7 @@ def tts_tasks(engine, count: int, codes: int) -> list:
     tasks = []
     for i in range(count):
         text = f"Request number {i} reads a sentence about the harbor town at dusk."
-        ids = engine.wrap(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = engine.family.wrap(tokenizer(text, add_special_tokens=False)["input_ids"])
         tasks.append(TTSTask(f"r{i}", ids, SpeechParams(engine.voices[0], seed=7, max_codes=codes), time.time() + 3600))
     return tasks
 
@@ -124,21 +124,22 @@ def main() -> int:
 
     from omnirelay.deploy.builders.omni import build_tiny_omni
     from omnirelay.deploy.builders.qwen3_omni import build_tiny_qwen3_omni
-    from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine
-    from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
-    families = [("qwen2.5-omni", "tiny-omni", build_tiny_omni, GenerateSpeechEngine, omni_tasks),
-                ("qwen3-omni", "tiny-qwen3-omni", build_tiny_qwen3_omni, Qwen3SpeechEngine, omni_tasks)]
+    from omnirelay.workers.speech.engine import SAMPLE_RATE
+    from omnirelay.workers.speech.qwen2_5_omni import load_qwen2_5_omni
+    from omnirelay.workers.speech.qwen3 import load_qwen3_omni
+    families = [("qwen2.5-omni", "tiny-omni", build_tiny_omni, load_qwen2_5_omni, omni_tasks),
+                ("qwen3-omni", "tiny-qwen3-omni", build_tiny_qwen3_omni, load_qwen3_omni, omni_tasks)]
     if importlib.util.find_spec("qwen_tts") is not None:
         from omnirelay.deploy.builders.qwen3_tts import build_tiny_qwen3_tts
-        from omnirelay.workers.speech.qwen3_tts import Qwen3TTSEngine
-        families.append(("qwen3-tts", "tiny-qwen3-tts", build_tiny_qwen3_tts, Qwen3TTSEngine, tts_tasks))
-    for name, folder, build, engine_class, make_tasks in families:
+        from omnirelay.workers.speech.qwen3_tts import load_qwen3_tts
+        families.append(("qwen3-tts", "tiny-qwen3-tts", build_tiny_qwen3_tts, load_qwen3_tts, tts_tasks))
+    for name, folder, build, load, make_tasks in families:
         path = root / folder
         if not path.exists():
             build(path, seed=0)
-        engine = engine_class.from_pretrained(str(path), max_batch_size=args.requests, device=args.device)
+        engine = load(str(path), max_batch_size=args.requests, device=args.device)
         engine.path = str(path)
-        vocoder = engine.decoder if name == "qwen3-tts" else engine.token2wav
+        vocoder = engine.family.decoder if name == "qwen3-tts" else engine.family.token2wav
         try:
             results.append(measure(name, engine, vocoder, make_tasks(engine, args.requests, args.codes), SAMPLE_RATE))
         finally:

@@ -221,7 +221,7 @@ def load_full_model(path: str | os.PathLike, **kwargs):
 def load_speakers(path: str | os.PathLike) -> dict[str, dict]:
     """The speaker table in transformers' ``speaker_map`` shape: name -> {cond, ref_mel, bos_token},
     read the way the speech worker reads it."""
-    from omnirelay.workers.speech.engine import load_speakers as read_speaker_table
+    from omnirelay.workers.speech.loading import load_speakers as read_speaker_table
 
     return read_speaker_table(pathlib.Path(path))
 

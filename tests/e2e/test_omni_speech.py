@@ -33,7 +33,8 @@ from omnirelay.handoffs import SpeechHandoff
 from omnirelay.deploy.builders.omni import build_tiny_omni, load_full_model
 from omnirelay.errors import BadRequest, TransferFailed
 from omnirelay.speech_params import SpeechParams
-from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechTask
+from omnirelay.workers.speech.engine import SAMPLE_RATE, SpeechTask
+from omnirelay.workers.speech.qwen2_5_omni import load_qwen2_5_omni
 from omnirelay.workers.speech.role import encode_audio, flac_available
 
 from media_fixtures import client_fixture
@@ -118,7 +119,7 @@ def test_engine_matches_transformers_talker_and_token2wav(tiny_omni, prompt_ids,
     out = model.thinker.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                  output_hidden_states=True, return_dict_in_generate=True)
     states = out.hidden_states
-    engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
+    engine = load_qwen2_5_omni(tiny_omni)
     assert engine.voices == ["Chelsie", "Ethan"]
     task = SpeechTask("r", prompt_ids, states[0][-1][0], out.sequences[0, len(prompt_ids):].tolist(),
                       torch.cat([s[-1][0] for s in states[1:]]), SpeechParams("Ethan", seed=SEED, max_codes=MAX_CODES),
@@ -137,9 +138,9 @@ def test_engine_matches_transformers_talker_and_token2wav(tiny_omni, prompt_ids,
 def test_engine_queue_cancel_and_deadline(tiny_omni, prompt_ids, reference):
     """step() starts requests on the synthesis threads up to max_batch_size: a request cancelled
     while it runs is dropped, a request past its deadline fails without running, the rest come out."""
-    engine = GenerateSpeechEngine.from_pretrained(tiny_omni, max_batch_size=1)
+    engine = load_qwen2_5_omni(tiny_omni, max_batch_size=1)
     try:
-        hidden = engine.thinker_embed.shape[1]
+        hidden = engine.family.thinker_embed.shape[1]
 
         def task(request_id: str, deadline: float) -> SpeechTask:
             return SpeechTask(request_id, prompt_ids, torch.randn(len(prompt_ids), hidden), [5, 6, 7],
@@ -172,9 +173,9 @@ def test_a_talker_waiting_for_its_thinker_holds_back_no_other_request(tiny_omni,
     from omnirelay.workers.speech.reply_source import ReplySource
 
     connector = create_connector("shared_memory", {"shm_dir": str(tmp_path)})
-    engine = GenerateSpeechEngine.from_pretrained(tiny_omni, max_batch_size=2)
+    engine = load_qwen2_5_omni(tiny_omni, max_batch_size=2)
     try:
-        hidden = engine.thinker_embed.shape[1]
+        hidden = engine.family.thinker_embed.shape[1]
         params = SpeechParams("Chelsie", seed=1, max_codes=4)
         waiting = ReplySource.streamed(ChunkStream("speech/a/0/reply", max_chunks=4, window=2), connector,
                                        timeout_s=120, deadline=time.time() + 120)
@@ -206,9 +207,9 @@ def test_engine_streams_pieces_while_the_talker_speaks(tiny_omni, prompt_ids):
     and its look-ahead) of 72, concatenating to the one-shot's length, audible, the same on a second
     run; cancelled after its first piece it stops there; a failure mid-stream comes after the
     pieces already out."""
-    engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
+    engine = load_qwen2_5_omni(tiny_omni)
     try:
-        hidden = engine.thinker_embed.shape[1]
+        hidden = engine.family.thinker_embed.shape[1]
         g = torch.Generator().manual_seed(3)
         task = SpeechTask("s", prompt_ids, torch.randn(len(prompt_ids), hidden, generator=g), [5, 6, 7, 8],
                           torch.randn(3, hidden, generator=g), SpeechParams("Ethan", seed=SEED, max_codes=72),
@@ -237,7 +238,7 @@ def test_engine_streams_pieces_while_the_talker_speaks(tiny_omni, prompt_ids):
         assert [c.index for c in got] == [0]
 
         # A failure inside token2wav after the first piece: that piece, then the failure.
-        vocoder = engine.token2wav.code2wav_bigvgan_model
+        vocoder = engine.family.token2wav.code2wav_bigvgan_model
         calls = []
 
         def failing(mel):
@@ -271,10 +272,10 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
     from omnirelay.workers.speech.role import WAV_STREAM_HEADER, GenerateSpeechRole
 
     connector = create_connector("shared_memory", {})
-    engine = GenerateSpeechEngine.from_pretrained(tiny_omni)
+    engine = load_qwen2_5_omni(tiny_omni)
     try:
         role = GenerateSpeechRole("w", engine, connector, chunk_bytes=1000)
-        hidden = engine.thinker_embed.shape[1]
+        hidden = engine.family.thinker_embed.shape[1]
 
         def task(request_id: str, voice: str, params: SpeechParams | None = None) -> p.Task:
             stored = {}
@@ -306,6 +307,7 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
             for name in ("prompt", "reply"):
                 with pytest.raises(TransferFailed):
                     connector.get(getattr(t.inputs, f"speech_{name}_key"), timeout=0.2)
+        assert len(role.deliveries) == 0   # the role's records of both went with them
 
         # Streamed (SpeechParams.stream): the pieces go out as MediaResults numbered on across
         # pieces, the WAV header (unknown length) first, finish on the very last, then StageDone.
@@ -321,6 +323,7 @@ def test_role_reads_the_states_and_sends_the_audio_in_chunks(tiny_omni, prompt_i
         assert sum(m.finish for m in media) == 1 and data[:44] == WAV_STREAM_HEADER
         assert _wav_samples(data).shape == (30 * 480,)
         assert isinstance(out[-1][1], p.StageDone) and out[-1][1].finished
+        assert len(role.deliveries) == 0
     finally:
         engine.close()
         connector.close()

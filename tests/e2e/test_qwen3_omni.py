@@ -244,14 +244,14 @@ def test_speech_engine_matches_transformers_talker_and_code2wav(tiny, hf, full_m
 
     from omnirelay.speech_params import SpeechParams
     from omnirelay.workers.speech.engine import SpeechTask
-    from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
+    from omnirelay.workers.speech.qwen3 import load_qwen3_omni
 
     content = [{"type": "text", "text": "Tell me about the harbor town."}]
     reply, expected = _reference_speech(full_model, hf.tokenizer, content)
     text = hf.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                             tokenize=False)
     ids = hf.tokenizer(text)["input_ids"]
-    engine = Qwen3SpeechEngine.from_pretrained(tiny)
+    engine = load_qwen3_omni(tiny)
     try:
         assert engine.voices == ["Chelsie", "Ethan"]
         hidden = torch.zeros(len(ids), 256)

@@ -27,10 +27,10 @@ TEXTS = ("Hello there, world.", "A longer sentence about the harbor town at dusk
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from omnirelay.deploy.builders.qwen3_tts import build_tiny_qwen3_tts
-    from omnirelay.workers.speech.qwen3_tts import Qwen3TTSEngine
+    from omnirelay.workers.speech.qwen3_tts import load_qwen3_tts
     torch.set_num_threads(1)
     path = build_tiny_qwen3_tts(tmp_path_factory.mktemp("models") / "tiny-qwen3-tts", seed=0)
-    engine = Qwen3TTSEngine.from_pretrained(str(path), max_batch_size=HELD)
+    engine = load_qwen3_tts(str(path), max_batch_size=HELD)
     from transformers import AutoTokenizer
     engine.tokenizer = AutoTokenizer.from_pretrained(str(path))
     yield engine
@@ -39,7 +39,7 @@ def engine(tmp_path_factory):
 
 def _task(engine, request_id: str, text: str, seed: int = 3):
     from omnirelay.workers.speech.qwen3_tts import TTSTask
-    ids = engine.wrap(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = engine.family.wrap(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
     return TTSTask(request_id, ids, SpeechParams(engine.voices[0], seed=seed, max_codes=FRAMES), time.time() + 300)
 
 
@@ -55,21 +55,21 @@ def _cache_reaches_the_model(module, args, kwargs):
 
 def test_the_frames_are_the_package_generates(engine):
     task = _task(engine, "r", TEXTS[1])
-    talker = engine.model.talker
+    talker = engine.family.model.talker
     hooks = [m.register_forward_pre_hook(_cache_reaches_the_model, with_kwargs=True)
              for m in (talker, talker.code_predictor)]
     try:
         torch.manual_seed(task.params.seed)
         with torch.inference_mode():
-            expected, _ = engine.model.generate(
+            expected, _ = engine.family.model.generate(
                 input_ids=[torch.tensor([task.prompt_token_ids])], languages=["auto"], speakers=[task.params.voice],
-                non_streaming_mode=True, max_new_tokens=FRAMES, **engine.sampling)
+                non_streaming_mode=True, max_new_tokens=FRAMES, **engine.family.sampling)
     finally:
         for hook in hooks:
             hook.remove()
     wav, frames = engine.synthesize(task)
     assert frames == expected[0].shape[0] > 0
-    torch.testing.assert_close(wav, engine.decode(expected[0]), rtol=0, atol=0)
+    torch.testing.assert_close(wav, engine.family.decode(expected[0]), rtol=0, atol=0)
 
 
 def test_requests_held_together_step_as_one_batch_and_are_each_spoken_as_alone(engine):

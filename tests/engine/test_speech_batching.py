@@ -19,28 +19,29 @@ from omnirelay.deploy.builders.omni import build_tiny_omni
 from omnirelay.deploy.builders.qwen3_omni import build_tiny_qwen3_omni
 from omnirelay.speech_params import SpeechParams
 from omnirelay.workers.speech.engine import GenerateSpeechEngine, SpeechTask
-from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
+from omnirelay.workers.speech.qwen2_5_omni import load_qwen2_5_omni
+from omnirelay.workers.speech.qwen3 import Qwen3OmniFamily, load_qwen3_omni
 
 CODES = 24
 HELD = 4
 
 
-def _engine(tmp_path_factory, folder: str, build, engine_class):
+def _engine(tmp_path_factory, folder: str, build, load):
     torch.set_num_threads(1)
     path = build(tmp_path_factory.mktemp("models") / folder, seed=0)
-    return engine_class.from_pretrained(str(path), max_batch_size=HELD)
+    return load(str(path), max_batch_size=HELD)
 
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
-    engine = _engine(tmp_path_factory, "tiny-omni", build_tiny_omni, GenerateSpeechEngine)
+    engine = _engine(tmp_path_factory, "tiny-omni", build_tiny_omni, load_qwen2_5_omni)
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    engine = _engine(tmp_path_factory, "tiny-qwen3-omni", build_tiny_qwen3_omni, Qwen3SpeechEngine)
+    engine = _engine(tmp_path_factory, "tiny-qwen3-omni", build_tiny_qwen3_omni, load_qwen3_omni)
     yield engine
     engine.close()
 
@@ -48,11 +49,11 @@ def qwen3(tmp_path_factory):
 def _task(engine: GenerateSpeechEngine, request_id: str, seed: int, prompt_len: int = 10) -> SpeechTask:
     """A request with its own random prompt states and its own six-token reply (the same talker seed
     for all: only the replies differ, and they must be heard)."""
-    hidden = engine.thinker_embed.shape[1]
+    hidden = engine.family.thinker_embed.shape[1]
     gen = torch.Generator().manual_seed(seed)
     prompt = [int(t) for t in torch.randint(100, 1000, (prompt_len,), generator=gen)]
-    if isinstance(engine, Qwen3SpeechEngine):   # its talker speaks the prompt's assistant turn
-        cfg = engine.config
+    if isinstance(engine.family, Qwen3OmniFamily):   # its talker speaks the prompt's assistant turn
+        cfg = engine.family.config
         prompt = [cfg.im_start_token_id, cfg.user_token_id, *prompt, cfg.im_start_token_id, cfg.assistant_token_id]
     reply = [int(t) for t in torch.randint(100, 1000, (6,), generator=gen)]
     voice = engine.voices[0]

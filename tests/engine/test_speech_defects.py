@@ -23,6 +23,7 @@ import torch
 from omnirelay.deploy.builders.omni import build_tiny_omni
 from omnirelay.speech_params import SpeechParams
 from omnirelay.workers.speech.engine import GenerateSpeechEngine, SpeechTask
+from omnirelay.workers.speech.qwen2_5_omni import load_qwen2_5_omni
 
 BOUND_S = 60.0   # "hung": far beyond what these few codes take
 
@@ -31,13 +32,13 @@ BOUND_S = 60.0   # "hung": far beyond what these few codes take
 def engine(tmp_path_factory):
     torch.set_num_threads(1)
     path = build_tiny_omni(tmp_path_factory.mktemp("models") / "tiny-omni", seed=0)
-    engine = GenerateSpeechEngine.from_pretrained(str(path), max_batch_size=2)
+    engine = load_qwen2_5_omni(str(path), max_batch_size=2)
     yield engine
     engine.close()
 
 
 def _task(engine: GenerateSpeechEngine, request_id: str, *, stream: bool = False) -> SpeechTask:
-    hidden = engine.thinker_embed.shape[1]
+    hidden = engine.family.thinker_embed.shape[1]
     gen = torch.Generator().manual_seed(7)
     prompt = [int(t) for t in torch.randint(100, 1000, (10,), generator=gen)]
     reply = [int(t) for t in torch.randint(100, 1000, (6,), generator=gen)]
@@ -53,7 +54,7 @@ class HeldVocoder:
         self.entered, self.go, self.fail = threading.Event(), threading.Event(), fail
         self._taken = False
         self._lock = threading.Lock()
-        self.handle = engine.token2wav.code2wav_bigvgan_model.register_forward_pre_hook(self._hook)
+        self.handle = engine.family.token2wav.code2wav_bigvgan_model.register_forward_pre_hook(self._hook)
 
     def _hook(self, module, args):
         with self._lock:

@@ -20,13 +20,12 @@ from omnirelay.workers.llm.prefill import PrefillEngine
 from omnirelay.workers.runtime.engine import Engine, PrefixCacheSource
 from omnirelay.workers.llm.roles import DecodeRole, PrefillRole
 from omnirelay.workers.speech.engine import GenerateSpeechEngine
-from omnirelay.workers.speech.qwen3_tts import Qwen3TTSEngine
 
 from engine_support import (  # noqa: F401
     QUESTIONS, chat_ids, connector, decode_engine, model, run_prefill, runner_for, tok)
 
 ENGINES = [PrefillEngine, DecodeEngine, EncodeEngine, GenerateImageEngine, GenerateVideoEngine,
-           GenerateSpeechEngine, Qwen3TTSEngine]
+           GenerateSpeechEngine]
 PROPERTIES = ("has_work", "num_requests")
 METHODS = {"add": ["task"], "step": [], "cancel": ["request_id"], "wake": [], "close": []}
 

@@ -1,8 +1,9 @@
-"""Speech engine of the generate role for Qwen3-Omni: thinker tokens → talker codes → code2wav waveform.
+"""The Qwen3-Omni speech family (:class:`Qwen3OmniFamily`, a ``SpeechFamily``): thinker tokens → talker
+codes → code2wav waveform.
 
-Life of a request through this engine (the queue, the synthesis thread, cancellation, deadlines and
-the per-request seeded random stream are :class:`~omnirelay.workers.speech.engine.GenerateSpeechEngine`'s;
-only the synthesis differs)::
+Life of a request through it (the queue, the synthesis thread, cancellation, deadlines and the
+per-request seeded random stream are :class:`~omnirelay.workers.speech.engine.GenerateSpeechEngine`'s,
+which runs this family as it runs every family)::
 
     add(SpeechTask: prompt ids (+ the thinker's states at media tokens), reply ids, SpeechParams)
         ──▶ waiting ──step(): the oldest live request──▶
@@ -28,7 +29,7 @@ What the talker reads, for a prompt of ``n`` tokens and a reply ``t0 … t(m-1)`
 
 Determinism: the request's own generator seeded with its seed, drawn in the order transformers'
 ``generate`` with a greedy thinker draws from ``torch.manual_seed(seed)``, so a request's codes
-equal transformers' for the same seed (the tests check it), batched or alone (the base engine's
+equal transformers' for the same seed (the tests check it), batched or alone (the engine's
 contract). The talker's decode steps ride the worker's step batch (``qwen3_talker.py``) and read
 their trailing text one row per step (:class:`TrailingRows`), so a reply
 streamed in by decode is read as it arrives and gives the same rows, hence the same codes, as a
@@ -44,17 +45,21 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from pathlib import Path
-from typing import Callable
+from typing import Sequence
 
 import torch
 
 from omnirelay.errors import BadRequest
 
 from omnirelay.workers.speech import qwen3_talker
-from omnirelay.workers.speech.engine import GenerateSpeechEngine, SpeechChunk, SpeechTask, _change_speed, load_talker
-from omnirelay.workers.speech.stream import SynthesisCancelled
+from omnirelay.workers.speech.engine import GenerateSpeechEngine, SpeechTask
+from omnirelay.workers.speech.family import PieceSink
+from omnirelay.workers.speech.loading import load_talker
+from omnirelay.workers.speech.qwen2_5_omni import check_omni_task
+from omnirelay.workers.speech.reply_source import ReplySource
+from omnirelay.workers.speech.step_batch import Seat
+from omnirelay.workers.speech.talker_batch import BatchKV
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -94,123 +99,80 @@ def fuse_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-class Qwen3SpeechEngine(GenerateSpeechEngine):
+class Qwen3Talk:
+    """One request's Qwen3-Omni talker (family.py ``Talk``): its codes are [1, groups] tensors, each
+    complete once the code predictor filled in its step."""
+
+    def __init__(self, row: qwen3_talker.Qwen3Row, task: SpeechTask, rows: "TrailingRows", eos: int):
+        self.row, self.rows, self._eos = row, rows, eos
+        self.reply: ReplySource | None = task.reply()
+        self._budget = task.codes_budget()
+        self._stepped = False
+
+    def spoken(self) -> list[torch.Tensor]:
+        if not self._stepped:   # the prompt forward sampled a first codebook only
+            return []
+        return [self.row.codes[None]]
+
+    def done(self) -> bool:
+        return self.row.first_codes[-1] == self._eos or self._budget(self.row.sampled)
+
+    def prepare(self) -> None:
+        step = self.row.sampled - 1
+        text = self.rows.through(step)
+        self.row.text_row = text[0, step] if step < text.shape[1] else self.rows.tts_pad
+        self._stepped = True
+
+
+class Qwen3OmniFamily:
+    """The Qwen3-Omni speech family (a :class:`~omnirelay.workers.speech.family.SpeechFamily`; what it
+    computes: the module docstring)."""
+
     def __init__(self, talker, code2wav, thinker_embed: torch.Tensor, speakers: dict, config, *,
-                 device: str = "cpu", max_batch_size: int = 4):
-        super().__init__(talker, code2wav, thinker_embed, speakers, config, device=device,
-                         max_batch_size=max_batch_size)
+                 device: str = "cpu"):
+        self.talker = talker
+        self.token2wav = code2wav
+        self.thinker_embed = thinker_embed
+        self.speakers = speakers
+        self.config = config
+        self.device = torch.device(device)
+        thinker = config.thinker_config
+        self.media_token_ids = (thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id)
         eos = config.thinker_config.text_config.eos_token_id
         self.thinker_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        vocab = config.talker_config.text_config.vocab_size
+        self.suppress = [i for i in range(vocab - 1024, vocab) if i != config.talker_config.codec_eos_token_id]
 
-    @staticmethod
-    def _media_token_ids(thinker) -> tuple[int, int, int]:
-        return thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.speakers)
 
-    @classmethod
-    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        max_batch_size: int = 4) -> "Qwen3SpeechEngine":
-        from transformers import GenerationConfig, Qwen3OmniMoeConfig
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            Qwen3OmniMoeCode2Wav, Qwen3OmniMoeTalkerForConditionalGeneration)
-        root = Path(path)
-        config = Qwen3OmniMoeConfig.from_pretrained(root)
-        talker, code2wav, embed = load_talker(root, Qwen3OmniMoeTalkerForConditionalGeneration._from_config(
-            config.talker_config), Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config), "code2wav.",
-            dtype=dtype, device=device, talker_layout=fuse_experts)
-        engine = cls(talker, code2wav, embed, load_voices(root, config.talker_config), config, device=device,
-                     max_batch_size=max_batch_size)
-        gen = root / "generation_config.json"
-        if gen.is_file():   # the thinker's stop tokens end the spoken text as generate() is told they do
-            eos = GenerationConfig.from_pretrained(root).eos_token_id
-            if eos is not None:
-                engine.thinker_eos = tuple(eos) if isinstance(eos, list) else (int(eos),)
-        return engine
-
-    def add(self, task: SpeechTask) -> None:
-        """Validate and queue ``task``: the base checks, and an assistant turn to speak in the prompt
-        (the talker's prompt starts at its header)."""
+    def check(self, task: SpeechTask) -> None:
+        """The omni checks, and an assistant turn to speak in the prompt (the talker's prompt starts
+        at its header)."""
         ids, cfg = task.prompt_token_ids, self.config
         if not any(a == cfg.im_start_token_id and b == cfg.assistant_token_id for a, b in zip(ids, ids[1:])):
             raise BadRequest("the prompt has no assistant turn for the talker to speak")
-        super().add(task)
+        check_omni_task(task, self.speakers, self.thinker_embed.shape[1])
 
-    # ------------------------------------------------------------------ synthesis
+    def prompt(self, task: SpeechTask) -> tuple[dict, "TrailingRows"]:
+        return self._talker_inputs(task)
 
-    @torch.inference_mode()
-    def synthesize(self, task: SpeechTask) -> tuple[torch.Tensor, int]:
-        steps = self._talk(task)
-        if not steps:
-            return torch.zeros(0), 0
-        codes = torch.stack(steps, dim=1).transpose(1, 2)            # [1, groups, codes]
-        with self.vocoder_slots.hold():   # engine.py: VOCODER_SLOTS
-            wav = self.token2wav.chunked_decode(codes, chunk_size=CODE2WAV_CHUNK,
-                                                left_context_size=CODE2WAV_LEFT_CONTEXT)
-        wav = wav.reshape(-1).float().cpu()
-        if task.params.speed != 1.0:
-            wav = _change_speed(wav, task.params.speed)
-        return wav, int(codes.shape[-1])
+    def start(self, task: SpeechTask, prompt: tuple[dict, "TrailingRows"], generator: torch.Generator) -> Qwen3Talk:
+        inputs, rows = prompt
+        row = qwen3_talker.start(self.talker, inputs, generator, self.suppress)
+        return Qwen3Talk(row, task, rows, self.config.talker_config.codec_eos_token_id)
 
-    @torch.inference_mode()
-    def synthesize_stream(self, task: SpeechTask, emit: Callable[[SpeechChunk], None],
-                          cancelled: threading.Event | None = None) -> int:
-        """The talker as in :meth:`synthesize` (the same codes); code2wav runs on each chunk of codes
-        as soon as the talker has produced it (:class:`StreamedCode2Wav`), so audio leaves while
-        the talker speaks."""
-        cancelled = cancelled or threading.Event()
-        index = 0
+    def step(self, batch_kv: BatchKV, seats: list[Seat]) -> None:
+        qwen3_talker.step(self.talker, batch_kv, seats)
 
-        def on_piece(wav: torch.Tensor, codes: int, final: bool) -> None:
-            nonlocal index
-            wav = wav.reshape(-1).float().cpu()
-            if task.params.speed != 1.0 and wav.numel():
-                wav = _change_speed(wav, task.params.speed)
-            emit(SpeechChunk(task.request_id, index, wav, codes, final))
-            index += 1
+    def vocode(self, task: SpeechTask, codes: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        stacked = torch.stack(codes, dim=1).transpose(1, 2)            # [1, groups, codes]
+        wav = self.token2wav.chunked_decode(stacked, chunk_size=CODE2WAV_CHUNK, left_context_size=CODE2WAV_LEFT_CONTEXT)
+        return wav.reshape(-1).float().cpu()
 
-        vocoder = StreamedCode2Wav(self.token2wav, on_piece)
-        self._talk(task, vocoder, cancelled)
-        if cancelled.is_set():
-            raise SynthesisCancelled()
-        with self.vocoder_slots.hold():
-            vocoder.finish()
-        return vocoder.total
-
-    def _talk(self, task: SpeechTask, vocoder: "StreamedCode2Wav | None" = None,
-              cancelled: threading.Event | None = None) -> list[torch.Tensor]:
-        """Run the talker and return each spoken step's codes [1, groups]; a streamed request's
-        ``vocoder`` is fed each as soon as the code predictor has filled it in (:meth:`_vocode`).
-        The prompt forward runs holding the turn; each decode step rides the worker's step batch
-        (qwen3_talker.py)."""
-        talker, cfg = self.talker, self.config.talker_config
-        reply = task.reply()
-        vocab = cfg.text_config.vocab_size
-        suppress = [i for i in range(vocab - 1024, vocab) if i != cfg.codec_eos_token_id]
-        generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
-        inputs, rows = self._talker_inputs(task)   # may wait for the thinker's first tokens: outside the turn
-        with self.turns.hold(urgent=task.stream):
-            row = qwen3_talker.start(talker, inputs, generator, suppress)
-        tts_pad = rows.specials[1][0]
-        spoken: list[torch.Tensor] = []
-        budget = self._budget_check(task)
-        with self.step_batch.seat(row) as seat:
-            reply.waiting = self.step_batch.away   # a wait for the thinker holds back no other request
-            try:
-                while row.first_codes[-1] != cfg.codec_eos_token_id and not budget(row.sampled):
-                    if reply.cancelled.is_set() or (cancelled is not None and cancelled.is_set()):
-                        raise SynthesisCancelled()   # a cancelled request stops at its next step
-                    step = row.sampled - 1
-                    text = rows.through(step)
-                    row.text_row = text[0, step] if step < text.shape[1] else tts_pad
-                    self.step_batch.ride(seat)
-                    spoken.append(row.codes[None])
-                    if vocoder is not None:
-                        self._vocode(vocoder, spoken[-1], len(spoken))
-            finally:
-                reply.waiting = lambda wait: wait()
-        return spoken
-
-    def _step_rows(self, seats) -> None:
-        qwen3_talker.step(self.talker, self.batch_kv, seats)
+    def vocoder(self, task: SpeechTask, on_piece: PieceSink) -> "StreamedCode2Wav":
+        return StreamedCode2Wav(self.token2wav, on_piece)
 
     def _talker_inputs(self, task: SpeechTask) -> tuple[dict, "TrailingRows"]:
         """The talker's generate() prompt for one request, as transformers' ``generate`` builds it,
@@ -261,6 +223,26 @@ class Qwen3SpeechEngine(GenerateSpeechEngine):
         return out, rows
 
 
+def load_qwen3_omni(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    max_batch_size: int = 4) -> GenerateSpeechEngine:
+    """A speech engine for a Qwen3-Omni directory (its talker, code2wav and voices)."""
+    from transformers import GenerationConfig, Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2Wav, Qwen3OmniMoeTalkerForConditionalGeneration)
+    root = Path(path)
+    config = Qwen3OmniMoeConfig.from_pretrained(root)
+    talker, code2wav, embed = load_talker(root, Qwen3OmniMoeTalkerForConditionalGeneration._from_config(
+        config.talker_config), Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config), "code2wav.",
+        dtype=dtype, device=device, talker_layout=fuse_experts)
+    family = Qwen3OmniFamily(talker, code2wav, embed, load_voices(root, config.talker_config), config, device=device)
+    gen = root / "generation_config.json"
+    if gen.is_file():   # the thinker's stop tokens end the spoken text as generate() is told they do
+        eos = GenerationConfig.from_pretrained(root).eos_token_id
+        if eos is not None:
+            family.thinker_eos = tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return GenerateSpeechEngine(family, device=device, max_batch_size=max_batch_size)
+
+
 class TrailingRows:
     """What Qwen3-Omni's talker reads after its prompt, one row per step, as transformers lays it out
     (``trailing_text_hidden``): the projected text of the assistant turn from its 5th token on, up
@@ -269,13 +251,13 @@ class TrailingRows:
     reply arrives: row ``j`` needs the reply up to two tokens past its own (to know it is not the
     last), or the reply's end."""
 
-    def __init__(self, engine: Qwen3SpeechEngine, task: SpeechTask, header: int):
-        self.engine, self.task, self.header = engine, task, header
+    def __init__(self, family: Qwen3OmniFamily, task: SpeechTask, header: int):
+        self.family, self.task, self.header = family, task, header
         self.reply = task.reply()
         self.prompt = task.prompt_token_ids
         self.specials: tuple[torch.Tensor, torch.Tensor] | None = None   # tts eos, tts pad rows
-        hidden = engine.talker.config.text_config.hidden_size
-        self._buffer = torch.empty(1, 64, hidden, device=engine.device, dtype=engine.thinker_embed.dtype)
+        hidden = family.talker.config.text_config.hidden_size
+        self._buffer = torch.empty(1, 64, hidden, device=family.device, dtype=family.thinker_embed.dtype)
         self._rows = 0
 
     def _token(self, index: int) -> int:
@@ -289,20 +271,20 @@ class TrailingRows:
     def assistant(self, count: int) -> torch.Tensor:
         """The projected text of the assistant turn's first ``count`` tokens that are not the last."""
         ids = [self._token(self.header + i) for i in range(count) if self._known(self.header + i + 1)]
-        engine = self.engine
-        return engine.talker.text_projection(engine.thinker_embed[torch.tensor(ids, dtype=torch.long,
-                                                                                device=engine.device)])
+        family = self.family
+        return family.talker.text_projection(family.thinker_embed[torch.tensor(ids, dtype=torch.long,
+                                                                                device=family.device)])
 
     def _row(self, j: int) -> torch.Tensor | None:
         """Row ``j``, or None past the end."""
-        tts_eos, tts_pad = self.specials
+        tts_eos, tts_pad = self._specials()
         index = self.header + 4 + j
         if not self._known(index):   # the reply ended before: there is no such row
             return None
         if not self._known(index + 1):   # the reply's last token: never fed, the row is tts eos
             row = tts_eos[0]
         else:
-            row = self.engine.talker.text_projection(self.engine.thinker_embed[self._token(index)][None])[0]
+            row = self.family.talker.text_projection(self.family.thinker_embed[self._token(index)][None])[0]
         stop = self._first_stop(j)
         if stop is not None and j > stop:
             return tts_pad[0]
@@ -310,12 +292,22 @@ class TrailingRows:
             return tts_eos[0]
         return row
 
+    def _specials(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.specials is None:
+            raise RuntimeError("TrailingRows read before the prompt set its tts eos and pad rows")
+        return self.specials
+
+    @property
+    def tts_pad(self) -> torch.Tensor:
+        """The tts pad row [H]: what the talker reads past the end of the reply."""
+        return self._specials()[1][0]
+
     def _first_stop(self, j: int) -> int | None:
         """The reply's first thinker stop token, if one is at or before index ``j`` (transformers
         compares that reply index with the row index)."""
         tokens = self.reply.token_ids
         for i, token in enumerate(tokens[:j + 1]):
-            if token in self.engine.thinker_eos:
+            if token in self.family.thinker_eos:
                 return i
         return None
 
@@ -341,20 +333,18 @@ class StreamedCode2Wav:
     code2wav reads before a code, and the tail it cannot compute without later codes is completed by
     the next piece."""
 
-    def __init__(self, code2wav, on_piece: Callable[[torch.Tensor, int, bool], None]):
+    def __init__(self, code2wav, on_piece: PieceSink):
         self.code2wav, self.on_piece = code2wav, on_piece
         self.codes: list[torch.Tensor] = []   # [1, groups] per code
         self.done = 0
-        self.total = 0
         self.pieces = 0   # emitted so far (StreamingVocoder)
 
     def ready(self, count: int) -> bool:
         """Whether :meth:`feed` bringing the codes to ``count`` would vocode a piece."""
         return count - self.done >= (STREAM_FIRST_CODES if self.done == 0 else STREAM_CHUNK_CODES)
 
-    def feed(self, codes: torch.Tensor) -> None:
-        self.codes.append(codes)
-        self.total = len(self.codes)
+    def feed(self, codes: Sequence[torch.Tensor]) -> None:
+        self.codes.extend(codes[len(self.codes):])
         size = STREAM_FIRST_CODES if self.done == 0 else STREAM_CHUNK_CODES
         if len(self.codes) - self.done >= size:
             self._emit(self.done + size, final=False)

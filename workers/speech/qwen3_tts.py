@@ -1,6 +1,7 @@
-"""Speech engine of the generate role for Qwen3-TTS (12 Hz CustomVoice): text → codec frames → waveform.
+"""The Qwen3-TTS (12 Hz CustomVoice) speech family (:class:`Qwen3TTSFamily`, a ``SpeechFamily``):
+text → codec frames → waveform.
 
-Life of a request through this engine::
+Life of a request through it::
 
     add(TTSTask: the text's ids as the package builds them — ``<|im_start|>assistant\\n`` TEXT
         ``<|im_end|>\\n<|im_start|>assistant\\n`` —, SpeechParams) ──▶ waiting (FIFO)
@@ -33,9 +34,10 @@ package's ``generate`` draws from ``torch.manual_seed(seed)`` (tested: the same 
 codes depend on its seed, voice and text only, batched or alone (the contract of the omni engines,
 engine.py); streamed and one-shot requests sample the same codes.
 
-Queue, synthesis thread, cancellation, deadlines and ``close`` are the Qwen2.5-Omni engine's
-(:class:`~omnirelay.workers.speech.engine.GenerateSpeechEngine`, whose step() this engine runs);
-this class only loads the model and synthesises. It holds no sockets.
+Queue, synthesis thread, cancellation, deadlines and ``close`` are the engine's
+(:class:`~omnirelay.workers.speech.engine.GenerateSpeechEngine`, which runs this family as it runs
+every family; :func:`load_qwen3_tts` builds one); the family loads the model and computes. It
+holds no sockets.
 """
 
 from __future__ import annotations
@@ -45,17 +47,22 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Sequence
 
 import torch
 
 from omnirelay.errors import BadRequest
 from omnirelay.speech_params import MAX_CODES, SpeechParams
 
-from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, _change_speed, _load_prefixed
 from omnirelay.workers.speech import qwen3_tts_talker
+from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine
+from omnirelay.workers.speech.family import PieceSink
+from omnirelay.workers.speech.loading import load_prefixed
+from omnirelay.workers.speech.qwen3_talker import Qwen3Row
 from omnirelay.workers.speech.qwen3_tts_package import check_supported, load_classes
-from omnirelay.workers.speech.stream import SynthesisCancelled
+from omnirelay.workers.speech.reply_source import ReplySource
+from omnirelay.workers.speech.step_batch import Seat
+from omnirelay.workers.speech.talker_batch import BatchKV
 
 log = logging.getLogger("omnirelay.worker.speech")
 
@@ -78,8 +85,9 @@ class TTSTask:
     deadline: float
     stream: bool = False
     priority: int = 0   # Task.priority: the waiting queue's order (request_queue.py)
-    # Set by the engine when the request is cancelled while it runs: its talker stops at its next frame.
-    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def bind_stop(self, stop: threading.Event) -> None:
+        """Nothing to bind: the task waits for no input (the engine polls ``stop`` between frames)."""
 
     def frames_budget(self) -> int:
         text = len(self.prompt_token_ids) - PROMPT_HEAD - PROMPT_TAIL
@@ -89,7 +97,7 @@ class TTSTask:
 def _load_state(module: torch.nn.Module, root: Path, prefix: str = "") -> None:
     """``module``'s tensors from the safetensors checkpoint in ``root`` (sharded or not), those whose
     names start with ``prefix`` (stripped); every parameter must be there."""
-    state = {k[len(prefix):]: v for k, v in _load_prefixed(root, (prefix,)).items()}
+    state = {k[len(prefix):]: v for k, v in load_prefixed(root, (prefix,)).items()}
     missing, unexpected = module.load_state_dict(state, strict=False)
     # Non-persistent buffers (rotary frequencies) are rebuilt by the constructor, never saved.
     missing = [k for k in missing if not k.endswith(("inv_freq", "original_inv_freq"))]
@@ -97,8 +105,31 @@ def _load_state(module: torch.nn.Module, root: Path, prefix: str = "") -> None:
         raise ValueError(f"{root} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-class Qwen3TTSEngine(GenerateSpeechEngine):
-    def __init__(self, model: Any, decoder: Any, *, upsample: int, device: str = "cpu", max_batch_size: int = 1):
+class Qwen3TTSTalk:
+    """One request's Qwen3-TTS talker (family.py ``Talk``): its codes are frames, [groups] tensors,
+    each complete once the code predictor filled in its step."""
+
+    reply: ReplySource | None = None   # the whole text is in the prompt: nothing to wait for
+
+    def __init__(self, row: Qwen3Row, eos: int, budget: int):
+        self.row, self._eos, self._budget = row, eos, budget
+        self._stepped = False
+
+    def spoken(self) -> list[torch.Tensor]:
+        return [self.row.codes] if self._stepped else []   # the prompt forward sampled a first code only
+
+    def done(self) -> bool:
+        return self.row.first_codes[-1] == self._eos or self.row.sampled >= self._budget
+
+    def prepare(self) -> None:
+        self._stepped = True   # non-streaming mode: every step reads the tts pad row set at start
+
+
+class Qwen3TTSFamily:
+    """The Qwen3-TTS speech family (a :class:`~omnirelay.workers.speech.family.SpeechFamily`; what it
+    computes: the module docstring)."""
+
+    def __init__(self, model: Any, decoder: Any, *, upsample: int, device: str = "cpu"):
         self.model = model
         self.decoder = decoder
         self.upsample = upsample
@@ -112,7 +143,6 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         self.im_end = int(model.config.im_end_token_id)
         self.head: list[int] = []    # <|im_start|>assistant\n
         self.tail: list[int] = []    # <|im_end|>\n<|im_start|>assistant\n
-        self._init_queue(max_batch_size, model)
 
     def set_template(self, tokenizer: Any) -> None:
         """The ids around the text, as the package's processor tokenizes its prompt string."""
@@ -127,41 +157,11 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         (``Qwen3TTSModel._build_assistant_text``; the text tokenized on its own, as the gateway does)."""
         return self.head + list(text_ids) + self.tail
 
-    @classmethod
-    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        max_batch_size: int = 1) -> "Qwen3TTSEngine":
-        """Build the package's classes from the directory's configs and load its safetensors (why not
-        the package's own ``from_pretrained``: workers/speech/qwen3_tts_package.py)."""
-        classes = load_classes()
-        root = Path(path)
-        raw = json.loads((root / "config.json").read_text())
-        check_supported(raw)
-        config = classes.config.from_pretrained(str(root))
-        predictor = config.talker_config.code_predictor_config
-        if "pad_token_id" not in predictor.__dict__:
-            predictor.pad_token_id = None   # transformers 5 no longer defaults it (qwen3_tts_package.py)
-        model = classes.model._from_config(config)
-        _load_state(model, root)
-        model.load_generate_config(json.loads((root / "generation_config.json").read_text()))
-        codec = classes.tokenizer_config.from_pretrained(str(root / "speech_tokenizer"))
-        if codec.output_sample_rate != SAMPLE_RATE:
-            raise ValueError(f"the codec outputs {codec.output_sample_rate} Hz; this server encodes {SAMPLE_RATE} Hz")
-        decoder = classes.codec_decoder._from_config(codec.decoder_config)
-        _load_state(decoder, root / "speech_tokenizer", "decoder.")
-        model = model.to(device=device, dtype=dtype).eval()
-        decoder = decoder.to(device=device).float().eval()   # the waveform in float32, as the package decodes
-        from transformers import AutoTokenizer
-        engine = cls(model, decoder, upsample=int(codec.decode_upsample_rate), device=device,
-                     max_batch_size=max_batch_size)
-        engine.set_template(AutoTokenizer.from_pretrained(str(root)))
-        return engine
-
     @property
     def voices(self) -> list[str]:
         return sorted(self.speakers)
 
-    def add(self, task: TTSTask) -> None:  # type: ignore[override]
-        """Validate and queue ``task``; raises :class:`BadRequest` for what this model cannot speak."""
+    def check(self, task: TTSTask) -> None:
         if task.params.voice.lower() not in self.speakers:
             raise BadRequest(f"voice {task.params.voice!r} is not one of this model's speakers: "
                              f"{', '.join(self.voices)}", param="voice")
@@ -169,40 +169,21 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         if len(ids) < PROMPT_HEAD + PROMPT_TAIL + 1 or ids[0] != self.im_start:
             raise BadRequest("the prompt must be <|im_start|>assistant\\n TEXT <|im_end|>\\n<|im_start|>assistant\\n "
                              "with a non-empty TEXT", param="input")
-        self._queue(task)
 
-    # ------------------------------------------------------------------ synthesis (synthesis thread)
+    def prompt(self, task: TTSTask) -> TTSTask:
+        """Nothing to build outside the turn: the prompt's embeddings come from the talker module's
+        tables and are built with its forward (:meth:`start`)."""
+        return task
 
-    def _talk(self, task: TTSTask, chunker: "_FrameChunker | None" = None,
-              cancelled: threading.Event | None = None) -> list[torch.Tensor]:
-        """Run the talker: each frame's codes [groups], in order (up to ``frames_budget`` samples or
-        the codec EOS). The prompt forward runs holding the turn; each decode step rides the worker's
-        step batch (qwen3_tts_talker.py); a streamed request's ``chunker`` is fed each frame as soon
-        as it exists (:meth:`_vocode`)."""
-        generator = torch.Generator(device=self.device).manual_seed(task.params.seed)
-        with self.turns.hold(urgent=task.stream):
-            embeds, tts_pad = qwen3_tts_talker.prompt(self.model, task.prompt_token_ids, task.params.voice.lower(),
-                                                      self.device)
-            row = qwen3_tts_talker.start(self.model, embeds, generator, self.sampling)
+    def start(self, task: TTSTask, prompt: TTSTask, generator: torch.Generator) -> Qwen3TTSTalk:
+        embeds, tts_pad = qwen3_tts_talker.prompt(self.model, prompt.prompt_token_ids, task.params.voice.lower(),
+                                                  self.device)
+        row = qwen3_tts_talker.start(self.model, embeds, generator, self.sampling)
         row.text_row = tts_pad   # non-streaming mode: the whole text is in the prompt
-        frames: list[torch.Tensor] = []
-        budget = task.frames_budget()
-        with self.step_batch.seat(row) as seat:
-            while row.first_codes[-1] != self.eos and row.sampled < budget:
-                if task.cancelled.is_set() or (cancelled is not None and cancelled.is_set()):
-                    raise SynthesisCancelled()   # a cancelled request stops at its next frame
-                self.step_batch.ride(seat)
-                frames.append(row.codes)
-                if chunker is not None:
-                    self._vocode(chunker, frames[-1], len(frames))
-        return frames
+        return Qwen3TTSTalk(row, self.eos, task.frames_budget())
 
-    def _step_rows(self, seats) -> None:
-        qwen3_tts_talker.step(self.model, self.batch_kv, seats)
-
-    def _stops_with(self, task: TTSTask, cancelled: threading.Event) -> None:
-        """A cancelled request, streamed or one-shot, stops at its next frame."""
-        task.cancelled = cancelled
+    def step(self, batch_kv: BatchKV, seats: list[Seat]) -> None:
+        qwen3_tts_talker.step(self.model, batch_kv, seats)
 
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
         """``frames`` [n, groups] → float32 waveform [n * upsample] (``Qwen3TTSTokenizerV2Model.decode``)."""
@@ -211,56 +192,64 @@ class Qwen3TTSEngine(GenerateSpeechEngine):
         wav = self.decoder.chunked_decode(frames.clamp(min=0).T[None].to(self.device))
         return wav.reshape(-1)[: frames.shape[0] * self.upsample].float().cpu()
 
-    @torch.inference_mode()
-    def synthesize(self, task: TTSTask) -> tuple[torch.Tensor, int]:  # type: ignore[override]
-        frames = self._talk(task)
-        frames = torch.stack(frames) if frames else torch.zeros(0, self.model.talker.config.num_code_groups,
-                                                                 dtype=torch.long)
-        with self.vocoder_slots.hold():   # engine.py: VOCODER_SLOTS
-            wav = self.decode(frames)
-        if task.params.speed != 1.0 and wav.numel():
-            wav = _change_speed(wav, task.params.speed)
-        return wav, int(frames.shape[0])
+    def vocode(self, task: TTSTask, codes: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        return self.decode(torch.stack(codes))
 
-    @torch.inference_mode()
-    def synthesize_stream(self, task: TTSTask, emit: Callable[[SpeechChunk], None],  # type: ignore[override]
-                          cancelled: threading.Event | None = None) -> int:
-        cancelled = cancelled or threading.Event()
-        chunker = _FrameChunker(self, task, emit)
-        self._talk(task, chunker, cancelled)
-        if cancelled.is_set():
-            raise SynthesisCancelled()
-        with self.vocoder_slots.hold():
-            chunker.finish()
-        return chunker.count
+    def vocoder(self, task: TTSTask, on_piece: PieceSink) -> "_FrameChunker":
+        return _FrameChunker(self, on_piece)
+
+
+def load_qwen3_tts(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                   max_batch_size: int = 1) -> GenerateSpeechEngine:
+    """A speech engine for a Qwen3-TTS 12 Hz CustomVoice directory: the package's classes built from
+    the directory's configs, its safetensors loaded (why not the package's own ``from_pretrained``:
+    workers/speech/qwen3_tts_package.py)."""
+    return GenerateSpeechEngine(load_family(path, dtype=dtype, device=device), device=device,
+                                max_batch_size=max_batch_size)
+
+
+def load_family(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Qwen3TTSFamily:
+    classes = load_classes()
+    root = Path(path)
+    raw = json.loads((root / "config.json").read_text())
+    check_supported(raw)
+    config = classes.config.from_pretrained(str(root))
+    predictor = config.talker_config.code_predictor_config
+    if "pad_token_id" not in predictor.__dict__:
+        predictor.pad_token_id = None   # transformers 5 no longer defaults it (qwen3_tts_package.py)
+    model = classes.model._from_config(config)
+    _load_state(model, root)
+    model.load_generate_config(json.loads((root / "generation_config.json").read_text()))
+    codec = classes.tokenizer_config.from_pretrained(str(root / "speech_tokenizer"))
+    if codec.output_sample_rate != SAMPLE_RATE:
+        raise ValueError(f"the codec outputs {codec.output_sample_rate} Hz; this server encodes {SAMPLE_RATE} Hz")
+    decoder = classes.codec_decoder._from_config(codec.decoder_config)
+    _load_state(decoder, root / "speech_tokenizer", "decoder.")
+    model = model.to(device=device, dtype=dtype).eval()
+    decoder = decoder.to(device=device).float().eval()   # the waveform in float32, as the package decodes
+    from transformers import AutoTokenizer
+    family = Qwen3TTSFamily(model, decoder, upsample=int(codec.decode_upsample_rate), device=device)
+    family.set_template(AutoTokenizer.from_pretrained(str(root)))
+    return family
 
 
 class _FrameChunker:
     """Collects a streamed request's frames and emits the waveform piece by piece (the fixed plan
-    in the module docstring)."""
+    in the module docstring; a StreamingVocoder)."""
 
-    def __init__(self, engine: Qwen3TTSEngine, task: TTSTask, emit: Callable[[SpeechChunk], None]):
-        self.engine, self.task, self.emit = engine, task, emit
+    def __init__(self, family: Qwen3TTSFamily, on_piece: PieceSink):
+        self.family, self.on_piece = family, on_piece
         self.frames: list[torch.Tensor] = []
         self.sent = 0          # frames whose samples went out
-        self.index = 0
-
-    @property
-    def count(self) -> int:
-        return len(self.frames)
-
-    @property
-    def pieces(self) -> int:
-        """Pieces emitted so far (StreamingVocoder)."""
-        return self.index
+        self.pieces = 0        # emitted so far
 
     def ready(self, count: int) -> bool:
         """Whether :meth:`feed` bringing the frames to ``count`` would decode a piece."""
-        return count - self.sent >= (FIRST_CHUNK_FRAMES if self.index == 0 else CHUNK_FRAMES)
+        return count - self.sent >= (FIRST_CHUNK_FRAMES if self.pieces == 0 else CHUNK_FRAMES)
 
-    def feed(self, frame: torch.Tensor) -> None:
-        self.frames.append(frame.detach().to("cpu", torch.long))
-        size = FIRST_CHUNK_FRAMES if self.index == 0 else CHUNK_FRAMES
+    def feed(self, frames: Sequence[torch.Tensor]) -> None:
+        self.frames.extend(frame.detach().to("cpu", torch.long) for frame in frames[len(self.frames):])
+        size = FIRST_CHUNK_FRAMES if self.pieces == 0 else CHUNK_FRAMES
         if len(self.frames) - self.sent >= size:
             self._piece(self.sent + size, final=False)
 
@@ -273,9 +262,7 @@ class _FrameChunker:
         wav = torch.zeros(0)
         if end > start:
             window = torch.stack(self.frames[start - context:end])
-            wav = self.engine.decode(window)[context * self.engine.upsample:]
-        if self.task.params.speed != 1.0 and wav.numel():
-            wav = _change_speed(wav, self.task.params.speed)
-        self.emit(SpeechChunk(self.task.request_id, self.index, wav, len(self.frames), final))
-        self.index += 1
+            wav = self.family.decode(window)[context * self.family.upsample:]
+        self.pieces += 1
         self.sent = end
+        self.on_piece(wav, len(self.frames), final)

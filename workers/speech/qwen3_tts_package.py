@@ -68,21 +68,23 @@ class Qwen3TTSClasses:
     codec_decoder: Any       # Qwen3TTSTokenizerV2Decoder (12 Hz codes → 24 kHz waveform)
 
 
-def _placeholder(name: str) -> types.ModuleType:
-    module = types.ModuleType(name)
+class _Placeholder(types.ModuleType):
+    """A module that is not installed, standing in while the package imports: any function taken
+    from it raises ImportError naming the 25 Hz tokenizer (the only code that would call it)."""
 
-    def __getattr__(attr: str) -> Any:
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__path__: list[str] = []   # a package, so its submodules can be imported from it
+
+    def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
             raise AttributeError(attr)
+        name = self.__name__
 
         def unavailable(*args: Any, **kwargs: Any) -> Any:
             raise ImportError(f"{name}.{attr} is not installed: only Qwen3-TTS's 25 Hz speech tokenizer uses it, "
                               "and this server serves 12 Hz models only")
         return unavailable
-
-    module.__getattr__ = __getattr__  # type: ignore[method-assign]
-    module.__path__ = []              # a package, so its submodules can be imported from it
-    return module
 
 
 @contextlib.contextmanager
@@ -102,7 +104,7 @@ def _only_25hz_placeholders() -> Iterator[None]:
         top = name.split(".")[0]
         if name in sys.modules or (top not in added and importlib.util.find_spec(top) is not None):
             continue
-        sys.modules[name] = _placeholder(name)
+        sys.modules[name] = _Placeholder(name)
         added.append(name)
         parent, _, child = name.rpartition(".")
         if parent:

@@ -16,7 +16,7 @@ the old one's event, its pieces or its fate. The engine keeps the cancelled reco
 still runs in its own list (:attr:`GenerateSpeechEngine.draining`) until step() collects them.
 
 Per-request state lives here, on the record, never in an engine's side dict keyed by request id or
-in a thread-local: the stop event its thread polls, whether its first streamed piece has left (a
+in a thread-local (the role adapter's is on its own record: delivery.py): the stop event its thread polls, whether its first streamed piece has left (a
 vocoder's urgency), the codes behind that first piece (the engine's streamed-speech counters).
 """
 

@@ -1,5 +1,5 @@
-"""The generate role for speech (Qwen2.5-Omni; Qwen3-Omni through its :class:`Qwen3SpeechEngine`, the
-same interface), between the bus and :class:`GenerateSpeechEngine`.
+"""The generate role for speech, between the bus and :class:`GenerateSpeechEngine` (every family:
+Qwen2.5-Omni, Qwen3-Omni; Qwen3-TTS too, reading its tasks another way: qwen3_tts_role.py).
 
 Life of a request through this adapter::
 
@@ -21,6 +21,10 @@ piece's; ``finish`` on the last of the final piece, then StageDone. A failure mi
 StageFailed after the pieces already sent. The pieces follow a fixed plan from the seed, so a retry
 elsewhere sends the same bytes under the same indexes and the gateway skips what it delivered.
 FLAC is not streamed (its header wants the length): such a request is synthesised whole.
+
+Per request the adapter keeps one :class:`~omnirelay.workers.speech.delivery.Delivery` record (the
+format, the input hand-off to release, a streamed reply's chunks read, the next MediaResult index),
+in its ``deliveries``; how a task is read is an :class:`~omnirelay.workers.speech.inputs.SpeechInputs`.
 
 What the stages before leave in ``Task.inputs``, a :class:`~omnirelay.handoffs.SpeechHandoff`:
 
@@ -52,14 +56,15 @@ import torch
 from omnirelay.broker import protocol as p
 from omnirelay.connectors import Connector
 from omnirelay.errors import BadRequest, OmniError
-from omnirelay.handoffs import Handoff, SpeechHandoff
+from omnirelay.handoffs import SpeechHandoff
 from omnirelay.request_params import speech_of
-from omnirelay.speech_params import SpeechParams
 
 from omnirelay.workers.runtime.config import WorkerConfig
-from omnirelay.workers.speech.reply_source import ReplySource
+from omnirelay.workers.speech.delivery import Deliveries, Delivery, DeliveryStatus
 from omnirelay.workers.speech.engine import SAMPLE_RATE, GenerateSpeechEngine, SpeechChunk, SpeechTask
-from omnirelay.workers.speech.qwen3 import Qwen3SpeechEngine
+from omnirelay.workers.speech.inputs import OmniInputs, SpeechInputs
+from omnirelay.workers.speech.qwen2_5_omni import load_qwen2_5_omni
+from omnirelay.workers.speech.qwen3 import load_qwen3_omni
 from omnirelay.workers.runtime.assembly import BuiltRole, closed_on_error, open_connector
 from omnirelay.workers.runtime.roles import Outbound, RoleAdapter
 
@@ -109,21 +114,26 @@ def encode_audio(waveform: torch.Tensor, fmt: str, sample_rate: int = SAMPLE_RAT
 class GenerateSpeechRole(RoleAdapter):
     role = "generate"
 
-    def __init__(self, worker_id: str, engine: GenerateSpeechEngine, connector: Connector,
-                 transfer_timeout_s: float = 30.0, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, worker_id: str, engine: GenerateSpeechEngine, connector: Connector | None,
+                 transfer_timeout_s: float = 30.0, chunk_bytes: int = CHUNK_BYTES,
+                 inputs: SpeechInputs | None = None):
+        """``inputs``: how a task is read (inputs.py); by default the omni models' hidden states on
+        ``connector``. A role without a connector (Qwen3-TTS) reads nothing from one and releases nothing."""
         super().__init__(worker_id, engine, connector)
+        self.engine: GenerateSpeechEngine = engine
         self.chunk_bytes = chunk_bytes
-        self.transfer_timeout_s = transfer_timeout_s
-        self._formats: dict[str, str] = {}
-        # The hidden states' keys stay until the request's audio is out (or it fails or is
-        # cancelled): if this worker dies mid-synthesis, the broker's retry elsewhere still finds them.
-        self._inputs: dict[str, Handoff | None] = {}
-        self._next_index: dict[str, int] = {}   # streamed request → its next MediaResult index
-        self._streams: dict[str, ReplySource] = {}   # requests whose reply is streamed in by decode
+        if inputs is None:
+            if connector is None:
+                raise ValueError("a speech role reading hidden states needs a connector")
+            inputs = OmniInputs(connector, transfer_timeout_s)
+        self.inputs = inputs
+        self.deliveries = Deliveries()   # what this role keeps per request held (delivery.py)
 
     def accept(self, task: p.Task) -> list[Outbound]:
         # A re-dispatched request we still hold: the new attempt wins, and may read the same keys.
-        self._inputs.pop(task.request_id, None)
+        old = self.deliveries.get(task.request_id)
+        if old is not None:
+            old.inputs = None   # the cancel below releases nothing of them
         self._replace_held(task)
         try:
             params = speech_of(task.params)
@@ -132,70 +142,37 @@ class GenerateSpeechRole(RoleAdapter):
             if params.format == "flac" and not flac_available():
                 raise BadRequest("flac needs the soundfile package on the generate worker; use wav or pcm",
                                  param="response_format")
-            speech = self._read_inputs(task, params)
+            speech = self.inputs.read(task, params)
             speech.stream = params.stream and params.format != "flac"
             speech.priority = task.priority   # the waiting queue's order (omnirelay/scheduling.py)
             self.engine.add(speech)
         except BadRequest as exc:
-            self._streams.pop(task.request_id, None)
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid speech request: {exc.message}",
                                  attempt=task.attempt)]
         except OmniError as exc:   # the connector could not deliver the hidden states
-            self._streams.pop(task.request_id, None)
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, exc.error_type, str(exc), attempt=task.attempt)]
         except (KeyError, TypeError, ValueError) as exc:
-            self._streams.pop(task.request_id, None)
             self.release(task.inputs)
             return [self.failure(task.request_id, task.stage, BadRequest.error_type, f"invalid speech task: {exc!r}",
                                  attempt=task.attempt)]
         self._hold(task)
-        self._formats[task.request_id] = params.format
-        self._inputs[task.request_id] = task.inputs
+        streamed = isinstance(task.inputs, SpeechHandoff) and task.inputs.reply_stream is not None
+        reply = speech.reply_stream if streamed and isinstance(speech, SpeechTask) else None
+        self.deliveries.add(Delivery(task.request_id, params.format, task.inputs, reply))
         return []
-
-    def _read_inputs(self, task: p.Task, params: SpeechParams) -> SpeechTask:
-        inputs = task.inputs
-        if not isinstance(inputs, SpeechHandoff):
-            raise BadRequest(f"no speech_prompt states in the task inputs ({type(inputs).__name__})")
-        prompt = self._get("speech_prompt", inputs.speech_prompt_key, inputs.speech_prompt_handle)
-        hidden = _tensor(prompt, "hidden")
-        ids = list(task.prompt_token_ids)
-        if hidden.shape[0] != len(ids):
-            raise BadRequest(f"prefill sent states of {hidden.shape[0]} tokens for a prompt of {len(ids)}")
-        if params.reply_start >= 0:   # /v1/audio/speech: the reply is the prompt's teacher-forced tail
-            start = params.reply_start
-            if not 0 < start <= len(ids) - 2:
-                raise BadRequest(f"reply_start {start} leaves fewer than 2 reply tokens in a prompt of {len(ids)}")
-            return SpeechTask(task.request_id, ids[:start], hidden[:start], ids[start:], hidden[start:-1], params,
-                              task.deadline)
-        grids = [[int(x) for x in grid] for grid in prompt.get("image_grids") or []]
-        audio_lengths = [int(n) for n in prompt.get("audio_lengths") or []]
-        if inputs.reply_stream is not None:   # decode still writes it: the talker reads it chunk by chunk
-            reply = ReplySource.streamed(inputs.reply_stream, self.connector, timeout_s=self.transfer_timeout_s,
-                                         deadline=task.deadline)
-            self._streams[task.request_id] = reply
-            return SpeechTask(task.request_id, ids, hidden, [], torch.zeros(0, 0), params, task.deadline,
-                              image_grids=grids, audio_lengths=audio_lengths, reply_stream=reply)
-        reply = self._get("speech_reply", inputs.speech_reply_key, inputs.speech_reply_handle)
-        reply_ids = [int(t) for t in reply["token_ids"]]
-        return SpeechTask(task.request_id, ids, hidden, reply_ids, _tensor(reply, "hidden"), params, task.deadline,
-                          image_grids=grids, audio_lengths=audio_lengths)
-
-    def _get(self, name: str, key: str, handle: dict | None) -> dict:
-        if not key:
-            raise BadRequest(f"no {name} states in the task inputs")
-        return self.connector.get(key, handle, timeout=self.transfer_timeout_s)
 
     def _forget(self, request_id: str) -> None:
         super()._forget(request_id)
-        self._formats.pop(request_id, None)
-        self._next_index.pop(request_id, None)
-        inputs, reply = self._inputs.pop(request_id, None), self._streams.pop(request_id, None)
-        if reply is not None and isinstance(inputs, SpeechHandoff) and self.connector is not None:
+        delivery = self.deliveries.pop(request_id)
+        if delivery is None:
+            return
+        inputs = delivery.inputs
+        if delivery.reply is not None and isinstance(inputs, SpeechHandoff) and inputs.reply_stream is not None \
+                and self.connector is not None:
             # What decode may still have written past what was read (the chunks read are deleted).
-            inputs.reply_stream.release(self.connector, first=reply.chunks_read)
+            inputs.reply_stream.release(self.connector, first=delivery.reply.chunks_read)
             inputs = msgspec.structs.replace(inputs, reply_stream=None)
         self.release(inputs)
 
@@ -204,10 +181,11 @@ class GenerateSpeechRole(RoleAdapter):
         out: list[Outbound] = []
         for speech in result.outputs:
             reply_to = self._reply_to.get(speech.request_id)
-            fmt = self._formats.get(speech.request_id, "wav")
+            delivery = self.deliveries.get(speech.request_id)
             self._forget(speech.request_id)
-            if reply_to is None:
+            if reply_to is None or delivery is None:
                 continue   # cancelled while it ran
+            fmt = delivery.format
             data = encode_audio(speech.waveform, fmt)
             size = self.chunk_bytes
             chunks = [data[i:i + size] for i in range(0, len(data), size)] or [b""]
@@ -224,51 +202,46 @@ class GenerateSpeechRole(RoleAdapter):
     def _send_piece(self, chunk: SpeechChunk) -> list[Outbound]:
         """One streamed piece as MediaResults (and, after the final one, StageDone)."""
         reply_to = self._reply_to.get(chunk.request_id)
-        if reply_to is None:
+        delivery = self.deliveries.get(chunk.request_id)
+        if reply_to is None or delivery is None:
             return []   # cancelled meanwhile
-        fmt = self._formats.get(chunk.request_id, "wav")
+        fmt = delivery.format
         data = encode_audio(chunk.waveform, "pcm")
         if chunk.index == 0 and fmt == "wav":
             data = WAV_STREAM_HEADER + data
         size = self.chunk_bytes
         parts = [data[i:i + size] for i in range(0, len(data), size)] or ([b""] if chunk.final else [])
-        first = self._next_index.get(chunk.request_id, 0)
+        first = delivery.next_index
         out: list[Outbound] = [
             (reply_to, p.MediaResult(chunk.request_id, first + k, MIMES[fmt], base64.b64encode(part).decode("ascii"),
                                      finish=chunk.final and k == len(parts) - 1, worker_id=self.worker_id))
             for k, part in enumerate(parts)]
-        self._next_index[chunk.request_id] = first + len(parts)
+        delivery.next_index = first + len(parts)
+        delivery.status = DeliveryStatus.STREAMING
         if chunk.final:
             self._forget(chunk.request_id)
             out.append(self._done(chunk.request_id, None, True))
         return out
 
 
-def _tensor(payload: dict, name: str) -> torch.Tensor:
-    value = payload[name]
-    if not isinstance(value, torch.Tensor) or value.dim() != 2:
-        raise BadRequest(f"'{name}' must be a 2-D tensor")
-    return value.clone()   # a connector view pins backend memory while the request waits: keep a copy
-
-
 def build_speech_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
     """A speech generate worker for a Qwen2.5-Omni directory."""
-    return _build(config, GenerateSpeechEngine)
+    return _build(config, load_qwen2_5_omni)
 
 
 def build_qwen3_omni_speech_role(config: WorkerConfig, on_fatal: Callable[[str], None] | None = None) -> BuiltRole:
     """A speech generate worker for a Qwen3-Omni directory."""
-    return _build(config, Qwen3SpeechEngine)
+    return _build(config, load_qwen3_omni)
 
 
-def _build(config: WorkerConfig, engine_class: type[GenerateSpeechEngine] | type[Qwen3SpeechEngine]) -> BuiltRole:
+def _build(config: WorkerConfig, load: Callable[..., GenerateSpeechEngine]) -> BuiltRole:
     """The role adapter, heartbeat stats and owned parts of a speech generate worker: the talker and
     token2wav (code2wav) run on the first CUDA device when there is one."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     connector = open_connector(config)
     with closed_on_error(connector):
-        engine = engine_class.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype),
-                                              device=device, max_batch_size=config.capacity)
+        engine = load(config.model_path, dtype=getattr(torch, config.dtype), device=device,
+                      max_batch_size=config.capacity)
     log.info("speech generate worker: %s on %s, voices %s", config.model_path, device, ", ".join(engine.voices))
 
     def stats() -> dict:

@@ -7,7 +7,7 @@ Life of a streamed request (``SpeechTask.stream``) inside the engine's synthesis
             DiT on a window of code blocks (left context ─ chunk ─ look-ahead) ──▶ the chunk's mel
             ──▶ BigVGAN on (left mel context ─ chunk mel ─ look-ahead mel), cropped to the chunk
             ──▶ on_chunk(waveform piece, codes produced so far, final=False)
-    talker done (codec EOS or ``max_codes``) ──▶ feed(final=True): the remaining blocks, no look-ahead
+    talker done (codec EOS or ``max_codes``) ──▶ finish(): the remaining blocks, no look-ahead
 
 Why the window works: Qwen2.5-Omni's token2wav DiT attends block-wise (``block_size`` mel frames per
 block): each layer listed in ``look_ahead_layers`` sees the next block, each in
@@ -48,7 +48,7 @@ a chunk is vocoded the thread is away from the step batch, so the other requests
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -93,6 +93,7 @@ class ChunkedToken2Wav:
         self._noise: list[torch.Tensor] = []                # per block, drawn in block order
         self._done_blocks = 0                               # blocks whose audio was emitted
         self._left_mel: torch.Tensor | None = None          # [1, mel_dim, ≤ context]: final mel before the next chunk
+        self._codes: Sequence[int] = ()                   # every code so far (the engine's list)
         self.chunks = 0
         self.finished = False
 
@@ -106,7 +107,17 @@ class ChunkedToken2Wav:
         size = self.first_chunk_blocks if self._done_blocks == 0 else self.chunk_blocks
         return not self.finished and count >= (self._done_blocks + size + self.ahead) * self.codes_per_block
 
-    def feed(self, codes: list[int], final: bool = False) -> None:
+    def feed(self, codes: Sequence[int]) -> None:
+        """Every code so far (StreamingVocoder): vocodes each chunk whose codes and look-ahead exist."""
+        self._codes = codes
+        self._vocode(final=False)
+
+    def finish(self) -> None:
+        """The talker is done: the remaining blocks, no look-ahead, as the final piece."""
+        self._vocode(final=True)
+
+    def _vocode(self, final: bool) -> None:
+        codes = self._codes
         while not self.finished:
             size = self.first_chunk_blocks if self._done_blocks == 0 else self.chunk_blocks
             end = self._done_blocks + size
@@ -118,7 +129,7 @@ class ChunkedToken2Wav:
             else:
                 return
 
-    def _emit(self, codes: list[int], end_block: int, ahead: int, produced: int, final: bool) -> None:
+    def _emit(self, codes: Sequence[int], end_block: int, ahead: int, produced: int, final: bool) -> None:
         start = self._done_blocks
         total_frames = len(codes) * self.repeats
         w0 = max(0, start - self.back) * self.block                 # window, in mel frames
