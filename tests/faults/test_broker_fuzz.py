@@ -109,6 +109,8 @@ def messages_of(cls) -> st.SearchStrategy:
     fields = {f.name: strategy_for(hints[f.name]) for f in msgspec.structs.fields(cls)}
     if cls is p.TokenDelta:   # its logprob lists line up with token_ids (or are all empty)
         return token_deltas(fields)
+    if cls is p.PooledResult:   # checked: one or more little-endian float32 values
+        fields["data"] = st.integers(1, 6).flatmap(lambda n: st.binary(min_size=4 * n, max_size=4 * n))
     return st.builds(cls, **fields)
 
 
