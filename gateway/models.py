@@ -21,6 +21,7 @@ from .config import ServedModel
 from .control_tokens import ContentTokens, strip_marks
 from .media import MediaLimits, MediaProcessor
 from .schema import STANDARD_ROLES, TemplateOptions
+from .speech_facts import SpeechFacts
 
 log = logging.getLogger("omnirelay.gateway")
 
@@ -67,6 +68,7 @@ class ModelRuntime:
         self.content_tokens = None if special_tokens_in_content else ContentTokens(self.tokenizer)
         config = json.loads((Path(served.path) / "config.json").read_text())
         kind = model_kind(served.path)
+        self.speech = SpeechFacts.read(served.path)   # voices, codes per second: read once (speech_facts.py)
         self.media = None
         if kind.is_omni:   # the thinker's LM sets the limits
             limits = media_limits or MediaLimits(allowed_local_dir=served.allowed_local_media_path)

@@ -59,7 +59,6 @@ import json
 import random
 import time
 import uuid
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -68,7 +67,6 @@ from aiohttp import web
 from omnirelay.broker import protocol as p
 from omnirelay.errors import BadRequest, DeadlineExceeded, NotFound, OmniError, Unprocessable
 from omnirelay.handoffs import MediaInputs
-from omnirelay.model_kind import ModelKind, model_kind, read_json
 from omnirelay.request_params import RequestParams
 from omnirelay.speech_params import MAX_CODES, MAX_SEED, SpeechParams
 
@@ -84,7 +82,7 @@ from ..schema import CHAT_AUDIO_FORMATS
 from ..spoken_answers import SpokenAnswers
 from ..sse import SseWriter
 from ..usage import UsageReport, report_for
-from .speech_responses import CODES_PER_SECOND, SpokenAudio, speech_body_stream, speech_event_stream
+from .speech_responses import SpokenAudio, speech_body_stream, speech_event_stream
 
 MAX_INPUT_CHARS = 4096           # OpenAI's bound on ``input``
 AUDIO_TTL_S = 3600               # ``expires_at``: until then a later turn may name the answer by its id
@@ -102,15 +100,10 @@ def flac_available() -> bool:
 
 
 def voices(model: ModelRuntime) -> list[str] | None:
-    """The model's speaker names: Qwen3-TTS's ``talker_config.spk_id``, else ``spk_dict.json``
-    (None when only a pickled table exists: the worker then checks the voice)."""
-    speakers = qwen3_tts_speakers(model.path)
-    if speakers is not None:
-        return speakers
-    try:
-        return sorted(json.loads((Path(model.path) / "spk_dict.json").read_text()))
-    except (OSError, ValueError):
-        return None
+    """The model's speaker names (None when only a pickled table exists: the worker then checks the
+    voice), as read once with the model (gateway/speech_facts.py)."""
+    names = model.speech.voices
+    return None if names is None else list(names)
 
 
 def _speech_params(model: ModelRuntime, voice: Any, fmt: str, body: dict, **extra) -> SpeechParams:
@@ -150,31 +143,12 @@ def _speech_model(models: dict, name: Any) -> ModelRuntime:
 
 def has_speakers(model: ModelRuntime) -> bool:
     """Whether the model directory has a speaker table (a Qwen2.5-Omni with its talker, a Qwen3-TTS)."""
-    root = Path(model.path)
-    return ((root / "spk_dict.json").is_file() or (root / "spk_dict.pt").is_file()
-            or bool(qwen3_tts_speakers(model.path)))
-
-
-def qwen3_tts_speakers(path: str) -> list[str] | None:
-    """A Qwen3-TTS model's speaker names (its ``config.json``); None for any other model. Its
-    generate worker takes the same request as a Qwen2.5-Omni's and speaks the text after
-    ``reply_start`` (workers/speech/qwen3_tts_role.py); the chat prompt before it goes unused."""
-    if model_kind(path) is not ModelKind.QWEN3_TTS:
-        return None
-    config = read_json(Path(path) / "config.json") or {}
-    return sorted((config.get("talker_config") or {}).get("spk_id") or {})
+    return model.speech.has_speakers
 
 
 def codes_per_second(model: ModelRuntime) -> float:
-    """The talker's codes per second of audio (``usage.output_tokens`` of a streamed answer): a
-    Qwen3-TTS codec frame is ``decode_upsample_rate`` samples (12.5 a second), Qwen2.5-Omni's 50."""
-    if qwen3_tts_speakers(model.path) is None:
-        return CODES_PER_SECOND
-    try:
-        codec = json.loads((Path(model.path) / "speech_tokenizer" / "config.json").read_text())
-        return float(codec["output_sample_rate"]) / float(codec["decode_upsample_rate"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return CODES_PER_SECOND
+    """The talker's codes per second of audio (``usage.output_tokens`` of a streamed answer)."""
+    return model.speech.codes_per_second
 
 
 # ---------------------------------------------------------------------- the bus side

@@ -33,11 +33,11 @@ from omnirelay.errors import OmniError
 
 from ..app_keys import CONFIG
 from ..error_answers import error_event
+from ..speech_facts import CODES_PER_SECOND
 
 log = logging.getLogger("omnirelay.gateway")
 
-# Qwen2.5-Omni's codec runs at 50 codes a second: token2wav turns each code into 480 samples at 24 kHz.
-CODES_PER_SECOND, SAMPLE_RATE = 50, 24000
+SAMPLE_RATE = 24000   # token2wav turns each of Qwen2.5-Omni's codes (CODES_PER_SECOND) into 480 samples
 WAV_HEADER_BYTES = 44   # the one-shot's and the streamed header (workers/speech/role.py) alike
 
 

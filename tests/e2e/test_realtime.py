@@ -56,9 +56,11 @@ class _Model:
 
 def test_session_update_validates_each_field(tmp_path):
     from omnirelay.gateway.models import ModelRuntime
+    from omnirelay.gateway.speech_facts import SpeechFacts
     model = ModelRuntime.__new__(ModelRuntime)
     model.name, model.path, model.stages, model.media = "m", str(tmp_path), ("prefill", "decode"), None
     (tmp_path / "spk_dict.json").write_text(json.dumps({"Ethan": {}, "Chelsie": {}}))
+    model.speech = SpeechFacts.read(str(tmp_path))   # read once, as ModelRuntime does when it loads
     models = {"m": model}
     config = SessionConfig(model="m")
     assert config.updated({"audio": {"output": {"voice": "Ethan"}}}, models).voice == "Ethan"

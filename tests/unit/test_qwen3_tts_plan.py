@@ -11,7 +11,7 @@ import pytest
 from omnirelay.pipeline import load_pipeline
 from omnirelay.deploy.served_models import bundled_pipeline
 from omnirelay.model_kind import model_kind
-from omnirelay.gateway.routes.speech import qwen3_tts_speakers
+from omnirelay.gateway.speech_facts import qwen3_tts_speakers
 from omnirelay.workers.speech.qwen3_tts_package import check_supported
 
 CONFIG = {"model_type": "qwen3_tts", "tokenizer_type": "qwen3_tts_tokenizer_12hz", "tts_model_type": "custom_voice",
