@@ -73,6 +73,7 @@ from omnirelay.speech_params import MAX_CODES, MAX_SEED, SpeechParams
 from .. import generation
 from ..app_keys import BUS, CONFIG, MODELS, SPOKEN_ANSWERS
 from ..bus import BusClient, RequestStream, StreamEvent
+from ..cpu_work import off_loop
 from ..detokenizer import IncrementalDetokenizer
 from ..models import ModelRuntime
 from ..request_body import json_body
@@ -335,6 +336,12 @@ def prepare_speech(models: dict, body: dict, *, streamed: bool) -> SpeechJob:
     return SpeechJob(model, fmt, params, ids, len(reply), stages)
 
 
+async def prepare(app: web.Application, body: dict, *, streamed: bool) -> SpeechJob:
+    """:func:`prepare_speech` on the app's CPU pool: templating and tokenizing the input (up to
+    MAX_INPUT_CHARS) never run on the event loop. The one way the speech routes prepare a request."""
+    return await off_loop(app, prepare_speech, app[MODELS], body, streamed=streamed)
+
+
 def speech_items(bus: BusClient, job: SpeechJob, deadline: float) -> AsyncIterator[StreamEvent | AudioChunk]:
     """The audio chunks of ``job`` as they arrive (see :func:`speak`)."""
     return speak(bus, model=job.model.name, stages=job.stages, prompt_token_ids=job.prompt_token_ids,
@@ -354,7 +361,7 @@ async def audio_speech(request: web.Request) -> web.Response:
         raise Unprocessable(f"stream_format {stream_format!r} is not supported; 'audio' streams the file as the "
                             "response body, 'sse' as speech.audio.delta events", param="stream_format")
     streamed = stream_format is not None
-    job = prepare_speech(request.app[MODELS], body, streamed=streamed)
+    job = await prepare(request.app, body, streamed=streamed)
     model, fmt, params, ids, request_id = job.model, job.fmt, job.params, job.prompt_token_ids, job.request_id
     stages = job.stages
     # input_tokens as usage counts them (the whole speech prompt); text_tokens: the input text.

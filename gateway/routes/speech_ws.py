@@ -40,9 +40,9 @@ from aiohttp import web
 
 from omnirelay.errors import BadRequest, OmniError
 
-from ..app_keys import BUS, CONFIG, MODELS
+from ..app_keys import BUS, CONFIG
 from ..error_answers import error_event
-from .speech import prepare_speech, speech_items
+from .speech import prepare, speech_items
 from ..websocket_session import EventSocket, SessionClosed, event_socket, install, join
 
 log = logging.getLogger("omnirelay.gateway")
@@ -116,7 +116,7 @@ class SpeechStreamSession:
             raise BadRequest("'session.response_format' must be 'pcm' or 'wav'", param="session.response_format")
         if "model" in settings and "voice" in settings:   # checked as a request would be, with a probe text
             try:
-                prepare_speech(self.app[MODELS], {**settings, "input": "."}, streamed=True)
+                await prepare(self.app, {**settings, "input": "."}, streamed=True)
             except OmniError as exc:
                 exc.param = f"session.{exc.param}" if exc.param else "session"
                 raise
@@ -167,7 +167,7 @@ class SpeechStreamSession:
                 self.queued_chars -= len(item.text)
 
     async def _speak(self, item: Item) -> None:
-        job = prepare_speech(self.app[MODELS], {**self.settings, "input": item.text}, streamed=True)
+        job = await prepare(self.app, {**self.settings, "input": item.text}, streamed=True)
         items = speech_items(self.app[BUS], job, time.time() + self.app[CONFIG].request_timeout_s)
         try:
             async for chunk in items:
