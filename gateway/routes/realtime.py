@@ -522,7 +522,8 @@ class RealtimeSession:
                                                                               usage=usage)})
 
     async def _speak(self, parsed, body: dict, where: dict) -> tuple[str, dict]:
-        chat = start_spoken_chat(self.app, parsed, body, streamed=True, prefix="resp", speed=self.config.speed)
+        chat = await start_spoken_chat(self.app, parsed, body, streamed=True, prefix="resp",
+                                       speed=self.config.speed)
         detok = IncrementalDetokenizer(chat.gen.model.tokenizer)
         send = self.socket.send
         try:

@@ -404,15 +404,16 @@ class SpokenChat:
     items: AsyncIterator[StreamEvent | AudioChunk]
 
 
-def start_spoken_chat(app: web.Application, parsed, body: dict, *, streamed: bool, prefix: str = "chatcmpl",
-                      deadline: float | None = None, speed: float = 1.0) -> SpokenChat:
+async def start_spoken_chat(app: web.Application, parsed, body: dict, *, streamed: bool, prefix: str = "chatcmpl",
+                            deadline: float | None = None, speed: float = 1.0) -> SpokenChat:
     """Validate a chat request with ``modalities`` holding audio and start it (nothing is sent before
     the first item is awaited). ``streamed`` asks for incremental synthesis; ``speed`` plays the
-    answer faster or slower (resampled, as ``/v1/audio/speech`` does)."""
+    answer faster or slower (resampled, as ``/v1/audio/speech`` does). The prompt is templated,
+    tokenized and its media decoded on the app's CPU pool, never on the event loop."""
     model = _speech_model(app[MODELS], parsed.model)
     if parsed.stop:
         raise Unprocessable("'stop' strings are not supported with audio output", param="stop")
-    gen = generation.prepare(model, parsed, prefix)
+    gen = await off_loop(app, generation.prepare, model, parsed, prefix)
     if gen.reasoning is not None and not gen.reasoning.closed_in_prompt:
         # The talker speaks every token the thinker writes: it would read the reasoning aloud.
         raise Unprocessable("a spoken answer from a thinking model needs its thinking off "
@@ -433,7 +434,7 @@ def start_spoken_chat(app: web.Application, parsed, body: dict, *, streamed: boo
 
 async def chat_with_audio(request: web.Request, parsed, body: dict) -> web.StreamResponse:
     """A chat completion whose answer is spoken too (``modalities: ["text", "audio"]``)."""
-    chat = start_spoken_chat(request.app, parsed, body, streamed=parsed.stream)
+    chat = await start_spoken_chat(request.app, parsed, body, streamed=parsed.stream)
     gen, fmt, params, items, model = chat.gen, chat.fmt, chat.params, chat.items, chat.gen.model
     audio_id = f"audio_{uuid.uuid4().hex}"
     record = open_record(request, model.name, gen.request_id, usage=gen, stages="+".join(gen.stages),
